@@ -1,0 +1,31 @@
+# Two commands on a fresh machine with Python 3.10+:  make demo   and   make test
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+# tensorflow-cpu and the CPU build of torch keep the development install small; users pick
+# the full packages through the extras (crossfeed[tf], crossfeed[torch]).
+DEV_PINS := "tensorflow-cpu==2.21.0" "torch==2.13.0"
+
+.PHONY: install demo test bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(DEV_PINS)
+	$(PIP) install -q -e ".[torch,beam,http,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m crossfeed.demo demo_out
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) demo_out benchmarks/_data

@@ -1,0 +1,1 @@
+"""The ``crossfeed`` command line: one typer app, one module per command group."""

@@ -1,0 +1,159 @@
+"""Opening a dataset: ``open_dataset(path)`` → `Dataset`; ``ds["train"]`` → `Split`, a sized,
+randomly accessible sequence of samples (``dict`` of numpy arrays)."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+
+import numpy as np
+
+from crossfeed import example as ex
+from crossfeed import index as idx
+from crossfeed.errors import CrossfeedError, DatasetNotFoundError, ExampleError, IndexFileError
+from crossfeed.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads
+from crossfeed.schema import Schema, SchemaError, decode_value
+from crossfeed.storage import ShardFile, Storage
+
+
+def open_dataset(path) -> Dataset:
+    """Open the dataset at ``path`` (a directory or fsspec URL holding ``crossfeed.json``)."""
+    if isinstance(path, Dataset):
+        return path
+    storage = Storage(path)
+    try:
+        text = storage.read(MANIFEST).decode()
+    except DatasetNotFoundError:
+        raise DatasetNotFoundError(
+            f"{storage.root}: not a crossfeed dataset (no {MANIFEST}); write one with crossfeed.write_dataset, "
+            f"`crossfeed convert`, or adopt existing TFRecord shards with `crossfeed index`") from None
+    return Dataset(storage, loads(text, storage.url(MANIFEST)))
+
+
+class Dataset:
+    def __init__(self, storage: Storage, manifest: Manifest):
+        self.storage = storage
+        self.manifest = manifest
+        self._splits: dict[str, Split] = {}
+
+    @property
+    def path(self) -> str:
+        return self.storage.root
+
+    @property
+    def schema(self) -> Schema:
+        return self.manifest.schema
+
+    @property
+    def splits(self) -> dict[str, SplitInfo]:
+        return self.manifest.splits
+
+    @property
+    def metadata(self) -> dict:
+        return self.manifest.metadata
+
+    def __getitem__(self, split: str) -> Split:
+        if split not in self.manifest.splits:
+            raise KeyError(f"{self.path}: no split {split!r}; it has {sorted(self.manifest.splits)}")
+        if split not in self._splits:
+            self._splits[split] = Split(self, self.manifest.splits[split])
+        return self._splits[split]
+
+    def __contains__(self, split: str) -> bool:
+        return split in self.manifest.splits
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{k}={v.num_records}" for k, v in self.splits.items())
+        return f"Dataset({self.path!r}, {counts}, features={self.schema.names})"
+
+    def close(self) -> None:
+        for s in self._splits.values():
+            s.close()
+
+    def __enter__(self) -> Dataset:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Split:
+    """The records of one split. ``split[i]`` decodes sample ``i`` (global index, shard order)."""
+
+    def __init__(self, dataset: Dataset, info: SplitInfo):
+        self.dataset = dataset
+        self.info = info
+        self.name = info.name
+        self.schema = dataset.schema
+        self.shards: tuple[ShardInfo, ...] = info.shards
+        self.counts = np.array([s.num_records for s in info.shards], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+        self._files = [dataset.storage.shard(s.file) for s in info.shards]
+        self._index: list[np.ndarray | None] = [None] * len(info.shards)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def file(self, shard: int) -> ShardFile:
+        return self._files[shard]
+
+    def index(self, shard: int) -> np.ndarray:
+        """``(n, 2)`` int64 ``(offset, length)`` of each record of a shard, checked against the manifest."""
+        arr = self._index[shard]
+        if arr is None:
+            info = self.shards[shard]
+            where = self.dataset.storage.url(idx.index_path(info.file))
+            try:
+                data = self.dataset.storage.read(idx.index_path(info.file))
+            except DatasetNotFoundError as e:
+                raise IndexFileError(f"{where}: index file is missing; rebuild it with `crossfeed index`") from e
+            arr = idx.parse_index(data, where)
+            if len(arr) != info.num_records:
+                raise IndexFileError(
+                    f"{where}: {len(arr)} entries, the manifest says {info.num_records} records; the dataset is "
+                    f"inconsistent, rebuild it with `crossfeed index`")
+            self._index[shard] = arr
+        return arr
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """``(shard, record_within_shard)`` of global index ``i``."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} out of range for split {self.name!r} of {n} samples")
+        i %= n
+        s = bisect.bisect_right(self.starts, i) - 1
+        return s, i - int(self.starts[s])
+
+    def payload(self, shard: int, k: int) -> memoryview:
+        off, length = self.index(shard)[k]
+        return self._files[shard].record(int(off), int(length))
+
+    def parse(self, shard: int, k: int) -> dict:
+        """``example.decode`` of a record; a malformed Example names shard and offset."""
+        data = self.payload(shard, k)
+        try:
+            return ex.decode(data)
+        except ExampleError as e:
+            off = int(self.index(shard)[k][0])
+            raise CrossfeedError(f"{self._files[shard].path}: record at byte offset {off} is not a tf.train.Example: {e}") from e
+
+    def decode(self, shard: int, k: int, *, features=None, decode_images: bool = True) -> dict:
+        parsed = self.parse(shard, k)
+        feats = self.schema if features is None else [self.schema[n] for n in features]
+        try:
+            return {f.name: decode_value(f, parsed, decode_images=decode_images) for f in feats}
+        except (SchemaError, ExampleError) as e:
+            off = int(self.index(shard)[k][0])
+            raise type(e)(f"{self._files[shard].path}: record at byte offset {off}: {e}") from e
+
+    def __getitem__(self, i: int) -> dict:
+        return self.decode(*self.locate(int(i)))
+
+    def __iter__(self) -> Iterator[dict]:
+        for s, n in enumerate(self.counts):
+            for k in range(int(n)):
+                yield self.decode(s, k)
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()

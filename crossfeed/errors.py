@@ -1,0 +1,46 @@
+"""The one exception hierarchy of crossfeed: everything raised on purpose derives from
+`CrossfeedError`, so a caller can catch the whole family with one clause."""
+
+from __future__ import annotations
+
+
+class CrossfeedError(Exception):
+    """Base of every error crossfeed raises on purpose."""
+
+
+class ConfigError(CrossfeedError, ValueError):
+    """An option or argument is invalid; the message names the option and the fix."""
+
+
+class DatasetNotFoundError(CrossfeedError, FileNotFoundError):
+    """A path holds no crossfeed dataset (no manifest), or a file of it is missing."""
+
+
+class ManifestError(CrossfeedError):
+    """The manifest cannot be parsed or disagrees with the files beside it."""
+
+
+class SchemaError(CrossfeedError, ValueError):
+    """A sample or record does not match the dataset's schema."""
+
+
+class CorruptRecordError(CrossfeedError):
+    """A TFRecord frame failed its checks; names the file and the byte offset."""
+
+    def __init__(self, path: str, offset: int, reason: str):
+        self.path = str(path)
+        self.offset = int(offset)
+        self.reason = reason
+        super().__init__(f"{self.path}: corrupt record at byte offset {self.offset}: {reason}")
+
+
+class IndexFileError(CrossfeedError):
+    """An index file is malformed or points outside its shard."""
+
+
+class WireError(CrossfeedError):
+    """A network message is malformed, truncated, oversized or of an unknown version."""
+
+
+class ExampleError(CrossfeedError):
+    """Bytes that are not a well-formed ``tf.train.Example``."""

@@ -1,0 +1,207 @@
+"""``tf.train.Example`` encode/decode without TensorFlow or protobuf.
+
+No protobuf descriptors are registered, so this works in the same process as TensorFlow (the
+``tfrecord`` package cannot: "duplicate symbol tensorflow.BytesList"). The wire layout::
+
+    Example  { Features features = 1; }
+    Features { map<string, Feature> feature = 1; }   # entries: key = 1, value = 2
+    Feature  { oneof { BytesList bytes_list = 1; FloatList float_list = 2; Int64List int64_list = 3; } }
+    *List    { repeated value = 1; }                 # floats and ints packed (unpacked also read)
+
+`decode` yields ``{name: (kind, values_region)}`` without copying; `kind_values` turns a region
+into Python/numpy values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from crossfeed.errors import ExampleError
+
+BYTES, FLOAT, INT64 = 1, 2, 3
+KIND_NAMES = {BYTES: "bytes_list", FLOAT: "float_list", INT64: "int64_list"}
+
+
+# ---- encode -----------------------------------------------------------------------------------
+
+def _varint(n: int) -> bytes:
+    if n < 0:
+        n += 1 << 64
+    if n < 0x80:
+        return bytes((n,))
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(tag: int, payload: bytes) -> bytes:
+    return bytes((tag,)) + _varint(len(payload)) + payload
+
+
+def encode_bytes_list(values) -> bytes:
+    return b"".join(_field(0x0A, bytes(v)) for v in values)
+
+
+def encode_float_list(values) -> bytes:
+    arr = np.asarray(values, dtype="<f4").ravel()
+    return _field(0x0A, arr.tobytes()) if arr.size else b""
+
+
+def encode_int64_list(values) -> bytes:
+    arr = np.asarray(values).ravel()
+    if not arr.size:
+        return b""
+    return _field(0x0A, b"".join(_varint(int(v)) for v in arr.tolist()))
+
+
+def encode(features: dict[str, tuple[int, bytes]]) -> bytes:
+    """Serialise ``{name: (kind, encoded_list_message)}`` as a ``tf.train.Example``.
+    Keys are written sorted, so equal samples give equal bytes."""
+    entries = []
+    for name in sorted(features):
+        kind, body = features[name]
+        # kind 0: an empty Feature (no list set), which TensorFlow reads as an empty list of any type
+        feature = _field((kind << 3) | 2, body) if kind else b""
+        entries.append(_field(0x0A, _field(0x0A, name.encode()) + _field(0x12, feature)))
+    return _field(0x0A, b"".join(entries))
+
+
+# ---- decode -----------------------------------------------------------------------------------
+
+def _read_varint(buf, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end:
+            raise ExampleError("truncated varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ExampleError("varint longer than 10 bytes")
+
+
+def _skip(buf, wire: int, pos: int, end: int) -> int:
+    if wire == 0:
+        return _read_varint(buf, pos, end)[1]
+    if wire == 1:
+        pos += 8
+    elif wire == 2:
+        n, pos = _read_varint(buf, pos, end)
+        pos += n
+    elif wire == 5:
+        pos += 4
+    else:
+        raise ExampleError(f"unsupported protobuf wire type {wire}")
+    if pos > end:
+        raise ExampleError("field runs past the end of its message")
+    return pos
+
+
+def _fields(buf, pos: int, end: int):
+    """Yields ``(field_number, wire_type, start, stop)``; for wire type 0 ``start`` is the value."""
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        number, wire = key >> 3, key & 7
+        if wire == 2:
+            n, pos = _read_varint(buf, pos, end)
+            if pos + n > end:
+                raise ExampleError(f"field {number} runs past the end of its message")
+            yield number, wire, pos, pos + n
+            pos += n
+        elif wire == 0:
+            value, pos = _read_varint(buf, pos, end)
+            yield number, wire, value, pos
+        else:
+            start = pos
+            pos = _skip(buf, wire, pos, end)
+            yield number, wire, start, pos
+
+
+def decode(payload) -> dict[str, tuple[int, memoryview]]:
+    """Parse a serialised Example into ``{name: (kind, list_message_region)}`` (zero-copy views)."""
+    buf = memoryview(payload)
+    out: dict[str, tuple[int, memoryview]] = {}
+    for num, wire, s, e in _fields(buf, 0, len(buf)):
+        if num != 1 or wire != 2:
+            continue
+        for num2, wire2, s2, e2 in _fields(buf, s, e):
+            if num2 != 1 or wire2 != 2:
+                continue
+            name, kind, region = None, None, None
+            for num3, wire3, s3, e3 in _fields(buf, s2, e2):
+                if num3 == 1 and wire3 == 2:
+                    name = bytes(buf[s3:e3]).decode("utf-8", errors="replace")
+                elif num3 == 2 and wire3 == 2:
+                    kind, region = 0, buf[s3:e3]
+                    for num4, wire4, s4, e4 in _fields(buf, s3, e3):
+                        if wire4 == 2 and num4 in KIND_NAMES:
+                            kind, region = num4, buf[s4:e4]
+            if name is None:
+                raise ExampleError("a feature map entry has no key")
+            out[name] = (kind, region if region is not None else buf[0:0])
+    return out
+
+
+def bytes_values(region) -> list[memoryview]:
+    return [region[s:e] for num, wire, s, e in _fields(region, 0, len(region)) if num == 1 and wire == 2]
+
+
+def float_values(region) -> np.ndarray:
+    parts = []
+    for num, wire, s, e in _fields(region, 0, len(region)):
+        if num != 1:
+            continue
+        if wire == 2:
+            if (e - s) % 4:
+                raise ExampleError("packed float list length is not a multiple of 4")
+            parts.append(np.frombuffer(region, dtype="<f4", count=(e - s) // 4, offset=s))
+        elif wire == 5:
+            parts.append(np.frombuffer(region, dtype="<f4", count=1, offset=s))
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def int64_values(region) -> np.ndarray:
+    values = []
+    for num, wire, s, e in _fields(region, 0, len(region)):
+        if num != 1:
+            continue
+        if wire == 2:
+            pos = s
+            while pos < e:
+                v, pos = _read_varint(region, pos, e)
+                values.append(_signed(v))
+        elif wire == 0:
+            values.append(_signed(s))
+    return np.array(values, dtype=np.int64)
+
+
+_KIND_DECODERS = {BYTES: bytes_values, FLOAT: float_values, INT64: int64_values}
+
+
+def kind_values(kind: int, region):
+    """Values of one feature's list message; an empty feature (``kind == 0``) gives ``[]``."""
+    if kind == 0:
+        return []
+    return _KIND_DECODERS[kind](region)
+
+
+def to_python(payload) -> dict[str, list]:
+    """A plain ``{name: list}`` view of an Example (for tests and ``crossfeed head``)."""
+    out = {}
+    for name, (kind, region) in decode(payload).items():
+        vals = kind_values(kind, region)
+        out[name] = [bytes(v) for v in vals] if kind == BYTES else list(np.asarray(vals).tolist())
+    return out
+

@@ -1,0 +1,117 @@
+"""Control messages of the data plane: one fixed 24-byte envelope frame, then a payload.
+
+    envelope: magic "CXFN" | u8 version | u8 kind | u16 reserved | i64 a | i64 b
+
+client → server: CREDIT(a=batches allowed in flight), ACK(a=seq), HEARTBEAT, BYE
+server → client: BATCH(a=seq, b=epoch; payload = `crossfeed.wire` frames),
+                 END_OF_EPOCH(a=epoch, b=batches in it), END_OF_STREAM(a=epochs served), HEARTBEAT
+
+`recv_bounded` reads a multipart message frame by frame and drops it (draining the rest)
+once it passes the frame or byte limit, so a hostile peer cannot make us hold more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import struct
+import time
+from typing import Any
+
+import zmq
+
+from crossfeed.errors import WireError
+
+MAGIC = b"CXFN"
+VERSION = 1
+_ENVELOPE = struct.Struct("<4sBBHqq")
+ENVELOPE_SIZE = _ENVELOPE.size
+
+
+class Kind(enum.IntEnum):
+    CREDIT = 1
+    ACK = 2
+    HEARTBEAT = 3
+    BYE = 4
+    BATCH = 16
+    END_OF_EPOCH = 17
+    END_OF_STREAM = 18
+
+
+CLIENT_KINDS = frozenset({Kind.CREDIT, Kind.ACK, Kind.HEARTBEAT, Kind.BYE})
+SERVER_KINDS = frozenset({Kind.BATCH, Kind.END_OF_EPOCH, Kind.END_OF_STREAM, Kind.HEARTBEAT})
+
+
+@dataclasses.dataclass(frozen=True)
+class Envelope:
+    kind: Kind
+    a: int = 0
+    b: int = 0
+
+
+def pack(kind: Kind, a: int = 0, b: int = 0) -> bytes:
+    return _ENVELOPE.pack(MAGIC, VERSION, int(kind), 0, a, b)
+
+
+def unpack(frame: Any, allowed: frozenset[Kind]) -> Envelope:
+    """The envelope in `frame`; WireError unless it is well formed and of an allowed kind."""
+    data = bytes(getattr(frame, "buffer", frame))
+    if len(data) != ENVELOPE_SIZE:
+        raise WireError(f"envelope has {len(data)} bytes, expected {ENVELOPE_SIZE}")
+    magic, version, kind, _reserved, a, b = _ENVELOPE.unpack(data)
+    if magic != MAGIC:
+        raise WireError(f"bad envelope magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise WireError(f"protocol version {version} not supported (this side speaks {VERSION})")
+    try:
+        k = Kind(kind)
+    except ValueError as e:
+        raise WireError(f"unknown message kind {kind}") from e
+    if k not in allowed:
+        raise WireError(f"message kind {k.name} not expected here")
+    return Envelope(k, a, b)
+
+
+def recv_bounded(sock: zmq.Socket, max_frames: int, max_bytes: int) -> list[zmq.Frame]:
+    """One whole multipart message (non-blocking: call after poll said readable).
+
+    Raises WireError after draining the message if it has more than `max_frames` frames or
+    `max_bytes` bytes; the socket is then ready for the next message.
+    """
+    frames: list[zmq.Frame] = []
+    size = 0
+    error = None
+    while True:
+        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        if error is None:
+            size += len(frame)
+            if len(frames) >= max_frames or size > max_bytes:
+                error = f"message over the limit ({max_frames} frames / {max_bytes} bytes), dropped"
+                frames.clear()
+            else:
+                frames.append(frame)
+        if not frame.more:
+            break
+    if error is not None:
+        raise WireError(error)
+    return frames
+
+
+class RateLimitedLog:
+    """Logs at most one message per `interval` seconds per key; counts the ones it holds back."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 5.0):
+        self._logger, self._interval = logger, interval
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, key: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e18) < self._interval:
+            self._held[key] = self._held.get(key, 0) + 1
+            return
+        held = self._held.pop(key, 0)
+        self._last[key] = now
+        suffix = f" ({held} similar messages suppressed)" if held else ""
+        self._logger.warning(msg + suffix, *args)

@@ -1,0 +1,267 @@
+"""The schema: each feature's name, dtype, shape and encoding, and the mapping between a
+sample (``dict`` of numpy arrays, scalars, bytes, str) and a ``tf.train.Example``.
+
+Encodings (how a feature is stored in the Example, and so how plain tf.data reads it):
+
+=========  ======================  ===========================================================
+encoding   Example field           read back as
+=========  ======================  ===========================================================
+tensor     bytes_list, 1 value     numpy array of ``dtype``/``shape`` (zero-copy view); a shape
+           (raw little-endian)     with ``None`` dims stores ``<name>/shape`` as an int64 list
+image      bytes_list, 1 value     the encoded JPEG/PNG bytes, decoded to uint8 HWC by readers
+int64      int64_list              int64 array of ``shape`` (``()`` is a scalar)
+float      float_list              float32 array of ``shape``
+bytes      bytes_list              ``bytes``/``str`` (dtype "bytes"/"string"), or a list of them
+=========  ======================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from crossfeed import example as ex
+from crossfeed.errors import SchemaError
+
+SHAPE_SUFFIX = "/shape"
+
+
+class Encoding(str, enum.Enum):
+    TENSOR = "tensor"
+    IMAGE = "image"
+    INT64 = "int64"
+    FLOAT = "float"
+    BYTES = "bytes"
+
+
+_KIND = {Encoding.TENSOR: ex.BYTES, Encoding.IMAGE: ex.BYTES, Encoding.INT64: ex.INT64,
+         Encoding.FLOAT: ex.FLOAT, Encoding.BYTES: ex.BYTES}
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One feature of a dataset. ``shape`` may hold ``None`` for a dimension that varies."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | None, ...]
+    encoding: Encoding
+
+    def __post_init__(self):
+        object.__setattr__(self, "encoding", Encoding(self.encoding))
+        object.__setattr__(self, "shape", tuple(None if d is None else int(d) for d in self.shape))
+        if not self.name or self.name.endswith(SHAPE_SUFFIX):
+            raise SchemaError(f"feature name {self.name!r} is empty or ends with {SHAPE_SUFFIX!r}; rename it")
+        if self.encoding in (Encoding.TENSOR, Encoding.IMAGE):
+            np.dtype(self.dtype)  # raises TypeError on nonsense
+        if self.encoding is Encoding.INT64 and self.dtype != "int64":
+            raise SchemaError(f"feature {self.name!r}: int64 encoding stores dtype int64, not {self.dtype}")
+        if self.encoding is Encoding.FLOAT and self.dtype != "float32":
+            raise SchemaError(f"feature {self.name!r}: float encoding stores dtype float32, not {self.dtype}")
+        if self.encoding is Encoding.BYTES and self.dtype not in ("bytes", "string"):
+            raise SchemaError(f"feature {self.name!r}: bytes encoding takes dtype 'bytes' or 'string'")
+
+    @property
+    def fixed(self) -> bool:
+        """True when every record has the same shape (no ``None`` dimension)."""
+        return None not in self.shape
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "encoding": self.encoding.value}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> Feature:
+        try:
+            return cls(d["name"], d["dtype"], tuple(d["shape"]), Encoding(d["encoding"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise SchemaError(f"bad feature entry {dict(d)!r}: {e}") from e
+
+
+class Schema(tuple):
+    """An ordered tuple of `Feature` with lookup by name."""
+
+    def __new__(cls, features=()):
+        feats = tuple(features)
+        names = [f.name for f in feats]
+        if len(set(names)) != len(names):
+            raise SchemaError(f"duplicate feature names in {names}")
+        return super().__new__(cls, feats)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            for f in self:
+                if f.name == key:
+                    return f
+            raise KeyError(f"no feature {key!r}; the schema has {self.names}")
+        return super().__getitem__(key)
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self]
+
+    def to_json(self) -> list[dict]:
+        return [f.to_json() for f in self]
+
+    @classmethod
+    def from_json(cls, items) -> Schema:
+        return cls(Feature.from_json(d) for d in items)
+
+
+# ---- inference ---------------------------------------------------------------------------------
+
+def infer_feature(name: str, value) -> Feature:
+    """The feature a sample value implies (see the module table)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return Feature(name, "bytes", (), Encoding.BYTES)
+    if isinstance(value, str):
+        return Feature(name, "string", (), Encoding.BYTES)
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(v, (bytes, str)) for v in value) and value:
+            return Feature(name, "string" if isinstance(value[0], str) else "bytes", (len(value),), Encoding.BYTES)
+        value = np.asarray(value)
+        if value.ndim != 1:
+            raise SchemaError(f"feature {name!r}: nested lists are not supported; pass a numpy array")
+        return _scalar_feature(name, value.dtype, (len(value),))
+    arr = np.asarray(value)
+    if arr.ndim == 0:
+        return _scalar_feature(name, arr.dtype, ())
+    if arr.dtype.kind not in "biufc":
+        raise SchemaError(f"feature {name!r}: arrays of dtype {arr.dtype} cannot be stored; use numeric arrays, bytes or str")
+    return Feature(name, arr.dtype.newbyteorder("=").name, arr.shape, Encoding.TENSOR)
+
+
+def _scalar_feature(name: str, dtype: np.dtype, shape) -> Feature:
+    if dtype.kind in "biu":
+        return Feature(name, "int64", shape, Encoding.INT64)
+    if dtype.kind == "f":
+        return Feature(name, "float32", shape, Encoding.FLOAT)
+    if dtype.kind in "SU":
+        return Feature(name, "string" if dtype.kind == "U" else "bytes", shape, Encoding.BYTES)
+    raise SchemaError(f"feature {name!r}: values of dtype {dtype} cannot be stored")
+
+
+def widen(old: Feature, new: Feature) -> Feature:
+    """The feature that covers both; list lengths may vary, tensor shapes may not."""
+    if old == new:
+        return old
+    for a, b in ((old, new), (new, old)):  # an empty list fits any list kind
+        if a.shape == (0,) and len(b.shape) == 1 and a.encoding is not Encoding.TENSOR and b.encoding is not Encoding.TENSOR:
+            return Feature(b.name, b.dtype, (None,), b.encoding)
+    if old.encoding != new.encoding or old.dtype != new.dtype or len(old.shape) != len(new.shape):
+        raise SchemaError(
+            f"feature {old.name!r} changed from {old.dtype}{list(old.shape)} ({old.encoding.value}) to "
+            f"{new.dtype}{list(new.shape)} ({new.encoding.value}); make every sample agree or pass schema=")
+    if old.encoding is Encoding.TENSOR and not _fits(new.shape, old.shape):
+        raise SchemaError(
+            f"tensor feature {old.name!r} changed shape from {old.shape} to {new.shape}; to store "
+            f"variable shapes pass schema= with None for the varying dimensions")
+    shape = tuple(a if a == b else None for a, b in zip(old.shape, new.shape))
+    return Feature(old.name, old.dtype, shape, old.encoding)
+
+
+def _fits(shape, pattern) -> bool:
+    return len(shape) == len(pattern) and all(p is None or p == s for s, p in zip(shape, pattern))
+
+
+# ---- sample ↔ Example ----------------------------------------------------------------------------
+
+def encode_sample(schema: Schema, sample: Mapping) -> bytes:
+    """Serialise one sample as a ``tf.train.Example`` per ``schema``."""
+    missing = [f.name for f in schema if f.name not in sample]
+    extra = [k for k in sample if k not in schema.names]
+    if missing or extra:
+        raise SchemaError(f"sample keys differ from the schema: missing {missing}, unexpected {extra}")
+    out: dict[str, tuple[int, bytes]] = {}
+    for f in schema:
+        v = sample[f.name]
+        if f.encoding not in (Encoding.TENSOR, Encoding.IMAGE) and isinstance(v, (list, tuple)) and not v and f.shape in ((None,), (0,)):
+            out[f.name] = (0, b"")  # empty list: no kind, so it matches whatever type later samples have
+            continue
+        if f.encoding is Encoding.TENSOR:
+            arr = np.asarray(v)
+            if arr.dtype != np.dtype(f.dtype) or not _fits(arr.shape, f.shape):
+                raise SchemaError(f"feature {f.name!r}: got {arr.dtype}{list(arr.shape)}, the schema says {f.dtype}{list(f.shape)}")
+            out[f.name] = (ex.BYTES, ex.encode_bytes_list([np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).tobytes()]))
+            if not f.fixed:
+                out[f.name + SHAPE_SUFFIX] = (ex.INT64, ex.encode_int64_list(arr.shape))
+        elif f.encoding is Encoding.IMAGE:
+            out[f.name] = (ex.BYTES, ex.encode_bytes_list([bytes(v)]))
+        elif f.encoding is Encoding.BYTES:
+            vals = [v] if not f.shape else list(v)
+            out[f.name] = (ex.BYTES, ex.encode_bytes_list([x.encode() if isinstance(x, str) else bytes(x) for x in vals]))
+        else:
+            arr = np.asarray(v)
+            if not _fits(arr.shape, f.shape):
+                raise SchemaError(f"feature {f.name!r}: got shape {list(arr.shape)}, the schema says {list(f.shape)}")
+            if f.encoding is Encoding.INT64:
+                out[f.name] = (ex.INT64, ex.encode_int64_list(arr))
+            else:
+                out[f.name] = (ex.FLOAT, ex.encode_float_list(arr))
+    return ex.encode(out)
+
+
+def decode_value(f: Feature, parsed: dict, *, decode_images: bool = True):
+    """One feature's value from ``example.decode`` output."""
+    if f.name not in parsed:
+        raise SchemaError(f"record has no feature {f.name!r}; it has {sorted(parsed)}")
+    kind, region = parsed[f.name]
+    if kind and not len(region) and f.encoding is not Encoding.TENSOR:
+        kind = 0  # an empty list matches any kind
+    if kind not in (0, _KIND[f.encoding]):
+        raise SchemaError(f"feature {f.name!r} is a {ex.KIND_NAMES[kind]} in the record, the schema expects {f.encoding.value}")
+    vals = ex.kind_values(kind, region)
+    if f.encoding is Encoding.TENSOR:
+        if len(vals) != 1:
+            raise SchemaError(f"tensor feature {f.name!r} must hold exactly one bytes value, got {len(vals)}")
+        shape = f.shape if f.fixed else tuple(ex.int64_values(parsed[f.name + SHAPE_SUFFIX][1]).tolist())
+        dt = np.dtype(f.dtype).newbyteorder("<")
+        try:
+            return np.frombuffer(vals[0], dtype=dt).reshape(shape)
+        except ValueError as e:
+            raise SchemaError(f"tensor feature {f.name!r}: {len(vals[0])} bytes do not fit {f.dtype}{list(shape)}") from e
+    if f.encoding is Encoding.IMAGE:
+        data = bytes(vals[0]) if len(vals) == 1 else b""
+        return decode_image(data, f) if decode_images else data
+    if f.encoding is Encoding.BYTES:
+        items = [bytes(v) for v in vals]
+        if f.dtype == "string":
+            items = [b.decode("utf-8") for b in items]
+        if f.shape == ():
+            if len(items) != 1:
+                raise SchemaError(f"feature {f.name!r} must hold one value, got {len(items)}")
+            return items[0]
+        return items
+    arr = np.asarray(vals, dtype=np.int64 if f.encoding is Encoding.INT64 else np.float32)
+    if f.fixed:
+        if arr.size != int(np.prod(f.shape, dtype=np.int64)):
+            raise SchemaError(f"feature {f.name!r} holds {arr.size} values, the schema says shape {list(f.shape)}")
+        return arr.reshape(f.shape)
+    return arr
+
+
+def decode_image(data: bytes, f: Feature | None = None) -> np.ndarray:
+    """Encoded JPEG/PNG → uint8 array (H, W, C); grayscale keeps C = 1."""
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            arr = np.asarray(im)
+    except Exception as e:  # Pillow raises many types for bad data
+        name = f.name if f is not None else "image"
+        raise SchemaError(f"feature {name!r}: cannot decode image ({e})") from e
+    return arr[:, :, None] if arr.ndim == 2 else arr
+
+
+def infer_schema(samples) -> Schema:
+    """The schema covering an iterable of samples (list lengths widen to ``None``)."""
+    feats: dict[str, Feature] = {}
+    for s in samples:
+        for k, v in s.items():
+            f = infer_feature(k, v)
+            feats[k] = widen(feats[k], f) if k in feats else f
+    return Schema(feats.values())

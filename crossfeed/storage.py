@@ -1,0 +1,120 @@
+"""Where a dataset's bytes live: a local directory (mmap) or any fsspec URL (range reads, or
+whole shards when reading sequentially). Readers see one interface: `ShardFile`."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+
+from crossfeed import tfrecord
+from crossfeed.errors import CorruptRecordError, DatasetNotFoundError
+
+
+def is_remote(path) -> bool:
+    s = os.fspath(path) if not isinstance(path, str) else path
+    return "://" in s and not s.startswith("file://")
+
+
+class Storage:
+    """A dataset root. ``root`` is a local path, ``file://`` path or an fsspec URL."""
+
+    def __init__(self, root):
+        root = os.fspath(root)
+        if root.startswith("file://"):
+            root = root[len("file://"):]
+        self.root = root.rstrip("/") if is_remote(root) else os.path.abspath(root)
+        self.remote = is_remote(root)
+        self._fs = None
+        if self.remote:
+            import fsspec
+
+            self._fs, _ = fsspec.core.url_to_fs(self.root)
+
+    def url(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if self.remote else os.path.join(self.root, rel)
+
+    def read(self, rel: str) -> bytes:
+        where = self.url(rel)
+        try:
+            if self.remote:
+                return self._fs.cat_file(where)
+            with open(where, "rb") as f:
+                return f.read()
+        except FileNotFoundError as e:
+            raise DatasetNotFoundError(f"{where}: no such file") from e
+
+    def read_range(self, rel: str, start: int, stop: int) -> bytes:
+        return self._fs.cat_file(self.url(rel), start=start, end=stop)
+
+    def size(self, rel: str) -> int:
+        where = self.url(rel)
+        try:
+            return int(self._fs.size(where)) if self.remote else os.path.getsize(where)
+        except FileNotFoundError as e:
+            raise DatasetNotFoundError(f"{where}: shard file is missing; restore it or rebuild with `crossfeed index`") from e
+
+    def shard(self, rel: str) -> ShardFile:
+        return ShardFile(self, rel)
+
+
+class ShardFile:
+    """One shard's uncompressed record stream, opened lazily.
+
+    Local plain shards are memory-mapped, so a record is a zero-copy view. Remote plain shards
+    are read by ranges, or whole with `load()`. GZIP shards are inflated whole on first use.
+    """
+
+    def __init__(self, storage: Storage, rel: str):
+        self.storage = storage
+        self.rel = rel
+        self.path = storage.url(rel)
+        self._buf = None
+        self._lock = threading.Lock()
+
+    def load(self):
+        """The whole uncompressed stream (mmap or bytes), opened once."""
+        if self._buf is None:
+            with self._lock:
+                if self._buf is None:
+                    self._buf = self._open()
+        return self._buf
+
+    def _open(self):
+        st = self.storage
+        if st.remote:
+            data = st.read(self.rel)
+            if tfrecord.is_gzip(self.rel):
+                import gzip
+
+                try:
+                    data = gzip.decompress(data)
+                except (OSError, EOFError) as e:
+                    raise CorruptRecordError(self.path, 0, f"not a readable GZIP stream ({e})") from e
+            return data
+        if not os.path.exists(self.path):
+            raise DatasetNotFoundError(f"{self.path}: shard file is missing; restore it or rebuild with `crossfeed index`")
+        if tfrecord.is_gzip(self.rel):
+            return tfrecord.read_bytes(self.path)
+        if os.path.getsize(self.path) == 0:
+            return b""
+        with open(self.path, "rb") as f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def record(self, offset: int, length: int) -> memoryview:
+        """The checked payload of the record framed at ``offset`` (``length`` from the index)."""
+        if self._buf is None and self.storage.remote and not tfrecord.is_gzip(self.rel):
+            data = self.storage.read_range(self.rel, offset, offset + length)
+            try:
+                return tfrecord.unframe(data, 0, length, self.path)
+            except CorruptRecordError as e:
+                raise CorruptRecordError(self.path, offset, e.reason) from None
+        return tfrecord.unframe(self.load(), offset, length, self.path)
+
+    def close(self) -> None:
+        buf, self._buf = self._buf, None
+        if isinstance(buf, mmap.mmap):
+            try:
+                buf.close()
+            except BufferError:
+                pass  # arrays still view it; the mapping goes when they do

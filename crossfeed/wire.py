@@ -1,0 +1,323 @@
+"""The wire format of one batch: a header frame plus one ZeroMQ frame per buffer.
+
+`encode(batch, meta)` turns a `dict[str, np.ndarray | list[bytes] | list[str]]` and its
+`BatchMeta` into a list of buffers (frames); `decode(frames)` is its inverse and returns
+`(meta, batch)` whose arrays view the received frames (zero copy, read-only).
+
+Layout (all integers little-endian):
+
+    frame 0, the header:
+        magic "CXFB" | u16 version | u16 flags (0) | i64 epoch | i64 seq | i64 num_ids
+        | u16 len(server_id) | u16 num_fields | server_id (utf-8)
+        then per field: u16 len(name) | name (utf-8) | u8 kind | u8 dtype code | u8 ndim
+        | u64 dims[ndim]
+    frame 1: the sample ids, int64[num_ids]
+    then per field, in header order:
+        kind ARRAY:            one frame, the C-ordered array data
+        kind BYTES/STR (LIST, OBJECT):  two frames, u64 lengths[prod(dims)] and the
+                               concatenated items
+
+Every declared size is checked against `WireLimits` and against the frames before any array
+is made; every malformed input raises `WireError`. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from crossfeed.errors import ConfigError, WireError
+
+MAGIC = b"CXFB"
+VERSION = 1
+
+_PREFIX = struct.Struct("<4sHHqqqHH")
+_NAME_LEN = struct.Struct("<H")
+_FIELD = struct.Struct("<BBB")
+_U64 = np.dtype("<u8")
+_IDS = np.dtype("<i8")
+
+# field kinds
+ARRAY, BYTES_LIST, STR_LIST, BYTES_OBJECT, STR_OBJECT = 0, 1, 2, 3, 4
+_TEXT_KINDS = (BYTES_LIST, STR_LIST, BYTES_OBJECT, STR_OBJECT)
+
+# dtype codes: fixed forever, never reuse a number
+_DTYPE_CODES: dict[str, int] = {
+    "bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5,
+    "uint8": 6, "uint16": 7, "uint32": 8, "uint64": 9,
+    "float16": 10, "float32": 11, "float64": 12,
+    "complex64": 13, "complex128": 14, "bfloat16": 15,
+}
+_CODE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class WireLimits:
+    """Bounds a decoder enforces before it allocates anything."""
+
+    max_message_bytes: int = 1 << 31
+    max_fields: int = 256
+    max_ndim: int = 16
+    max_name_bytes: int = 256
+    max_items: int = 1 << 24
+    max_header_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"WireLimits.{f.name} must be a positive int, got {value!r}")
+
+    @property
+    def max_frames(self) -> int:
+        """The most frames a well-formed batch message can have."""
+        return 2 + 2 * self.max_fields
+
+
+DEFAULT_LIMITS = WireLimits()
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchMeta:
+    """Provenance of a batch: which server made it, in which epoch, in which order."""
+
+    epoch: int = 0
+    seq: int = 0
+    server_id: str = ""
+    sample_ids: np.ndarray | None = None  # int64 global sample indices
+
+    @property
+    def num_samples(self) -> int:
+        return 0 if self.sample_ids is None else int(len(self.sample_ids))
+
+
+def _dtype_by_name(name: str) -> np.dtype:
+    if name == "bfloat16":
+        try:
+            import ml_dtypes  # optional: only when a bfloat16 field is seen
+        except ImportError as e:
+            raise WireError("bfloat16 field received but ml_dtypes is not installed") from e
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name).newbyteorder("<")
+
+
+def _dtype_code(dtype: np.dtype) -> int:
+    name = "bfloat16" if dtype.name == "bfloat16" else dtype.name
+    code = _DTYPE_CODES.get(name)
+    if code is None:
+        raise WireError(f"dtype {dtype} cannot be sent; supported: {sorted(_DTYPE_CODES)}")
+    return code
+
+
+def _text_items(value: Any) -> tuple[int, tuple[int, ...], list[bytes]] | None:
+    """(kind, shape, utf-8/bytes items) for bytes/str fields, None for numeric arrays."""
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(v, (bytes, bytearray, memoryview)) for v in value):
+            return BYTES_LIST, (len(value),), [bytes(v) for v in value]
+        if all(isinstance(v, str) for v in value):
+            return STR_LIST, (len(value),), [v.encode("utf-8") for v in value]
+        raise WireError("a list field must hold only bytes or only str")
+    arr = np.asarray(value)
+    if arr.dtype.kind in "SUO":
+        flat = arr.reshape(-1).tolist()
+        if all(isinstance(v, (bytes, bytearray)) for v in flat):
+            return BYTES_OBJECT, arr.shape, [bytes(v) for v in flat]
+        if all(isinstance(v, str) for v in flat):
+            return STR_OBJECT, arr.shape, [v.encode("utf-8") for v in flat]
+        raise WireError("an object array field must hold only bytes or only str")
+    return None
+
+
+def encode(batch: Mapping[str, Any], meta: BatchMeta = BatchMeta()) -> list[Any]:
+    """Frames of one batch; large arrays are passed through without copying."""
+    if len(batch) > DEFAULT_LIMITS.max_fields:
+        raise WireError(f"{len(batch)} fields, at most {DEFAULT_LIMITS.max_fields}")
+    server_id = meta.server_id.encode("utf-8")
+    ids = np.ascontiguousarray(
+        np.zeros(0, _IDS) if meta.sample_ids is None else meta.sample_ids, dtype=_IDS
+    ).reshape(-1)
+    header = [
+        _PREFIX.pack(MAGIC, VERSION, 0, meta.epoch, meta.seq, len(ids), len(server_id), len(batch)),
+        server_id,
+    ]
+    frames: list[Any] = [None, ids]
+    for name, value in batch.items():
+        raw_name = str(name).encode("utf-8")
+        if len(raw_name) > DEFAULT_LIMITS.max_name_bytes:
+            raise WireError(f"field name {name!r} longer than {DEFAULT_LIMITS.max_name_bytes} bytes")
+        text = _text_items(value)
+        if text is not None:
+            kind, shape, items = text
+            code = 0
+            frames.append(np.array([len(i) for i in items], dtype=_U64))
+            frames.append(b"".join(items))
+        else:
+            arr = np.asarray(value)
+            code = _dtype_code(arr.dtype)
+            if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not _LITTLE):
+                arr = arr.astype(arr.dtype.newbyteorder("<"))
+            kind, shape = ARRAY, arr.shape
+            frames.append(np.ascontiguousarray(arr))
+        if len(shape) > DEFAULT_LIMITS.max_ndim:
+            raise WireError(f"field {name!r} has {len(shape)} dims, at most {DEFAULT_LIMITS.max_ndim}")
+        header.append(_NAME_LEN.pack(len(raw_name)) + raw_name + _FIELD.pack(kind, code, len(shape)))
+        header.append(np.asarray(shape, dtype=_U64).tobytes())
+    frames[0] = b"".join(header)
+    return frames
+
+
+_LITTLE = np.little_endian
+
+
+def _buffer(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes .buffer
+    try:
+        view = memoryview(buf)
+    except TypeError as e:
+        raise WireError(f"frame of type {type(frame).__name__} is not a buffer") from e
+    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+
+
+class _Reader:
+    """Bounds-checked cursor over the header frame."""
+
+    def __init__(self, data: memoryview):
+        self.data, self.pos = data, 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self.pos + n > len(self.data):
+            raise WireError(
+                f"header truncated reading {what}: need {n} bytes at offset {self.pos}, "
+                f"header has {len(self.data)}"
+            )
+        out = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def text(self, n: int, what: str) -> str:
+        try:
+            return bytes(self.take(n, what)).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise WireError(f"{what} is not valid utf-8") from e
+
+
+def _product(dims: Sequence[int], limit: int, what: str) -> int:
+    total = 1
+    for d in dims:
+        total *= d
+        if total > limit:
+            raise WireError(f"{what} declares {total}+ elements, above the limit {limit}")
+    return total
+
+
+def decode(
+    frames: Sequence[Any], limits: WireLimits = DEFAULT_LIMITS
+) -> tuple[BatchMeta, dict[str, Any]]:
+    """`(meta, batch)` from frames made by `encode`; arrays are read-only views of the frames."""
+    if not 2 <= len(frames) <= limits.max_frames:
+        raise WireError(f"a batch has 2..{limits.max_frames} frames, got {len(frames)}")
+    bufs = [_buffer(f) for f in frames]
+    total = sum(len(b) for b in bufs)
+    if total > limits.max_message_bytes:
+        raise WireError(f"message of {total} bytes exceeds the limit {limits.max_message_bytes}")
+    if len(bufs[0]) > limits.max_header_bytes:
+        raise WireError(f"header of {len(bufs[0])} bytes exceeds {limits.max_header_bytes}")
+    r = _Reader(bufs[0])
+    magic, version, _flags, epoch, seq, num_ids, sid_len, nfields = _PREFIX.unpack(
+        r.take(_PREFIX.size, "prefix")
+    )
+    if magic != MAGIC:
+        raise WireError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise WireError(f"wire version {version} not supported (this side speaks {VERSION})")
+    if nfields > limits.max_fields:
+        raise WireError(f"{nfields} fields declared, at most {limits.max_fields}")
+    if not 0 <= num_ids <= limits.max_items:
+        raise WireError(f"{num_ids} sample ids declared, limit {limits.max_items}")
+    server_id = r.text(sid_len, "server id")
+    if len(bufs[1]) != num_ids * _IDS.itemsize:
+        raise WireError(f"sample-id frame has {len(bufs[1])} bytes, expected {num_ids * 8}")
+    ids = np.frombuffer(bufs[1], dtype=_IDS) if num_ids else np.zeros(0, _IDS)
+    batch: dict[str, Any] = {}
+    index = 2
+    for _ in range(nfields):
+        (name_len,) = _NAME_LEN.unpack(r.take(_NAME_LEN.size, "field name length"))
+        if name_len > limits.max_name_bytes:
+            raise WireError(f"field name of {name_len} bytes, at most {limits.max_name_bytes}")
+        name = r.text(name_len, "field name")
+        if name in batch:
+            raise WireError(f"field {name!r} appears twice")
+        kind, code, ndim = _FIELD.unpack(r.take(_FIELD.size, f"field {name!r} descriptor"))
+        if ndim > limits.max_ndim:
+            raise WireError(f"field {name!r} declares {ndim} dims, at most {limits.max_ndim}")
+        dims = [int(d) for d in np.frombuffer(r.take(8 * ndim, f"field {name!r} shape"), _U64)]
+        if kind == ARRAY:
+            batch[name], index = _decode_array(name, code, dims, bufs, index, limits)
+        elif kind in _TEXT_KINDS:
+            batch[name], index = _decode_text(name, kind, dims, bufs, index, limits)
+        else:
+            raise WireError(f"field {name!r} has unknown kind {kind}")
+    if r.pos != len(bufs[0]):
+        raise WireError(f"{len(bufs[0]) - r.pos} trailing bytes after the last field in the header")
+    if index != len(bufs):
+        raise WireError(f"header describes {index} frames, message has {len(bufs)}")
+    return BatchMeta(epoch=epoch, seq=seq, server_id=server_id, sample_ids=ids), batch
+
+
+def _frame(bufs: list[memoryview], index: int, name: str) -> memoryview:
+    if index >= len(bufs):
+        raise WireError(f"field {name!r}: message ends before its frame #{index}")
+    return bufs[index]
+
+
+def _decode_array(name, code, dims, bufs, index, limits):
+    dtype_name = _CODE_NAMES.get(code)
+    if dtype_name is None:
+        raise WireError(f"field {name!r} has unknown dtype code {code}")
+    dtype = _dtype_by_name(dtype_name)
+    count = _product(dims, limits.max_message_bytes // dtype.itemsize, f"field {name!r}")
+    buf = _frame(bufs, index, name)
+    if len(buf) != count * dtype.itemsize:
+        raise WireError(
+            f"field {name!r}: shape {tuple(dims)} of {dtype_name} needs "
+            f"{count * dtype.itemsize} bytes, frame has {len(buf)}"
+        )
+    arr = np.frombuffer(buf, dtype=dtype, count=count).reshape(dims)
+    if dtype_name == "bool" and count and int(arr.view(np.uint8).max()) > 1:
+        raise WireError(f"field {name!r}: bool data holds values other than 0 and 1")
+    return arr, index + 1
+
+
+def _decode_text(name, kind, dims, bufs, index, limits):
+    if kind in (BYTES_LIST, STR_LIST) and len(dims) != 1:
+        raise WireError(f"list field {name!r} must have one dim, has {len(dims)}")
+    count = _product(dims, limits.max_items, f"field {name!r}")
+    lengths_buf, blob = _frame(bufs, index, name), _frame(bufs, index + 1, name)
+    if len(lengths_buf) != 8 * count:
+        raise WireError(f"field {name!r}: {count} items need {8 * count} length bytes, got {len(lengths_buf)}")
+    lengths = np.frombuffer(lengths_buf, dtype=_U64)
+    ends = np.cumsum(lengths, dtype=np.uint64) if count else lengths
+    if count and (int(lengths.max()) > len(blob) or int(ends[-1]) != len(blob)):
+        raise WireError(f"field {name!r}: item lengths do not add up to the {len(blob)}-byte data frame")
+    if not count and len(blob):
+        raise WireError(f"field {name!r}: zero items but {len(blob)} data bytes")
+    raw = bytes(blob)
+    items: list[Any] = []
+    start = 0
+    for end in ends.tolist():
+        items.append(raw[start:end])
+        start = end
+    if kind in (STR_LIST, STR_OBJECT):
+        try:
+            items = [i.decode("utf-8") for i in items]
+        except UnicodeDecodeError as e:
+            raise WireError(f"field {name!r}: item is not valid utf-8") from e
+    if kind in (BYTES_LIST, STR_LIST):
+        return items, index + 2
+    out = np.empty(count, dtype=object)
+    out[:] = items
+    return out.reshape(dims), index + 2
