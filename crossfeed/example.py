@@ -123,29 +123,36 @@ def _fields(buf, pos: int, end: int):
             yield number, wire, start, pos
 
 
-def decode(payload) -> dict[str, tuple[int, memoryview]]:
-    """Parse a serialised Example into ``{name: (kind, list_message_region)}`` (zero-copy views)."""
+def spans(payload) -> dict[str, tuple[int, int, int]]:
+    """``{name: (kind, start, stop)}``: where each feature's list message lies in ``payload``."""
     buf = memoryview(payload)
-    out: dict[str, tuple[int, memoryview]] = {}
+    out: dict[str, tuple[int, int, int]] = {}
     for num, wire, s, e in _fields(buf, 0, len(buf)):
         if num != 1 or wire != 2:
             continue
         for num2, wire2, s2, e2 in _fields(buf, s, e):
             if num2 != 1 or wire2 != 2:
                 continue
-            name, kind, region = None, None, None
+            name, span = None, (0, s2, s2)
             for num3, wire3, s3, e3 in _fields(buf, s2, e2):
                 if num3 == 1 and wire3 == 2:
                     name = bytes(buf[s3:e3]).decode("utf-8", errors="replace")
                 elif num3 == 2 and wire3 == 2:
-                    kind, region = 0, buf[s3:e3]
+                    span = (0, e3, e3)
                     for num4, wire4, s4, e4 in _fields(buf, s3, e3):
                         if wire4 == 2 and num4 in KIND_NAMES:
-                            kind, region = num4, buf[s4:e4]
+                            span = (num4, s4, e4)
             if name is None:
                 raise ExampleError("a feature map entry has no key")
-            out[name] = (kind, region if region is not None else buf[0:0])
+            out[name] = span
     return out
+
+
+def decode(payload) -> dict[str, tuple[int, memoryview]]:
+    """Parse a serialised Example into ``{name: (kind, list_message_region)}`` (zero-copy views).
+    ``kind`` is 0 for a feature with no list set (an empty list of any type)."""
+    buf = memoryview(payload)
+    return {name: (kind, buf[s:e]) for name, (kind, s, e) in spans(buf).items()}
 
 
 def bytes_values(region) -> list[memoryview]:
