@@ -1,0 +1,1 @@
+"""Apache Beam conversion jobs: raw datasets to sharded, indexed TFRecord datasets."""

@@ -1,0 +1,109 @@
+"""Property tests of the epoch plan: permutations, equal shares, epochs differ, determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crossfeed.errors import ConfigError
+from crossfeed.plan import PlanConfig, Remainder, Shuffle, epoch_order
+
+counts_st = st.lists(st.integers(0, 40), min_size=1, max_size=9).filter(lambda c: sum(c) > 0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(counts=counts_st, seed=st.integers(0, 2**40), epoch=st.integers(0, 50), shuffle=st.sampled_from(list(Shuffle)),
+       block=st.integers(1, 4))
+def test_epoch_order_is_a_permutation_and_pure(counts, seed, epoch, shuffle, block):
+    order = epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, block_shards=block)
+    assert sorted(order.tolist()) == list(range(sum(counts)))
+    again = epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, block_shards=block)
+    np.testing.assert_array_equal(order, again)
+
+
+@settings(max_examples=200, deadline=None)
+@given(counts=counts_st, seed=st.integers(0, 2**31), epoch=st.integers(0, 9), world=st.integers(1, 7),
+       workers=st.integers(1, 4), batch=st.integers(1, 9), drop_last=st.booleans(),
+       remainder=st.sampled_from(list(Remainder)), shuffle=st.sampled_from(list(Shuffle)))
+def test_ranks_get_equal_batches_and_cover_the_epoch(counts, seed, epoch, world, workers, batch, drop_last, remainder, shuffle):
+    cfg = PlanConfig(batch, shuffle, seed, drop_last, remainder)
+    n = sum(counts)
+    per_rank_batches, seen = set(), []
+    for rank in range(world):
+        rank_total = 0
+        for w in range(workers):
+            plan = cfg.make(counts, epoch=epoch, position=0, rank=rank, world_size=world, worker=w, num_workers=workers)
+            for b in plan.batch_ids():
+                seen.extend(plan.batch(b).tolist())
+                rank_total += 1
+        per_rank_batches.add(rank_total)
+    assert len(per_rank_batches) == 1, "ranks must produce the same number of batches"
+    counts_seen = np.bincount(seen, minlength=n)
+    if remainder is Remainder.PAD:
+        assert counts_seen.max() <= 1 + -(-world // n), "padding repeats at most the shortfall"
+        if not drop_last:
+            assert counts_seen.min() >= 1, "pad: every sample at least once"
+    else:
+        assert counts_seen.max() <= 1, "no repeats without padding"
+    if n % world == 0 and (n // world) % batch == 0:
+        assert counts_seen.tolist() == [1] * n, "exactly once when everything divides"
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=counts_st, seed=st.integers(0, 2**31))
+def test_epochs_differ_and_drop_rotates(counts, seed):
+    n = sum(counts)
+    if n < 6:
+        return
+    a = epoch_order(counts, seed=seed, epoch=0, shuffle=Shuffle.GLOBAL)
+    b = epoch_order(counts, seed=seed, epoch=1, shuffle=Shuffle.GLOBAL)
+    assert not np.array_equal(a, b)
+    # with shuffle none and drop, the dropped sample is not the same in every epoch
+    cfg = PlanConfig(1, Shuffle.NONE, seed, False, Remainder.DROP)
+    world = n - 1 if n > 2 else 2
+    dropped = set()
+    for epoch in range(6):
+        got = set()
+        for r in range(world):
+            got |= set(cfg.make(counts, epoch=epoch, position=0, rank=r, world_size=world).samples.tolist())
+        dropped |= set(range(n)) - got
+    assert len(dropped) > 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(1, 300), seed=st.integers(0, 1000), w1=st.integers(1, 6), w2=st.integers(1, 6),
+       batch=st.integers(1, 8), steps=st.integers(0, 40))
+def test_elastic_resume_loses_and_repeats_nothing(n, seed, w1, w2, batch, steps):
+    """Run `steps` lockstep steps with world w1, resume the same epoch with world w2 (drop policy,
+    no padding): together every sample at most once, and all of them when the counts divide."""
+    cfg = PlanConfig(batch, Shuffle.GLOBAL, seed, False, Remainder.DROP)
+    counts = [n]
+    before = []
+    k = min(steps, cfg.make(counts, epoch=3, position=0, rank=0, world_size=w1).rank_batches)
+    for r in range(w1):
+        plan = cfg.make(counts, epoch=3, position=0, rank=r, world_size=w1)
+        for b in range(k):
+            before += plan.batch(b).tolist()
+    position = cfg.position_after(0, n, k, w1)
+    assert position == len(before) or position == n
+    after = []
+    for r in range(w2):
+        plan = cfg.make(counts, epoch=3, position=position, rank=r, world_size=w2)
+        for b in plan.batch_ids():
+            after += plan.batch(b).tolist()
+    everything = before + after
+    assert len(everything) == len(set(everything))
+    assert len(everything) >= n - (w1 - 1) - (w2 - 1)
+
+
+def test_bad_options_name_the_fix():
+    with pytest.raises(ConfigError, match="shuffle='random' is not one of 'global', 'block', 'none'"):
+        PlanConfig(4, "random")
+    with pytest.raises(ConfigError, match="batch_size"):
+        PlanConfig(0)
+    with pytest.raises(ConfigError, match="seed"):
+        PlanConfig(4, seed=-1)
+    with pytest.raises(ConfigError, match="position"):
+        PlanConfig(4).make([5], epoch=0, position=9, rank=0, world_size=1)
