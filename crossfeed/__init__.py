@@ -16,12 +16,29 @@ from crossfeed.errors import (
     SchemaError,
     WireError,
 )
+from crossfeed.loader import Loader, ReadOptions
+from crossfeed.plan import Remainder, Shuffle
 from crossfeed.schema import Encoding, Feature, Schema
 from crossfeed.writer import write_dataset
 
 __version__ = "0.1.0"
 
+# The network plane pulls in pyzmq: imported on first use, so `import crossfeed` stays light.
+_LAZY = {"connect": "crossfeed.net.client", "Client": "crossfeed.net.client", "ClientKeys": "crossfeed.net.keys",
+         "BatchMeta": "crossfeed.wire"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'crossfeed' has no attribute {name!r}")
+
 __all__ = [
+    "BatchMeta",
+    "Client",
+    "ClientKeys",
     "ConfigError",
     "CorruptRecordError",
     "CrossfeedError",
@@ -31,11 +48,16 @@ __all__ = [
     "ExampleError",
     "Feature",
     "IndexFileError",
+    "Loader",
     "ManifestError",
+    "ReadOptions",
+    "Remainder",
     "Schema",
     "SchemaError",
+    "Shuffle",
     "Split",
     "WireError",
+    "connect",
     "open_dataset",
     "write_dataset",
 ]

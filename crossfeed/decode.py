@@ -18,6 +18,9 @@ value (``str``/``bytes``/``np.ndarray``) per sample.
 
 from __future__ import annotations
 
+import io
+import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,7 +30,38 @@ from crossfeed import example as ex
 from crossfeed.errors import CrossfeedError, ExampleError, SchemaError
 from crossfeed.schema import Encoding, Feature, decode_image, decode_value
 
-_COLUMNAR_MAX_LEN = 4096  # records up to this size are cut column-wise; larger ones one by one
+_BIG = 512  # a tensor/float value at least this many bytes is copied record by record, straight into the batch
+_LITTLE = sys.byteorder == "little"
+
+
+class _Recycler:
+    """Batch-sized arrays, each reused once nothing but the recycler refers to it any more.
+
+    Fresh memory is zeroed by the kernel page by page on first touch, which costs about as much
+    as copying a batch of raw images into it; a consumer that lets go of its batches gets the
+    same few buffers back instead. Safe by reference counting: a batch array the caller (or a
+    view, a torch/TF tensor, a pending ZeroMQ send) still holds is never handed out again.
+    """
+
+    def __init__(self, keep: int = 8, min_bytes: int = 1 << 20):
+        self.keep, self.min_bytes = keep, min_bytes
+        self._arrays: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def empty(self, shape: tuple, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        if self.keep < 1 or int(np.prod(shape, dtype=np.int64)) * dtype.itemsize < self.min_bytes:
+            return np.empty(shape, dtype)
+        with self._lock:
+            for a in self._arrays:
+                # references: the list, ``a`` and getrefcount's argument — nobody else
+                if a.shape == shape and a.dtype == dtype and sys.getrefcount(a) == 3:
+                    return a
+            a = np.empty(shape, dtype)
+            self._arrays.append(a)
+            if len(self._arrays) > self.keep:
+                del self._arrays[0]
+            return a
 
 
 @dataclass(frozen=True)
@@ -40,10 +74,19 @@ class _Slot:
 
 @dataclass(frozen=True)
 class Layout:
+    """The byte layout shared by records of one length.
+
+    The "kept" bytes of a record are all but its big values: ``ranges`` of the record, joined.
+    ``slots`` and ``skeleton`` are positions in the kept bytes (so a batch of kept bytes is a
+    ``(g, kept)`` matrix cut column-wise); ``big`` slots are positions in the record.
+    """
+
     length: int
     slots: tuple[_Slot, ...]
-    skeleton: np.ndarray  # byte positions outside the values
-    first: bytes
+    skeleton: np.ndarray  # kept-byte positions outside the values
+    first: bytes  # kept bytes of the record the layout was read off
+    big: tuple[_Slot, ...] = ()
+    ranges: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, payload, features: Sequence[Feature]) -> Layout | None:
@@ -79,10 +122,38 @@ class Layout:
                 widths = tuple(widths)
             slots.append(_Slot(f, pos, e, widths))
             covered[pos:e] = True
-        return cls(len(buf), tuple(slots), np.flatnonzero(~covered), buf)
+        big = tuple(sorted((sl for sl in slots if sl.feature.encoding is not Encoding.INT64 and sl.stop - sl.start >= _BIG
+                            and _LITTLE), key=lambda sl: sl.start))
+        keep = np.ones(len(buf), dtype=bool)
+        for sl in big:
+            keep[sl.start : sl.stop] = False
+        kept_at = np.cumsum(keep) - 1  # record position → kept position (for kept bytes)
+        small = tuple(_Slot(sl.feature, int(kept_at[sl.start]), int(kept_at[sl.start]) + sl.stop - sl.start, sl.widths)
+                      for sl in slots if sl not in big)
+        edges = [0, *[x for sl in big for x in (sl.start, sl.stop)], len(buf)]
+        ranges = tuple((a, b) for a, b in zip(edges[::2], edges[1::2]) if b > a)
+        return cls(len(buf), small, kept_at[np.flatnonzero(~covered & keep)], buf if not big else bytes(np.frombuffer(buf, np.uint8)[keep]),
+                   big, ranges)
+
+    def kept_rows(self, payloads: Sequence) -> np.ndarray:
+        """The kept bytes of records of this layout's length, as a ``(g, kept)`` uint8 matrix."""
+        if not self.big:
+            data = b"".join(payloads)
+        else:
+            data = b"".join([p[a:b] for p in payloads for a, b in self.ranges])
+        return np.frombuffer(data, dtype=np.uint8).reshape(len(payloads), -1)
+
+    def copy_big(self, payloads: Sequence, out: dict[str, np.ndarray], pos: np.ndarray) -> None:
+        """Copy each record's big values straight into its row of the batch arrays (no other copy)."""
+        for sl in self.big:
+            dst = out[sl.feature.name]
+            rows = dst.reshape(len(dst), -1).view(np.uint8)  # native = little-endian here (see _LITTLE)
+            width = sl.stop - sl.start
+            for i, p in zip(pos.tolist(), payloads):
+                rows[i] = np.frombuffer(p, np.uint8, width, sl.start)
 
     def cut(self, rows: np.ndarray) -> dict[str, np.ndarray] | None:
-        """Values of ``rows`` (``(g, length)`` uint8), or None if a row does not match."""
+        """Small values of ``rows`` (``(g, kept)`` uint8), or None if a row does not match."""
         first = np.frombuffer(self.first, dtype=np.uint8)
         if self.skeleton.size and not np.array_equal(rows[:, self.skeleton], np.broadcast_to(first[self.skeleton], (len(rows), self.skeleton.size))):
             return None
@@ -101,6 +172,10 @@ class Layout:
                 arr = np.ascontiguousarray(block).view(dt).reshape((g, *f.shape))
                 out[f.name] = arr.astype(arr.dtype.newbyteorder("="), copy=False)
         return out
+
+
+def _fixed_dtype(f: Feature) -> str:
+    return "int64" if f.encoding is Encoding.INT64 else "float32" if f.encoding is Encoding.FLOAT else f.dtype
 
 
 def _varints(block: np.ndarray, widths: tuple[int, ...]) -> np.ndarray | None:
@@ -122,10 +197,13 @@ def _varints(block: np.ndarray, widths: tuple[int, ...]) -> np.ndarray | None:
 
 class BatchDecoder:
     """Turns a list of payloads into a batch. ``image_pool`` (an Executor) decodes images in
-    parallel; ``where(i)`` names record ``i`` (shard and offset) in errors."""
+    parallel; ``where(i)`` names record ``i`` (shard and offset) in errors. Up to ``recycle``
+    large batch arrays are reused once their consumer has dropped them (see `_Recycler`)."""
 
-    def __init__(self, features: Sequence[Feature], *, decode_images: bool = True, image_pool=None):
+    def __init__(self, features: Sequence[Feature], *, decode_images: bool = True, image_pool=None, recycle: int = 8):
         self.features = tuple(features)
+        self._recycler = _Recycler(recycle)
+        self._local = threading.local()
         self.decode_images = decode_images
         self.image_pool = image_pool
         self.fixed = all(f.fixed and f.encoding in (Encoding.TENSOR, Encoding.INT64, Encoding.FLOAT) for f in self.features)
@@ -143,52 +221,33 @@ class BatchDecoder:
 
     # -- fixed layout -------------------------------------------------------------------------
     def _fixed(self, payloads) -> dict[str, np.ndarray] | None:
-        lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=len(payloads))
         n = len(payloads)
-        out = {f.name: np.empty((n, *f.shape), dtype=np.int64 if f.encoding is Encoding.INT64 else
-                                ("float32" if f.encoding is Encoding.FLOAT else f.dtype)) for f in self.features}
-        for length in np.unique(lengths).tolist():
-            pos = np.flatnonzero(lengths == length)
-            layout = self._layout(payloads[int(pos[0])], length)
+        lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
+        out = {f.name: self._recycler.empty((n, *f.shape), _fixed_dtype(f)) for f in self.features}
+        if lengths.min() == lengths.max():  # the usual case: one length, no regrouping
+            groups = [(int(lengths[0]), None)]
+        else:
+            groups = [(length, np.flatnonzero(lengths == length)) for length in np.unique(lengths).tolist()]
+        for length, pos in groups:
+            group = payloads if pos is None else [payloads[i] for i in pos.tolist()]
+            layout = self._layout(group[0], length)
             if layout is None:
                 return None
-            if length <= _COLUMNAR_MAX_LEN:
-                group = [payloads[i] for i in pos.tolist()]
-                rows = np.frombuffer(b"".join(group), dtype=np.uint8).reshape(len(group), length)
-                vals = layout.cut(rows)
-                if vals is None:
-                    return None
-                for k, v in vals.items():
+            vals = layout.cut(layout.kept_rows(group))
+            if vals is None:
+                return None
+            for k, v in vals.items():
+                if pos is None:
+                    out[k] = v
+                else:
                     out[k][pos] = v
-            else:
-                for i in pos.tolist():
-                    if not self._one_large(layout, payloads[i], out, i):
-                        return None
+            layout.copy_big(group, out, np.arange(n) if pos is None else pos)
         return out
 
     def _layout(self, payload, length: int) -> Layout | None:
         if length not in self._layouts:
             self._layouts[length] = Layout.of(payload, self.features) if len(self._layouts) < 64 else None
         return self._layouts[length]
-
-    @staticmethod
-    def _one_large(layout: Layout, payload, out, i: int) -> bool:
-        p = np.frombuffer(payload, dtype=np.uint8)
-        first = np.frombuffer(layout.first, dtype=np.uint8)
-        if not np.array_equal(p[layout.skeleton], first[layout.skeleton]):
-            return False
-        for sl in layout.slots:
-            f = sl.feature
-            block = p[sl.start : sl.stop]
-            if f.encoding is Encoding.INT64:
-                vals = _varints(block[None, :], sl.widths)
-                if vals is None:
-                    return False
-                out[f.name][i] = vals.reshape(f.shape)
-            else:
-                dt = "<f4" if f.encoding is Encoding.FLOAT else np.dtype(f.dtype).newbyteorder("<")
-                out[f.name][i] = block.view(dt).reshape(f.shape)
-        return True
 
     # -- generic ------------------------------------------------------------------------------
     def _generic(self, payloads, where, on_error):
@@ -208,7 +267,7 @@ class BatchDecoder:
         for f in self.features:
             vals = [s[f.name] for s in samples]
             if f.encoding is Encoding.IMAGE and self.decode_images:
-                vals, bad = self._images(vals, f, [where(i) for i in kept], on_error)
+                vals, bad, whole = self._images(vals, f, [where(i) for i in kept], on_error)
                 if bad:
                     keep = [j for j in range(len(vals)) if j not in bad]
                     kept_arr = kept_arr[keep]
@@ -216,13 +275,23 @@ class BatchDecoder:
                     vals = [vals[j] for j in keep]
                     for k in batch:
                         batch[k] = batch[k][keep]
-            batch[f.name] = collate(vals)
+                    whole = None
+                if whole is not None:  # every image was decoded straight into its row
+                    batch[f.name] = whole
+                    continue
+            batch[f.name] = collate(vals, alloc=self._recycler.empty)
         return batch, kept_arr
 
     def _images(self, datas, f, wheres, on_error):
+        """``(arrays, bad positions, whole)``: ``whole`` is the batch array when every image was
+        decoded straight into its row of it (JPEGs of one RGB size, the common case), else None."""
+        whole = self._image_batch(datas)
+
         def one(args):
             j, data = args
             try:
+                if whole is not None and self._jpeg_into(data, whole[j]):
+                    return whole[j]
                 return decode_image(data, f)
             except SchemaError as e:
                 return SchemaError(f"{wheres[j]}: {e}")
@@ -235,15 +304,64 @@ class BatchDecoder:
                     raise r
                 on_error(r)
                 bad.add(j)
-        return results, bad
+        if whole is not None and any(r.base is not whole for r in results if isinstance(r, np.ndarray)):
+            whole = None
+        return results, bad, whole
+
+    def _image_batch(self, datas) -> np.ndarray | None:
+        """A ``(n, h, w, 3)`` batch array sized by the first image's header, if it is an RGB JPEG."""
+        if not datas:
+            return None
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(datas[0])) as im:
+                if im.format != "JPEG" or im.mode != "RGB":
+                    return None
+                w, h = im.size
+        except Exception:  # Pillow raises many types; the per-image decode reports the error
+            return None
+        return self._recycler.empty((len(datas), h, w, 3), np.uint8)
+
+    def _jpeg_into(self, data, out: np.ndarray) -> bool:
+        """Decode an RGB JPEG of ``out``'s size straight into ``out``; False if it is not one.
+
+        Pillow keeps RGB as 4 bytes a pixel and ``np.asarray(image)`` goes through ``tobytes``,
+        a fresh 150 KB allocation per 224×224 image — page faults that cost about as much as the
+        JPEG decode itself. So libjpeg decodes into a reused RGBX buffer of this thread, and
+        three strided copies (GIL released) pack it into the batch row.
+        """
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                w, h = im.size
+                if im.format != "JPEG" or im.mode != "RGB" or out.shape != (h, w, 3):
+                    return False
+                scratch = getattr(self._local, "scratch", None)
+                if scratch is None or scratch.shape != (h, w, 4):
+                    scratch = self._local.scratch = np.empty((h, w, 4), np.uint8)
+                core = Image.frombuffer("RGBX", (w, h), scratch, "raw", "RGBX", 0, 1).im
+                im.im = core
+                im._mode = "RGBX"  # ImageFile.load keeps an ``im`` of the image's mode and size
+                im.load()
+                if im.im is not core:  # this Pillow decoded elsewhere: do not trust the scratch
+                    return False
+        except Exception:  # not decodable this way: decode_image decodes it or reports the error
+            return False
+        rgb, rgbx = out.reshape(-1, 3), scratch.reshape(-1, 4)
+        for c in range(3):  # one long strided loop per channel: ~5× faster than out[...] = scratch[..., :3]
+            rgb[:, c] = rgbx[:, c]
+        return True
 
 
-def collate(vals: list) -> np.ndarray:
-    """Stack per-sample values into a batch; ragged or non-numeric values give an object array."""
+def collate(vals: list, *, alloc: Callable[[tuple, np.dtype], np.ndarray] = np.empty) -> np.ndarray:
+    """Stack per-sample values into a batch (into ``alloc(shape, dtype)``); ragged or non-numeric
+    values give an object array."""
     if vals and all(isinstance(v, np.ndarray) for v in vals):
-        shape = vals[0].shape
-        if all(v.shape == shape and v.dtype == vals[0].dtype for v in vals):
-            return np.stack(vals)
+        shape, dtype = vals[0].shape, vals[0].dtype
+        if all(v.shape == shape and v.dtype == dtype for v in vals):
+            return np.stack(vals, out=alloc((len(vals), *shape), dtype))
     out = np.empty(len(vals), dtype=object)
     for i, v in enumerate(vals):
         out[i] = v

@@ -122,14 +122,31 @@ def _text_items(value: Any) -> tuple[int, tuple[int, ...], list[bytes]] | None:
             return STR_LIST, (len(value),), [v.encode("utf-8") for v in value]
         raise WireError("a list field must hold only bytes or only str")
     arr = np.asarray(value)
+    if arr.dtype == object and arr.size and _stack_numeric(arr).dtype != object:
+        return None
     if arr.dtype.kind in "SUO":
         flat = arr.reshape(-1).tolist()
         if all(isinstance(v, (bytes, bytearray)) for v in flat):
             return BYTES_OBJECT, arr.shape, [bytes(v) for v in flat]
         if all(isinstance(v, str) for v in flat):
             return STR_OBJECT, arr.shape, [v.encode("utf-8") for v in flat]
-        raise WireError("an object array field must hold only bytes or only str")
+        raise WireError(
+            "an object array field must hold only bytes, only str, or numbers/arrays of one "
+            "shape and dtype (ragged fields cannot be sent: pad them in the transform)"
+        )
     return None
+
+
+def _stack_numeric(arr: np.ndarray) -> np.ndarray:
+    """An object array of numpy scalars/arrays of one shape and dtype as one numeric array."""
+    flat = arr.reshape(-1).tolist() if arr.ndim else [arr.item()]
+    first = flat[0]
+    if not isinstance(first, (np.ndarray, np.generic, int, float, bool)) or isinstance(first, (bytes, str)):
+        return arr
+    items = [np.asarray(v) for v in flat]
+    if any(i.dtype != items[0].dtype or i.shape != items[0].shape or i.dtype == object for i in items):
+        return arr
+    return np.stack(items).reshape(arr.shape + items[0].shape)
 
 
 def encode(batch: Mapping[str, Any], meta: BatchMeta = BatchMeta()) -> list[Any]:
@@ -144,7 +161,7 @@ def encode(batch: Mapping[str, Any], meta: BatchMeta = BatchMeta()) -> list[Any]
         _PREFIX.pack(MAGIC, VERSION, 0, meta.epoch, meta.seq, len(ids), len(server_id), len(batch)),
         server_id,
     ]
-    frames: list[Any] = [None, ids]
+    frames: list[Any] = [None, ids.view(np.uint8)]
     for name, value in batch.items():
         raw_name = str(name).encode("utf-8")
         if len(raw_name) > DEFAULT_LIMITS.max_name_bytes:
@@ -153,15 +170,17 @@ def encode(batch: Mapping[str, Any], meta: BatchMeta = BatchMeta()) -> list[Any]
         if text is not None:
             kind, shape, items = text
             code = 0
-            frames.append(np.array([len(i) for i in items], dtype=_U64))
+            frames.append(np.array([len(i) for i in items], dtype=_U64).view(np.uint8))
             frames.append(b"".join(items))
         else:
             arr = np.asarray(value)
+            if arr.dtype == object:
+                arr = _stack_numeric(arr)
             code = _dtype_code(arr.dtype)
             if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not _LITTLE):
                 arr = arr.astype(arr.dtype.newbyteorder("<"))
             kind, shape = ARRAY, arr.shape
-            frames.append(np.ascontiguousarray(arr))
+            frames.append(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
         if len(shape) > DEFAULT_LIMITS.max_ndim:
             raise WireError(f"field {name!r} has {len(shape)} dims, at most {DEFAULT_LIMITS.max_ndim}")
         header.append(_NAME_LEN.pack(len(raw_name)) + raw_name + _FIELD.pack(kind, code, len(shape)))
@@ -179,7 +198,14 @@ def _buffer(frame: Any) -> memoryview:
         view = memoryview(buf)
     except TypeError as e:
         raise WireError(f"frame of type {type(frame).__name__} is not a buffer") from e
-    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+    if view.ndim == 1 and view.format == "B":
+        return view
+    if view.nbytes == 0:
+        return memoryview(b"")
+    try:
+        return view.cast("B")
+    except TypeError as e:
+        raise WireError(f"frame buffer is not contiguous: {e}") from e
 
 
 class _Reader:
@@ -242,6 +268,7 @@ def decode(
     if len(bufs[1]) != num_ids * _IDS.itemsize:
         raise WireError(f"sample-id frame has {len(bufs[1])} bytes, expected {num_ids * 8}")
     ids = np.frombuffer(bufs[1], dtype=_IDS) if num_ids else np.zeros(0, _IDS)
+    ids.flags.writeable = False
     batch: dict[str, Any] = {}
     index = 2
     for _ in range(nfields):
@@ -287,6 +314,7 @@ def _decode_array(name, code, dims, bufs, index, limits):
             f"{count * dtype.itemsize} bytes, frame has {len(buf)}"
         )
     arr = np.frombuffer(buf, dtype=dtype, count=count).reshape(dims)
+    arr.flags.writeable = False  # the frame may be shared (inproc); copy to modify
     if dtype_name == "bool" and count and int(arr.view(np.uint8).max()) > 1:
         raise WireError(f"field {name!r}: bool data holds values other than 0 and 1")
     return arr, index + 1

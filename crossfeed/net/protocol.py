@@ -2,7 +2,7 @@
 
     envelope: magic "CXFN" | u8 version | u8 kind | u16 reserved | i64 a | i64 b
 
-client → server: CREDIT(a=batches allowed in flight), ACK(a=seq), HEARTBEAT, BYE
+client → server: CREDIT(a=batches allowed in flight), ACK(a=seq), HEARTBEAT(a=credit), BYE
 server → client: BATCH(a=seq, b=epoch; payload = `crossfeed.wire` frames),
                  END_OF_EPOCH(a=epoch, b=batches in it), END_OF_STREAM(a=epochs served), HEARTBEAT
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from crossfeed.errors import WireError
+from crossfeed.errors import ConfigError, WireError
 
 MAGIC = b"CXFN"
 VERSION = 1
@@ -115,3 +115,25 @@ class RateLimitedLog:
         self._last[key] = now
         suffix = f" ({held} similar messages suppressed)" if held else ""
         self._logger.warning(msg + suffix, *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """Both sides send a HEARTBEAT every `interval` s; a peer silent for `timeout` s is dead."""
+
+    interval: float = 1.0
+    timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.interval < self.timeout:
+            raise ConfigError(
+                f"heartbeat interval ({self.interval}) must be > 0 and below the timeout "
+                f"({self.timeout})"
+            )
+
+
+def bind_address(address: str) -> str:
+    """tcp port 0 means "any free port" (ZeroMQ spells it `*`)."""
+    if address.startswith("tcp://") and address.endswith(":0"):
+        return address[:-2] + ":*"
+    return address

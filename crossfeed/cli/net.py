@@ -1,0 +1,160 @@
+"""`crossfeed serve DATASET ADDRESS...` and `crossfeed keygen DIR [NAME...]`."""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from crossfeed.errors import ConfigError, CrossfeedError
+
+logger = logging.getLogger(__name__)
+
+
+class Shuffle(str, enum.Enum):
+    GLOBAL = "global"
+    BLOCK = "block"
+    NONE = "none"
+
+
+class ServeMode(str, enum.Enum):
+    DISTRIBUTE = "distribute"
+    BROADCAST = "broadcast"
+
+
+def resolve_function(spec: str) -> Callable[..., Any]:
+    """`package.module:function` -> the function."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"--transform {spec!r}: expected module:function, e.g. mypkg.aug:augment")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"--transform {spec!r}: cannot import {module_name}: {e}") from e
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ConfigError(f"--transform {spec!r}: {module_name} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ConfigError(f"--transform {spec!r} is not callable")
+    return fn
+
+
+class LoaderEpochs:
+    """factory(epoch) over one `crossfeed.Loader`: `set_epoch(epoch)`, then its batches."""
+
+    def __init__(self, dataset: str, *, workers: int = 2, **loader_kwargs: Any):
+        from crossfeed.loader import Loader, ReadOptions
+
+        if (loader_kwargs.get("rank") is None) != (loader_kwargs.get("world_size") is None):
+            raise ConfigError("--rank and --world-size go together")
+        if loader_kwargs.get("rank") is None:  # a server is not a trainer: ignore RANK/WORLD_SIZE
+            loader_kwargs.update(rank=0, world_size=1)
+        read = ReadOptions(num_threads=workers)
+        self.loader = Loader(dataset, return_index=True, read=read, **loader_kwargs)
+
+    def __call__(self, epoch: int):
+        self.loader.set_epoch(epoch)
+        return iter(self.loader)
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def serve(
+    dataset: Annotated[str, typer.Argument(help="Dataset path or remote URL.")],
+    addresses: Annotated[list[str], typer.Argument(help="Addresses to bind; brace patterns expand.")],
+    split: Annotated[str, typer.Option(help="Split to serve.")] = "train",
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 32,
+    shuffle: Annotated[Shuffle, typer.Option(help="Shuffle mode.")] = Shuffle.GLOBAL,
+    seed: Annotated[int, typer.Option(help="Shuffle seed.")] = 0,
+    epochs: Annotated[Optional[int], typer.Option(min=1, help="End after N epochs (default: never).")] = None,
+    start_epoch: Annotated[int, typer.Option("--start-epoch", min=0)] = 0,
+    transform: Annotated[Optional[str], typer.Option(help="module:function applied to each sample.")] = None,
+    workers: Annotated[int, typer.Option(min=1, help="Loader threads building batches in parallel.")] = 2,
+    rank: Annotated[Optional[int], typer.Option(min=0, help="This server's share: rank R of --world-size M.")] = None,
+    world_size: Annotated[Optional[int], typer.Option("--world-size", min=1, help="How many servers share the dataset.")] = None,
+    mode: Annotated[ServeMode, typer.Option(help="distribute: each batch to one trainer; broadcast: PUB.")] = ServeMode.DISTRIBUTE,
+    broadcast: Annotated[Optional[list[str]], typer.Option(help="PUB address(es) for mon/stat/show.")] = None,
+    auth_keys: Annotated[Optional[Path], typer.Option("--auth-keys", help="Dir of accepted client *.key; enables CURVE.")] = None,
+    server_key: Annotated[Optional[Path], typer.Option("--server-key", help="Server .key_secret (default AUTH_KEYS/server.key_secret).")] = None,
+    heartbeat_interval: Annotated[float, typer.Option(min=0.01)] = 1.0,
+    heartbeat_timeout: Annotated[float, typer.Option(min=0.05)] = 10.0,
+    endpoint_file: Annotated[Optional[Path], typer.Option(help="Write the bound addresses here (for scripts).")] = None,
+) -> None:
+    """Run the Loader here and stream ready batches to trainers (`crossfeed.connect`)."""
+    from crossfeed.net.keys import ServerKeys
+    from crossfeed.net.protocol import Heartbeat
+    from crossfeed.net.server import Mode, Server, ServerOptions
+
+    try:
+        keys = ServerKeys.from_dir(auth_keys, server_key) if auth_keys else None
+        options = ServerOptions(
+            tuple(addresses), broadcast=tuple(broadcast or ()), mode=Mode(mode.value),
+            epochs=epochs, start_epoch=start_epoch, heartbeat=Heartbeat(heartbeat_interval, heartbeat_timeout),
+        )
+        factory = LoaderEpochs(
+            dataset, split=split, batch_size=batch_size, shuffle=shuffle.value, seed=seed,
+            transform=resolve_function(transform) if transform else None, workers=workers,
+            rank=rank, world_size=world_size,
+        )
+        try:
+            run_server(factory, options, keys, endpoint_file)
+        finally:
+            factory.close()
+    except CrossfeedError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+
+
+def run_server(factory, options, keys, endpoint_file: Path | None) -> None:
+    """Serve until the stream ends or SIGINT/SIGTERM; raises CrossfeedError if the server failed."""
+    from crossfeed.net.server import Server
+
+    stop = threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        with Server(factory, options, keys=keys) as server:
+            bound = " ".join(server.endpoints + server.broadcast_endpoints)
+            typer.echo(f"serving on {bound}", err=True)
+            if endpoint_file is not None:
+                tmp = endpoint_file.with_name(endpoint_file.name + ".tmp")
+                tmp.write_text(bound)
+                tmp.replace(endpoint_file)
+            while not stop.is_set() and not server.wait(0.2):
+                pass
+        server.raise_if_failed()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def keygen(
+    directory: Annotated[Path, typer.Argument(help="Where to write the key files.")],
+    names: Annotated[Optional[list[str]], typer.Argument(help="Key pair names (default: server client).")] = None,
+) -> None:
+    """Write CURVE key pairs NAME.key (public) and NAME.key_secret (keep private)."""
+    from crossfeed.net.keys import keygen as make
+
+    try:
+        for name in names or ["server", "client"]:
+            public, secret = make(directory, name)
+            typer.echo(f"wrote {public} and {secret}", err=True)
+    except CrossfeedError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
+    app.command("keygen")(keygen)

@@ -1,0 +1,145 @@
+"""`crossfeed.connect(addresses)`: batches from one or more `crossfeed serve` processes.
+
+    with crossfeed.connect("tcp://10.0.0.{1..4}:7880") as batches:
+        for batch in batches:          # dict[str, np.ndarray] (bytes/str fields: lists)
+            train_step(batch)          # batches.last_meta: epoch, seq, server, sample ids
+
+Iteration ends when every server has ended its stream (END_OF_STREAM) or been dropped for
+silence; `lost` lists the dropped ones. A batch is acknowledged when the next one is asked
+for (or on close), so a trainer that dies loses nothing: its server gives the unacknowledged
+batches to the other trainers. Received arrays are read-only views of the network frames.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from crossfeed import wire
+from crossfeed.errors import ConfigError, CrossfeedError
+from crossfeed.net import protocol as P
+from crossfeed.net.addresses import expand_all
+from crossfeed.net.keys import ClientKeys, as_client_keys
+from crossfeed.net.receiver import AllDone, Delivery, EpochDone, LostServer, Receiver, ReceiverFailed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientOptions:
+    credits: int = 4  # batches in flight per server, the one being consumed included
+    broadcast: bool = False  # subscribe to a PUB stream instead of taking a share
+    heartbeat: P.Heartbeat = P.Heartbeat()
+    connect_timeout: float = 60.0
+    limits: wire.WireLimits = wire.DEFAULT_LIMITS
+    with_meta: bool = False  # yield (BatchMeta, batch) instead of batch
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.credits <= 64:
+            raise ConfigError(f"credits must be in 1..64, got {self.credits}")
+        if self.connect_timeout <= 0:
+            raise ConfigError(f"connect_timeout must be > 0, got {self.connect_timeout}")
+
+
+class Client(Iterator[Any]):
+    """An iterator over batches from several servers at once; `close()` or use `with`."""
+
+    def __init__(
+        self,
+        addresses: str | Iterable[str],
+        *,
+        keys: ClientKeys | str | os.PathLike | None = None,
+        options: ClientOptions = ClientOptions(),
+    ):
+        self.addresses = expand_all(addresses)
+        self.options = options
+        self._receiver = Receiver(
+            self.addresses, keys=as_client_keys(keys), credits=options.credits,
+            broadcast=options.broadcast, heartbeat=options.heartbeat,
+            connect_timeout=options.connect_timeout, limits=options.limits,
+        ).start()
+        self._held: tuple[int, int] | None = None
+        self._finished = False
+        self.last_meta: wire.BatchMeta | None = None
+        self.epochs_ended: list[tuple[str, int, int]] = []  # (server address, epoch, batches)
+        self.batches = 0
+
+    @property
+    def lost(self) -> list[LostServer]:
+        """Servers dropped because they went silent (or never answered)."""
+        return list(self._receiver.lost)
+
+    @property
+    def dropped_messages(self) -> int:
+        return self._receiver.dropped_messages
+
+    def __iter__(self) -> Client:
+        return self
+
+    def _ack_held(self) -> None:
+        if self._held is not None and not self.options.broadcast:
+            self._receiver.ack(*self._held)
+        self._held = None
+
+    def __next__(self) -> Any:
+        self._ack_held()
+        while not self._finished:
+            try:
+                event = self._receiver.events.get(timeout=0.1)
+            except queue.Empty:
+                if not self._receiver.alive:
+                    self._finished = True
+                    raise CrossfeedError("the client's I/O thread stopped") from None
+                continue
+            if isinstance(event, Delivery):
+                self._held = (event.server, event.meta.seq)
+                self.last_meta = event.meta
+                self.batches += 1
+                return (event.meta, event.batch) if self.options.with_meta else event.batch
+            if isinstance(event, EpochDone):
+                self.epochs_ended.append((self.addresses[event.server], event.epoch, event.batches))
+            elif isinstance(event, AllDone):
+                self._finished = True
+            elif isinstance(event, ReceiverFailed):
+                self._finished = True
+                raise CrossfeedError(f"client I/O failed: {event.message}")
+        raise StopIteration
+
+    def close(self) -> None:
+        self._ack_held()
+        self._finished = True
+        self._receiver.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(
+    addresses: str | Iterable[str],
+    *,
+    keys: ClientKeys | str | os.PathLike | None = None,
+    credits: int = 4,
+    broadcast: bool = False,
+    heartbeat_interval: float = 1.0,
+    heartbeat_timeout: float = 10.0,
+    connect_timeout: float = 60.0,
+    limits: wire.WireLimits = wire.DEFAULT_LIMITS,
+    with_meta: bool = False,
+) -> Client:
+    """A `Client` reading from every server in `addresses` (brace patterns expand).
+
+    `keys`: a `ClientKeys` or a directory holding `client.key_secret` and `server.key`.
+    """
+    options = ClientOptions(
+        credits=credits, broadcast=broadcast,
+        heartbeat=P.Heartbeat(heartbeat_interval, heartbeat_timeout),
+        connect_timeout=connect_timeout, limits=limits, with_meta=with_meta,
+    )
+    return Client(addresses, keys=keys, options=options)

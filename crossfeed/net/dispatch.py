@@ -1,0 +1,133 @@
+"""Credit-based work distribution, as pure bookkeeping (no sockets, no clock of its own).
+
+A peer (trainer) grants credit = how many batches it allows in flight. `assign()` hands the
+oldest pending batch to the next peer (round robin) that has room and remembers it as unacked
+until `ack()`. A peer that dies (`kill()`, or silent past the timeout in `expire()`) has its
+unacked batches put back at the front of the queue, oldest first, for the others; anything it
+says afterwards is ignored.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MAX_REMEMBERED_DEAD = 4096
+
+
+@dataclasses.dataclass
+class Item:
+    """One encoded batch: `frames` are the `crossfeed.wire` buffers, sent as they are."""
+
+    seq: int
+    epoch: int
+    frames: list[Any]
+    num_samples: int
+
+
+@dataclasses.dataclass
+class _Peer:
+    credit: int
+    last_seen: float
+    unacked: dict[int, Item] = dataclasses.field(default_factory=dict)
+
+    @property
+    def room(self) -> int:
+        return max(self.credit - len(self.unacked), 0)
+
+
+class Dispatcher:
+    """Who may receive what; the server loop drives it and does the sending."""
+
+    def __init__(self, *, max_credit: int, timeout: float):
+        self.max_credit = max_credit
+        self.timeout = timeout
+        self.peers: dict[bytes, _Peer] = {}
+        self.pending: collections.deque[Item] = collections.deque()
+        self._dead: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._turn = 0
+
+    # ---- what peers say ----
+    def is_dead(self, peer: bytes) -> bool:
+        return peer in self._dead
+
+    def seen(self, peer: bytes, now: float) -> bool:
+        """Note a sign of life; False (and nothing noted) for a peer declared dead."""
+        if peer in self._dead:
+            return False
+        p = self.peers.get(peer)
+        if p is not None:
+            p.last_seen = now
+        return True
+
+    def credit(self, peer: bytes, n: int, now: float) -> bool:
+        if peer in self._dead:
+            return False
+        n = min(max(int(n), 0), self.max_credit)
+        p = self.peers.get(peer)
+        if p is None:
+            self.peers[peer] = _Peer(credit=n, last_seen=now)
+        else:
+            p.credit, p.last_seen = n, now
+        return True
+
+    def ack(self, peer: bytes, seq: int) -> Item | None:
+        p = self.peers.get(peer)
+        if p is None:
+            return None
+        return p.unacked.pop(seq, None)
+
+    # ---- deaths ----
+    def kill(self, peer: bytes, reason: str) -> int:
+        """Forget `peer`, requeue its unacked batches at the front; returns how many."""
+        p = self.peers.pop(peer, None)
+        self._dead[peer] = None
+        while len(self._dead) > MAX_REMEMBERED_DEAD:
+            self._dead.popitem(last=False)
+        if p is None:
+            return 0
+        items = sorted(p.unacked.values(), key=lambda i: i.seq, reverse=True)
+        for item in items:
+            self.pending.appendleft(item)
+        level = logging.INFO if reason == "left" else logging.WARNING
+        logger.log(
+            level, "trainer %s %s: %d unacknowledged batches go to the others",
+            peer.hex(), reason, len(items),
+        )
+        return len(items)
+
+    def leave(self, peer: bytes) -> int:
+        """A peer said BYE: like a death, but it may connect again under a new identity."""
+        return self.kill(peer, "left")
+
+    def expire(self, now: float) -> list[bytes]:
+        silent = [k for k, p in self.peers.items() if now - p.last_seen > self.timeout]
+        for k in silent:
+            self.kill(k, f"silent for more than {self.timeout:g}s, declared dead")
+        return silent
+
+    # ---- sending ----
+    def demand(self) -> int:
+        """How many more batches the live peers could take right now."""
+        return max(sum(p.room for p in self.peers.values()) - len(self.pending), 0)
+
+    def assign(self) -> tuple[bytes, Item] | None:
+        if not self.pending or not self.peers:
+            return None
+        keys = list(self.peers)
+        for i in range(len(keys)):
+            k = keys[(self._turn + i) % len(keys)]
+            p = self.peers[k]
+            if p.room:
+                item = self.pending.popleft()
+                p.unacked[item.seq] = item
+                self._turn = (self._turn + i + 1) % len(keys)
+                return k, item
+        return None
+
+    def in_flight(self) -> int:
+        return len(self.pending) + sum(len(p.unacked) for p in self.peers.values())

@@ -1,0 +1,133 @@
+"""The producing side of a server: a thread that runs `factory(epoch)` and encodes batches.
+
+Yields into a bounded queue, in order:
+    Item(seq, epoch, frames, n)       one encoded batch
+    EpochEnd(epoch, batches)          after the last batch of an epoch
+    StreamEnd(epochs)                 after the last epoch (only with a finite `epochs`)
+    ProducerFailed(message)           the factory or its iterator raised; nothing follows
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from crossfeed import wire
+from crossfeed.net.dispatch import Item
+
+logger = logging.getLogger(__name__)
+
+BatchFactory = Callable[[int], Iterable[Mapping[str, Any]]]
+INDEX_KEY = "__index__"
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochEnd:
+    epoch: int
+    batches: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEnd:
+    epochs: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ProducerFailed:
+    message: str
+
+
+def encode_batch(batch: Mapping[str, Any], *, epoch: int, seq: int, server_id: str) -> Item:
+    """An Item whose frames carry `batch`; the "__index__" key becomes the provenance ids."""
+    fields = {k: v for k, v in batch.items() if k != INDEX_KEY}
+    ids = batch.get(INDEX_KEY)
+    ids = None if ids is None else np.asarray(ids, dtype=np.int64).reshape(-1)
+    meta = wire.BatchMeta(epoch=epoch, seq=seq, server_id=server_id, sample_ids=ids)
+    frames = wire.encode(fields, meta)
+    num = len(ids) if ids is not None else _leading_dim(fields)
+    return Item(seq=seq, epoch=epoch, frames=frames, num_samples=num)
+
+
+def _leading_dim(fields: Mapping[str, Any]) -> int:
+    for v in fields.values():
+        shape = getattr(v, "shape", None)
+        if shape:
+            return int(shape[0])
+        if isinstance(v, (list, tuple)):
+            return len(v)
+    return 0
+
+
+class Producer:
+    """Runs epochs `start, start+1, ...` (`epochs` of them, or until stopped) on a thread."""
+
+    def __init__(
+        self,
+        factory: BatchFactory,
+        *,
+        server_id: str,
+        epochs: int | None,
+        start_epoch: int = 0,
+        prefetch: int = 4,
+    ):
+        self._factory = factory
+        self._server_id = server_id
+        self._epochs = epochs
+        self._start = start_epoch
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=max(prefetch, 1))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="crossfeed-producer", daemon=True)
+
+    def start(self) -> Producer:
+        self._thread.start()
+        return self
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        seq = 0
+        epoch = self._start
+        try:
+            while self._epochs is None or epoch < self._start + self._epochs:
+                count = 0
+                batches = self._factory(epoch)
+                try:
+                    for batch in batches:
+                        item = encode_batch(batch, epoch=epoch, seq=seq, server_id=self._server_id)
+                        if not self._put(item):
+                            return
+                        seq += 1
+                        count += 1
+                finally:
+                    close = getattr(batches, "close", None)
+                    if callable(close):
+                        close()
+                if count == 0:
+                    raise ValueError(f"the batch factory gave no batches for epoch {epoch}")
+                if not self._put(EpochEnd(epoch, count)):
+                    return
+                epoch += 1
+            self._put(StreamEnd(epoch - self._start))
+        except Exception as e:  # crosses the thread boundary wrapped, never swallowed
+            logger.exception("producing epoch %d failed", epoch)
+            self._put(ProducerFailed(f"epoch {epoch}: {type(e).__name__}: {e}"))
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("producer thread did not stop within %.1fs", timeout)

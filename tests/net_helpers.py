@@ -1,0 +1,159 @@
+"""Shared pieces of the network tests: synthetic batches, child processes, bounded waits.
+
+Child processes run `python -c "import net_helpers; net_helpers.<entry>(...)"`; every entry
+point here is what such a child runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+FAST_HB = {"heartbeat_interval": 0.1, "heartbeat_timeout": 2.0, "connect_timeout": 15.0}
+
+
+class Synthetic:
+    """factory(epoch) -> batches of `num_samples` samples; ids 0..n-1, values derived from ids."""
+
+    def __init__(self, num_samples: int = 64, batch_size: int = 8, shape=(4,), delay: float = 0.0,
+                 offset: int = 0):
+        self.num_samples, self.batch_size, self.shape = num_samples, batch_size, tuple(shape)
+        self.delay, self.offset = delay, offset
+
+    def __call__(self, epoch: int):
+        ids = np.arange(self.num_samples, dtype=np.int64) + self.offset
+        for start in range(0, self.num_samples, self.batch_size):
+            if self.delay:
+                time.sleep(self.delay)  # test pacing only: makes "mid-epoch" last long enough
+            chunk = ids[start : start + self.batch_size]
+            x = np.broadcast_to(chunk.reshape((-1,) + (1,) * len(self.shape)), (len(chunk),) + self.shape)
+            yield {
+                "x": np.ascontiguousarray(x, dtype=np.float32),
+                "label": (chunk % 10).astype(np.int64),
+                "name": [f"s{i}" for i in chunk],
+                "__index__": chunk,
+            }
+
+
+def child(entry: str, *args, log: Path) -> subprocess.Popen:
+    """Start `net_helpers.entry(*args)` in a fresh interpreter; stdout+stderr go to `log`."""
+    code = f"import net_helpers; net_helpers.{entry}(*{list(args)!r})"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
+    out = open(log, "wb")
+    try:
+        return subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT, env=env)
+    finally:
+        out.close()
+
+
+def stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+def wait_until(predicate, timeout: float, what: str, procs=()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        for p in procs:
+            if p.poll() is not None and p.returncode != 0:
+                raise AssertionError(f"child exited with {p.returncode} while waiting for {what}")
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def read_endpoint(path: Path, timeout: float = 20.0, procs=()) -> str:
+    return wait_until(lambda: path.exists() and path.read_text().strip(), timeout, f"endpoint in {path}", procs)
+
+
+def read_lines(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    return [line for line in path.read_text().splitlines() if line]
+
+
+def batches_in(path: Path) -> list[list[int]]:
+    return [json.loads(line) for line in read_lines(path) if line.startswith("[")]
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+# ---- child entry points ------------------------------------------------------------------
+
+def run_server(endpoint_file: str, address: str, num_samples: int, batch_size: int,
+               epochs, delay: float = 0.0, broadcast: str = "", shape=(4,), offset: int = 0) -> None:
+    import logging
+
+    from crossfeed.net import Heartbeat, Server, ServerOptions
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    opts = ServerOptions(
+        (address,), broadcast=(broadcast,) if broadcast else (), epochs=epochs,
+        heartbeat=Heartbeat(FAST_HB["heartbeat_interval"], FAST_HB["heartbeat_timeout"]),
+    )
+    with Server(Synthetic(num_samples, batch_size, shape, delay, offset), opts) as server:
+        _write_atomic(endpoint_file, " ".join(server.endpoints + server.broadcast_endpoints))
+        server.wait()
+        server.raise_if_failed()
+
+
+def run_trainer(addresses, out_file: str, stall_after=None, credits: int = 4) -> None:
+    """Consume batches, one JSON line of sample ids per batch (flushed before the next is asked
+    for); after `stall_after` batches, hold the last one forever (until killed)."""
+    import logging
+
+    from crossfeed.net import connect
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    with open(out_file, "a", buffering=1) as out, connect(addresses, credits=credits, with_meta=True, **FAST_HB) as c:
+        for n, (meta, _batch) in enumerate(c, 1):
+            out.write(json.dumps(meta.sample_ids.tolist()) + "\n")
+            out.flush()
+            if stall_after is not None and n >= stall_after:
+                while True:
+                    time.sleep(1)
+        out.write("END " + json.dumps([lost.address for lost in c.lost]) + "\n")
+
+
+def cli(*argv: str) -> None:
+    """The watch/serve commands as the lead's `crossfeed` app will expose them."""
+    import logging
+
+    import typer
+
+    from crossfeed.cli import net, watch
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    app = typer.Typer(pretty_exceptions_enable=False)
+    net.register(app)
+    watch.register(app)
+    app(list(argv), prog_name="crossfeed")
+
+
+def write_image_dataset(path: str, n: int = 20) -> None:
+    import crossfeed
+
+    samples = [{"image": np.full((8, 8, 3), i, np.uint8), "label": i} for i in range(n)]
+    crossfeed.write_dataset(path, samples, num_shards=2).close()
+
+
+def add_hundred(sample: dict) -> dict:
+    """A `--transform` for the CLI test."""
+    return {**sample, "label": sample["label"] + 100}

@@ -1,0 +1,109 @@
+"""`crossfeed serve | keygen | mon | stat | show`, end to end with real processes."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+import typer
+from PIL import Image
+from typer.testing import CliRunner
+
+from crossfeed.cli import net, watch
+from crossfeed.net import connect
+from net_helpers import FAST_HB, child, read_endpoint, stop, write_image_dataset
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def app():
+    a = typer.Typer()
+    net.register(a)
+    watch.register(a)
+    return a
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    path = tmp_path / "ds"
+    write_image_dataset(str(path), 20)
+    return str(path)
+
+
+def _serve(tmp_path, dataset, *extra):
+    ep = tmp_path / "ep"
+    proc = child("cli", "serve", dataset, "tcp://127.0.0.1:0", "--batch-size", "6",
+                 "--heartbeat-interval", "0.1", "--heartbeat-timeout", "2", "--endpoint-file", str(ep),
+                 *extra, log=tmp_path / "serve.log")
+    return proc, ep
+
+
+def test_serve_streams_the_loaders_batches_with_provenance(tmp_path, dataset):
+    proc, ep = _serve(tmp_path, dataset, "--epochs", "2", "--seed", "3",
+                      "--transform", "net_helpers:add_hundred", "--workers", "2")
+    try:
+        address = read_endpoint(ep, procs=[proc])
+        with connect(address, with_meta=True, **FAST_HB) as client:
+            got = [(m.epoch, m.sample_ids.tolist(), b["label"].tolist(), b["image"][:, 0, 0, 0].tolist())
+                   for m, b in client]
+        assert proc.wait(30) == 0, (tmp_path / "serve.log").read_text()
+    finally:
+        stop(proc)
+    for epoch in (0, 1):
+        ids = [i for e, b, _, _ in got if e == epoch for i in b]
+        assert sorted(ids) == list(range(20))
+    for _, ids, labels, pixels in got:
+        assert labels == [p + 100 for p in pixels]  # the transform ran
+    for epoch in (0, 1):
+        assert sorted(p for e, _, _, ps in got if e == epoch for p in ps) == list(range(20))
+    assert [b for e, b, _, _ in got if e == 0] != [b for e, b, _, _ in got if e == 1]  # reshuffled
+
+
+def test_serve_reports_a_bad_dataset_in_one_line(tmp_path, app):
+    result = CliRunner().invoke(app, ["serve", str(tmp_path / "nothing"), "tcp://127.0.0.1:0"])
+    assert result.exit_code != 0
+    result = CliRunner().invoke(app, ["serve", str(tmp_path), "tcp://127.0.0.1:0", "--transform", "nope"])
+    assert result.exit_code == 2 and "module:function" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_keygen_writes_key_pairs_and_refuses_to_overwrite(tmp_path, app):
+    runner = CliRunner()
+    result = runner.invoke(app, ["keygen", str(tmp_path / "k")])
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in (tmp_path / "k").iterdir())
+    assert names == ["client.key", "client.key_secret", "server.key", "server.key_secret"]
+    assert (tmp_path / "k" / "server.key_secret").stat().st_mode & 0o077 == 0
+    again = runner.invoke(app, ["keygen", str(tmp_path / "k"), "server"])
+    assert again.exit_code == 2 and "exists" in again.output
+
+
+def test_mon_stat_show_watch_a_broadcast_stream(tmp_path, dataset, app):
+    proc, ep = _serve(tmp_path, dataset, "--mode", "broadcast")  # endless until killed
+    try:
+        address = read_endpoint(ep, procs=[proc])
+        runner = CliRunner()
+        mon = runner.invoke(app, ["mon", address, "-c", "5", "--every", "0.1", "--timeout", "10"])
+        assert mon.exit_code == 0, mon.output
+        assert "total: 5 batches" in mon.output and "MB/s" in mon.output
+
+        stat = runner.invoke(app, ["stat", address, "-c", "4", "--timeout", "10"])
+        assert stat.exit_code == 0, stat.output
+        rows = {line.split()[0]: line for line in stat.output.splitlines()[1:]}
+        assert "uint8" in rows["image"] and "min=0 " in rows["image"] and "max=19 " in rows["image"]
+        assert "int64" in rows["label"] and "std=" in rows["label"]
+
+        png = tmp_path / "grid.png"
+        show = runner.invoke(app, ["show", address, "-o", str(png), "--timeout", "10"])
+        assert show.exit_code == 0, show.output
+        with Image.open(png) as img:
+            assert img.format == "PNG" and img.width >= 8 * 2 and img.height > 8
+            assert np.asarray(img).max() > 0
+    finally:
+        stop(proc)
+
+
+def test_watchers_report_a_dead_address_in_one_line(app, tmp_path):
+    result = CliRunner().invoke(app, ["stat", f"ipc://{tmp_path}/none.sock", "-c", "1", "--timeout", "0.5"])
+    assert result.exit_code == 2 and "no batch received" in result.output

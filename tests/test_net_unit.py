@@ -1,0 +1,119 @@
+"""The pure parts of the network plane: addresses, control envelopes, dispatch bookkeeping,
+watch statistics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zmq
+
+from crossfeed.errors import ConfigError, WireError
+from crossfeed.net import protocol as P
+from crossfeed.net.addresses import expand, expand_all
+from crossfeed.net.dispatch import Dispatcher, Item
+from crossfeed.net.observe import FieldStats, Rates, field_stats, image_grid
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_brace_expansion():
+    assert expand("tcp://127.0.0.1:78{80..83}") == [f"tcp://127.0.0.1:{p}" for p in range(7880, 7884)]
+    assert expand("ipc:///tmp/{a,b}-{1..2}") == ["ipc:///tmp/a-1", "ipc:///tmp/a-2", "ipc:///tmp/b-1", "ipc:///tmp/b-2"]
+    assert expand("x{03..1}") == ["x03", "x02", "x01"]
+    assert expand("plain{}") == ["plain{}"]
+    assert expand_all("tcp://h:{1,2} ipc://s") == ["tcp://h:1", "tcp://h:2", "ipc://s"]
+
+
+@pytest.mark.parametrize("bad", ["localhost:80", "http://x:1", "tcp://nohost", "tcp://h:{1..99999}", ""])
+def test_bad_addresses_are_config_errors(bad):
+    with pytest.raises(ConfigError):
+        expand_all(bad)
+
+
+def test_envelopes_round_trip_and_reject_garbage():
+    env = P.unpack(P.pack(P.Kind.ACK, 42, -1), P.CLIENT_KINDS)
+    assert (env.kind, env.a, env.b) == (P.Kind.ACK, 42, -1)
+    with pytest.raises(WireError, match="not expected"):
+        P.unpack(P.pack(P.Kind.BATCH), P.CLIENT_KINDS)
+    for junk in (b"", b"x" * 24, P.pack(P.Kind.ACK)[:-1]):
+        with pytest.raises(WireError):
+            P.unpack(junk, P.CLIENT_KINDS)
+    with pytest.raises(ConfigError):
+        P.Heartbeat(interval=2.0, timeout=1.0)
+
+
+def test_recv_bounded_drains_an_oversized_message_and_keeps_the_socket_usable():
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://bounded")
+        b.connect("inproc://bounded")
+        a.send_multipart([b"x"] * 10)
+        a.send_multipart([b"ok"])
+        assert b.poll(2000)
+        with pytest.raises(WireError, match="limit"):
+            P.recv_bounded(b, max_frames=3, max_bytes=100)
+        assert b.poll(2000)
+        assert [f.bytes for f in P.recv_bounded(b, max_frames=3, max_bytes=100)] == [b"ok"]
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+
+
+def _items(n, epoch=0):
+    return [Item(seq=i, epoch=epoch, frames=[], num_samples=1) for i in range(n)]
+
+
+def test_dispatch_respects_credit_and_round_robins():
+    d = Dispatcher(max_credit=8, timeout=5.0)
+    d.credit(b"a", 2, now=0.0)
+    d.credit(b"b", 1, now=0.0)
+    d.pending.extend(_items(5))
+    assert d.demand() == 0
+    got = [d.assign() for _ in range(4)]
+    assert [(p, i.seq) for p, i in got[:3]] == [(b"a", 0), (b"b", 1), (b"a", 2)]
+    assert got[3] is None  # everyone is full
+    assert d.ack(b"b", 1).seq == 1 and d.ack(b"b", 1) is None
+    assert d.assign()[0] == b"b"
+    assert d.in_flight() == 4
+
+
+def test_a_dead_peers_batches_go_back_to_the_front_and_its_late_acks_are_ignored():
+    d = Dispatcher(max_credit=64, timeout=1.0)
+    d.credit(b"slow", 10**9, now=0.0)  # clamped
+    assert d.peers[b"slow"].credit == 64
+    d.pending.extend(_items(3))
+    for _ in range(2):
+        d.assign()
+    d.credit(b"fast", 4, now=0.5)
+    assert d.expire(now=1.2) == [b"slow"]
+    assert [i.seq for i in d.pending] == [0, 1, 2]
+    assert d.ack(b"slow", 0) is None and not d.credit(b"slow", 1, now=2.0) and not d.seen(b"slow", 2.0)
+    assert [d.assign()[1].seq for _ in range(3)] == [0, 1, 2]
+    assert d.leave(b"fast") == 3 and [i.seq for i in d.pending] == [0, 1, 2]
+
+
+def test_field_stats_and_rates():
+    stats = field_stats([{"x": np.array([1.0, 3.0]), "t": ["ab", "c"]}, {"x": np.array([5.0, 7.0]), "t": ["d"]}])
+    x = stats["x"]
+    assert (x.min, x.max, x.mean) == (1.0, 7.0, 4.0) and x.std == pytest.approx(np.std([1, 3, 5, 7]))
+    assert x.dtypes == {"float64"} and x.shapes == {(2,)}
+    assert stats["t"].max == 2 and stats["t"].shapes == {(2,), (1,)}
+    assert "min=1 max=7" in x.row("x")
+    assert np.isnan(FieldStats().mean)
+    r = Rates(start=0.0)
+    r.add({"x": np.zeros((4, 10), np.uint8)})
+    assert r.per_second(2.0) == (0.5, 2.0, 20 / 1e6)
+
+
+def test_image_grid_lays_out_images_with_labels():
+    imgs = np.zeros((10, 6, 5, 3), np.uint8)
+    imgs[3] = 255
+    grid = image_grid({"img": imgs, "label": np.arange(10)}, columns=4)
+    assert grid.size == (4 * 5, 3 * (6 + 14))
+    pixels = np.asarray(grid)
+    assert pixels[0:6, 15:20].min() == 255 and pixels[0:6, 0:15].max() == 0  # image 3: row 0, col 3
+    assert pixels[6:20, 0:5].max() > 0  # a label is written under image 0
+    with pytest.raises(ConfigError):
+        image_grid({"label": np.arange(3)})
