@@ -182,7 +182,7 @@ def encode_sample(schema: Schema, sample: Mapping) -> bytes:
             continue
         if f.encoding is Encoding.TENSOR:
             arr = np.asarray(v)
-            if arr.dtype != np.dtype(f.dtype) or not _fits(arr.shape, f.shape):
+            if arr.dtype.newbyteorder("=") != np.dtype(f.dtype) or not _fits(arr.shape, f.shape):  # any byte order
                 raise SchemaError(f"feature {f.name!r}: got {arr.dtype}{list(arr.shape)}, the schema says {f.dtype}{list(f.shape)}")
             out[f.name] = (ex.BYTES, ex.encode_bytes_list([np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).tobytes()]))
             if not f.fixed:

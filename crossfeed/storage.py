@@ -84,7 +84,7 @@ class ShardFile:
         st = self.storage
         if st.remote:
             data = st.read(self.rel)
-            if tfrecord.is_gzip(self.rel):
+            if tfrecord.is_gzip(self.rel) or tfrecord.looks_gzip(data[: tfrecord.HEADER]):
                 import gzip
 
                 try:
@@ -94,7 +94,7 @@ class ShardFile:
             return data
         if not os.path.exists(self.path):
             raise DatasetNotFoundError(f"{self.path}: shard file is missing; restore it or rebuild with `crossfeed index`")
-        if tfrecord.is_gzip(self.rel):
+        if tfrecord.is_gzip(self.path):  # sniffed: adopted GZIP shards need not end in .gz
             return tfrecord.read_bytes(self.path)
         if os.path.getsize(self.path) == 0:
             return b""

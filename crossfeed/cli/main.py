@@ -21,7 +21,12 @@ app = typer.Typer(
 
 # Command-group modules, each with register(app). Imported lazily so `crossfeed --help` stays fast
 # and a missing optional extra (beam, …) only breaks the command that needs it.
-GROUPS = ("crossfeed.cli.dataset",)
+GROUPS = (
+    "crossfeed.cli.dataset",
+    "crossfeed.cli.convert",
+    "crossfeed.cli.net",
+    "crossfeed.cli.watch",
+)
 
 for _name in GROUPS:
     importlib.import_module(_name).register(app)

@@ -1,0 +1,1 @@
+"""Reproducible throughput comparisons: crossfeed against its peers, in one process tree."""

@@ -1,0 +1,201 @@
+"""Framing, index files and write_dataset/open_dataset round trips for every encoding."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import crossfeed
+from crossfeed import index as idx
+from crossfeed import tfrecord
+from crossfeed.errors import ConfigError, CorruptRecordError, SchemaError
+from crossfeed.manifest import MANIFEST
+from crossfeed.schema import Encoding, Feature, Schema
+
+from conftest import mixed_samples
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_record_writer_round_trip(tmp_path, compress):
+    payloads = [os.urandom(n) for n in (0, 1, 7, 300, 70_000)] * 3
+    path = tmp_path / ("s.tfrecord" + (".gz" if compress else ""))
+    with tfrecord.RecordWriter(path, compress=compress) as w:
+        for p in payloads:
+            w.write(p)
+    raw = path.read_bytes()
+    assert tfrecord.is_gzip(path) is compress and (raw[:2] == b"\x1f\x8b") is compress
+    assert w.num_bytes == len(raw)
+    stream = tfrecord.read_bytes(path)
+    assert (gzip.decompress(raw) if compress else raw) == stream
+    assert [bytes(p) for _, p in tfrecord.records(stream, str(path))] == payloads
+    assert list(tfrecord.scan(stream, str(path))) == w.offsets
+    for (off, n), p in zip(w.offsets, payloads):
+        assert bytes(tfrecord.unframe(stream, off, n, str(path))) == p
+
+
+def test_gzip_detected_by_content_not_name(tmp_path):
+    path = tmp_path / "plainname.tfrecord"
+    with tfrecord.RecordWriter(tmp_path / "x.gz", compress=True) as w:
+        w.write(b"hello")
+    os.replace(tmp_path / "x.gz", path)
+    assert tfrecord.is_gzip(path)
+    assert [bytes(p) for _, p in tfrecord.records(tfrecord.read_bytes(path), "p")] == [b"hello"]
+
+
+def test_plain_record_starting_with_gzip_magic_is_not_gzip():
+    rec = tfrecord.frame(b"z" * 0x8B1F)  # the length field starts 1f 8b
+    assert rec[:2] == b"\x1f\x8b" and not tfrecord.looks_gzip(rec[:12])
+
+
+def test_frame_layout_and_crc32c_check_value():
+    rec = tfrecord.frame(b"abc")
+    assert len(rec) == 19 and rec[:8] == (3).to_bytes(8, "little") and rec[12:15] == b"abc"
+    assert int.from_bytes(rec[8:12], "little") == tfrecord.masked_crc(rec[:8])
+    assert tfrecord.masked_crc(b"") == 0xA282EAD8
+    assert tfrecord.masked_crc(b"123456789") == (((0xE3069283 >> 15) | (0xE3069283 << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def test_scan_many_batches_and_errors():
+    payloads = [bytes([i % 251]) * (i % 50) for i in range(10_000)]
+    buf = b"".join(tfrecord.frame(p) for p in payloads)
+    got = list(tfrecord.records(buf, "f", batch=333))
+    assert [bytes(p) for _, p in got] == payloads
+    bad_at = got[4321][0]
+    for pos, reason in ((bad_at + 2, "length CRC"), (bad_at + 9, "length CRC"), (bad_at + 12, "payload CRC")):
+        broken = bytearray(buf)
+        broken[pos] ^= 0x40
+        seen = []
+        with pytest.raises(CorruptRecordError, match=reason) as e:
+            for off, _ in tfrecord.records(bytes(broken), "f", batch=333):
+                seen.append(off)
+        assert e.value.offset == bad_at and e.value.path == "f" and len(seen) == 4321
+    with pytest.raises(CorruptRecordError, match="truncated") as e:
+        list(tfrecord.records(buf[:-1], "f"))
+    assert e.value.offset == got[-1][0]
+
+
+def test_index_file_round_trip(tmp_path):
+    offsets = [(0, 16), (16, 116), (132, 20)]
+    p = tmp_path / "a.idx"
+    idx.write_index(p, offsets)
+    assert p.read_text() == "0 16\n16 116\n132 20\n"
+    assert idx.read_index(p).tolist() == [list(o) for o in offsets]
+    p.write_text("0 16\n5\n")
+    with pytest.raises(crossfeed.IndexFileError, match="a.idx"):
+        idx.read_index(p)
+
+
+def _png(arr: np.ndarray) -> bytes:
+    b = io.BytesIO()
+    Image.fromarray(arr).save(b, format="PNG")
+    return b.getvalue()
+
+
+def _assert_equal(a, b):
+    if isinstance(b, (bytes, str)):
+        assert a == b
+    elif isinstance(b, list) and b and isinstance(b[0], (bytes, str)):
+        assert list(a) == b
+    else:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if isinstance(b, np.ndarray):
+            assert np.asarray(a).dtype == b.dtype
+
+
+DTYPES = ["uint8", "int8", "uint16", "int16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bool", "complex64"]
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_write_open_round_trip_every_encoding(tmp_path, compress):
+    rng = np.random.default_rng(1)
+    pixels = [rng.integers(0, 255, (6, 5, 3), dtype=np.uint8) for _ in range(12)]
+    samples = []
+    for i in range(12):
+        s = {f"t_{d}": (rng.standard_normal((2, 3)) * 50).astype(d) for d in DTYPES}
+        s.update(
+            var=rng.standard_normal((i % 3 + 1, 4)).astype(np.float32),
+            ints=np.arange(i % 5, dtype=np.int64) - 2**62,
+            floats=(np.arange(i % 4) / 3).astype(np.float32),
+            scalar_i=np.int64(-i), scalar_f=np.float32(i * 0.5),
+            blob=os.urandom(i), text=f"héllo {i}", words=[f"w{i}", "x"],
+            img=_png(pixels[i]),
+        )
+        samples.append(s)
+    schema = Schema([Feature(f"t_{d}", d, (2, 3), Encoding.TENSOR) for d in DTYPES] + [
+        Feature("var", "float32", (None, 4), Encoding.TENSOR),
+        Feature("ints", "int64", (None,), Encoding.INT64),
+        Feature("floats", "float32", (None,), Encoding.FLOAT),
+        Feature("scalar_i", "int64", (), Encoding.INT64),
+        Feature("scalar_f", "float32", (), Encoding.FLOAT),
+        Feature("blob", "bytes", (), Encoding.BYTES),
+        Feature("text", "string", (), Encoding.BYTES),
+        Feature("words", "string", (2,), Encoding.BYTES),
+        Feature("img", "uint8", (6, 5, 3), Encoding.IMAGE),
+    ])
+    with crossfeed.write_dataset(tmp_path / "d", samples, schema=schema, num_shards=4, compress=compress) as ds:
+        assert ds.schema == schema and len(ds["train"]) == 12
+        for shard in ds.splits["train"].shards:
+            assert shard.file.endswith(".tfrecord.gz" if compress else ".tfrecord")
+        for i, s in enumerate(samples):
+            got = ds["train"][(i % 4) * 3 + i // 4]  # round-robin: sample i is in shard i % 4
+            for k, v in s.items():
+                _assert_equal(got[k], pixels[i] if k == "img" else v)
+        assert [r["scalar_i"] for r in ds["train"]] == [-i for i in (0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11)]
+
+
+def test_inferred_schema_and_variable_lists(tmp_path, mixed_dataset):
+    root, samples = mixed_dataset
+    with crossfeed.open_dataset(root) as ds:
+        sch = ds.schema
+        assert sch["image"] == Feature("image", "uint8", (4, 5, 3), Encoding.TENSOR)
+        assert sch["tokens"].shape == (None,) and sch["label"].shape == ()
+        assert sch["name"].dtype == "string"
+        got = sorted((r for r in ds["train"]), key=lambda r: r["label"])
+        for g, s in zip(got, samples):
+            for k in s:
+                _assert_equal(g[k], s[k])
+        assert ds["train"].info.statistics["label"]["max"] == 29
+
+
+def test_add_and_replace_splits(tmp_path, mixed_dataset):
+    root, samples = mixed_dataset
+    crossfeed.write_dataset(root, samples[:5], split="test", num_shards=2).close()
+    with crossfeed.open_dataset(root) as ds:
+        assert {k: len(ds[k]) for k in ds.splits} == {"train": 30, "test": 5}
+    crossfeed.write_dataset(root, samples[10:13], split="train", num_shards=1).close()
+    with crossfeed.open_dataset(root) as ds:
+        assert {k: len(ds[k]) for k in ds.splits} == {"train": 3, "test": 5}
+        assert [r["label"] for r in ds["train"]] == [10, 11, 12]
+    names = sorted(os.listdir(root))
+    assert names == sorted([MANIFEST, "train-00000-of-00001.tfrecord", "train-00000-of-00001.tfrecord.idx",
+                            "test-00000-of-00002.tfrecord", "test-00000-of-00002.tfrecord.idx",
+                            "test-00001-of-00002.tfrecord", "test-00001-of-00002.tfrecord.idx"])
+    with pytest.raises(SchemaError, match="other types"):
+        crossfeed.write_dataset(root, [{"other": 1.0}], split="train")
+
+
+def test_failed_write_leaves_nothing(tmp_path, mixed_dataset):
+    def boom(n):
+        yield from mixed_samples(n)
+        raise RuntimeError("source failed")
+
+    fresh = tmp_path / "fresh"
+    with pytest.raises(RuntimeError, match="source failed"):
+        crossfeed.write_dataset(fresh, boom(20), num_shards=3)
+    assert os.listdir(fresh) == []
+    with pytest.raises(crossfeed.DatasetNotFoundError):
+        crossfeed.open_dataset(fresh)
+
+    root, _ = mixed_dataset  # replacing a split that fails half-way keeps the old one intact
+    before = {n: (root / n).read_bytes() for n in os.listdir(root)}
+    with pytest.raises(RuntimeError):
+        crossfeed.write_dataset(root, boom(7), split="train", shard_size=100)
+    assert {n: (root / n).read_bytes() for n in os.listdir(root)} == before
+    with pytest.raises(ConfigError):
+        crossfeed.write_dataset(tmp_path / "empty", [])
+    assert os.listdir(tmp_path / "empty") == []
