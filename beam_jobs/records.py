@@ -1,0 +1,170 @@
+"""What flows through a conversion job, a batch at a time.
+
+Sources yield `SampleBatch` (a chunk of samples held in columns, each sample with a stable string
+key). `encode_batch` turns one into `Part`s (per split: key hashes, keys, serialised
+``tf.train.Example`` payloads) and a `Summary` (per split: bucket histogram, byte count, feature
+statistics; the batch's schema). Working on batches rather than single samples is what keeps
+Beam's per-element cost out of the conversion rate.
+
+Hashes are blake2b of the UTF-8 key (never Python's salted ``hash()``): the first 64 bits order
+records within a split (the write-time shuffle; a nonzero ``seed`` keys the hash), the second
+64 bits pick the split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from crossfeed.errors import SchemaError
+from crossfeed.schema import Encoding, Feature, Schema, encode_sample, infer_schema
+from crossfeed.stats import FeatureStats
+
+BUCKET_BITS = 16  # the plan counts records per bucket of the top bits of the shuffle hash
+NUM_BUCKETS = 1 << BUCKET_BITS
+
+
+@dataclass
+class SampleBatch:
+    """A chunk of samples: ``columns[name][i]`` is feature ``name`` of sample ``keys[i]``.
+
+    ``batch_id`` must be unique in the job (built-in sources derive it from file and chunk, so it
+    is also stable). ``shapes`` optionally gives decoded shapes of image features for statistics;
+    ``skipped`` counts the bad records the source dropped while making this batch.
+    """
+
+    batch_id: str
+    keys: list[str]
+    columns: dict[str, object]
+    shapes: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
+    skipped: int = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def take(self, idx: np.ndarray) -> SampleBatch:
+        """The samples at positions ``idx``, in that order."""
+        ids = idx.tolist()
+        cols = {k: (v[idx] if isinstance(v, np.ndarray) else [v[i] for i in ids]) for k, v in self.columns.items()}
+        shapes = {k: [v[i] for i in ids] for k, v in self.shapes.items()}
+        return SampleBatch(self.batch_id, [self.keys[i] for i in ids], cols, shapes)
+
+
+@dataclass
+class Part:
+    """The records of one batch that belong to one split."""
+
+    split: str
+    hashes: np.ndarray  # uint64 shuffle hash per record
+    keys: list[str]
+    payloads: list[bytes]
+
+    def take(self, idx: np.ndarray) -> Part:
+        ids = idx.tolist()
+        return Part(self.split, self.hashes[idx], [self.keys[i] for i in ids], [self.payloads[i] for i in ids])
+
+
+@dataclass
+class Summary:
+    """The small facts about one batch that the shard plan needs."""
+
+    batch_id: str
+    buckets: dict[str, tuple[np.ndarray, np.ndarray]]  # split -> (bucket ids, record counts)
+    num_bytes: dict[str, int]
+    stats: dict[str, dict[str, FeatureStats]]
+    schema: Schema
+    skipped: int = 0
+
+
+def key_hashes(keys: list[str], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(shuffle_hash, split_hash)``, two uint64 arrays, pure functions of the keys (and seed)."""
+    digests = b"".join(hashlib.blake2b(k.encode(), digest_size=16, person=b"crossfeed.key").digest() for k in keys)
+    both = np.frombuffer(digests, dtype=">u8").reshape(-1, 2).astype(np.uint64)
+    shuffle = both[:, 0]
+    if seed:
+        salt = str(int(seed)).encode()
+        keyed = b"".join(hashlib.blake2b(k.encode(), digest_size=8, key=salt, person=b"crossfeed.seed").digest() for k in keys)
+        shuffle = np.frombuffer(keyed, dtype=">u8").astype(np.uint64)
+    return np.ascontiguousarray(shuffle), np.ascontiguousarray(both[:, 1])
+
+
+def batch_schema(batch: SampleBatch) -> Schema:
+    """The schema a batch's own values imply (for inputs that declare none)."""
+    names = list(batch.columns)
+    return infer_schema({n: batch.columns[n][i] for n in names} for i in range(len(batch)))
+
+
+def encode_batch(batch: SampleBatch, schema: Schema | None, assign, seed: int = 0) -> tuple[list[Part], Summary]:
+    """Encode every sample of ``batch``; ``assign(split_hashes) -> (names, index array)`` picks
+    each record's split (see `splits.SplitSpec.assign`)."""
+    if schema is None:
+        schema = batch_schema(batch)
+    names = schema.names
+    missing = [n for n in names if n not in batch.columns]
+    if missing or len(batch.columns) != len(names):
+        raise SchemaError(f"batch {batch.batch_id}: columns {sorted(batch.columns)} differ from the schema {names}")
+    cols = [batch.columns[n] for n in names]
+    payloads = []
+    for i, key in enumerate(batch.keys):
+        try:
+            payloads.append(encode_sample(schema, {n: c[i] for n, c in zip(names, cols)}))
+        except SchemaError as e:
+            raise SchemaError(f"sample {key!r}: {e}") from None
+    shuffle, split_h = key_hashes(batch.keys, seed)
+    split_names, which = assign(split_h)
+    parts: list[Part] = []
+    summary = Summary(batch.batch_id, {}, {}, {}, schema, batch.skipped)
+    everything = len(split_names) == 1
+    for s, name in enumerate(split_names):
+        idx = np.arange(len(batch)) if everything else np.flatnonzero(which == s)
+        if not len(idx):
+            continue
+        part = Part(name, shuffle, batch.keys, payloads) if everything else Part(name, shuffle, batch.keys, payloads).take(idx)
+        parts.append(part)
+        buckets, counts = np.unique((part.hashes >> np.uint64(64 - BUCKET_BITS)).astype(np.int64), return_counts=True)
+        summary.buckets[name] = (buckets, counts.astype(np.int64))
+        summary.num_bytes[name] = sum(len(p) for p in part.payloads)
+        summary.stats[name] = batch_stats(schema, batch if everything else batch.take(idx))
+    return parts, summary
+
+
+def batch_stats(schema: Schema, batch: SampleBatch) -> dict[str, FeatureStats]:
+    """Per-feature `FeatureStats` of a batch, vectorised where the column is a fixed-shape array.
+
+    Numbers ignore NaN (a missing CSV/Parquet float) in min/max/mean; ``count`` counts samples.
+    """
+    out = {}
+    n = len(batch)
+    for f in schema:
+        col = batch.columns[f.name]
+        st = FeatureStats()
+        if f.encoding is Encoding.IMAGE:
+            st.count = n
+            for shape in batch.shapes.get(f.name, ()):
+                st.add_shape(shape)
+        elif f.encoding is Encoding.BYTES and not f.shape:
+            st.count = n
+        elif isinstance(col, np.ndarray) and col.dtype.kind in "biuf" and f.fixed:
+            _array_stats(st, col, n, f)
+        else:
+            for v in (col if not isinstance(col, np.ndarray) else list(col)):
+                st.add(v)
+        out[f.name] = st
+    return out
+
+
+def _array_stats(st: FeatureStats, col: np.ndarray, n: int, f: Feature) -> None:
+    st.count = n
+    if col.ndim > 1:
+        st.shapes["x".join(str(d) for d in col.shape[1:])] = n
+    vals = col.astype(np.float64, copy=False) if col.dtype.kind == "f" else col
+    ok = ~np.isnan(vals) if vals.dtype.kind == "f" else None
+    size = int(ok.sum()) if ok is not None else int(vals.size)
+    if not size:
+        return
+    st.min = float(np.nanmin(vals)) if ok is not None else float(vals.min())
+    st.max = float(np.nanmax(vals)) if ok is not None else float(vals.max())
+    st.total = float(np.nansum(vals, dtype=np.float64)) if ok is not None else float(vals.sum(dtype=np.float64))
+    st.n_values = size

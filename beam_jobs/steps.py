@@ -1,0 +1,243 @@
+"""The DoFns of `WriteDataset` (see write.py for how they are wired), each one job:
+
+``Encode``      SampleBatch                      -> (batch_id, Encoded: Parts + Summary)
+``Plan``        (0, [Summary…, begin marker])    -> ("route", batch_id, tables) / ("shard", (split, i), ShardPlan) / ("commit", CommitInfo)
+``Route``       (batch_id, [Parts, tables])      -> ((split, i), ("piece", Part))
+``WriteShard``  ((split, i), [ShardPlan, Part…]) -> (0, ("staged", split, i, StagedShard))
+``Commit``      (0, [CommitInfo, staged…])       -> WriteResult
+
+No DoFn uses side inputs, tagged outputs or ``finish_bundle`` output: every runner, DaskRunner
+included, executes them the same way, and each output is a pure function of the data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field
+
+import apache_beam as beam
+import numpy as np
+
+from crossfeed.beam_jobs import plan as planning
+from crossfeed.beam_jobs.commit import commit_splits, remove_temporaries
+from crossfeed.beam_jobs.policy import EmptyInputError, ErrorPolicy
+from crossfeed.beam_jobs.records import NUM_BUCKETS, Part, SampleBatch, Summary, encode_batch
+from crossfeed.beam_jobs.splits import SplitSpec
+from crossfeed.errors import ConfigError, CrossfeedError, SchemaError
+from crossfeed.schema import Schema, widen
+from crossfeed.stats import FeatureStats
+from crossfeed.writer import ShardSink, StagedShard
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WriteConfig:
+    """Everything the write steps need; validated where it is made."""
+
+    root: str
+    token: str
+    splits: SplitSpec
+    num_shards: int | None = None
+    shard_size: int = 256 << 20
+    schema: Schema | None = None
+    compress: bool = False
+    metadata: dict = field(default_factory=dict)
+    seed: int = 0
+    policy: ErrorPolicy = ErrorPolicy()
+    progress: bool = False
+
+    def __post_init__(self):
+        if self.num_shards is not None and self.num_shards < 1:
+            raise ConfigError(f"num_shards must be >= 1, got {self.num_shards}")
+        if self.shard_size < 1:
+            raise ConfigError(f"shard_size must be >= 1 byte, got {self.shard_size}")
+        if not self.token or not self.token.isalnum():
+            raise ConfigError(f"job token must be alphanumeric, got {self.token!r}")
+
+    @property
+    def progress_dir(self) -> str:
+        return os.path.join(self.root, f".tmp-{self.token}.progress")
+
+
+@dataclass
+class CommitInfo:
+    schema: Schema
+    num_shards: dict[str, int]
+    statistics: dict[str, dict]
+    skipped: int
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """What a job wrote: samples and shards per split, bytes in all."""
+
+    root: str
+    samples: dict[str, int]
+    shards: dict[str, int]
+    num_bytes: int
+    skipped: int
+
+
+class EncodeDoFn(beam.DoFn):
+    def __init__(self, cfg: WriteConfig):
+        self.cfg = cfg
+
+    def process(self, batch: SampleBatch):
+        parts, summary = encode_batch(batch, self.cfg.schema, self.cfg.splits.assign, self.cfg.seed)
+        if self.cfg.progress:
+            _report_progress(self.cfg.progress_dir, batch.batch_id, len(batch), sum(summary.num_bytes.values()))
+        yield batch.batch_id, (parts, summary)
+
+
+def _report_progress(folder: str, batch_id: str, samples: int, num_bytes: int) -> None:
+    """One small file per batch; `job.watch_progress` adds them up. Best effort."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        name = hashlib.blake2b(batch_id.encode(), digest_size=8).hexdigest()
+        tmp = os.path.join(folder, f".{name}")
+        with open(tmp, "w") as f:
+            f.write(f"{samples} {num_bytes}\n")
+        os.replace(tmp, os.path.join(folder, name))
+    except OSError as e:
+        log.debug("progress report failed: %s", e)
+
+
+class PlanDoFn(beam.DoFn):
+    """Merges every batch's summary in batch-id order (so statistics are the same on any runner)
+    and lays out the shards of every split."""
+
+    def __init__(self, cfg: WriteConfig):
+        self.cfg = cfg
+
+    def process(self, element):
+        values = list(element[1])
+        summaries = sorted((v for tag, v in values if tag == "summary"), key=lambda s: s.batch_id)
+        cfg = self.cfg
+        if not summaries:
+            raise EmptyInputError(f"{cfg.root}: the input produced no samples; nothing was written")
+        hist = {name: np.zeros(NUM_BUCKETS, dtype=np.int64) for name in cfg.splits.names}
+        nbytes = dict.fromkeys(cfg.splits.names, 0)
+        stats: dict[str, dict[str, FeatureStats]] = {name: {} for name in cfg.splits.names}
+        schema = cfg.schema
+        feats: dict = {}
+        for s in summaries:
+            for name, (buckets, counts) in s.buckets.items():
+                np.add.at(hist[name], buckets, counts)
+                nbytes[name] += s.num_bytes[name]
+                for k, st in s.stats[name].items():
+                    stats[name][k] = stats[name][k].merge(st) if k in stats[name] else st
+            if cfg.schema is None:
+                feats = _widen_schema(feats, s)
+        schema = schema if schema is not None else Schema(feats.values())
+        skipped = sum(s.skipped for s in summaries)
+        cfg.policy.check_total(skipped, cfg.root)
+        total = sum(int(h.sum()) for h in hist.values())
+        num_shards, tables = {}, {}
+        for name in cfg.splits.names:
+            count = int(hist[name].sum())
+            if not count:
+                raise EmptyInputError(f"{cfg.root}: split {name!r} received none of the {total} samples; "
+                                      f"give it a larger ratio or convert more data")
+            n = planning.num_shards_for(name, count, nbytes[name], num_shards=cfg.num_shards, shard_size=cfg.shard_size)
+            num_shards[name] = n
+            plans = planning.plan_split(name, hist[name], n)
+            tables[name] = planning.route_table(plans)
+            for p in plans:
+                yield "shard", (name, p.index), p
+        for s in summaries:
+            yield "route", s.batch_id, {name: tables[name] for name in s.buckets}
+        statistics = {name: {k: v.to_json() for k, v in st.items()} for name, st in stats.items()}
+        yield "commit", 0, CommitInfo(schema, num_shards, statistics, skipped)
+
+
+def _widen_schema(feats: dict, s: Summary) -> dict:
+    if feats and set(feats) != set(s.schema.names):
+        raise SchemaError(f"batch {s.batch_id} has features {sorted(s.schema.names)}, earlier ones {sorted(feats)}; "
+                          f"every sample needs the same features, or pass schema=")
+    out = dict(feats)
+    for f in s.schema:
+        out[f.name] = widen(out[f.name], f) if f.name in out else f
+    return out
+
+
+def route_batch(element):
+    batch_id, values = element[0], list(element[1])
+    parts = [v for tag, v in values if tag == "parts"]
+    tables = [v for tag, v in values if tag == "table"]
+    if len(parts) != 1 or len(tables) != 1:
+        raise CrossfeedError(f"batch {batch_id!r}: expected one batch and one plan, got {len(parts)} and {len(tables)}; "
+                             f"are two batches using the same id?")
+    for part in parts[0]:
+        for shard, piece in planning.route(part, tables[0][part.split]):
+            yield (part.split, shard), ("piece", piece)
+
+
+class WriteShardDoFn(beam.DoFn):
+    """Sorts what one shard received and writes its ranks ``[lo, hi)`` to a staged shard."""
+
+    def __init__(self, cfg: WriteConfig):
+        self.cfg = cfg
+
+    def process(self, element):
+        (split, index), values = element[0], list(element[1])
+        plans = [v for tag, v in values if tag == "plan"]
+        pieces: list[Part] = [v for tag, v in values if tag == "piece"]
+        if len(plans) != 1:
+            raise CrossfeedError(f"shard {index} of split {split!r}: expected one plan, got {len(plans)}")
+        p: planning.ShardPlan = plans[0]
+        hashes = np.concatenate([x.hashes for x in pieces]) if pieces else np.zeros(0, np.uint64)
+        keys = [k for x in pieces for k in x.keys]
+        payloads = [b for x in pieces for b in x.payloads]
+        if len(keys) != p.end_offset - p.first_offset:
+            raise CrossfeedError(f"shard {index} of split {split!r}: received {len(keys)} records, the plan expects "
+                                 f"{p.end_offset - p.first_offset}; the runner lost or repeated data")
+        order = planning.sorted_order(hashes, keys, split)
+        os.makedirs(self.cfg.root, exist_ok=True)
+        sink = ShardSink(self.cfg.root, f"{self.cfg.token}-{split}-{index:05d}", compress=self.cfg.compress)
+        try:
+            for i in order[p.lo - p.first_offset : p.hi - p.first_offset].tolist():
+                sink.write(payloads[i])
+            staged = sink.finish()
+        except BaseException:
+            sink.abort()
+            raise
+        yield 0, ("staged", split, index, staged)
+
+
+class CommitDoFn(beam.DoFn):
+    """Checks every planned shard was staged, commits all splits, removes temporaries."""
+
+    def __init__(self, cfg: WriteConfig):
+        self.cfg = cfg
+
+    def process(self, element):
+        values = list(element[1])
+        cfg = self.cfg
+        infos = [v[1] for v in values if v[0] == "commit"]
+        staged_items = [v[1:] for v in values if v[0] == "staged"]
+        staged: dict[str, list[StagedShard | None]] = {}
+        if len(infos) == 1:
+            staged = {name: [None] * n for name, n in infos[0].num_shards.items()}
+        try:
+            if len(infos) != 1:
+                raise CrossfeedError(f"{cfg.root}: expected one commit record, got {len(infos)}")
+            for split, index, shard in staged_items:
+                staged[split][index] = shard
+            missing = [(n, i) for n, lst in staged.items() for i, s in enumerate(lst) if s is None]
+            if missing:
+                raise CrossfeedError(f"{cfg.root}: shards {missing} were never written; the runner lost work")
+            info = infos[0]
+            meta = dict(cfg.metadata)
+            meta["skipped_records"] = info.skipped
+            manifest = commit_splits(cfg.root, staged, info.schema, compress=cfg.compress,
+                                     statistics=info.statistics, metadata=meta)
+        except BaseException:
+            remove_temporaries(cfg.root, token=cfg.token)
+            raise
+        remove_temporaries(cfg.root)  # this job's progress files and any stale job's leftovers
+        yield WriteResult(cfg.root, {k: v.num_records for k, v in manifest.splits.items() if k in staged},
+                          {k: len(v) for k, v in staged.items()},
+                          sum(v.num_bytes for k, v in manifest.splits.items() if k in staged), info.skipped)

@@ -1,0 +1,69 @@
+"""A conversion killed half-way (SIGKILL after its first shard is staged) leaves no dataset a
+reader accepts, and the next run replaces everything cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytest.importorskip("apache_beam")
+
+from crossfeed import DatasetNotFoundError, open_dataset  # noqa: E402
+from crossfeed.beam_jobs.job import convert, make_source  # noqa: E402
+
+KILLER = textwrap.dedent("""
+    import os, signal, sys
+    from crossfeed.beam_jobs import steps
+    from crossfeed.beam_jobs.job import convert, make_source
+
+    real = steps.WriteShardDoFn.process
+
+    def process(self, element):
+        for out in real(self, element):
+            os.kill(os.getpid(), signal.SIGKILL)  # killed with one shard staged, before the commit
+            yield out
+
+    steps.WriteShardDoFn.process = process
+    convert(make_source("numpy", sys.argv[1]), sys.argv[2], num_shards=4)
+""")
+
+
+def run_killed(tmp_path, src, out):
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER)
+    proc = subprocess.run([sys.executable, str(script), str(src), str(out)], capture_output=True, timeout=240)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+
+
+def test_killed_conversion_leaves_nothing_readable_and_rerun_is_clean(tmp_path):
+    np.save(tmp_path / "x.npy", np.arange(400, dtype=np.int64))
+    out = tmp_path / "out"
+    run_killed(tmp_path, tmp_path / "x.npy", out)
+    leftovers = os.listdir(out)
+    assert any(f.startswith(".tmp-") for f in leftovers) and "crossfeed.json" not in leftovers
+    with pytest.raises(DatasetNotFoundError):
+        open_dataset(out)
+    r = convert(make_source("numpy", tmp_path / "x.npy"), out, num_shards=4)
+    assert r.total_samples == 400
+    assert sorted(os.listdir(out)) == sorted(["crossfeed.json"] + [f"train-{i:05d}-of-00004.tfrecord{x}"
+                                                                    for i in range(4) for x in ("", ".idx")])
+
+
+def test_killed_rewrite_keeps_the_old_dataset_whole(tmp_path):
+    np.save(tmp_path / "x.npy", np.arange(100, dtype=np.int64))
+    out = tmp_path / "out"
+    convert(make_source("numpy", tmp_path / "x.npy"), out, num_shards=2)
+    np.save(tmp_path / "x.npy", np.arange(1000, 1300, dtype=np.int64))
+    run_killed(tmp_path, tmp_path / "x.npy", out)
+    old = open_dataset(out)  # the commit never started: the old dataset is intact and consistent
+    assert sorted(int(s["x"]) for s in old["train"]) == list(range(100))
+    convert(make_source("numpy", tmp_path / "x.npy"), out, num_shards=3)
+    new = open_dataset(out)
+    assert sorted(int(s["x"]) for s in new["train"]) == list(range(1000, 1300))
+    assert not [f for f in os.listdir(out) if f.startswith(".tmp-") or "-of-00002" in f]

@@ -1,0 +1,143 @@
+"""WriteDataset and its steps, run as real Beam pipelines (TestPipeline + assert_that)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+beam = pytest.importorskip("apache_beam")
+
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner  # noqa: E402
+from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline  # noqa: E402
+from apache_beam.testing.util import assert_that, equal_to  # noqa: E402
+
+from crossfeed import DatasetNotFoundError, open_dataset  # noqa: E402
+from crossfeed.beam_jobs.arrays import NumpySource  # noqa: E402
+from crossfeed.beam_jobs.job import convert  # noqa: E402
+from crossfeed.beam_jobs.policy import DuplicateKeyError, EmptyInputError  # noqa: E402
+from crossfeed.beam_jobs.records import SampleBatch, key_hashes  # noqa: E402
+from crossfeed.beam_jobs.splits import SplitSpec  # noqa: E402
+from crossfeed.beam_jobs.steps import EncodeDoFn, WriteConfig  # noqa: E402
+from crossfeed.beam_jobs.write import WriteDataset  # noqa: E402
+from crossfeed.schema import Encoding, Feature, Schema  # noqa: E402
+
+
+def pipeline():
+    return BeamTestPipeline(runner=FnApiRunner())
+
+
+def pairs(n, offset=0):
+    return [(f"s{i:05d}", {"x": np.int64(i), "v": np.arange(3, dtype=np.float32) + i, "name": f"n{i}"})
+            for i in range(offset, offset + n)]
+
+
+def shard_files(root):
+    return {f: hashlib.sha256(open(os.path.join(root, f), "rb").read()).hexdigest()
+            for f in sorted(os.listdir(root)) if ".tfrecord" in f}
+
+
+def test_encode_step_splits_each_batch_by_key_hash(tmp_path):
+    schema = Schema([Feature("x", "int64", (), Encoding.INT64)])
+    cfg = WriteConfig(str(tmp_path), "t0", SplitSpec.parse("a=0.5,b=0.5"), schema=schema)
+    batches = [SampleBatch(f"b{j}", [f"k{j}-{i}" for i in range(50)], {"x": np.arange(50)}) for j in range(3)]
+
+    def summarise(kv):
+        parts, summary = kv[1]
+        return kv[0], sorted((p.split, len(p.keys)) for p in parts), sum(int(c.sum()) for _, c in summary.buckets.values())
+
+    expected = []
+    for b in batches:
+        _, h = key_hashes(b.keys)
+        names, which = cfg.splits.assign(h)
+        expected.append((b.batch_id, sorted((n, int(np.sum(which == i))) for i, n in enumerate(names) if np.any(which == i)), 50))
+    with pipeline() as p:
+        out = p | beam.Create(batches) | beam.ParDo(EncodeDoFn(cfg)) | beam.Map(summarise)
+        assert_that(out, equal_to(expected))
+
+
+def test_write_dataset_from_pairs(tmp_path):
+    data = pairs(300)
+    with pipeline() as p:
+        result = p | beam.Create(data) | WriteDataset(tmp_path, splits="train=0.8,test=0.2", num_shards=4)
+        assert_that(result | beam.Map(lambda r: (sum(r.samples.values()), r.shards)),
+                    equal_to([(300, {"train": 4, "test": 4})]))
+    ds = open_dataset(tmp_path)
+    assert ds.schema.names == ["x", "v", "name"]
+    got = {}
+    for split in ("train", "test"):
+        counts = [s.num_records for s in ds.splits[split].shards]
+        assert max(counts) - min(counts) <= 1
+        for sample in ds[split]:
+            got[sample["name"]] = (split, int(sample["x"]), sample["v"].tolist())
+        # the write-time shuffle: records in (hash, key) order across the shards of the split
+        xs = [f"s{int(s['x']):05d}" for s in ds[split]]
+        h, _ = key_hashes(xs)
+        assert np.all(np.diff(h.astype(np.float64)) >= 0)
+    assert len(got) == 300
+    assert all(got[f"n{i}"][1:] == (i, [i, i + 1.0, i + 2.0]) for i in range(300))
+    stats = ds.splits["train"].statistics
+    assert stats["x"]["count"] == len(ds["train"]) and stats["v"]["shapes"] == {"3": len(ds["train"])}
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+
+
+def test_same_input_gives_identical_shards_whatever_the_batching(tmp_path):
+    rng = np.random.default_rng(1)
+    np.savez(tmp_path / "a.npz", x=rng.normal(size=(700, 2, 3)).astype(np.float32), y=rng.integers(0, 5, 700))
+    outs = []
+    for i, rows in enumerate((64, 1000)):
+        src = NumpySource.scan(tmp_path / "a.npz", label="y", batch_rows=rows)
+        assert len(src.units()) == (11 if rows == 64 else 1)
+        convert(src, tmp_path / f"out{i}", splits="train=0.7,validation=0.3", num_shards=3)
+        outs.append(shard_files(tmp_path / f"out{i}"))
+    assert outs[0] == outs[1] and len(outs[0]) == 12
+    m0, m1 = ((tmp_path / f"out{i}" / "crossfeed.json").read_text() for i in range(2))
+    assert m0 == m1  # statistics merge in a fixed order too
+
+
+def test_shard_size_derives_the_count_and_gzip_reads_back(tmp_path):
+    with pipeline() as p:
+        p | beam.Create(pairs(200)) | WriteDataset(tmp_path, shard_size=2000, compress=True)
+    ds = open_dataset(tmp_path)
+    info = ds.splits["train"]
+    assert len(info.shards) > 3 and all(s.file.endswith(".tfrecord.gz") for s in info.shards)
+    counts = [s.num_records for s in info.shards]
+    assert max(counts) - min(counts) <= 1 and sum(counts) == 200
+    assert sorted(int(s["x"]) for s in ds["train"]) == list(range(200))
+
+
+def test_duplicate_keys_fail_and_leave_nothing(tmp_path):
+    data = pairs(50) + [("s00007", {"x": np.int64(1), "v": np.zeros(3, np.float32), "name": "dup"})]
+    with pytest.raises(Exception, match="s00007") as info:
+        with pipeline() as p:
+            p | beam.Create(data) | WriteDataset(tmp_path, num_shards=2)
+    assert isinstance(info.value, DuplicateKeyError) or "DuplicateKeyError" in str(info.value)
+    with pytest.raises(DatasetNotFoundError):
+        open_dataset(tmp_path)
+
+
+def test_empty_input_is_a_clear_error(tmp_path):
+    with pytest.raises(Exception, match="no samples") as info:
+        with pipeline() as p:
+            p | beam.Create([]) | WriteDataset(tmp_path / "out", num_shards=2)
+    assert isinstance(info.value, EmptyInputError) or "EmptyInputError" in str(info.value)
+
+
+def test_rerun_replaces_the_split_and_keeps_the_others(tmp_path):
+    for split, n in (("train", 100), ("test", 30), ("train", 60)):
+        with pipeline() as p:
+            p | beam.Create(pairs(n)) | WriteDataset(tmp_path, split=split, num_shards=3)
+    ds = open_dataset(tmp_path)
+    assert len(ds["train"]) == 60 and len(ds["test"]) == 30
+    names = sorted(os.listdir(tmp_path))
+    assert names == sorted(["crossfeed.json"] + [f"{s}-{i:05d}-of-00003.tfrecord{x}" for s in ("test", "train")
+                                                  for i in range(3) for x in ("", ".idx")])
+
+
+def test_more_shards_than_samples_gives_empty_shards(tmp_path):
+    with pipeline() as p:
+        p | beam.Create(pairs(3)) | WriteDataset(tmp_path, num_shards=5)
+    counts = [s.num_records for s in open_dataset(tmp_path).splits["train"].shards]
+    assert sorted(counts) == [0, 0, 1, 1, 1]
