@@ -1,0 +1,198 @@
+"""The plan engine and stream sources: Python batches turned into a ``tf.data.Dataset``.
+
+    crossfeed.Loader (plan → fetch → decode → batch, its own workers)   yields dict[str, np.ndarray]
+      ─► to_tensors (ragged where shapes vary) ─► Dataset.from_generator(output_signature)
+      ─► [take] ─► [repeat] ─► prefetch                                 yields `element_spec` dicts
+
+A stream (``crossfeed.connect(...)`` or any iterable of dict batches) takes the same path without
+the Loader. Both run the generator in the Python process that iterates the dataset, so neither
+works on ParameterServerStrategy's remote workers; use the native engine there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+from crossfeed.errors import ConfigError, SchemaError
+from crossfeed.adapters import tf_spec
+from crossfeed.adapters.tf_options import ReadOptions
+
+
+def _to_ragged(items, spec: tf.RaggedTensorSpec):
+    rr = spec.ragged_rank
+    arrays = [np.asarray(a) for a in items]
+    nested = [np.concatenate([np.full(int(np.prod(a.shape[:k])), a.shape[k], np.int64) for a in arrays])
+              for k in range(rr)]
+    dtype = object if spec.dtype == tf.string else spec.dtype.as_numpy_dtype
+    values = np.concatenate([a.reshape((-1,) + a.shape[rr:]).astype(dtype, copy=False) for a in arrays])
+    return tf.RaggedTensor.from_nested_row_lengths(values, nested, validate=False)
+
+
+def to_tensors(batch, spec: dict) -> dict:
+    """One Python batch (``dict`` of arrays, lists of arrays, lists of str/bytes) as the
+    values ``spec`` promises; a missing key or a value that does not fit raises SchemaError."""
+    out = {}
+    for name, s in spec.items():
+        if name not in batch:
+            raise SchemaError(f"batch has no {name!r}; it has {sorted(batch)} (the element_spec expects "
+                              f"{sorted(spec)})")
+        v = batch[name]
+        try:
+            if isinstance(s, tf.RaggedTensorSpec):
+                out[name] = v if isinstance(v, tf.RaggedTensor) else _to_ragged(v, s)
+            elif s.dtype == tf.string:
+                out[name] = np.array(list(v), dtype=object) if s.shape.rank > 1 else np.asarray(v, dtype=object)
+            else:
+                out[name] = np.asarray(v, dtype=s.dtype.as_numpy_dtype)
+        except (ValueError, TypeError) as e:
+            raise SchemaError(f"batch value {name!r} does not fit {s}: {e}") from e
+    return out
+
+
+def infer_spec(batch) -> dict:
+    """An element_spec read off one dict batch: the leading (batch) dimension becomes None, and
+    a list of arrays of different shapes becomes ragged."""
+    spec = {}
+    for name, v in batch.items():
+        if isinstance(v, (tf.Tensor, tf.RaggedTensor)):
+            spec[name] = tf.type_spec_from_value(v)._unbatch()._batch(None)
+            continue
+        if isinstance(v, np.ndarray) and v.dtype == object:
+            v = list(v)  # the Loader's and connect()'s form for strings and varying shapes
+        if isinstance(v, (list, tuple)) and v and not isinstance(v[0], (str, bytes)):
+            arrays = [np.asarray(a) for a in v]
+            shapes = {a.shape for a in arrays}
+            if len(shapes) > 1:
+                ranks = {len(s) for s in shapes}
+                if len(ranks) > 1:
+                    raise SchemaError(f"batch value {name!r} mixes arrays of ranks {sorted(ranks)}; pass element_spec=")
+                dims = [d if len({s[i] for s in shapes}) == 1 else None for i, d in enumerate(arrays[0].shape)]
+                rr = 1 + max(i for i, d in enumerate(dims) if d is None)
+                spec[name] = tf.RaggedTensorSpec([None, *dims], _np_to_tf(arrays[0].dtype), rr, tf.int64)
+                continue
+        arr = np.asarray(v)
+        if arr.ndim == 0:
+            raise SchemaError(f"batch value {name!r} is a scalar; a batch holds one value per sample")
+        spec[name] = tf.TensorSpec([None, *arr.shape[1:]], _np_to_tf(arr.dtype))
+    return spec
+
+
+def _np_to_tf(dtype: np.dtype) -> tf.DType:
+    return tf.string if dtype.kind in "OSU" else tf.as_dtype(dtype)
+
+
+def from_batches(make_iter, spec: dict, opts: ReadOptions, *, take_batches: int | None = None) -> tf.data.Dataset:
+    """``from_generator`` over ``make_iter(pass_number)`` (called once per pass over the dataset)."""
+    passes = itertools.count()
+    lock = threading.Lock()
+
+    def gen():
+        with lock:
+            n = next(passes)
+        it = make_iter(n)
+        try:
+            for batch in it:
+                yield to_tensors(batch, spec)
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+    out = tf.data.Dataset.from_generator(gen, output_signature=spec)
+    if take_batches is not None:
+        out = out.take(take_batches)
+    if opts.repeat:
+        out = out.repeat()
+    if opts.prefetch != 0:
+        out = out.prefetch(tf.data.AUTOTUNE if opts.prefetch is None else opts.prefetch)
+    return out
+
+
+def build(ds, opts: ReadOptions, *, state: dict | None = None, take_batches: int | None = None,
+          loader_options: dict | None = None, element_spec: dict | None = None) -> tf.data.Dataset:
+    """The plan engine: pass ``n`` over the dataset iterates the Loader at epoch ``opts.epoch + n``
+    (the first pass resumed from ``state``, a ``Loader.state_dict()``, when given)."""
+    from crossfeed.loader import Loader
+
+    if opts.seed is None:
+        raise ConfigError("the plan engine needs an int seed (its order is a pure function of it); pass seed=")
+    if opts.batch_size is None:
+        raise ConfigError("the plan engine yields batches; pass batch_size= (or use engine='native' for records)")
+    feats = tf_spec.select(ds.schema, opts.features)
+    spec = element_spec or tf_spec.element_spec(feats, batch_size=opts.batch_size, drop_last=opts.drop_last,
+                                                return_index=opts.return_index)
+    kwargs = dict(split=opts.split, batch_size=opts.batch_size, shuffle=opts.shuffle.value, seed=opts.seed,
+                  rank=opts.rank, world_size=opts.world_size, drop_last=opts.drop_last,
+                  features=None if opts.features is None else list(opts.features),
+                  return_index=opts.return_index, **(loader_options or {}))
+
+    first_epoch = opts.epoch if state is None else int(state["epoch"])
+
+    def make_iter(n: int):
+        loader = Loader(ds.path, epoch=first_epoch + n, **kwargs)  # its own files: passes may overlap
+        if n == 0 and state is not None:
+            loader.load_state_dict(state)
+        return _closing(loader)
+
+    return from_batches(make_iter, spec, opts, take_batches=take_batches)
+
+
+class _closing:
+    """Iterate a Loader once and close it when done (or when the generator is dropped)."""
+
+    def __init__(self, loader):
+        self._loader = loader
+        self._it = iter(loader)
+
+    def __iter__(self):
+        return self._it
+
+    def close(self) -> None:
+        self._loader.close()
+
+
+def loader(ds, opts: ReadOptions, **loader_options):
+    """The Loader the plan engine iterates for ``opts`` (to count batches or make a state)."""
+    from crossfeed.loader import Loader
+
+    return Loader(ds.path, split=opts.split, batch_size=opts.batch_size, shuffle=opts.shuffle.value, seed=opts.seed,
+                  epoch=opts.epoch, rank=opts.rank, world_size=opts.world_size, drop_last=opts.drop_last,
+                  **loader_options)
+
+
+def build_stream(source, opts: ReadOptions, *, element_spec: dict | None = None) -> tf.data.Dataset:
+    """A stream of dict batches (``crossfeed.connect(...)``, or any iterable) as a dataset.
+
+    The spec is, in order of preference: ``element_spec``; the stream's own ``schema`` (a
+    crossfeed `Schema`, batch dimension None); else read off the first batch, which is kept and
+    delivered. Each pass over the dataset calls ``iter(source)`` again.
+    """
+    from crossfeed.schema import Schema
+
+    first: list = []
+    if element_spec is None and isinstance(getattr(source, "schema", None), Schema):
+        feats = tf_spec.select(source.schema, opts.features)
+        element_spec = tf_spec.element_spec(feats, batch_size=1, drop_last=False)
+    if element_spec is None:
+        it = iter(source)
+        try:
+            first.append(next(it))
+        except StopIteration:
+            raise ConfigError("the stream ended before its first batch; pass element_spec= to build the "
+                              "dataset without reading from it") from None
+        element_spec = infer_spec(first[0])
+        if opts.features is not None:
+            element_spec = {k: element_spec[k] for k in opts.features}
+    else:
+        it = None
+
+    def make_iter(n: int):
+        if n == 0 and it is not None:
+            return itertools.chain(first, it)
+        return iter(source)
+
+    return from_batches(make_iter, dict(element_spec), opts)

@@ -1,0 +1,143 @@
+"""The manifest's schema in TensorFlow terms: the ``tf.io.parse_example`` spec, the
+``element_spec`` a reader yields, and the in-graph decoders from parsed Example fields to
+tensors. Nothing here reads data.
+
+=========  ==================================  ===============================================
+encoding   parsed as                           decoded to
+=========  ==================================  ===============================================
+tensor     FixedLenFeature([], string)         decode_raw (little-endian) + reshape to the
+           (+ ``<name>/shape`` int64 list       schema shape, or to ``<name>/shape`` per record
+           when the shape has None dims)
+image      FixedLenFeature([], string)         decode_image(expand_animations=False), uint8 HWC
+int64      FixedLenFeature(shape, int64)       int64 of the shape; ``(None,)``: RaggedFeature
+float      FixedLenFeature(shape, float32)     float32 of the shape; ``(None,)``: RaggedFeature
+bytes      FixedLenFeature(shape, string)      tf.string; ``(None,)``: RaggedFeature
+=========  ==================================  ===============================================
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from crossfeed.errors import SchemaError
+from crossfeed.schema import SHAPE_SUFFIX, Encoding, Feature, Schema
+
+INDEX_KEY = "__index__"
+
+# decode_raw has no unsigned 32/64-bit out_type: read the signed twin and bitcast.
+_RAW_TWIN = {tf.uint32: tf.int32, tf.uint64: tf.int64}
+
+
+def tf_dtype(f: Feature) -> tf.DType:
+    if f.encoding is Encoding.BYTES:
+        return tf.string
+    if f.encoding is Encoding.IMAGE:
+        return tf.uint16 if f.dtype == "uint16" else tf.uint8
+    return tf.as_dtype(np.dtype(f.dtype))
+
+
+def select(schema: Schema, features) -> list[Feature]:
+    """The features to read, in schema order (``None``: all)."""
+    if features is None:
+        return list(schema)
+    unknown = [n for n in features if n not in schema.names]
+    if unknown:
+        raise SchemaError(f"features {unknown} are not in the dataset; it has {schema.names}")
+    return [f for f in schema if f.name in features]
+
+
+def image_shape(f: Feature) -> tuple:
+    """An image's shape as the schema knows it: (H, W, C) with None where unknown."""
+    return tuple(f.shape) if len(f.shape) == 3 else (None, None, None)
+
+
+def item_shape(f: Feature) -> tuple:
+    """The shape of one decoded record of ``f`` (None where it varies)."""
+    return image_shape(f) if f.encoding is Encoding.IMAGE else tuple(f.shape)
+
+
+def ragged_list(f: Feature) -> bool:
+    """A variable-length int64/float/bytes list: parsed as a RaggedFeature."""
+    if f.encoding in (Encoding.TENSOR, Encoding.IMAGE) or f.fixed:
+        return False
+    if len(f.shape) != 1:
+        raise SchemaError(f"feature {f.name!r}: {f.encoding.value} lists with shape {list(f.shape)} are not "
+                          f"supported; only one varying dimension, (None,)")
+    return True
+
+
+def per_record(feats) -> bool:
+    """True when decoding must run per record before batching: images, and tensors whose
+    shape varies (each record carries its own ``<name>/shape``)."""
+    return any(f.encoding is Encoding.IMAGE or (f.encoding is Encoding.TENSOR and not f.fixed) for f in feats)
+
+
+def feature_spec(feats) -> dict:
+    """``{name: tf.io.*Feature}`` for ``tf.io.parse_example`` (plus ``<name>/shape`` entries)."""
+    spec = {}
+    for f in feats:
+        if f.encoding in (Encoding.TENSOR, Encoding.IMAGE):
+            spec[f.name] = tf.io.FixedLenFeature([], tf.string)
+            if f.encoding is Encoding.TENSOR and not f.fixed:
+                spec[f.name + SHAPE_SUFFIX] = tf.io.FixedLenFeature([len(f.shape)], tf.int64)
+        elif ragged_list(f):
+            spec[f.name] = tf.io.RaggedFeature(tf_dtype(f), row_splits_dtype=tf.int64)
+        else:
+            spec[f.name] = tf.io.FixedLenFeature(list(f.shape), tf_dtype(f))
+    return spec
+
+
+def element_spec(feats, *, batch_size: int | None, drop_last: bool, return_index: bool = False) -> dict:
+    """What one element of the reader is: ``{name: TensorSpec | RaggedTensorSpec}``.
+
+    Batched, the leading dimension is ``batch_size`` with drop_last, else None. A feature whose
+    record shape varies is a RaggedTensor batched (ragged up to its last varying dimension).
+    """
+    out = {}
+    lead = () if batch_size is None else ((batch_size if drop_last else None),)
+    for f in feats:
+        shape = item_shape(f)
+        if batch_size is not None and None in shape:
+            ragged_rank = 1 + max(i for i, d in enumerate(shape) if d is None)
+            out[f.name] = tf.RaggedTensorSpec(lead + shape, tf_dtype(f), ragged_rank, tf.int64)
+        else:
+            out[f.name] = tf.TensorSpec(lead + shape, tf_dtype(f))
+    if return_index:
+        out[INDEX_KEY] = tf.TensorSpec(lead, tf.int64)
+    return out
+
+
+def _decode_tensor(f: Feature, raw, shape_vec=None):
+    dt = tf_dtype(f)
+    flat = tf.io.decode_raw(raw, _RAW_TWIN.get(dt, dt), little_endian=True)
+    if dt in _RAW_TWIN:
+        flat = tf.bitcast(flat, dt)
+    if shape_vec is not None:  # one record, its own shape
+        return tf.ensure_shape(tf.reshape(flat, shape_vec), f.shape)
+    lead = tf.shape(raw)  # () for one record, (B,) for a batch
+    return tf.reshape(flat, tf.concat([lead, tf.constant(f.shape, tf.int32)], 0))
+
+
+def _decode_image(f: Feature, data):
+    shape = image_shape(f)
+    img = tf.io.decode_image(data, channels=shape[2] or 0, dtype=tf_dtype(f), expand_animations=False)
+    return tf.ensure_shape(img, shape)
+
+
+def make_decoder(feats):
+    """``parsed -> decoded``: runs on one record, or (when not `per_record`) on a batch."""
+
+    def decode(parsed: dict) -> dict:
+        out = {}
+        for f in feats:
+            v = parsed[f.name]
+            if f.encoding is Encoding.TENSOR:
+                out[f.name] = _decode_tensor(f, v, None if f.fixed else parsed[f.name + SHAPE_SUFFIX])
+            elif f.encoding is Encoding.IMAGE:
+                out[f.name] = _decode_image(f, v)
+            else:
+                out[f.name] = v
+        return out
+
+    return decode
