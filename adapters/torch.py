@@ -1,0 +1,251 @@
+"""PyTorch adapter: a crossfeed split as a `torch.utils.data.IterableDataset` of batches.
+
+    ds = TorchDataset("data/", split="train", batch_size=64, seed=1)       # after init_process_group
+    loader = StatefulLoader(ds, num_workers=4, pin_memory=True, persistent_workers=True)
+    for epoch in range(epochs):
+        ds.set_epoch(epoch)
+        for batch in loader:                 # dict[str, torch.Tensor]; strings/bytes stay lists
+            ...
+            ckpt["data"] = loader.state_dict()   # exact mid-epoch position; loader.load_state_dict(...)
+
+* Each item is one batch (``DataLoader(batch_size=None)``): the Loader's numpy arrays as tensors
+  sharing their memory (`crossfeed.adapters.torch_convert`).
+* Splitting: by DDP rank (``torch.distributed`` if initialised when the dataset is made, else
+  RANK/WORLD_SIZE, else one process; or pass ``rank``/``world_size``) and, inside ``__iter__``, by
+  DataLoader worker: worker ``w`` of ``K`` builds the rank's batches ``w, w+K, …``, so the
+  DataLoader's round-robin over workers yields exactly the rank's batch sequence, in order. Every
+  rank yields ``len(ds)`` batches per epoch whatever ``num_workers`` is; every sample appears once
+  per epoch (``remainder="pad"`` repeats the few samples needed to even out the ranks).
+* Epochs: ``set_epoch(n)`` as with DistributedSampler; without it an iteration repeats the same
+  epoch (`StatefulLoader` moves to the next epoch itself when one ends). The epoch and the resume
+  point live in shared memory (`crossfeed.adapters.torch_cursor`), so they reach workers kept
+  alive by ``persistent_workers=True``.
+* Resumption: ``TorchDataset.state_dict()`` says where the *next* iteration starts. A checkpoint
+  in the middle of an epoch needs to know how many batches the training loop actually took
+  (workers prefetch); `StatefulLoader` counts them and gives the exact position.
+* ``source`` may also be a stream of batches, e.g. ``crossfeed.connect(...)``: any iterable that
+  is not a path or `crossfeed.Dataset`. Its batches are converted the same way; there is no
+  rank/worker splitting (the servers distribute), no length and no epochs; use ``num_workers=0``.
+
+Never imports tensorflow.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from crossfeed.adapters.torch_convert import to_torch
+from crossfeed.adapters.torch_cursor import Cursor
+from crossfeed.dataset import Dataset
+from crossfeed.env import rank_and_world
+from crossfeed.errors import ConfigError
+from crossfeed.loader import Loader, ReadOptions
+from crossfeed.plan import Remainder, Shuffle
+
+__all__ = ["StatefulLoader", "TorchDataset", "to_torch"]
+
+
+def _is_stream(source) -> bool:
+    return not isinstance(source, (str, bytes, os.PathLike, Dataset)) and hasattr(source, "__iter__")
+
+
+def _rank_and_world(rank, world_size) -> tuple[int, int]:
+    if rank is None and world_size is None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return rank_and_world(rank, world_size)
+
+
+class TorchDataset(IterableDataset):
+    """Batches of one split as dicts of tensors; see the module docstring. The options are the
+    `crossfeed.loader.Loader`'s. With ``multiprocessing_context="spawn"`` the transforms must be
+    picklable (module-level functions, not lambdas)."""
+
+    def __init__(self, source, *, split: str = "train", batch_size: int | None = None,
+                 shuffle: Shuffle | str = Shuffle.GLOBAL, seed: int = 0, epoch: int = 0,
+                 rank: int | None = None, world_size: int | None = None, drop_last: bool = False,
+                 remainder: Remainder | str = Remainder.PAD, features: Sequence[str] | None = None,
+                 transform: Callable[[dict], dict] | None = None,
+                 batch_transform: Callable[[dict], dict] | None = None, block_shards: int = 4,
+                 read: ReadOptions = ReadOptions(), on_error: str = "raise", max_skips: int = 1000,
+                 return_index: bool = False):
+        self._stream = source if _is_stream(source) else None
+        self._loaders: dict[tuple[int, int], Loader] = {}
+        self._pid = os.getpid()
+        if self._stream is not None:
+            self.source, self.rank, self.world_size, self._options = None, 0, 1, {}
+            self._cursor = Cursor(epoch)
+            return
+        if batch_size is None:
+            raise ConfigError("batch_size is required when reading a dataset (only a stream brings its own batches)")
+        self.source = source.path if isinstance(source, Dataset) else source  # picklable for spawned workers
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self._options = dict(split=split, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                             remainder=remainder, features=features, transform=transform,
+                             batch_transform=batch_transform, block_shards=block_shards, read=read,
+                             on_error=on_error, max_skips=max_skips, return_index=return_index)
+        self._cursor = Cursor(epoch)
+        self._loader(0, 1)  # opens the dataset and validates every option here, not in a worker
+
+    # -- the per-process loaders ----------------------------------------------------------------
+    def _loader(self, worker: int, num_workers: int) -> Loader:
+        if os.getpid() != self._pid:  # a forked worker: the parent's loaders (and threads) are not ours
+            self._loaders, self._pid = {}, os.getpid()
+        key = (worker, num_workers)
+        if key not in self._loaders:
+            self._loaders[key] = Loader(self.source, rank=self.rank, world_size=self.world_size,
+                                        worker=worker, num_workers=num_workers, **self._options)
+        return self._loaders[key]
+
+    @property
+    def loader(self) -> Loader:
+        """This process's whole-rank Loader (worker 0 of 1): the plan, the dataset, the schema."""
+        if self._stream is not None:
+            raise ConfigError("a stream source has no loader of its own: the servers plan the epochs")
+        return self._loader(0, 1)
+
+    # -- epochs and state ------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self._cursor.start()[0]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (like DistributedSampler.set_epoch). Works with
+        persistent workers: the value is shared with them. A no-op for a stream source."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ConfigError(f"epoch must be a non-negative integer, got {epoch!r}")
+        self._cursor.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        """Where the next iteration starts (the Loader's state format). For a checkpoint in the
+        middle of an epoch use `StatefulLoader.state_dict`."""
+        epoch, position = self._next_start()
+        return self._state(epoch, position)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Make the next iteration resume ``state``: its epoch, from its position."""
+        self.loader.load_state_dict(state)  # checks version, seed and dataset size
+        self._cursor.resume(int(state["epoch"]), int(state["position"]))
+
+    def _next_start(self) -> tuple[int, int]:
+        if self._stream is not None:
+            raise ConfigError("a stream source has no state to save: its servers resume unacknowledged batches")
+        return self._cursor.start()
+
+    def _state(self, epoch: int, position: int, loader: Loader | None = None) -> dict:
+        return dict((loader or self.loader).state_dict(), epoch=epoch, position=position)
+
+    def __len__(self) -> int:
+        """This rank's batches in the next iteration (all DataLoader workers together)."""
+        if self._stream is not None:
+            raise TypeError("a stream source has no length: its servers decide how many batches come")
+        epoch, position = self._next_start()
+        loader = self.loader
+        return loader.config.make(loader.split.counts, epoch=epoch, position=position, rank=self.rank,
+                                  world_size=self.world_size).rank_batches
+
+    # -- iteration -------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        if self._stream is not None:
+            if info is not None:
+                raise ConfigError("a stream source is read in the main process: use DataLoader(num_workers=0); "
+                                  "the servers already run the loading in parallel")
+            return (to_torch(b) if not isinstance(b, tuple) else (b[0], to_torch(b[1])) for b in self._stream)
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return self._batches(self._loader(worker, num_workers), *self._next_start())
+
+    def _batches(self, loader: Loader, epoch: int, position: int) -> Iterator[dict]:
+        loader.load_state_dict(self._state(epoch, position, loader))
+        for batch in loader:
+            yield to_torch(batch)
+
+    # -- pickling (DataLoader workers started with spawn/forkserver) -----------------------------
+    def __getstate__(self):
+        if self._stream is not None:
+            raise ConfigError("a stream source cannot be sent to DataLoader workers: use num_workers=0")
+        state = dict(self.__dict__)
+        state["_loaders"] = {}
+        return state
+
+    def close(self) -> None:
+        """Close this process's loaders (thread pools and open shards). A stream source is the
+        caller's to close."""
+        if os.getpid() == self._pid:
+            for loader in self._loaders.values():
+                loader.close()
+        self._loaders = {}
+
+    def __enter__(self) -> TorchDataset:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class StatefulLoader:
+    """A `torch.utils.data.DataLoader` over a `TorchDataset` that knows where it is in the epoch.
+
+    ``StatefulLoader(ds, num_workers=2, pin_memory=True, persistent_workers=True)`` passes the
+    keyword arguments to DataLoader (``batch_size`` is None: the dataset yields batches). It counts
+    the batches the training loop has taken, so ``state_dict()`` is the Loader state with
+    ``position = position_after(start, total, batches_taken, world_size)`` — exact however many
+    batches the workers had prefetched — and ``load_state_dict()`` makes the next iteration (in a
+    fresh process, any ``num_workers``, any world size) start there. When an epoch ends it moves
+    the dataset to the next epoch, so ``set_epoch`` calls are optional.
+    """
+
+    def __init__(self, dataset: TorchDataset, **dataloader_kwargs):
+        if not isinstance(dataset, TorchDataset):
+            raise ConfigError(f"StatefulLoader wraps a TorchDataset, got {type(dataset).__name__}")
+        for bad in ("sampler", "batch_sampler", "shuffle", "drop_last"):
+            if dataloader_kwargs.get(bad) not in (None, False):
+                raise ConfigError(f"{bad}= is the TorchDataset's job (its shuffle/drop_last options), not the DataLoader's")
+        if dataloader_kwargs.pop("batch_size", None) is not None:
+            raise ConfigError("batch_size belongs to the TorchDataset; the DataLoader gets batch_size=None")
+        self.dataset = dataset
+        self.dataloader = DataLoader(dataset, batch_size=None, **dataloader_kwargs)
+        self._running: tuple[int, int] | None = None  # (epoch, start position) of the iteration under way
+        self._taken = 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __iter__(self) -> Iterator[dict]:
+        epoch, position = self.dataset._next_start()
+        self._running, self._taken = (epoch, position), 0
+        for batch in self.dataloader:
+            self._taken += 1
+            yield batch
+        if self._running == (epoch, position):
+            self._running = None
+            self.dataset.set_epoch(epoch + 1)
+
+    def state_dict(self) -> dict:
+        if self._running is None:
+            return self.dataset.state_dict()
+        epoch, position = self._running
+        loader = self.dataset.loader
+        done = loader.config.position_after(position, len(loader.split), self._taken, self.dataset.world_size)
+        return self.dataset._state(epoch, done)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dataset.load_state_dict(state)
+        self._running, self._taken = None, 0
+
+    def close(self) -> None:
+        """Stop persistent workers now rather than at garbage collection."""
+        it = getattr(self.dataloader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        self.dataloader._iterator = None
+        self.dataset.close()
+
+    def __enter__(self) -> StatefulLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
