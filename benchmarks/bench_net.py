@@ -1,11 +1,13 @@
 """serve → connect throughput beside raw pyzmq sending the same buffers, in one run.
 
-    python benchmarks/bench_net.py [--seconds 3] [--servers 1,2,4]
+    python benchmarks/bench_net.py [--seconds 3] [--servers 1,2,4] [--parts large,small,servers]
 
 Measures, each over tcp loopback and ipc:
   * large batches: 128x224x224x3 uint8 (19.3 MB) — crossfeed (credit flow, acks, wire format)
     against a raw PUSH/PULL pair sending the same buffer zero-copy; prints GB/s and the ratio;
-  * small batches (one 16-float field + 16 sample ids): messages/s, crossfeed against raw;
+  * small batches (one 16-float field + 16 sample ids): messages/s, crossfeed against raw,
+    with the default credits and with --credits (small batches are bound by the ack round
+    trip: the more in flight, the faster);
   * M servers → 1 client (tcp, large batches).
 Senders run in their own processes (spawn), the receiver in this one; nothing else is measured.
 """
@@ -107,12 +109,13 @@ def raw(address: str, shape, seconds: float) -> tuple[float, float]:
         proc.join(10)
 
 
-def ours(addresses: list[str], shape, seconds: float, credits: int = 4) -> tuple[float, float]:
+def ours(addresses: list[str], shape, seconds: float, credits: int | None = None) -> tuple[float, float]:
+    """crossfeed's rate; `credits` None: the client's default."""
     from crossfeed.net import connect
 
     procs, endpoints = zip(*[_start(_server, a, shape) for a in addresses])
     try:
-        with connect(list(endpoints), credits=credits) as client:
+        with connect(list(endpoints), **({} if credits is None else {"credits": credits})) as client:
             return _time_loop(lambda: next(client), seconds, int(np.prod(shape)) * (1 if len(shape) > 1 else 4))
     finally:
         for p in procs:
@@ -121,28 +124,39 @@ def ours(addresses: list[str], shape, seconds: float, credits: int = 4) -> tuple
 
 
 def main(argv=None) -> None:
+    from crossfeed.net.client import DEFAULT_CREDITS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--servers", default="1,2,4")
+    parser.add_argument("--parts", default="large,small,servers", help="which tables to print")
+    parser.add_argument("--transports", default="tcp,ipc")
+    parser.add_argument("--credits", default="4,64", help="client credits to try besides the default")
     args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
     tmp = tempfile.mkdtemp(prefix="crossfeed-bench-")
     transports = {"tcp": lambda n: "tcp://127.0.0.1:0", "ipc": lambda n: f"ipc://{tmp}/{n}.sock"}
+    transports = {k: v for k, v in transports.items() if k in args.transports.split(",")}
     print(f"crossfeed network benchmark ({os.cpu_count()} cores, {args.seconds:g}s per figure)")
-    print(f"large batches {'x'.join(map(str, LARGE))} uint8 ({np.prod(LARGE) / 1e6:.1f} MB)")
-    for name, addr in transports.items():
+    if "large" in parts:
+        print(f"large batches {'x'.join(map(str, LARGE))} uint8 ({np.prod(LARGE) / 1e6:.1f} MB)")
+    for name, addr in transports.items() if "large" in parts else ():
         r_mps, r_gbs = raw(addr("raw"), LARGE, args.seconds)
         o_mps, o_gbs = ours([addr("ours")], LARGE, args.seconds)
         print(f"  {name}: crossfeed {o_gbs:6.2f} GB/s ({o_mps:6.1f} batches/s)   raw pyzmq {r_gbs:6.2f} GB/s "
               f"({r_mps:6.1f}/s)   ratio {o_gbs / r_gbs:.2f}")
-    print(f"small batches {'x'.join(map(str, SMALL))} float32 + 16 sample ids")
-    for name, addr in transports.items():
+    if "small" in parts:
+        print(f"small batches {'x'.join(map(str, SMALL))} float32 + 16 sample ids")
+    for name, addr in transports.items() if "small" in parts else ():
         r_mps, _ = raw(addr("raw-small"), SMALL, args.seconds)
-        for credits in (4, 64):  # small batches are bound by the ack round trip: more in flight helps
+        for credits in [None, *(int(c) for c in args.credits.split(",") if c)]:
             o_mps, _ = ours([addr(f"ours-small-{credits}")], SMALL, args.seconds, credits)
-            print(f"  {name}: crossfeed (credits={credits:2d}) {o_mps:9.0f} msg/s   raw pyzmq {r_mps:9.0f} msg/s"
+            label = f"{DEFAULT_CREDITS} default" if credits is None else f"{credits}"
+            print(f"  {name}: crossfeed (credits={label:>10}) {o_mps:9.0f} msg/s   raw pyzmq {r_mps:9.0f} msg/s"
                   f"   ratio {o_mps / r_mps:.2f}")
-    print("M servers -> 1 client, tcp, large batches")
-    for m in (int(x) for x in args.servers.split(",")):
+    if "servers" in parts:
+        print("M servers -> 1 client, tcp, large batches")
+    for m in (int(x) for x in args.servers.split(",") if "servers" in parts):
         o_mps, o_gbs = ours(["tcp://127.0.0.1:0"] * m, LARGE, args.seconds)
         print(f"  M={m}: {o_gbs:6.2f} GB/s ({o_mps:6.1f} batches/s)")
 

@@ -358,7 +358,10 @@ class BatchDecoder:
 def collate(vals: list, *, alloc: Callable[[tuple, np.dtype], np.ndarray] = np.empty) -> np.ndarray:
     """Stack per-sample values into a batch (into ``alloc(shape, dtype)``); ragged or non-numeric
     values give an object array."""
-    if vals and all(isinstance(v, np.ndarray) for v in vals):
+    # numeric numpy scalars (what ``batch[k][i]`` gives for a scalar feature) stack like 0-d arrays
+    if vals and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+        vals = [np.asarray(v) for v in vals]  # Python numbers from a transform stack like 0-d arrays
+    if vals and all(isinstance(v, np.ndarray) or (isinstance(v, np.generic) and v.dtype.kind in "biufc") for v in vals):
         shape, dtype = vals[0].shape, vals[0].dtype
         if all(v.shape == shape and v.dtype == dtype for v in vals):
             return np.stack(vals, out=alloc((len(vals), *shape), dtype))

@@ -87,7 +87,12 @@ def main(out: str = "demo_out") -> None:
     try:
         addr, pub = _wait_for(endpoints, server).split()
         print(f"serving on {addr}, broadcasting on {pub}")
+        # observers subscribe to the broadcast before training starts: they see the batches
+        # the trainer pulls, and never take one from it
+        grid = out_dir / "grid.png"
         mon = subprocess.Popen(CLI + ["mon", pub, "-c", "100"], stdout=subprocess.PIPE, text=True)
+        show = subprocess.Popen(CLI + ["show", pub, "--skip", "20", "-o", str(grid)])
+        time.sleep(1.0)
         result = _python_json(
             "import json, crossfeed\n"
             "from crossfeed.adapters.torch_demo import train\n"
@@ -95,10 +100,15 @@ def main(out: str = "demo_out") -> None:
             "    r = train(stream, steps=300, batch_size=32, num_classes=4)\n"
             "print(json.dumps(r))\n")
         print(f"PyTorch from the stream: {result['steps']} steps, accuracy {result['accuracy']:.3f} "
-              f"({result.get('accuracy_on', 'train tail')}), {result['samples_per_s']:,.0f} samples/s")
-        _run(CLI + ["show", pub, "-o", str(out_dir / "grid.png")])
-        mon_out, _ = mon.communicate(timeout=120)
-        print("crossfeed mon:", *mon_out.strip().splitlines()[-3:], sep="\n  ")
+              f"(on {result.get('accuracy_on', 'the last training batches')}), {result['samples_per_s']:,.0f} samples/s")
+        for name, proc in (("crossfeed show", show), ("crossfeed mon", mon)):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                print(f"{name} saw too few batches and was stopped")
+        mon_out = mon.stdout.read()
+        print("crossfeed mon (last lines):", *mon_out.strip().splitlines()[-3:], sep="\n  ")
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -106,7 +116,7 @@ def main(out: str = "demo_out") -> None:
         except subprocess.TimeoutExpired:
             server.kill()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"server stopped (exit {server.returncode}); grid written to {out_dir / 'grid.png'}")
+    print(f"server stopped (exit {server.returncode}); image grid: {out_dir / 'grid.png'}")
 
     _step(5, "train Keras under MirroredStrategy (2 logical CPUs) from the same dataset")
     if os.environ.get("CROSSFEED_DEMO_SKIP_TF"):

@@ -8,6 +8,7 @@ or are loaded whole when the plan reads them sequentially.
 
 from __future__ import annotations
 
+import operator
 import threading
 
 import numpy as np
@@ -52,12 +53,14 @@ def _gather(u8: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
     return u8[starts[:, None] + np.arange(width)]
 
 
-def check_frames(buf, offsets: np.ndarray, lengths: np.ndarray, path: str) -> list[memoryview]:
+def check_frames(buf, offsets: np.ndarray, lengths: np.ndarray, path: str, *, payload_crcs: bool = True) -> list[memoryview]:
     """Payload views of the records at ``offsets`` of an in-memory stream, every CRC checked.
 
-    Raises `CorruptRecordError` for the first bad record (by position in ``offsets``).
+    Raises `CorruptRecordError` for the first bad record (by position in ``offsets``). With
+    ``payload_crcs=False`` only the headers (lengths and their CRCs) are checked here: the
+    caller checks the payloads itself with `frame_crcs` and `crc_ok` (`crossfeed.profile` does,
+    to time reading and CRC checking apart).
     """
-    mv = memoryview(buf)
     u8 = np.frombuffer(buf, dtype=np.uint8)
     size = len(u8)
     bad_range = (offsets < 0) | (offsets + lengths > size) | (lengths < tfrecord.HEADER + tfrecord.FOOTER)
@@ -71,21 +74,43 @@ def check_frames(buf, offsets: np.ndarray, lengths: np.ndarray, path: str) -> li
     bad |= n + tfrecord.HEADER + tfrecord.FOOTER != lengths.astype(np.uint64)
     if bad.any():
         return _first_error(buf, offsets, lengths, path, bad)
-    foot = _gather(u8, offsets + lengths - 4, 4).view("<u4").ravel()
-    starts = (offsets + tfrecord.HEADER).tolist()
-    stops = (offsets + lengths - tfrecord.FOOTER).tolist()
-    payloads = [mv[a:b] for a, b in zip(starts, stops)]
-    crcs = np.fromiter(map(_crc32c.crc32c, payloads), dtype=np.uint32, count=len(payloads))
-    bad = mask(crcs) != foot
-    if bad.any():
-        return _first_error(buf, offsets, lengths, path, bad)
+    # map over C callables: no Python bytecode runs per record
+    payloads = list(map(memoryview(buf).__getitem__, map(slice, (offsets + tfrecord.HEADER).tolist(),
+                                                          (offsets + lengths - tfrecord.FOOTER).tolist())))
+    if payload_crcs:
+        bad = ~crc_ok(payloads, frame_crcs(u8, offsets, lengths))
+        if bad.any():
+            return _first_error(buf, offsets, lengths, path, bad)
     return payloads
+
+
+def frame_crcs(u8: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The masked payload CRCs stored in the footers of the records at ``offsets``."""
+    return _gather(u8, offsets + lengths - 4, 4).view("<u4").ravel()
+
+
+def crc_ok(payloads, stored: np.ndarray) -> np.ndarray:
+    """Which payloads match their stored masked CRC32C (one C call per payload)."""
+    crcs = np.fromiter(map(_crc32c.crc32c, payloads), dtype=np.uint32, count=len(payloads))
+    return mask(crcs) == stored
 
 
 def _first_error(buf, offsets, lengths, path, bad) -> list:
     i = int(np.argmax(bad))
     tfrecord.unframe(buf, int(offsets[i]), int(lengths[i]), path)  # raises with the precise reason
     raise CorruptRecordError(path, int(offsets[i]), "record failed its checks")
+
+
+class _NotInMemory(Exception):
+    pass
+
+
+def _reorder_crcs(parts: list) -> np.ndarray:
+    n = sum(len(c) for _, c in parts)
+    out = np.empty(n, dtype=np.uint32)
+    for pos, c in parts:
+        out[slice(None) if pos is None else pos] = c
+    return out
 
 
 class Fetcher:
@@ -105,26 +130,50 @@ class Fetcher:
     def fetch(self, indices: np.ndarray, *, on_error=None) -> list[memoryview | None]:
         """Payloads in the order of ``indices``. With ``on_error`` (a callable taking the
         CorruptRecordError), a bad record becomes None instead of raising."""
-        shard, local = self.locate(np.asarray(indices, dtype=np.int64))
-        out: list = [None] * len(indices)
-        for s in np.unique(shard).tolist():
-            pos = np.flatnonzero(shard == s)
-            index = self.split.index(s)
-            offs, lens = index[local[pos], 0], index[local[pos], 1]
-            got = self._shard_records(s, offs, lens, on_error)
-            for p, payload in zip(pos.tolist(), got):
-                out[p] = payload
-        return out
+        return self._fetch(indices, on_error, None)
 
-    def _shard_records(self, s: int, offs, lens, on_error) -> list:
+    def fetch_deferred(self, indices: np.ndarray) -> tuple[list[memoryview], np.ndarray] | None:
+        """``(payloads, stored_crcs)`` with only the record headers checked: the caller checks
+        each payload against its masked CRC (`crc_ok`) and, on a mismatch, calls `fetch` for the
+        exact error. None where the records are not all in memory (remote range reads)."""
+        crcs: list = []
+        try:
+            payloads = self._fetch(indices, None, crcs)
+        except _NotInMemory:
+            return None
+        return payloads, _reorder_crcs(crcs)
+
+    def _fetch(self, indices, on_error, crcs: list | None) -> list:
+        shard, local = self.locate(np.asarray(indices, dtype=np.int64))
+        if not len(shard):
+            return []
+        if shard[0] == shard[-1] and (shard == shard[0]).all():  # block / none shuffle: one shard
+            return self._shard_records(int(shard[0]), local, on_error, crcs, None)
+        order = np.argsort(shard, kind="stable")
+        bounds = np.flatnonzero(np.diff(shard[order])) + 1
+        flat: list = []
+        for pos in np.split(order, bounds):
+            flat += self._shard_records(int(shard[pos[0]]), local[pos], on_error, crcs, pos)
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        return list(operator.itemgetter(*inverse.tolist())(flat)) if len(flat) > 1 else flat
+
+    def _shard_records(self, s: int, local, on_error, crcs: list | None, pos) -> list:
+        index = self.split.index(s)
+        offs, lens = index[local, 0], index[local, 1]
         f = self.split.file(s)
         in_memory = not f.storage.remote or self.whole_shards or tfrecord.is_gzip(f.rel)
+        if crcs is not None and not in_memory:
+            raise _NotInMemory
         if in_memory:
             buf = f.load()
             if f.storage.remote and self.keep_loaded:
                 self._evict(s)
             try:
-                return check_frames(buf, offs, lens, f.path)
+                got = check_frames(buf, offs, lens, f.path, payload_crcs=crcs is None)
+                if crcs is not None:
+                    crcs.append((pos, frame_crcs(np.frombuffer(buf, dtype=np.uint8), offs, lens)))
+                return got
             except CorruptRecordError:
                 if on_error is None:
                     raise

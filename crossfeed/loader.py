@@ -100,7 +100,8 @@ class Loader:
         self.read = read
         self.return_index = return_index
         self._skips = _Skips(max_skips) if on_error == "skip" else None
-        self._decoder = BatchDecoder(feats, decode_images=read.decode_images)
+        # batch arrays the consumer has dropped are reused: at most this many are in flight
+        self._decoder = BatchDecoder(feats, decode_images=read.decode_images, recycle=read.num_threads + read.prefetch + 4)
         whole = self.dataset.storage.remote and self.config.shuffle is not Shuffle.GLOBAL
         self._fetcher = Fetcher(self.split, whole_shards=whole, keep_loaded=2 * block_shards if whole else None)
         self._pool: ThreadPoolExecutor | None = None
@@ -171,9 +172,10 @@ class Loader:
     def _build(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """One batch: fetch → decode → transform (runs in a loader thread)."""
         payloads = self._fetcher.fetch(indices, on_error=self._skips)
-        ok = [i for i, p in enumerate(payloads) if p is not None]
-        if len(ok) < len(payloads):
-            indices, payloads = indices[ok], [payloads[i] for i in ok]
+        if self._skips is not None:  # without a skip policy a bad record raised: no None to drop
+            ok = [i for i, p in enumerate(payloads) if p is not None]
+            if len(ok) < len(payloads):
+                indices, payloads = indices[ok], [payloads[i] for i in ok]
         batch, kept = self._decoder(payloads, where=lambda i: self._where(int(indices[i])), on_error=self._skips)
         indices = indices[kept]
         if self.transform is not None:

@@ -95,6 +95,17 @@ class BatchMeta:
         return 0 if self.sample_ids is None else int(len(self.sample_ids))
 
 
+_DTYPE_BY_CODE: dict[int, np.dtype] = {}  # filled on first use; decode's hot path
+_CODE_BY_DTYPE: dict[np.dtype, int] = {}  # likewise for encode (`dtype.name` is slow)
+
+
+def _dtype_for_code(code: int, name: str) -> np.dtype:
+    dtype = _DTYPE_BY_CODE.get(code)
+    if dtype is None:
+        dtype = _DTYPE_BY_CODE[code] = _dtype_by_name(name)
+    return dtype
+
+
 def _dtype_by_name(name: str) -> np.dtype:
     if name == "bfloat16":
         try:
@@ -106,15 +117,21 @@ def _dtype_by_name(name: str) -> np.dtype:
 
 
 def _dtype_code(dtype: np.dtype) -> int:
-    name = "bfloat16" if dtype.name == "bfloat16" else dtype.name
-    code = _DTYPE_CODES.get(name)
+    code = _CODE_BY_DTYPE.get(dtype)
+    if code is not None:
+        return code
+    code = _DTYPE_CODES.get(dtype.name)
     if code is None:
         raise WireError(f"dtype {dtype} cannot be sent; supported: {sorted(_DTYPE_CODES)}")
+    if len(_CODE_BY_DTYPE) < 256:  # bounded, whatever dtypes come by
+        _CODE_BY_DTYPE[dtype] = code
     return code
 
 
 def _text_items(value: Any) -> tuple[int, tuple[int, ...], list[bytes]] | None:
     """(kind, shape, utf-8/bytes items) for bytes/str fields, None for numeric arrays."""
+    if isinstance(value, np.ndarray) and value.dtype.kind not in "SUO":
+        return None  # the common case, decided without converting anything
     if isinstance(value, (list, tuple)):
         if all(isinstance(v, (bytes, bytearray, memoryview)) for v in value):
             return BYTES_LIST, (len(value),), [bytes(v) for v in value]
@@ -281,7 +298,7 @@ def decode(
         kind, code, ndim = _FIELD.unpack(r.take(_FIELD.size, f"field {name!r} descriptor"))
         if ndim > limits.max_ndim:
             raise WireError(f"field {name!r} declares {ndim} dims, at most {limits.max_ndim}")
-        dims = [int(d) for d in np.frombuffer(r.take(8 * ndim, f"field {name!r} shape"), _U64)]
+        dims = list(_dims(ndim).unpack(r.take(8 * ndim, f"field {name!r} shape")))
         if kind == ARRAY:
             batch[name], index = _decode_array(name, code, dims, bufs, index, limits)
         elif kind in _TEXT_KINDS:
@@ -295,6 +312,13 @@ def decode(
     return BatchMeta(epoch=epoch, seq=seq, server_id=server_id, sample_ids=ids), batch
 
 
+_DIMS = [struct.Struct(f"<{n}Q") for n in range(17)]
+
+
+def _dims(ndim: int) -> struct.Struct:
+    return _DIMS[ndim] if ndim < len(_DIMS) else struct.Struct(f"<{ndim}Q")
+
+
 def _frame(bufs: list[memoryview], index: int, name: str) -> memoryview:
     if index >= len(bufs):
         raise WireError(f"field {name!r}: message ends before its frame #{index}")
@@ -305,7 +329,7 @@ def _decode_array(name, code, dims, bufs, index, limits):
     dtype_name = _CODE_NAMES.get(code)
     if dtype_name is None:
         raise WireError(f"field {name!r} has unknown dtype code {code}")
-    dtype = _dtype_by_name(dtype_name)
+    dtype = _dtype_for_code(code, dtype_name)
     count = _product(dims, limits.max_message_bytes // dtype.itemsize, f"field {name!r}")
     buf = _frame(bufs, index, name)
     if len(buf) != count * dtype.itemsize:

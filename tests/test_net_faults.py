@@ -185,3 +185,32 @@ def test_a_server_sending_oversized_messages_is_dropped_and_the_others_read_on()
         ctx.term()
     assert ids == list(range(24))
     assert [x.address for x in lost] == [addresses[0]]
+
+
+@pytest.mark.parametrize("credits", [4, 16])
+def test_batched_acks_redeliver_exactly_the_unacknowledged_batches(tmp_path, credits):
+    n, consumed = 240, 7
+    opts = ServerOptions(("tcp://127.0.0.1:0",), epochs=1, heartbeat=Heartbeat(0.1, 2.0))
+    a_out, b_out = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    procs = []
+    with Server(Synthetic(num_samples=n, batch_size=4), opts) as server:
+        address = server.endpoints[0]
+        try:
+            procs.append(child("run_trainer", [address], str(a_out), consumed, credits, log=tmp_path / "a.log"))
+            wait_until(lambda: len(batches_in(a_out)) >= consumed, 30, "trainer A's batches", procs)
+            # A finished all but the batch it holds; their acks go out together, soon
+            wait_until(lambda: server.stats["acked"] >= consumed - 1, 10, "A's acknowledgements", procs)
+            assert server.stats["acked"] == consumed - 1
+            os.kill(procs[0].pid, signal.SIGKILL)
+            procs[0].wait(10)
+            procs.append(child("run_trainer", [address], str(b_out), log=tmp_path / "b.log"))
+            assert procs[1].wait(60) == 0, (tmp_path / "b.log").read_text()
+            assert server.wait(30)
+        finally:
+            stop(*procs)
+        server.raise_if_failed()
+    acknowledged = {i for batch in batches_in(a_out)[: consumed - 1] for i in batch}
+    b_ids = [i for batch in batches_in(b_out) for i in batch]
+    assert len(b_ids) == len(set(b_ids)), "the survivor got a sample twice"
+    # everything A had not acknowledged (the batch it held, what it had prefetched), nothing else
+    assert sorted(b_ids) == sorted(set(range(n)) - acknowledged)

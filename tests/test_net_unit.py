@@ -42,6 +42,18 @@ def test_envelopes_round_trip_and_reject_garbage():
         P.Heartbeat(interval=2.0, timeout=1.0)
 
 
+def test_acks_messages_round_trip_and_reject_garbage():
+    frames = P.pack_acks([3, 9, 4])
+    env = P.unpack(frames[0], P.CLIENT_KINDS)
+    assert env.kind is P.Kind.ACKS and P.unpack_acks(env, frames[1]) == (3, 9, 4)
+    with pytest.raises(WireError, match="ACKS declares"):
+        P.unpack_acks(env, frames[1][:-1])
+    with pytest.raises(WireError, match="ACKS declares"):
+        P.unpack_acks(P.Envelope(P.Kind.ACKS, P.MAX_ACKS + 1), b"\0" * 8 * (P.MAX_ACKS + 1))
+    with pytest.raises(ValueError):
+        P.pack_acks([])
+
+
 def test_recv_bounded_drains_an_oversized_message_and_keeps_the_socket_usable():
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
@@ -77,6 +89,20 @@ def test_dispatch_respects_credit_and_round_robins():
     assert d.ack(b"b", 1).seq == 1 and d.ack(b"b", 1) is None
     assert d.assign()[0] == b"b"
     assert d.in_flight() == 4
+
+
+def test_byte_credit_limits_what_is_in_flight_but_always_lets_one_batch_through():
+    d = Dispatcher(max_credit=64, timeout=5.0)
+    d.credit(b"a", 10, now=0.0, nbytes=100)
+    d.pending.extend(Item(seq=i, epoch=0, frames=[], num_samples=1, nbytes=60) for i in range(4))
+    assert [d.assign()[1].seq for _ in range(2)] == [0, 1]  # 60 < 100, then 120: full
+    assert d.assign() is None
+    d.ack(b"a", 0)
+    assert d.assign()[1].seq == 2 and d.assign() is None
+    d.credit(b"a", 10, now=1.0, nbytes=10)  # smaller than one batch: still one at a time
+    d.ack(b"a", 1)
+    d.ack(b"a", 2)
+    assert d.assign()[1].seq == 3 and d.peers[b"a"].unacked_bytes == 60
 
 
 def test_a_dead_peers_batches_go_back_to_the_front_and_its_late_acks_are_ignored():

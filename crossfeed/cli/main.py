@@ -24,6 +24,7 @@ app = typer.Typer(
 GROUPS = (
     "crossfeed.cli.dataset",
     "crossfeed.cli.convert",
+    "crossfeed.cli.bench",
     "crossfeed.cli.net",
     "crossfeed.cli.watch",
 )

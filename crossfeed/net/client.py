@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -28,10 +27,16 @@ from crossfeed.net.receiver import AllDone, Delivery, EpochDone, LostServer, Rec
 
 logger = logging.getLogger(__name__)
 
+# Small batches are bound by the ack round trip, so many may be in flight; large ones by the
+# byte credit: 19 MB batches still travel at most 4 at a time (the last may pass the limit).
+DEFAULT_CREDITS = 32
+DEFAULT_CREDIT_BYTES = 64 << 20
+
 
 @dataclasses.dataclass(frozen=True)
 class ClientOptions:
-    credits: int = 4  # batches in flight per server, the one being consumed included
+    credits: int = DEFAULT_CREDITS  # batches in flight per server, the one being consumed included
+    credit_bytes: int = DEFAULT_CREDIT_BYTES  # and bytes in flight per server (one batch always); 0: any
     broadcast: bool = False  # subscribe to a PUB stream instead of taking a share
     heartbeat: P.Heartbeat = P.Heartbeat()
     connect_timeout: float = 60.0
@@ -41,6 +46,8 @@ class ClientOptions:
     def __post_init__(self) -> None:
         if not 1 <= self.credits <= 64:
             raise ConfigError(f"credits must be in 1..64, got {self.credits}")
+        if self.credit_bytes < 0:
+            raise ConfigError(f"credit_bytes must be >= 0 (0: no byte limit), got {self.credit_bytes}")
         if self.connect_timeout <= 0:
             raise ConfigError(f"connect_timeout must be > 0, got {self.connect_timeout}")
 
@@ -59,7 +66,7 @@ class Client(Iterator[Any]):
         self.options = options
         self._receiver = Receiver(
             self.addresses, keys=as_client_keys(keys), credits=options.credits,
-            broadcast=options.broadcast, heartbeat=options.heartbeat,
+            credit_bytes=options.credit_bytes, broadcast=options.broadcast, heartbeat=options.heartbeat,
             connect_timeout=options.connect_timeout, limits=options.limits,
         ).start()
         self._held: tuple[int, int] | None = None
@@ -88,12 +95,11 @@ class Client(Iterator[Any]):
     def __next__(self) -> Any:
         self._ack_held()
         while not self._finished:
-            try:
-                event = self._receiver.events.get(timeout=0.1)
-            except queue.Empty:
+            event = self._receiver.next_event(timeout=0.1)
+            if event is None:
                 if not self._receiver.alive:
                     self._finished = True
-                    raise CrossfeedError("the client's I/O thread stopped") from None
+                    raise CrossfeedError("the client's I/O thread stopped")
                 continue
             if isinstance(event, Delivery):
                 self._held = (event.server, event.meta.seq)
@@ -125,7 +131,8 @@ def connect(
     addresses: str | Iterable[str],
     *,
     keys: ClientKeys | str | os.PathLike | None = None,
-    credits: int = 4,
+    credits: int = DEFAULT_CREDITS,
+    credit_bytes: int = DEFAULT_CREDIT_BYTES,
     broadcast: bool = False,
     heartbeat_interval: float = 1.0,
     heartbeat_timeout: float = 10.0,
@@ -136,9 +143,11 @@ def connect(
     """A `Client` reading from every server in `addresses` (brace patterns expand).
 
     `keys`: a `ClientKeys` or a directory holding `client.key_secret` and `server.key`.
+    `credits` / `credit_bytes`: how many batches / bytes each server may have in flight to this
+    client (received, not yet consumed); the server sends the next batch while both allow it.
     """
     options = ClientOptions(
-        credits=credits, broadcast=broadcast,
+        credits=credits, credit_bytes=credit_bytes, broadcast=broadcast,
         heartbeat=P.Heartbeat(heartbeat_interval, heartbeat_timeout),
         connect_timeout=connect_timeout, limits=limits, with_meta=with_meta,
     )

@@ -1,6 +1,7 @@
 """Credit-based work distribution, as pure bookkeeping (no sockets, no clock of its own).
 
-A peer (trainer) grants credit = how many batches it allows in flight. `assign()` hands the
+A peer (trainer) grants credit = how many batches it allows in flight, and optionally how many
+bytes (one batch is always allowed, however large). `assign()` hands the
 oldest pending batch to the next peer (round robin) that has room and remembers it as unacked
 until `ack()`. A peer that dies (`kill()`, or silent past the timeout in `expire()`) has its
 unacked batches put back at the front of the queue, oldest first, for the others; anything it
@@ -27,16 +28,21 @@ class Item:
     epoch: int
     frames: list[Any]
     num_samples: int
+    nbytes: int = 0
 
 
 @dataclasses.dataclass
 class _Peer:
     credit: int
     last_seen: float
+    credit_bytes: int = 0  # 0: no byte limit
     unacked: dict[int, Item] = dataclasses.field(default_factory=dict)
+    unacked_bytes: int = 0
 
     @property
     def room(self) -> int:
+        if self.credit_bytes and self.unacked_bytes >= self.credit_bytes:
+            return 0
         return max(self.credit - len(self.unacked), 0)
 
 
@@ -64,22 +70,27 @@ class Dispatcher:
             p.last_seen = now
         return True
 
-    def credit(self, peer: bytes, n: int, now: float) -> bool:
+    def credit(self, peer: bytes, n: int, now: float, nbytes: int = 0) -> bool:
+        """`peer` allows `n` batches and (unless `nbytes` is 0) `nbytes` bytes in flight."""
         if peer in self._dead:
             return False
         n = min(max(int(n), 0), self.max_credit)
+        nbytes = max(int(nbytes), 0)
         p = self.peers.get(peer)
         if p is None:
-            self.peers[peer] = _Peer(credit=n, last_seen=now)
+            self.peers[peer] = _Peer(credit=n, last_seen=now, credit_bytes=nbytes)
         else:
-            p.credit, p.last_seen = n, now
+            p.credit, p.credit_bytes, p.last_seen = n, nbytes, now
         return True
 
     def ack(self, peer: bytes, seq: int) -> Item | None:
         p = self.peers.get(peer)
         if p is None:
             return None
-        return p.unacked.pop(seq, None)
+        item = p.unacked.pop(seq, None)
+        if item is not None:
+            p.unacked_bytes -= item.nbytes
+        return item
 
     # ---- deaths ----
     def kill(self, peer: bytes, reason: str) -> int:
@@ -125,6 +136,7 @@ class Dispatcher:
             if p.room:
                 item = self.pending.popleft()
                 p.unacked[item.seq] = item
+                p.unacked_bytes += item.nbytes
                 self._turn = (self._turn + i + 1) % len(keys)
                 return k, item
         return None

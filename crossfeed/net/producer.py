@@ -1,6 +1,6 @@
 """The producing side of a server: a thread that runs `factory(epoch)` and encodes batches.
 
-Yields into a bounded queue, in order:
+Yields into a bounded `Prefetch` queue, in order:
     Item(seq, epoch, frames, n)       one encoded batch
     EpochEnd(epoch, batches)          after the last batch of an epoch
     StreamEnd(epochs)                 after the last epoch (only with a finite `epochs`)
@@ -9,6 +9,7 @@ Yields into a bounded queue, in order:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
@@ -51,7 +52,8 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, seq: int, server_id: s
     meta = wire.BatchMeta(epoch=epoch, seq=seq, server_id=server_id, sample_ids=ids)
     frames = wire.encode(fields, meta)
     num = len(ids) if ids is not None else _leading_dim(fields)
-    return Item(seq=seq, epoch=epoch, frames=frames, num_samples=num)
+    nbytes = sum(f.nbytes if isinstance(f, np.ndarray) else len(f) for f in frames)
+    return Item(seq=seq, epoch=epoch, frames=frames, num_samples=num, nbytes=nbytes)
 
 
 def _leading_dim(fields: Mapping[str, Any]) -> int:
@@ -62,6 +64,72 @@ def _leading_dim(fields: Mapping[str, Any]) -> int:
         if isinstance(v, (list, tuple)):
             return len(v)
     return 0
+
+
+class Prefetch:
+    """A bounded hand-off from the producer thread to the server loop: at most `maxsize` items
+    and (but for the first) `max_bytes` bytes of batches; 0 bytes: no byte bound.
+
+    A producer that finds it full waits until it is half empty and then refills it in one
+    burst, instead of waking (and taking the GIL from the loop while it sends) once per item.
+    `put` raises queue.Full and `get`/`get_nowait` raise queue.Empty, as `queue.Queue` does.
+    """
+
+    def __init__(self, maxsize: int, max_bytes: int = 0):
+        self.maxsize, self.max_bytes = max(maxsize, 1), max(max_bytes, 0)
+        self._items: collections.deque[Any] = collections.deque()
+        self._bytes = 0
+        self._cond = threading.Condition(threading.Lock())
+        self._producer_waits = False
+        self._consumer_waits = False
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def _full(self) -> bool:
+        return len(self._items) >= self.maxsize or bool(
+            self.max_bytes and self._items and self._bytes >= self.max_bytes
+        )
+
+    def _half_empty(self) -> bool:
+        return len(self._items) <= self.maxsize // 2 and (
+            not self.max_bytes or self._bytes <= self.max_bytes // 2 or len(self._items) <= 1
+        )
+
+    def put(self, item: Any, timeout: float) -> None:
+        with self._cond:
+            if self._full():
+                self._producer_waits = True
+                try:
+                    if not self._cond.wait_for(self._half_empty, timeout):
+                        raise queue.Full
+                finally:
+                    self._producer_waits = False
+            self._items.append(item)
+            self._bytes += getattr(item, "nbytes", 0)
+            if self._consumer_waits:
+                self._cond.notify_all()
+
+    def get_nowait(self) -> Any:
+        with self._cond:
+            if not self._items:
+                raise queue.Empty
+            item = self._items.popleft()
+            self._bytes -= getattr(item, "nbytes", 0)
+            if self._producer_waits and self._half_empty():
+                self._cond.notify_all()
+            return item
+
+    def get(self, timeout: float) -> Any:
+        with self._cond:
+            if not self._items:
+                self._consumer_waits = True
+                try:
+                    if not self._cond.wait_for(lambda: self._items, timeout):
+                        raise queue.Empty
+                finally:
+                    self._consumer_waits = False
+        return self.get_nowait()
 
 
 class Producer:
@@ -75,12 +143,15 @@ class Producer:
         epochs: int | None,
         start_epoch: int = 0,
         prefetch: int = 4,
+        prefetch_bytes: int = 0,
+        on_put: Callable[[], None] | None = None,
     ):
         self._factory = factory
         self._server_id = server_id
         self._epochs = epochs
         self._start = start_epoch
-        self.queue: queue.Queue[Any] = queue.Queue(maxsize=max(prefetch, 1))
+        self._on_put = on_put  # called on this thread after each put (the server's wake-up)
+        self.queue = Prefetch(prefetch, prefetch_bytes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="crossfeed-producer", daemon=True)
 
@@ -92,9 +163,11 @@ class Producer:
         while not self._stop.is_set():
             try:
                 self.queue.put(item, timeout=0.1)
-                return True
             except queue.Full:
                 continue
+            if self._on_put is not None:
+                self._on_put()
+            return True
         return False
 
     def _run(self) -> None:

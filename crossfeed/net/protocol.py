@@ -2,7 +2,9 @@
 
     envelope: magic "CXFN" | u8 version | u8 kind | u16 reserved | i64 a | i64 b
 
-client → server: CREDIT(a=batches allowed in flight), ACK(a=seq), HEARTBEAT(a=credit), BYE
+client → server: CREDIT(a=batches allowed in flight, b=bytes allowed in flight, 0: any),
+                 ACK(a=seq), HEARTBEAT(a=credit, b=byte credit), BYE,
+                 ACKS(a=count; payload = one frame of `count` int64 seqs, at most MAX_ACKS)
 server → client: BATCH(a=seq, b=epoch; payload = `crossfeed.wire` frames),
                  END_OF_EPOCH(a=epoch, b=batches in it), END_OF_STREAM(a=epochs served), HEARTBEAT
 
@@ -24,9 +26,11 @@ import zmq
 from crossfeed.errors import ConfigError, WireError
 
 MAGIC = b"CXFN"
-VERSION = 1
+VERSION = 2  # 2: ACKS, several acknowledgements in one message
 _ENVELOPE = struct.Struct("<4sBBHqq")
 ENVELOPE_SIZE = _ENVELOPE.size
+MAX_ACKS = 256  # seqs per ACKS message: 8 * 256 bytes stays far below the server's 4 KiB limit
+_SEQS = struct.Struct("<q")
 
 
 class Kind(enum.IntEnum):
@@ -34,12 +38,13 @@ class Kind(enum.IntEnum):
     ACK = 2
     HEARTBEAT = 3
     BYE = 4
+    ACKS = 5
     BATCH = 16
     END_OF_EPOCH = 17
     END_OF_STREAM = 18
 
 
-CLIENT_KINDS = frozenset({Kind.CREDIT, Kind.ACK, Kind.HEARTBEAT, Kind.BYE})
+CLIENT_KINDS = frozenset({Kind.CREDIT, Kind.ACK, Kind.ACKS, Kind.HEARTBEAT, Kind.BYE})
 SERVER_KINDS = frozenset({Kind.BATCH, Kind.END_OF_EPOCH, Kind.END_OF_STREAM, Kind.HEARTBEAT})
 
 
@@ -54,9 +59,30 @@ def pack(kind: Kind, a: int = 0, b: int = 0) -> bytes:
     return _ENVELOPE.pack(MAGIC, VERSION, int(kind), 0, a, b)
 
 
+def pack_acks(seqs: list[int]) -> list[bytes]:
+    """The frames of one ACKS message acknowledging `seqs` (1..MAX_ACKS of them)."""
+    if not 1 <= len(seqs) <= MAX_ACKS:
+        raise ValueError(f"an ACKS message carries 1..{MAX_ACKS} seqs, got {len(seqs)}")
+    return [pack(Kind.ACKS, len(seqs)), struct.pack(f"<{len(seqs)}q", *seqs)]
+
+
+def unpack_acks(env: Envelope, payload: Any) -> tuple[int, ...]:
+    """The seqs an ACKS envelope and its payload frame acknowledge; WireError if they disagree."""
+    data = getattr(payload, "buffer", payload)
+    if not 1 <= env.a <= MAX_ACKS or len(data) != env.a * _SEQS.size:
+        raise WireError(
+            f"ACKS declares {env.a} seqs (1..{MAX_ACKS}) in a payload of {len(data)} bytes, "
+            f"expected {env.a * _SEQS.size}"
+        )
+    return struct.unpack(f"<{env.a}q", data)
+
+
+_KINDS = {int(k): k for k in Kind}
+
+
 def unpack(frame: Any, allowed: frozenset[Kind]) -> Envelope:
     """The envelope in `frame`; WireError unless it is well formed and of an allowed kind."""
-    data = bytes(getattr(frame, "buffer", frame))
+    data = getattr(frame, "buffer", frame)
     if len(data) != ENVELOPE_SIZE:
         raise WireError(f"envelope has {len(data)} bytes, expected {ENVELOPE_SIZE}")
     magic, version, kind, _reserved, a, b = _ENVELOPE.unpack(data)
@@ -64,10 +90,9 @@ def unpack(frame: Any, allowed: frozenset[Kind]) -> Envelope:
         raise WireError(f"bad envelope magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
         raise WireError(f"protocol version {version} not supported (this side speaks {VERSION})")
-    try:
-        k = Kind(kind)
-    except ValueError as e:
-        raise WireError(f"unknown message kind {kind}") from e
+    k = _KINDS.get(kind)
+    if k is None:
+        raise WireError(f"unknown message kind {kind}")
     if k not in allowed:
         raise WireError(f"message kind {k.name} not expected here")
     return Envelope(k, a, b)

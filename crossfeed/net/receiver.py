@@ -1,20 +1,25 @@
-"""The client's I/O thread: one socket per server, heartbeats both ways, acks forwarded.
+"""The client's sockets: one per server, heartbeats both ways, acks batched.
 
-Puts on `events`, in arrival order:
+`next_event()` yields, in arrival order:
     Delivery(server, meta, batch)      a decoded batch (arrays view the received frames)
     EpochDone(server, epoch, batches)  that server's END_OF_EPOCH
     AllDone()                          every server has ended or been dropped
-    ReceiverFailed(message)            the thread itself broke; nothing follows
-The user thread sends acks through `ack()`; a batch is acked once it has been consumed.
+    ReceiverFailed(message)            the receiver itself broke; nothing follows
+
+Whoever holds the lock "pumps" the sockets (reads, decodes, sends acks and heartbeats): the
+user thread itself inside `next_event()` when it has nothing to return (no thread hand-off per
+batch), and a keep-alive thread every `interval / 2` so heartbeats flow and acks go out while
+the user thread is busy training. `ack()` only notes a consumed batch; notes go out together
+in one ACKS message when the user thread runs dry, after every `credits // 2` of them, or at the
+next keep-alive tick, whichever comes first (so the server holds no batch for long that was
+consumed, and its redelivery after a death covers exactly the unacknowledged ones).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import itertools
 import logging
-import queue
-import struct
 import threading
 import time
 from typing import Any
@@ -28,9 +33,6 @@ from crossfeed.net.keys import ClientKeys, secure_client_socket
 
 logger = logging.getLogger(__name__)
 
-_CMD = struct.Struct("<Biq")
-_ACK, _CLOSE = 1, 2
-_ids = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,12 +88,15 @@ class _Link:
 
 
 class Receiver:
+    """The sockets to every server of one client; `start()`, `next_event()`, `ack()`, `close()`."""
+
     def __init__(
         self,
         addresses: list[str],
         *,
         keys: ClientKeys | None,
         credits: int,
+        credit_bytes: int = 0,
         broadcast: bool,
         heartbeat: P.Heartbeat,
         connect_timeout: float,
@@ -99,52 +104,157 @@ class Receiver:
     ):
         self.addresses = addresses
         self._keys, self._credits, self._broadcast = keys, credits, broadcast
+        self._credit_bytes = credit_bytes
         self._hb, self._connect_timeout, self._limits = heartbeat, connect_timeout, limits
         self._buffer = 8 if broadcast else credits * len(addresses) + 1
-        self.events: queue.Queue[Any] = queue.Queue()
+        self._ack_every = max(credits // 2, 1)
+        self._tick = min(heartbeat.interval / 2, 0.1)
+        self._events: collections.deque[Any] = collections.deque()  # appended under the lock
+        self._acks: collections.deque[tuple[int, int]] = collections.deque()  # (server, seq)
         self.lost: list[LostServer] = []
         self.dropped_messages = 0
         self._log = P.RateLimitedLog(logger)
         self._ctx = zmq.Context()
-        self._cmd_address = f"inproc://crossfeed-client-{next(_ids)}"
-        self._cmd_in = self._ctx.socket(zmq.PAIR)
-        self._cmd_in.bind(self._cmd_address)
-        self._cmd_out = self._ctx.socket(zmq.PAIR)
-        self._cmd_out.connect(self._cmd_address)
-        self._cmd_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="crossfeed-client", daemon=True)
+        self._lock = threading.Lock()  # held by whoever pumps the sockets
+        self._stop = threading.Event()
+        self._links: list[_Link] = []
+        self._poller = zmq.Poller()
+        self._polled: set[zmq.Socket] = set()
+        self._next_beat = 0.0
+        self._done_signalled = False
+        self._failed = False
         self._closed = False
+        self._thread = threading.Thread(target=self._keep_alive, name="crossfeed-client", daemon=True)
 
     def start(self) -> Receiver:
+        try:
+            now = time.monotonic()
+            for a in self.addresses:
+                self._links.append(self._open(a, now))
+        except Exception as e:  # reported by the first next_event(), like any later failure
+            self._fail(e)
         self._thread.start()
         return self
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._failed
 
     def ack(self, server: int, seq: int) -> None:
-        with self._cmd_lock:
-            if not self._closed:
-                self._cmd_out.send(_CMD.pack(_ACK, server, seq))
+        """Note that batch `seq` of `server` was consumed; it is acknowledged soon (see above)."""
+        self._acks.append((server, seq))
+        if len(self._acks) >= self._ack_every and self._lock.acquire(blocking=False):
+            try:  # keep the server's window open without waiting for the queue to run dry
+                self._pump(0.0)
+            finally:
+                self._lock.release()
+
+    def next_event(self, timeout: float) -> Any | None:
+        """The next event; pumps the sockets on this thread while there is none; None after
+        `timeout` seconds without one."""
+        if self._events:
+            return self._events.popleft()
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if not self._lock.acquire(timeout=max(remaining, 0.0)):
+                return self._events.popleft() if self._events else None
+            try:
+                if not self._events:
+                    self._pump(max(remaining, 0.0))
+            finally:
+                self._lock.release()
+            if self._events:
+                return self._events.popleft()
+            if remaining <= 0 or self._failed or self._closed:
+                return None
 
     def close(self, timeout: float = 5.0) -> None:
-        with self._cmd_lock:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("client keep-alive thread did not stop within %.1fs", timeout)
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if self._thread.is_alive():
-                self._cmd_out.send(_CMD.pack(_CLOSE, 0, 0))
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.warning("client I/O thread did not stop within %.1fs", timeout)
-        self._cmd_out.close(linger=0)
-        if not self._thread.is_alive():
-            self._cmd_in.close(linger=0)
+            if not self._failed:
+                try:
+                    self._flush_acks()
+                except Exception:  # closing anyway; what was not acknowledged is redelivered
+                    logger.exception("could not send the last acknowledgements")
+            for link in self._links:
+                if link.state == "live" and not self._broadcast:
+                    self._send(link, P.pack(P.Kind.BYE))
+                link.sock.close(linger=500 if link.state == "live" else 0)
             self._ctx.term()
 
-    # ---- the I/O thread ----
+    # ---- pumping (with the lock held) ----
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(self._tick):
+            if self._lock.acquire(timeout=self._tick):
+                try:
+                    self._pump(0.0)
+                finally:
+                    self._lock.release()
+            if self._failed or self._closed:
+                return
+
+    def _fail(self, error: Exception) -> None:
+        logger.error("client I/O failed: %s: %s", type(error).__name__, error, exc_info=error)
+        self._failed = True
+        self._events.append(ReceiverFailed(f"{type(error).__name__}: {error}"))
+
+    def _pump(self, wait: float) -> None:
+        """Send due acks and heartbeats, read what has come (waiting up to `wait` seconds for
+        something), notice silent servers. Never raises: a failure becomes ReceiverFailed."""
+        if self._failed or self._closed:
+            return
+        try:
+            self._flush_acks()
+            self._read(wait)
+            self._flush_acks()
+            self._housekeeping(time.monotonic())
+        except Exception as e:  # crosses to the user thread wrapped
+            self._fail(e)
+
+    def _read(self, wait: float) -> None:
+        room = len(self._events) < self._buffer
+        want = {link.sock for link in self._links if link.state == "live"} if room else set()
+        if want != self._polled:
+            for sock in self._polled - want:
+                self._poller.unregister(sock)
+            for sock in want - self._polled:
+                self._poller.register(sock, zmq.POLLIN)
+            self._polled = want
+        if not want:
+            if wait > 0 and not self._events:
+                self._stop.wait(min(wait, self._tick))  # nothing to read: do not spin
+            return
+        # wake in time for the next heartbeat and liveness check
+        wait = min(wait, max(self._next_beat - time.monotonic(), 0.0), self._tick)
+        ready = self._poller.poll(int(wait * 1000)) if wait > 0 else self._poller.poll(0)
+        if not ready:
+            return
+        ready_socks = {sock for sock, _ in ready}
+        for i, link in enumerate(self._links):
+            if link.sock in ready_socks and link.state == "live":
+                self._drain(i, link)
+
+    def _housekeeping(self, now: float) -> None:
+        if now >= self._next_beat:
+            self._next_beat = now + self._hb.interval
+            for link in self._links:
+                if link.state == "live" and not self._broadcast:
+                    self._send(link, P.pack(P.Kind.HEARTBEAT, self._credits, self._credit_bytes))
+        for link in self._links:
+            if link.state == "live":
+                self._check_alive(link, now)
+        if not self._done_signalled and all(link.state != "live" for link in self._links):
+            self._done_signalled = True
+            self._events.append(AllDone())
+
     def _open(self, address: str, now: float) -> _Link:
         sock = self._ctx.socket(zmq.SUB if self._broadcast else zmq.DEALER)
         sock.linger = 500
@@ -155,75 +265,32 @@ class Receiver:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(address)
         if not self._broadcast:
-            sock.send(P.pack(P.Kind.CREDIT, self._credits))
+            sock.send(P.pack(P.Kind.CREDIT, self._credits, self._credit_bytes))
         return _Link(address=address, sock=sock, started=now)
 
-    def _run(self) -> None:
-        links: list[_Link] = []
+    def _send(self, link: _Link, msg: bytes | list[bytes]) -> None:
         try:
-            now = time.monotonic()
-            links = [self._open(a, now) for a in self.addresses]
-            self._loop(links)
-        except Exception as e:  # crosses to the user thread wrapped
-            logger.exception("client I/O thread failed")
-            self.events.put(ReceiverFailed(f"{type(e).__name__}: {e}"))
-        finally:
-            for link in links:
-                if link.state == "live" and not self._broadcast:
-                    self._send(link, P.pack(P.Kind.BYE))
-                link.sock.close(linger=500 if link.state == "live" else 0)
-
-    def _send(self, link: _Link, msg: bytes) -> None:
-        try:
-            link.sock.send(msg, zmq.NOBLOCK)
+            if isinstance(msg, list):
+                link.sock.send_multipart(msg, zmq.NOBLOCK)
+            else:
+                link.sock.send(msg, zmq.NOBLOCK)
         except zmq.ZMQError as e:
             logger.debug("could not send to %s: %s", link.address, e)
 
-    def _loop(self, links: list[_Link]) -> None:
-        hb = self._hb
-        next_beat = 0.0
-        done_signalled = False
-        while True:
-            poller = zmq.Poller()
-            poller.register(self._cmd_in, zmq.POLLIN)
-            room = self.events.qsize() < self._buffer
-            by_sock = {}
-            for i, link in enumerate(links):
-                if link.state == "live" and room:
-                    poller.register(link.sock, zmq.POLLIN)
-                    by_sock[link.sock] = i
-            ready = dict(poller.poll(int(min(hb.interval / 2, 0.1) * 1000)))
-            if self._cmd_in in ready and self._commands(links):
-                return
-            for sock, i in by_sock.items():
-                if sock in ready:
-                    self._drain(i, links[i])
-            now = time.monotonic()
-            if now >= next_beat and not self._broadcast:
-                next_beat = now + hb.interval
-                for link in links:
-                    if link.state == "live":
-                        self._send(link, P.pack(P.Kind.HEARTBEAT, self._credits))
-            for link in links:
-                if link.state == "live":
-                    self._check_alive(link, now)
-            if not done_signalled and all(link.state != "live" for link in links):
-                done_signalled = True
-                self.events.put(AllDone())
-
-    def _commands(self, links: list[_Link]) -> bool:
-        """Forward queued acks; True when asked to close."""
-        while True:
-            try:
-                op, server, seq = _CMD.unpack(self._cmd_in.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return False
-            if op == _CLOSE:
-                return True
-            link = links[server]
-            link.unacked.discard(seq)
+    def _flush_acks(self) -> None:
+        """One ACKS message per server for the consumed batches noted since the last flush."""
+        if not self._acks:
+            return
+        by_server: dict[int, list[int]] = {}
+        while self._acks:
+            server, seq = self._acks.popleft()
+            by_server.setdefault(server, []).append(seq)
+        for server, seqs in by_server.items():
+            link = self._links[server]
+            link.unacked.difference_update(seqs)
             if link.state == "live":
-                self._send(link, P.pack(P.Kind.ACK, seq))
+                for i in range(0, len(seqs), P.MAX_ACKS):
+                    self._send(link, P.pack_acks(seqs[i : i + P.MAX_ACKS]))
 
     def _check_alive(self, link: _Link, now: float) -> None:
         if link.heard and now - link.last_seen > self._hb.timeout:
@@ -262,7 +329,7 @@ class Receiver:
                 self._handle(index, link, frames)
             except WireError as e:
                 self._bad(link, e)
-            if link.state != "live" or self.events.qsize() >= self._buffer:
+            if link.state != "live" or len(self._events) >= self._buffer:
                 return
 
     def _bad(self, link: _Link, error: WireError) -> None:
@@ -284,9 +351,9 @@ class Receiver:
             link.last_epoch, link.last_seq = meta.epoch, meta.seq
             if not self._broadcast:
                 link.unacked.add(meta.seq)
-            self.events.put(Delivery(index, meta, batch))
+            self._events.append(Delivery(index, meta, batch))
         elif env.kind is P.Kind.END_OF_EPOCH:
-            self.events.put(EpochDone(index, env.a, env.b))
+            self._events.append(EpochDone(index, env.a, env.b))
         elif env.kind is P.Kind.END_OF_STREAM:
             if not self._broadcast:
                 self._send(link, P.pack(P.Kind.BYE))
