@@ -248,6 +248,16 @@ def decode_image(data: bytes, f: Feature | None = None) -> np.ndarray:
 
     from PIL import Image
 
+    if bytes(data[:3]) == b"\xff\xd8\xff":
+        try:
+            import simplejpeg
+
+            h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+            if colorspace in ("YCbCr", "RGB", "Gray"):
+                arr = simplejpeg.decode_jpeg(data, colorspace="GRAY" if colorspace == "Gray" else "RGB")
+                return arr.reshape(h, w, -1)
+        except (ImportError, ValueError, RuntimeError):
+            pass  # Pillow decodes it, or says what is wrong
     try:
         with Image.open(io.BytesIO(data)) as im:
             arr = np.asarray(im)
