@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from crossfeed.adapters.torch import TorchDataset, _is_stream
+from crossfeed.dataset import open_dataset
 from crossfeed.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,10 @@ def fit_image(img: np.ndarray, size: int) -> np.ndarray:
 
 def tiny_cnn(num_classes: int) -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, num_classes))
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
 
 
 def _inputs(images, size: int) -> torch.Tensor:
@@ -94,11 +96,12 @@ def _batches(ds: TorchDataset, loader: DataLoader, stream: bool):
 
 def train(source, *, split: str = "train", steps: int = 300, batch_size: int = 32, image_key: str = "image",
           label_key: str = "label", image_size: int = 32, num_classes: int | None = None, num_workers: int = 0,
-          lr: float = 3e-3, seed: int = 0) -> dict:
+          lr: float = 3e-3, seed: int = 0, eval_source=None) -> dict:
     """Train a tiny CNN for ``steps`` steps; returns ``accuracy`` (on a held-out split of the
     dataset when it has one — test/validation/val/eval — else on the last tenth of the training
     batches, as ``accuracy_on`` says), ``samples_per_s`` (data loading and training together),
-    ``steps`` and ``final_loss``."""
+    ``steps`` and ``final_loss``. A model trained from a stream is evaluated on ``eval_source``'s
+    held-out split when given (a dataset path)."""
     if steps < 1 or batch_size < 1 or image_size < 8:
         raise ConfigError(f"steps and batch_size must be >= 1 and image_size >= 8, got {steps}, {batch_size}, {image_size}")
     torch.manual_seed(seed)
@@ -135,10 +138,12 @@ def train(source, *, split: str = "train", steps: int = 300, batch_size: int = 3
     elapsed = time.perf_counter() - start
     result = {"steps": done, "samples_per_s": seen / elapsed if elapsed > 0 else float("inf"),
               "final_loss": float(loss.detach()), "accuracy": correct / max(1, counted), "accuracy_on": f"{split} (last {tail} steps)"}
-    if not stream:
-        held_out = [s for s in EVAL_SPLITS if s != split and s in ds.loader.dataset]
+    target = eval_source if stream else source
+    if target is not None:
+        with open_dataset(target) as dataset:
+            held_out = [s for s in EVAL_SPLITS if s != split and s in dataset]
         if held_out:
-            result["accuracy"], result["accuracy_on"] = _evaluate(model, source, held_out[0], batch_size, resize,
+            result["accuracy"], result["accuracy_on"] = _evaluate(model, target, held_out[0], batch_size, resize,
                                                                   image_key, label_key, image_size), held_out[0]
     ds.close()
     log.info("trained %d steps: accuracy %.3f on %s, %.0f samples/s", done, result["accuracy"],

@@ -97,10 +97,10 @@ def main(out: str = "demo_out") -> None:
             "import json, crossfeed\n"
             "from crossfeed.adapters.torch_demo import train\n"
             f"with crossfeed.connect([{addr!r}]) as stream:\n"
-            "    r = train(stream, steps=300, batch_size=32, num_classes=4)\n"
+            f"    r = train(stream, steps=300, batch_size=32, num_classes=4, eval_source={str(dataset)!r})\n"
             "print(json.dumps(r))\n")
         print(f"PyTorch from the stream: {result['steps']} steps, accuracy {result['accuracy']:.3f} "
-              f"(on {result.get('accuracy_on', 'the last training batches')}), {result['samples_per_s']:,.0f} samples/s")
+              f"(on the {result['accuracy_on']} split), {result['samples_per_s']:,.0f} samples/s")
         for name, proc in (("crossfeed show", show), ("crossfeed mon", mon)):
             try:
                 proc.wait(timeout=30)
