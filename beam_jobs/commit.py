@@ -1,9 +1,6 @@
-"""The last step of a job: staged shards to their final names, then one manifest, written last.
-
-Like `crossfeed.writer.commit_split`, but for every split of a job at once, so a run with
-``--splits train=0.9,validation=0.1`` never leaves a manifest naming a new ``train`` beside an old
-``validation``. While it runs the manifest is absent; a job killed at any point leaves either the
-old dataset untouched (killed before this step) or no manifest at all, never a mix a reader accepts.
+"""The last step of a job: `crossfeed.writer.commit_splits` moves every split's staged shards
+into place and writes one manifest, last. A job killed at any point leaves either the old dataset
+untouched (killed before that step) or no manifest at all, never a mix a reader accepts.
 Temporary files are named ``.tmp-<token>-…``; `remove_temporaries` clears one job's (on failure) or
 every other job's (stale ones, on success).
 """
@@ -14,52 +11,12 @@ import logging
 import os
 import shutil
 
-from crossfeed import index as idx
-from crossfeed.errors import ConfigError, SchemaError
-from crossfeed.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, shard_name, write_manifest
-from crossfeed.schema import Schema
-from crossfeed.writer import StagedShard, read_manifest
+from crossfeed.writer import commit_splits
+
+__all__ = ["TMP_PREFIX", "commit_splits", "remove_temporaries"]
 
 log = logging.getLogger(__name__)
 TMP_PREFIX = ".tmp-"
-
-
-def commit_splits(root: str, staged: dict[str, list[StagedShard]], schema: Schema, *, compress: bool,
-                  statistics: dict[str, dict] | None = None, metadata: dict | None = None) -> Manifest:
-    """Add or replace the splits in ``staged`` (each list in shard order) at ``root``; other splits
-    of an existing dataset are kept when their schema is the same."""
-    if not staged or any(not v for v in staged.values()):
-        raise ConfigError(f"{root}: nothing to commit ({ {k: len(v) for k, v in staged.items()} })")
-    old = read_manifest(root)
-    splits = dict(old.splits) if old else {}
-    others = set(splits) - set(staged)
-    if old and old.schema != schema and others:
-        raise SchemaError(
-            f"{root}: the dataset's splits {sorted(others)} have schema {old.schema.names} with other types than "
-            f"this job's; write to another directory, or rewrite every split")
-    manifest_path = os.path.join(root, MANIFEST)
-    if os.path.exists(manifest_path):
-        os.unlink(manifest_path)
-    for name in staged:
-        if name in splits:
-            for sh in splits[name].shards:
-                for p in (os.path.join(root, sh.file), idx.index_path(os.path.join(root, sh.file))):
-                    if os.path.exists(p):
-                        os.unlink(p)
-    for name, shards in sorted(staged.items()):
-        n = len(shards)
-        infos = []
-        for i, s in enumerate(shards):
-            final = os.path.join(root, shard_name(name, i, n, compress=compress))
-            os.replace(s.tmp_path, final)
-            os.replace(idx.index_path(s.tmp_path), idx.index_path(final))
-            infos.append(ShardInfo(os.path.basename(final), s.num_records, s.num_bytes, s.sha256))
-        splits[name] = SplitInfo(name, tuple(infos), (statistics or {}).get(name, {}))
-    meta = dict(old.metadata) if old else {}
-    meta.update(metadata or {})
-    manifest = Manifest(schema, splits, meta)
-    write_manifest(root, manifest)
-    return manifest
 
 
 def remove_temporaries(root: str, *, token: str | None = None, keep: str | None = None) -> int:

@@ -232,7 +232,7 @@ class CommitDoFn(beam.DoFn):
             info = infos[0]
             meta = dict(cfg.metadata)
             meta["skipped_records"] = info.skipped
-            manifest = commit_splits(cfg.root, staged, info.schema, compress=cfg.compress,
+            manifest = commit_splits(cfg.root, staged, info.schema,
                                      statistics=info.statistics, metadata=meta)
         except BaseException:
             remove_temporaries(cfg.root, token=cfg.token)

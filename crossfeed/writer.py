@@ -77,44 +77,52 @@ def read_manifest(root: str) -> Manifest | None:
         return loads(f.read(), path)
 
 
-def commit_split(root, split: str, staged: list[StagedShard], schema: Schema, *,
-                 statistics: dict | None = None, metadata: dict | None = None) -> Manifest:
+def commit_splits(root, staged: dict[str, list[StagedShard]], schema: Schema, *,
+                  statistics: dict[str, dict] | None = None, metadata: dict | None = None) -> Manifest:
     """Move staged shards to their final names and write the manifest, last.
 
-    Adds ``split`` to the dataset at ``root`` or replaces it (its old shards are deleted). While
-    this runs the manifest is absent, so no reader ever sees old and new files mixed.
+    Adds the splits in ``staged`` (each list in shard order) to the dataset at ``root`` or replaces
+    them (their old shards are deleted); other splits are kept when their schema is the same. While
+    this runs the manifest is absent, so no reader ever sees old and new files mixed, and a job
+    committing several splits never leaves a new ``train`` beside an old ``validation``.
     """
     root = os.fspath(root)
-    if not staged:
-        raise ConfigError(f"split {split!r} has no shards to commit")
+    if not staged or any(not v for v in staged.values()):
+        raise ConfigError(f"{root}: nothing to commit ({ {k: len(v) for k, v in staged.items()} })")
     old = read_manifest(root)
     splits = dict(old.splits) if old else {}
-    if old and old.schema != schema and set(splits) - {split}:
+    others = set(splits) - set(staged)
+    if old and old.schema != schema and others:
         raise SchemaError(
-            f"{root}: the dataset's splits {sorted(set(splits) - {split})} have schema {old.schema.names} with other "
-            f"types than split {split!r}; write it to another directory, or rewrite every split")
+            f"{root}: the dataset's splits {sorted(others)} have schema {old.schema.names} with other types than "
+            f"the splits {sorted(staged)} being written; write to another directory, or rewrite every split")
     manifest_path = os.path.join(root, MANIFEST)
     if os.path.exists(manifest_path):
         os.unlink(manifest_path)
-    if split in splits:
-        for sh in splits[split].shards:
+    for name in staged:
+        for sh in splits[name].shards if name in splits else ():
             for p in (os.path.join(root, sh.file), idx.index_path(os.path.join(root, sh.file))):
                 if os.path.exists(p):
                     os.unlink(p)
-    n = len(staged)
-    shards = []
-    for i, s in enumerate(staged):
-        name = shard_name(split, i, n, compress=tfrecord.is_gzip(s.tmp_path))
-        final = os.path.join(root, name)
-        os.replace(s.tmp_path, final)
-        os.replace(idx.index_path(s.tmp_path), idx.index_path(final))
-        shards.append(ShardInfo(name, s.num_records, s.num_bytes, s.sha256))
-    splits[split] = SplitInfo(split, tuple(shards), statistics or {})
+    for name, shards in sorted(staged.items()):
+        infos = []
+        for i, s in enumerate(shards):
+            final = shard_name(name, i, len(shards), compress=s.tmp_path.endswith(".gz"))
+            os.replace(s.tmp_path, os.path.join(root, final))
+            os.replace(idx.index_path(s.tmp_path), idx.index_path(os.path.join(root, final)))
+            infos.append(ShardInfo(final, s.num_records, s.num_bytes, s.sha256))
+        splits[name] = SplitInfo(name, tuple(infos), (statistics or {}).get(name, {}))
     meta = dict(old.metadata) if old else {}
     meta.update(metadata or {})
     manifest = Manifest(schema, splits, meta)
     write_manifest(root, manifest)
     return manifest
+
+
+def commit_split(root, split: str, staged: list[StagedShard], schema: Schema, *,
+                 statistics: dict | None = None, metadata: dict | None = None) -> Manifest:
+    """`commit_splits` for one split."""
+    return commit_splits(root, {split: staged}, schema, statistics={split: statistics or {}}, metadata=metadata)
 
 
 def write_dataset(path, samples: Iterable[Mapping], *, split: str = "train", num_shards: int | None = None,
