@@ -2,7 +2,10 @@
 
 `encode(batch, meta)` turns a `dict[str, np.ndarray | list[bytes] | list[str]]` and its
 `BatchMeta` into a list of buffers (frames); `decode(frames)` is its inverse and returns
-`(meta, batch)` whose arrays view the received frames (zero copy, read-only).
+`(meta, batch)` whose arrays view the received frames (zero copy, read-only). A ragged field
+(the Loader's form of a feature whose shape varies within the batch: a 1-D object array of
+numeric arrays of one dtype and ndim) arrives as a 1-D object array of read-only arrays that
+view one data frame.
 
 Layout (all integers little-endian):
 
@@ -16,6 +19,13 @@ Layout (all integers little-endian):
         kind ARRAY:            one frame, the C-ordered array data
         kind BYTES/STR (LIST, OBJECT):  two frames, u64 lengths[prod(dims)] and the
                                concatenated items
+        kind RAGGED:           dims are (n, k): n items of ndim k, dtype from the code; two
+                               frames, u64 shapes[n * k] (item i's shape at [i*k, i*k+k)) and
+                               the items' C-ordered data, concatenated
+
+Kinds are never renumbered; a decoder refuses a kind it does not know with WireError (the
+RAGGED kind, 5, was added without a version bump: a decoder that predates it refuses such a
+field as an unknown kind, never misreads it, and still reads batches without one).
 
 Every declared size is checked against `WireLimits` and against the frames before any array
 is made; every malformed input raises `WireError`. Nothing is ever unpickled.
@@ -42,7 +52,7 @@ _U64 = np.dtype("<u8")
 _IDS = np.dtype("<i8")
 
 # field kinds
-ARRAY, BYTES_LIST, STR_LIST, BYTES_OBJECT, STR_OBJECT = 0, 1, 2, 3, 4
+ARRAY, BYTES_LIST, STR_LIST, BYTES_OBJECT, STR_OBJECT, RAGGED = 0, 1, 2, 3, 4, 5
 _TEXT_KINDS = (BYTES_LIST, STR_LIST, BYTES_OBJECT, STR_OBJECT)
 
 # dtype codes: fixed forever, never reuse a number
@@ -128,30 +138,75 @@ def _dtype_code(dtype: np.dtype) -> int:
     return code
 
 
-def _text_items(value: Any) -> tuple[int, tuple[int, ...], list[bytes]] | None:
-    """(kind, shape, utf-8/bytes items) for bytes/str fields, None for numeric arrays."""
+def _field_frames(name: str, value: Any) -> tuple[int, int, tuple[int, ...], list[Any]]:
+    """`(kind, dtype code, header dims, data frames)` of one field."""
     if isinstance(value, np.ndarray) and value.dtype.kind not in "SUO":
-        return None  # the common case, decided without converting anything
+        return _array_frames(value)  # the common case, decided without converting anything
     if isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, np.ndarray) for v in value):
+            return _ragged_frames(name, value)
         if all(isinstance(v, (bytes, bytearray, memoryview)) for v in value):
-            return BYTES_LIST, (len(value),), [bytes(v) for v in value]
+            return _text_frames(BYTES_LIST, (len(value),), [bytes(v) for v in value])
         if all(isinstance(v, str) for v in value):
-            return STR_LIST, (len(value),), [v.encode("utf-8") for v in value]
-        raise WireError("a list field must hold only bytes or only str")
+            return _text_frames(STR_LIST, (len(value),), [v.encode("utf-8") for v in value])
+        raise WireError(f"field {name!r}: a list field must hold only bytes, only str or only numpy arrays")
     arr = np.asarray(value)
-    if arr.dtype == object and arr.size and _stack_numeric(arr).dtype != object:
-        return None
-    if arr.dtype.kind in "SUO":
+    if arr.dtype != object:
+        return _text_object_frames(name, arr) if arr.dtype.kind in "SU" else _array_frames(arr)
+    if arr.size:
+        stacked = _stack_numeric(arr)
+        if stacked.dtype != object:
+            return _array_frames(stacked)
         flat = arr.reshape(-1).tolist()
-        if all(isinstance(v, (bytes, bytearray)) for v in flat):
-            return BYTES_OBJECT, arr.shape, [bytes(v) for v in flat]
-        if all(isinstance(v, str) for v in flat):
-            return STR_OBJECT, arr.shape, [v.encode("utf-8") for v in flat]
-        raise WireError(
-            "an object array field must hold only bytes, only str, or numbers/arrays of one "
-            "shape and dtype (ragged fields cannot be sent: pad them in the transform)"
-        )
-    return None
+        if arr.ndim == 1 and all(isinstance(v, (np.ndarray, np.generic)) for v in flat):
+            return _ragged_frames(name, flat)
+    return _text_object_frames(name, arr)
+
+
+def _array_frames(arr: np.ndarray) -> tuple[int, int, tuple[int, ...], list[Any]]:
+    code = _dtype_code(arr.dtype)
+    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not _LITTLE):
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return ARRAY, code, arr.shape, [np.ascontiguousarray(arr).reshape(-1).view(np.uint8)]
+
+
+def _text_frames(kind: int, shape: tuple[int, ...], items: list[bytes]):
+    return kind, 0, shape, [np.array([len(i) for i in items], dtype=_U64).view(np.uint8), b"".join(items)]
+
+
+def _text_object_frames(name: str, arr: np.ndarray):
+    flat = arr.reshape(-1).tolist()
+    if all(isinstance(v, (bytes, bytearray)) for v in flat):
+        return _text_frames(BYTES_OBJECT, arr.shape, [bytes(v) for v in flat])
+    if all(isinstance(v, str) for v in flat):
+        return _text_frames(STR_OBJECT, arr.shape, [v.encode("utf-8") for v in flat])
+    raise WireError(
+        f"field {name!r}: an object array field must hold only bytes, only str, numbers/arrays of "
+        f"one shape and dtype, or (1-D only) numeric numpy arrays of one dtype and ndim (ragged)"
+    )
+
+
+def _ragged_frames(name: str, items: Sequence[Any]):
+    """RAGGED: per-item shapes and the items' data, concatenated into one frame."""
+    arrays = [np.asarray(v) for v in items]
+    first = arrays[0]
+    try:
+        code = _dtype_code(first.dtype)
+    except WireError as e:
+        raise WireError(f"field {name!r}: ragged item 0: {e}") from e
+    for i, a in enumerate(arrays):
+        if a.ndim != first.ndim or (a.dtype != first.dtype and _DTYPE_CODES.get(a.dtype.name) != code):
+            raise WireError(
+                f"field {name!r}: the arrays of a ragged field must share one dtype and ndim; item 0 is "
+                f"{first.dtype} with {first.ndim} dims, item {i} is {a.dtype} with {a.ndim} dims "
+                f"(cast them in the transform)"
+            )
+    if len(arrays) > DEFAULT_LIMITS.max_items or first.ndim > DEFAULT_LIMITS.max_ndim:
+        raise WireError(f"field {name!r}: ragged field of {len(arrays)} items of {first.ndim} dims is over the limits")
+    shapes = np.array([a.shape for a in arrays], dtype=_U64).reshape(-1)
+    little = first.dtype.newbyteorder("<") if first.dtype.byteorder in "<>=" else first.dtype
+    data = np.concatenate([a.reshape(-1) for a in arrays], dtype=little, casting="equiv")
+    return RAGGED, code, (len(arrays), first.ndim), [shapes.view(np.uint8), data.view(np.uint8)]
 
 
 def _stack_numeric(arr: np.ndarray) -> np.ndarray:
@@ -167,7 +222,8 @@ def _stack_numeric(arr: np.ndarray) -> np.ndarray:
 
 
 def encode(batch: Mapping[str, Any], meta: BatchMeta = BatchMeta()) -> list[Any]:
-    """Frames of one batch; large arrays are passed through without copying."""
+    """Frames of one batch; large arrays are passed through without copying (ragged fields are
+    copied once, into their one data frame)."""
     if len(batch) > DEFAULT_LIMITS.max_fields:
         raise WireError(f"{len(batch)} fields, at most {DEFAULT_LIMITS.max_fields}")
     server_id = meta.server_id.encode("utf-8")
@@ -183,23 +239,10 @@ def encode(batch: Mapping[str, Any], meta: BatchMeta = BatchMeta()) -> list[Any]
         raw_name = str(name).encode("utf-8")
         if len(raw_name) > DEFAULT_LIMITS.max_name_bytes:
             raise WireError(f"field name {name!r} longer than {DEFAULT_LIMITS.max_name_bytes} bytes")
-        text = _text_items(value)
-        if text is not None:
-            kind, shape, items = text
-            code = 0
-            frames.append(np.array([len(i) for i in items], dtype=_U64).view(np.uint8))
-            frames.append(b"".join(items))
-        else:
-            arr = np.asarray(value)
-            if arr.dtype == object:
-                arr = _stack_numeric(arr)
-            code = _dtype_code(arr.dtype)
-            if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not _LITTLE):
-                arr = arr.astype(arr.dtype.newbyteorder("<"))
-            kind, shape = ARRAY, arr.shape
-            frames.append(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+        kind, code, shape, data = _field_frames(name, value)
         if len(shape) > DEFAULT_LIMITS.max_ndim:
             raise WireError(f"field {name!r} has {len(shape)} dims, at most {DEFAULT_LIMITS.max_ndim}")
+        frames.extend(data)
         header.append(_NAME_LEN.pack(len(raw_name)) + raw_name + _FIELD.pack(kind, code, len(shape)))
         header.append(np.asarray(shape, dtype=_U64).tobytes())
     frames[0] = b"".join(header)
@@ -303,6 +346,8 @@ def decode(
             batch[name], index = _decode_array(name, code, dims, bufs, index, limits)
         elif kind in _TEXT_KINDS:
             batch[name], index = _decode_text(name, kind, dims, bufs, index, limits)
+        elif kind == RAGGED:
+            batch[name], index = _decode_ragged(name, code, dims, bufs, index, limits)
         else:
             raise WireError(f"field {name!r} has unknown kind {kind}")
     if r.pos != len(bufs[0]):
@@ -325,11 +370,15 @@ def _frame(bufs: list[memoryview], index: int, name: str) -> memoryview:
     return bufs[index]
 
 
-def _decode_array(name, code, dims, bufs, index, limits):
+def _field_dtype(name: str, code: int) -> tuple[str, np.dtype]:
     dtype_name = _CODE_NAMES.get(code)
     if dtype_name is None:
         raise WireError(f"field {name!r} has unknown dtype code {code}")
-    dtype = _dtype_for_code(code, dtype_name)
+    return dtype_name, _dtype_for_code(code, dtype_name)
+
+
+def _decode_array(name, code, dims, bufs, index, limits):
+    dtype_name, dtype = _field_dtype(name, code)
     count = _product(dims, limits.max_message_bytes // dtype.itemsize, f"field {name!r}")
     buf = _frame(bufs, index, name)
     if len(buf) != count * dtype.itemsize:
@@ -373,3 +422,57 @@ def _decode_text(name, kind, dims, bufs, index, limits):
     out = np.empty(count, dtype=object)
     out[:] = items
     return out.reshape(dims), index + 2
+
+
+_U64_MAX = np.uint64(2**64 - 1)
+
+
+def _decode_ragged(name, code, dims, bufs, index, limits):
+    """A 1-D object array of read-only arrays, each a view of the field's data frame."""
+    if len(dims) != 2:
+        raise WireError(f"ragged field {name!r} must declare 2 dims (items, item ndim), has {len(dims)}")
+    count, ndim = dims
+    if count > limits.max_items:
+        raise WireError(f"ragged field {name!r} declares {count} items, above the limit {limits.max_items}")
+    if ndim > limits.max_ndim:
+        raise WireError(f"ragged field {name!r}: items of {ndim} dims, at most {limits.max_ndim}")
+    dtype_name, dtype = _field_dtype(name, code)
+    shapes_buf, blob = _frame(bufs, index, name), _frame(bufs, index + 1, name)
+    if len(shapes_buf) != 8 * count * ndim:
+        raise WireError(
+            f"ragged field {name!r}: {count} items of {ndim} dims need {8 * count * ndim} shape bytes, "
+            f"frame has {len(shapes_buf)}"
+        )
+    if len(blob) % dtype.itemsize:
+        raise WireError(f"ragged field {name!r}: data frame of {len(blob)} bytes is no whole number of {dtype_name}")
+    available = len(blob) // dtype.itemsize
+    shapes = np.frombuffer(shapes_buf, dtype=_U64).reshape(count, ndim)
+    max_dim = limits.max_message_bytes // dtype.itemsize
+    if count * ndim and int(shapes.max()) > max_dim:
+        raise WireError(f"ragged field {name!r}: an item dim of {int(shapes.max())} is above the limit {max_dim}")
+    sizes = np.ones(count, dtype=np.uint64)
+    cap = np.uint64(available + 1)
+    for k in range(ndim):  # element counts, saturated at `cap` (never wrapped)
+        col = shapes[:, k]
+        wraps = (col != 0) & (sizes > _U64_MAX // np.maximum(col, np.uint64(1)))
+        sizes = np.where(wraps, cap, np.minimum(sizes * col, cap))
+    if count and int(sizes.max()) > available:
+        raise WireError(f"ragged field {name!r}: an item needs more elements than its data frame has ({available})")
+    if count * available >= 2**63:
+        raise WireError(f"ragged field {name!r}: {count} items over {available} elements is too large to index")
+    ends = np.cumsum(sizes, dtype=np.uint64) if count else sizes
+    if (int(ends[-1]) if count else 0) != available:
+        raise WireError(
+            f"ragged field {name!r}: item shapes need {int(ends[-1]) if count else 0} {dtype_name} elements, "
+            f"data frame holds {available}"
+        )
+    flat = np.frombuffer(blob, dtype=dtype, count=available)
+    flat.flags.writeable = False  # the frame may be shared (inproc); copy to modify
+    if dtype_name == "bool" and available and int(flat.view(np.uint8).max()) > 1:
+        raise WireError(f"ragged field {name!r}: bool data holds values other than 0 and 1")
+    out = np.empty(count, dtype=object)
+    start = 0
+    for i, (end, shape) in enumerate(zip(ends.tolist(), shapes.tolist())):
+        out[i] = flat[start:end].reshape(shape)
+        start = end
+    return out, index + 2

@@ -164,3 +164,36 @@ def test_closing_mid_stream_stops_every_thread():
                 next(client)
     assert server.wait(10)
     assert wait_until(_no_crossfeed_threads, 10, "threads to stop")
+
+
+def test_serving_a_dataset_with_a_variable_length_list(tmp_path):
+    """`crossfeed serve`'s batch source (the Loader) over a dataset with a ragged feature: every
+    sample's list arrives intact, whatever its length (empty included)."""
+    import crossfeed
+    from crossfeed.cli.net import LoaderEpochs
+
+    n = 23
+    crossfeed.write_dataset(tmp_path / "ds", [{"tokens": list(range(i % 5)), "id": i} for i in range(n)],
+                            num_shards=2).close()
+    factory = LoaderEpochs(str(tmp_path / "ds"), batch_size=4, seed=1, workers=2)
+    opts = ServerOptions(("tcp://127.0.0.1:0",), epochs=2, heartbeat=HB)
+    got = collections.defaultdict(set)
+    kinds = set()
+    try:
+        with Server(factory, opts) as server:
+            with connect(server.endpoints, with_meta=True, **FAST_HB) as client:
+                for meta, batch in client:
+                    tokens, ids = batch["tokens"], batch["id"]
+                    assert len(tokens) == len(ids) == len(meta.sample_ids)
+                    kinds.add(tokens.dtype == object)
+                    for i, t in zip(ids.tolist(), tokens):
+                        assert isinstance(t, np.ndarray) and t.dtype == np.int64
+                        assert t.tolist() == list(range(i % 5)), f"sample {i}"
+                        got[meta.epoch].add(i)
+                assert client.lost == []
+            assert server.wait(10)
+            server.raise_if_failed()
+    finally:
+        factory.close()
+    assert {e: sorted(ids) for e, ids in got.items()} == {0: list(range(n)), 1: list(range(n))}
+    assert True in kinds  # the ragged form crossed the wire (not only equal-length batches)

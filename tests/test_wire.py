@@ -233,5 +233,212 @@ def test_object_arrays_of_same_shaped_numbers_are_sent_as_numbers():
     assert out["label"].dtype == np.int64 and out["label"].tolist() == [1, 5, -2]
     ragged = np.empty(2, dtype=object)
     ragged[0], ragged[1] = np.zeros(2), np.zeros(3)
+    _, out = _roundtrip({"r": ragged})  # ragged fields are sent as RAGGED since wire kind 5
+    assert out["r"].dtype == object and [a.shape for a in out["r"]] == [(2,), (3,)]
+    ragged[1] = np.zeros(3, np.int64)  # ... but only if their arrays share one dtype
     with pytest.raises(WireError, match="ragged"):
         wire.encode({"r": ragged})
+
+
+# ---- ragged fields (kind RAGGED: per-item shapes + one data frame) ---------------------------
+
+def _ragged(*arrays):
+    """The Loader's form of a feature whose shape varies within the batch."""
+    out = np.empty(len(arrays), dtype=object)
+    for i, a in enumerate(arrays):
+        out[i] = a
+    return out
+
+
+def _assert_ragged_equal(got, want):
+    assert isinstance(got, np.ndarray) and got.dtype == object and got.shape == (len(want),)
+    for g, w in zip(got, want):
+        assert isinstance(g, np.ndarray) and g.dtype == np.asarray(w).dtype and g.shape == np.shape(w)
+        np.testing.assert_array_equal(g, w)
+        assert not g.flags.writeable
+
+
+@pytest.mark.parametrize("dtype", ["int64", "float32"])
+def test_ragged_lists_round_trip_with_empty_items(dtype):
+    tokens = _ragged(*[(np.arange(i % 4) * 3 - 1).astype(dtype) for i in range(9)])
+    ids = np.arange(9, dtype=np.int64)
+    meta, out = _roundtrip({"tokens": tokens, "id": ids}, wire.BatchMeta(sample_ids=ids))
+    _assert_ragged_equal(out["tokens"], tokens)
+    np.testing.assert_array_equal(out["id"], ids)
+    _, only_empty = _roundtrip({"e": _ragged(np.zeros(0, dtype), np.zeros((0,), dtype))})
+    assert only_empty["e"].dtype == np.dtype(dtype) and only_empty["e"].shape == (2, 0)  # equal shapes stack
+    _, empty_and_not = _roundtrip({"e": _ragged(np.zeros(0, dtype), np.ones(3, dtype))})
+    _assert_ragged_equal(empty_and_not["e"], [np.zeros(0, dtype), np.ones(3, dtype)])
+
+
+def test_ragged_images_of_different_sizes_round_trip():
+    rng = np.random.default_rng(1)
+    images = _ragged(*[rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in [(4, 5), (1, 1), (7, 2), (0, 3)]])
+    frames = wire.encode({"image": images, "label": np.arange(4)})
+    assert len(frames) == 2 + 2 + 1
+    shapes = np.frombuffer(frames[2].tobytes(), "<u8").reshape(4, 3)
+    assert shapes.tolist() == [[4, 5, 3], [1, 1, 3], [7, 2, 3], [0, 3, 3]]
+    assert frames[3].tobytes() == b"".join(a.tobytes() for a in images)
+    _, out = wire.decode(_blobs(frames))
+    _assert_ragged_equal(out["image"], images)
+
+
+def test_ragged_lists_of_arrays_and_big_endian_items_round_trip():
+    items = [np.arange(3, dtype=">i4"), np.arange(2, dtype="<i4"), np.array([], dtype="i4")]
+    _, out = _roundtrip({"r": items})
+    assert all(a.dtype == np.dtype("<i4") for a in out["r"])
+    assert [a.tolist() for a in out["r"]] == [[0, 1, 2], [0, 1], []]
+
+
+def test_ragged_items_view_the_received_zmq_data_frame():
+    ctx = zmq.Context()
+    try:
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        a.bind("inproc://wire-ragged-zero-copy")
+        b.connect("inproc://wire-ragged-zero-copy")
+        src = _ragged(*[np.arange(n * 1000, dtype=np.float32).reshape(n, 1000) for n in (3, 1, 0, 5)])
+        a.send_multipart(wire.encode({"x": src}), copy=False)
+        assert b.poll(5000)
+        frames = b.recv_multipart(copy=False)
+        _, out = wire.decode(frames)
+        _assert_ragged_equal(out["x"], src)
+        data_view = np.frombuffer(frames[3].buffer, dtype=np.uint8)
+        assert all(np.shares_memory(item, data_view) for item in out["x"] if item.size)
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+
+
+@pytest.mark.parametrize("items, match", [
+    ([np.zeros(2, np.int64), np.zeros(3, np.float32)], "dtype"),
+    ([np.zeros(2, np.int64), np.zeros((3, 1), np.int64)], "ndim"),
+    ([np.zeros(2, "datetime64[D]"), np.zeros(3, "datetime64[D]")], "cannot be sent"),
+    ([np.zeros(2, object), np.zeros(3, object)], "cannot be sent"),
+])
+def test_mixed_ragged_fields_raise_wire_error_naming_the_field(items, match):
+    for value in (_ragged(*items), items):
+        with pytest.raises(WireError, match=match) as info:
+            wire.encode({"ok": np.zeros(2), "tokens": value})
+        assert "'tokens'" in str(info.value)
+    with pytest.raises(WireError, match="'grid'"):  # ragged fields are 1-D
+        wire.encode({"grid": np.array([[np.zeros(1), np.zeros(2)]] * 2, dtype=object)})
+
+
+def _ragged_field(name=b"r", code=5, dims=(2, 1)):
+    return _field(name=name, kind=wire.RAGGED, code=code, dims=dims)
+
+
+def _u64(*values):
+    return np.array(values, "<u8").tobytes()
+
+
+@pytest.mark.parametrize("frames, match", [
+    ([_header() + _ragged_field(dims=(2,)), b"", b"", b""], "2 dims"),
+    ([_header() + _ragged_field(dims=(2**30, 1)), b"", b"", b""], "items"),
+    ([_header() + _ragged_field(dims=(1, 40)), b"", b"", b""], "dims"),
+    ([_header() + _ragged_field(code=200), b"", _u64(1, 1), b"\0" * 16], "dtype code"),
+    ([_header() + _ragged_field(), b"", _u64(1), b"\0" * 16], "shape bytes"),
+    ([_header() + _ragged_field(), b"", _u64(1, 1), b"\0" * 15], "whole number"),
+    ([_header() + _ragged_field(), b"", _u64(1, 2), b"\0" * 16], "need 3"),
+    ([_header() + _ragged_field(), b"", _u64(0, 1), b"\0" * 16], "need 1"),
+    ([_header() + _ragged_field(), b"", _u64(2**63, 2**63), b"\0" * 16], "limit"),
+    ([_header() + _ragged_field(dims=(1, 3)), b"", _u64(2**28, 2**28, 2**28), b"\0" * 16], "more elements"),
+    ([_header() + _ragged_field(dims=(1, 2)), b"", _u64(2**28, 0), b"\0" * 16], "need 0"),
+    ([_header() + _ragged_field(code=1), b"", _u64(1, 1), b"\x01\x02"], "bool"),
+    ([_header() + _ragged_field(), b"", _u64(1, 1)], "ends before"),
+    ([_header() + _ragged_field(), b""], "ends before"),
+    ([_header() + _field(kind=6), b"", b"", b""], "unknown kind 6"),
+])
+def test_malformed_ragged_fields_raise_wire_error(frames, match):
+    with pytest.raises(WireError, match=match):
+        wire.decode(frames)
+
+
+def test_ragged_sizes_are_checked_against_the_limits_before_allocating():
+    frames = _blobs(wire.encode({"r": _ragged(np.zeros(3), np.zeros(4))}))
+    with pytest.raises(WireError, match="items"):
+        wire.decode(frames, wire.WireLimits(max_items=1))
+    with pytest.raises(WireError, match="dims"):
+        wire.decode(_blobs(wire.encode({"r": [np.zeros((1, 1, 1)), np.zeros((1, 2, 1))]})),
+                    wire.WireLimits(max_ndim=2))
+    assert len(wire.decode(frames, wire.WireLimits(max_items=2))[1]["r"]) == 2
+
+
+def _valid_ragged_frames():
+    meta = wire.BatchMeta(epoch=1, seq=2, server_id="s", sample_ids=np.arange(4))
+    return _blobs(wire.encode({
+        "tokens": _ragged(*[np.arange(i % 3, dtype=np.int64) for i in range(4)]),
+        "img": _ragged(np.ones((2, 1, 3), np.uint8), np.zeros((1, 2, 3), np.uint8),
+                       np.zeros((0, 2, 3), np.uint8), np.ones((1, 1, 3), np.uint8)),
+        "mask": [np.array([True, False]), np.array([True]), np.array([], bool), np.array([False] * 3)],
+        "id": np.arange(4),
+    }, meta))
+
+
+def test_every_truncation_of_a_valid_ragged_message_is_refused():
+    frames = _valid_ragged_frames()
+    for i, frame in enumerate(frames):
+        for cut in range(len(frame)):
+            bad = list(frames)
+            bad[i] = frame[:cut]
+            with pytest.raises(WireError):
+                wire.decode(bad)
+    for n in range(len(frames)):
+        with pytest.raises(WireError):
+            wire.decode(frames[:n])
+
+
+@_FUZZ
+@given(st.data())
+def test_fuzz_ragged_fields_round_trip(data):
+    dtype = np.dtype(data.draw(st.sampled_from(NUMERIC)))
+    ndim = data.draw(st.integers(1, 3))
+    shapes = data.draw(st.lists(st.tuples(*[st.integers(0, 4)] * ndim), min_size=1, max_size=6))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    items = [(rng.random(shape) * 100).astype(dtype) for shape in shapes]
+    _, out = _roundtrip({"r": items, "o": _ragged(*items)})
+    _assert_ragged_equal(out["r"], items)
+    if len(set(shapes)) > 1:
+        _assert_ragged_equal(out["o"], items)
+    else:  # an object array of equal shapes is sent as one stacked array
+        np.testing.assert_array_equal(out["o"], np.stack(items))
+
+
+@_FUZZ
+@given(
+    code=st.integers(0, 20), n=st.integers(0, 6), ndim=st.integers(0, 4),
+    shapes=st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 5), max_size=24),
+    data=st.binary(max_size=128), extra=st.lists(st.binary(max_size=16), max_size=2),
+)
+def test_fuzz_random_ragged_messages(code, n, ndim, shapes, data, extra):
+    header = _header() + _ragged_field(code=code, dims=(n, ndim))
+    _decode_only_wire_errors([header, b"", _u64(*shapes), data, *extra])
+
+
+@_FUZZ
+@given(st.data())
+def test_fuzz_mutated_valid_ragged_messages(data):
+    frames = [bytearray(f) for f in _valid_ragged_frames()]
+    for _ in range(data.draw(st.integers(1, 6))):
+        if not frames:
+            break
+        action = data.draw(st.sampled_from(["flip", "set", "cut", "grow", "drop", "dup", "u64"]))
+        i = data.draw(st.integers(0, len(frames) - 1))
+        f = frames[i]
+        if action in ("flip", "set") and f:
+            pos = data.draw(st.integers(0, len(f) - 1))
+            f[pos] = (f[pos] ^ (1 << data.draw(st.integers(0, 7)))) if action == "flip" else \
+                data.draw(st.integers(0, 255))
+        elif action == "u64" and len(f) >= 8:  # a whole shape / dim / length replaced
+            pos = data.draw(st.integers(0, len(f) - 8))
+            f[pos:pos + 8] = _u64(data.draw(st.integers(0, 2**64 - 1) | st.integers(0, 8)))
+        elif action == "cut":
+            del f[data.draw(st.integers(0, len(f))):]
+        elif action == "grow":
+            f.extend(data.draw(st.binary(min_size=1, max_size=16)))
+        elif action == "drop":
+            frames.pop(i)
+        elif action == "dup":
+            frames.insert(i, bytearray(f))
+    _decode_only_wire_errors([bytes(f) for f in frames])

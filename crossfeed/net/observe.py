@@ -17,12 +17,13 @@ from crossfeed.errors import ConfigError
 
 
 def batch_nbytes(batch: Mapping[str, Any]) -> int:
+    """Payload bytes of a batch: array data, ragged items' data, bytes/str lengths."""
     total = 0
     for v in batch.values():
         if isinstance(v, np.ndarray) and v.dtype != object:
             total += v.nbytes
         else:
-            total += sum(len(x) for x in np.asarray(v, dtype=object).reshape(-1))
+            total += sum(x.nbytes if isinstance(x, np.ndarray) else len(x) for x in np.asarray(v, dtype=object).reshape(-1))
     return total
 
 
