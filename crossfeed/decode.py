@@ -148,6 +148,18 @@ class Layout:
             data = b"".join([p[a:b] for p in payloads for a, b in self.ranges])
         return np.frombuffer(data, dtype=np.uint8).reshape(len(payloads), -1)
 
+    def kept_matrix(self, rows: np.ndarray) -> np.ndarray:
+        """`kept_rows` for payloads given as the rows of a ``(g, length)`` uint8 matrix."""
+        if not self.big:
+            return rows
+        return np.concatenate([rows[:, a:b] for a, b in self.ranges], axis=1) if self.ranges else rows[:, :0]
+
+    def copy_big_rows(self, rows: np.ndarray, out: dict[str, np.ndarray], pos) -> None:
+        """`copy_big` for payloads given as the rows of a ``(g, length)`` uint8 matrix."""
+        for sl in self.big:
+            dst = out[sl.feature.name]
+            dst.reshape(len(dst), -1).view(np.uint8)[pos] = rows[:, sl.start : sl.stop]
+
     def copy_big(self, payloads: Sequence, out: dict[str, np.ndarray], pos: np.ndarray) -> None:
         """Copy each record's big values straight into its row of the batch arrays (no other copy)."""
         for sl in self.big:
@@ -223,21 +235,33 @@ class BatchDecoder:
                 return got, np.arange(len(payloads))
         return self._generic(payloads, where, on_error)
 
+    def decode_rows(self, groups: Sequence[tuple[np.ndarray | None, np.ndarray]], n: int) -> dict[str, np.ndarray] | None:
+        """The batch of ``n`` payloads given as `crossfeed.fetch.Fetcher.fetch_rows` gives them —
+        ``(positions, (g, length) uint8 rows)`` per payload length — through the fixed-layout
+        path; None where it does not apply (then decode the payloads with ``__call__``)."""
+        return self._fill(n, groups, True) if self.fixed and n else None
+
     # -- fixed layout -------------------------------------------------------------------------
     def _fixed(self, payloads) -> dict[str, np.ndarray] | None:
         n = len(payloads)
         lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
-        out = {f.name: self._recycler.empty((n, *f.shape), _fixed_dtype(f)) for f in self.features}
         if lengths.min() == lengths.max():  # the usual case: one length, no regrouping
-            groups = [(int(lengths[0]), None)]
+            groups = [(None, payloads)]
         else:
-            groups = [(length, np.flatnonzero(lengths == length)) for length in np.unique(lengths).tolist()]
-        for length, pos in groups:
-            group = payloads if pos is None else [payloads[i] for i in pos.tolist()]
-            layout = self._layout(group[0], length)
+            groups = [(pos, [payloads[i] for i in pos.tolist()])
+                      for pos in (np.flatnonzero(lengths == k) for k in np.unique(lengths).tolist())]
+        return self._fill(n, groups, False)
+
+    def _fill(self, n: int, groups, rows: bool) -> dict[str, np.ndarray] | None:
+        """Cut each group of equal-length payloads (a list of buffers, or with ``rows`` a uint8
+        matrix) with its layout into the batch arrays; None if a layout does not fit."""
+        out = {f.name: self._recycler.empty((n, *f.shape), _fixed_dtype(f)) for f in self.features}
+        for pos, group in groups:
+            first = group[0]
+            layout = self._layout(first.tobytes() if rows else first, len(first))
             if layout is None:
                 return None
-            vals = layout.cut(layout.kept_rows(group))
+            vals = layout.cut(layout.kept_matrix(group) if rows else layout.kept_rows(group))
             if vals is None:
                 return None
             for k, v in vals.items():
@@ -245,7 +269,10 @@ class BatchDecoder:
                     out[k] = v
                 else:
                     out[k][pos] = v
-            layout.copy_big(group, out, np.arange(n) if pos is None else pos)
+            if rows:
+                layout.copy_big_rows(group, out, slice(None) if pos is None else pos)
+            else:
+                layout.copy_big(group, out, np.arange(n) if pos is None else pos)
         return out
 
     def _layout(self, payload, length: int) -> Layout | None:

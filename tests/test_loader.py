@@ -201,21 +201,24 @@ def test_bad_options_are_named(tabular):
         Loader(root, batch_size=4, split="test")
 
 
-def _flip_byte_of_record(root, shard_file, record):
+def _flip_byte_of_record(root, shard_file, record, where=20):
     from crossfeed.index import read_index
 
     off, length = read_index(str(root / shard_file) + ".idx")[record]
+    at = int(off) + (where if where >= 0 else int(length) + where)
     with open(root / shard_file, "r+b") as f:
-        f.seek(int(off) + 20)
+        f.seek(at)
         b = f.read(1)
-        f.seek(int(off) + 20)
+        f.seek(at)
         f.write(bytes([b[0] ^ 0xFF]))
     return int(off)
 
 
-def test_corrupt_record_raises_naming_file_and_offset_or_is_skipped(tabular):
+# length header, length CRC, payload, payload CRC
+@pytest.mark.parametrize("where", [2, 9, 20, -2])
+def test_corrupt_record_raises_naming_file_and_offset_or_is_skipped(tabular, where):
     root, _ = tabular
-    off = _flip_byte_of_record(root, "train-00001-of-00003.tfrecord", 7)
+    off = _flip_byte_of_record(root, "train-00001-of-00003.tfrecord", 7, where)
     with Loader(root, batch_size=64, shuffle="none") as loader:
         with pytest.raises(CorruptRecordError) as err:
             list(loader)
