@@ -1,14 +1,16 @@
 """The network data plane: `crossfeed serve` (Server) streams batches to `connect()` (Client).
 
 Modules: `protocol` (control envelopes), `dispatch` (credit/ack bookkeeping), `producer`
-(batch source thread), `server`, `receiver` (client I/O thread), `client`, `addresses`
-(brace expansion), `keys` (CURVE), `observe` (statistics for mon/stat/show).
+(batch source thread), `server` (options, lifecycle, PUB side), `distribute` (the ROUTER loop),
+`receiver` (client I/O loop), `link` (one server's connection), `events` (what the receiver
+reports), `client`, `addresses` (brace expansion), `keys` (CURVE), `observe` (statistics for
+mon/stat/show).
 """
 
 from crossfeed.net.client import Client, ClientOptions, connect
+from crossfeed.net.events import LostServer
 from crossfeed.net.keys import ClientKeys, ServerKeys, keygen
 from crossfeed.net.protocol import Heartbeat
-from crossfeed.net.receiver import LostServer
 from crossfeed.net.server import Mode, Server, ServerOptions
 
 __all__ = [

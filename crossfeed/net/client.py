@@ -22,8 +22,9 @@ from crossfeed import wire
 from crossfeed.errors import ConfigError, CrossfeedError
 from crossfeed.net import protocol as P
 from crossfeed.net.addresses import expand_all
+from crossfeed.net.events import AllDone, Delivery, EpochDone, LostServer, ReceiverFailed
 from crossfeed.net.keys import ClientKeys, as_client_keys
-from crossfeed.net.receiver import AllDone, Delivery, EpochDone, LostServer, Receiver, ReceiverFailed
+from crossfeed.net.receiver import Receiver
 
 logger = logging.getLogger(__name__)
 

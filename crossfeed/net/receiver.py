@@ -13,12 +13,14 @@ the user thread is busy training. `ack()` only notes a consumed batch; notes go 
 in one ACKS message when the user thread runs dry, after every `credits // 2` of them, or at the
 next keep-alive tick, whichever comes first (so the server holds no batch for long that was
 consumed, and its redelivery after a death covers exactly the unacknowledged ones).
+
+This module holds that polling loop; the events are defined in `crossfeed.net.events`, and one
+server's connection (socket, liveness, what came from it) is `crossfeed.net.link.Link`.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
@@ -29,62 +31,11 @@ import zmq
 from crossfeed import wire
 from crossfeed.errors import WireError
 from crossfeed.net import protocol as P
-from crossfeed.net.keys import ClientKeys, secure_client_socket
+from crossfeed.net.events import AllDone, Delivery, EpochDone, LostServer, ReceiverFailed
+from crossfeed.net.keys import ClientKeys
+from crossfeed.net.link import Link
 
 logger = logging.getLogger(__name__)
-
-
-
-@dataclasses.dataclass(frozen=True)
-class Delivery:
-    server: int
-    meta: wire.BatchMeta
-    batch: dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class EpochDone:
-    server: int
-    epoch: int
-    batches: int
-
-
-@dataclasses.dataclass(frozen=True)
-class AllDone:
-    pass
-
-
-@dataclasses.dataclass(frozen=True)
-class ReceiverFailed:
-    message: str
-
-
-@dataclasses.dataclass(frozen=True)
-class LostServer:
-    """What a client knows about a server it dropped."""
-
-    address: str
-    reason: str
-    received_batches: int
-    received_samples: int
-    unacked_batches: int
-    last_epoch: int | None
-    last_seq: int | None
-
-
-@dataclasses.dataclass
-class _Link:
-    address: str
-    sock: zmq.Socket
-    started: float
-    last_seen: float = 0.0
-    heard: bool = False
-    state: str = "live"  # live | ended | lost
-    received: int = 0
-    samples: int = 0
-    last_epoch: int | None = None
-    last_seq: int | None = None
-    unacked: set[int] = dataclasses.field(default_factory=set)
 
 
 class Receiver:
@@ -117,7 +68,7 @@ class Receiver:
         self._ctx = zmq.Context()
         self._lock = threading.Lock()  # held by whoever pumps the sockets
         self._stop = threading.Event()
-        self._links: list[_Link] = []
+        self._links: list[Link] = []
         self._poller = zmq.Poller()
         self._polled: set[zmq.Socket] = set()
         self._next_beat = 0.0
@@ -185,9 +136,7 @@ class Receiver:
                 except Exception:  # closing anyway; what was not acknowledged is redelivered
                     logger.exception("could not send the last acknowledgements")
             for link in self._links:
-                if link.state == "live" and not self._broadcast:
-                    self._send(link, P.pack(P.Kind.BYE))
-                link.sock.close(linger=500 if link.state == "live" else 0)
+                link.close(bye=not self._broadcast)
             self._ctx.term()
 
     # ---- pumping (with the lock held) ----
@@ -247,35 +196,22 @@ class Receiver:
             self._next_beat = now + self._hb.interval
             for link in self._links:
                 if link.state == "live" and not self._broadcast:
-                    self._send(link, P.pack(P.Kind.HEARTBEAT, self._credits, self._credit_bytes))
+                    link.send(P.pack(P.Kind.HEARTBEAT, self._credits, self._credit_bytes))
         for link in self._links:
             if link.state == "live":
-                self._check_alive(link, now)
+                reason = link.silence(now, self._hb.timeout, self._connect_timeout)
+                if reason is not None:
+                    self.lost.append(link.lose(reason))
         if not self._done_signalled and all(link.state != "live" for link in self._links):
             self._done_signalled = True
             self._events.append(AllDone())
 
-    def _open(self, address: str, now: float) -> _Link:
-        sock = self._ctx.socket(zmq.SUB if self._broadcast else zmq.DEALER)
-        sock.linger = 500
-        sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes)
-        sock.rcvhwm = self._buffer if self._broadcast else 1000
-        secure_client_socket(sock, self._keys)
-        if self._broadcast:
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(address)
-        if not self._broadcast:
-            sock.send(P.pack(P.Kind.CREDIT, self._credits, self._credit_bytes))
-        return _Link(address=address, sock=sock, started=now)
-
-    def _send(self, link: _Link, msg: bytes | list[bytes]) -> None:
-        try:
-            if isinstance(msg, list):
-                link.sock.send_multipart(msg, zmq.NOBLOCK)
-            else:
-                link.sock.send(msg, zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            logger.debug("could not send to %s: %s", link.address, e)
+    def _open(self, address: str, now: float) -> Link:
+        return Link.open(
+            self._ctx, address, keys=self._keys, broadcast=self._broadcast, credits=self._credits,
+            credit_bytes=self._credit_bytes, rcvhwm=self._buffer if self._broadcast else 1000,
+            max_message_bytes=self._limits.max_message_bytes, now=now,
+        )
 
     def _flush_acks(self) -> None:
         """One ACKS message per server for the consumed batches noted since the last flush."""
@@ -286,35 +222,9 @@ class Receiver:
             server, seq = self._acks.popleft()
             by_server.setdefault(server, []).append(seq)
         for server, seqs in by_server.items():
-            link = self._links[server]
-            link.unacked.difference_update(seqs)
-            if link.state == "live":
-                for i in range(0, len(seqs), P.MAX_ACKS):
-                    self._send(link, P.pack_acks(seqs[i : i + P.MAX_ACKS]))
+            self._links[server].acked(seqs)
 
-    def _check_alive(self, link: _Link, now: float) -> None:
-        if link.heard and now - link.last_seen > self._hb.timeout:
-            self._lose(link, f"silent for more than {self._hb.timeout:g}s")
-        elif not link.heard and now - link.started > self._connect_timeout:
-            self._lose(link, f"no answer within {self._connect_timeout:g}s of connecting")
-
-    def _lose(self, link: _Link, reason: str) -> None:
-        link.state = "lost"
-        info = LostServer(
-            address=link.address, reason=reason, received_batches=link.received,
-            received_samples=link.samples, unacked_batches=len(link.unacked),
-            last_epoch=link.last_epoch, last_seq=link.last_seq,
-        )
-        self.lost.append(info)
-        logger.warning(
-            "server %s dropped (%s): %d of its batches were outstanding (received, not yet "
-            "acknowledged); received %d batches / %d samples from it, last epoch %s seq %s; "
-            "what it had not sent yet is lost to this client",
-            link.address, reason, info.unacked_batches, link.received, link.samples,
-            link.last_epoch, link.last_seq,
-        )
-
-    def _drain(self, index: int, link: _Link) -> None:
+    def _drain(self, index: int, link: Link) -> None:
         for _ in range(self._buffer + 16):
             try:
                 frames = P.recv_bounded(
@@ -332,11 +242,11 @@ class Receiver:
             if link.state != "live" or len(self._events) >= self._buffer:
                 return
 
-    def _bad(self, link: _Link, error: WireError) -> None:
+    def _bad(self, link: Link, error: WireError) -> None:
         self.dropped_messages += 1
         self._log.warning(link.address, "dropped a malformed message from %s: %s", link.address, error)
 
-    def _handle(self, index: int, link: _Link, frames: list) -> None:
+    def _handle(self, index: int, link: Link, frames: list) -> None:
         env = P.unpack(frames[0], P.SERVER_KINDS)
         if env.kind is P.Kind.BATCH:
             meta, batch = wire.decode(frames[1:], self._limits)
@@ -346,19 +256,15 @@ class Receiver:
             raise WireError(f"{env.kind.name} carries {len(frames) - 1} unexpected frames")
         link.last_seen, link.heard = time.monotonic(), True
         if env.kind is P.Kind.BATCH:
-            link.received += 1
-            link.samples += meta.num_samples
-            link.last_epoch, link.last_seq = meta.epoch, meta.seq
-            if not self._broadcast:
-                link.unacked.add(meta.seq)
+            link.received_batch(meta, track=not self._broadcast)
             self._events.append(Delivery(index, meta, batch))
         elif env.kind is P.Kind.END_OF_EPOCH:
             self._events.append(EpochDone(index, env.a, env.b))
         elif env.kind is P.Kind.END_OF_STREAM:
             if not self._broadcast:
-                self._send(link, P.pack(P.Kind.BYE))
+                link.send(P.pack(P.Kind.BYE))
             if env.b:
-                self._lose(link, "the server reported that its batch source failed")
+                self.lost.append(link.lose("the server reported that its batch source failed"))
             else:
                 link.state = "ended"
                 logger.info("server %s ended its stream after %d epochs", link.address, env.a)

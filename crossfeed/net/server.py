@@ -1,6 +1,8 @@
 """A batch server: a Producer thread makes batches, one loop thread owns the sockets.
 
-Distribution (default): ROUTER; each batch goes to exactly one trainer (see `dispatch`).
+This module holds the server's options, its lifecycle (sockets, producer, loop thread) and its
+PUB side; the ROUTER loop of distribution mode is `crossfeed.net.distribute`.
+Distribution (default): ROUTER; each batch goes to exactly one trainer (see `distribute`).
 Epoch e's END_OF_EPOCH goes out once every batch of e is acknowledged, and no batch of e+1
 leaves before it. With a finite `epochs`, END_OF_STREAM follows the last epoch.
 Broadcast: PUB; every subscriber sees the stream; lossy when a subscriber falls behind.
@@ -18,20 +20,17 @@ import socket
 import threading
 import time
 
-import itertools
-
 import zmq
 
-from crossfeed.errors import ConfigError, CrossfeedError, WireError
+from crossfeed.errors import ConfigError, CrossfeedError
 from crossfeed.net import protocol as P
 from crossfeed.net.addresses import expand_all
-from crossfeed.net.dispatch import Dispatcher, Item
+from crossfeed.net.dispatch import Item
+from crossfeed.net.distribute import Distribution
 from crossfeed.net.keys import ServerKeys, secure_server_socket, start_authenticator
 from crossfeed.net.producer import BatchFactory, EpochEnd, Producer, ProducerFailed, StreamEnd
 
 logger = logging.getLogger(__name__)
-_ids = itertools.count()
-_MORE, _LAST = int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.NOBLOCK)
 
 
 class Mode(str, enum.Enum):
@@ -82,11 +81,10 @@ class Server:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._log = P.RateLimitedLog(logger)
+        self._distribution: Distribution | None = None
         self.endpoints: list[str] = []
         self.broadcast_endpoints: list[str] = []
         self.stats = {"sent": 0, "acked": 0, "dropped_messages": 0, "epochs": 0}
-        self._waiting = False  # the loop is about to block waiting for the producer
 
     # ---- lifecycle ----
     def start(self) -> Server:
@@ -101,16 +99,17 @@ class Server:
         except BaseException:
             self._teardown()
             raise
-        # the producer wakes the loop through this pair when the loop waits for a batch
-        wake = f"inproc://crossfeed-server-wake-{next(_ids)}"
-        self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(wake)
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(wake)
+        if self.options.mode is Mode.DISTRIBUTE:
+            self._distribution = Distribution(
+                self._ctx, self._main, publish=self._publish, heartbeat=self.options.heartbeat,
+                max_credit=self.options.max_credit, linger=self.options.linger,
+                stats=self.stats, stop=self._stop,
+            )
         self._producer = Producer(
             self._factory, server_id=self.options.server_id, epochs=self.options.epochs,
             start_epoch=self.options.start_epoch, prefetch=self.options.prefetch,
-            prefetch_bytes=self.options.prefetch_bytes, on_put=self._wake_loop,
+            prefetch_bytes=self.options.prefetch_bytes,
+            on_put=self._distribution.wake if self._distribution is not None else None,
         ).start()
         self._thread = threading.Thread(target=self._loop, name="crossfeed-server", daemon=True)
         self._thread.start()
@@ -163,10 +162,12 @@ class Server:
         producer = getattr(self, "_producer", None)
         if producer is not None:
             producer.stop()
-        for name in ("_main", "_pub", "_wake_tx", "_wake_rx"):
+        for name in ("_main", "_pub"):
             sock = getattr(self, name, None)
             if sock is not None:
-                sock.close(linger=0 if name.startswith("_wake") else None)
+                sock.close()
+        if self._distribution is not None:
+            self._distribution.close()
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()
@@ -174,8 +175,8 @@ class Server:
 
     def _loop(self) -> None:
         try:
-            if self.options.mode is Mode.DISTRIBUTE:
-                self._distribute()
+            if self._distribution is not None:
+                self._distribution.run(self._producer)
             else:
                 self._broadcast()
         except BaseException as e:  # reported by raise_if_failed(), never swallowed
@@ -184,7 +185,7 @@ class Server:
         finally:
             self._teardown()
 
-    # ---- sending helpers ----
+    # ---- the PUB side: observers, and the loop of broadcast mode ----
     def _publish(self, frames: list) -> None:
         for sock in (self._pub, self._main if self.options.mode is Mode.BROADCAST else None):
             if sock is not None:
@@ -193,160 +194,12 @@ class Server:
                 except zmq.Again:
                     pass  # broadcast is lossy by design
 
-    def _to_peer(self, peer: bytes, frames: list) -> bool:
-        send = self._main.send
-        try:
-            # send_multipart, minus its per-frame enum arithmetic (it shows at 10k+ msg/s)
-            send(peer, _MORE)
-            for frame in frames[:-1]:
-                send(frame, _MORE, copy=False)
-            send(frames[-1], _LAST, copy=False)
-            return True
-        except zmq.ZMQError as e:
-            self._disp.kill(peer, f"unreachable ({e.strerror})")
-            return False
-
-    def _wake_loop(self) -> None:
-        """Called on the producer thread after each put: wake the loop if it waits for one."""
-        if self._waiting:
-            self._waiting = False
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # a wake-up is already queued (or the server is closing)
-
-    def _next_from_producer(self) -> object | None:
-        try:
-            msg = self._producer.queue.get_nowait()
-        except queue.Empty:
-            return None
-        if isinstance(msg, ProducerFailed):
-            self._end_stream(self.stats["epochs"], failed=True)
-            raise CrossfeedError(f"the batch source failed: {msg.message}")
-        return msg
-
-    # ---- distribution ----
-    def _distribute(self) -> None:
-        hb = self.options.heartbeat
-        self._disp = disp = Dispatcher(max_credit=self.options.max_credit, timeout=hb.timeout)
-        poller = zmq.Poller()
-        poller.register(self._main, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
-        idle_ms = int(min(hb.interval / 2, 0.1) * 1000)
-        epoch_end: EpochEnd | None = None
-        ending_at: float | None = None
-        next_beat = 0.0
-        while not self._stop.is_set():
-            starving = disp.demand() > 0 and epoch_end is None and ending_at is None
-            # waiting for the producer: it wakes us (see _wake_loop) as soon as it has a batch
-            self._waiting = starving
-            timeout = 0 if starving and not self._producer.queue.empty() else idle_ms
-            ready = dict(poller.poll(timeout))
-            self._waiting = False
-            if self._wake_rx in ready:
-                self._drain_wakeups()
-            if self._main in ready:
-                self._receive(ending_at is not None)
-            now = time.monotonic()
-            disp.expire(now)
-            while epoch_end is None and ending_at is None and disp.demand() > 0:
-                msg = self._next_from_producer()
-                if msg is None:
-                    break
-                if isinstance(msg, Item):
-                    disp.pending.append(msg)
-                    self._publish([P.pack(P.Kind.BATCH, msg.seq, msg.epoch), *msg.frames])
-                elif isinstance(msg, EpochEnd):
-                    epoch_end = msg
-                elif isinstance(msg, StreamEnd):
-                    self._end_stream(msg.epochs)
-                    ending_at = now + self.options.linger
-            while (assigned := disp.assign()) is not None:
-                peer, item = assigned
-                if self._to_peer(peer, [P.pack(P.Kind.BATCH, item.seq, item.epoch), *item.frames]):
-                    self.stats["sent"] += 1
-            if epoch_end is not None and disp.in_flight() == 0:
-                self._end_epoch(epoch_end)
-                epoch_end = None
-            if now >= next_beat:
-                next_beat = now + hb.interval
-                beat = P.pack(P.Kind.HEARTBEAT)
-                for peer in list(disp.peers):
-                    self._to_peer(peer, [beat])
-                self._publish([beat])
-            if ending_at is not None and (not disp.peers or now > ending_at):
-                return
-
-    def _drain_wakeups(self) -> None:
-        while True:
-            try:
-                self._wake_rx.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-
-    def _receive(self, ended: bool) -> None:
-        for _ in range(1000):  # bounded, so heartbeats and sends still get their turn
-            try:
-                frames = P.recv_bounded(self._main, max_frames=3, max_bytes=4096)
-            except zmq.Again:
-                return
-            except WireError as e:
-                self.stats["dropped_messages"] += 1
-                self._log.warning("bad", "dropped a malformed message from a client: %s", e)
-                continue
-            try:
-                self._handle(frames, ended)
-            except WireError as e:
-                self.stats["dropped_messages"] += 1
-                self._log.warning("bad", "dropped a malformed message from a client: %s", e)
-
-    def _handle(self, frames: list, ended: bool) -> None:
-        if len(frames) < 2:
-            raise WireError("control message has no frames")
-        peer = frames[0].bytes
-        env = P.unpack(frames[1], P.CLIENT_KINDS)
-        if len(frames) != (3 if env.kind is P.Kind.ACKS else 2):
-            raise WireError(f"{env.kind.name} message has {len(frames) - 1} frames")
-        disp, now = self._disp, time.monotonic()
-        if disp.is_dead(peer):
-            logger.debug("ignored %s from trainer %s, declared dead", env.kind.name, peer.hex())
-            return
-        if env.kind is P.Kind.CREDIT or (env.kind is P.Kind.HEARTBEAT and peer not in disp.peers):
-            # a HEARTBEAT carries the credit too, so a client that reconnected resumes
-            disp.credit(peer, env.a, now, env.b)
-            if ended:
-                self._to_peer(peer, [P.pack(P.Kind.END_OF_STREAM, self.stats["epochs"])])
-        elif env.kind is P.Kind.ACK or env.kind is P.Kind.ACKS:
-            seqs = P.unpack_acks(env, frames[2]) if env.kind is P.Kind.ACKS else (env.a,)
-            disp.seen(peer, now)
-            for seq in seqs:
-                if disp.ack(peer, seq) is not None:
-                    self.stats["acked"] += 1
-                else:
-                    logger.debug("ack of unknown batch %d from %s", seq, peer.hex())
-        elif env.kind is P.Kind.HEARTBEAT:
-            disp.seen(peer, now)
-        elif env.kind is P.Kind.BYE:
-            disp.leave(peer)
-
-    def _end_epoch(self, end: EpochEnd) -> None:
-        marker = P.pack(P.Kind.END_OF_EPOCH, end.epoch, end.batches)
-        for peer in list(self._disp.peers):
-            self._to_peer(peer, [marker])
-        self._publish([marker])
-        self.stats["epochs"] += 1
-        logger.info("epoch %d done: %d batches delivered and acknowledged", end.epoch, end.batches)
-
     def _end_stream(self, epochs: int, failed: bool = False) -> None:
-        """END_OF_STREAM to everyone; b=1 tells them the server failed (what is missing is lost)."""
-        marker = P.pack(P.Kind.END_OF_STREAM, epochs, int(failed))
-        for peer in list(self._disp.peers) if self.options.mode is Mode.DISTRIBUTE else []:
-            self._to_peer(peer, [marker])
-        self._publish([marker])
+        """END_OF_STREAM to the subscribers; b=1 tells them the server failed (what is missing is lost)."""
+        self._publish([P.pack(P.Kind.END_OF_STREAM, epochs, int(failed))])
         if not failed:
             logger.info("stream ended after %d epochs", epochs)
 
-    # ---- broadcast ----
     def _broadcast(self) -> None:
         hb = self.options.heartbeat
         next_beat = 0.0

@@ -1,0 +1,46 @@
+"""What a client's receiver reports (see `receiver.Receiver.next_event`), and what it knows of
+a server it dropped (`LostServer`, kept in `Receiver.lost` and `Client.lost`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from crossfeed import wire
+
+
+@dataclasses.dataclass(frozen=True)
+class Delivery:
+    server: int
+    meta: wire.BatchMeta
+    batch: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochDone:
+    server: int
+    epoch: int
+    batches: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AllDone:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceiverFailed:
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LostServer:
+    """What a client knows about a server it dropped."""
+
+    address: str
+    reason: str
+    received_batches: int
+    received_samples: int
+    unacked_batches: int
+    last_epoch: int | None
+    last_seq: int | None
