@@ -98,13 +98,7 @@ def build(ds: Dataset, opts: ReadOptions, *, take_batches: int | None = None) ->
     if opts.world_size > 1:  # every rank yields the same number of samples
         records = records.take(min(per_rank))
     out = _parse(records, feats, opts, npc)
-    if take_batches is not None:
-        out = out.take(take_batches)
-    if opts.repeat:
-        out = out.repeat()
-    if opts.prefetch != 0:
-        out = out.prefetch(tf.data.AUTOTUNE if opts.prefetch is None else opts.prefetch)
-    return out
+    return tf_spec.finish(out, opts, take_batches)
 
 
 def _parse(records: tf.data.Dataset, feats, opts: ReadOptions, npc) -> tf.data.Dataset:

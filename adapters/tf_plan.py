@@ -103,13 +103,7 @@ def from_batches(make_iter, spec: dict, opts: ReadOptions, *, take_batches: int 
                 close()
 
     out = tf.data.Dataset.from_generator(gen, output_signature=spec)
-    if take_batches is not None:
-        out = out.take(take_batches)
-    if opts.repeat:
-        out = out.repeat()
-    if opts.prefetch != 0:
-        out = out.prefetch(tf.data.AUTOTUNE if opts.prefetch is None else opts.prefetch)
-    return out
+    return tf_spec.finish(out, opts, take_batches)
 
 
 def build(ds, opts: ReadOptions, *, state: dict | None = None, take_batches: int | None = None,

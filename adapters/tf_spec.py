@@ -141,3 +141,14 @@ def make_decoder(feats):
         return out
 
     return decode
+
+
+def finish(out: tf.data.Dataset, opts, take_batches: int | None) -> tf.data.Dataset:
+    """The tail both engines share: a fixed number of batches, repetition, prefetch."""
+    if take_batches is not None:
+        out = out.take(take_batches)
+    if opts.repeat:
+        out = out.repeat()
+    if opts.prefetch != 0:
+        out = out.prefetch(tf.data.AUTOTUNE if opts.prefetch is None else opts.prefetch)
+    return out
