@@ -102,6 +102,12 @@ class Schema(tuple):
     def names(self) -> list[str]:
         return [f.name for f in self]
 
+    def encoder(self):
+        """This schema's compiled `crossfeed.encode.Encoder` (built once, shared)."""
+        from crossfeed.encode import encoder_for
+
+        return encoder_for(self)
+
     def to_json(self) -> list[dict]:
         return [f.to_json() for f in self]
 
@@ -164,43 +170,6 @@ def widen(old: Feature, new: Feature) -> Feature:
 
 def _fits(shape, pattern) -> bool:
     return len(shape) == len(pattern) and all(p is None or p == s for s, p in zip(shape, pattern))
-
-
-# ---- sample ↔ Example ----------------------------------------------------------------------------
-
-def encode_sample(schema: Schema, sample: Mapping) -> bytes:
-    """Serialise one sample as a ``tf.train.Example`` per ``schema``."""
-    missing = [f.name for f in schema if f.name not in sample]
-    extra = [k for k in sample if k not in schema.names]
-    if missing or extra:
-        raise SchemaError(f"sample keys differ from the schema: missing {missing}, unexpected {extra}")
-    out: dict[str, tuple[int, bytes]] = {}
-    for f in schema:
-        v = sample[f.name]
-        if f.encoding not in (Encoding.TENSOR, Encoding.IMAGE) and isinstance(v, (list, tuple)) and not v and f.shape in ((None,), (0,)):
-            out[f.name] = (0, b"")  # empty list: no kind, so it matches whatever type later samples have
-            continue
-        if f.encoding is Encoding.TENSOR:
-            arr = np.asarray(v)
-            if arr.dtype.newbyteorder("=") != np.dtype(f.dtype) or not _fits(arr.shape, f.shape):  # any byte order
-                raise SchemaError(f"feature {f.name!r}: got {arr.dtype}{list(arr.shape)}, the schema says {f.dtype}{list(f.shape)}")
-            out[f.name] = (ex.BYTES, ex.encode_bytes_list([np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).tobytes()]))
-            if not f.fixed:
-                out[f.name + SHAPE_SUFFIX] = (ex.INT64, ex.encode_int64_list(arr.shape))
-        elif f.encoding is Encoding.IMAGE:
-            out[f.name] = (ex.BYTES, ex.encode_bytes_list([bytes(v)]))
-        elif f.encoding is Encoding.BYTES:
-            vals = [v] if not f.shape else list(v)
-            out[f.name] = (ex.BYTES, ex.encode_bytes_list([x.encode() if isinstance(x, str) else bytes(x) for x in vals]))
-        else:
-            arr = np.asarray(v)
-            if not _fits(arr.shape, f.shape):
-                raise SchemaError(f"feature {f.name!r}: got shape {list(arr.shape)}, the schema says {list(f.shape)}")
-            if f.encoding is Encoding.INT64:
-                out[f.name] = (ex.INT64, ex.encode_int64_list(arr))
-            else:
-                out[f.name] = (ex.FLOAT, ex.encode_float_list(arr))
-    return ex.encode(out)
 
 
 def decode_value(f: Feature, parsed: dict, *, decode_images: bool = True):

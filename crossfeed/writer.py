@@ -12,11 +12,14 @@ import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from crossfeed import index as idx
 from crossfeed import tfrecord
 from crossfeed.errors import ConfigError, CrossfeedError, SchemaError
 from crossfeed.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads, shard_name, write_manifest
-from crossfeed.schema import Schema, encode_sample, infer_feature, widen
+from crossfeed.encode import SampleSchemaError, encoder_for
+from crossfeed.schema import Schema, infer_feature, widen
 from crossfeed.stats import FeatureStats, merge_all
 
 DEFAULT_SHARD_SIZE = 256 << 20
@@ -155,28 +158,62 @@ def write_dataset(path, samples: Iterable[Mapping], *, split: str = "train", num
         sinks.append(ShardSink(root, f"{token}-{split}-{len(sinks):05d}", compress=compress))
         return sinks[-1]
 
+    def put(payload: bytes, count: int) -> None:
+        if num_shards is not None:
+            sinks[(count - 1) % num_shards].write(payload)
+        else:
+            if not sinks or sinks[-1].num_bytes >= shard_size:
+                if sinks:
+                    staged.append(sinks[-1].finish())
+                new_sink()
+            sinks[-1].write(payload)
+
     try:
         if num_shards is not None:
             for _ in range(num_shards):
                 new_sink()
         count = 0
-        for count, sample in enumerate(samples, 1):
-            if inferred:
+        if inferred:  # the schema may widen at any sample: one at a time
+            enc = None
+            for count, sample in enumerate(samples, 1):
                 feats = _widen_all(feats, sample, count)
-            try:
-                payload = encode_sample(Schema(feats.values()), sample)
-            except SchemaError as e:
-                raise SchemaError(f"sample {count - 1}: {e}") from None
-            for k, v in sample.items():
-                stats.setdefault(k, FeatureStats()).add(v)
-            if num_shards is not None:
-                sinks[(count - 1) % num_shards].write(payload)
-            else:
-                if not sinks or sinks[-1].num_bytes >= shard_size:
-                    if sinks:
-                        staged.append(sinks[-1].finish())
-                    new_sink()
-                sinks[-1].write(payload)
+                sch = Schema(feats.values())
+                if enc is None or enc.schema != sch:
+                    enc = encoder_for(sch)
+                try:
+                    payload = enc.encode(sample)
+                except SchemaError as e:
+                    raise SchemaError(f"sample {count - 1}: {e}") from None
+                for k, v in sample.items():
+                    stats.setdefault(k, FeatureStats()).add(v)
+                put(payload, count)
+        else:  # a chunk at a time, with the same results and errors as one at a time
+            enc = encoder_for(Schema(feats.values()))
+            it = iter(samples)
+            while True:
+                chunk, pending = [], None
+                try:
+                    for sample in it:
+                        chunk.append(sample)
+                        if len(chunk) >= _CHUNK:
+                            break
+                except BaseException as e:  # raised after the samples before it, as it would have been
+                    pending = e
+                if chunk:
+                    try:
+                        payloads = enc.encode_rows(chunk)
+                    except SampleSchemaError as e:
+                        if e.index:
+                            _add_stats({}, chunk[: e.index])  # what would have failed before it
+                        raise SchemaError(f"sample {count + e.index}: {e.reason}") from None
+                    _add_stats(stats, chunk)
+                    for payload in payloads:
+                        count += 1
+                        put(payload, count)
+                if pending is not None:
+                    raise pending
+                if len(chunk) < _CHUNK:
+                    break
         if count == 0:
             raise ConfigError(f"no samples to write for split {split!r}: the iterable was empty")
         staged += [s.finish() for s in (sinks if num_shards is not None else sinks[-1:])]
@@ -188,6 +225,47 @@ def write_dataset(path, samples: Iterable[Mapping], *, split: str = "train", num
         discard(staged)
         raise
     return open_dataset(root)
+
+
+_CHUNK = 1024
+_STAT_SCALARS = {float: np.float64, np.float64: np.float64, np.float32: np.float32, int: np.int64,
+                 **{t: t for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)}}
+
+
+def _add_stats(stats: dict[str, FeatureStats], chunk: list) -> None:
+    """``FeatureStats.add`` of every value of ``chunk`` (samples with the same keys), per column:
+    columns of one scalar type take a few numpy operations with exactly the same result (min/max
+    in order, the total summed left to right); anything else goes value by value."""
+    for k in chunk[0]:
+        st = stats.setdefault(k, FeatureStats())
+        col = [s[k] for s in chunk]
+        types = set(map(type, col))
+        if types <= {str, bytes}:
+            st.count += len(col)
+            continue
+        if len(types) == 1 and _add_scalars(st, col, _STAT_SCALARS.get(types.pop())):
+            continue
+        for v in col:
+            st.add(v)
+
+
+def _add_scalars(st: FeatureStats, col: list, dtype) -> bool:
+    if dtype is None:
+        return False
+    try:
+        arr = np.array(col, dtype=dtype)
+    except (OverflowError, ValueError, TypeError):
+        return False
+    vals = arr.astype(np.float64)
+    if arr.dtype.kind == "f" and (np.isnan(vals).any() or not vals.all()):
+        return False  # NaN and ±0 make min/max depend on the order: go value by value
+    lo, hi = float(vals.min()), float(vals.max())
+    st.count += len(col)
+    st.min = lo if st.min is None else min(st.min, lo)
+    st.max = hi if st.max is None else max(st.max, hi)
+    st.total = float(np.add.accumulate(np.concatenate(([st.total], vals)))[-1])
+    st.n_values += len(col)
+    return True
 
 
 def _widen_all(feats, sample: Mapping, count: int):

@@ -15,7 +15,8 @@ import crossfeed
 from crossfeed import tfrecord
 from crossfeed.cli.main import app
 from crossfeed.manifest import MANIFEST
-from crossfeed.schema import Encoding, Feature, encode_sample, infer_schema
+from crossfeed.encode import encode_sample
+from crossfeed.schema import Encoding, Feature, infer_schema
 
 runner = CliRunner()
 

@@ -204,7 +204,8 @@ def test_codec_next_to_tensorflow_in_one_process(tf_first):
     out = run_python(imports + """
 import numpy as np
 from crossfeed import example as ex
-from crossfeed.schema import infer_schema, encode_sample
+from crossfeed.encode import encode_sample
+from crossfeed.schema import infer_schema
 sample = {"a": [0.0, 1.0, 2.0], "b": 7, "c": "hi", "t": np.arange(4, dtype=np.int16)}
 payload = encode_sample(infer_schema([sample]), sample)
 p = tf.io.parse_single_example(payload, {"a": tf.io.FixedLenFeature([3], tf.float32),
