@@ -91,7 +91,9 @@ def test_mon_stat_show_watch_a_broadcast_stream(tmp_path, dataset, app):
         stat = runner.invoke(app, ["stat", address, "-c", "4", "--timeout", "10"])
         assert stat.exit_code == 0, stat.output
         rows = {line.split()[0]: line for line in stat.output.splitlines()[1:]}
-        assert "uint8" in rows["image"] and "min=0 " in rows["image"] and "max=19 " in rows["image"]
+        # broadcast joins mid-stream (lossy by design): the batches seen are some of the epoch's
+        stats = dict(kv.split("=") for kv in rows["image"].split() if "=" in kv)
+        assert "uint8" in rows["image"] and 0 <= float(stats["min"]) < float(stats["max"]) <= 19
         assert "int64" in rows["label"] and "std=" in rows["label"]
 
         png = tmp_path / "grid.png"

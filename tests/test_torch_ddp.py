@@ -113,6 +113,7 @@ def _rank_main(cfg: dict) -> None:
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # a rank with fewer steps would hang in training already
     report["max_steps"] = int(steps)
     loader.close()
+    dist.barrier()  # both ranks leave gloo together: a rank tearing down mid-exchange aborts the other
     dist.destroy_process_group()
     Path(cfg["out"]).write_text(json.dumps(report))
 
