@@ -13,9 +13,7 @@ CRC is one C call on a ``bytes`` row — no memoryview, slice or per-record inde
 
 from __future__ import annotations
 
-import functools
 import operator
-import struct
 import threading
 
 import numpy as np
@@ -25,100 +23,9 @@ import crc32c as _crc32c
 from crossfeed import tfrecord
 from crossfeed.dataset import Split
 from crossfeed.errors import CorruptRecordError
+from crossfeed.frames import check_frames, crc32c_rows, crc_ok, frame_crcs, gather, len_crcs, mask, window
 
-_MASK_DELTA = np.uint32(0xA282EAD8)
 ROWS_MAX = 4096  # framed records at most this long take the columnar path (`Fetcher.fetch_rows`)
-
-
-def _table() -> np.ndarray:
-    poly = 0x82F63B78
-    t = np.zeros(256, dtype=np.uint32)
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ poly if c & 1 else c >> 1
-        t[i] = c
-    return t
-
-
-_TABLE = _table()
-
-
-def crc32c_rows(rows: np.ndarray) -> np.ndarray:
-    """CRC32C of each row of a small ``(n, k)`` uint8 array, vectorised over rows."""
-    crc = np.full(len(rows), 0xFFFFFFFF, dtype=np.uint32)
-    for j in range(rows.shape[1]):
-        crc = _TABLE[(crc ^ rows[:, j]) & 0xFF] ^ (crc >> np.uint32(8))
-    return crc ^ np.uint32(0xFFFFFFFF)
-
-
-def mask(crc: np.ndarray) -> np.ndarray:
-    crc = crc.astype(np.uint32)
-    return ((crc >> np.uint32(15)) | (crc << np.uint32(17))) + _MASK_DELTA
-
-
-def _gather(u8: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
-    return u8[starts[:, None] + np.arange(width)]
-
-
-def check_frames(buf, offsets: np.ndarray, lengths: np.ndarray, path: str, *, payload_crcs: bool = True) -> list[memoryview]:
-    """Payload views of the records at ``offsets`` of an in-memory stream, every CRC checked.
-
-    Raises `CorruptRecordError` for the first bad record (by position in ``offsets``). With
-    ``payload_crcs=False`` only the headers (lengths and their CRCs) are checked here: the
-    caller checks the payloads itself with `frame_crcs` and `crc_ok` (`crossfeed.profile` does,
-    to time reading and CRC checking apart).
-    """
-    u8 = np.frombuffer(buf, dtype=np.uint8)
-    size = len(u8)
-    bad_range = (offsets < 0) | (offsets + lengths > size) | (lengths < tfrecord.HEADER + tfrecord.FOOTER)
-    if bad_range.any():
-        i = int(np.argmax(bad_range))
-        raise CorruptRecordError(path, int(offsets[i]), f"index entry of {int(lengths[i])} bytes runs past the end of the file ({size} bytes)")
-    head = _gather(u8, offsets, 12)
-    n = head[:, :8].copy().view("<u8").ravel()
-    stored_len_crc = head[:, 8:12].copy().view("<u4").ravel()
-    bad = mask(crc32c_rows(head[:, :8])) != stored_len_crc
-    bad |= n + tfrecord.HEADER + tfrecord.FOOTER != lengths.astype(np.uint64)
-    if bad.any():
-        return _first_error(buf, offsets, lengths, path, bad)
-    # map over C callables: no Python bytecode runs per record
-    payloads = list(map(memoryview(buf).__getitem__, map(slice, (offsets + tfrecord.HEADER).tolist(),
-                                                          (offsets + lengths - tfrecord.FOOTER).tolist())))
-    if payload_crcs:
-        bad = ~crc_ok(payloads, frame_crcs(u8, offsets, lengths))
-        if bad.any():
-            return _first_error(buf, offsets, lengths, path, bad)
-    return payloads
-
-
-def frame_crcs(u8: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The masked payload CRCs stored in the footers of the records at ``offsets``."""
-    return _gather(u8, offsets + lengths - 4, 4).view("<u4").ravel()
-
-
-def crc_ok(payloads, stored: np.ndarray) -> np.ndarray:
-    """Which payloads match their stored masked CRC32C (one C call per payload)."""
-    crcs = np.fromiter(map(_crc32c.crc32c, payloads), dtype=np.uint32, count=len(payloads))
-    return mask(crcs) == stored
-
-
-def _window(u8: np.ndarray, width: int) -> np.ndarray:
-    """Row ``k`` is ``u8[k : k + width]`` (a read-only strided view: no copy)."""
-    return np.lib.stride_tricks.as_strided(u8, (len(u8) - width + 1, width), (1, 1), writeable=False)
-
-
-@functools.lru_cache(maxsize=64)
-def _len_crcs(lo: int, hi: int) -> np.ndarray:
-    """The masked CRC of the length header of framed records of ``lo..hi`` bytes."""
-    return np.array([tfrecord.masked_crc(struct.pack("<Q", n - tfrecord.HEADER - tfrecord.FOOTER)) for n in range(lo, hi + 1)],
-                    dtype=np.uint32)
-
-
-def _first_error(buf, offsets, lengths, path, bad) -> list:
-    i = int(np.argmax(bad))
-    tfrecord.unframe(buf, int(offsets[i]), int(lengths[i]), path)  # raises with the precise reason
-    raise CorruptRecordError(path, int(offsets[i]), "record failed its checks")
 
 
 class _NotInMemory(Exception):
@@ -214,12 +121,12 @@ class Fetcher:
             if size < hi or (o < 0).any() or (o + (lens if m is None else lens[m]) > size).any():
                 return None  # let `fetch` name the record whose index entry runs past the end
             if int(o.max()) > size - hi:  # records near the end of the shard: clamp, then fix up
-                got = _window(u8, hi)[np.minimum(o, size - hi)]
+                got = window(u8, hi)[np.minimum(o, size - hi)]
                 for j in np.flatnonzero(o > size - hi).tolist():
                     got[j] = 0
                     got[j, : size - int(o[j])] = u8[int(o[j]):]
             else:
-                got = _window(u8, hi)[o]
+                got = window(u8, hi)[o]
             if m is None:
                 rows = got
             else:
@@ -227,7 +134,7 @@ class Fetcher:
         # headers, column-wise: the length field matches the index, its CRC the length's
         if not (rows[:, :8].copy().view("<u8").ravel() == (lens - tfrecord.HEADER - tfrecord.FOOTER).astype(np.uint64)).all():
             return None
-        if not (rows[:, 8:12].copy().view("<u4").ravel() == _len_crcs(lo, hi)[lens - lo]).all():
+        if not (rows[:, 8:12].copy().view("<u4").ravel() == len_crcs(lo, hi)[lens - lo]).all():
             return None
         if lo == hi:
             groups = [(None, rows)]
@@ -261,6 +168,10 @@ class Fetcher:
             return []
         if shard[0] == shard[-1] and (shard == shard[0]).all():  # block / none shuffle: one shard
             return self._shard_records(int(shard[0]), local, on_error, crcs, None)
+        if crcs is None:  # global shuffle: check the records of all shards together
+            got = self._spread_records(shard, np.asarray(indices, dtype=np.int64))
+            if got is not None:
+                return got
         order = np.argsort(shard, kind="stable")
         bounds = np.flatnonzero(np.diff(shard[order])) + 1
         flat: list = []
@@ -269,6 +180,42 @@ class Fetcher:
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
         return list(operator.itemgetter(*inverse.tolist())(flat)) if len(flat) > 1 else flat
+
+    def _spread_records(self, shard: np.ndarray, indices: np.ndarray) -> list[memoryview] | None:
+        """Payload views of records spread over several local shards, in the order of
+        ``indices``, with every header and payload CRC checked in one pass for the whole batch
+        (not one `check_frames` per shard). None where a shard is remote or any check fails:
+        the per-shard path then reads the batch and reports (or skips) the exact bad record."""
+        index = self._all_index()[indices]
+        offs, lens = index[:, 0], index[:, 1]
+        head = np.empty((len(indices), 12), dtype=np.uint8)
+        foot = np.empty((len(indices), 4), dtype=np.uint8)
+        views = []
+        for s in np.unique(shard).tolist():
+            f = self.split.file(s)
+            if f.storage.remote:
+                return None
+            buf = f.load()
+            u8 = np.frombuffer(buf, dtype=np.uint8)
+            m = shard == s
+            o, n = offs[m], lens[m]
+            if (o < 0).any() or (o + n > len(u8)).any() or (n < tfrecord.HEADER + tfrecord.FOOTER).any():
+                return None
+            head[m] = gather(u8, o, 12)
+            foot[m] = gather(u8, o + n - 4, 4)
+            views.append(memoryview(buf))
+        n = head[:, :8].copy().view("<u8").ravel()
+        if not (n + tfrecord.HEADER + tfrecord.FOOTER == lens.astype(np.uint64)).all():
+            return None
+        if not (mask(crc32c_rows(head[:, :8])) == head[:, 8:12].copy().view("<u4").ravel()).all():
+            return None
+        # one view per record, by shard: map over C callables, no Python bytecode per record
+        which = np.searchsorted(np.unique(shard), shard).tolist()
+        payloads = list(map(memoryview.__getitem__, map(views.__getitem__, which),
+                            map(slice, (offs + tfrecord.HEADER).tolist(), (offs + lens - tfrecord.FOOTER).tolist())))
+        if not crc_ok(payloads, foot.view("<u4").ravel()).all():
+            return None
+        return payloads
 
     def _shard_records(self, s: int, local, on_error, crcs: list | None, pos) -> list:
         index = self.split.index(s)
