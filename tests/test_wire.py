@@ -198,20 +198,23 @@ def test_fuzz_random_frames(frames):
     _decode_only_wire_errors(frames)
 
 
-@_FUZZ
-@given(st.data())
-def test_fuzz_mutated_valid_messages(data):
-    frames = [bytearray(f) for f in _valid_frames()]
+def _mutate(data, frames: list[bytes]) -> list[bytes]:
+    """Up to six random edits of a valid message: bit flips, bytes or whole u64 values replaced,
+    frames cut, grown, dropped or duplicated."""
+    frames = [bytearray(f) for f in frames]
     for _ in range(data.draw(st.integers(1, 6))):
-        action = data.draw(st.sampled_from(["flip", "set", "cut", "grow", "drop", "dup"]))
-        i = data.draw(st.integers(0, len(frames) - 1)) if frames else 0
         if not frames:
             break
+        action = data.draw(st.sampled_from(["flip", "set", "cut", "grow", "drop", "dup", "u64"]))
+        i = data.draw(st.integers(0, len(frames) - 1))
         f = frames[i]
         if action in ("flip", "set") and f:
             pos = data.draw(st.integers(0, len(f) - 1))
             f[pos] = (f[pos] ^ (1 << data.draw(st.integers(0, 7)))) if action == "flip" else \
                 data.draw(st.integers(0, 255))
+        elif action == "u64" and len(f) >= 8:  # a whole shape / dim / length replaced
+            pos = data.draw(st.integers(0, len(f) - 8))
+            f[pos:pos + 8] = _u64(data.draw(st.integers(0, 2**64 - 1) | st.integers(0, 8)))
         elif action == "cut":
             del f[data.draw(st.integers(0, len(f))):]
         elif action == "grow":
@@ -220,7 +223,14 @@ def test_fuzz_mutated_valid_messages(data):
             frames.pop(i)
         elif action == "dup":
             frames.insert(i, bytearray(f))
-    _decode_only_wire_errors([bytes(f) for f in frames])
+    return [bytes(f) for f in frames]
+
+
+@_FUZZ
+@given(st.data())
+@pytest.mark.parametrize("make", ["_valid_frames", "_valid_ragged_frames"])
+def test_fuzz_mutated_valid_messages(make, data):
+    _decode_only_wire_errors(_mutate(data, globals()[make]()))
 
 
 def test_wire_error_is_a_crossfeed_error():
@@ -404,29 +414,3 @@ def test_fuzz_random_ragged_messages(code, n, ndim, shapes, data, extra):
     _decode_only_wire_errors([header, b"", _u64(*shapes), data, *extra])
 
 
-@_FUZZ
-@given(st.data())
-def test_fuzz_mutated_valid_ragged_messages(data):
-    frames = [bytearray(f) for f in _valid_ragged_frames()]
-    for _ in range(data.draw(st.integers(1, 6))):
-        if not frames:
-            break
-        action = data.draw(st.sampled_from(["flip", "set", "cut", "grow", "drop", "dup", "u64"]))
-        i = data.draw(st.integers(0, len(frames) - 1))
-        f = frames[i]
-        if action in ("flip", "set") and f:
-            pos = data.draw(st.integers(0, len(f) - 1))
-            f[pos] = (f[pos] ^ (1 << data.draw(st.integers(0, 7)))) if action == "flip" else \
-                data.draw(st.integers(0, 255))
-        elif action == "u64" and len(f) >= 8:  # a whole shape / dim / length replaced
-            pos = data.draw(st.integers(0, len(f) - 8))
-            f[pos:pos + 8] = _u64(data.draw(st.integers(0, 2**64 - 1) | st.integers(0, 8)))
-        elif action == "cut":
-            del f[data.draw(st.integers(0, len(f))):]
-        elif action == "grow":
-            f.extend(data.draw(st.binary(min_size=1, max_size=16)))
-        elif action == "drop":
-            frames.pop(i)
-        elif action == "dup":
-            frames.insert(i, bytearray(f))
-    _decode_only_wire_errors([bytes(f) for f in frames])
