@@ -66,7 +66,7 @@ import tensorflow as tf
 
 from crossfeed.adapters import tf_native, tf_plan, tf_spec
 from crossfeed.adapters.tf_options import Engine, ReadOptions, Shuffle
-from crossfeed.dataset import Dataset, open_dataset
+from crossfeed.read.dataset import Dataset, open_dataset
 from crossfeed.errors import ConfigError
 
 __all__ = ["Engine", "Shuffle", "dataset", "element_spec", "feature_spec", "input_fn", "plan_state",

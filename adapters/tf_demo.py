@@ -17,9 +17,9 @@ import tensorflow as tf
 
 from crossfeed.adapters import tf as cftf
 from crossfeed.adapters import tf_spec
-from crossfeed.dataset import open_dataset
+from crossfeed.read.dataset import open_dataset
 from crossfeed.errors import ConfigError
-from crossfeed.schema import Encoding
+from crossfeed.format.schema import Encoding
 
 
 def logical_cpus(n: int) -> list[str]:

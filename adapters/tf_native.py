@@ -16,7 +16,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from crossfeed.dataset import Dataset
+from crossfeed.read.dataset import Dataset
 from crossfeed.errors import ConfigError, DatasetNotFoundError
 from crossfeed.adapters import tf_spec
 from crossfeed.adapters.tf_options import ReadOptions, Shuffle

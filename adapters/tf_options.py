@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from crossfeed.errors import ConfigError
-from crossfeed.plan import Shuffle  # the Loader's modes; the native engine treats global and block alike
+from crossfeed.read.plan import Shuffle  # the Loader's modes; the native engine treats global and block alike
 
 
 class Engine(str, enum.Enum):

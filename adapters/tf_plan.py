@@ -110,7 +110,7 @@ def build(ds, opts: ReadOptions, *, state: dict | None = None, take_batches: int
           loader_options: dict | None = None, element_spec: dict | None = None) -> tf.data.Dataset:
     """The plan engine: pass ``n`` over the dataset iterates the Loader at epoch ``opts.epoch + n``
     (the first pass resumed from ``state``, a ``Loader.state_dict()``, when given)."""
-    from crossfeed.loader import Loader
+    from crossfeed.read.loader import Loader
 
     if opts.seed is None:
         raise ConfigError("the plan engine needs an int seed (its order is a pure function of it); pass seed=")
@@ -151,7 +151,7 @@ class _closing:
 
 def loader(ds, opts: ReadOptions, **loader_options):
     """The Loader the plan engine iterates for ``opts`` (to count batches or make a state)."""
-    from crossfeed.loader import Loader
+    from crossfeed.read.loader import Loader
 
     return Loader(ds.path, split=opts.split, batch_size=opts.batch_size, shuffle=opts.shuffle.value, seed=opts.seed,
                   epoch=opts.epoch, rank=opts.rank, world_size=opts.world_size, drop_last=opts.drop_last,
@@ -165,7 +165,7 @@ def build_stream(source, opts: ReadOptions, *, element_spec: dict | None = None)
     crossfeed `Schema`, batch dimension None); else read off the first batch, which is kept and
     delivered. Each pass over the dataset calls ``iter(source)`` again.
     """
-    from crossfeed.schema import Schema
+    from crossfeed.format.schema import Schema
 
     first: list = []
     if element_spec is None and isinstance(getattr(source, "schema", None), Schema):

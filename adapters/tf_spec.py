@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from crossfeed.errors import SchemaError
-from crossfeed.schema import SHAPE_SUFFIX, Encoding, Feature, Schema
+from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema
 
 INDEX_KEY = "__index__"
 

@@ -40,11 +40,11 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from crossfeed.adapters.torch_convert import to_torch
 from crossfeed.adapters.torch_cursor import Cursor
-from crossfeed.dataset import Dataset
-from crossfeed.env import rank_and_world
+from crossfeed.read.dataset import Dataset
+from crossfeed.read.env import rank_and_world
 from crossfeed.errors import ConfigError
-from crossfeed.loader import Loader, ReadOptions
-from crossfeed.plan import Remainder, Shuffle
+from crossfeed.read.loader import Loader, ReadOptions
+from crossfeed.read.plan import Remainder, Shuffle
 
 __all__ = ["StatefulLoader", "TorchDataset", "to_torch"]
 
@@ -61,7 +61,7 @@ def _rank_and_world(rank, world_size) -> tuple[int, int]:
 
 class TorchDataset(IterableDataset):
     """Batches of one split as dicts of tensors; see the module docstring. The options are the
-    `crossfeed.loader.Loader`'s. With ``multiprocessing_context="spawn"`` the transforms must be
+    `crossfeed.read.loader.Loader`'s. With ``multiprocessing_context="spawn"`` the transforms must be
     picklable (module-level functions, not lambdas)."""
 
     def __init__(self, source, *, split: str = "train", batch_size: int | None = None,

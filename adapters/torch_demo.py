@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from crossfeed.adapters.torch import TorchDataset, _is_stream
-from crossfeed.dataset import open_dataset
+from crossfeed.read.dataset import open_dataset
 from crossfeed.errors import ConfigError
 
 log = logging.getLogger(__name__)

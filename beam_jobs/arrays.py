@@ -20,7 +20,7 @@ import numpy as np
 from crossfeed.beam_jobs.records import SampleBatch
 from crossfeed.beam_jobs.sources import list_files
 from crossfeed.errors import ConfigError
-from crossfeed.schema import Schema, infer_feature
+from crossfeed.format.schema import Schema, infer_feature
 
 TARGET_BATCH_BYTES = 32 << 20
 

@@ -1,4 +1,4 @@
-"""The last step of a job: `crossfeed.writer.commit_splits` moves every split's staged shards
+"""The last step of a job: `crossfeed.write.writer.commit_splits` moves every split's staged shards
 into place and writes one manifest, last. A job killed at any point leaves either the old dataset
 untouched (killed before that step) or no manifest at all, never a mix a reader accepts.
 Temporary files are named ``.tmp-<token>-…``; `remove_temporaries` clears one job's (on failure) or
@@ -11,7 +11,7 @@ import logging
 import os
 import shutil
 
-from crossfeed.writer import commit_splits
+from crossfeed.write.writer import commit_splits
 
 __all__ = ["TMP_PREFIX", "commit_splits", "remove_temporaries"]
 

@@ -21,7 +21,7 @@ from crossfeed.beam_jobs.sources import list_files
 from crossfeed.beam_jobs.tabular import (ColumnType, convert_strings, drop_rows, feature_name, infer_type,
                                          parse_types, table_metadata, table_schema)
 from crossfeed.errors import ConfigError
-from crossfeed.schema import Schema
+from crossfeed.format.schema import Schema
 
 EXTENSIONS = (".csv", ".tsv")
 

@@ -20,7 +20,7 @@ import numpy as np
 from crossfeed.beam_jobs.policy import EmptyInputError, ErrorPolicy, Skips
 from crossfeed.beam_jobs.records import SampleBatch
 from crossfeed.errors import ConfigError
-from crossfeed.schema import Encoding, Feature, Schema
+from crossfeed.format.schema import Encoding, Feature, Schema
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".tif", ".tiff", ".bmp", ".webp")
 KEEP = {("JPEG", "L"), ("JPEG", "RGB"), ("PNG", "L"), ("PNG", "RGB")}

@@ -27,7 +27,7 @@ from crossfeed.beam_jobs.sources import ReadSource, Source
 from crossfeed.beam_jobs.splits import SplitSpec
 from crossfeed.beam_jobs.write import WriteDataset
 from crossfeed.errors import ConfigError
-from crossfeed.writer import DEFAULT_SHARD_SIZE, read_manifest
+from crossfeed.write.writer import DEFAULT_SHARD_SIZE, read_manifest
 
 log = logging.getLogger(__name__)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.I)

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from crossfeed.errors import SchemaError
-from crossfeed.encode_codec import SampleSchemaError
-from crossfeed.schema import Encoding, Feature, Schema, infer_schema
-from crossfeed.stats import FeatureStats
+from crossfeed.format.encode_codec import SampleSchemaError
+from crossfeed.format.schema import Encoding, Feature, Schema, infer_schema
+from crossfeed.format.stats import FeatureStats
 
 BUCKET_BITS = 16  # the plan counts records per bucket of the top bits of the shuffle hash
 NUM_BUCKETS = 1 << BUCKET_BITS

@@ -15,7 +15,7 @@ import apache_beam as beam
 
 from crossfeed.beam_jobs.policy import EmptyInputError
 from crossfeed.errors import ConfigError
-from crossfeed.schema import Schema
+from crossfeed.format.schema import Schema
 
 
 @runtime_checkable

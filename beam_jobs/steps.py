@@ -26,9 +26,9 @@ from crossfeed.beam_jobs.policy import EmptyInputError, ErrorPolicy
 from crossfeed.beam_jobs.records import NUM_BUCKETS, Part, SampleBatch, Summary, encode_batch
 from crossfeed.beam_jobs.splits import SplitSpec
 from crossfeed.errors import ConfigError, CrossfeedError, SchemaError
-from crossfeed.schema import Schema, widen
-from crossfeed.stats import FeatureStats
-from crossfeed.writer import ShardSink, StagedShard
+from crossfeed.format.schema import Schema, widen
+from crossfeed.format.stats import FeatureStats
+from crossfeed.write.writer import ShardSink, StagedShard
 
 log = logging.getLogger(__name__)
 

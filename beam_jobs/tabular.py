@@ -13,7 +13,7 @@ import enum
 import numpy as np
 
 from crossfeed.errors import ConfigError
-from crossfeed.schema import Encoding, Feature, Schema
+from crossfeed.format.schema import Encoding, Feature, Schema
 
 
 class ColumnType(str, enum.Enum):

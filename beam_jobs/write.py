@@ -31,8 +31,8 @@ from crossfeed.beam_jobs.records import SampleBatch
 from crossfeed.beam_jobs.splits import SplitSpec
 from crossfeed.beam_jobs.steps import CommitDoFn, EncodeDoFn, PlanDoFn, WriteConfig, WriteShardDoFn, route_batch
 from crossfeed.errors import ConfigError, SchemaError
-from crossfeed.schema import Schema
-from crossfeed.writer import DEFAULT_SHARD_SIZE
+from crossfeed.format.schema import Schema
+from crossfeed.write.writer import DEFAULT_SHARD_SIZE
 
 PAIR_BATCH = 1024
 

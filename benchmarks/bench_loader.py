@@ -81,7 +81,7 @@ def _jpeg(rng: np.random.Generator) -> bytes:
 
 
 def _schema(kind: str):
-    from crossfeed.schema import Encoding, Feature, Schema
+    from crossfeed.format.schema import Encoding, Feature, Schema
 
     label = Feature("label", "int64", (), Encoding.INT64)
     if kind == "raw":
@@ -139,7 +139,7 @@ def _decode_pil(data) -> np.ndarray:
 
 
 def reader_crossfeed(kind: str, d: str, b: int, config: str):
-    from crossfeed.loader import Loader
+    from crossfeed.read.loader import Loader
 
     loader = Loader(os.path.join(d, "tfrecord"), batch_size=b, shuffle=config, seed=0)
     return loader, loader.close
@@ -307,7 +307,7 @@ def child(reader: str, kind: str, d: str, b: int, config: str, epochs: int, n: i
 
 def shuffle_quality(d: str, b: int) -> dict:
     """Correlation of delivery position with original index for crossfeed's shuffle modes."""
-    from crossfeed.loader import Loader
+    from crossfeed.read.loader import Loader
 
     out = {}
     for mode in ("global", "block", "none"):

@@ -1,7 +1,7 @@
 """CRC-checked record read rate: crossfeed's framing layer against tf.data's TFRecordDataset.
 
 Both read every record's payload of every shard of the same files, sequentially, with both CRCs
-checked: crossfeed through an mmap with `crossfeed.tfrecord.records` (zero-copy payload views);
+checked: crossfeed through an mmap with `crossfeed.format.tfrecord.records` (zero-copy payload views);
 tf.data with ``TFRecordDataset`` (tuned: batched with the payload sizes summed in the graph, so
 Python is not the bottleneck, and — for large records — plain iteration; each sequential and with
 ``num_parallel_reads=AUTOTUNE``; the fastest of these counts). tf.data runs
@@ -23,7 +23,7 @@ import sys
 import time
 
 from benchmarks import workloads
-from crossfeed import tfrecord
+from crossfeed.format import tfrecord
 
 GOALS = {"raw": 2.0, "tabular": 1.0, "jpeg": 1.0}  # crossfeed / tf.data record rate
 
@@ -68,7 +68,7 @@ print(json.dumps({"seconds": best[2], "records": n, "bytes": nbytes, "parallel":
 
 
 def shard_files(path: str) -> list[str]:
-    from crossfeed.dataset import open_dataset
+    from crossfeed.read.dataset import open_dataset
 
     with open_dataset(path) as ds:
         return [os.path.join(ds.path, s.file) for name in sorted(ds.splits) for s in ds.splits[name].shards]

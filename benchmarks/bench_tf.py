@@ -55,7 +55,7 @@ def _sample(kind: str, i: int, rng) -> dict:
 def prepare(kind: str, n: int, cache: str) -> str:
     """The dataset for a workload, generated once into ``cache``."""
     import crossfeed
-    from crossfeed.schema import Encoding, Feature, Schema
+    from crossfeed.format.schema import Encoding, Feature, Schema
 
     root = os.path.join(cache, f"tf-{kind}-{n}")
     if os.path.exists(os.path.join(root, "crossfeed.json")):

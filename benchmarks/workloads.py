@@ -28,8 +28,8 @@ from collections.abc import Iterator
 import numpy as np
 
 import crossfeed
-from crossfeed.manifest import MANIFEST
-from crossfeed.schema import Encoding, Feature, Schema
+from crossfeed.format.manifest import MANIFEST
+from crossfeed.format.schema import Encoding, Feature, Schema
 
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_data")
 DEFAULT_SIZES = {"raw": 4000, "tabular": 400_000, "jpeg": 4000}

@@ -4,7 +4,7 @@ The public surface is the names below; everything else lives in submodules. Impo
 never imports tensorflow, torch or apache_beam.
 """
 
-from crossfeed.dataset import Dataset, Split, open_dataset
+from crossfeed.read.dataset import Dataset, Split, open_dataset
 from crossfeed.errors import (
     ConfigError,
     CorruptRecordError,
@@ -16,16 +16,16 @@ from crossfeed.errors import (
     SchemaError,
     WireError,
 )
-from crossfeed.loader import Loader, ReadOptions
-from crossfeed.plan import Remainder, Shuffle
-from crossfeed.schema import Encoding, Feature, Schema
-from crossfeed.writer import write_dataset
+from crossfeed.read.loader import Loader, ReadOptions
+from crossfeed.read.plan import Remainder, Shuffle
+from crossfeed.format.schema import Encoding, Feature, Schema
+from crossfeed.write.writer import write_dataset
 
 __version__ = "0.1.0"
 
 # The network plane pulls in pyzmq: imported on first use, so `import crossfeed` stays light.
 _LAZY = {"connect": "crossfeed.net.client", "Client": "crossfeed.net.client", "ClientKeys": "crossfeed.net.keys",
-         "BatchMeta": "crossfeed.wire"}
+         "BatchMeta": "crossfeed.net.wire"}
 
 
 def __getattr__(name: str):

@@ -54,7 +54,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> str:
 
 def main(out: str = "demo_out") -> None:
     from crossfeed.beam_jobs.sample_data import make_image_folder
-    from crossfeed.loader import Loader
+    from crossfeed.read.loader import Loader
 
     out_dir = Path(out).resolve()
     shutil.rmtree(out_dir, ignore_errors=True)

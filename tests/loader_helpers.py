@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from crossfeed.loader import INDEX_KEY, Loader
+from crossfeed.read.loader import INDEX_KEY, Loader
 
 
 def ids_of(batches) -> list[np.ndarray]:

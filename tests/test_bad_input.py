@@ -11,11 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 import crossfeed
-from crossfeed import index as idx
+from crossfeed.format import index as idx
 from crossfeed.cli.main import app
 from crossfeed.errors import CorruptRecordError, CrossfeedError, DatasetNotFoundError, IndexFileError
-from crossfeed.manifest import MANIFEST
-from crossfeed.verify import verify_dataset
+from crossfeed.format.manifest import MANIFEST
+from crossfeed.read.verify import verify_dataset
 
 N_SHARDS = 8
 
@@ -134,10 +134,10 @@ def test_verify_catches_changed_bytes_and_bad_index_entries(dataset):
     entries = offsets(dataset, 6)
     data = bytearray(shard(dataset, 6).read_bytes())
     off, n = (int(v) for v in entries[0])
-    old = bytes(crossfeed.tfrecord.unframe(bytes(data), off, n, "x"))
+    old = bytes(crossfeed.format.tfrecord.unframe(bytes(data), off, n, "x"))
     payload = old.replace(b"\x06" * 10, b"\x07" * 10)
     assert payload != old and len(payload) == len(old)
-    data[off:off + n] = crossfeed.tfrecord.frame(payload)
+    data[off:off + n] = crossfeed.format.tfrecord.frame(payload)
     shard(dataset, 6).write_bytes(bytes(data))
     # an index entry that points at the middle of a record
     entries7 = offsets(dataset, 7)

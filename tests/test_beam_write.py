@@ -22,7 +22,7 @@ from crossfeed.beam_jobs.records import SampleBatch, key_hashes  # noqa: E402
 from crossfeed.beam_jobs.splits import SplitSpec  # noqa: E402
 from crossfeed.beam_jobs.steps import EncodeDoFn, WriteConfig  # noqa: E402
 from crossfeed.beam_jobs.write import WriteDataset  # noqa: E402
-from crossfeed.schema import Encoding, Feature, Schema  # noqa: E402
+from crossfeed.format.schema import Encoding, Feature, Schema  # noqa: E402
 
 
 def pipeline():

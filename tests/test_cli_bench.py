@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import crossfeed
 from crossfeed.cli.bench import register
-from crossfeed.profile import STAGES, bench_loader
+from crossfeed.read.profile import STAGES, bench_loader
 
 
 @pytest.fixture

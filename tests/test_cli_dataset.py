@@ -12,11 +12,11 @@ import numpy as np
 from typer.testing import CliRunner
 
 import crossfeed
-from crossfeed import tfrecord
+from crossfeed.format import tfrecord
 from crossfeed.cli.main import app
-from crossfeed.manifest import MANIFEST
-from crossfeed.encode import encode_sample
-from crossfeed.schema import Encoding, Feature, infer_schema
+from crossfeed.format.manifest import MANIFEST
+from crossfeed.format.encode import encode_sample
+from crossfeed.format.schema import Encoding, Feature, infer_schema
 
 runner = CliRunner()
 

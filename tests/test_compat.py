@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import crossfeed
 from crossfeed.cli.main import app
-from crossfeed.schema import Encoding, Feature, Schema
+from crossfeed.format.schema import Encoding, Feature, Schema
 
 from conftest import run_python
 
@@ -203,9 +203,9 @@ def test_codec_next_to_tensorflow_in_one_process(tf_first):
     imports = "import tensorflow as tf\nimport crossfeed" if tf_first else "import crossfeed\nimport tensorflow as tf"
     out = run_python(imports + """
 import numpy as np
-from crossfeed import example as ex
-from crossfeed.encode import encode_sample
-from crossfeed.schema import infer_schema
+from crossfeed.format import example as ex
+from crossfeed.format.encode import encode_sample
+from crossfeed.format.schema import infer_schema
 sample = {"a": [0.0, 1.0, 2.0], "b": 7, "c": "hi", "t": np.arange(4, dtype=np.int16)}
 payload = encode_sample(infer_schema([sample]), sample)
 p = tf.io.parse_single_example(payload, {"a": tf.io.FixedLenFeature([3], tf.float32),

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossfeed import example as ex
+from crossfeed.format import example as ex
 from crossfeed.errors import ExampleError, SchemaError
-from crossfeed.encode import encode_sample
-from crossfeed.schema import Encoding, Feature, Schema, decode_value, infer_schema
+from crossfeed.format.encode import encode_sample
+from crossfeed.format.schema import Encoding, Feature, Schema, decode_value, infer_schema
 
 names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
 int64s = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=20)
@@ -95,7 +95,7 @@ def test_schema_mismatch_is_a_schema_error():
 
 # ---- compiled encoder (schema.Encoder) against the reference path ----------------------------------
 
-from crossfeed.encode import Encoder, SampleSchemaError, encode_sample_reference  # noqa: E402
+from crossfeed.format.encode import Encoder, SampleSchemaError, encode_sample_reference  # noqa: E402
 
 _TENSOR_DTYPES = ["uint8", "int16", "int32", "int64", "float16", "float32", "float64", "bool"]
 _any_float = st.one_of(st.floats(), st.floats(width=32), st.sampled_from([0.0, -0.0, 1e300, -1e39, 3.4028235e38, 3.4028236e38]),
@@ -262,8 +262,8 @@ def test_batch_errors_name_the_first_bad_sample():
 
 def test_write_dataset_errors_and_stats_unchanged(tmp_path):
     from crossfeed import write_dataset
-    from crossfeed.stats import FeatureStats
-    from crossfeed.writer import _add_stats
+    from crossfeed.format.stats import FeatureStats
+    from crossfeed.write.writer import _add_stats
 
     schema = Schema([Feature("x", "float32", (), Encoding.FLOAT), Feature("y", "int64", (), Encoding.INT64)])
     samples = [{"x": float(i), "y": i} for i in range(3000)] + [{"x": 1.0, "y": [1, 2]}]

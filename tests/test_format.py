@@ -11,11 +11,11 @@ import pytest
 from PIL import Image
 
 import crossfeed
-from crossfeed import index as idx
-from crossfeed import tfrecord
+from crossfeed.format import index as idx
+from crossfeed.format import tfrecord
 from crossfeed.errors import ConfigError, CorruptRecordError, SchemaError
-from crossfeed.manifest import MANIFEST
-from crossfeed.schema import Encoding, Feature, Schema
+from crossfeed.format.manifest import MANIFEST
+from crossfeed.format.schema import Encoding, Feature, Schema
 
 from conftest import mixed_samples
 

@@ -15,7 +15,7 @@ import pytest
 import crossfeed
 from crossfeed import Feature, Schema
 from crossfeed.errors import ConfigError, CorruptRecordError, CrossfeedError
-from crossfeed.loader import INDEX_KEY, Loader
+from crossfeed.read.loader import INDEX_KEY, Loader
 from loader_helpers import assert_resumes_identically, epoch_batches
 
 
@@ -104,7 +104,7 @@ def test_resume_in_a_new_process(tabular, tmp_path):
         full = [b[INDEX_KEY].tolist() for b in loader]
     code = f"""
         import json, sys
-        from crossfeed.loader import Loader
+        from crossfeed.read.loader import Loader
         with Loader({str(root)!r}, batch_size=64, seed=9, return_index=True) as l:
             it = iter(l)
             for _ in range(5):
@@ -202,7 +202,7 @@ def test_bad_options_are_named(tabular):
 
 
 def _flip_byte_of_record(root, shard_file, record, where=20):
-    from crossfeed.index import read_index
+    from crossfeed.format.index import read_index
 
     off, length = read_index(str(root / shard_file) + ".idx")[record]
     at = int(off) + (where if where >= 0 else int(length) + where)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
-from crossfeed import wire
+from crossfeed.net import wire
 from crossfeed.net import Heartbeat, Server, ServerOptions, connect
 from crossfeed.net import protocol as P
 from crossfeed.net.producer import encode_batch

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crossfeed.errors import ConfigError
-from crossfeed.plan import PlanConfig, Remainder, Shuffle, epoch_order
+from crossfeed.read.plan import PlanConfig, Remainder, Shuffle, epoch_order
 
 counts_st = st.lists(st.integers(0, 40), min_size=1, max_size=9).filter(lambda c: sum(c) > 0)
 

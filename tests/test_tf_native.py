@@ -74,7 +74,7 @@ def _records(dataset) -> list[dict]:
 
 
 def _expected(sample: dict) -> dict:
-    from crossfeed.schema import decode_image
+    from crossfeed.format.schema import decode_image
 
     return {**sample, "img": decode_image(sample["img"]), "gray": decode_image(sample["gray"]),
             "name": sample["name"].encode()}

@@ -10,7 +10,7 @@ tf = pytest.importorskip("tensorflow")
 import crossfeed  # noqa: E402
 import crossfeed.adapters.tf as cftf  # noqa: E402
 from crossfeed import ConfigError  # noqa: E402
-from crossfeed.loader import Loader  # noqa: E402
+from crossfeed.read.loader import Loader  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader
 import crossfeed
 from crossfeed.adapters.torch import StatefulLoader, TorchDataset, to_torch
 from crossfeed.errors import ConfigError
-from crossfeed.loader import Loader
-from crossfeed.plan import PlanConfig
+from crossfeed.read.loader import Loader
+from crossfeed.read.plan import PlanConfig
 
 from conftest import run_python
 

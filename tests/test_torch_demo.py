@@ -11,7 +11,7 @@ import pytest
 import crossfeed
 from crossfeed.adapters.torch_demo import ResizeImage, train
 from crossfeed.errors import ConfigError
-from crossfeed.schema import Encoding, Feature, Schema
+from crossfeed.format.schema import Encoding, Feature, Schema
 
 pytestmark = pytest.mark.timeout(180)
 SCHEMA = Schema([Feature("image", "uint8", (None, None, 3), Encoding.IMAGE), Feature("label", "int64", (), Encoding.INT64)])
@@ -50,7 +50,7 @@ def test_demo_trains_and_reports_held_out_accuracy(demo_dataset):
 def test_demo_trains_from_a_crossfeed_connect_stream(demo_dataset):
     from net_helpers import FAST_HB
 
-    from crossfeed.loader import Loader
+    from crossfeed.read.loader import Loader
     from crossfeed.net import Heartbeat, Server, ServerOptions, connect
 
     loader = Loader(demo_dataset, batch_size=16, seed=0, rank=0, world_size=1, transform=ResizeImage("image", 16))

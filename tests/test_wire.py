@@ -10,7 +10,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from crossfeed import wire
+from crossfeed.net import wire
 from crossfeed.errors import ConfigError, CrossfeedError, WireError
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,6 +1,6 @@
 """``crossfeed bench``: read a dataset like a trainer would and say where the time goes.
 
-A thin shell over `crossfeed.profile.bench_loader`; the report goes to stdout, errors to stderr
+A thin shell over `crossfeed.read.profile.bench_loader`; the report goes to stdout, errors to stderr
 as one line with exit status 2.
 """
 
@@ -34,7 +34,7 @@ def bench(
 ) -> None:
     """Read batches like a trainer, then print samples/s, MB/s, time to first batch, peak RSS and
     the time per stage (read, crc, decode, transform, batch)."""
-    from crossfeed.profile import bench_loader
+    from crossfeed.read.profile import bench_loader
 
     report = bench_loader(dataset, split=split, batch_size=batch_size, shuffle=shuffle.value, seed=seed,
                           threads=threads, prefetch=prefetch, batches=batches, decode_images=decode_images)

@@ -138,7 +138,7 @@ def _run(ctx: typer.Context, kind: str, src: Path, out: Path, common: dict, **so
 
 def _verify(path: str, splits: list[str]) -> None:
     try:
-        from crossfeed.verify import verify_dataset
+        from crossfeed.read.verify import verify_dataset
     except ImportError:
         verify_dataset = None
     problems: list = []

@@ -1,6 +1,6 @@
 """``crossfeed index | info | verify | head``: look after datasets on disk.
 
-Thin shells over `crossfeed.adopt`, `crossfeed.verify` and `crossfeed.dataset`. Diagnostics go to
+Thin shells over `crossfeed.write.adopt`, `crossfeed.read.verify` and `crossfeed.read.dataset`. Diagnostics go to
 stderr; a bad path or a broken file is one line on stderr and exit status 2, never a traceback.
 """
 
@@ -59,7 +59,7 @@ def index(
     """Adopt TFRecord shards: check every record, write .idx files and the manifest (crossfeed.json)."""
     import os
 
-    from crossfeed.adopt import index_dataset, is_shard_name
+    from crossfeed.write.adopt import index_dataset, is_shard_name
 
     total = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if is_shard_name(n)) if os.path.isdir(path) else 0
     with _progress(total, "indexing") as advance:
@@ -71,7 +71,7 @@ def index(
 def info(dataset: DatasetArg,
          as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False) -> None:
     """Show a dataset's splits, record counts, sizes, schema and metadata."""
-    from crossfeed.dataset import open_dataset
+    from crossfeed.read.dataset import open_dataset
 
     with open_dataset(dataset) as ds:
         if as_json:
@@ -94,8 +94,8 @@ def info(dataset: DatasetArg,
 def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
     """Check every record's CRC, every index entry, counts and sha256 against the manifest.
     Lists every problem found; exits 1 if there is any."""
-    from crossfeed.dataset import open_dataset
-    from crossfeed.verify import verify_dataset
+    from crossfeed.read.dataset import open_dataset
+    from crossfeed.read.verify import verify_dataset
 
     with open_dataset(dataset) as ds:
         names = [split] if split is not None and split in ds.splits else list(ds.splits)
@@ -116,7 +116,7 @@ def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
 def head(dataset: DatasetArg, n: Annotated[int, typer.Option("-n", "--num", min=0, help="How many samples.")] = 5,
          split: SplitOpt = None) -> None:
     """Show the first samples of a split: shape, dtype and small values; bytes truncated."""
-    from crossfeed.dataset import open_dataset
+    from crossfeed.read.dataset import open_dataset
 
     with open_dataset(dataset) as ds:
         name = split or ("train" if "train" in ds.splits else sorted(ds.splits)[0])

@@ -51,7 +51,7 @@ class LoaderEpochs:
     """factory(epoch) over one `crossfeed.Loader`: `set_epoch(epoch)`, then its batches."""
 
     def __init__(self, dataset: str, *, workers: int = 2, **loader_kwargs: Any):
-        from crossfeed.loader import Loader, ReadOptions
+        from crossfeed.read.loader import Loader, ReadOptions
 
         if (loader_kwargs.get("rank") is None) != (loader_kwargs.get("world_size") is None):
             raise ConfigError("--rank and --world-size go together")

@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from crossfeed import wire
+from crossfeed.net import wire
 from crossfeed.errors import ConfigError, CrossfeedError
 from crossfeed.net import protocol as P
 from crossfeed.net.addresses import expand_all

@@ -22,7 +22,7 @@ MAX_REMEMBERED_DEAD = 4096
 
 @dataclasses.dataclass
 class Item:
-    """One encoded batch: `frames` are the `crossfeed.wire` buffers, sent as they are."""
+    """One encoded batch: `frames` are the `crossfeed.net.wire` buffers, sent as they are."""
 
     seq: int
     epoch: int

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from crossfeed import wire
+from crossfeed.net import wire
 
 
 @dataclasses.dataclass(frozen=True)

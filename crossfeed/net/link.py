@@ -13,7 +13,7 @@ import logging
 
 import zmq
 
-from crossfeed import wire
+from crossfeed.net import wire
 from crossfeed.net import protocol as P
 from crossfeed.net.events import LostServer
 from crossfeed.net.keys import ClientKeys, secure_client_socket

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from crossfeed import wire
+from crossfeed.net import wire
 from crossfeed.net.dispatch import Item
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@
 client → server: CREDIT(a=batches allowed in flight, b=bytes allowed in flight, 0: any),
                  ACK(a=seq), HEARTBEAT(a=credit, b=byte credit), BYE,
                  ACKS(a=count; payload = one frame of `count` int64 seqs, at most MAX_ACKS)
-server → client: BATCH(a=seq, b=epoch; payload = `crossfeed.wire` frames),
+server → client: BATCH(a=seq, b=epoch; payload = `crossfeed.net.wire` frames),
                  END_OF_EPOCH(a=epoch, b=batches in it), END_OF_STREAM(a=epochs served), HEARTBEAT
 
 `recv_bounded` reads a multipart message frame by frame and drops it (draining the rest)

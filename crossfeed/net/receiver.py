@@ -28,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from crossfeed import wire
+from crossfeed.net import wire
 from crossfeed.errors import WireError
 from crossfeed.net import protocol as P
 from crossfeed.net.events import AllDone, Delivery, EpochDone, LostServer, ReceiverFailed

@@ -1,7 +1,7 @@
 """The Loader: plan → fetch → decode → transform → batch → prefetch, framework-neutral.
 
 ``Loader(source, split=..., batch_size=...)`` iterates one epoch of batches, each a
-``dict[str, np.ndarray]`` (see `crossfeed.decode` for strings and ragged features); iterating
+``dict[str, np.ndarray]`` (see `crossfeed.read.decode` for strings and ragged features); iterating
 again runs the next epoch. Both framework adapters and ``crossfeed serve`` are thin layers over it.
 """
 
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from crossfeed.dataset import Dataset, open_dataset
-from crossfeed.decode import BatchDecoder, collate
-from crossfeed.env import rank_and_world
+from crossfeed.read.dataset import Dataset, open_dataset
+from crossfeed.read.decode import BatchDecoder, collate
+from crossfeed.read.env import rank_and_world
 from crossfeed.errors import ConfigError, CrossfeedError
-from crossfeed.fetch import Fetcher
-from crossfeed.plan import Plan, PlanConfig, Remainder, Shuffle, _enum
+from crossfeed.read.fetch import Fetcher
+from crossfeed.read.plan import Plan, PlanConfig, Remainder, Shuffle, _enum
 
 log = logging.getLogger(__name__)
 INDEX_KEY = "__index__"

@@ -8,12 +8,12 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from crossfeed import example as ex
-from crossfeed import index as idx
+from crossfeed.format import example as ex
+from crossfeed.format import index as idx
 from crossfeed.errors import CrossfeedError, DatasetNotFoundError, ExampleError, IndexFileError
-from crossfeed.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads
-from crossfeed.schema import Schema, SchemaError, decode_value
-from crossfeed.storage import ShardFile, Storage
+from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads
+from crossfeed.format.schema import Schema, SchemaError, decode_value
+from crossfeed.read.storage import ShardFile, Storage
 
 
 def open_dataset(path) -> Dataset:

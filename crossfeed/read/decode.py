@@ -4,8 +4,8 @@ Two paths:
 
 * **Fixed layout** (every requested feature a fixed-shape tensor, int64 or float): records of
   equal length share one byte layout, checked and cut column-wise — one numpy pass per batch,
-  not per record (`crossfeed.layout`).
-* **Generic**: each record parsed on its own (`crossfeed.example`), JPEGs decoded by libjpeg-turbo
+  not per record (`crossfeed.read.layout`).
+* **Generic**: each record parsed on its own (`crossfeed.format.example`), JPEGs decoded by libjpeg-turbo
   (simplejpeg) straight into their row of the batch, other images with Pillow; values stacked.
 
 Batch form: a feature whose shape is the same for every sample of the batch is one array with a
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from crossfeed import example as ex
+from crossfeed.format import example as ex
 from crossfeed.errors import CrossfeedError, ExampleError, SchemaError
 
 try:  # libjpeg-turbo decoding straight into numpy; Pillow is the fallback
@@ -30,8 +30,8 @@ try:  # libjpeg-turbo decoding straight into numpy; Pillow is the fallback
 except ImportError:  # pragma: no cover - simplejpeg is a core dependency
     _simplejpeg = None
 
-from crossfeed.layout import Layout, fixed_dtype
-from crossfeed.schema import Encoding, Feature, decode_image, decode_value
+from crossfeed.read.layout import Layout, fixed_dtype
+from crossfeed.format.schema import Encoding, Feature, decode_image, decode_value
 
 
 
@@ -89,7 +89,7 @@ class BatchDecoder:
         return self._generic(payloads, where, on_error)
 
     def decode_rows(self, groups: Sequence[tuple[np.ndarray | None, np.ndarray]], n: int) -> dict[str, np.ndarray] | None:
-        """The batch of ``n`` payloads given as `crossfeed.fetch.Fetcher.fetch_rows` gives them —
+        """The batch of ``n`` payloads given as `crossfeed.read.fetch.Fetcher.fetch_rows` gives them —
         ``(positions, (g, length) uint8 rows)`` per payload length — through the fixed-layout
         path; None where it does not apply (then decode the payloads with ``__call__``)."""
         return self._fill(n, groups, True) if self.fixed and n else None

@@ -10,9 +10,9 @@ import sys
 
 import numpy as np
 
-from crossfeed import example as ex
+from crossfeed.format import example as ex
 from crossfeed.errors import SchemaError
-from crossfeed.schema import SHAPE_SUFFIX, Encoding, Feature, _fits
+from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, _fits
 
 
 def _reference_feature(f: Feature, v, out: dict) -> None:

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from crossfeed.decode import collate
+from crossfeed.read.decode import collate
 from crossfeed.errors import ConfigError
-from crossfeed.fetch import crc_ok
-from crossfeed.loader import Loader, ReadOptions
+from crossfeed.read.fetch import crc_ok
+from crossfeed.read.loader import Loader, ReadOptions
 
 STAGES = ("read", "crc", "decode", "transform", "batch")
 

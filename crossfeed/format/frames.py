@@ -1,7 +1,7 @@
 """Frame checks for a whole batch at once: the TFRecord length headers, their CRCs and the stored
 payload CRCs of many records are gathered from an in-memory stream (mmap or bytes) and compared
 with numpy; only the payload CRC is one C ``crc32c`` call per record. A failure is re-checked
-record by record (`crossfeed.tfrecord.unframe`) so the error names the exact file and offset."""
+record by record (`crossfeed.format.tfrecord.unframe`) so the error names the exact file and offset."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 
 import crc32c as _crc32c
 
-from crossfeed import tfrecord
+from crossfeed.format import tfrecord
 from crossfeed.errors import CorruptRecordError
 
 _MASK_DELTA = np.uint32(0xA282EAD8)
@@ -54,7 +54,7 @@ def check_frames(buf, offsets: np.ndarray, lengths: np.ndarray, path: str, *, pa
 
     Raises `CorruptRecordError` for the first bad record (by position in ``offsets``). With
     ``payload_crcs=False`` only the headers (lengths and their CRCs) are checked here: the
-    caller checks the payloads itself with `frame_crcs` and `crc_ok` (`crossfeed.profile` does,
+    caller checks the payloads itself with `frame_crcs` and `crc_ok` (`crossfeed.read.profile` does,
     to time reading and CRC checking apart).
     """
     u8 = np.frombuffer(buf, dtype=np.uint8)

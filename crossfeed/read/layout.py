@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from crossfeed import example as ex
+from crossfeed.format import example as ex
 from crossfeed.errors import ExampleError
-from crossfeed.schema import Encoding, Feature
+from crossfeed.format.schema import Encoding, Feature
 
 _BIG = 512  # a tensor/float value at least this many bytes is copied record by record, straight into the batch
 _LITTLE = sys.byteorder == "little"

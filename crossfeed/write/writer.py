@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from crossfeed import index as idx
-from crossfeed import tfrecord
+from crossfeed.format import index as idx
+from crossfeed.format import tfrecord
 from crossfeed.errors import ConfigError, CrossfeedError, SchemaError
-from crossfeed.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads, shard_name, write_manifest
-from crossfeed.encode import SampleSchemaError, encoder_for
-from crossfeed.schema import Schema, infer_feature, widen
-from crossfeed.stats import FeatureStats, merge_all
+from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads, shard_name, write_manifest
+from crossfeed.format.encode import SampleSchemaError, encoder_for
+from crossfeed.format.schema import Schema, infer_feature, widen
+from crossfeed.format.stats import FeatureStats, merge_all
 
 DEFAULT_SHARD_SIZE = 256 << 20
 
@@ -139,7 +139,7 @@ def write_dataset(path, samples: Iterable[Mapping], *, split: str = "train", num
     lengths may vary; tensor shapes may not unless the schema says ``None``). The split is added
     or replaced atomically: on any error nothing of it is left behind.
     """
-    from crossfeed.dataset import open_dataset
+    from crossfeed.read.dataset import open_dataset
 
     if num_shards is not None and num_shards < 1:
         raise ConfigError(f"num_shards must be >= 1, got {num_shards}")

@@ -20,10 +20,10 @@ import numpy as np
 
 import crc32c as _crc32c
 
-from crossfeed import tfrecord
-from crossfeed.dataset import Split
+from crossfeed.format import tfrecord
+from crossfeed.read.dataset import Split
 from crossfeed.errors import CorruptRecordError
-from crossfeed.frames import check_frames, crc32c_rows, crc_ok, frame_crcs, gather, len_crcs, mask, window
+from crossfeed.format.frames import check_frames, crc32c_rows, crc_ok, frame_crcs, gather, len_crcs, mask, window
 
 ROWS_MAX = 4096  # framed records at most this long take the columnar path (`Fetcher.fetch_rows`)
 

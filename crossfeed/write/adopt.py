@@ -17,12 +17,12 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from crossfeed import example as ex
-from crossfeed import index as idx
-from crossfeed import tfrecord
+from crossfeed.format import example as ex
+from crossfeed.format import index as idx
+from crossfeed.format import tfrecord
 from crossfeed.errors import ConfigError, DatasetNotFoundError, ExampleError, ManifestError, SchemaError
-from crossfeed.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads, write_manifest
-from crossfeed.schema import SHAPE_SUFFIX, Encoding, Feature, Schema
+from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads, write_manifest
+from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema
 
 log = logging.getLogger(__name__)
 

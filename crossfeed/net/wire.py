@@ -6,7 +6,7 @@
 (the Loader's form of a feature whose shape varies within the batch: a 1-D object array of
 numeric arrays of one dtype and ndim) arrives as a 1-D object array of read-only arrays that
 view one data frame. This module holds the header (magic, version, provenance, field
-descriptors), `BatchMeta` and `WireLimits`; `crossfeed.wire_fields` holds the encode/decode
+descriptors), `BatchMeta` and `WireLimits`; `crossfeed.net.wire_fields` holds the encode/decode
 pair of each field kind, whose constants (ARRAY ... RAGGED) are importable from here too.
 
 Layout (all integers little-endian):
@@ -17,7 +17,7 @@ Layout (all integers little-endian):
         then per field: u16 len(name) | name (utf-8) | u8 kind | u8 dtype code | u8 ndim
         | u64 dims[ndim]
     frame 1: the sample ids, int64[num_ids]
-    then per field, in header order, the frames of its kind (see `crossfeed.wire_fields`)
+    then per field, in header order, the frames of its kind (see `crossfeed.net.wire_fields`)
 
 Every declared size is checked against `WireLimits` and against the frames before any array
 is made; every malformed input raises `WireError`. Nothing is ever unpickled.
@@ -34,8 +34,8 @@ import numpy as np
 
 from crossfeed.errors import ConfigError, WireError
 # the field kinds are part of this module's public surface (wire.RAGGED, ...)
-from crossfeed.wire_fields import ARRAY, BYTES_LIST, BYTES_OBJECT, RAGGED, STR_LIST, STR_OBJECT  # noqa: F401
-from crossfeed.wire_fields import decode_field, encode_field
+from crossfeed.net.wire_fields import ARRAY, BYTES_LIST, BYTES_OBJECT, RAGGED, STR_LIST, STR_OBJECT  # noqa: F401
+from crossfeed.net.wire_fields import decode_field, encode_field
 
 MAGIC = b"CXFB"
 VERSION = 1

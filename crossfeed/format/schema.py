@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from crossfeed import example as ex
+from crossfeed.format import example as ex
 from crossfeed.errors import SchemaError
 
 SHAPE_SUFFIX = "/shape"
@@ -103,8 +103,8 @@ class Schema(tuple):
         return [f.name for f in self]
 
     def encoder(self):
-        """This schema's compiled `crossfeed.encode.Encoder` (built once, shared)."""
-        from crossfeed.encode import encoder_for
+        """This schema's compiled `crossfeed.format.encode.Encoder` (built once, shared)."""
+        from crossfeed.format.encode import encoder_for
 
         return encoder_for(self)
 

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from crossfeed import example as ex
-from crossfeed.encode_codec import SampleSchemaError, _Codec, _reference_feature
+from crossfeed.format import example as ex
+from crossfeed.format.encode_codec import SampleSchemaError, _Codec, _reference_feature
 from crossfeed.errors import SchemaError
-from crossfeed.schema import Schema
+from crossfeed.format.schema import Schema
 
 
 def encode_sample(schema: Schema, sample: Mapping) -> bytes:

@@ -12,10 +12,10 @@ import tempfile
 from dataclasses import dataclass, field
 
 from crossfeed.errors import ManifestError
-from crossfeed.schema import Schema
+from crossfeed.format.schema import Schema
 
 MANIFEST = "crossfeed.json"
-FORMAT = "crossfeed.dataset"
+FORMAT = "crossfeed.read.dataset"
 VERSION = 1
 _SHARD_RE = re.compile(r"^(?P<split>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.tfrecord(?P<gz>\.gz)?$")
 

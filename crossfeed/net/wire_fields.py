@@ -2,7 +2,7 @@
 
 `encode_field(name, value, limits)` picks a field's kind and returns `(kind, dtype code, header
 dims, data frames)`; `decode_field(name, kind, code, dims, bufs, index, limits)` is its inverse
-and returns `(value, index of the next field's first frame)`. `crossfeed.wire` writes the header
+and returns `(value, index of the next field's first frame)`. `crossfeed.net.wire` writes the header
 around them. A field's frames (all integers little-endian):
 
     kind ARRAY:            one frame, the C-ordered array data

@@ -57,7 +57,7 @@ def encode_int64_list(values) -> bytes:
     return _field(0x0A, b"".join(_varint(int(v)) for v in arr.tolist()))
 
 
-# Pieces for compiled encoders (`crossfeed.encode.Encoder`): the same bytes as `encode`, built from
+# Pieces for compiled encoders (`crossfeed.format.encode.Encoder`): the same bytes as `encode`, built from
 # constant per-feature prefixes so a record costs a few concatenations.
 
 _SMALL = 1 << 14

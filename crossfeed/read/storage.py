@@ -7,7 +7,7 @@ import mmap
 import os
 import threading
 
-from crossfeed import tfrecord
+from crossfeed.format import tfrecord
 from crossfeed.errors import CorruptRecordError, DatasetNotFoundError
 
 

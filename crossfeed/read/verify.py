@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from crossfeed import example as ex
-from crossfeed import index as idx
-from crossfeed import tfrecord
-from crossfeed.adopt import file_sha256, open_stream
-from crossfeed.dataset import open_dataset
+from crossfeed.format import example as ex
+from crossfeed.format import index as idx
+from crossfeed.format import tfrecord
+from crossfeed.write.adopt import file_sha256, open_stream
+from crossfeed.read.dataset import open_dataset
 from crossfeed.errors import ConfigError, CorruptRecordError, ExampleError, IndexFileError, SchemaError
-from crossfeed.manifest import ShardInfo
-from crossfeed.schema import Schema, decode_value
-from crossfeed.storage import Storage
+from crossfeed.format.manifest import ShardInfo
+from crossfeed.format.schema import Schema, decode_value
+from crossfeed.read.storage import Storage
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Writing: the dataset writer and commit, and adoption of existing TFRecord shards."""
