@@ -212,7 +212,7 @@ def plan_state(source, *, split: str = "train", batch_size: int, seed: int = 0, 
                        drop_last=drop_last, engine=Engine.PLAN, world_size=world_size)
     with tf_plan.loader(_open(source, split), opts) as ld:
         state = ld.state_dict()
-        state["position"] = ld.config.position_after(0, len(ld.split), steps, world_size)
+        state["position"] = ld.sampler.position_after(0, steps)
     return state
 
 

@@ -33,7 +33,7 @@ Never imports tensorflow.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -43,8 +43,8 @@ from crossfeed.adapters.torch_cursor import Cursor
 from crossfeed.read.dataset import Dataset
 from crossfeed.read.env import rank_and_world
 from crossfeed.errors import ConfigError
-from crossfeed.read.loader import Loader, ReadOptions
-from crossfeed.read.plan import Remainder, Shuffle
+from crossfeed.read.loader import Loader
+from crossfeed.read.options import LoaderOptions
 
 __all__ = ["StatefulLoader", "TorchDataset", "to_torch"]
 
@@ -64,30 +64,27 @@ class TorchDataset(IterableDataset):
     `crossfeed.read.loader.Loader`'s. With ``multiprocessing_context="spawn"`` the transforms must be
     picklable (module-level functions, not lambdas)."""
 
-    def __init__(self, source, *, split: str = "train", batch_size: int | None = None,
-                 shuffle: Shuffle | str = Shuffle.GLOBAL, seed: int = 0, epoch: int = 0,
-                 rank: int | None = None, world_size: int | None = None, drop_last: bool = False,
-                 remainder: Remainder | str = Remainder.PAD, features: Sequence[str] | None = None,
-                 transform: Callable[[dict], dict] | None = None,
-                 batch_transform: Callable[[dict], dict] | None = None, block_shards: int = 4,
-                 read: ReadOptions = ReadOptions(), on_error: str = "raise", max_skips: int = 1000,
-                 return_index: bool = False):
+    def __init__(self, source, options: LoaderOptions | None = None, *, transform: Callable[[dict], dict] | None = None,
+                 batch_transform: Callable[[dict], dict] | None = None, epoch: int = 0, **fields):
         self._stream = source if _is_stream(source) else None
         self._loaders: dict[tuple[int, int], Loader] = {}
         self._pid = os.getpid()
-        if self._stream is not None:
-            self.source, self.rank, self.world_size, self._options = None, 0, 1, {}
-            self._cursor = Cursor(epoch)
-            return
-        if batch_size is None:
-            raise ConfigError("batch_size is required when reading a dataset (only a stream brings its own batches)")
-        self.source = source.path if isinstance(source, Dataset) else source  # picklable for spawned workers
-        self.rank, self.world_size = _rank_and_world(rank, world_size)
-        self._options = dict(split=split, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                             remainder=remainder, features=features, transform=transform,
-                             batch_transform=batch_transform, block_shards=block_shards, read=read,
-                             on_error=on_error, max_skips=max_skips, return_index=return_index)
         self._cursor = Cursor(epoch)
+        if self._stream is not None:
+            self.source, self.rank, self.world_size, self.options = None, 0, 1, None
+            return
+        if options is None:
+            if fields.get("batch_size") is None:
+                raise ConfigError("batch_size is required when reading a dataset (only a stream brings its own batches)")
+            if fields.get("rank") is None and fields.get("world_size") is None:
+                fields["rank"], fields["world_size"] = _rank_and_world(None, None)
+            options = LoaderOptions.of(**fields)
+        elif fields:
+            raise ConfigError(f"pass either a LoaderOptions or keywords, not both (got {sorted(fields)})")
+        self.options = options
+        self.transform, self.batch_transform = transform, batch_transform
+        self.source = source.path if isinstance(source, Dataset) else source  # picklable for spawned workers
+        self.rank, self.world_size = options.rank, options.world_size
         self._loader(0, 1)  # opens the dataset and validates every option here, not in a worker
 
     # -- the per-process loaders ----------------------------------------------------------------
@@ -96,8 +93,8 @@ class TorchDataset(IterableDataset):
             self._loaders, self._pid = {}, os.getpid()
         key = (worker, num_workers)
         if key not in self._loaders:
-            self._loaders[key] = Loader(self.source, rank=self.rank, world_size=self.world_size,
-                                        worker=worker, num_workers=num_workers, **self._options)
+            self._loaders[key] = Loader(self.source, self.options.replace(worker=worker, num_workers=num_workers),
+                                        transform=self.transform, batch_transform=self.batch_transform)
         return self._loaders[key]
 
     @property
@@ -142,10 +139,8 @@ class TorchDataset(IterableDataset):
         """This rank's batches in the next iteration (all DataLoader workers together)."""
         if self._stream is not None:
             raise TypeError("a stream source has no length: its servers decide how many batches come")
-        epoch, position = self._next_start()
-        loader = self.loader
-        return loader.config.make(loader.split.counts, epoch=epoch, position=position, rank=self.rank,
-                                  world_size=self.world_size).rank_batches
+        _, position = self._next_start()
+        return self.loader.sampler.rank_batch_count(position)
 
     # -- iteration -------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict]:
@@ -228,8 +223,7 @@ class StatefulLoader:
         if self._running is None:
             return self.dataset.state_dict()
         epoch, position = self._running
-        loader = self.dataset.loader
-        done = loader.config.position_after(position, len(loader.split), self._taken, self.dataset.world_size)
+        done = self.dataset.loader.sampler.position_after(position, self._taken)
         return self.dataset._state(epoch, done)
 
     def load_state_dict(self, state: dict) -> None:

@@ -9,30 +9,14 @@ unit as it reads and again over the whole job when the shards are planned.
 
 from __future__ import annotations
 
-import enum
 import logging
 from dataclasses import dataclass
 
-from crossfeed.errors import CrossfeedError
+from crossfeed.errors import BadInputError, CrossfeedError, DuplicateKeyError, EmptyInputError
+from crossfeed.policy import ErrorBudget, OnError
 
 log = logging.getLogger(__name__)
-
-
-class BadInputError(CrossfeedError):
-    """A source record cannot be read or parsed; the message names the file and line or row."""
-
-
-class DuplicateKeyError(CrossfeedError):
-    """Two samples of one split have the same key; the message names the key."""
-
-
-class EmptyInputError(CrossfeedError):
-    """The input produced no samples (or a split received none)."""
-
-
-class OnError(str, enum.Enum):
-    RAISE = "raise"
-    SKIP = "skip"
+__all__ = ["BadInputError", "DuplicateKeyError", "EmptyInputError", "ErrorPolicy", "OnError", "Skips"]
 
 
 @dataclass(frozen=True)
@@ -57,20 +41,17 @@ class ErrorPolicy:
 
 
 class Skips:
-    """Counts the bad records of one work unit under a policy; logs the first few and every
-    1000th after that."""
-
-    LOG_FIRST = 5
+    """Counts the bad records of one work unit under a policy (`crossfeed.policy.ErrorBudget`)."""
 
     def __init__(self, policy: ErrorPolicy):
         self.policy = policy
-        self.count = 0
+        self._budget = ErrorBudget(policy.max_skips, logger=log, exceed=BadInputError)
+
+    @property
+    def count(self) -> int:
+        return self._budget.count
 
     def bad(self, message: str) -> None:
         if self.policy.mode is OnError.RAISE:
             raise BadInputError(f"{message} (pass on_error='skip' / --on-error skip to drop such records)")
-        self.count += 1
-        if self.count <= self.LOG_FIRST or self.count % 1000 == 0:
-            log.warning("skipping bad record #%d of this unit: %s", self.count, message)
-        if self.policy.max_skips is not None and self.count > self.policy.max_skips:
-            raise BadInputError(f"more than {self.policy.max_skips} bad records skipped; the last: {message}")
+        self._budget.skip(message)

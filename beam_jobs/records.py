@@ -1,7 +1,7 @@
 """What flows through a conversion job, a batch at a time.
 
 Sources yield `SampleBatch` (a chunk of samples held in columns, each sample with a stable string
-key). `encode_batch` turns one into `Part`s (per split: key hashes, keys, serialised
+key). `encode_parts` turns one into `Part`s (per split: key hashes, keys, serialised
 ``tf.train.Example`` payloads) and a `Summary` (per split: bucket histogram, byte count, feature
 statistics; the batch's schema). Working on batches rather than single samples is what keeps
 Beam's per-element cost out of the conversion rate.
@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from crossfeed.errors import SchemaError
-from crossfeed.format.encode_codec import SampleSchemaError
+from crossfeed.errors import SampleSchemaError
+from crossfeed.format.encode import encoder_for
 from crossfeed.format.schema import Encoding, Feature, Schema, infer_schema
 from crossfeed.format.stats import FeatureStats
 
@@ -97,7 +98,7 @@ def batch_schema(batch: SampleBatch) -> Schema:
     return infer_schema({n: batch.columns[n][i] for n in names} for i in range(len(batch)))
 
 
-def encode_batch(batch: SampleBatch, schema: Schema | None, assign, seed: int = 0) -> tuple[list[Part], Summary]:
+def encode_parts(batch: SampleBatch, schema: Schema | None, assign, seed: int = 0) -> tuple[list[Part], Summary]:
     """Encode every sample of ``batch``; ``assign(split_hashes) -> (names, index array)`` picks
     each record's split (see `splits.SplitSpec.assign`)."""
     if schema is None:
@@ -107,7 +108,7 @@ def encode_batch(batch: SampleBatch, schema: Schema | None, assign, seed: int = 
     if missing or len(batch.columns) != len(names):
         raise SchemaError(f"batch {batch.batch_id}: columns {sorted(batch.columns)} differ from the schema {names}")
     try:  # column-wise: numeric columns take a few numpy operations per batch
-        payloads = schema.encoder().encode_columns(batch.columns, len(batch))
+        payloads = encoder_for(schema).encode_columns(batch.columns, len(batch))
     except SampleSchemaError as e:
         raise SchemaError(f"sample {batch.keys[e.index]!r}: {e.reason}") from None
     shuffle, split_h = key_hashes(batch.keys, seed)

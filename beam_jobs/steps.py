@@ -23,7 +23,7 @@ import numpy as np
 from crossfeed.beam_jobs import plan as planning
 from crossfeed.beam_jobs.commit import commit_splits, remove_temporaries
 from crossfeed.beam_jobs.policy import EmptyInputError, ErrorPolicy
-from crossfeed.beam_jobs.records import NUM_BUCKETS, Part, SampleBatch, Summary, encode_batch
+from crossfeed.beam_jobs.records import NUM_BUCKETS, Part, SampleBatch, Summary, encode_parts
 from crossfeed.beam_jobs.splits import SplitSpec
 from crossfeed.errors import ConfigError, CrossfeedError, SchemaError
 from crossfeed.format.schema import Schema, widen
@@ -86,7 +86,7 @@ class EncodeDoFn(beam.DoFn):
         self.cfg = cfg
 
     def process(self, batch: SampleBatch):
-        parts, summary = encode_batch(batch, self.cfg.schema, self.cfg.splits.assign, self.cfg.seed)
+        parts, summary = encode_parts(batch, self.cfg.schema, self.cfg.splits.assign, self.cfg.seed)
         if self.cfg.progress:
             _report_progress(self.cfg.progress_dir, batch.batch_id, len(batch), sum(summary.num_bytes.values()))
         yield batch.batch_id, (parts, summary)

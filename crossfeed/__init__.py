@@ -16,7 +16,8 @@ from crossfeed.errors import (
     SchemaError,
     WireError,
 )
-from crossfeed.read.loader import Loader, ReadOptions
+from crossfeed.read.loader import Loader
+from crossfeed.read.options import LoaderOptions, PlanOptions, ReadOptions, ShardOptions
 from crossfeed.read.plan import Remainder, Shuffle
 from crossfeed.format.schema import Encoding, Feature, Schema
 from crossfeed.write.writer import write_dataset
@@ -49,11 +50,14 @@ __all__ = [
     "Feature",
     "IndexFileError",
     "Loader",
+    "LoaderOptions",
     "ManifestError",
+    "PlanOptions",
     "ReadOptions",
     "Remainder",
     "Schema",
     "SchemaError",
+    "ShardOptions",
     "Shuffle",
     "Split",
     "WireError",

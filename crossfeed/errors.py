@@ -34,6 +34,15 @@ class CorruptRecordError(CrossfeedError):
         super().__init__(f"{self.path}: corrupt record at byte offset {self.offset}: {reason}")
 
 
+class SampleSchemaError(SchemaError):
+    """A `SchemaError` of one sample of a batch: ``index`` is its position, ``reason`` what
+    encoding that sample alone would have said."""
+
+    def __init__(self, message: str, index: int = -1, reason: str = ""):
+        super().__init__(message)
+        self.index, self.reason = index, reason or message
+
+
 class IndexFileError(CrossfeedError):
     """An index file is malformed or points outside its shard."""
 
@@ -44,3 +53,15 @@ class WireError(CrossfeedError):
 
 class ExampleError(CrossfeedError):
     """Bytes that are not a well-formed ``tf.train.Example``."""
+
+
+class BadInputError(CrossfeedError):
+    """(conversion) A source record cannot be read or parsed; the message names the file and line or row."""
+
+
+class DuplicateKeyError(CrossfeedError):
+    """Two samples of one split have the same key; the message names the key."""
+
+
+class EmptyInputError(CrossfeedError):
+    """The input produced no samples (or a split received none)."""

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 import crossfeed
 from crossfeed.cli.bench import register
+from crossfeed.read.options import LoaderOptions
 from crossfeed.read.profile import STAGES, bench_loader
 
 
@@ -82,7 +83,7 @@ def test_bench_decodes_images(app, jpegs):
 
 
 def test_report_counts_bytes_and_stages(tensors):
-    rep = bench_loader(tensors, batch_size=10, batches=2, shuffle="none", threads=1)
+    rep = bench_loader(tensors, LoaderOptions.of(batch_size=10, shuffle="none", num_threads=1), batches=2)
     ds = crossfeed.open_dataset(tensors)
     sp = ds["train"]
     framed = np.concatenate([sp.index(s)[:, 1] for s in range(len(sp.shards))])
@@ -97,7 +98,7 @@ def test_report_counts_bytes_and_stages(tensors):
 
 
 def test_report_times_a_transform(tensors):
-    rep = bench_loader(tensors, batch_size=10, batches=2, threads=1,
+    rep = bench_loader(tensors, LoaderOptions.of(batch_size=10, num_threads=1), batches=2,
                        transform=lambda s: {"image": s["image"].astype(np.float32) / 255, "label": s["label"]})
     assert rep.stages.seconds["transform"] > 0 and rep.stages.seconds["batch"] > 0
 
@@ -117,3 +118,22 @@ def test_bench_unknown_split_is_one_line_exit_2(app, tensors):
 def test_bench_rejects_bad_options(app, tensors):
     assert CliRunner().invoke(app, ["bench", str(tensors), "--batch-size", "0"]).exit_code == 2
     assert CliRunner().invoke(app, ["bench", str(tensors), "--shuffle", "sideways"]).exit_code == 2
+
+
+def test_bench_times_the_stages_the_loader_runs(tmp_path, monkeypatch):
+    """Small fixed-layout records go through the rows form and the columnar decoder in the
+    Loader; the stage breakdown must time exactly those, not a look-alike path."""
+    from crossfeed.read import decode, frame_reader
+
+    rng = np.random.default_rng(0)
+    crossfeed.write_dataset(tmp_path / "t", [{"x": rng.random(8, dtype=np.float32), "y": i} for i in range(64)],
+                            num_shards=2).close()
+    seen = []
+    real_cut = decode.ColumnarDecoder._cut
+    real_rows = frame_reader.FrameReader._rows
+    monkeypatch.setattr(decode.ColumnarDecoder, "_cut", lambda self, *a: seen.append("cut") or real_cut(self, *a))
+    monkeypatch.setattr(frame_reader.FrameReader, "_rows", lambda self, *a: seen.append("rows") or real_rows(self, *a))
+    rep = bench_loader(tmp_path / "t", LoaderOptions.of(batch_size=16, shuffle="none"), batches=2, stage_batches=2)
+    assert rep.stages.batches == 2
+    # every batch built (end to end, prefetched, and the 2 timed ones) took the rows form and the cut
+    assert seen.count("rows") == seen.count("cut") >= 4 and set(seen) == {"rows", "cut"}

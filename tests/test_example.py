@@ -95,7 +95,7 @@ def test_schema_mismatch_is_a_schema_error():
 
 # ---- compiled encoder (schema.Encoder) against the reference path ----------------------------------
 
-from crossfeed.format.encode import Encoder, SampleSchemaError, encode_sample_reference  # noqa: E402
+from crossfeed.format.encode import Encoder, SampleSchemaError, encode_sample_reference, encoder_for  # noqa: E402
 
 _TENSOR_DTYPES = ["uint8", "int16", "int32", "int64", "float16", "float32", "float64", "bool"]
 _any_float = st.one_of(st.floats(), st.floats(width=32), st.sampled_from([0.0, -0.0, 1e300, -1e39, 3.4028235e38, 3.4028236e38]),
@@ -236,28 +236,28 @@ def test_tabular_columns_vectorised_and_identical():
             "label": rng.integers(0, 10, n).astype(np.uint8), "v": rng.normal(size=(n, 3)),
             "t": rng.integers(0, 255, (n, 2, 2)).astype(np.uint8)}
     rows = [{k: c[i] for k, c in cols.items()} for i in range(n)]
-    enc = schema.encoder()
+    enc = encoder_for(schema)
     with np.errstate(over="ignore"):
         want = [encode_sample_reference(schema, r) for r in rows]
         assert enc.encode_columns(cols) == want
         assert enc.encode_rows(rows) == want
         assert [enc.encode(r) for r in rows] == want
-    assert schema.encoder() is enc
+    assert encoder_for(schema) is enc
 
 
 def test_batch_errors_name_the_first_bad_sample():
     schema = Schema([Feature("x", "float32", (2,), Encoding.FLOAT), Feature("y", "int64", (), Encoding.INT64)])
     rows = [{"x": [1.0, 2.0], "y": 1}, {"x": [1.0, 2.0], "y": [1, 2]}, {"x": [1.0], "y": 3}]
     with pytest.raises(SampleSchemaError) as e:
-        schema.encoder().encode_rows(rows)
+        encoder_for(schema).encode_rows(rows)
     assert e.value.index == 1 and "feature 'y'" in e.value.reason and "sample 1" in str(e.value)
     rows[1]["y"] = 2
     with pytest.raises(SampleSchemaError, match=r"sample 2: feature 'x': got shape \[1\], the schema says \[2\]"):
-        schema.encoder().encode_columns({k: [r[k] for r in rows] for k in ("x", "y")})
+        encoder_for(schema).encode_columns({k: [r[k] for r in rows] for k in ("x", "y")})
     with pytest.raises(SampleSchemaError, match="sample 0: sample keys differ"):
-        schema.encoder().encode_rows([{"x": [1.0, 2.0]}])
+        encoder_for(schema).encode_rows([{"x": [1.0, 2.0]}])
     with pytest.raises(SchemaError, match="missing"):
-        schema.encoder().encode_columns({"x": [[1.0, 2.0]]})
+        encoder_for(schema).encode_columns({"x": [[1.0, 2.0]]})
 
 
 def test_write_dataset_errors_and_stats_unchanged(tmp_path):

@@ -175,7 +175,7 @@ def test_serving_a_dataset_with_a_variable_length_list(tmp_path):
     n = 23
     crossfeed.write_dataset(tmp_path / "ds", [{"tokens": list(range(i % 5)), "id": i} for i in range(n)],
                             num_shards=2).close()
-    factory = LoaderEpochs(str(tmp_path / "ds"), batch_size=4, seed=1, workers=2)
+    factory = LoaderEpochs(str(tmp_path / "ds"), crossfeed.LoaderOptions.of(batch_size=4, seed=1, rank=0, world_size=1))
     opts = ServerOptions(("tcp://127.0.0.1:0",), epochs=2, heartbeat=HB)
     got = collections.defaultdict(set)
     kinds = set()

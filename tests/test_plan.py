@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crossfeed.errors import ConfigError
-from crossfeed.read.plan import PlanConfig, Remainder, Shuffle, epoch_order
+from crossfeed.read.options import LoaderOptions, PlanOptions, ShardOptions
+from crossfeed.read.plan import Remainder, Sampler, Shuffle, epoch_order
 
 counts_st = st.lists(st.integers(0, 40), min_size=1, max_size=9).filter(lambda c: sum(c) > 0)
 
@@ -28,13 +29,15 @@ def test_epoch_order_is_a_permutation_and_pure(counts, seed, epoch, shuffle, blo
        workers=st.integers(1, 4), batch=st.integers(1, 9), drop_last=st.booleans(),
        remainder=st.sampled_from(list(Remainder)), shuffle=st.sampled_from(list(Shuffle)))
 def test_ranks_get_equal_batches_and_cover_the_epoch(counts, seed, epoch, world, workers, batch, drop_last, remainder, shuffle):
-    cfg = PlanConfig(batch, shuffle, seed, drop_last, remainder)
+    cfg = PlanOptions(batch_size=batch, shuffle=shuffle, seed=seed, drop_last=drop_last, remainder=remainder)
     n = sum(counts)
     per_rank_batches, seen = set(), []
     for rank in range(world):
         rank_total = 0
         for w in range(workers):
-            plan = cfg.make(counts, epoch=epoch, position=0, rank=rank, world_size=world, worker=w, num_workers=workers)
+            sampler = Sampler(counts, cfg, ShardOptions(rank=rank, world_size=world, worker=w, num_workers=workers))
+            plan = sampler.plan(epoch, 0)
+            assert sampler.rank_batch_count(0) == plan.rank_batches  # counted without building the order
             for b in plan.batch_ids():
                 seen.extend(plan.batch(b).tolist())
                 rank_total += 1
@@ -61,13 +64,13 @@ def test_epochs_differ_and_drop_rotates(counts, seed):
     b = epoch_order(counts, seed=seed, epoch=1, shuffle=Shuffle.GLOBAL)
     assert not np.array_equal(a, b)
     # with shuffle none and drop, the dropped sample is not the same in every epoch
-    cfg = PlanConfig(1, Shuffle.NONE, seed, False, Remainder.DROP)
+    cfg = PlanOptions(batch_size=1, shuffle=Shuffle.NONE, seed=seed, remainder=Remainder.DROP)
     world = n - 1 if n > 2 else 2
     dropped = set()
     for epoch in range(6):
         got = set()
         for r in range(world):
-            got |= set(cfg.make(counts, epoch=epoch, position=0, rank=r, world_size=world).samples.tolist())
+            got |= set(Sampler(counts, cfg, ShardOptions(rank=r, world_size=world)).plan(epoch, 0).samples.tolist())
         dropped |= set(range(n)) - got
     assert len(dropped) > 1
 
@@ -78,19 +81,23 @@ def test_epochs_differ_and_drop_rotates(counts, seed):
 def test_elastic_resume_loses_and_repeats_nothing(n, seed, w1, w2, batch, steps):
     """Run `steps` lockstep steps with world w1, resume the same epoch with world w2 (drop policy,
     no padding): together every sample at most once, and all of them when the counts divide."""
-    cfg = PlanConfig(batch, Shuffle.GLOBAL, seed, False, Remainder.DROP)
+    cfg = PlanOptions(batch_size=batch, shuffle=Shuffle.GLOBAL, seed=seed, remainder=Remainder.DROP)
     counts = [n]
     before = []
-    k = min(steps, cfg.make(counts, epoch=3, position=0, rank=0, world_size=w1).rank_batches)
+
+    def sampler(r, w):
+        return Sampler(counts, cfg, ShardOptions(rank=r, world_size=w))
+
+    k = min(steps, sampler(0, w1).plan(3, 0).rank_batches)
     for r in range(w1):
-        plan = cfg.make(counts, epoch=3, position=0, rank=r, world_size=w1)
+        plan = sampler(r, w1).plan(3, 0)
         for b in range(k):
             before += plan.batch(b).tolist()
-    position = cfg.position_after(0, n, k, w1)
+    position = sampler(0, w1).position_after(0, k)
     assert position == len(before) or position == n
     after = []
     for r in range(w2):
-        plan = cfg.make(counts, epoch=3, position=position, rank=r, world_size=w2)
+        plan = sampler(r, w2).plan(3, position)
         for b in plan.batch_ids():
             after += plan.batch(b).tolist()
     everything = before + after
@@ -100,10 +107,26 @@ def test_elastic_resume_loses_and_repeats_nothing(n, seed, w1, w2, batch, steps)
 
 def test_bad_options_name_the_fix():
     with pytest.raises(ConfigError, match="shuffle='random' is not one of 'global', 'block', 'none'"):
-        PlanConfig(4, "random")
+        PlanOptions(batch_size=4, shuffle="random")
     with pytest.raises(ConfigError, match="batch_size"):
-        PlanConfig(0)
+        PlanOptions(batch_size=0)
     with pytest.raises(ConfigError, match="seed"):
-        PlanConfig(4, seed=-1)
+        PlanOptions(batch_size=4, seed=-1)
     with pytest.raises(ConfigError, match="position"):
-        PlanConfig(4).make([5], epoch=0, position=9, rank=0, world_size=1)
+        Sampler([5], PlanOptions(batch_size=4), ShardOptions(rank=0, world_size=1)).plan(0, 9)
+    with pytest.raises(ConfigError, match="worker 2 is not in range"):
+        ShardOptions(worker=2, num_workers=2)
+    with pytest.raises(ConfigError, match="unknown loader option shufle="):
+        LoaderOptions.of(batch_size=4, shufle="none")
+    with pytest.raises(TypeError):
+        PlanOptions(4)  # keyword-only: a positional batch size is a mistake waiting to happen
+
+
+def test_options_pass_whole_and_replace_by_name():
+    opts = LoaderOptions.of(batch_size=8, shuffle="block", seed=3, rank=1, world_size=4, num_threads=3, on_error="skip")
+    assert opts.plan == PlanOptions(batch_size=8, shuffle=Shuffle.BLOCK, seed=3)
+    assert (opts.rank, opts.world_size, opts.read.num_threads, opts.read.on_error.value) == (1, 4, 3, "skip")
+    moved = opts.replace(rank=2, batch_size=16)
+    assert (moved.rank, moved.world_size, moved.batch_size, moved.plan.seed) == (2, 4, 16, 3)
+    with pytest.raises(ConfigError, match="rank 4 is not in range"):
+        opts.replace(rank=4)

@@ -11,7 +11,7 @@ import crossfeed
 from crossfeed.adapters.torch import StatefulLoader, TorchDataset, to_torch
 from crossfeed.errors import ConfigError
 from crossfeed.read.loader import Loader
-from crossfeed.read.plan import PlanConfig
+from crossfeed.read.options import PlanOptions
 
 from conftest import run_python
 
@@ -239,12 +239,12 @@ def test_the_adapter_never_imports_tensorflow(ids_dataset):
 def test_position_after_matches_what_the_plan_consumed(ids_dataset):
     """The StatefulLoader's position formula is the core's: after k rank batches (of the two
     ranks in lockstep) the plan's remaining samples are exactly the unseen ones."""
-    cfg = PlanConfig(batch_size=5, seed=4)
+    cfg = PlanOptions(batch_size=5, seed=4)
     ds = TorchDataset(ids_dataset, batch_size=5, seed=4, rank=0, world_size=2)
     assert ds.loader.config == cfg
     with StatefulLoader(ds, num_workers=2) as loader:
         _run(loader, stop=3)
-        assert loader.state_dict()["position"] == cfg.position_after(0, 103, 3, 2) == 30
+        assert loader.state_dict()["position"] == ds.loader.sampler.position_after(0, 3) == 30
 
 
 def _double_x(sample: dict) -> dict:

@@ -33,11 +33,13 @@ def bench(
     decode_images: Annotated[bool, typer.Option("--decode-images/--no-decode-images", help="Decode JPEG/PNG features to arrays.")] = True,
 ) -> None:
     """Read batches like a trainer, then print samples/s, MB/s, time to first batch, peak RSS and
-    the time per stage (read, crc, decode, transform, batch)."""
+    the time per stage (read incl. CRC checks, decode, transform, batch)."""
+    from crossfeed.read.options import LoaderOptions
     from crossfeed.read.profile import bench_loader
 
-    report = bench_loader(dataset, split=split, batch_size=batch_size, shuffle=shuffle.value, seed=seed,
-                          threads=threads, prefetch=prefetch, batches=batches, decode_images=decode_images)
+    options = LoaderOptions.of(split=split, batch_size=batch_size, shuffle=shuffle.value, seed=seed,
+                               num_threads=threads, prefetch=prefetch, decode_images=decode_images)
+    report = bench_loader(dataset, options, batches=batches)
     for line in report.lines():
         typer.echo(line)
 

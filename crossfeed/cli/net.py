@@ -12,6 +12,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
+from crossfeed.read.options import LoaderOptions
 from crossfeed.errors import ConfigError, CrossfeedError
 
 logger = logging.getLogger(__name__)
@@ -48,17 +49,13 @@ def resolve_function(spec: str) -> Callable[..., Any]:
 
 
 class LoaderEpochs:
-    """factory(epoch) over one `crossfeed.Loader`: `set_epoch(epoch)`, then its batches."""
+    """factory(epoch) over one `crossfeed.Loader` with the given `LoaderOptions` (batches carry
+    their sample indices, for provenance): `set_epoch(epoch)`, then its batches."""
 
-    def __init__(self, dataset: str, *, workers: int = 2, **loader_kwargs: Any):
-        from crossfeed.read.loader import Loader, ReadOptions
+    def __init__(self, dataset: str, options: LoaderOptions, *, transform=None):
+        from crossfeed.read.loader import Loader
 
-        if (loader_kwargs.get("rank") is None) != (loader_kwargs.get("world_size") is None):
-            raise ConfigError("--rank and --world-size go together")
-        if loader_kwargs.get("rank") is None:  # a server is not a trainer: ignore RANK/WORLD_SIZE
-            loader_kwargs.update(rank=0, world_size=1)
-        read = ReadOptions(num_threads=workers)
-        self.loader = Loader(dataset, return_index=True, read=read, **loader_kwargs)
+        self.loader = Loader(dataset, options.replace(return_index=True), transform=transform)
 
     def __call__(self, epoch: int):
         self.loader.set_epoch(epoch)
@@ -100,11 +97,12 @@ def serve(
             tuple(addresses), broadcast=tuple(broadcast or ()), mode=Mode(mode.value),
             epochs=epochs, start_epoch=start_epoch, heartbeat=Heartbeat(heartbeat_interval, heartbeat_timeout),
         )
-        factory = LoaderEpochs(
-            dataset, split=split, batch_size=batch_size, shuffle=shuffle.value, seed=seed,
-            transform=resolve_function(transform) if transform else None, workers=workers,
-            rank=rank, world_size=world_size,
-        )
+        if (rank is None) != (world_size is None):
+            raise ConfigError("--rank and --world-size go together")
+        loader_options = LoaderOptions.of(  # a server is not a trainer: RANK/WORLD_SIZE are not its share
+            split=split, batch_size=batch_size, shuffle=shuffle.value, seed=seed, num_threads=workers,
+            rank=0 if rank is None else rank, world_size=1 if world_size is None else world_size)
+        factory = LoaderEpochs(dataset, loader_options, transform=resolve_function(transform) if transform else None)
         try:
             run_server(factory, options, keys, endpoint_file)
         finally:

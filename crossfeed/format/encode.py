@@ -10,8 +10,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from crossfeed.format import example as ex
-from crossfeed.format.encode_codec import SampleSchemaError, _Codec, _reference_feature
-from crossfeed.errors import SchemaError
+from crossfeed.errors import SampleSchemaError, SchemaError
+from crossfeed.format.encode_codec import FeatureCodec, reference_feature
 from crossfeed.format.schema import Schema
 
 
@@ -30,7 +30,7 @@ def encode_sample_reference(schema: Schema, sample: Mapping) -> bytes:
         raise SchemaError(f"sample keys differ from the schema: missing {missing}, unexpected {extra}")
     out: dict[str, tuple[int, bytes]] = {}
     for f in schema:
-        _reference_feature(f, sample[f.name], out)
+        reference_feature(f, sample[f.name], out)
     return ex.encode(out)
 
 
@@ -43,7 +43,7 @@ class Encoder:
         self.schema = schema
         self.names = schema.names
         self._nameset = frozenset(self.names)
-        self._codecs = [_Codec(f) for f in schema]
+        self._codecs = [FeatureCodec(f) for f in schema]
         order = sorted(s for c in self._codecs for s in c.slots)
         slot = {s: i + 1 for i, s in enumerate(order)}  # entry 0 is the header
         self._nslots = len(order)

@@ -1,6 +1,6 @@
-"""Per-feature encoders, compiled once per schema: `_Codec` turns one feature's values into its
+"""Per-feature encoders, compiled once per schema: `FeatureCodec` turns one feature's values into its
 ``tf.train.Example`` map entries — per value, or a whole column at a time with numpy — and
-`_reference_feature` is the plain path every fast path must match byte for byte (the oracle of
+`reference_feature` is the plain path every fast path must match byte for byte (the oracle of
 the tests, and the fallback for unusual values)."""
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ import numpy as np
 
 from crossfeed.format import example as ex
 from crossfeed.errors import SchemaError
-from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, _fits
+from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, shape_fits
 
 
-def _reference_feature(f: Feature, v, out: dict) -> None:
+def reference_feature(f: Feature, v, out: dict) -> None:
     """Validate one value and add its ``(kind, list message)`` (and a ``/shape`` one) to ``out``."""
     if f.encoding not in (Encoding.TENSOR, Encoding.IMAGE) and isinstance(v, (list, tuple)) and not v and f.shape in ((None,), (0,)):
         out[f.name] = (0, b"")  # empty list: no kind, so it matches whatever type later samples have
         return
     if f.encoding is Encoding.TENSOR:
         arr = np.asarray(v)
-        if arr.dtype.newbyteorder("=") != np.dtype(f.dtype) or not _fits(arr.shape, f.shape):  # any byte order
+        if arr.dtype.newbyteorder("=") != np.dtype(f.dtype) or not shape_fits(arr.shape, f.shape):  # any byte order
             raise SchemaError(f"feature {f.name!r}: got {arr.dtype}{list(arr.shape)}, the schema says {f.dtype}{list(f.shape)}")
         out[f.name] = (ex.BYTES, ex.encode_bytes_list([np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).tobytes()]))
         if not f.fixed:
@@ -34,21 +34,12 @@ def _reference_feature(f: Feature, v, out: dict) -> None:
         out[f.name] = (ex.BYTES, ex.encode_bytes_list([x.encode() if isinstance(x, str) else bytes(x) for x in vals]))
     else:
         arr = np.asarray(v)
-        if not _fits(arr.shape, f.shape):
+        if not shape_fits(arr.shape, f.shape):
             raise SchemaError(f"feature {f.name!r}: got shape {list(arr.shape)}, the schema says {list(f.shape)}")
         if f.encoding is Encoding.INT64:
             out[f.name] = (ex.INT64, ex.encode_int64_list(arr))
         else:
             out[f.name] = (ex.FLOAT, ex.encode_float_list(arr))
-
-
-class SampleSchemaError(SchemaError):
-    """A `SchemaError` of one sample of a batch: ``index`` is its position, ``reason`` what
-    `encode_sample` would have said about it alone."""
-
-    def __init__(self, message: str, index: int = -1, reason: str = ""):
-        super().__init__(message)
-        self.index, self.reason = index, reason or message
 
 
 _LITTLE = sys.byteorder == "little"
@@ -72,11 +63,11 @@ def _prefix_cache(make, limit: int = 4096):
     return get
 
 
-class _Codec:
+class FeatureCodec:
     """One feature compiled: ``one(value)`` gives its map entry (a tuple of entries for a tensor
     with a ``/shape`` companion); ``column(col, n)`` gives ``[(pieces, lengths)]`` per slot for a
     whole column, or None where the column is not one it vectorises (then ``one`` runs per value).
-    Everything not on a fast path goes through `_reference_feature`."""
+    Everything not on a fast path goes through `reference_feature`."""
 
     def __init__(self, f: Feature):
         self.f = f
@@ -87,7 +78,7 @@ class _Codec:
 
     def _generic(self, v):
         out: dict[str, tuple[int, bytes]] = {}
-        _reference_feature(self.f, v, out)
+        reference_feature(self.f, v, out)
         if len(self.slots) == 1:
             return ex.entry(self.f.name, *out[self.f.name])
         return tuple(ex.entry(s, *out[s]) for s in self.slots)
@@ -119,7 +110,7 @@ class _Codec:
         """A column as an (n, k) array of the per-record values, or None."""
         f = self.f
         if isinstance(col, np.ndarray):
-            if col.dtype.kind not in kinds or col.ndim != 1 + len(f.shape) or not _fits(col.shape[1:], f.shape):
+            if col.dtype.kind not in kinds or col.ndim != 1 + len(f.shape) or not shape_fits(col.shape[1:], f.shape):
                 return None
             arr = col
         elif f.shape == () and isinstance(col, list) and n:

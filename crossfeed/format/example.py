@@ -126,7 +126,7 @@ def encode(features: dict[str, tuple[int, bytes]]) -> bytes:
 
 # ---- decode -----------------------------------------------------------------------------------
 
-def _read_varint(buf, pos: int, end: int) -> tuple[int, int]:
+def read_varint(buf, pos: int, end: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         if pos >= end:
@@ -143,11 +143,11 @@ def _read_varint(buf, pos: int, end: int) -> tuple[int, int]:
 
 def _skip(buf, wire: int, pos: int, end: int) -> int:
     if wire == 0:
-        return _read_varint(buf, pos, end)[1]
+        return read_varint(buf, pos, end)[1]
     if wire == 1:
         pos += 8
     elif wire == 2:
-        n, pos = _read_varint(buf, pos, end)
+        n, pos = read_varint(buf, pos, end)
         pos += n
     elif wire == 5:
         pos += 4
@@ -161,16 +161,16 @@ def _skip(buf, wire: int, pos: int, end: int) -> int:
 def _fields(buf, pos: int, end: int):
     """Yields ``(field_number, wire_type, start, stop)``; for wire type 0 ``start`` is the value."""
     while pos < end:
-        key, pos = _read_varint(buf, pos, end)
+        key, pos = read_varint(buf, pos, end)
         number, wire = key >> 3, key & 7
         if wire == 2:
-            n, pos = _read_varint(buf, pos, end)
+            n, pos = read_varint(buf, pos, end)
             if pos + n > end:
                 raise ExampleError(f"field {number} runs past the end of its message")
             yield number, wire, pos, pos + n
             pos += n
         elif wire == 0:
-            value, pos = _read_varint(buf, pos, end)
+            value, pos = read_varint(buf, pos, end)
             yield number, wire, value, pos
         else:
             start = pos
@@ -242,7 +242,7 @@ def int64_values(region) -> np.ndarray:
         if wire == 2:
             pos = s
             while pos < e:
-                v, pos = _read_varint(region, pos, e)
+                v, pos = read_varint(region, pos, e)
                 values.append(_signed(v))
         elif wire == 0:
             values.append(_signed(s))

@@ -27,6 +27,7 @@ from crossfeed.format import example as ex
 from crossfeed.errors import SchemaError
 
 SHAPE_SUFFIX = "/shape"
+INDEX_KEY = "__index__"  # a batch key, never a feature: the global sample indices of the batch
 
 
 class Encoding(str, enum.Enum):
@@ -102,12 +103,6 @@ class Schema(tuple):
     def names(self) -> list[str]:
         return [f.name for f in self]
 
-    def encoder(self):
-        """This schema's compiled `crossfeed.format.encode.Encoder` (built once, shared)."""
-        from crossfeed.format.encode import encoder_for
-
-        return encoder_for(self)
-
     def to_json(self) -> list[dict]:
         return [f.to_json() for f in self]
 
@@ -160,7 +155,7 @@ def widen(old: Feature, new: Feature) -> Feature:
         raise SchemaError(
             f"feature {old.name!r} changed from {old.dtype}{list(old.shape)} ({old.encoding.value}) to "
             f"{new.dtype}{list(new.shape)} ({new.encoding.value}); make every sample agree or pass schema=")
-    if old.encoding is Encoding.TENSOR and not _fits(new.shape, old.shape):
+    if old.encoding is Encoding.TENSOR and not shape_fits(new.shape, old.shape):
         raise SchemaError(
             f"tensor feature {old.name!r} changed shape from {old.shape} to {new.shape}; to store "
             f"variable shapes pass schema= with None for the varying dimensions")
@@ -168,7 +163,7 @@ def widen(old: Feature, new: Feature) -> Feature:
     return Feature(old.name, old.dtype, shape, old.encoding)
 
 
-def _fits(shape, pattern) -> bool:
+def shape_fits(shape, pattern) -> bool:
     return len(shape) == len(pattern) and all(p is None or p == s for s, p in zip(shape, pattern))
 
 

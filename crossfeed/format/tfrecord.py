@@ -28,10 +28,36 @@ _U32 = struct.Struct("<I")
 _HEAD = struct.Struct("<QI")
 
 
-def masked_crc(data) -> int:
-    """The masked CRC32C that TFRecord stores (TensorFlow's ``crc32c::Mask``)."""
-    crc = _crc32c.crc32c(data)
+def mask(crc):
+    """TensorFlow's ``crc32c::Mask`` of a CRC: a Python int, or a uint32 array element-wise."""
+    if isinstance(crc, np.ndarray):
+        crc = crc.astype(np.uint32, copy=False)
+        return ((crc >> np.uint32(15)) | (crc << np.uint32(17))) + np.uint32(_MASK_DELTA)
     return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+
+
+def masked_crc(data) -> int:
+    """The masked CRC32C that TFRecord stores."""
+    return mask(_crc32c.crc32c(data))
+
+
+def _crc_table() -> np.ndarray:
+    t = np.arange(256, dtype=np.uint32)
+    for _ in range(8):
+        t = np.where(t & 1, (t >> np.uint32(1)) ^ np.uint32(0x82F63B78), t >> np.uint32(1)).astype(np.uint32)
+    return t
+
+
+_TABLE = _crc_table()
+
+
+def crc32c_rows(rows: np.ndarray) -> np.ndarray:
+    """CRC32C of each row of a small ``(n, k)`` uint8 array, vectorised over rows (for the
+    8-byte length headers of many records at once)."""
+    c = np.full(len(rows), 0xFFFFFFFF, dtype=np.uint32)
+    for j in range(rows.shape[1]):
+        c = _TABLE[(c ^ rows[:, j]) & np.uint32(0xFF)] ^ (c >> np.uint32(8))
+    return c ^ np.uint32(0xFFFFFFFF)
 
 
 def frame(payload: bytes) -> bytes:
@@ -130,7 +156,7 @@ def records(buf, path: str, *, batch: int = 4096) -> Iterator[tuple[int, memoryv
             o = np.array(offs, dtype=np.int64)
             ln = np.array(lens, dtype=np.int64)
             head = arr[o[:, None] + _ARANGE12]  # (n, 12): length bytes + their masked crc
-            ok = _mask_np(_crc8_np(head[:, :8])) == head[:, 8:12].copy().view("<u4")[:, 0]
+            ok = mask(crc32c_rows(head[:, :8])) == head[:, 8:12].copy().view("<u4")[:, 0]
             bad = np.flatnonzero(~ok)
             if bad.size:
                 good = int(bad[0])
@@ -138,7 +164,7 @@ def records(buf, path: str, *, batch: int = 4096) -> Iterator[tuple[int, memoryv
             stops = (o[:good] + HEADER + ln[:good]).tolist()
             sums = np.array([crc(mv[a:b]) for a, b in zip(starts, stops)], dtype=np.uint32)
             foot = arr[(o[:good] + HEADER + ln[:good])[:, None] + _ARANGE4].copy().view("<u4")[:, 0]
-            bad = np.flatnonzero(_mask_np(sums) != foot)
+            bad = np.flatnonzero(mask(sums) != foot)
             if bad.size:
                 good = int(bad[0])
             for i in range(good):
@@ -151,31 +177,6 @@ def records(buf, path: str, *, batch: int = 4096) -> Iterator[tuple[int, memoryv
 
 _ARANGE12 = np.arange(HEADER, dtype=np.int64)
 _ARANGE4 = np.arange(FOOTER, dtype=np.int64)
-_TABLE: np.ndarray | None = None
-
-
-def _crc_table() -> np.ndarray:
-    global _TABLE
-    if _TABLE is None:
-        t = np.arange(256, dtype=np.uint32)
-        for _ in range(8):
-            t = np.where(t & 1, (t >> np.uint32(1)) ^ np.uint32(0x82F63B78), t >> np.uint32(1)).astype(np.uint32)
-        _TABLE = t
-    return _TABLE
-
-
-def _crc8_np(rows: np.ndarray) -> np.ndarray:
-    """CRC32C of each row of an ``(n, k)`` uint8 array, vectorised over rows."""
-    table = _crc_table()
-    c = np.full(len(rows), 0xFFFFFFFF, dtype=np.uint32)
-    for j in range(rows.shape[1]):
-        c = table[(c ^ rows[:, j]) & np.uint32(0xFF)] ^ (c >> np.uint32(8))
-    return c ^ np.uint32(0xFFFFFFFF)
-
-
-def _mask_np(c: np.ndarray) -> np.ndarray:
-    c = c.astype(np.uint32, copy=False)
-    return ((c >> np.uint32(15)) | (c << np.uint32(17))) + np.uint32(_MASK_DELTA)
 
 
 def read_bytes(path: str | os.PathLike) -> bytes:

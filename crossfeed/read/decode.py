@@ -1,12 +1,17 @@
-"""Decode: record payloads → one batch, ``dict[str, np.ndarray]``.
+"""Stage 3 of the read pipeline: `Frames` (checked payloads) → one batch, ``dict[str, np.ndarray]``.
 
-Two paths:
+The strategy is chosen once per Loader from the schema (`make_decoder`):
 
-* **Fixed layout** (every requested feature a fixed-shape tensor, int64 or float): records of
-  equal length share one byte layout, checked and cut column-wise — one numpy pass per batch,
-  not per record (`crossfeed.read.layout`).
-* **Generic**: each record parsed on its own (`crossfeed.format.example`), JPEGs decoded by libjpeg-turbo
-  (simplejpeg) straight into their row of the batch, other images with Pillow; values stacked.
+* `ColumnarDecoder` — every requested feature a fixed-shape tensor, int64 or float: records of
+  one length share one byte layout, checked and cut column-wise — one numpy pass per batch, not
+  per record (`crossfeed.read.layout`); big values are copied once, straight into the batch. A
+  group of records whose layout does not fit (another field order, say) is parsed record by
+  record into the same batch arrays: nothing is fetched twice.
+* `RecordDecoder` — each record parsed on its own (`crossfeed.format.example`), JPEGs decoded by
+  libjpeg-turbo (simplejpeg) straight into their row of the batch, other images with Pillow.
+
+Both return ``(batch, kept)``: ``kept`` are the positions of the batch's records that made it
+(all of them unless ``on_error`` dropped bad ones).
 
 Batch form: a feature whose shape is the same for every sample of the batch is one array with a
 leading batch axis. Strings and bytes, and features whose shape varies within the batch (a
@@ -16,6 +21,7 @@ value (``str``/``bytes``/``np.ndarray``) per sample.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -30,6 +36,7 @@ try:  # libjpeg-turbo decoding straight into numpy; Pillow is the fallback
 except ImportError:  # pragma: no cover - simplejpeg is a core dependency
     _simplejpeg = None
 
+from crossfeed.read.frame_reader import Frames
 from crossfeed.read.layout import Layout, fixed_dtype
 from crossfeed.format.schema import Encoding, Feature, decode_image, decode_value
 
@@ -51,7 +58,7 @@ class _Recycler:
 
     def empty(self, shape: tuple, dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
-        if self.keep < 1 or int(np.prod(shape, dtype=np.int64)) * dtype.itemsize < self.min_bytes:
+        if self.keep < 1 or math.prod(shape) * dtype.itemsize < self.min_bytes:
             return np.empty(shape, dtype)
         with self._lock:
             for a in self._arrays:
@@ -65,87 +72,50 @@ class _Recycler:
             return a
 
 
-class BatchDecoder:
-    """Turns a list of payloads into a batch. ``image_pool`` (an Executor) decodes images in
-    parallel; ``where(i)`` names record ``i`` (shard and offset) in errors. Up to ``recycle``
-    large batch arrays are reused once their consumer has dropped them (see `_Recycler`)."""
+def make_decoder(features: Sequence[Feature], *, decode_images: bool = True, recycle: int = 8) -> RecordDecoder:
+    """The decoding strategy for ``features``, chosen once (see the module docstring). Up to
+    ``recycle`` large batch arrays are reused once their consumer has dropped them."""
+    features = tuple(features)
+    columnar = all(f.fixed and f.encoding in (Encoding.TENSOR, Encoding.INT64, Encoding.FLOAT) for f in features)
+    cls = ColumnarDecoder if columnar and features else RecordDecoder
+    return cls(features, decode_images=decode_images, recycle=recycle)
 
-    def __init__(self, features: Sequence[Feature], *, decode_images: bool = True, image_pool=None, recycle: int = 8):
+
+class RecordDecoder:
+    """Parses each record on its own. ``where(i)`` names record ``i`` of the batch (shard and
+    offset) in errors; ``on_error`` takes a bad record's error (else it raises)."""
+
+    columnar = False
+
+    def __init__(self, features: Sequence[Feature], *, decode_images: bool = True, recycle: int = 8):
         self.features = tuple(features)
         self._recycler = _Recycler(recycle)
         self.decode_images = decode_images
-        self.image_pool = image_pool
-        self.fixed = all(f.fixed and f.encoding in (Encoding.TENSOR, Encoding.INT64, Encoding.FLOAT) for f in self.features)
-        self._layouts: dict[int, Layout | None] = {}
 
-    def __call__(self, payloads: Sequence, *, where: Callable[[int], str] = str,
+    def __call__(self, frames: Frames, *, where: Callable[[int], str] = str,
                  on_error: Callable[[CrossfeedError], None] | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """``(batch, kept)``: ``kept`` are the positions of ``payloads`` that made it into the
-        batch (all of them unless ``on_error`` skipped some)."""
-        if self.fixed and payloads:
-            got = self._fixed(payloads)
-            if got is not None:
-                return got, np.arange(len(payloads))
+        payloads = frames.payloads if frames.payloads is not None else _rows_as_payloads(frames)
         return self._generic(payloads, where, on_error)
 
-    def decode_rows(self, groups: Sequence[tuple[np.ndarray | None, np.ndarray]], n: int) -> dict[str, np.ndarray] | None:
-        """The batch of ``n`` payloads given as `crossfeed.read.fetch.Fetcher.fetch_rows` gives them —
-        ``(positions, (g, length) uint8 rows)`` per payload length — through the fixed-layout
-        path; None where it does not apply (then decode the payloads with ``__call__``)."""
-        return self._fill(n, groups, True) if self.fixed and n else None
-
-    # -- fixed layout -------------------------------------------------------------------------
-    def _fixed(self, payloads) -> dict[str, np.ndarray] | None:
-        n = len(payloads)
-        lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
-        if lengths.min() == lengths.max():  # the usual case: one length, no regrouping
-            groups = [(None, payloads)]
-        else:
-            groups = [(pos, [payloads[i] for i in pos.tolist()])
-                      for pos in (np.flatnonzero(lengths == k) for k in np.unique(lengths).tolist())]
-        return self._fill(n, groups, False)
-
-    def _fill(self, n: int, groups, rows: bool) -> dict[str, np.ndarray] | None:
-        """Cut each group of equal-length payloads (a list of buffers, or with ``rows`` a uint8
-        matrix) with its layout into the batch arrays; None if a layout does not fit."""
-        out = {f.name: self._recycler.empty((n, *f.shape), fixed_dtype(f)) for f in self.features}
-        for pos, group in groups:
-            first = group[0]
-            layout = self._layout(first.tobytes() if rows else first, len(first))
-            if layout is None:
-                return None
-            vals = layout.cut(layout.kept_matrix(group) if rows else layout.kept_rows(group))
-            if vals is None:
-                return None
-            for k, v in vals.items():
-                if pos is None:
-                    out[k] = v
-                else:
-                    out[k][pos] = v
-            if rows:
-                layout.copy_big_rows(group, out, slice(None) if pos is None else pos)
-            else:
-                layout.copy_big(group, out, np.arange(n) if pos is None else pos)
-        return out
-
-    def _layout(self, payload, length: int) -> Layout | None:
-        if length not in self._layouts:
-            self._layouts[length] = Layout.of(payload, self.features) if len(self._layouts) < 64 else None
-        return self._layouts[length]
+    def parse(self, payload, where: str) -> dict:
+        """One record's values (images undecoded); errors name the record."""
+        try:
+            parsed = ex.decode(payload)
+            return {f.name: decode_value(f, parsed, decode_images=False) for f in self.features}
+        except (SchemaError, ExampleError) as e:
+            raise type(e)(f"{where}: {e}") from e
 
     # -- generic ------------------------------------------------------------------------------
     def _generic(self, payloads, where, on_error):
         samples, kept = [], []
         for i, p in enumerate(payloads):
             try:
-                parsed = ex.decode(p)
-                samples.append({f.name: decode_value(f, parsed, decode_images=False) for f in self.features})
+                samples.append(self.parse(p, where(i)))
                 kept.append(i)
             except (SchemaError, ExampleError) as e:
-                err = type(e)(f"{where(i)}: {e}")
                 if on_error is None:
-                    raise err from e
-                on_error(err)
+                    raise
+                on_error(e)
         kept_arr = np.asarray(kept, dtype=np.int64)
         batch = {}
         for f in self.features:
@@ -180,7 +150,7 @@ class BatchDecoder:
             except SchemaError as e:
                 return SchemaError(f"{wheres[j]}: {e}")
 
-        results = list(self.image_pool.map(one, enumerate(datas))) if self.image_pool else list(map(one, enumerate(datas)))
+        results = list(map(one, enumerate(datas)))
         bad = set()
         for j, r in enumerate(results):
             if isinstance(r, SchemaError):
@@ -210,6 +180,91 @@ class BatchDecoder:
         except (ValueError, RuntimeError):  # damaged: decode_image decodes it or reports the error
             return False
         return True
+
+
+class ColumnarDecoder(RecordDecoder):
+    """Cuts fixed-layout records column-wise (see the module docstring)."""
+
+    columnar = True
+
+    def __init__(self, features: Sequence[Feature], *, decode_images: bool = True, recycle: int = 8):
+        super().__init__(features, decode_images=decode_images, recycle=recycle)
+        self._layouts: dict[int, Layout | None] = {}
+
+    def __call__(self, frames: Frames, *, where: Callable[[int], str] = str,
+                 on_error: Callable[[CrossfeedError], None] | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        n = len(frames)
+        out = {f.name: self._recycler.empty((n, *f.shape), fixed_dtype(f)) for f in self.features}
+        bad: list[int] = []
+        for pos, group in self._groups(frames):
+            if not self._cut(group, out, pos, frames.rows is not None):
+                self._parse_into(group, out, np.arange(n) if pos is None else pos, where, on_error, bad)
+        kept = np.arange(n)
+        if bad:
+            kept = np.setdiff1d(kept, bad)
+            out = {k: v[kept] for k, v in out.items()}
+        return out, kept
+
+    @staticmethod
+    def _groups(frames: Frames):
+        """``(positions or None, payloads of one length)``: a list of buffers, or a uint8 matrix."""
+        if frames.rows is not None:
+            return frames.rows
+        payloads = frames.payloads
+        if not payloads:
+            return []
+        lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=len(payloads))
+        if lengths.min() == lengths.max():  # the usual case: one length, no regrouping
+            return [(None, payloads)]
+        return [(pos, [payloads[i] for i in pos.tolist()])
+                for pos in (np.flatnonzero(lengths == k) for k in np.unique(lengths).tolist())]
+
+    def _cut(self, group, out: dict[str, np.ndarray], pos, rows: bool) -> bool:
+        """Cut a group of equal-length payloads with its layout into ``out``; False if the layout
+        does not fit (nothing written then that a record-by-record parse does not overwrite)."""
+        first = group[0]
+        layout = self._layout(first.tobytes() if rows else first, len(first))
+        if layout is None:
+            return False
+        vals = layout.cut(layout.kept_matrix(group) if rows else layout.kept_rows(group))
+        if vals is None:
+            return False
+        for k, v in vals.items():
+            if pos is None:
+                out[k] = v
+            else:
+                out[k][pos] = v
+        if rows:
+            layout.copy_big_rows(group, out, slice(None) if pos is None else pos)
+        else:
+            layout.copy_big(group, out, np.arange(len(group)) if pos is None else pos)
+        return True
+
+    def _parse_into(self, group, out, pos: np.ndarray, where, on_error, bad: list[int]) -> None:
+        for j, p in zip(pos.tolist(), group):
+            try:
+                vals = self.parse(p, where(j))
+            except (SchemaError, ExampleError) as e:
+                if on_error is None:
+                    raise
+                on_error(e)
+                bad.append(j)
+                continue
+            for k, v in vals.items():
+                out[k][j] = v
+
+    def _layout(self, payload, length: int) -> Layout | None:
+        if length not in self._layouts:
+            self._layouts[length] = Layout.of(payload, self.features) if len(self._layouts) < 64 else None
+        return self._layouts[length]
+
+
+def _rows_as_payloads(frames: Frames) -> list:
+    payloads: list = [None] * len(frames)
+    for pos, matrix in frames.rows:
+        for j, row in zip(range(len(matrix)) if pos is None else pos.tolist(), matrix):
+            payloads[j] = row
+    return payloads
 
 
 def jpeg_header(data) -> tuple[int, int, int] | None:

@@ -44,6 +44,7 @@ class Layout:
     first: bytes  # kept bytes of the record the layout was read off
     big: tuple[_Slot, ...] = ()
     ranges: tuple[tuple[int, int], ...] = ()
+    expect: np.ndarray | None = None  # ``first``'s bytes at ``skeleton``: what every record must have there
 
     @classmethod
     def of(cls, payload, features: Sequence[Feature]) -> Layout | None:
@@ -59,7 +60,7 @@ class Layout:
             kind, s, e = sp[f.name]
             if kind == 0 or e - s < 2 or buf[s] != 0x0A:
                 return None
-            n, pos = ex._read_varint(buf, s + 1, e)
+            n, pos = ex.read_varint(buf, s + 1, e)
             if pos + n != e:
                 return None  # more than one value field (unpacked, or several bytes values)
             count = int(np.prod(f.shape, dtype=np.int64))
@@ -71,7 +72,7 @@ class Layout:
             if f.encoding is Encoding.INT64:
                 widths, p = [], pos
                 while p < e:
-                    q = ex._read_varint(buf, p, e)[1]
+                    q = ex.read_varint(buf, p, e)[1]
                     widths.append(q - p)
                     p = q
                 if len(widths) != count:
@@ -89,8 +90,9 @@ class Layout:
                       for sl in slots if sl not in big)
         edges = [0, *[x for sl in big for x in (sl.start, sl.stop)], len(buf)]
         ranges = tuple((a, b) for a, b in zip(edges[::2], edges[1::2]) if b > a)
-        return cls(len(buf), small, kept_at[np.flatnonzero(~covered & keep)], buf if not big else bytes(np.frombuffer(buf, np.uint8)[keep]),
-                   big, ranges)
+        skeleton = kept_at[np.flatnonzero(~covered & keep)]
+        first = buf if not big else bytes(np.frombuffer(buf, np.uint8)[keep])
+        return cls(len(buf), small, skeleton, first, big, ranges, np.frombuffer(first, np.uint8)[skeleton].copy())
 
     def kept_rows(self, payloads: Sequence) -> np.ndarray:
         """The kept bytes of records of this layout's length, as a ``(g, kept)`` uint8 matrix."""
@@ -123,8 +125,7 @@ class Layout:
 
     def cut(self, rows: np.ndarray) -> dict[str, np.ndarray] | None:
         """Small values of ``rows`` (``(g, kept)`` uint8), or None if a row does not match."""
-        first = np.frombuffer(self.first, dtype=np.uint8)
-        if self.skeleton.size and not np.array_equal(rows[:, self.skeleton], np.broadcast_to(first[self.skeleton], (len(rows), self.skeleton.size))):
+        if self.skeleton.size and not (rows[:, self.skeleton] == self.expect).all():
             return None
         out = {}
         g = len(rows)
@@ -148,6 +149,12 @@ def fixed_dtype(f: Feature) -> str:
 
 
 def _varints(block: np.ndarray, widths: tuple[int, ...]) -> np.ndarray | None:
+    """The int64 values of varints of the given byte ``widths`` laid side by side in each row of
+    ``block``; None if a continuation bit is not where the widths say."""
+    if widths and max(widths) == 1:  # the usual case (small labels, ids < 128): one byte each
+        if (block >= 0x80).any():
+            return None
+        return block.astype(np.int64)
     cols, p = [], 0
     for w in widths:
         b = block[:, p : p + w].astype(np.uint64)

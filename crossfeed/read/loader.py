@@ -1,140 +1,207 @@
-"""The Loader: plan → fetch → decode → transform → batch → prefetch, framework-neutral.
+"""The Loader: the read pipeline in stages, framework-neutral.
 
-``Loader(source, split=..., batch_size=...)`` iterates one epoch of batches, each a
-``dict[str, np.ndarray]`` (see `crossfeed.read.decode` for strings and ragged features); iterating
-again runs the next epoch. Both framework adapters and ``crossfeed serve`` are thin layers over it.
+    Sampler ──► FrameReader ──► decoder ──► transform ──► batch ──► executor ──► consumer
+    (plan: batches  (Frames: checked  (dict of numpy  (user fn,    (re-stack    (threads,    (for loop, torch,
+     of global       payloads, views   arrays, one     per sample)  samples)     in order,    tf, serve)
+     indices)        or rows)          strategy)                                 bounded)
+
+``Loader(source, options)`` (or ``Loader(source, batch_size=..., shuffle=..., ...)``, which makes
+the `LoaderOptions`) iterates one epoch of batches, each a ``dict[str, np.ndarray]``; iterating
+again runs the next epoch. Both framework adapters, ``crossfeed serve`` and ``crossfeed bench``
+are thin layers over it and take the same options object.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from crossfeed.errors import ConfigError
+from crossfeed.format.schema import INDEX_KEY
+from crossfeed.policy import ErrorBudget, OnError
 from crossfeed.read.dataset import Dataset, open_dataset
-from crossfeed.read.decode import BatchDecoder, collate
-from crossfeed.read.env import rank_and_world
-from crossfeed.errors import ConfigError, CrossfeedError
-from crossfeed.read.fetch import Fetcher
-from crossfeed.read.plan import Plan, PlanConfig, Remainder, Shuffle, _enum
+from crossfeed.read.decode import RecordDecoder, collate, make_decoder
+from crossfeed.read.executor import ThreadExecutor
+from crossfeed.read.frame_reader import FrameReader
+from crossfeed.read.options import LoaderOptions, ReadOptions
+from crossfeed.read.plan import Plan, Remainder, Sampler, Shuffle
 
 log = logging.getLogger(__name__)
-INDEX_KEY = "__index__"
 STATE_VERSION = 1
+STAGES = ("read", "decode", "transform", "batch")  # what `BatchBuilder` times, in order
+
+__all__ = ["INDEX_KEY", "BatchBuilder", "Loader", "LoaderOptions", "ReadOptions", "Remainder", "Shuffle"]
 
 
-@dataclass(frozen=True)
-class ReadOptions:
-    """How hard to work: ``num_threads`` batches are built in parallel, at most
-    ``num_threads + prefetch`` batches exist at once, so memory is bounded by batches, not data.
-    Small fixed-layout records (no per-sample ``transform``) are built by one thread, as that
-    path holds the GIL throughout and a second thread only slows it; the window stays as wide."""
+class BatchBuilder:
+    """One batch from its global indices: frames → decode → transform → batch. Runs in an
+    executor thread; stateless but for the decoder's buffer recycler, so threads share it.
 
-    num_threads: int = 2
-    prefetch: int = 2
-    decode_images: bool = True
+    With ``timings`` (a dict), the seconds each stage took are added to it under `STAGES`:
+    ``crossfeed bench`` times the very stages the Loader runs.
+    """
 
-    def __post_init__(self):
-        if self.num_threads < 1 or self.prefetch < 0:
-            raise ConfigError(f"num_threads must be >= 1 and prefetch >= 0, got {self.num_threads}, {self.prefetch}")
-
-
-class _Skips:
-    """Counts records skipped under ``on_error="skip"`` and enforces the budget."""
-
-    def __init__(self, budget: int):
+    def __init__(self, frames: FrameReader, decoder: RecordDecoder, *, transform=None, batch_transform=None,
+                 return_index: bool = False, budget: ErrorBudget | None = None):
+        self.frames, self.decoder = frames, decoder
+        self.transform, self.batch_transform = transform, batch_transform
+        self.return_index = return_index
         self.budget = budget
-        self.count = 0
-        self._lock = threading.Lock()
 
-    def __call__(self, err: CrossfeedError) -> None:
-        with self._lock:
-            self.count += 1
-            n = self.count
-        if n <= 10 or n % 100 == 0:
-            log.warning("skipped bad record #%d: %s", n, err)
-        if n > self.budget:
-            raise CrossfeedError(f"more than {self.budget} bad records skipped (max_skips); last: {err}") from err
+    def __call__(self, indices: np.ndarray, timings: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+        tick = _Ticker(timings) if timings is not None else _no_tick
+        frames = self.frames(indices, on_error=self.budget)
+        tick("read")
+        batch, kept = self.decoder(frames, where=lambda j: self.frames.where(frames.indices[j]), on_error=self.budget)
+        indices = frames.indices[kept]
+        tick("decode")
+        if self.transform is not None:
+            samples = [self.transform({k: v[i] for k, v in batch.items()}) for i in range(len(indices))]
+            tick("transform")
+            if samples:
+                batch = {k: collate([s[k] for s in samples]) for k in samples[0]}
+            tick("batch")
+        if self.return_index:
+            batch[INDEX_KEY] = indices
+        if self.batch_transform is not None:
+            tick(None)
+            batch = self.batch_transform(batch)
+            tick("transform")
+        return batch
+
+
+class _Ticker:
+    """Adds the seconds since the last tick to ``timings[name]`` (None: not counted)."""
+
+    def __init__(self, timings: dict[str, float]):
+        self.timings, self.last = timings, time.perf_counter()
+
+    def __call__(self, name: str | None) -> None:
+        now = time.perf_counter()
+        if name is not None:
+            self.timings[name] = self.timings.get(name, 0.0) + now - self.last
+        self.last = now
+
+
+def _no_tick(name: str | None) -> None:
+    pass
 
 
 class Loader:
-    """Batches of one split, planned on integers, then fetched.
+    """Batches of one split, planned on integers, then fetched (see the module docstring).
 
-    ``shuffle``: "global" (exact permutation), "block" (windows of ``block_shards`` shards, each
-    shard read once and whole — for remote data), "none". ``remainder``: when the samples left do
-    not divide by the world size, "pad" repeats samples (like DistributedSampler) and "drop" drops
-    a tail that moves with the epoch; either way every rank yields ``len(loader)`` batches.
-    ``transform`` maps each sample dict; ``batch_transform`` each batch; both run in the loader's
-    threads. ``on_error="skip"`` drops bad records (counted in ``skipped``) up to ``max_skips``.
+    ``options``: a `LoaderOptions`, or its fields as keywords (``batch_size``, ``shuffle``
+    "global"/"block"/"none", ``seed``, ``drop_last``, ``remainder`` "pad"/"drop", ``rank``,
+    ``world_size``, ``worker``, ``num_workers``, ``block_shards``, ``read=ReadOptions(...)``,
+    ``on_error``, ``max_skips``, ``split``, ``features``, ``return_index``). ``transform`` maps
+    each sample dict and ``batch_transform`` each batch, in the loader's threads. ``start``:
+    ``(epoch, position)`` to begin at (``epoch=`` alone: that epoch's start).
     """
 
-    def __init__(self, source, *, split: str = "train", batch_size: int, shuffle: Shuffle | str = Shuffle.GLOBAL,
-                 seed: int = 0, epoch: int = 0, rank: int | None = None, world_size: int | None = None,
-                 drop_last: bool = False, remainder: Remainder | str = Remainder.PAD,
-                 features: Sequence[str] | None = None, transform: Callable[[dict], dict] | None = None,
-                 batch_transform: Callable[[dict], dict] | None = None, block_shards: int = 4,
-                 read: ReadOptions = ReadOptions(), on_error: str = "raise", max_skips: int = 1000,
-                 return_index: bool = False, worker: int = 0, num_workers: int = 1):
+    def __init__(self, source, options: LoaderOptions | None = None, *, transform: Callable[[dict], dict] | None = None,
+                 batch_transform: Callable[[dict], dict] | None = None, start: tuple[int, int] | None = None,
+                 epoch: int | None = None, **fields):
+        if options is None:
+            if "batch_size" not in fields:
+                raise ConfigError("Loader needs batch_size= (or a LoaderOptions)")
+            options = LoaderOptions.of(**fields)
+        elif fields:
+            raise ConfigError(f"pass either a LoaderOptions or keywords, not both (got {sorted(fields)})")
+        if not isinstance(options, LoaderOptions):
+            raise ConfigError(f"options must be a LoaderOptions, got {type(options).__name__}")
+        if start is not None and epoch is not None:
+            raise ConfigError("pass start=(epoch, position) or epoch=, not both")
+        self.options = options
         self.dataset: Dataset = open_dataset(source)
-        self.split = self.dataset[split]
-        self.config = PlanConfig(batch_size, _enum(Shuffle, shuffle, "shuffle"), seed, drop_last,
-                                 _enum(Remainder, remainder, "remainder"), block_shards)
-        self.rank, self.world_size = rank_and_world(rank, world_size)
-        if not 0 <= worker < num_workers:
-            raise ConfigError(f"worker {worker} is not in range for num_workers {num_workers}")
-        if on_error not in ("raise", "skip"):
-            raise ConfigError(f"on_error={on_error!r} is not 'raise' or 'skip'")
-        if epoch < 0:
-            raise ConfigError(f"epoch must be >= 0, got {epoch}")
-        names = list(features) if features is not None else self.dataset.schema.names
+        self.split = self.dataset[options.split]
+        names = list(options.features) if options.features is not None else self.dataset.schema.names
         try:
             feats = [self.dataset.schema[n] for n in names]
         except KeyError as e:
             raise ConfigError(f"features: {e.args[0]}") from None
-        self.worker, self.num_workers = worker, num_workers
+        self.sampler = Sampler(self.split.counts, options.plan, options.shard)
+        read = options.read
         self.transform, self.batch_transform = transform, batch_transform
-        self.read = read
-        self.return_index = return_index
-        self._skips = _Skips(max_skips) if on_error == "skip" else None
+        self._budget = ErrorBudget(read.max_skips, logger=log) if read.on_error is OnError.SKIP else None
         # batch arrays the consumer has dropped are reused: at most this many are in flight
-        self._decoder = BatchDecoder(feats, decode_images=read.decode_images, recycle=read.num_threads + read.prefetch + 4)
-        whole = self.dataset.storage.remote and self.config.shuffle is not Shuffle.GLOBAL
-        self._fetcher = Fetcher(self.split, whole_shards=whole, keep_loaded=2 * block_shards if whole else None)
-        self._rows = self._decoder.fixed  # small fixed-layout records: try the columnar path
-        self._pool: ThreadPoolExecutor | None = None
-        self._epoch = epoch
-        self._position = 0  # samples of the epoch consumed (by all ranks) before this iteration
-        self._delivered = 0  # batches this rank delivered since _position
+        decoder = make_decoder(feats, decode_images=read.decode_images, recycle=read.num_threads + read.prefetch + 4)
+        whole = self.dataset.storage.remote and options.plan.shuffle is not Shuffle.GLOBAL
+        frames = FrameReader(self.split, whole_shards=whole, keep_loaded=2 * options.plan.block_shards if whole else None)
+        frames.rows = decoder.columnar and frames.small_records()
+        self.builder = BatchBuilder(frames, decoder, transform=transform, batch_transform=batch_transform,
+                                    return_index=options.return_index, budget=self._budget)
+        # Small records cut column-wise are short numpy steps that hold the GIL: a second thread
+        # only contends for it, so they get one (the prefetch window stays as wide).
+        threads = 1 if frames.rows and transform is None else read.num_threads
+        self.executor = ThreadExecutor(threads, read.num_threads + read.prefetch)
+        epoch, position = start if start is not None else (epoch or 0, 0)
+        self.start_at(epoch, position)
 
     # -- plan & state -------------------------------------------------------------------------
+    @property
+    def config(self):
+        """The plan options (`crossfeed.read.options.PlanOptions`)."""
+        return self.options.plan
+
+    @property
+    def rank(self) -> int:
+        return self.options.shard.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.options.shard.world_size
+
+    @property
+    def worker(self) -> int:
+        return self.options.shard.worker
+
+    @property
+    def num_workers(self) -> int:
+        return self.options.shard.num_workers
+
     @property
     def epoch(self) -> int:
         return self._epoch
 
     @property
     def skipped(self) -> int:
-        return self._skips.count if self._skips else 0
+        return self._budget.count if self._budget else 0
+
+    def start_at(self, epoch: int, position: int = 0) -> None:
+        """Begin the next iteration at sample ``position`` of epoch ``epoch`` (positions count
+        the samples every rank together consumed; see `crossfeed.read.plan`)."""
+        if int(epoch) < 0:
+            raise ConfigError(f"epoch must be >= 0, got {epoch}")
+        if not 0 <= int(position) <= len(self.split):
+            raise ConfigError(f"position {position} is outside the epoch of {len(self.split)} samples; "
+                              f"was the state saved for another dataset?")
+        self._epoch, self._position, self._delivered = int(epoch), int(position), 0
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning on the next iteration (like DistributedSampler)."""
-        self._epoch, self._position, self._delivered = int(epoch), 0, 0
+        self.start_at(epoch, 0)
 
     def plan(self) -> Plan:
-        return self.config.make(self.split.counts, epoch=self._epoch, position=self.position, rank=self.rank,
-                                world_size=self.world_size, worker=self.worker, num_workers=self.num_workers)
+        """This rank's and worker's batches for the rest of the current epoch."""
+        return self.sampler.plan(self._epoch, self.position)
 
     @property
     def position(self) -> int:
-        return self.config.position_after(self._position, len(self.split), self._delivered, self.world_size)
+        return self.sampler.position_after(self._position, self._delivered)
+
+    def batch_count(self, *, all_workers: bool = False) -> int:
+        """Batches the next iteration yields: this worker's, or with ``all_workers`` the whole
+        rank's (every rank yields the same number)."""
+        rank = self.sampler.rank_batch_count(self.position)
+        if all_workers:
+            return rank
+        return len(range(self.worker, rank, self.num_workers))
 
     def __len__(self) -> int:
-        return len(self.plan())
+        return self.batch_count()
 
     def state_dict(self) -> dict:
         """Small and framework-free: resume with `load_state_dict` in any process, any world size."""
@@ -142,89 +209,30 @@ class Loader:
                 "num_samples": len(self.split), "batch_size": self.config.batch_size}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ConfigError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
-        if state["seed"] != self.config.seed or state["num_samples"] != len(self.split):
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            got = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ConfigError(f"loader state version {got!r} is not {STATE_VERSION}")
+        try:
+            seed, num, epoch, position = state["seed"], state["num_samples"], int(state["epoch"]), int(state["position"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"loader state is missing or has a bad field: {e}") from None
+        if seed != self.config.seed or num != len(self.split):
             raise ConfigError(
-                f"state was saved with seed {state['seed']} over {state['num_samples']} samples; this loader has seed "
+                f"state was saved with seed {seed} over {num} samples; this loader has seed "
                 f"{self.config.seed} over {len(self.split)}: resume with the same seed and dataset")
-        self._epoch, self._position, self._delivered = int(state["epoch"]), int(state["position"]), 0
+        self.start_at(epoch, position)
 
     # -- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         self._position, self._delivered = self.position, 0
-        plan = self.plan()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._threads(), thread_name_prefix="crossfeed-loader")
-        window = self.read.num_threads + self.read.prefetch
-        ids = iter(plan.batch_ids())
-        pending: deque = deque(self._pool.submit(self._build, plan.batch(b)) for b in itertools.islice(ids, window))
-        try:
-            while pending:
-                batch = pending.popleft().result()
-                nxt = next(ids, None)
-                if nxt is not None:
-                    pending.append(self._pool.submit(self._build, plan.batch(nxt)))
-                self._delivered += self.num_workers if self.num_workers > 1 else 1
-                yield batch
-        finally:
-            for f in pending:
-                f.cancel()
+        step = self.num_workers if self.num_workers > 1 else 1
+        for batch in self.executor.map(self.builder, self.plan()):
+            self._delivered += step
+            yield batch
         self._epoch, self._position, self._delivered = self._epoch + 1, 0, 0
 
-    def _threads(self) -> int:
-        """Threads building batches: ``read.num_threads``, but one for small fixed-layout records.
-        Their columnar path is short numpy steps holding the GIL; a second thread only contends
-        for it (and for the cache) and is measurably slower. The prefetch window stays as wide."""
-        self._rows = self._rows and self._fetcher.small_records()
-        if self._rows and self.transform is None:
-            return 1
-        return self.read.num_threads
-
-    def _build(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        """One batch: fetch → decode → transform (runs in a loader thread)."""
-        batch = self._build_rows(indices) if self._rows else None
-        if batch is None:
-            payloads = self._fetcher.fetch(indices, on_error=self._skips)
-            if self._skips is not None:  # without a skip policy a bad record raised: no None to drop
-                ok = [i for i, p in enumerate(payloads) if p is not None]
-                if len(ok) < len(payloads):
-                    indices, payloads = indices[ok], [payloads[i] for i in ok]
-            batch, kept = self._decoder(payloads, where=lambda i: self._where(int(indices[i])), on_error=self._skips)
-            indices = indices[kept]
-        if self.transform is not None:
-            batch = self._map_samples(batch, len(indices))
-        if self.return_index:
-            batch[INDEX_KEY] = indices
-        if self.batch_transform is not None:
-            batch = self.batch_transform(batch)
-        return batch
-
-    def _build_rows(self, indices: np.ndarray) -> dict[str, np.ndarray] | None:
-        """The batch through the columnar path (`Fetcher.fetch_rows` → `BatchDecoder.decode_rows`),
-        or None: then the record-by-record path builds it, and reports any bad record exactly."""
-        groups = self._fetcher.fetch_rows(indices)
-        if groups is None:
-            return None
-        batch = self._decoder.decode_rows(groups, len(indices))
-        if batch is None:  # the records do not share a fixed layout: stop trying
-            self._rows = False
-        return batch
-
-    def _map_samples(self, batch: dict, n: int) -> dict:
-        samples = [self.transform({k: v[i] for k, v in batch.items()}) for i in range(n)]
-        if not samples:
-            return batch
-        return {k: collate([s[k] for s in samples]) for k in samples[0]}
-
-    def _where(self, i: int) -> str:
-        s, k = self.split.locate(i)
-        return f"{self.split.file(s).path}: record at byte offset {int(self.split.index(s)[k][0])}"
-
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        self.executor.close()
         self.dataset.close()
 
     def __enter__(self) -> Loader:

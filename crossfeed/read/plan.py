@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from crossfeed.errors import ConfigError
+
+if TYPE_CHECKING:
+    from crossfeed.read.options import PlanOptions, ShardOptions
 
 
 class Shuffle(str, enum.Enum):
@@ -113,44 +118,38 @@ class Plan:
     def __len__(self) -> int:
         return len(self.batch_ids())
 
-
-@dataclass(frozen=True)
-class PlanConfig:
-    """The pure inputs of a plan, validated where they are made."""
-
-    batch_size: int
-    shuffle: Shuffle = Shuffle.GLOBAL
-    seed: int = 0
-    drop_last: bool = False
-    remainder: Remainder = Remainder.PAD
-    block_shards: int = 4
-
-    def __post_init__(self):
-        object.__setattr__(self, "shuffle", _enum(Shuffle, self.shuffle, "shuffle"))
-        object.__setattr__(self, "remainder", _enum(Remainder, self.remainder, "remainder"))
-        if not isinstance(self.batch_size, (int, np.integer)) or self.batch_size < 1:
-            raise ConfigError(f"batch_size must be a positive integer, got {self.batch_size!r}")
-        if not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
-            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}; pick one and keep it to reproduce the order")
-        if self.block_shards < 1:
-            raise ConfigError(f"block_shards must be >= 1, got {self.block_shards}")
-
-    def make(self, counts, *, epoch: int, position: int, rank: int, world_size: int,
-             worker: int = 0, num_workers: int = 1) -> Plan:
-        order = epoch_order(counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, block_shards=self.block_shards)
-        if not 0 <= position <= len(order):
-            raise ConfigError(f"position {position} is outside the epoch of {len(order)} samples; was the state saved for another dataset?")
-        samples = rank_samples(order, position=position, world_size=world_size, rank=rank, remainder=self.remainder)
-        return Plan(samples, self.batch_size, self.drop_last, worker, num_workers)
-
-    def position_after(self, position: int, total: int, rank_batches_done: int, world_size: int) -> int:
-        """The epoch position after every rank delivered ``rank_batches_done`` batches."""
-        return min(total, position + rank_batches_done * self.batch_size * world_size)
+    def __iter__(self) -> Iterator[np.ndarray]:
+        """This worker's batches of global sample indices, in order."""
+        return map(self.batch, self.batch_ids())
 
 
-def _enum(cls, value, name):
-    try:
-        return cls(value.value if isinstance(value, enum.Enum) else value)
-    except ValueError:
-        choices = ", ".join(repr(m.value) for m in cls)
-        raise ConfigError(f"{name}={value!r} is not one of {choices}") from None
+class Sampler:
+    """Stage 1 of the read pipeline: the plan, on integers only (it knows nothing of bytes).
+
+    ``plan(epoch, position)`` gives this rank's and worker's `Plan` for the rest of an epoch;
+    iterating it yields ``np.ndarray[int64]`` batches of global sample indices.
+    """
+
+    def __init__(self, counts, plan: PlanOptions, shard: ShardOptions):
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.total = int(self.counts.sum())
+        self.options, self.shard = plan, shard
+
+    def plan(self, epoch: int, position: int = 0) -> Plan:
+        o, sh = self.options, self.shard
+        if not 0 <= position <= self.total:
+            raise ConfigError(f"position {position} is outside the epoch of {self.total} samples; was the state saved for another dataset?")
+        order = epoch_order(self.counts, seed=o.seed, epoch=epoch, shuffle=o.shuffle, block_shards=o.block_shards)
+        samples = rank_samples(order, position=position, world_size=sh.world_size, rank=sh.rank, remainder=o.remainder)
+        return Plan(samples, o.batch_size, o.drop_last, sh.worker, sh.num_workers)
+
+    def rank_batch_count(self, position: int = 0) -> int:
+        """Batches each rank delivers from ``position`` to the end of an epoch (all its workers
+        together), computed without building the epoch's order."""
+        o = self.options
+        n = per_rank(self.total - position, self.shard.world_size, o.remainder)
+        return num_batches(n, o.batch_size, o.drop_last)
+
+    def position_after(self, position: int, rank_batches_done: int) -> int:
+        """The epoch position after every rank delivered ``rank_batches_done`` batches from ``position``."""
+        return min(self.total, position + rank_batches_done * self.options.batch_size * self.shard.world_size)

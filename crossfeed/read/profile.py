@@ -1,22 +1,22 @@
 """Is the input pipeline the bottleneck? Measure a `Loader` the way a trainer reads it.
 
-`bench_loader` makes two passes over the same split:
+`bench_loader` makes two passes over the same split, with the caller's `LoaderOptions`:
 
-1. **End to end**: a `Loader` with the caller's options (threads, prefetch, shuffle) delivers
-   ``batches`` batches; gives samples/s, MB/s of records read, time to first batch (from opening
-   the dataset) and the peak RSS of the process.
-2. **Stage by stage**: the same kind of batches built again on one thread, each stage timed on its
-   own — ``read`` (locate records, mmap / range reads, header checks), ``crc`` (payload CRC32C),
-   ``decode`` (Example → arrays, images included), ``transform`` (the per-sample ``transform`` and
-   ``batch_transform``) and ``batch`` (re-stacking samples after a per-sample transform). Their
-   sum is the CPU cost of one batch; the end-to-end rate divided by the one-thread rate is the
-   parallel speed-up the threads bought.
+1. **End to end**: the Loader delivers ``batches`` batches; gives samples/s, MB/s of records
+   read, time to first batch (from opening the dataset) and the peak RSS of the process.
+2. **Stage by stage**: the same batches built again on one thread by the Loader's own
+   `BatchBuilder` — the very stages the Loader runs — each stage timed on its own: ``read``
+   (locate records, mmap / range reads, every header and payload CRC), ``decode`` (payloads →
+   arrays, images included), ``transform`` (the per-sample ``transform`` and
+   ``batch_transform``) and ``batch`` (re-stacking samples after a per-sample transform).
+   Their sum is the CPU cost of a batch on one core.
 
 No timing here is asserted anywhere; the numbers are for people.
 """
 
 from __future__ import annotations
 
+import itertools
 import resource
 import sys
 import time
@@ -25,12 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from crossfeed.read.decode import collate
 from crossfeed.errors import ConfigError
-from crossfeed.read.fetch import crc_ok
-from crossfeed.read.loader import Loader, ReadOptions
-
-STAGES = ("read", "crc", "decode", "transform", "batch")
+from crossfeed.read.loader import STAGES, Loader
+from crossfeed.read.options import LoaderOptions
 
 
 @dataclass(frozen=True)
@@ -93,8 +90,6 @@ class BenchReport:
             share = s / st.total if st.total > 0 else 0.0
             per = s / max(st.samples, 1) * 1e6
             out.append(f"  {name:10s} {s * 1e3 / max(st.batches, 1):>10.2f} ms/batch {per:>10.2f} µs/sample {share:>7.1%}")
-        if st.total > 0 and self.seconds > 0:
-            out.append(f"threads gave a {self.samples_per_s / st.samples_per_s:.2f}× speed-up over one thread")
         out.append(f"the pipeline keeps up with a trainer that needs up to {self.samples_per_s:,.0f} samples/s "
                    f"({self.samples_per_s / self.batch_size:,.1f} steps/s at batch {self.batch_size}); a faster "
                    f"trainer waits on input")
@@ -107,22 +102,15 @@ def _peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def bench_loader(source, *, split: str = "train", batch_size: int, shuffle: str = "global", seed: int = 0,
-                 threads: int = 2, prefetch: int = 2, batches: int = 50, decode_images: bool = True,
-                 features=None, transform: Callable[[dict], dict] | None = None,
-                 batch_transform: Callable[[dict], dict] | None = None,
-                 stage_batches: int | None = None) -> BenchReport:
-    """Measure reading ``batches`` batches of ``split`` (see the module docstring).
-
-    ``stage_batches`` (default: ``min(batches, 20)``) batches are built again one stage at a time.
-    """
+def bench_loader(source, options: LoaderOptions, *, batches: int = 50, transform: Callable[[dict], dict] | None = None,
+                 batch_transform: Callable[[dict], dict] | None = None, stage_batches: int | None = None) -> BenchReport:
+    """Measure reading ``batches`` batches (see the module docstring); ``stage_batches``
+    (default: ``min(batches, 20)``) batches are built again one stage at a time."""
     if batches < 1:
         raise ConfigError(f"batches must be >= 1, got {batches}")
-    read = ReadOptions(num_threads=threads, prefetch=prefetch, decode_images=decode_images)
-    kw = dict(split=split, batch_size=batch_size, shuffle=shuffle, seed=seed, features=features,
-              transform=transform, batch_transform=batch_transform, read=read)
     t0 = time.perf_counter()
-    with Loader(source, **kw) as loader:
+    with Loader(source, options, transform=transform, batch_transform=batch_transform) as loader:
+        plan = loader.plan()  # the iteration below does not finish the epoch: the same plan
         first_s, done, samples, t1 = None, 0, 0, t0
         for batch in loader:
             if first_s is None:
@@ -133,8 +121,8 @@ def bench_loader(source, *, split: str = "train", batch_size: int, shuffle: str 
             if done >= batches:
                 break
         seconds = time.perf_counter() - t1
-        plan = loader.plan()  # the iteration above did not finish the epoch: the same plan
-        delivered = np.concatenate([plan.batch(b) for b in list(plan.batch_ids())[:done]]) if done else np.zeros(0, np.int64)
+        ids = list(plan.batch_ids())
+        delivered = np.concatenate([plan.batch(b) for b in ids[:done]]) if done else np.zeros(0, np.int64)
         nbytes = _record_bytes(loader, delivered)
         stages = _stage_times(loader, plan, stage_batches or min(batches, 20))
         notes = []
@@ -142,8 +130,9 @@ def bench_loader(source, *, split: str = "train", batch_size: int, shuffle: str 
             notes.append(f"note: the split has only {done} batches; asked for {batches}")
         if loader.dataset.storage.remote:
             notes.append("note: remote data — 'read' includes network transfers")
-    return BenchReport(split, batch_size, loader.config.shuffle.value, threads, done, samples, seconds,
-                       first_s or 0.0, nbytes, _peak_rss(), stages, notes)
+    read = options.read
+    return BenchReport(options.split, options.batch_size, options.plan.shuffle.value, read.num_threads, done, samples,
+                       seconds, first_s or 0.0, nbytes, _peak_rss(), stages, notes)
 
 
 def _batch_len(batch: dict) -> int:
@@ -162,46 +151,11 @@ def _record_bytes(loader: Loader, indices: np.ndarray) -> int:
 
 
 def _stage_times(loader: Loader, plan, n: int) -> StageTimes:
-    """Build ``n`` of the plan's batches on this thread, timing each stage on its own."""
-    clock = time.perf_counter
+    """Build ``n`` of the plan's batches on this thread with the Loader's own builder, timing each stage."""
     secs = dict.fromkeys(STAGES, 0.0)
     done = samples = 0
-    fetcher, decoder = loader._fetcher, loader._decoder
-    for b in list(plan.batch_ids())[:n]:
-        indices = plan.batch(b)
-        t = clock()
-        got = fetcher.fetch_deferred(indices)
-        t2 = clock()
-        if got is None:  # remote range reads check CRCs as they read: all of it is "read"
-            payloads = fetcher.fetch(indices)
-            t3 = clock()
-            secs["read"] += t3 - t
-        else:
-            payloads, crcs = got
-            secs["read"] += t2 - t
-            ok = crc_ok(payloads, crcs).all()
-            t3 = clock()
-            secs["crc"] += t3 - t2
-            if not ok:  # a bad record: the checked fetch names it
-                payloads = fetcher.fetch(indices)
-                t3 = clock()
-        batch, kept = decoder(payloads)
-        t4 = clock()
-        secs["decode"] += t4 - t3
-        n_kept = len(kept)
-        if loader.transform is not None:
-            rows = [{k: v[i] for k, v in batch.items()} for i in range(n_kept)]
-            t5 = clock()
-            out = [loader.transform(r) for r in rows]
-            t6 = clock()
-            batch = {k: collate([s[k] for s in out]) for k in out[0]} if out else batch
-            t7 = clock()
-            secs["transform"] += t6 - t5
-            secs["batch"] += (t5 - t4) + (t7 - t6)
-        if loader.batch_transform is not None:
-            t8 = clock()
-            batch = loader.batch_transform(batch)
-            secs["transform"] += clock() - t8
+    for indices in itertools.islice(plan, n):
+        batch = loader.builder(indices, timings=secs)
         done += 1
-        samples += n_kept
+        samples += _batch_len(batch)
     return StageTimes(secs, done, samples)

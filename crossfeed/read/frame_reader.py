@@ -1,0 +1,248 @@
+"""Stage 2 of the read pipeline: global sample indices → `Frames`, the checked payloads of a batch.
+
+Local shards are memory-mapped (GZIP shards inflated once, remote shards loaded whole when the
+plan reads them sequentially); every record's header and payload CRC is checked for the whole
+batch at once with the one checker, `crossfeed.format.frames`. Two forms of the same payloads:
+
+* **views** — one zero-copy ``memoryview`` per record (big records, images, mixed layouts);
+* **rows** — small records of similar length gathered as the rows of uint8 matrices, one matrix
+  per payload length, for the decoder's columnar path (one numpy row-take per shard from a
+  sliding-window view of the mmap; no per-record Python).
+
+The form is chosen once per Loader (`rows=True` when the decoder is columnar and the records are
+small); a batch whose lengths vary too much for rows comes as views. Remote shards read by range
+are checked record by record. A bad record raises `CorruptRecordError` naming its shard and byte
+offset — or, with an ``on_error`` callback, is reported to it and dropped from the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from crossfeed.errors import CorruptRecordError
+from crossfeed.format import tfrecord
+from crossfeed.format.frames import (FRAMING, bad_headers, bad_payload_rows, bad_payloads, first_error, gather,
+                                     out_of_bounds, payload_views, stored_crcs, window)
+from crossfeed.format.tfrecord import FOOTER, HEADER
+from crossfeed.read.dataset import Split
+
+ROWS_MAX = 4096  # framed records at most this long may come as rows
+ROWS_SPREAD = 64  # ... when the lengths in one batch differ by at most this many bytes
+
+
+@dataclasses.dataclass
+class Frames:
+    """The checked payloads of one batch, in batch order.
+
+    ``indices``: global sample indices of the records (under ``on_error`` the bad ones are gone).
+    Exactly one of ``payloads`` (a buffer per record) and ``rows`` (``[(positions, matrix)]``:
+    the ``(g, length)`` uint8 payloads of one length, at ``positions`` of the batch — None: all
+    of them, in order) is set.
+    """
+
+    indices: np.ndarray
+    payloads: list | None = None
+    rows: list[tuple[np.ndarray | None, np.ndarray]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class FrameReader:
+    """Reads the records of a split by global index. Thread-safe: shards open once.
+
+    ``whole_shards``: load remote shards whole (sequential plans) and keep at most
+    ``keep_loaded`` of them; otherwise remote records are range reads. ``rows``: give small
+    records as rows (see the module docstring).
+    """
+
+    def __init__(self, split: Split, *, rows: bool = False, whole_shards: bool = False, keep_loaded: int | None = None):
+        self.split = split
+        self.rows = rows
+        self.whole_shards = whole_shards
+        self.keep_loaded = keep_loaded
+        self._loaded: list[int] = []
+        self._index: np.ndarray | None = None  # see `_all_index`
+        self._fits: set[int] = set()  # shards whose every index entry lies inside the loaded stream
+        self._lock = threading.Lock()
+
+    def small_records(self) -> bool:
+        """Whether the split's records are local and small enough for rows (judged by the
+        first shard's index)."""
+        if not len(self.split.counts) or self.split.file(0).storage.remote:
+            return False
+        index = self.split.index(0)
+        return bool(len(index)) and int(index[:, 1].max()) <= ROWS_MAX
+
+    def where(self, i: int) -> str:
+        """Names global record ``i``: its shard file and byte offset."""
+        s, k = self.split.locate(int(i))
+        return f"{self.split.file(s).path}: record at byte offset {int(self.split.index(s)[k][0])}"
+
+    def __call__(self, indices, on_error: Callable[[CorruptRecordError], None] | None = None) -> Frames:
+        indices = np.asarray(indices, dtype=np.int64)
+        if not len(indices):
+            return Frames(indices, payloads=[])
+        shard = np.searchsorted(self.split.starts, indices, side="right") - 1
+        s0 = int(shard[0])
+        if shard[-1] == s0 and (shard == s0).all():
+            present, parts = [s0], [None]
+        else:
+            present = np.flatnonzero(np.bincount(shard, minlength=len(self.split.counts))).tolist()
+            parts = [shard == s for s in present]
+        bufs = [self._buffer(s) for s in present]
+        if any(b is None for b in bufs):  # remote range reads: checked record by record as they arrive
+            return self._by_record(indices, shard, on_error)
+        if len(present) == 1:
+            index = self.split.index(s0)[indices - self.split.starts[s0]]
+        else:  # one gather from the split's whole index instead of one per shard
+            index = self._all_index()[indices]
+        offs, lens = index[:, 0], index[:, 1]
+        u8s = [np.frombuffer(b, dtype=np.uint8) for b in bufs]
+        if all(s in self._fits for s in present):
+            lo, hi = int(lens.min()), int(lens.max())
+            if self.rows and hi <= ROWS_MAX and hi - lo <= ROWS_SPREAD:
+                got = self._rows(indices, offs, lens, parts, u8s, lo, hi)
+            else:
+                got = self._views(indices, offs, lens, parts, u8s, bufs, present, shard)
+            if got is not None:
+                return got
+        return self._diagnose(indices, offs, lens, shard, present, bufs, on_error)
+
+    # -- the fast forms -------------------------------------------------------------------------
+    def _views(self, indices, offs, lens, parts, u8s, bufs, present, shard) -> Frames | None:
+        if len(present) == 1:
+            head = gather(u8s[0], offs, HEADER)
+            foot = stored_crcs(u8s[0], offs, lens)
+            if bad_headers(head, lens).any():
+                return None
+            payloads = payload_views(bufs[0], offs, lens)
+        else:
+            head = np.empty((len(offs), HEADER), dtype=np.uint8)
+            foot = np.empty(len(offs), dtype=np.uint32)
+            for m, u8 in zip(parts, u8s):
+                head[m] = gather(u8, offs[m], HEADER)
+                foot[m] = stored_crcs(u8, offs[m], lens[m])
+            if bad_headers(head, lens).any():
+                return None
+            # one view per record, by shard: map over C callables, no Python bytecode per record
+            views = [memoryview(b) for b in bufs]
+            which = np.searchsorted(np.asarray(present), shard).tolist()
+            payloads = list(map(memoryview.__getitem__, map(views.__getitem__, which),
+                                map(slice, (offs + HEADER).tolist(), (offs + lens - FOOTER).tolist())))
+        if bad_payloads(payloads, foot).any():
+            return None
+        return Frames(indices, payloads=payloads)
+
+    def _rows(self, indices, offs, lens, parts, u8s, lo, hi) -> Frames | None:
+        n = len(indices)
+        if lo <= FRAMING:
+            return None
+        rows = np.empty((n, hi), dtype=np.uint8) if len(parts) > 1 else None
+        for m, u8 in zip(parts, u8s):
+            o = offs if m is None else offs[m]
+            size = len(u8)
+            if size < hi:
+                return None
+            if int(o.max()) > size - hi:  # records near the end of the shard: clamp, then fix up
+                got = window(u8, hi)[np.minimum(o, size - hi)]
+                for j in np.flatnonzero(o > size - hi).tolist():
+                    got[j] = 0
+                    got[j, : size - int(o[j])] = u8[int(o[j]):]
+            else:
+                got = window(u8, hi)[o]
+            if m is None:
+                rows = got
+            else:
+                rows[m] = got
+        if bad_headers(rows[:, :HEADER], lens).any():
+            return None
+        if lo == hi:
+            groups = [(None, rows)]
+        else:
+            present = np.flatnonzero(np.bincount(lens - lo)) + lo
+            groups = [(pos, rows[pos]) for pos in (np.flatnonzero(lens == k) for k in present.tolist())]
+        out = []
+        for pos, framed in groups:
+            k = int(lens[0 if pos is None else pos[0]])
+            payload = framed[:, HEADER : k - FOOTER]
+            if bad_payload_rows(payload, framed[:, k - FOOTER : k].copy().view("<u4").ravel()).any():
+                return None
+            out.append((pos, payload))
+        return Frames(indices, rows=out)
+
+    # -- the exact paths: bad records, remote range reads --------------------------------------
+    def _diagnose(self, indices, offs, lens, shard, present, bufs, on_error) -> Frames:
+        """Check each record of a batch that failed a batch check on its own: raise the first
+        error, or report every bad record to ``on_error`` and return the good ones as views."""
+        buf_of = dict(zip(present, bufs))
+        payloads, keep = [], []
+        for j, (s, o, n) in enumerate(zip(shard.tolist(), offs.tolist(), lens.tolist())):
+            buf, path = buf_of[s], self.split.file(s).path
+            try:
+                if o < 0 or o + n > len(memoryview(buf)) or n < FRAMING:
+                    raise first_error(buf, o, n, path)
+                payloads.append(tfrecord.unframe(buf, o, n, path))
+                keep.append(j)
+            except CorruptRecordError as e:
+                if on_error is None:
+                    raise
+                on_error(e)
+        return Frames(indices[keep], payloads=payloads)
+
+    def _by_record(self, indices, shard, on_error) -> Frames:
+        payloads, keep = [], []
+        for j, (i, s) in enumerate(zip(indices.tolist(), shard.tolist())):
+            k = i - int(self.split.starts[s])
+            o, n = (int(x) for x in self.split.index(s)[k])
+            try:
+                f = self.split.file(s)
+                payloads.append(tfrecord.unframe(f.load(), o, n, f.path) if self._in_memory(f) else f.record(o, n))
+                keep.append(j)
+            except CorruptRecordError as e:
+                if on_error is None:
+                    raise
+                on_error(e)
+        return Frames(indices[keep], payloads=payloads)
+
+    # -- shards ---------------------------------------------------------------------------------
+    def _in_memory(self, f) -> bool:
+        return not f.storage.remote or self.whole_shards or tfrecord.is_gzip(f.rel)
+
+    def _buffer(self, s: int):
+        """Shard ``s``'s whole uncompressed stream, or None where records are range reads. The
+        first time, its whole index is checked to lie inside it (then no batch checks bounds);
+        a shard whose index does not fit goes through `_diagnose`, which names the bad entry."""
+        f = self.split.file(s)
+        if not self._in_memory(f):
+            return None
+        buf = f.load()
+        if f.storage.remote and self.keep_loaded:
+            self._evict(s)
+        if s not in self._fits:
+            index = self.split.index(s)
+            if not len(index) or not out_of_bounds(index[:, 0], index[:, 1], len(memoryview(buf))).any():
+                self._fits.add(s)
+        return buf
+
+    def _all_index(self) -> np.ndarray:
+        """``(N, 2)`` ``(offset, length)`` of every record of the split, by global index (built
+        once, on the first batch that spans shards)."""
+        if self._index is None:
+            with self._lock:
+                if self._index is None:
+                    self._index = np.concatenate([self.split.index(s) for s in range(len(self.split.counts))])
+        return self._index
+
+    def _evict(self, s: int) -> None:
+        """Keep at most ``keep_loaded`` remote shards in memory (the oldest go first)."""
+        with self._lock:
+            if s in self._loaded:
+                return
+            self._loaded.append(s)
+            while len(self._loaded) > self.keep_loaded:
+                self.split.file(self._loaded.pop(0)).close()

@@ -1,0 +1,175 @@
+"""The options of a read pipeline: one frozen, validated object, passed whole.
+
+``LoaderOptions`` groups what to read (split, features), how to order it (`PlanOptions`), how to
+split it across ranks and workers (`ShardOptions`) and how hard to work (`ReadOptions`). The
+Loader, both framework adapters, ``input_fn``, ``crossfeed serve`` and ``crossfeed bench`` take
+this one object and hand it on unchanged; none of them re-spells its fields.
+
+    opts = LoaderOptions.of(batch_size=256, shuffle="global", seed=0)      # keywords, validated
+    opts = opts.replace(rank=1, world_size=4)                              # any field, by name
+    Loader("data/", opts)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+from crossfeed.errors import ConfigError
+from crossfeed.policy import OnError
+from crossfeed.read.env import rank_and_world
+from crossfeed.read.plan import Remainder, Shuffle
+
+
+def choice(cls: type[enum.Enum], value, name: str):
+    """``value`` (a member or its value) as a member of ``cls``, or a ConfigError listing the choices."""
+    try:
+        return cls(value.value if isinstance(value, enum.Enum) else value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in cls)
+        raise ConfigError(f"{name}={value!r} is not one of {choices}") from None
+
+
+def _int(value, name: str, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
+        raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
+    value = int(value.__index__())
+    if value < lo:
+        raise ConfigError(f"{name} must be an integer >= {lo}, got {value}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """Which samples, in which order: the pure inputs of the epoch plan (`crossfeed.read.plan`)."""
+
+    batch_size: int
+    shuffle: Shuffle = Shuffle.GLOBAL
+    seed: int = 0
+    drop_last: bool = False
+    remainder: Remainder = Remainder.PAD
+    block_shards: int = 4
+
+    def __post_init__(self):
+        object.__setattr__(self, "shuffle", choice(Shuffle, self.shuffle, "shuffle"))
+        object.__setattr__(self, "remainder", choice(Remainder, self.remainder, "remainder"))
+        object.__setattr__(self, "batch_size", _int(self.batch_size, "batch_size", 1))
+        if not isinstance(self.seed, int) and not hasattr(self.seed, "__index__") or int(self.seed) < 0:
+            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}; pick one and keep it to reproduce the order")
+        object.__setattr__(self, "seed", int(self.seed))
+        object.__setattr__(self, "block_shards", _int(self.block_shards, "block_shards", 1))
+        object.__setattr__(self, "drop_last", bool(self.drop_last))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardOptions:
+    """Who reads what: this process's rank among ``world_size`` lockstep ranks, and its worker
+    among ``num_workers`` (DataLoader workers, processes of a server). ``rank``/``world_size``
+    None: from the environment (RANK/WORLD_SIZE as torchrun sets them, else TF_CONFIG, else 0/1),
+    resolved when the options are made."""
+
+    rank: int | None = None
+    world_size: int | None = None
+    worker: int = 0
+    num_workers: int = 1
+
+    def __post_init__(self):
+        rank, world = rank_and_world(self.rank, self.world_size)
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "world_size", world)
+        num = _int(self.num_workers, "num_workers", 1)
+        object.__setattr__(self, "num_workers", num)
+        worker = _int(self.worker, "worker", 0)
+        if worker >= num:
+            raise ConfigError(f"worker {worker} is not in range for num_workers {num}")
+        object.__setattr__(self, "worker", worker)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReadOptions:
+    """How hard to work. ``num_threads`` batches are built in parallel and at most
+    ``num_threads + prefetch`` exist at once, so memory is bounded by batches, not data.
+    ``on_error="skip"`` drops bad records, counted and logged, up to ``max_skips``."""
+
+    num_threads: int = 2
+    prefetch: int = 2
+    decode_images: bool = True
+    on_error: OnError = OnError.RAISE
+    max_skips: int = 1000
+
+    def __post_init__(self):
+        object.__setattr__(self, "num_threads", _int(self.num_threads, "num_threads", 1))
+        object.__setattr__(self, "prefetch", _int(self.prefetch, "prefetch", 0))
+        object.__setattr__(self, "on_error", choice(OnError, self.on_error, "on_error"))
+        object.__setattr__(self, "max_skips", _int(self.max_skips, "max_skips", 0))
+
+
+_GROUPS = {"plan": PlanOptions, "shard": ShardOptions, "read": ReadOptions}
+_FIELDS = {f.name: group for group, cls in _GROUPS.items() for f in dataclasses.fields(cls)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoaderOptions:
+    """Everything a read pipeline needs besides its source and its Python callables."""
+
+    plan: PlanOptions
+    split: str = "train"
+    features: tuple[str, ...] | None = None  # None: every feature of the schema
+    return_index: bool = False  # batches carry ``__index__``: the global sample indices
+    shard: ShardOptions = dataclasses.field(default_factory=ShardOptions)
+    read: ReadOptions = ReadOptions()
+
+    def __post_init__(self):
+        if not isinstance(self.split, str) or not self.split:
+            raise ConfigError(f"split must be a split name, got {self.split!r}")
+        if self.features is not None:
+            if isinstance(self.features, str) or not isinstance(self.features, Sequence):
+                raise ConfigError(f"features must be a list of feature names, got {self.features!r}")
+            object.__setattr__(self, "features", tuple(self.features))
+        for name, cls in _GROUPS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name}= must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+
+    @classmethod
+    def of(cls, *, batch_size: int, read: ReadOptions | None = None, **fields) -> LoaderOptions:
+        """Options from flat keywords: any field of this class or of its groups (``shuffle``,
+        ``seed``, ``rank``, ``num_threads``, ``on_error`` …); ``read=`` a whole `ReadOptions`."""
+        groups: dict[str, dict] = {g: {} for g in _GROUPS}
+        top = {}
+        for k, v in fields.items():
+            if k in _FIELDS:
+                groups[_FIELDS[k]][k] = v
+            elif k in ("split", "features", "return_index"):
+                top[k] = v
+            else:
+                raise ConfigError(f"unknown loader option {k}=; the options are {sorted([*_FIELDS, 'split', 'features', 'return_index'])}")
+        if read is not None:
+            groups["read"] = {**{f.name: getattr(read, f.name) for f in dataclasses.fields(read)}, **groups["read"]}
+        groups["plan"]["batch_size"] = batch_size
+        return cls(**top, **{g: _GROUPS[g](**kw) for g, kw in groups.items()})
+
+    def replace(self, **changes) -> LoaderOptions:
+        """A copy with fields changed by name, whichever group holds them (validated again)."""
+        top = {k: v for k, v in changes.items() if k not in _FIELDS}
+        for group in _GROUPS:
+            sub = {k: v for k, v in changes.items() if _FIELDS.get(k) == group}
+            if sub:
+                top[group] = dataclasses.replace(getattr(self, group), **sub)
+        try:
+            return dataclasses.replace(self, **top)
+        except TypeError as e:
+            raise ConfigError(f"unknown loader option in {sorted(changes)}: {e}") from None
+
+    # the most used fields, flat
+    @property
+    def batch_size(self) -> int:
+        return self.plan.batch_size
+
+    @property
+    def rank(self) -> int:
+        return self.shard.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.shard.world_size
