@@ -172,7 +172,7 @@ class FeatureCodec:
                     if 0 <= x < 1024:
                         return small[x]
                     if lo <= x < hi:
-                        vb = ex._varint(x)
+                        vb = ex.varint(x)
                         return prefix[len(vb)] + vb
                 return generic(v)
             self.one = one
