@@ -130,3 +130,59 @@ def test_options_pass_whole_and_replace_by_name():
     assert (moved.rank, moved.world_size, moved.batch_size, moved.plan.seed) == (2, 4, 16, 3)
     with pytest.raises(ConfigError, match="rank 4 is not in range"):
         opts.replace(rank=4)
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 5000), seed=st.integers(0, 2**40), epoch=st.integers(0, 50))
+def test_the_bijection_is_a_permutation(n, seed, epoch):
+    from crossfeed.read.plan import Permutation, _keys
+
+    got = Permutation(n, _keys(seed, epoch, 1))(np.arange(n))
+    assert sorted(got.tolist()) == list(range(n))
+
+
+@settings(max_examples=40, deadline=None)
+@given(counts=counts_st, seed=st.integers(0, 2**31), epoch=st.integers(0, 9), shuffle=st.sampled_from(list(Shuffle)),
+       block=st.integers(1, 4))
+def test_large_epochs_are_evaluated_per_batch_with_the_same_properties(counts, seed, epoch, shuffle, block):
+    """Above TABLE_MAX the order is never materialised: evaluated on any positions it is still a
+    permutation, and a plan's batches are exactly its samples in order."""
+    import crossfeed.read.plan as plan_mod
+
+    old = plan_mod.TABLE_MAX
+    plan_mod.TABLE_MAX = 0  # every epoch takes the large-epoch path
+    try:
+        order = epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, block_shards=block)
+        assert sorted(order.tolist()) == list(range(sum(counts)))
+        sampler = Sampler(counts, PlanOptions(batch_size=3, shuffle=shuffle, seed=seed, block_shards=block),
+                          ShardOptions(rank=0, world_size=2))
+        plan = sampler.plan(epoch, 0)
+        got = [i for b in plan for i in b.tolist()]
+        assert got == plan.samples.tolist()
+        if shuffle is Shuffle.BLOCK:  # each window of shards is read before the next one starts
+            starts = np.concatenate([[0], np.cumsum(counts)])
+            shard_of = np.searchsorted(starts, order, side="right") - 1
+            seen_windows = []
+            for s in shard_of.tolist():
+                w = [w for w, ws in enumerate(sampler.plan(epoch, 0).order._windows) if s in ws.tolist()][0]
+                if not seen_windows or seen_windows[-1] != w:
+                    assert w not in seen_windows
+                    seen_windows.append(w)
+    finally:
+        plan_mod.TABLE_MAX = old
+
+
+def test_a_ten_billion_sample_epoch_plans_in_constant_memory():
+    import tracemalloc
+
+    counts = [10**6] * 10**4  # 10^10 samples in 10,000 shards
+    tracemalloc.start()
+    for shuffle in Shuffle:
+        sampler = Sampler(counts, PlanOptions(batch_size=256, shuffle=shuffle, seed=1), ShardOptions(rank=3, world_size=8))
+        plan = sampler.plan(5, 123_456_789)
+        first, later = plan.batch(0), plan.batch(plan.rank_batches - 1)
+        assert len(first) == 256 and len(set(first.tolist())) == 256
+        assert ((0 <= first) & (first < 10**10)).all() and ((0 <= later) & (later < 10**10)).all()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 8 << 20, f"planning 10^10 samples used {peak / 2**20:.1f} MiB"

@@ -196,3 +196,15 @@ def test_executor_keeps_order_bounds_the_window_and_passes_errors_on():
         list(ex_.map(build, range(20)))
     ex_.close()
     assert peak[0] <= 3
+
+
+def test_a_large_split_gathers_only_the_shards_a_batch_touches(tabular, monkeypatch):
+    from crossfeed.read import frame_reader
+
+    ds, _ = tabular
+    indices = np.random.default_rng(3).permutation(len(ds["train"]))[:30]
+    want = _payloads(FrameReader(ds["train"])(indices))
+    monkeypatch.setattr(frame_reader, "ALL_INDEX_MAX", 0)
+    reader = FrameReader(crossfeed.open_dataset(ds.path)["train"])
+    assert _payloads(reader(indices)) == want
+    assert reader._index is None  # no split-wide table was built

@@ -32,6 +32,7 @@ from crossfeed.read.dataset import Split
 
 ROWS_MAX = 4096  # framed records at most this long may come as rows
 ROWS_SPREAD = 64  # ... when the lengths in one batch differ by at most this many bytes
+ALL_INDEX_MAX = 1 << 21  # splits up to this many records gather batches from one split-wide index table (32 MiB)
 
 
 @dataclasses.dataclass
@@ -99,8 +100,12 @@ class FrameReader:
             return self._by_record(indices, shard, on_error)
         if len(present) == 1:
             index = self.split.index(s0)[indices - self.split.starts[s0]]
-        else:  # one gather from the split's whole index instead of one per shard
+        elif len(self.split) <= ALL_INDEX_MAX:  # one gather from the split's whole index
             index = self._all_index()[indices]
+        else:  # a large split: only the shards the batch touches are loaded
+            index = np.empty((len(indices), 2), dtype=np.int64)
+            for s, m in zip(present, parts):
+                index[m] = self.split.index(s)[indices[m] - self.split.starts[s]]
         offs, lens = index[:, 0], index[:, 1]
         u8s = [np.frombuffer(b, dtype=np.uint8) for b in bufs]
         if all(s in self._fits for s in present):

@@ -8,7 +8,7 @@ framework, and O(1) exact and elastic resumption from ``(seed, epoch, position)`
 
 Layout of one epoch::
 
-    order     = epoch_order(counts, seed, epoch, shuffle)     # a permutation of all N samples
+    order(k)  = the k-th sample of the epoch, for k in [0, N)   # a seeded bijection, never an array
     remaining = order[position:]                               # what is left of the epoch
     remaining = equalise(remaining, world_size, remainder)     # drop or pad to a multiple of W
     rank r    = remaining[r::W]                                # strided: lockstep-friendly
@@ -17,14 +17,22 @@ Layout of one epoch::
 Because ranks take strided samples, after every rank delivered ``k`` batches the samples
 consumed are exactly ``remaining[:k*B*W]``: the new position is ``position + k*B*W`` whatever
 the world size was, which is what makes elastic resumption exact.
+
+Nothing here grows with the dataset: the global order is a keyed Feistel network over
+``[0, N)`` with cycle walking (`Permutation`), the block order permutes shards (O(shards)) and,
+within each window of shards, evaluates a permutation of the window; a batch's indices are
+computed from its position in the epoch, O(batch size). Small epochs (≤ `TABLE_MAX` samples)
+draw their order once into a table instead (one C shuffle): faster per batch; the order is
+still a pure function of the plan's inputs.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -46,30 +54,116 @@ class Remainder(str, enum.Enum):
     DROP = "drop"  # drop the tail; the tail moves with the epoch, so no sample is skipped forever
 
 
-def _rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch), stream]))
+TABLE_MAX = 1 << 21  # epochs up to this many samples draw their order as a table (16 MiB at most)
+CHUNK_SAMPLES = 1 << 14  # larger epochs evaluate their order this many positions at a time
+_CHUNK_LOCK = threading.Lock()
+
+
+def _keys(seed: int, epoch: int, stream: int, *more: int, count: int = 8) -> np.ndarray:
+    words = [int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch), stream, *more]
+    return np.random.SeedSequence(words).generate_state(count, np.uint64)
+
+
+class Permutation:
+    """A seeded bijection on ``[0, n)``, evaluated on any array of positions in O(its size).
+
+    Four rounds of ``x = (x * m + c) mod 2**b`` (``m`` odd: a bijection) then ``x ^= x >> s``
+    (also a bijection) on the ``b = bit_length(n - 1)`` bits, keyed by ``(m, c)`` per round, with
+    cycle walking: an output ``>= n`` goes round again until it lands in range (a permutation's
+    cycles guarantee it does; ``2**b < 2n``, so under two rounds on average)."""
+
+    ROUNDS = 4
+
+    def __init__(self, n: int, keys: np.ndarray):
+        self.n = int(n)
+        bits = max(1, (self.n - 1).bit_length())
+        self._mask = np.uint64((1 << bits) - 1)
+        self._shift = np.uint64(max(1, (bits + 1) // 2))
+        keys = np.asarray(keys, dtype=np.uint64)
+        self._rounds = [(np.uint64(keys[2 * r] | np.uint64(1)), np.uint64(keys[2 * r + 1])) for r in range(self.ROUNDS)]
+
+    def _step(self, x: np.ndarray) -> np.ndarray:
+        mask, shift = self._mask, self._shift
+        for m, c in self._rounds:
+            x = (x * m + c) & mask
+            x ^= x >> shift
+        return x
+
+    def __call__(self, k: np.ndarray) -> np.ndarray:
+        y = self._step(np.asarray(k, dtype=np.uint64))
+        out = np.flatnonzero(y >= self.n)
+        while len(out):
+            y[out] = self._step(y[out])
+            out = out[y[out] >= self.n]
+        return y.astype(np.int64)
+
+
+class EpochOrder:
+    """``order(positions)``: the samples at those positions of one epoch's order (global,
+    shard-major indices). Built in O(shards); evaluated in O(len(positions))."""
+
+    def __init__(self, counts, *, seed: int, epoch: int, shuffle: Shuffle, block_shards: int = 4):
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.n = int(self.counts.sum())
+        self.shuffle = Shuffle(shuffle)
+        self._table: np.ndarray | None = None  # the whole order, for small epochs
+        if self.shuffle is Shuffle.GLOBAL:
+            self._perm = Permutation(self.n, _keys(seed, epoch, 1))
+            if self.n <= TABLE_MAX:  # small: one C shuffle beats evaluating the bijection
+                self._table = np.random.default_rng(_keys(seed, epoch, 1, count=4)).permutation(self.n)
+        elif self.shuffle is Shuffle.NONE:
+            # rotate with the epoch so that a dropped remainder is not always the same samples
+            self._shift = (epoch * 2654435761) % self.n if self.n else 0
+        else:
+            starts = np.concatenate([[0], np.cumsum(self.counts)])
+            rng = np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch), 2]))
+            shard_order = rng.permutation(len(self.counts))
+            self._windows = [shard_order[w : w + block_shards] for w in range(0, len(shard_order), max(1, block_shards))]
+            sizes = np.array([int(self.counts[ws].sum()) for ws in self._windows], dtype=np.int64)
+            self._wstarts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            self._starts = starts
+            self._wkeys = (seed, epoch)
+        if self.n <= TABLE_MAX and self.shuffle is Shuffle.BLOCK:  # small: one C shuffle per window
+            rng = np.random.default_rng(_keys(seed, epoch, 2, count=4))
+            self._table = np.concatenate(
+                [np.concatenate([np.arange(starts[s], starts[s + 1]) for s in ws])[rng.permutation(int(self.counts[ws].sum()))]
+                 for ws in self._windows] or [np.zeros(0, np.int64)]).astype(np.int64)
+
+    @property
+    def materialised(self) -> bool:
+        """Whether the whole order is a table (small epochs) or evaluated on demand."""
+        return self._table is not None or self.shuffle is Shuffle.NONE
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        if self._table is not None:
+            return self._table[positions]
+        return self._eval(positions)
+
+    def _eval(self, k: np.ndarray) -> np.ndarray:
+        if self.shuffle is Shuffle.GLOBAL:
+            return self._perm(k)
+        if self.shuffle is Shuffle.NONE:
+            return (k + self._shift) % self.n
+        out = np.empty(len(k), dtype=np.int64)
+        w = np.searchsorted(self._wstarts, k, side="right") - 1
+        for win in np.unique(w).tolist():
+            m = w == win
+            shards = self._windows[win]
+            size = int(self._wstarts[win + 1] - self._wstarts[win])
+            inner = Permutation(size, _keys(*self._wkeys, 2, win))(k[m] - self._wstarts[win])
+            cum = np.cumsum(self.counts[shards])
+            j = np.searchsorted(cum, inner, side="right")
+            before = np.concatenate([[0], cum])[j]
+            out[m] = self._starts[shards[j]] + inner - before
+        return out
 
 
 def epoch_order(counts, *, seed: int, epoch: int, shuffle: Shuffle, block_shards: int = 4) -> np.ndarray:
-    """All sample indices of the split (shard-major numbering) in this epoch's order."""
-    counts = np.asarray(counts, dtype=np.int64)
-    n = int(counts.sum())
-    shuffle = Shuffle(shuffle)
-    if shuffle is Shuffle.GLOBAL:
-        return _rng(seed, epoch, 1).permutation(n)
-    if shuffle is Shuffle.NONE:
-        # rotate with the epoch so that a dropped remainder is not always the same samples
-        shift = (epoch * 2654435761) % n if n else 0
-        return np.roll(np.arange(n, dtype=np.int64), -shift)
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    rng = _rng(seed, epoch, 2)
-    shard_order = rng.permutation(len(counts))
-    parts = []
-    for w in range(0, len(shard_order), max(1, block_shards)):
-        window = shard_order[w : w + block_shards]
-        idx = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in window]) if len(window) else np.zeros(0, np.int64)
-        parts.append(idx[rng.permutation(len(idx))])
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    """All sample indices of the split (shard-major numbering) in this epoch's order, as one
+    array (for tests and small tools; the Loader never builds it for large epochs)."""
+    order = EpochOrder(counts, seed=seed, epoch=epoch, shuffle=shuffle, block_shards=block_shards)
+    return order(np.arange(order.n, dtype=np.int64))
 
 
 def per_rank(remaining: int, world_size: int, remainder: Remainder) -> int:
@@ -79,41 +173,65 @@ def per_rank(remaining: int, world_size: int, remainder: Remainder) -> int:
     return math.ceil(remaining / world_size)
 
 
-def rank_samples(order: np.ndarray, *, position: int, world_size: int, rank: int, remainder: Remainder) -> np.ndarray:
-    """This rank's samples, in delivery order, for the rest of the epoch after ``position``."""
-    rest = order[position:]
-    n = per_rank(len(rest), world_size, remainder)
-    need = n * world_size
-    if need > len(rest):  # pad by repeating from the start of the epoch's order
-        rest = np.concatenate([rest, np.resize(order, need - len(rest))])
-    return rest[:need][rank::world_size]
-
-
 def num_batches(n: int, batch_size: int, drop_last: bool) -> int:
     return n // batch_size if drop_last else math.ceil(n / batch_size)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One rank's (and worker's) batches for the rest of an epoch."""
+    """One rank's (and worker's) batches for the rest of an epoch, computed batch by batch."""
 
-    samples: np.ndarray  # this rank's samples in order
+    order: EpochOrder
+    position: int  # samples of the epoch all ranks consumed before this plan
+    per_rank: int  # samples this rank delivers (all its workers together)
+    rank: int
+    world_size: int
     batch_size: int
     drop_last: bool
     worker: int = 0
     num_workers: int = 1
+    _chunk: dict = field(default_factory=dict, compare=False, repr=False)  # {chunk: indices}, see `batch`
 
     @property
     def rank_batches(self) -> int:
         """Batches this rank delivers (all its workers together)."""
-        return num_batches(len(self.samples), self.batch_size, self.drop_last)
+        return num_batches(self.per_rank, self.batch_size, self.drop_last)
 
     def batch_ids(self) -> range:
         """Rank-level batch numbers this worker produces."""
         return range(self.worker, self.rank_batches, self.num_workers)
 
     def batch(self, b: int) -> np.ndarray:
-        return self.samples[b * self.batch_size : (b + 1) * self.batch_size]
+        """The global sample indices of rank batch ``b``. Large epochs evaluate the order for a
+        chunk of consecutive batches at once (the per-call cost of numpy dominates a single
+        batch) and keep the last chunk; the indices are the same either way."""
+        if self.order.materialised:
+            return self._at(np.arange(b * self.batch_size, min((b + 1) * self.batch_size, self.per_rank), dtype=np.int64))
+        per = max(1, CHUNK_SAMPLES // self.batch_size)
+        c = b // per
+        with _CHUNK_LOCK:
+            cached = self._chunk.get(c)
+        if cached is None:
+            lo = c * per * self.batch_size
+            cached = self._at(np.arange(lo, min(lo + per * self.batch_size, self.per_rank), dtype=np.int64))
+            with _CHUNK_LOCK:
+                self._chunk.clear()
+                self._chunk[c] = cached
+        start = (b - c * per) * self.batch_size
+        return cached[start : start + self.batch_size]
+
+    @property
+    def samples(self) -> np.ndarray:
+        """All of this rank's samples in order (O(per_rank): for tests and small tools)."""
+        return self._at(np.arange(self.per_rank, dtype=np.int64))
+
+    def _at(self, j: np.ndarray) -> np.ndarray:
+        """Rank sample ``j`` is ``remaining[rank + j * W]``; past the end of the epoch the
+        remainder pads from the start of the epoch's order."""
+        k = self.rank + j * self.world_size
+        left = self.order.n - self.position
+        pos = np.where(k < left, self.position + k, (k - left) % max(self.order.n, 1))
+        return self.order(pos)
 
     def __len__(self) -> int:
         return len(self.batch_ids())
@@ -134,14 +252,20 @@ class Sampler:
         self.counts = np.asarray(counts, dtype=np.int64)
         self.total = int(self.counts.sum())
         self.options, self.shard = plan, shard
+        self._order: tuple[int, EpochOrder] | None = None
+        self._lock = threading.Lock()
 
     def plan(self, epoch: int, position: int = 0) -> Plan:
         o, sh = self.options, self.shard
         if not 0 <= position <= self.total:
             raise ConfigError(f"position {position} is outside the epoch of {self.total} samples; was the state saved for another dataset?")
-        order = epoch_order(self.counts, seed=o.seed, epoch=epoch, shuffle=o.shuffle, block_shards=o.block_shards)
-        samples = rank_samples(order, position=position, world_size=sh.world_size, rank=sh.rank, remainder=o.remainder)
-        return Plan(samples, o.batch_size, o.drop_last, sh.worker, sh.num_workers)
+        with self._lock:
+            if self._order is None or self._order[0] != epoch:  # the order of one epoch is kept
+                self._order = (epoch, EpochOrder(self.counts, seed=o.seed, epoch=epoch, shuffle=o.shuffle,
+                                                 block_shards=o.block_shards))
+            order = self._order[1]
+        n = per_rank(self.total - position, sh.world_size, o.remainder)
+        return Plan(order, position, n, sh.rank, sh.world_size, o.batch_size, o.drop_last, sh.worker, sh.num_workers)
 
     def rank_batch_count(self, position: int = 0) -> int:
         """Batches each rank delivers from ``position`` to the end of an epoch (all its workers
