@@ -44,13 +44,15 @@ from crossfeed.read.dataset import Dataset
 from crossfeed.read.env import rank_and_world
 from crossfeed.errors import ConfigError
 from crossfeed.read.loader import Loader
-from crossfeed.read.options import LoaderOptions
+from crossfeed.read.options import LoaderOptions, Source
 
 __all__ = ["StatefulLoader", "TorchDataset", "to_torch"]
 
 
 def _is_stream(source) -> bool:
-    return not isinstance(source, (str, bytes, os.PathLike, Dataset)) and hasattr(source, "__iter__")
+    if isinstance(source, (list, tuple)) and source and all(isinstance(s, Source) for s in source):
+        return False  # a mixture
+    return not isinstance(source, (str, bytes, os.PathLike, Dataset, Source)) and hasattr(source, "__iter__")
 
 
 def _rank_and_world(rank, world_size) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from crossfeed.errors import (
     WireError,
 )
 from crossfeed.read.loader import Loader
-from crossfeed.read.options import LoaderOptions, PlanOptions, ReadOptions, ShardOptions
+from crossfeed.read.options import LoaderOptions, PlanOptions, ReadOptions, ShardOptions, Source
 from crossfeed.read.plan import Remainder, Shuffle
 from crossfeed.format.schema import Encoding, Feature, Schema
 from crossfeed.write.writer import write_dataset
@@ -59,6 +59,7 @@ __all__ = [
     "SchemaError",
     "ShardOptions",
     "Shuffle",
+    "Source",
     "Split",
     "WireError",
     "connect",

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from crossfeed.format.schema import SOURCE_KEY
 from crossfeed.read.loader import INDEX_KEY, Loader
 
 
 def ids_of(batches) -> list[np.ndarray]:
-    return [np.asarray(b[INDEX_KEY]).copy() for b in batches]
+    """Each batch's sample ids (a mixture's as ``source * 10**9 + index``)."""
+    return [np.asarray(b[INDEX_KEY]) + (np.asarray(b[SOURCE_KEY]) * 10**9 if SOURCE_KEY in b else 0) for b in batches]
 
 
 def epoch_batches(path, **kw) -> list[np.ndarray]:

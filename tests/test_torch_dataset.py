@@ -257,3 +257,17 @@ def test_a_per_sample_transform_keeps_scalars_as_tensors(ids_dataset):
     for b in DataLoader(ds, batch_size=None, num_workers=1):
         assert b["id"].dtype == torch.int64 and b["x"].shape == (len(b["id"]), 3)
         assert torch.equal(b["x"][:, 0], 2 * b["id"].float())
+
+
+def test_a_mixture_through_dataloader_workers_is_the_loaders_sequence(ids_dataset, tmp_path):
+    crossfeed.write_dataset(tmp_path / "few", [{"id": 1000 + i, "x": np.full(3, i, np.float32)} for i in range(9)],
+                            num_shards=2).close()
+    sources = [crossfeed.Source(ids_dataset, weight=2), crossfeed.Source(tmp_path / "few", weight=1)]
+    kw = dict(batch_size=6, seed=4, samples_per_epoch=90, rank=0, world_size=1, return_index=True)
+    with Loader(sources, **kw) as loader:
+        want = [(b["__source__"].tolist(), b["__index__"].tolist(), b["id"].tolist()) for b in loader]
+    ds = TorchDataset(sources, **kw)
+    with StatefulLoader(ds, num_workers=2) as dl:
+        got = [(b["__source__"].tolist(), b["__index__"].tolist(), b["id"].tolist()) for b in dl]
+    assert got == want and len(got) == 15
+    assert sum(s.count(1) for s, _, _ in got) == 30  # a third of the samples from the small source

@@ -27,7 +27,8 @@ from crossfeed.format import example as ex
 from crossfeed.errors import SchemaError
 
 SHAPE_SUFFIX = "/shape"
-INDEX_KEY = "__index__"  # a batch key, never a feature: the global sample indices of the batch
+INDEX_KEY = "__index__"  # a batch key, never a feature: the sample indices of the batch
+SOURCE_KEY = "__source__"  # a batch key of mixtures: the source (position in the list) of each sample
 
 
 class Encoding(str, enum.Enum):

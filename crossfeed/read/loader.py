@@ -20,13 +20,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from crossfeed.errors import ConfigError
-from crossfeed.format.schema import INDEX_KEY
+from crossfeed.format.schema import INDEX_KEY, SOURCE_KEY
 from crossfeed.policy import ErrorBudget, OnError
-from crossfeed.read.dataset import Dataset, open_dataset
-from crossfeed.read.decode import RecordDecoder, collate, make_decoder
+from crossfeed.read.dataset import Dataset, Split, open_dataset
+from crossfeed.read.decode import collate, make_decoder
 from crossfeed.read.executor import ThreadExecutor
 from crossfeed.read.frame_reader import FrameReader
-from crossfeed.read.options import LoaderOptions, ReadOptions
+from crossfeed.read.options import LoaderOptions, ReadOptions, Source
 from crossfeed.read.plan import Plan, Remainder, Sampler, Shuffle
 
 log = logging.getLogger(__name__)
@@ -36,40 +36,115 @@ STAGES = ("read", "decode", "transform", "batch")  # what `BatchBuilder` times, 
 __all__ = ["INDEX_KEY", "BatchBuilder", "Loader", "LoaderOptions", "ReadOptions", "Remainder", "Shuffle"]
 
 
+class SourceReader:
+    """Stages 2 and 3 for one split: global sample indices → ``(batch, kept)``, the decoded batch
+    and the positions of the indices that made it into it (all, unless ``on_error`` dropped some)."""
+
+    def __init__(self, split: Split, features, *, read: ReadOptions, whole_shards: bool, keep_loaded: int | None):
+        # batch arrays the consumer has dropped are reused: at most this many are in flight
+        self.decoder = make_decoder(features, decode_images=read.decode_images, recycle=read.num_threads + read.prefetch + 4)
+        self.frames = FrameReader(split, whole_shards=whole_shards, keep_loaded=keep_loaded)
+        self.frames.rows = self.decoder.columnar and self.frames.small_records()
+
+    def __call__(self, indices: np.ndarray, budget=None, tick=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        frames = self.frames(indices, on_error=budget)
+        if tick:
+            tick("read")
+        batch, kept = self.decoder(frames, where=lambda j: self.frames.where(frames.indices[j]), on_error=budget)
+        if tick:
+            tick("decode")
+        if len(frames.indices) == len(indices):
+            return batch, kept
+        return batch, np.searchsorted(indices, frames.indices[kept]) if _sorted(indices) else _positions(indices, frames.indices[kept])
+
+
+def _sorted(a: np.ndarray) -> bool:
+    return bool(len(a) < 2 or (a[1:] > a[:-1]).all())
+
+
+def _positions(indices: np.ndarray, kept_values: np.ndarray) -> np.ndarray:
+    """Positions in ``indices`` of ``kept_values`` (a subsequence of distinct ``indices``; a batch
+    may repeat an index only under padding, where the first occurrences are taken in order)."""
+    out, j = [], 0
+    vals = kept_values.tolist()
+    for i, v in enumerate(indices.tolist()):
+        if j < len(vals) and v == vals[j]:
+            out.append(i)
+            j += 1
+    return np.asarray(out, dtype=np.int64)
+
+
+class MixtureReader:
+    """Stages 2 and 3 for a mixture: the batch's sample ids (global across sources, see
+    `crossfeed.read.plan.MixtureOrder`) are read and decoded by their sources' readers, then
+    merged back into batch order. A feature of the same dtype and item shape in every part is one
+    array; otherwise (images of different sizes across sources) an object array per sample."""
+
+    def __init__(self, readers: list[SourceReader], starts: np.ndarray):
+        self.readers, self.starts = readers, starts
+        self.rows = all(r.frames.rows for r in readers)
+
+    def __call__(self, ids: np.ndarray, budget=None, tick=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        src = np.searchsorted(self.starts, ids, side="right") - 1
+        parts, where = [], []
+        for s in np.unique(src).tolist():
+            m = np.flatnonzero(src == s)
+            batch, kept = self.readers[s](ids[m] - self.starts[s], budget, tick)
+            parts.append(batch)
+            where.append(m[kept])
+        pos = np.concatenate(where) if where else np.zeros(0, np.int64)
+        order = np.argsort(pos, kind="stable")
+        out = {}
+        for k in parts[0] if parts else ():
+            vals = [p[k] for p in parts]
+            if all(v.dtype != object and v.dtype == vals[0].dtype and v.shape[1:] == vals[0].shape[1:] for v in vals):
+                out[k] = np.concatenate(vals)[order]
+            else:
+                flat = [x for v in vals for x in v]
+                out[k] = collate([flat[i] for i in order.tolist()])
+        return out, pos[order]
+
+
 class BatchBuilder:
-    """One batch from its global indices: frames → decode → transform → batch. Runs in an
-    executor thread; stateless but for the decoder's buffer recycler, so threads share it.
+    """One batch from its sample ids: frames → decode (`SourceReader`, or `MixtureReader`) →
+    transform → batch. Runs in an executor thread; shared by the threads.
 
     With ``timings`` (a dict), the seconds each stage took are added to it under `STAGES`:
     ``crossfeed bench`` times the very stages the Loader runs.
     """
 
-    def __init__(self, frames: FrameReader, decoder: RecordDecoder, *, transform=None, batch_transform=None,
+    def __init__(self, reader: SourceReader | MixtureReader, *, transform=None, batch_transform=None,
                  return_index: bool = False, budget: ErrorBudget | None = None):
-        self.frames, self.decoder = frames, decoder
+        self.reader = reader
         self.transform, self.batch_transform = transform, batch_transform
         self.return_index = return_index
         self.budget = budget
 
     def __call__(self, indices: np.ndarray, timings: dict[str, float] | None = None) -> dict[str, np.ndarray]:
-        tick = _Ticker(timings) if timings is not None else _no_tick
-        frames = self.frames(indices, on_error=self.budget)
-        tick("read")
-        batch, kept = self.decoder(frames, where=lambda j: self.frames.where(frames.indices[j]), on_error=self.budget)
-        indices = frames.indices[kept]
-        tick("decode")
+        tick = _Ticker(timings) if timings is not None else None
+        batch, kept = self.reader(indices, self.budget, tick)
+        indices = indices[kept]
         if self.transform is not None:
             samples = [self.transform({k: v[i] for k, v in batch.items()}) for i in range(len(indices))]
-            tick("transform")
+            if tick:
+                tick("transform")
             if samples:
                 batch = {k: collate([s[k] for s in samples]) for k in samples[0]}
-            tick("batch")
+            if tick:
+                tick("batch")
         if self.return_index:
-            batch[INDEX_KEY] = indices
+            if isinstance(self.reader, MixtureReader):
+                src = np.searchsorted(self.reader.starts, indices, side="right") - 1
+                batch[SOURCE_KEY] = src
+                batch[INDEX_KEY] = indices - self.reader.starts[src]
+            else:
+                batch[INDEX_KEY] = indices
         if self.batch_transform is not None:
-            tick(None)
+            if tick:
+                tick(None)
             batch = self.batch_transform(batch)
-            tick("transform")
+            if tick:
+                tick("transform")
         return batch
 
 
@@ -84,10 +159,6 @@ class _Ticker:
         if name is not None:
             self.timings[name] = self.timings.get(name, 0.0) + now - self.last
         self.last = now
-
-
-def _no_tick(name: str | None) -> None:
-    pass
 
 
 class Loader:
@@ -115,27 +186,42 @@ class Loader:
         if start is not None and epoch is not None:
             raise ConfigError("pass start=(epoch, position) or epoch=, not both")
         self.options = options
-        self.dataset: Dataset = open_dataset(source)
-        self.split = self.dataset[options.split]
-        names = list(options.features) if options.features is not None else self.dataset.schema.names
-        try:
-            feats = [self.dataset.schema[n] for n in names]
-        except KeyError as e:
-            raise ConfigError(f"features: {e.args[0]}") from None
-        self.sampler = Sampler(self.split.counts, options.plan, options.shard)
-        read = options.read
+        read, plan = options.read, options.plan
         self.transform, self.batch_transform = transform, batch_transform
         self._budget = ErrorBudget(read.max_skips, logger=log) if read.on_error is OnError.SKIP else None
-        # batch arrays the consumer has dropped are reused: at most this many are in flight
-        decoder = make_decoder(feats, decode_images=read.decode_images, recycle=read.num_threads + read.prefetch + 4)
-        whole = self.dataset.storage.remote and options.plan.shuffle is not Shuffle.GLOBAL
-        frames = FrameReader(self.split, whole_shards=whole, keep_loaded=2 * options.plan.block_shards if whole else None)
-        frames.rows = decoder.columnar and frames.small_records()
-        self.builder = BatchBuilder(frames, decoder, transform=transform, batch_transform=batch_transform,
+        self.sources: tuple[Source, ...] | None = _as_sources(source)
+        if self.sources is None:
+            self.dataset: Dataset = open_dataset(source)
+            self.datasets = [self.dataset]
+            self.split = self.dataset[options.split]
+            splits = [self.split]
+        else:
+            if plan.samples_per_epoch is None and not self.sources:
+                raise ConfigError("a mixture needs at least one Source")
+            self.datasets = [open_dataset(s.path) for s in self.sources]
+            splits = [ds[s.split] for ds, s in zip(self.datasets, self.sources)]
+            self.dataset, self.split = self.datasets[0], None
+        feats = _features(options.features, self.datasets, self.sources)
+        readers = []
+        for ds, sp in zip(self.datasets, splits):
+            whole = ds.storage.remote and plan.shuffle is not Shuffle.GLOBAL
+            readers.append(SourceReader(sp, [ds.schema[f.name] for f in feats], read=read, whole_shards=whole,
+                                        keep_loaded=2 * plan.block_shards if whole else None))
+        if self.sources is None:
+            self.sampler = Sampler(self.split.counts, plan, options.shard)
+            reader = readers[0]
+            rows = reader.frames.rows
+        else:
+            self.sampler = Sampler([sp.counts for sp in splits], plan, options.shard,
+                                   weights=[s.weight for s in self.sources])
+            sizes = [len(sp) for sp in splits]
+            reader = MixtureReader(readers, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+            rows = reader.rows
+        self.builder = BatchBuilder(reader, transform=transform, batch_transform=batch_transform,
                                     return_index=options.return_index, budget=self._budget)
         # Small records cut column-wise are short numpy steps that hold the GIL: a second thread
         # only contends for it, so they get one (the prefetch window stays as wide).
-        threads = 1 if frames.rows and transform is None else read.num_threads
+        threads = 1 if rows and transform is None else read.num_threads
         self.executor = ThreadExecutor(threads, read.num_threads + read.prefetch)
         epoch, position = start if start is not None else (epoch or 0, 0)
         self.start_at(epoch, position)
@@ -175,8 +261,8 @@ class Loader:
         the samples every rank together consumed; see `crossfeed.read.plan`)."""
         if int(epoch) < 0:
             raise ConfigError(f"epoch must be >= 0, got {epoch}")
-        if not 0 <= int(position) <= len(self.split):
-            raise ConfigError(f"position {position} is outside the epoch of {len(self.split)} samples; "
+        if not 0 <= int(position) <= self.sampler.total:
+            raise ConfigError(f"position {position} is outside the epoch of {self.sampler.total} samples; "
                               f"was the state saved for another dataset?")
         self._epoch, self._position, self._delivered = int(epoch), int(position), 0
 
@@ -205,8 +291,13 @@ class Loader:
 
     def state_dict(self) -> dict:
         """Small and framework-free: resume with `load_state_dict` in any process, any world size."""
-        return {"version": STATE_VERSION, "seed": self.config.seed, "epoch": self._epoch, "position": self.position,
-                "num_samples": len(self.split), "batch_size": self.config.batch_size}
+        state = {"version": STATE_VERSION, "seed": self.config.seed, "epoch": self._epoch, "position": self.position,
+                 "num_samples": self.sampler.total, "batch_size": self.config.batch_size}
+        if self.sources is not None:  # for people: where each source stands (derived from the above)
+            order = self.sampler.plan(self._epoch, self.position).order
+            draws = order.epoch * order.per_epoch + order.draws(np.full(len(self.sources), self.position), np.arange(len(self.sources)))
+            state["sources"] = [{"pass": int(d // n), "offset": int(d % n)} for d, n in zip(draws.tolist(), order.sizes.tolist())]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
@@ -216,10 +307,10 @@ class Loader:
             seed, num, epoch, position = state["seed"], state["num_samples"], int(state["epoch"]), int(state["position"])
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"loader state is missing or has a bad field: {e}") from None
-        if seed != self.config.seed or num != len(self.split):
+        if seed != self.config.seed or num != self.sampler.total:
             raise ConfigError(
                 f"state was saved with seed {seed} over {num} samples; this loader has seed "
-                f"{self.config.seed} over {len(self.split)}: resume with the same seed and dataset")
+                f"{self.config.seed} over {self.sampler.total}: resume with the same seed and dataset")
         self.start_at(epoch, position)
 
     # -- iteration ----------------------------------------------------------------------------
@@ -233,10 +324,48 @@ class Loader:
 
     def close(self) -> None:
         self.executor.close()
-        self.dataset.close()
+        for ds in self.datasets:
+            ds.close()
 
     def __enter__(self) -> Loader:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _as_sources(source) -> tuple[Source, ...] | None:
+    """The sources of a mixture (a list of `Source`), or None for one dataset."""
+    if isinstance(source, Source):
+        return (source,)
+    if isinstance(source, (list, tuple)) and source and all(isinstance(s, Source) for s in source):
+        return tuple(source)
+    if isinstance(source, (list, tuple)):
+        raise ConfigError("a mixture is a list of crossfeed.Source(path, split=..., weight=...)")
+    return None
+
+
+def _features(names, datasets: list[Dataset], sources) -> list:
+    """The features to read: ``names``, or every feature (a mixture: every feature its sources
+    share); each must have the same definition in every source."""
+    first = datasets[0].schema
+    if names is None:
+        names = [n for n in first.names if all(n in ds.schema.names for ds in datasets)]
+        if not names:
+            raise ConfigError("the mixture's sources share no feature; pass features= to choose")
+    out = []
+    for n in names:
+        defs = []
+        for i, ds in enumerate(datasets):
+            if n not in ds.schema.names:
+                where = f"source {i} ({ds.path})" if sources else ds.path
+                raise ConfigError(f"features: {where} has no feature {n!r}; it has {ds.schema.names}")
+            defs.append(ds.schema[n])
+        for i, d in enumerate(defs[1:], 1):
+            if (d.dtype, d.shape, d.encoding) != (defs[0].dtype, defs[0].shape, defs[0].encoding):
+                raise ConfigError(
+                    f"feature {n!r} differs between mixture sources: source 0 has {defs[0].dtype}{list(defs[0].shape)} "
+                    f"{defs[0].encoding.value}, source {i} has {d.dtype}{list(d.shape)} {d.encoding.value}; "
+                    f"pass features= without it, or convert one source")
+        out.append(defs[0])
+    return out

@@ -50,6 +50,7 @@ class PlanOptions:
     drop_last: bool = False
     remainder: Remainder = Remainder.PAD
     block_shards: int = 4
+    samples_per_epoch: int | None = None  # a mixture's epoch length (None: the sum of its sources' sizes)
 
     def __post_init__(self):
         object.__setattr__(self, "shuffle", choice(Shuffle, self.shuffle, "shuffle"))
@@ -60,6 +61,8 @@ class PlanOptions:
         object.__setattr__(self, "seed", int(self.seed))
         object.__setattr__(self, "block_shards", _int(self.block_shards, "block_shards", 1))
         object.__setattr__(self, "drop_last", bool(self.drop_last))
+        if self.samples_per_epoch is not None:
+            object.__setattr__(self, "samples_per_epoch", _int(self.samples_per_epoch, "samples_per_epoch", 1))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,6 +106,22 @@ class ReadOptions:
         object.__setattr__(self, "prefetch", _int(self.prefetch, "prefetch", 0))
         object.__setattr__(self, "on_error", choice(OnError, self.on_error, "on_error"))
         object.__setattr__(self, "max_skips", _int(self.max_skips, "max_skips", 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One source of a mixture: ``Loader([Source("web/", weight=3), Source("books/")], ...)``.
+    ``path``: a dataset (directory, URL or open `Dataset`); ``weight``: its share of the samples."""
+
+    path: object
+    split: str = "train"
+    weight: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or not self.weight > 0:
+            raise ConfigError(f"Source weight must be a positive number, got {self.weight!r}")
+        if not isinstance(self.split, str) or not self.split:
+            raise ConfigError(f"Source split must be a split name, got {self.split!r}")
 
 
 _GROUPS = {"plan": PlanOptions, "shard": ShardOptions, "read": ReadOptions}

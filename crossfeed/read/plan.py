@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import math
+from fractions import Fraction
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -166,6 +167,125 @@ def epoch_order(counts, *, seed: int, epoch: int, shuffle: Shuffle, block_shards
     return order(np.arange(order.n, dtype=np.int64))
 
 
+MAX_PERIOD = 1 << 14  # a mixture's weights, as integers, may sum to at most this
+
+
+def integer_weights(weights) -> list[int]:
+    """Weights as the smallest integers in the same proportions (floats to 1/1000 precision)."""
+    fr = [Fraction(w).limit_denominator(1000) for w in weights]
+    if not fr or any(f <= 0 for f in fr):
+        raise ConfigError(f"mixture weights must be positive numbers, got {list(weights)}")
+    scale = math.lcm(*(f.denominator for f in fr))
+    ints = [int(f * scale) for f in fr]
+    g = math.gcd(*ints)
+    ints = [i // g for i in ints]
+    if sum(ints) > MAX_PERIOD:
+        raise ConfigError(f"mixture weights {list(weights)} are too fine-grained (as integers {ints} they sum to "
+                          f"{sum(ints)} > {MAX_PERIOD}); round them")
+    return ints
+
+
+def smooth_schedule(weights: list[int]) -> np.ndarray:
+    """One period (``sum(weights)`` positions) of a schedule of sources in which, over every
+    prefix, each source's count differs from ``weight / total × prefix`` by less than one.
+
+    Tijdeman's chairman assignment (1980), with ``δ = 1/(2(k−1))``: at step ``t`` a source is
+    eligible when its deficit ``t·w/W − count`` is at least ``δ`` (choosing it keeps it under
+    its upper bound), and the eligible source whose lower bound would be violated first — the
+    smallest deadline ``(count + 1 − δ)·W/w`` — is chosen (the first on ties). Its discrepancy is
+    at most ``1 − δ``. After ``W`` steps every source was chosen exactly ``w`` times, so the
+    schedule repeats with period ``W``. Integer arithmetic throughout (scaled by ``D = 2(k−1)``).
+    """
+    k, total = len(weights), sum(weights)
+    if k == 1:
+        return np.zeros(total, dtype=np.int64)
+    d = 2 * (k - 1)  # δ = 1 / d
+    count = [0] * k
+    out = np.empty(total, dtype=np.int64)
+    for t in range(1, total + 1):
+        best, best_key = -1, None
+        for i, w in enumerate(weights):
+            if d * (t * w - count[i] * total) >= total:  # eligible: deficit ≥ δ
+                key = Fraction((count[i] + 1) * d - 1, w)  # the deadline, up to the common factor W/d
+                if best_key is None or key < best_key:
+                    best, best_key = i, key
+        if best < 0:  # cannot happen (Tijdeman's theorem); never fail silently if it did
+            raise AssertionError(f"no eligible source at step {t} for weights {weights}")
+        count[best] += 1
+        out[t - 1] = best
+    return out
+
+
+class MixtureOrder:
+    """The order of one epoch of a weighted mixture of sources, as an `EpochOrder` is for one.
+
+    Position ``p`` of the epoch goes to source ``schedule[p % period]``; it is that source's
+    ``c``-th draw since training began, where ``c`` counts its earlier draws (in earlier epochs
+    too: each epoch of ``n`` positions takes the same number from each source). Draw ``c`` of a
+    source of ``N`` samples is position ``c % N`` of the source's own pass ``c // N`` — a
+    permutation of the source drawn with the source's own seed stream and the plan's shuffle —
+    so a small source repeats, pass after pass, and a large one is subsampled, exactly as the
+    weights say. Sample ids are global across sources: source ``s``'s sample ``i`` is
+    ``starts[s] + i``. Everything is O(sources) to build and O(positions) to evaluate.
+    """
+
+    materialised = False
+
+    def __init__(self, counts: list, weights: list[int], *, n: int, seed: int, epoch: int, shuffle: Shuffle,
+                 block_shards: int = 4):
+        self.counts = [np.asarray(c, dtype=np.int64) for c in counts]
+        self.sizes = np.array([int(c.sum()) for c in self.counts], dtype=np.int64)
+        if (self.sizes == 0).any():
+            raise ConfigError(f"mixture source {int(np.flatnonzero(self.sizes == 0)[0])} has no samples")
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.n, self.epoch = int(n), int(epoch)
+        self.weights = np.asarray(weights, dtype=np.int64)
+        self.schedule = smooth_schedule(list(weights))
+        self.period = len(self.schedule)
+        onehot = self.schedule[:, None] == np.arange(len(weights))[None, :]
+        self._before = np.concatenate([np.zeros((1, len(weights)), np.int64), np.cumsum(onehot, axis=0)])  # (period+1, k)
+        self.per_epoch = self.draws(np.full(len(weights), self.n, dtype=np.int64), np.arange(len(weights)))
+        self._seeds = [int(np.random.SeedSequence([int(seed), s, 0x6D6978]).generate_state(1, np.uint64)[0] >> 2)
+                       for s in range(len(weights))]
+        self._shuffle, self._block = Shuffle(shuffle), block_shards
+        self._orders: dict[tuple[int, int], EpochOrder] = {}
+        self._lock = threading.Lock()
+
+    def draws(self, positions: np.ndarray, source: np.ndarray) -> np.ndarray:
+        """Draws of ``source`` at positions before ``positions`` of one epoch."""
+        whole, part = np.divmod(positions, self.period)
+        return whole * self.weights[source] + self._before[part, source]
+
+    def source_of(self, positions: np.ndarray) -> np.ndarray:
+        return self.schedule[positions % self.period]
+
+    def _order(self, s: int, pass_: int) -> EpochOrder:
+        key = (s, pass_)
+        with self._lock:
+            got = self._orders.get(key)
+            if got is None:
+                if len(self._orders) > 4 * len(self.sizes):
+                    self._orders.clear()
+                got = self._orders[key] = EpochOrder(self.counts[s], seed=self._seeds[s], epoch=pass_,
+                                                     shuffle=self._shuffle, block_shards=self._block)
+        return got
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        src = self.source_of(positions)
+        out = np.empty(len(positions), dtype=np.int64)
+        for s in np.unique(src).tolist():
+            m = src == s
+            c = self.epoch * self.per_epoch[s] + self.draws(positions[m], np.full(int(m.sum()), s))
+            passes, within = np.divmod(c, self.sizes[s])
+            got = np.empty(len(c), dtype=np.int64)
+            for p in np.unique(passes).tolist():
+                q = passes == p
+                got[q] = self._order(s, p)(within[q])
+            out[m] = self.starts[s] + got
+        return out
+
+
 def per_rank(remaining: int, world_size: int, remainder: Remainder) -> int:
     """Samples each rank gets from ``remaining`` samples (the same for every rank)."""
     if Remainder(remainder) is Remainder.DROP:
@@ -248,12 +368,29 @@ class Sampler:
     iterating it yields ``np.ndarray[int64]`` batches of global sample indices.
     """
 
-    def __init__(self, counts, plan: PlanOptions, shard: ShardOptions):
-        self.counts = np.asarray(counts, dtype=np.int64)
-        self.total = int(self.counts.sum())
+    def __init__(self, counts, plan: PlanOptions, shard: ShardOptions, *, weights=None):
+        """``counts``: the record counts of the split's shards; for a mixture (``weights`` given,
+        one per source), a list of such arrays, one per source."""
         self.options, self.shard = plan, shard
-        self._order: tuple[int, EpochOrder] | None = None
+        self.weights = integer_weights(weights) if weights is not None else None
+        if self.weights is None:
+            self.counts = np.asarray(counts, dtype=np.int64)
+            self.total = int(self.counts.sum())
+        else:
+            if len(counts) != len(self.weights):
+                raise ConfigError(f"{len(counts)} sources but {len(self.weights)} weights")
+            self.counts = [np.asarray(c, dtype=np.int64) for c in counts]
+            sizes = sum(int(c.sum()) for c in self.counts)
+            self.total = int(plan.samples_per_epoch) if plan.samples_per_epoch is not None else sizes
+        self._order: tuple[int, EpochOrder | MixtureOrder] | None = None
         self._lock = threading.Lock()
+
+    def _make_order(self, epoch: int):
+        o = self.options
+        if self.weights is None:
+            return EpochOrder(self.counts, seed=o.seed, epoch=epoch, shuffle=o.shuffle, block_shards=o.block_shards)
+        return MixtureOrder(self.counts, self.weights, n=self.total, seed=o.seed, epoch=epoch, shuffle=o.shuffle,
+                            block_shards=o.block_shards)
 
     def plan(self, epoch: int, position: int = 0) -> Plan:
         o, sh = self.options, self.shard
@@ -261,8 +398,7 @@ class Sampler:
             raise ConfigError(f"position {position} is outside the epoch of {self.total} samples; was the state saved for another dataset?")
         with self._lock:
             if self._order is None or self._order[0] != epoch:  # the order of one epoch is kept
-                self._order = (epoch, EpochOrder(self.counts, seed=o.seed, epoch=epoch, shuffle=o.shuffle,
-                                                 block_shards=o.block_shards))
+                self._order = (epoch, self._make_order(epoch))
             order = self._order[1]
         n = per_rank(self.total - position, sh.world_size, o.remainder)
         return Plan(order, position, n, sh.rank, sh.world_size, o.batch_size, o.drop_last, sh.worker, sh.num_workers)
