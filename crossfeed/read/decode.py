@@ -94,7 +94,7 @@ class RecordDecoder:
 
     def __call__(self, frames: Frames, *, where: Callable[[int], str] = str,
                  on_error: Callable[[CrossfeedError], None] | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        payloads = frames.payloads if frames.payloads is not None else _rows_as_payloads(frames)
+        payloads = frames.as_payloads()
         return self._generic(payloads, where, on_error)
 
     def parse(self, payload, where: str) -> dict:
@@ -257,14 +257,6 @@ class ColumnarDecoder(RecordDecoder):
         if length not in self._layouts:
             self._layouts[length] = Layout.of(payload, self.features) if len(self._layouts) < 64 else None
         return self._layouts[length]
-
-
-def _rows_as_payloads(frames: Frames) -> list:
-    payloads: list = [None] * len(frames)
-    for pos, matrix in frames.rows:
-        for j, row in zip(range(len(matrix)) if pos is None else pos.tolist(), matrix):
-            payloads[j] = row
-    return payloads
 
 
 def jpeg_header(data) -> tuple[int, int, int] | None:

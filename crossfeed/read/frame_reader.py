@@ -52,6 +52,16 @@ class Frames:
     def __len__(self) -> int:
         return len(self.indices)
 
+    def as_payloads(self) -> list:
+        """One buffer per record, in batch order (rows become their matrix rows)."""
+        if self.payloads is not None:
+            return self.payloads
+        payloads: list = [None] * len(self)
+        for pos, matrix in self.rows:
+            for j, row in zip(range(len(matrix)) if pos is None else pos.tolist(), matrix):
+                payloads[j] = row
+        return payloads
+
 
 class FrameReader:
     """Reads the records of a split by global index. Thread-safe: shards open once.
@@ -69,6 +79,7 @@ class FrameReader:
         self._loaded: list[int] = []
         self._index: np.ndarray | None = None  # see `_all_index`
         self._fits: set[int] = set()  # shards whose every index entry lies inside the loaded stream
+        self._u8: dict[int, tuple] = {}  # shard → (buffer, its uint8 array, {width: window view})
         self._lock = threading.Lock()
 
     def small_records(self) -> bool:
@@ -93,8 +104,10 @@ class FrameReader:
         if shard[-1] == s0 and (shard == s0).all():
             present, parts = [s0], [None]
         else:
-            present = np.flatnonzero(np.bincount(shard, minlength=len(self.split.counts))).tolist()
-            parts = [shard == s for s in present]
+            per = np.bincount(shard, minlength=len(self.split.counts))
+            present = np.flatnonzero(per).tolist()
+            # the batch positions of each shard's records (one sort, not one comparison per shard)
+            parts = np.split(np.argsort(shard, kind="stable"), np.cumsum(per[present])[:-1])
         bufs = [self._buffer(s) for s in present]
         if any(b is None for b in bufs):  # remote range reads: checked record by record as they arrive
             return self._by_record(indices, shard, on_error)
@@ -107,11 +120,12 @@ class FrameReader:
             for s, m in zip(present, parts):
                 index[m] = self.split.index(s)[indices[m] - self.split.starts[s]]
         offs, lens = index[:, 0], index[:, 1]
-        u8s = [np.frombuffer(b, dtype=np.uint8) for b in bufs]
+        entries = [self._entry(s, b) for s, b in zip(present, bufs)]
+        u8s = [e[1] for e in entries]
         if all(s in self._fits for s in present):
             lo, hi = int(lens.min()), int(lens.max())
             if self.rows and hi <= ROWS_MAX and hi - lo <= ROWS_SPREAD:
-                got = self._rows(indices, offs, lens, parts, u8s, lo, hi)
+                got = self._rows(indices, offs, lens, parts, entries, lo, hi)
             else:
                 got = self._views(indices, offs, lens, parts, u8s, bufs, present, shard)
             if got is not None:
@@ -143,23 +157,26 @@ class FrameReader:
             return None
         return Frames(indices, payloads=payloads)
 
-    def _rows(self, indices, offs, lens, parts, u8s, lo, hi) -> Frames | None:
+    def _rows(self, indices, offs, lens, parts, entries, lo, hi) -> Frames | None:
         n = len(indices)
         if lo <= FRAMING:
             return None
         rows = np.empty((n, hi), dtype=np.uint8) if len(parts) > 1 else None
-        for m, u8 in zip(parts, u8s):
+        for m, (_, u8, wins) in zip(parts, entries):
+            win = wins.get(hi)
+            if win is None:
+                win = wins[hi] = window(u8, hi)
             o = offs if m is None else offs[m]
             size = len(u8)
             if size < hi:
                 return None
             if int(o.max()) > size - hi:  # records near the end of the shard: clamp, then fix up
-                got = window(u8, hi)[np.minimum(o, size - hi)]
+                got = win[np.minimum(o, size - hi)]
                 for j in np.flatnonzero(o > size - hi).tolist():
                     got[j] = 0
                     got[j, : size - int(o[j])] = u8[int(o[j]):]
             else:
-                got = window(u8, hi)[o]
+                got = win[o]
             if m is None:
                 rows = got
             else:
@@ -234,6 +251,14 @@ class FrameReader:
                 self._fits.add(s)
         return buf
 
+    def _entry(self, s: int, buf) -> tuple:
+        """``(buffer, uint8 array, {width: window view})`` of shard ``s``, made once per loaded
+        buffer (numpy's per-call cost would otherwise be paid per batch and shard)."""
+        got = self._u8.get(s)
+        if got is None or got[0] is not buf:
+            got = self._u8[s] = (buf, np.frombuffer(buf, dtype=np.uint8), {})
+        return got
+
     def _all_index(self) -> np.ndarray:
         """``(N, 2)`` ``(offset, length)`` of every record of the split, by global index (built
         once, on the first batch that spans shards)."""
@@ -250,4 +275,6 @@ class FrameReader:
                 return
             self._loaded.append(s)
             while len(self._loaded) > self.keep_loaded:
-                self.split.file(self._loaded.pop(0)).close()
+                old = self._loaded.pop(0)
+                self._u8.pop(old, None)  # its arrays view the buffer about to be closed
+                self.split.file(old).close()

@@ -25,7 +25,7 @@ from crossfeed.policy import ErrorBudget, OnError
 from crossfeed.read.dataset import Dataset, Split, open_dataset
 from crossfeed.read.decode import collate, make_decoder
 from crossfeed.read.executor import ThreadExecutor
-from crossfeed.read.frame_reader import FrameReader
+from crossfeed.read.frame_reader import FrameReader, Frames
 from crossfeed.read.options import LoaderOptions, ReadOptions, Source
 from crossfeed.read.plan import Plan, Remainder, Sampler, Shuffle
 
@@ -76,33 +76,50 @@ def _positions(indices: np.ndarray, kept_values: np.ndarray) -> np.ndarray:
 
 class MixtureReader:
     """Stages 2 and 3 for a mixture: the batch's sample ids (global across sources, see
-    `crossfeed.read.plan.MixtureOrder`) are read and decoded by their sources' readers, then
-    merged back into batch order. A feature of the same dtype and item shape in every part is one
-    array; otherwise (images of different sizes across sources) an object array per sample."""
+    `crossfeed.read.plan.MixtureOrder`) are read by their sources' frame readers, the frames
+    merged back into batch order (rows of one length from several sources become one matrix) and
+    decoded once — the sources agree on every feature's definition, so one decoder serves all."""
 
     def __init__(self, readers: list[SourceReader], starts: np.ndarray):
         self.readers, self.starts = readers, starts
+        self.decoder = readers[0].decoder
         self.rows = all(r.frames.rows for r in readers)
+
+    def where(self, i: int) -> str:
+        s = int(np.searchsorted(self.starts, i, side="right") - 1)
+        return f"source {s}: {self.readers[s].frames.where(int(i - self.starts[s]))}"
 
     def __call__(self, ids: np.ndarray, budget=None, tick=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
         src = np.searchsorted(self.starts, ids, side="right") - 1
-        parts, where = [], []
+        parts = []
         for s in np.unique(src).tolist():
             m = np.flatnonzero(src == s)
-            batch, kept = self.readers[s](ids[m] - self.starts[s], budget, tick)
-            parts.append(batch)
-            where.append(m[kept])
-        pos = np.concatenate(where) if where else np.zeros(0, np.int64)
-        order = np.argsort(pos, kind="stable")
-        out = {}
-        for k in parts[0] if parts else ():
-            vals = [p[k] for p in parts]
-            if all(v.dtype != object and v.dtype == vals[0].dtype and v.shape[1:] == vals[0].shape[1:] for v in vals):
-                out[k] = np.concatenate(vals)[order]
-            else:
-                flat = [x for v in vals for x in v]
-                out[k] = collate([flat[i] for i in order.tolist()])
-        return out, pos[order]
+            local = ids[m] - self.starts[s]
+            fr = self.readers[s].frames(local, on_error=budget)
+            parts.append((m if len(fr.indices) == len(m) else m[_positions(local, fr.indices)], fr))
+        kept = np.concatenate([p for p, _ in parts]) if parts else np.zeros(0, np.int64)
+        order = np.argsort(kept, kind="stable")
+        slot = np.empty(len(ids), dtype=np.int64)  # batch position → position among the kept records
+        slot[kept[order]] = np.arange(len(kept))
+        if all(fr.rows is not None for _, fr in parts):
+            by_len: dict[int, list] = {}
+            for p, fr in parts:
+                for pos, mat in fr.rows:
+                    by_len.setdefault(mat.shape[1], []).append((slot[p if pos is None else p[pos]], mat))
+            rows = [(np.concatenate([q for q, _ in g]), np.concatenate([mt for _, mt in g])) for g in by_len.values()]
+            merged = Frames(ids[kept[order]], rows=rows)
+        else:
+            payloads: list = [None] * len(kept)
+            for p, fr in parts:
+                for j, v in zip(slot[p].tolist(), fr.as_payloads()):
+                    payloads[j] = v
+            merged = Frames(ids[kept[order]], payloads=payloads)
+        if tick:
+            tick("read")
+        batch, ok = self.decoder(merged, where=lambda j: self.where(merged.indices[j]), on_error=budget)
+        if tick:
+            tick("decode")
+        return batch, kept[order][ok]
 
 
 class BatchBuilder:
