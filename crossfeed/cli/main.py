@@ -27,6 +27,7 @@ GROUPS = (
     "crossfeed.cli.bench",
     "crossfeed.cli.net",
     "crossfeed.cli.watch",
+    "crossfeed.cli.cache",
 )
 
 for _name in GROUPS:

@@ -18,6 +18,7 @@ offset — or, with an ``on_error`` callback, is reported to it and dropped from
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections.abc import Callable
 
@@ -28,7 +29,9 @@ from crossfeed.format import tfrecord
 from crossfeed.format.frames import (FRAMING, bad_headers, bad_payload_rows, bad_payloads, first_error, gather,
                                      out_of_bounds, payload_views, stored_crcs, window)
 from crossfeed.format.tfrecord import FOOTER, HEADER
+from crossfeed.read.cache import ShardCache
 from crossfeed.read.dataset import Split
+from crossfeed.read.storage import ShardFile, Storage
 
 ROWS_MAX = 4096  # framed records at most this long may come as rows
 ROWS_SPREAD = 64  # ... when the lengths in one batch differ by at most this many bytes
@@ -71,11 +74,14 @@ class FrameReader:
     records as rows (see the module docstring).
     """
 
-    def __init__(self, split: Split, *, rows: bool = False, whole_shards: bool = False, keep_loaded: int | None = None):
+    def __init__(self, split: Split, *, rows: bool = False, whole_shards: bool = False, keep_loaded: int | None = None,
+                 cache: ShardCache | None = None):
         self.split = split
         self.rows = rows
-        self.whole_shards = whole_shards
+        self.whole_shards = whole_shards or cache is not None
         self.keep_loaded = keep_loaded
+        self.cache = cache
+        self._cached: dict[int, ShardFile] = {}  # remote shard → its cached local copy
         self._loaded: list[int] = []
         self._index: np.ndarray | None = None  # see `_all_index`
         self._fits: set[int] = set()  # shards whose every index entry lies inside the loaded stream
@@ -223,7 +229,7 @@ class FrameReader:
             o, n = (int(x) for x in self.split.index(s)[k])
             try:
                 f = self.split.file(s)
-                payloads.append(tfrecord.unframe(f.load(), o, n, f.path) if self._in_memory(f) else f.record(o, n))
+                payloads.append(tfrecord.unframe(self._buffer(s), o, n, f.path) if self._in_memory(f) else f.record(o, n))
                 keep.append(j)
             except CorruptRecordError as e:
                 if on_error is None:
@@ -242,7 +248,10 @@ class FrameReader:
         f = self.split.file(s)
         if not self._in_memory(f):
             return None
-        buf = f.load()
+        if f.storage.remote and self.cache is not None:
+            buf = self._local_copy(s).load()
+        else:
+            buf = f.load()
         if f.storage.remote and self.keep_loaded:
             self._evict(s)
         if s not in self._fits:
@@ -250,6 +259,35 @@ class FrameReader:
             if not len(index) or not out_of_bounds(index[:, 0], index[:, 1], len(memoryview(buf))).any():
                 self._fits.add(s)
         return buf
+
+    def _local_copy(self, s: int) -> ShardFile:
+        """Remote shard ``s`` through the cache: downloaded (once, shared by every process on
+        the node), checked against the manifest's sha256, then memory-mapped like a local shard."""
+        got = self._cached.get(s)
+        if got is None:
+            with self._lock:
+                got = self._cached.get(s)
+                if got is None:
+                    info = self.split.shards[s]
+                    path = self.cache.fetch(self.split.file(s).storage, info.file, info.sha256, info.num_bytes)
+                    got = self._cached[s] = Storage(os.path.dirname(path)).shard(os.path.basename(path))
+        return got
+
+    def jobs(self, shards) -> list[tuple]:
+        """Download jobs (for a `crossfeed.read.cache.Prefetcher`) of the remote shards among ``shards``."""
+        out = []
+        for s in shards:
+            f, info = self.split.file(s), self.split.shards[s]
+            if f.storage.remote and s not in self._cached:
+                out.append((f.storage, info.file, info.sha256, info.num_bytes))
+        return out
+
+    def close(self) -> None:
+        for s, f in list(self._cached.items()):
+            f.close()
+            self.cache.release(f.path)
+        self._cached.clear()
+        self._u8.clear()
 
     def _entry(self, s: int, buf) -> tuple:
         """``(buffer, uint8 array, {width: window view})`` of shard ``s``, made once per loaded
@@ -278,3 +316,7 @@ class FrameReader:
                 old = self._loaded.pop(0)
                 self._u8.pop(old, None)  # its arrays view the buffer about to be closed
                 self.split.file(old).close()
+                local = self._cached.pop(old, None)
+                if local is not None:  # the cache may now evict it (this process no longer uses it)
+                    local.close()
+                    self.cache.release(local.path)

@@ -22,6 +22,7 @@ import numpy as np
 from crossfeed.errors import ConfigError
 from crossfeed.format.schema import INDEX_KEY, SOURCE_KEY
 from crossfeed.policy import ErrorBudget, OnError
+from crossfeed.read.cache import Prefetcher, ShardCache
 from crossfeed.read.dataset import Dataset, Split, open_dataset
 from crossfeed.read.decode import collate, make_decoder
 from crossfeed.read.executor import ThreadExecutor
@@ -40,10 +41,11 @@ class SourceReader:
     """Stages 2 and 3 for one split: global sample indices → ``(batch, kept)``, the decoded batch
     and the positions of the indices that made it into it (all, unless ``on_error`` dropped some)."""
 
-    def __init__(self, split: Split, features, *, read: ReadOptions, whole_shards: bool, keep_loaded: int | None):
+    def __init__(self, split: Split, features, *, read: ReadOptions, whole_shards: bool, keep_loaded: int | None,
+                 cache: ShardCache | None = None):
         # batch arrays the consumer has dropped are reused: at most this many are in flight
         self.decoder = make_decoder(features, decode_images=read.decode_images, recycle=read.num_threads + read.prefetch + 4)
-        self.frames = FrameReader(split, whole_shards=whole_shards, keep_loaded=keep_loaded)
+        self.frames = FrameReader(split, whole_shards=whole_shards, keep_loaded=keep_loaded, cache=cache)
         self.frames.rows = self.decoder.columnar and self.frames.small_records()
 
     def __call__(self, indices: np.ndarray, budget=None, tick=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -219,11 +221,14 @@ class Loader:
             splits = [ds[s.split] for ds, s in zip(self.datasets, self.sources)]
             self.dataset, self.split = self.datasets[0], None
         feats = _features(options.features, self.datasets, self.sources)
+        self.cache = ShardCache(read.cache_dir, read.cache_limit) if read.cache_dir is not None else None
         readers = []
         for ds, sp in zip(self.datasets, splits):
-            whole = ds.storage.remote and plan.shuffle is not Shuffle.GLOBAL
+            cache, whole, keep = _remote_mode(ds, sp, plan, self.cache)
             readers.append(SourceReader(sp, [ds.schema[f.name] for f in feats], read=read, whole_shards=whole,
-                                        keep_loaded=2 * plan.block_shards if whole else None))
+                                        keep_loaded=keep, cache=cache))
+        self._readers = readers
+        self.prefetcher = Prefetcher(self.cache) if any(r.frames.cache for r in readers) else None
         if self.sources is None:
             self.sampler = Sampler(self.split.counts, plan, options.shard)
             reader = readers[0]
@@ -334,13 +339,42 @@ class Loader:
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         self._position, self._delivered = self.position, 0
         step = self.num_workers if self.num_workers > 1 else 1
-        for batch in self.executor.map(self.builder, self.plan()):
+        plan = self.plan()
+        batches = iter(plan) if self.prefetcher is None else self._prefetching(plan)
+        for batch in self.executor.map(self.builder, batches):
             self._delivered += step
             yield batch
         self._epoch, self._position, self._delivered = self._epoch + 1, 0, 0
 
+    def _prefetching(self, plan: Plan, ahead: int = 16) -> Iterator[np.ndarray]:
+        """The plan's batches, telling the prefetcher which remote shards the batch ``ahead``
+        batches later needs (the plan knows the future: downloads run ahead of use)."""
+        ids = list(plan.batch_ids())
+        for i, b in enumerate(ids):
+            for k in ids[i + (ahead if i else 0) : i + ahead + 1]:  # the first time: the whole lookahead
+                self._want(plan.batch(k))
+            yield plan.batch(b)
+
+    def _want(self, indices: np.ndarray) -> None:
+        if self.sources is None:
+            parts = [(self._readers[0], indices)]
+        else:
+            starts = self.builder.reader.starts
+            src = np.searchsorted(starts, indices, side="right") - 1
+            parts = [(self._readers[s], indices[src == s] - starts[s]) for s in np.unique(src).tolist()]
+        for reader, ids in parts:
+            if reader.frames.cache is not None:
+                split = reader.frames.split
+                shards = np.unique(np.searchsorted(split.starts, ids, side="right") - 1).tolist()
+                self.prefetcher.want(reader.frames.jobs(shards))
+
     def close(self) -> None:
         self.executor.close()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        for r in self._readers:
+            if r.frames.cache is not None:
+                r.frames.close()
         for ds in self.datasets:
             ds.close()
 
@@ -386,3 +420,34 @@ def _features(names, datasets: list[Dataset], sources) -> list:
                     f"pass features= without it, or convert one source")
         out.append(defs[0])
     return out
+
+
+_warned: set[str] = set()
+
+
+def _remote_mode(ds: Dataset, split: Split, plan, cache: ShardCache | None) -> tuple[ShardCache | None, bool, int | None]:
+    """How a split's shards are read: ``(cache or None, whole shards, shards kept open)``.
+
+    Local: mmap, all of them. Remote with a cache: whole shards into the cache — all kept open
+    for a global shuffle (which needs the split to fit the cache), a window of them otherwise.
+    Remote without one (or a global shuffle that does not fit): whole shards in memory for the
+    sequential shuffles, one range request per record for the global one.
+    """
+    if not ds.storage.remote:
+        return None, False, None
+    window = 2 * plan.block_shards
+    total = sum(s.num_bytes for s in split.shards)
+    if cache is not None:
+        if plan.shuffle is not Shuffle.GLOBAL:
+            return cache, True, window
+        if cache.limit is None or total <= cache.limit:
+            return cache, True, None
+        key = f"{ds.path}/{split.name}"
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("%s split %r is %.1f GB, more than the cache limit of %.1f GB: a global shuffle would read one "
+                        "range request per record (slow on object stores). Use shuffle='block' (each shard downloaded "
+                        "once per epoch, %d shards in memory), or raise cache_limit above %.1f GB.", ds.path, split.name,
+                        total / 1e9, cache.limit / 1e9, window, total / 1e9)
+    whole = plan.shuffle is not Shuffle.GLOBAL
+    return None, whole, window if whole else None

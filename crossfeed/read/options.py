@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from collections.abc import Sequence
 
 from crossfeed.errors import ConfigError
 from crossfeed.policy import OnError
+from crossfeed.read.cache import ENV as CACHE_ENV
+from crossfeed.read.cache import parse_size
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.plan import Remainder, Shuffle
 
@@ -100,12 +103,20 @@ class ReadOptions:
     decode_images: bool = True
     on_error: OnError = OnError.RAISE
     max_skips: int = 1000
+    cache_dir: str | None = None  # remote shards are cached here (default: $CROSSFEED_CACHE_DIR when set)
+    cache_limit: int | str | None = None  # bytes, or a size such as "50GB" (None: unbounded)
 
     def __post_init__(self):
         object.__setattr__(self, "num_threads", _int(self.num_threads, "num_threads", 1))
         object.__setattr__(self, "prefetch", _int(self.prefetch, "prefetch", 0))
         object.__setattr__(self, "on_error", choice(OnError, self.on_error, "on_error"))
         object.__setattr__(self, "max_skips", _int(self.max_skips, "max_skips", 0))
+        if self.cache_dir is None and os.environ.get(CACHE_ENV):
+            object.__setattr__(self, "cache_dir", os.environ[CACHE_ENV])
+        if self.cache_dir is not None:
+            object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+        if self.cache_limit is not None:
+            object.__setattr__(self, "cache_limit", parse_size(self.cache_limit))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,252 @@
+"""The remote shard cache against real servers started by the test: a local HTTP server with
+Range support that injects latency and counts requests, and an S3-API server (moto's standalone
+server, reached through s3fs)."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import http.server
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import crossfeed
+from crossfeed.read.cache import ShardCache, parse_size
+
+pytest.importorskip("aiohttp")
+
+from loader_helpers import ids_of  # noqa: E402
+
+
+class _Handler(http.server.SimpleHTTPRequestHandler):
+    """Static files with Range support; ``latency`` seconds per request; every GET counted."""
+
+    counts: collections.Counter = collections.Counter()
+    latency = 0.02
+    chunk_delay = 0.0
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        type(self).counts[self.path.split("?")[0].lstrip("/")] += 1
+        time.sleep(self.latency)
+        path = self.translate_path(self.path)
+        if not os.path.isfile(path):
+            self.send_error(404)
+            return
+        with open(path, "rb") as f:
+            data = f.read()
+        rng = self.headers.get("Range")
+        start, stop = 0, len(data)
+        if rng:
+            a, b = rng.split("=")[1].split("-")
+            start, stop = int(a), (int(b) + 1 if b else len(data))
+        body = data[start:stop]
+        self.send_response(206 if rng else 200)
+        if rng:
+            self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        step = 1 << 16
+        for i in range(0, len(body), step):
+            self.wfile.write(body[i : i + step])
+            if self.chunk_delay:
+                time.sleep(self.chunk_delay)
+
+    def do_HEAD(self):
+        path = self.translate_path(self.path)
+        if not os.path.isfile(path):
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(os.path.getsize(path)))
+        self.send_header("Accept-Ranges", "bytes")
+        self.end_headers()
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A 600-sample dataset in 6 shards, served over HTTP; yields (url, local path, handler class)."""
+    root = tmp_path / "ds"
+    rng = np.random.default_rng(0)
+    crossfeed.write_dataset(root, [{"x": rng.random(16, dtype=np.float32), "id": i} for i in range(600)],
+                            num_shards=6).close()
+    handler = type("H", (_Handler,), {"counts": collections.Counter(), "latency": 0.02, "chunk_delay": 0.0})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", root, handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _shard_requests(handler) -> int:
+    return sum(n for k, n in handler.counts.items() if k.endswith(".tfrecord"))
+
+
+def _values(loader) -> dict[int, np.ndarray]:
+    return {int(i): x for b in loader for i, x in zip(b["id"], b["x"])}
+
+
+@pytest.mark.parametrize("shuffle", ["global", "block"])
+def test_the_second_epoch_makes_no_data_requests(served, tmp_path, shuffle):
+    url, root, handler = served
+    with crossfeed.Loader(root, batch_size=50, shuffle="none") as local:
+        want = _values(local)
+    with crossfeed.Loader(url, batch_size=50, shuffle=shuffle, cache_dir=tmp_path / "cache") as loader:
+        assert _values_equal(_values(loader), want)
+        after_first = _shard_requests(handler)
+        assert after_first <= 6 * 2  # each shard fetched whole (a size probe and a GET at most)
+        assert _values_equal(_values(loader), want)
+        assert _shard_requests(handler) == after_first  # epoch 2: served from the cache
+
+
+def _values_equal(got, want) -> bool:
+    return got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_the_cache_stays_under_its_limit_by_at_most_one_shard(served, tmp_path):
+    url, root, handler = served
+    shard = max(os.path.getsize(root / f) for f in os.listdir(root) if f.endswith(".tfrecord"))
+    limit = int(2.5 * shard)
+    cache = ShardCache(tmp_path / "c", limit)
+    with crossfeed.Loader(url, batch_size=20, shuffle="block", block_shards=1, cache_dir=tmp_path / "c",
+                          cache_limit=limit, num_threads=1, prefetch=0) as loader:
+        n = 0
+        for b in loader:
+            n += len(b["id"])
+            assert cache.size() <= limit + shard
+        assert n == 600
+
+
+def test_global_shuffle_larger_than_the_cache_says_so_and_still_reads(served, tmp_path, caplog):
+    url, root, _ = served
+    with caplog.at_level("WARNING", "crossfeed.read.loader"):
+        with crossfeed.Loader(url, batch_size=100, shuffle="global", cache_dir=tmp_path / "c", cache_limit=1000) as ld:
+            assert sum(len(b["id"]) for b in ld) == 600
+    assert "more than the cache limit" in caplog.text and "shuffle='block'" in caplog.text
+
+
+def test_a_corrupted_cache_entry_is_detected_and_downloaded_again(served, tmp_path):
+    url, root, handler = served
+    with crossfeed.Loader(url, batch_size=600, shuffle="none", cache_dir=tmp_path / "c") as ld:
+        want = _values(ld)
+    entries = ShardCache(tmp_path / "c").entries()
+    assert len(entries) == 6
+    with open(entries[0].path, "r+b") as f:  # same size, one byte flipped
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0x55]))
+    before = _shard_requests(handler)
+    with crossfeed.Loader(url, batch_size=600, shuffle="none", cache_dir=tmp_path / "c") as ld:
+        assert _values_equal(_values(ld), want)
+    assert 1 <= _shard_requests(handler) - before <= 2  # that shard, again
+
+
+_KILLED_DOWNLOAD = """
+import sys, crossfeed
+with crossfeed.Loader(sys.argv[1], batch_size=600, shuffle="none", cache_dir=sys.argv[2]) as ld:
+    for b in ld:
+        pass
+"""
+
+
+def test_kill_9_mid_download_leaves_nothing_accepted(served, tmp_path):
+    url, root, handler = served
+    handler.chunk_delay = 0.05  # downloads crawl: the kill lands mid-download
+    cache_dir = tmp_path / "c"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_DOWNLOAD, url, str(cache_dir)])
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(".tmp-" in f for _, _, fs in os.walk(cache_dir) for f in fs):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    handler.chunk_delay = 0.0
+    with crossfeed.Loader(root, batch_size=600, shuffle="none") as local:
+        want = _values(local)
+    with crossfeed.Loader(url, batch_size=600, shuffle="none", cache_dir=cache_dir) as ld:
+        assert _values_equal(_values(ld), want)
+    assert not [f for _, _, fs in os.walk(cache_dir) for f in fs if ".tmp-" in f]  # the dead writer's file is gone
+
+
+_SHARE = """
+import sys, crossfeed
+with crossfeed.Loader(sys.argv[1], batch_size=100, shuffle="global", cache_dir=sys.argv[2]) as ld:
+    print(sum(len(b["id"]) for b in ld))
+"""
+
+
+def test_two_processes_sharing_a_cache_download_each_shard_once(served, tmp_path):
+    url, root, handler = served
+    handler.chunk_delay = 0.005
+    procs = [subprocess.Popen([sys.executable, "-c", _SHARE, url, str(tmp_path / "c")], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert outs == ["600", "600"]
+    gets = {k: n for k, n in handler.counts.items() if k.endswith(".tfrecord")}
+    assert len(gets) == 6 and all(n == 1 for n in gets.values()), gets
+
+
+def test_sizes_parse():
+    assert parse_size("50GB") == 50 << 30 and parse_size("512M") == 512 << 20 and parse_size(1000) == 1000
+    with pytest.raises(crossfeed.ConfigError, match="not a size"):
+        parse_size("lots")
+
+
+def test_s3_through_moto_and_s3fs(tmp_path, monkeypatch):
+    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    import boto3
+    import fsspec
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": endpoint})
+        s3 = boto3.client("s3", endpoint_url=endpoint)
+        s3.create_bucket(Bucket="data")
+        root = tmp_path / "ds"
+        crossfeed.write_dataset(root, [{"x": np.full(4, i, np.float32), "id": i} for i in range(200)], num_shards=4).close()
+        for f in os.listdir(root):
+            s3.upload_file(str(root / f), "data", f"ds/{f}")
+        with crossfeed.Loader(root, batch_size=50, shuffle="global", seed=1, return_index=True) as local:
+            want = ids_of(local)
+        with crossfeed.Loader("s3://data/ds", batch_size=50, shuffle="global", seed=1, return_index=True,
+                              cache_dir=tmp_path / "c") as remote:
+            got = ids_of(remote)
+            again = ids_of(remote)
+            assert remote.cache.downloads == 4  # each shard once, the second epoch from the cache
+        assert [a.tolist() for a in got] == [a.tolist() for a in want] and len(again) == 4
+    finally:
+        server.stop()
+
+
+def test_cache_command_lists_prunes_and_clears(served, tmp_path):
+    url, _, _ = served
+    with crossfeed.Loader(url, batch_size=600, shuffle="none", cache_dir=tmp_path / "c") as ld:
+        list(ld)
+    run = [sys.executable, "-m", "crossfeed.cli.main", "cache"]
+    out = subprocess.run(run + ["ls", "--dir", str(tmp_path / "c")], capture_output=True, text=True, check=True).stdout
+    assert "6 shards" in out
+    subprocess.run(run + ["prune", "1", "--dir", str(tmp_path / "c")], capture_output=True, text=True, check=True)
+    assert ShardCache(tmp_path / "c").size() <= 1
+    subprocess.run(run + ["clear", "--dir", str(tmp_path / "c")], capture_output=True, text=True, check=True)
+    assert ShardCache(tmp_path / "c").entries() == []
+    bad = subprocess.run(run + ["ls", "--dir", str(tmp_path / "nope")], capture_output=True, text=True)
+    assert bad.returncode != 0 and "no such cache directory" in bad.stderr and "Traceback" not in bad.stderr
