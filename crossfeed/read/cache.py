@@ -6,8 +6,9 @@ local shards (mmap, vectorised checks). Entries are named by the shard's sha256 
 entry, and two datasets holding the same shard share it.
 
 * **Crash-safe:** a download goes to a temporary file, is checked against the manifest's sha256
-  and size, fsync'ed, then renamed into place: a kill -9 mid-download leaves only a temporary
-  file, which the next writer of the cache removes; no accepted entry is ever partial.
+  and size, then renamed into place: a kill -9 mid-download leaves only a temporary file, which
+  the next writer of the cache removes; no accepted entry is ever partial. (No fsync: an entry
+  torn by a power loss fails the once-per-process hash below and is downloaded again.)
 * **Shared:** a per-entry file lock (``fcntl.flock``) makes concurrent processes (DataLoader
   workers, ranks, other jobs) download each shard once; no shared memory to leak. A lock dies
   with its process.
@@ -175,16 +176,14 @@ class ShardCache:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._clean_temporaries(os.path.dirname(path))
         tmp = os.path.join(os.path.dirname(path), f"{_TMP}{os.getpid()}-{secrets.token_hex(4)}")
-        digest, got = hashlib.sha256(), 0
         where = storage.url(rel)
         try:
-            with open(tmp, "wb") as out:
-                for chunk in storage.read_chunks(rel):
+            storage.download(rel, tmp)  # one streamed transfer (fsspec get_file)
+            digest, got = hashlib.sha256(), 0
+            with open(tmp, "rb") as f:  # hashed back from the page cache
+                while chunk := f.read(8 << 20):
                     digest.update(chunk)
                     got += len(chunk)
-                    out.write(chunk)
-                out.flush()
-                os.fsync(out.fileno())
             if got != size or digest.hexdigest() != sha256:
                 raise CorruptRecordError(where, 0, f"downloaded {got} bytes with sha256 {digest.hexdigest()[:16]}…, the "
                                                    f"manifest says {size} bytes and {sha256[:16]}…; the remote shard "

@@ -264,13 +264,15 @@ class FrameReader:
         """Remote shard ``s`` through the cache: downloaded (once, shared by every process on
         the node), checked against the manifest's sha256, then memory-mapped like a local shard."""
         got = self._cached.get(s)
-        if got is None:
+        if got is None:  # no reader lock held while downloading: other shards go on meanwhile
+            info = self.split.shards[s]
+            path = self.cache.fetch(self.split.file(s).storage, info.file, info.sha256, info.num_bytes)
             with self._lock:
                 got = self._cached.get(s)
                 if got is None:
-                    info = self.split.shards[s]
-                    path = self.cache.fetch(self.split.file(s).storage, info.file, info.sha256, info.num_bytes)
                     got = self._cached[s] = Storage(os.path.dirname(path)).shard(os.path.basename(path))
+                else:  # another thread got there first: one pin is enough
+                    self.cache.release(path)
         return got
 
     def jobs(self, shards) -> list[tuple]:

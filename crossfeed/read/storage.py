@@ -44,6 +44,19 @@ class Storage:
         except FileNotFoundError as e:
             raise DatasetNotFoundError(f"{where}: no such file") from e
 
+    def download(self, rel: str, dest: str) -> None:
+        """Copy the file to the local path ``dest`` (remote: one streamed transfer)."""
+        where = self.url(rel)
+        try:
+            if self.remote:
+                self._fs.get_file(where, dest)
+            else:
+                import shutil
+
+                shutil.copyfile(where, dest)
+        except FileNotFoundError as e:
+            raise DatasetNotFoundError(f"{where}: shard file is missing; restore it or rebuild with `crossfeed index`") from e
+
     def read_chunks(self, rel: str, chunk: int = 8 << 20):
         """The file's bytes in chunks of up to ``chunk`` bytes (remote: one streaming read)."""
         where = self.url(rel)
