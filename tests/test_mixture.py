@@ -125,3 +125,18 @@ def test_sources_must_agree_on_their_features(tmp_path):
         crossfeed.Source(tmp_path / "a", weight=0)
     with pytest.raises(ConfigError, match="list of crossfeed.Source"):
         crossfeed.Loader([str(tmp_path / "a")], batch_size=4)
+
+
+def test_an_endless_mixture_resumes_anywhere(two):
+    kw = dict(batch_size=8, seed=6, samples_per_epoch=40, return_index=True)
+    with crossfeed.Loader(two, **kw) as loader:
+        run = loader.epochs(None)
+        got = [next(run) for _ in range(23)]  # 4.6 epochs of 5 batches
+        state = loader.state_dict()
+        more = [next(run) for _ in range(7)]
+    assert state["epoch"] == 4 and state["position"] == 24
+    with crossfeed.Loader(two, **kw) as again:
+        again.load_state_dict(state)
+        resumed = [b for _, b in zip(range(7), again.epochs())]
+    assert [a.tolist() for a in ids_of(resumed)] == [a.tolist() for a in ids_of(more)]
+    assert len(got) == 23

@@ -346,6 +346,16 @@ class Loader:
             yield batch
         self._epoch, self._position, self._delivered = self._epoch + 1, 0, 0
 
+    def epochs(self, count: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """The batches of ``count`` epochs in a row (None: without end), from where the Loader
+        stands; `state_dict` is exact after any batch, so an endless run resumes anywhere."""
+        if count is not None and count < 0:
+            raise ConfigError(f"epochs must be >= 0 or None, got {count}")
+        done = 0
+        while count is None or done < count:
+            yield from self
+            done += 1
+
     def _prefetching(self, plan: Plan, ahead: int = 16) -> Iterator[np.ndarray]:
         """The plan's batches, telling the prefetcher which remote shards the batch ``ahead``
         batches later needs (the plan knows the future: downloads run ahead of use)."""
