@@ -14,6 +14,7 @@ from crossfeed.errors import (
     IndexFileError,
     ManifestError,
     SchemaError,
+    SplitNotFoundError,
     WireError,
 )
 from crossfeed.read.loader import Loader, ReadOptions
@@ -56,6 +57,7 @@ __all__ = [
     "SchemaError",
     "Shuffle",
     "Split",
+    "SplitNotFoundError",
     "WireError",
     "connect",
     "open_dataset",
