@@ -205,12 +205,14 @@ def test_a_crossfeed_connect_stream_is_a_source():
 
     from crossfeed.net import Heartbeat, Server, ServerOptions, connect
 
-    hb = Heartbeat(FAST_HB["heartbeat_interval"], FAST_HB["heartbeat_timeout"])
+    # generous heartbeats: on a busy 2-core machine a 2 s silence is not a dead server
+    slow = dict(FAST_HB, heartbeat_interval=0.5, heartbeat_timeout=60.0, connect_timeout=60.0)
+    hb = Heartbeat(slow["heartbeat_interval"], slow["heartbeat_timeout"])
     opts = ServerOptions(("tcp://127.0.0.1:0",), epochs=1, heartbeat=hb)
     with Server(Synthetic(num_samples=40, batch_size=8), opts) as server:
-        with connect(server.endpoints, with_meta=True, **FAST_HB) as client:
+        with connect(server.endpoints, with_meta=True, **slow) as client:
             got = list(DataLoader(TorchDataset(client), batch_size=None))
-        assert server.wait(10)
+        assert server.wait(60)
     ids = []
     for meta, batch in got:  # with_meta streams keep their (meta, batch) pairs
         assert isinstance(batch["x"], torch.Tensor) and batch["x"].shape[1:] == (4,)

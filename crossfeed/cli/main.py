@@ -20,7 +20,6 @@ import os
 import sys
 from typing import Annotated, Optional
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -55,18 +54,18 @@ def _silence_stdout() -> None:
 class _Boundary(TyperGroup):
     """The top-level group: every command (and sub-group) runs inside its `invoke`."""
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except BrokenPipeError:
             _silence_stdout()
-            raise click.exceptions.Exit(EXIT_SIGPIPE) from None
+            raise typer.Exit(EXIT_SIGPIPE) from None
         except (CrossfeedError, *_PATH_ERRORS) as e:
-            click.echo(f"error: {_message(e)}", err=True)
-            raise click.exceptions.Exit(EXIT_ERROR) from None
+            typer.echo(f"error: {_message(e)}", err=True)
+            raise typer.Exit(EXIT_ERROR) from None
         except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 app = typer.Typer(

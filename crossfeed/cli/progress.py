@@ -82,12 +82,3 @@ class Progress:
         if self._rich is None:
             return Phase(None, None)
         return Phase(self._rich, self._rich.add_task(name, total=total, unit=unit))
-
-    def log(self, message: str) -> None:
-        """A line on stderr that does not tear the bars."""
-        if self._rich is not None:
-            self._rich.console.print(message, highlight=False, markup=False)
-        else:
-            import click
-
-            click.echo(message, err=True)
