@@ -99,10 +99,12 @@ def csv(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", split
         header: Annotated[bool, typer.Option("--header/--no-header", help="The first line names the columns.")] = True,
         skip_rows: Annotated[int, typer.Option("--skip-rows", min=0, help="Lines to skip before the header.")] = 0,
         delimiter: Annotated[str, typer.Option("--delimiter", help="Field separator.")] = ",",
+        label_classes: Annotated[bool, typer.Option("--label-classes/--no-label-classes", help="Store a string "
+                                 "--label column as class indices, names in the manifest (class_names).")] = True,
         ) -> None:
     """CSV files: typed columns (int64, float, string), bad rows reported with file and line."""
     _run(ctx, "csv", src, out, locals(), label=label, types=types, names=names, header=header,
-         skip_rows=skip_rows, delimiter=delimiter)
+         skip_rows=skip_rows, delimiter=delimiter, label_classes=label_classes)
 
 
 def parquet(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
@@ -111,9 +113,11 @@ def parquet(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", s
             max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True, label: LabelOpt = None,
             types: Annotated[Optional[str], typer.Option("--types", help="Column types, e.g. age:int64,name:string.")] = None,
             columns: Annotated[Optional[str], typer.Option("--columns", help="Columns to keep, comma-separated.")] = None,
+    label_classes: Annotated[bool, typer.Option("--label-classes/--no-label-classes", help="Store a string "
+                                     "--label column as class indices, names in the manifest (class_names).")] = True,
             ) -> None:
     """Parquet files: one work unit per row group."""
-    _run(ctx, "parquet", src, out, locals(), label=label, types=types, columns=columns)
+    _run(ctx, "parquet", src, out, locals(), label=label, types=types, columns=columns, label_classes=label_classes)
 
 
 def numpy(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
