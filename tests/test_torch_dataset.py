@@ -200,6 +200,15 @@ def test_a_stream_source_is_converted_without_splitting():
         list(DataLoader(TorchDataset(_stream()), batch_size=None, num_workers=1))
 
 
+def test_a_stream_source_goes_through_stateful_loader():
+    # the README says streams are sources: StatefulLoader(TorchDataset(stream), num_workers=0) reads it
+    with StatefulLoader(TorchDataset(_stream()), num_workers=0) as loader:
+        got = list(loader)
+        assert _flat(_ids(got)) == list(range(20))
+        with pytest.raises(ConfigError, match="stream"):
+            loader.state_dict()  # a stream has no position to save
+
+
 def test_a_crossfeed_connect_stream_is_a_source():
     from net_helpers import FAST_HB, Synthetic
 
