@@ -212,7 +212,7 @@ def input_fn(source, *, split: str = "train", global_batch_size: int, shuffle: s
 
 
 def plan_state(source, *, split: str = "train", batch_size: int, seed: int = 0, epoch: int = 0, steps: int,
-               shuffle: str = "global", world_size: int = 1, drop_last: bool = True) -> dict:
+               shuffle: str = "global", world_size: int = 1, drop_last: bool = False) -> dict:
     """The ``Loader.state_dict()`` after ``steps`` batches of ``epoch`` were consumed on every rank:
     pass it as ``dataset(..., state=...)`` to resume exactly there (with the PyTorch adapter too).
     Keras users take ``steps`` from ``optimizer.iterations`` modulo the steps per epoch."""

@@ -149,7 +149,16 @@ def _decode_tensor(f: Feature, raw, shape_vec=None):
 
 def _decode_image(f: Feature, data):
     shape = image_shape(f)
-    img = tf.io.decode_image(data, channels=shape[2] or 0, dtype=tf_dtype(f), expand_animations=False)
+    channels, dtype = shape[2] or 0, tf_dtype(f)
+
+    def other():
+        return tf.io.decode_image(data, channels=channels, dtype=dtype, expand_animations=False)
+
+    if dtype == tf.uint8:  # JPEG with the accurate integer IDCT: the pixels the Loader (libjpeg, PIL) decodes
+        img = tf.cond(tf.io.is_jpeg(data),
+                      lambda: tf.io.decode_jpeg(data, channels=channels, dct_method="INTEGER_ACCURATE"), other)
+    else:
+        img = other()
     return tf.ensure_shape(img, shape)
 
 
