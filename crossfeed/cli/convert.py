@@ -55,8 +55,8 @@ class ConvertTo(str, enum.Enum):
 
 
 Src = Annotated[list[str], typer.Argument(help="Input files, folders or glob patterns (quoted or not).",
-                                          metavar="INPUT...", show_default=False)]
-Out = Annotated[Path, typer.Argument(help="Output dataset directory, the last argument (created; its split(s) "
+                                          metavar="INPUT", show_default=False)]
+Out = Annotated[Path, typer.Argument(metavar="OUT", help="Output dataset directory, the last argument (created; its split(s) "
                                           "are replaced).")]
 SplitOpt = Annotated[str, typer.Option("--split", help="The split to write everything to.")]
 SplitsOpt = Annotated[Optional[str], typer.Option("--splits", help="Deterministic ratios, e.g. train=0.9,validation=0.1.")]
