@@ -197,5 +197,8 @@ def build_stream(source, opts: ReadOptions, *, element_spec: dict | None = None)
             return itertools.chain(first, it)
         return iter(source)
 
-    length = getattr(source, "__len__", None)  # a stream that knows its length (batches per pass)
-    return from_batches(make_iter, dict(element_spec), opts, cardinality=length() if length else None)
+    try:  # a stream that knows its length (batches per pass) has a cardinality
+        cardinality = len(source)
+    except TypeError:  # no len(), or one that says it has none
+        cardinality = None
+    return from_batches(make_iter, dict(element_spec), opts, cardinality=cardinality)
