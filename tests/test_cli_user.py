@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import typer
 from typer.testing import CliRunner
+from user_data import WINE_BAD_LINE, parquet_parts, photos_folder, wine_csv
+from user_data import crossfeed as run_cli
 
 import crossfeed
 from crossfeed.cli.main import app
-from user_data import WINE_BAD_LINE, crossfeed as run_cli, parquet_parts, photos_folder, wine_csv
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -197,9 +198,8 @@ def test_mon_at_a_distribution_address_fails_and_says_why():
 
 
 def test_stat_and_show_on_photos_of_different_sizes(tmp_path):
-    from PIL import Image
-
     from net_helpers import child, read_endpoint, stop
+    from PIL import Image
 
     photos_folder(tmp_path / "jpg")
     assert run_cli("convert", "images", tmp_path / "jpg", tmp_path / "ds").returncode == 0

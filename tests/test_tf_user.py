@@ -9,9 +9,11 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-import crossfeed  # noqa: E402
 import crossfeed.adapters.tf as cftf  # noqa: E402
-from user_data import crossfeed as run_cli, digits_folder, photos_folder  # noqa: E402
+from user_data import crossfeed as run_cli  # noqa: E402
+from user_data import digits_folder, photos_folder
+
+import crossfeed  # noqa: E402
 
 
 @pytest.fixture(scope="module")

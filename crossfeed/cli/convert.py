@@ -173,7 +173,7 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict,
     except ConfigError as e:
         raise typer.BadParameter(f"{e} (usage: INPUT... OUT; Beam options go after --)", param_hint="INPUT") from e
     typer.echo(f"converting {source.describe()} -> {out}", err=True)
-    for line in getattr(source, "report", lambda: [])():  # what type inference decided, and why
+    for line in getattr(source, "report", list)():  # what type inference decided, and why
         typer.echo(f"  {line}", err=True)
 
     with Progress() as progress:

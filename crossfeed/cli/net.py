@@ -96,7 +96,7 @@ def serve(
     """Run the Loader here and stream ready batches to trainers (`crossfeed.connect`)."""
     from crossfeed.net.keys import ServerKeys
     from crossfeed.net.protocol import Heartbeat
-    from crossfeed.net.server import Mode, Server, ServerOptions
+    from crossfeed.net.server import Mode, ServerOptions
 
     keys = ServerKeys.from_dir(auth_keys, server_key) if auth_keys else None
     options = ServerOptions(
