@@ -29,6 +29,7 @@ class ParquetSource:
     label: str | None = None
     on_error: ErrorPolicy = ErrorPolicy()
     classes: tuple[str, ...] | None = None  # a string label's vocabulary: stored as class indices
+    num_rows: int = 0
 
     @classmethod
     def scan(cls, src, *, columns=None, types=None, label: str | None = None,
@@ -39,7 +40,7 @@ class ParquetSource:
 
         root, files = list_files(src, (".parquet", ".pq"), "Parquet")
         declared = parse_types(types)
-        units, first_schema, cols = [], None, []
+        units, first_schema, cols, rows = [], None, [], 0
         for rel in files:
             meta = pq.ParquetFile(os.path.join(root, rel))
             schema = meta.schema_arrow
@@ -61,6 +62,7 @@ class ParquetSource:
             for g in range(meta.num_row_groups):
                 units.append((rel, g, start))
                 start += meta.metadata.row_group(g).num_rows
+            rows += start
         table_schema(cols, label)  # validates the label
         classes = None
         if label is not None and label_classes and dict(cols)[label] is ColumnType.STRING:
@@ -69,7 +71,7 @@ class ParquetSource:
                 column = pq.read_table(os.path.join(root, rel), columns=[label]).column(label)
                 values.update("" if v is None else str(v) for v in column.to_pylist())
             classes = vocabulary(values, label)
-        return cls(root, tuple(units), tuple(cols), label, on_error, classes)
+        return cls(root, tuple(units), tuple(cols), label, on_error, classes, rows)
 
     @property
     def schema(self) -> Schema:
@@ -86,6 +88,11 @@ class ParquetSource:
             lines.append(f"label {self.label!r}: {len(self.classes)} classes stored as indices; names in the manifest "
                          f"(class_names); --no-label-classes keeps the strings")
         return lines
+
+    @property
+    def num_samples(self) -> int:
+        """Rows in all row groups (known from the Parquet metadata at scan time)."""
+        return self.num_rows
 
     def describe(self) -> str:
         return f"Parquet {self.root} ({len(self.units_)} row groups)"

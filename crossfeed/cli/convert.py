@@ -177,7 +177,7 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict,
         typer.echo(f"  {line}", err=True)
 
     with Progress() as progress:
-        bar = progress.phase("encoding", unit="samples")  # read, encode and write shards run as one pipeline
+        bar = progress.phase("encoding", total=_expected_samples(source), unit="samples")  # read+encode+write shards
         result = job.convert(source, out, split=common["split"], splits=common["splits"],
                              num_shards=common["shards"], shard_size=common["shard_size"],
                              compress=common["compress"] is Compress.gzip, seed=common["seed"],
@@ -192,6 +192,17 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict,
         _warn_empty_shards(str(out), list(result.samples))
         if common["verify"]:
             _verify(str(out), list(result.samples), progress)
+
+
+def _expected_samples(source) -> int | None:
+    """How many samples the source holds, where it knows before reading (for the bar's ETA)."""
+    if getattr(source, "num_samples", None) is not None:  # Parquet: from the file metadata
+        return int(source.num_samples)
+    if isinstance(getattr(source, "lengths", None), tuple):  # numpy arrays
+        return int(sum(source.lengths))
+    if hasattr(source, "class_names") and isinstance(getattr(source, "files", None), tuple):  # image folder
+        return len(source.files)
+    return None  # CSV: unknown until read
 
 
 def _warn_empty_shards(path: str, splits: list[str]) -> None:
