@@ -31,10 +31,19 @@ plan      ``Dataset.from_generator`` over a       The sample order of ``crossfee
 URL scheme TensorFlow's file systems cannot open — and **native** otherwise. A stream (an
 iterable of dict batches, e.g. ``crossfeed.connect(...)``) is neither: it is wrapped as it comes.
 
-Shapes: a feature whose record shape varies (variable lists, images or tensors with None dims)
-is a ``tf.RaggedTensor`` once batched; the batch dimension is ``batch_size`` with
-``drop_last=True`` (the default), else None. Each pass over a dataset is the next epoch
-(``epoch``, ``epoch + 1`` …; the native engine reshuffles deterministically from its seed).
+Shapes, as the Loader and the PyTorch adapter deliver them: an image or tensor whose records all
+have one shape (the manifest's statistics say so) is dense, even where the schema has None dims;
+a feature whose record shape varies (variable lists, photos of different sizes) is a
+``tf.RaggedTensor`` once batched. The last partial batch is kept (``drop_last=False``, the
+Loader's default) and the batch dimension is None; with ``drop_last=True`` it is dropped and the
+batch dimension is ``batch_size``. Each pass over a dataset is the next epoch (``epoch``,
+``epoch + 1`` …; the native engine reshuffles deterministically from its seed).
+
+Cardinality: every dataset returned here knows its exact number of elements per pass
+(``ds.cardinality()``; Keras counts steps and averages metrics by it), counted by the Loader
+that delivers them (``loader_options`` included) or from the manifest's record counts (native).
+It is checked while iterating. Exceptions: ``state=`` (the first pass is the rest of an epoch,
+later passes whole epochs) and streams without ``len()``; there it is unknown.
 
 ParameterServerStrategy
 -----------------------
@@ -91,10 +100,11 @@ def feature_spec(source, *, features=None) -> dict:
     return tf_spec.feature_spec(tf_spec.select(_open(source).schema, features))
 
 
-def element_spec(source, *, batch_size: int | None = None, drop_last: bool = True, features=None,
-                 return_index: bool = False) -> dict:
+def element_spec(source, *, split: str = "train", batch_size: int | None = None, drop_last: bool = False,
+                 features=None, return_index: bool = False) -> dict:
     """The ``element_spec`` that `dataset` yields for these options, read off the manifest."""
-    feats = tf_spec.select(_open(source).schema, features)
+    ds = _open(source, split)
+    feats = tf_spec.select(ds.schema, features, ds.splits[split].statistics)
     return tf_spec.element_spec(feats, batch_size=batch_size, drop_last=drop_last, return_index=return_index)
 
 
@@ -121,7 +131,7 @@ def _resolve(ds: Dataset, opts: ReadOptions, *, state, loader_options) -> Engine
 
 
 def dataset(source, *, split: str = "train", batch_size: int | None = None, shuffle: str | bool = "global",
-            seed: int | None = 0, epoch: int = 0, drop_last: bool = True, features=None, engine: str = "auto",
+            seed: int | None = 0, epoch: int = 0, drop_last: bool = False, features=None, engine: str = "auto",
             rank: int = 0, world_size: int = 1, shuffle_buffer: int = 4096, repeat: bool = False,
             return_index: bool = False, num_parallel_calls: int | None = None, prefetch: int | None = None,
             state: dict | None = None, loader_options: dict | None = None,
@@ -188,7 +198,7 @@ def input_fn(source, *, split: str = "train", global_batch_size: int, shuffle: s
         if engine_ is Engine.NATIVE:
             batches = min(tf_native.shares(ds[split].counts, n)[1]) // per
         else:
-            with tf_plan.loader(ds, opts) as ld:
+            with tf_plan.loader(ds, opts, **(loader_options or {})) as ld:  # the Loader that will deliver
                 batches = len(ld)
         steps = batches // local
         if steps == 0:
@@ -202,7 +212,7 @@ def input_fn(source, *, split: str = "train", global_batch_size: int, shuffle: s
 
 
 def plan_state(source, *, split: str = "train", batch_size: int, seed: int = 0, epoch: int = 0, steps: int,
-               shuffle: str = "global", world_size: int = 1, drop_last: bool = True) -> dict:
+               shuffle: str = "global", world_size: int = 1, drop_last: bool = False) -> dict:
     """The ``Loader.state_dict()`` after ``steps`` batches of ``epoch`` were consumed on every rank:
     pass it as ``dataset(..., state=...)`` to resume exactly there (with the PyTorch adapter too).
     Keras users take ``steps`` from ``optimizer.iterations`` modulo the steps per epoch."""

@@ -72,7 +72,7 @@ def build(ds: Dataset, opts: ReadOptions, *, take_batches: int | None = None) ->
     if opts.return_index:
         raise ConfigError("return_index=True needs the plan engine (the native engine does not know sample "
                           "indices); pass engine='plan'")
-    feats = tf_spec.select(ds.schema, opts.features)
+    feats = tf_spec.select(ds.schema, opts.features, ds.splits[opts.split].statistics)
     paths, comps = shard_paths(ds, opts.split)
     files_per_rank, per_rank = shares(ds[opts.split].counts, opts.world_size)
     if min(per_rank) == 0:
@@ -98,7 +98,8 @@ def build(ds: Dataset, opts: ReadOptions, *, take_batches: int | None = None) ->
     if opts.world_size > 1:  # every rank yields the same number of samples
         records = records.take(min(per_rank))
     out = _parse(records, feats, opts, npc)
-    return tf_spec.finish(out, opts, take_batches)
+    n = min(per_rank) if opts.world_size > 1 else sum(per_rank)  # records this rank reads
+    return tf_spec.finish(out, opts, take_batches, cardinality=tf_spec.batches(n, opts))
 
 
 def _parse(records: tf.data.Dataset, feats, opts: ReadOptions, npc) -> tf.data.Dataset:

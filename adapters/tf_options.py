@@ -44,7 +44,7 @@ class ReadOptions:
     shuffle: Shuffle = Shuffle.GLOBAL
     seed: int | None = 0
     epoch: int = 0
-    drop_last: bool = True
+    drop_last: bool = False
     features: tuple[str, ...] | None = None
     engine: Engine = Engine.AUTO
     rank: int = 0

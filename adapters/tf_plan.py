@@ -85,8 +85,10 @@ def _np_to_tf(dtype: np.dtype) -> tf.DType:
     return tf.string if dtype.kind in "OSU" else tf.as_dtype(dtype)
 
 
-def from_batches(make_iter, spec: dict, opts: ReadOptions, *, take_batches: int | None = None) -> tf.data.Dataset:
-    """``from_generator`` over ``make_iter(pass_number)`` (called once per pass over the dataset)."""
+def from_batches(make_iter, spec: dict, opts: ReadOptions, *, take_batches: int | None = None,
+                 cardinality: int | None = None) -> tf.data.Dataset:
+    """``from_generator`` over ``make_iter(pass_number)`` (called once per pass over the dataset),
+    which yields ``cardinality`` batches per pass when known."""
     passes = itertools.count()
     lock = threading.Lock()
 
@@ -103,7 +105,7 @@ def from_batches(make_iter, spec: dict, opts: ReadOptions, *, take_batches: int 
                 close()
 
     out = tf.data.Dataset.from_generator(gen, output_signature=spec)
-    return tf_spec.finish(out, opts, take_batches)
+    return tf_spec.finish(out, opts, take_batches, cardinality)
 
 
 def build(ds, opts: ReadOptions, *, state: dict | None = None, take_batches: int | None = None,
@@ -116,7 +118,7 @@ def build(ds, opts: ReadOptions, *, state: dict | None = None, take_batches: int
         raise ConfigError("the plan engine needs an int seed (its order is a pure function of it); pass seed=")
     if opts.batch_size is None:
         raise ConfigError("the plan engine yields batches; pass batch_size= (or use engine='native' for records)")
-    feats = tf_spec.select(ds.schema, opts.features)
+    feats = tf_spec.select(ds.schema, opts.features, ds.splits[opts.split].statistics)
     spec = element_spec or tf_spec.element_spec(feats, batch_size=opts.batch_size, drop_last=opts.drop_last,
                                                 return_index=opts.return_index)
     kwargs = dict(split=opts.split, batch_size=opts.batch_size, shuffle=opts.shuffle.value, seed=opts.seed,
@@ -132,7 +134,13 @@ def build(ds, opts: ReadOptions, *, state: dict | None = None, take_batches: int
             loader.load_state_dict(state)
         return _closing(loader)
 
-    return from_batches(make_iter, spec, opts, take_batches=take_batches)
+    # Every pass has the same number of batches, counted by the very Loader that delivers them;
+    # except after state=, whose first pass is the rest of an epoch: no one cardinality then.
+    cardinality = None
+    if state is None:
+        with Loader(ds.path, epoch=first_epoch, **kwargs) as counter:
+            cardinality = len(counter)
+    return from_batches(make_iter, spec, opts, take_batches=take_batches, cardinality=cardinality)
 
 
 class _closing:
@@ -169,7 +177,7 @@ def build_stream(source, opts: ReadOptions, *, element_spec: dict | None = None)
 
     first: list = []
     if element_spec is None and isinstance(getattr(source, "schema", None), Schema):
-        feats = tf_spec.select(source.schema, opts.features)
+        feats = tf_spec.select(source.schema, opts.features)  # a stream has no statistics
         element_spec = tf_spec.element_spec(feats, batch_size=1, drop_last=False)
     if element_spec is None:
         it = iter(source)
@@ -189,4 +197,8 @@ def build_stream(source, opts: ReadOptions, *, element_spec: dict | None = None)
             return itertools.chain(first, it)
         return iter(source)
 
-    return from_batches(make_iter, dict(element_spec), opts)
+    try:  # a stream that knows its length (batches per pass) has a cardinality
+        cardinality = len(source)
+    except TypeError:  # no len(), or one that says it has none
+        cardinality = None
+    return from_batches(make_iter, dict(element_spec), opts, cardinality=cardinality)

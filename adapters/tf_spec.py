@@ -17,6 +17,8 @@ bytes      FixedLenFeature(shape, string)      tf.string; ``(None,)``: RaggedFea
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import tensorflow as tf
 
@@ -37,14 +39,40 @@ def tf_dtype(f: Feature) -> tf.DType:
     return tf.as_dtype(np.dtype(f.dtype))
 
 
-def select(schema: Schema, features) -> list[Feature]:
-    """The features to read, in schema order (``None``: all)."""
+def select(schema: Schema, features, statistics: dict | None = None) -> list[Feature]:
+    """The features to read, in schema order (``None``: all).
+
+    Dense vs ragged: an image or tensor feature whose schema shape has None dimensions is given
+    the one shape every record of the split has when the split's ``statistics`` (manifest) say
+    so — dense, as the Loader and the PyTorch adapter deliver it; ragged only when shapes vary.
+    """
     if features is None:
-        return list(schema)
-    unknown = [n for n in features if n not in schema.names]
-    if unknown:
-        raise SchemaError(f"features {unknown} are not in the dataset; it has {schema.names}")
-    return [f for f in schema if f.name in features]
+        feats = list(schema)
+    else:
+        unknown = [n for n in features if n not in schema.names]
+        if unknown:
+            raise SchemaError(f"features {unknown} are not in the dataset; it has {schema.names}")
+        feats = [f for f in schema if f.name in features]
+    return [_fixed_by_statistics(f, (statistics or {}).get(f.name)) for f in feats]
+
+
+def _fixed_by_statistics(f: Feature, stats: dict | None) -> Feature:
+    if f.encoding not in (Encoding.TENSOR, Encoding.IMAGE) or not stats:
+        return f
+    known = item_shape(f)
+    if None not in known:
+        return f
+    shapes = stats.get("shapes") or {}
+    if len(shapes) != 1 or sum(shapes.values()) != stats.get("count"):
+        return f  # shapes vary (or the statistics do not cover every record)
+    (key,) = shapes
+    try:
+        shape = tuple(int(d) for d in key.split("x")) if key else ()
+    except ValueError:
+        return f
+    if len(shape) != len(known) or any(k is not None and k != d for k, d in zip(known, shape)):
+        return f
+    return dataclasses.replace(f, shape=shape)
 
 
 def image_shape(f: Feature) -> tuple:
@@ -121,7 +149,16 @@ def _decode_tensor(f: Feature, raw, shape_vec=None):
 
 def _decode_image(f: Feature, data):
     shape = image_shape(f)
-    img = tf.io.decode_image(data, channels=shape[2] or 0, dtype=tf_dtype(f), expand_animations=False)
+    channels, dtype = shape[2] or 0, tf_dtype(f)
+
+    def other():
+        return tf.io.decode_image(data, channels=channels, dtype=dtype, expand_animations=False)
+
+    if dtype == tf.uint8:  # JPEG with the accurate integer IDCT: the pixels the Loader (libjpeg, PIL) decodes
+        img = tf.cond(tf.io.is_jpeg(data),
+                      lambda: tf.io.decode_jpeg(data, channels=channels, dct_method="INTEGER_ACCURATE"), other)
+    else:
+        img = other()
     return tf.ensure_shape(img, shape)
 
 
@@ -143,8 +180,19 @@ def make_decoder(feats):
     return decode
 
 
-def finish(out: tf.data.Dataset, opts, take_batches: int | None) -> tf.data.Dataset:
-    """The tail both engines share: a fixed number of batches, repetition, prefetch."""
+def batches(records: int, opts) -> int:
+    """Elements a pass yields over ``records`` records: records, or batches (a partial last batch
+    counts unless ``drop_last``)."""
+    if opts.batch_size is None:
+        return records
+    return records // opts.batch_size if opts.drop_last else -(-records // opts.batch_size)
+
+
+def finish(out: tf.data.Dataset, opts, take_batches: int | None, cardinality: int | None = None) -> tf.data.Dataset:
+    """The tail both engines share: the exact cardinality (what Keras counts steps and metrics
+    by; checked while iterating), a fixed number of batches, repetition, prefetch."""
+    if cardinality is not None:
+        out = out.apply(tf.data.experimental.assert_cardinality(cardinality))
     if take_batches is not None:
         out = out.take(take_batches)
     if opts.repeat:

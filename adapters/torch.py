@@ -212,6 +212,9 @@ class StatefulLoader:
         return len(self.dataset)
 
     def __iter__(self) -> Iterator[dict]:
+        if self.dataset._stream is not None:  # a stream is a source too: no epochs, no position to track
+            yield from self.dataloader
+            return
         epoch, position = self.dataset._next_start()
         self._running, self._taken = (epoch, position), 0
         for batch in self.dataloader:
@@ -222,6 +225,7 @@ class StatefulLoader:
             self.dataset.set_epoch(epoch + 1)
 
     def state_dict(self) -> dict:
+        """The Loader state after the batches taken so far (a stream source has none: ConfigError)."""
         if self._running is None:
             return self.dataset.state_dict()
         epoch, position = self._running

@@ -15,8 +15,8 @@ import numpy as np
 from crossfeed.beam_jobs.policy import ErrorPolicy, Skips
 from crossfeed.beam_jobs.records import SampleBatch
 from crossfeed.beam_jobs.sources import list_files
-from crossfeed.beam_jobs.tabular import (ColumnType, convert_strings, drop_rows, feature_name, parse_types,
-                                         table_metadata, table_schema)
+from crossfeed.beam_jobs.tabular import (ColumnType, convert_strings, drop_rows, encode_labels, feature_name, parse_types,
+                                         table_metadata, table_schema, vocabulary)
 from crossfeed.errors import ConfigError
 from crossfeed.format.schema import Schema
 
@@ -28,15 +28,19 @@ class ParquetSource:
     columns: tuple[tuple[str, ColumnType], ...]
     label: str | None = None
     on_error: ErrorPolicy = ErrorPolicy()
+    classes: tuple[str, ...] | None = None  # a string label's vocabulary: stored as class indices
+    num_rows: int = 0
 
     @classmethod
     def scan(cls, src, *, columns=None, types=None, label: str | None = None,
-             on_error: ErrorPolicy = ErrorPolicy()) -> ParquetSource:
+             on_error: ErrorPolicy = ErrorPolicy(), label_classes: bool = True) -> ParquetSource:
+        """``src``: a file, a folder, a glob pattern or a list of these. A string ``label`` column
+        becomes class indices (vocabulary in the metadata) unless ``label_classes=False``."""
         import pyarrow.parquet as pq
 
         root, files = list_files(src, (".parquet", ".pq"), "Parquet")
         declared = parse_types(types)
-        units, first_schema, cols = [], None, []
+        units, first_schema, cols, rows = [], None, [], 0
         for rel in files:
             meta = pq.ParquetFile(os.path.join(root, rel))
             schema = meta.schema_arrow
@@ -58,16 +62,37 @@ class ParquetSource:
             for g in range(meta.num_row_groups):
                 units.append((rel, g, start))
                 start += meta.metadata.row_group(g).num_rows
+            rows += start
         table_schema(cols, label)  # validates the label
-        return cls(root, tuple(units), tuple(cols), label, on_error)
+        classes = None
+        if label is not None and label_classes and dict(cols)[label] is ColumnType.STRING:
+            values: set[str] = set()
+            for rel in files:  # the label column only: columnar, cheap
+                column = pq.read_table(os.path.join(root, rel), columns=[label]).column(label)
+                values.update("" if v is None else str(v) for v in column.to_pylist())
+            classes = vocabulary(values, label)
+        return cls(root, tuple(units), tuple(cols), label, on_error, classes, rows)
 
     @property
     def schema(self) -> Schema:
-        return table_schema(list(self.columns), self.label)
+        return table_schema(list(self.columns), self.label, self.classes)
 
     @property
     def metadata(self) -> dict:
-        return table_metadata("parquet", self.label)
+        return table_metadata("parquet", self.label, self.classes)
+
+    def report(self) -> list[str]:
+        """Column types (from the Parquet schema) and the label's classes."""
+        lines = [f"{n}: {t.value} (Parquet type)" for n, t in self.columns]
+        if self.classes is not None:
+            lines.append(f"label {self.label!r}: {len(self.classes)} classes stored as indices; names in the manifest "
+                         f"(class_names); --no-label-classes keeps the strings")
+        return lines
+
+    @property
+    def num_samples(self) -> int:
+        """Rows in all row groups (known from the Parquet metadata at scan time)."""
+        return self.num_rows
 
     def describe(self) -> str:
         return f"Parquet {self.root} ({len(self.units_)} row groups)"
@@ -86,7 +111,11 @@ class ParquetSource:
         skips = Skips(self.on_error)
         columns, bad = {}, set()
         for name, typ in self.columns:
-            col, errors = _convert(table.column(name), typ, name)
+            if self.classes is not None and name == self.label:
+                col, errors = encode_labels(["" if v is None else str(v) for v in table.column(name).to_pylist()],
+                                            self.classes, name)
+            else:
+                col, errors = _convert(table.column(name), typ, name)
             for i, why in sorted(errors.items()):
                 if i not in bad:
                     skips.bad(f"{path}: row {start + i}: {why}")

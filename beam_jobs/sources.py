@@ -8,6 +8,7 @@ unit list is made on the launching machine; units are read in parallel by the ru
 
 from __future__ import annotations
 
+import glob
 import os
 from typing import Protocol, runtime_checkable
 
@@ -55,20 +56,42 @@ class _ReadUnit(beam.DoFn):
         yield from self.source.read(unit)
 
 
-def list_files(src: str, extensions: tuple[str, ...], what: str) -> tuple[str, list[str]]:
-    """``(root, relative paths)`` of ``src``: one file, or every file under a directory with one of
-    ``extensions`` (case-insensitive), sorted."""
-    src = os.fspath(src)
-    if os.path.isfile(src):
-        return os.path.dirname(os.path.abspath(src)), [os.path.basename(src)]
-    if not os.path.isdir(src):
-        raise ConfigError(f"{src}: no such file or directory")
+def list_files(src, extensions: tuple[str, ...], what: str) -> tuple[str, list[str]]:
+    """``(root, relative paths)`` of ``src``: a file, a directory (every file under it with one of
+    ``extensions``, case-insensitive), a glob pattern (``part-*.parquet``), or a list of these.
+    ``root`` is the deepest folder holding them all; the paths are sorted and unique."""
+    inputs = [os.fspath(src)] if isinstance(src, (str, os.PathLike)) else [os.fspath(s) for s in src]
+    if not inputs:
+        raise ConfigError(f"no {what} input given")
+    paths: list[str] = []
+    bases: list[str] = []  # a folder given is the root of what it holds (keys stay relative to it)
+    for item in inputs:
+        if os.path.isfile(item):
+            paths.append(os.path.abspath(item))
+        elif os.path.isdir(item):
+            bases.append(os.path.abspath(item))
+            found = _walk(item, extensions)
+            if not found:
+                raise EmptyInputError(f"{item}: no {what} files ({', '.join(extensions)}) found")
+            paths += found
+        elif glob.has_magic(item):
+            matched = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
+            if not matched:
+                raise EmptyInputError(f"{item}: the pattern matches no {what} file")
+            paths += [os.path.abspath(p) for p in matched]
+        else:
+            raise ConfigError(f"{item}: no such file or directory")
+    paths = sorted(set(paths))
+    root = os.path.commonpath(bases + [os.path.dirname(p) for p in paths])
+    return root, [os.path.relpath(p, root).replace(os.sep, "/") for p in paths]
+
+
+def _walk(folder: str, extensions: tuple[str, ...]) -> list[str]:
+    """Absolute paths of the files under ``folder`` ending in one of ``extensions``; hidden ones skipped."""
     found = []
-    for dirpath, dirnames, filenames in os.walk(src):
+    for dirpath, dirnames, filenames in os.walk(folder):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in filenames:
             if name.lower().endswith(extensions) and not name.startswith("."):
-                found.append(os.path.relpath(os.path.join(dirpath, name), src).replace(os.sep, "/"))
-    if not found:
-        raise EmptyInputError(f"{src}: no {what} files ({', '.join(extensions)}) found")
-    return os.path.abspath(src), sorted(found)
+                found.append(os.path.abspath(os.path.join(dirpath, name)))
+    return found

@@ -14,6 +14,7 @@ from crossfeed.errors import (
     IndexFileError,
     ManifestError,
     SchemaError,
+    SplitNotFoundError,
     WireError,
 )
 from crossfeed.read.loader import Loader
@@ -61,6 +62,7 @@ __all__ = [
     "Shuffle",
     "Source",
     "Split",
+    "SplitNotFoundError",
     "WireError",
     "connect",
     "open_dataset",

@@ -16,6 +16,13 @@ class DatasetNotFoundError(CrossfeedError, FileNotFoundError):
     """A path holds no crossfeed dataset (no manifest), or a file of it is missing."""
 
 
+class SplitNotFoundError(CrossfeedError, KeyError):
+    """A dataset has no split of that name; the message lists the splits it has."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 class ManifestError(CrossfeedError):
     """The manifest cannot be parsed or disagrees with the files beside it."""
 

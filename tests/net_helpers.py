@@ -133,18 +133,10 @@ def run_trainer(addresses, out_file: str, stall_after=None, credits: int = 4) ->
 
 
 def cli(*argv: str) -> None:
-    """The watch/serve commands as the lead's `crossfeed` app will expose them."""
-    import logging
+    """The real `crossfeed` command (its one error boundary included), with INFO logs."""
+    from crossfeed.cli.main import app
 
-    import typer
-
-    from crossfeed.cli import net, watch
-
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    app = typer.Typer(pretty_exceptions_enable=False)
-    net.register(app)
-    watch.register(app)
-    app(list(argv), prog_name="crossfeed")
+    app(["--verbose", *argv], prog_name="crossfeed")
 
 
 def write_image_dataset(path: str, n: int = 20) -> None:

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import typer
 from PIL import Image
 from typer.testing import CliRunner
 
-from crossfeed.cli import net, watch
 from crossfeed.net import connect
 from net_helpers import FAST_HB, child, read_endpoint, stop, write_image_dataset
 
@@ -18,10 +16,10 @@ pytestmark = pytest.mark.timeout(90)
 
 @pytest.fixture
 def app():
-    a = typer.Typer()
-    net.register(a)
-    watch.register(a)
-    return a
+    """The real `crossfeed` app, with its one error boundary (not a hand-built Typer app)."""
+    from crossfeed.cli.main import app
+
+    return app
 
 
 @pytest.fixture

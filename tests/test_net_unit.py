@@ -124,8 +124,8 @@ def test_field_stats_and_rates():
     stats = field_stats([{"x": np.array([1.0, 3.0]), "t": ["ab", "c"]}, {"x": np.array([5.0, 7.0]), "t": ["d"]}])
     x = stats["x"]
     assert (x.min, x.max, x.mean) == (1.0, 7.0, 4.0) and x.std == pytest.approx(np.std([1, 3, 5, 7]))
-    assert x.dtypes == {"float64"} and x.shapes == {(2,)}
-    assert stats["t"].max == 2 and stats["t"].shapes == {(2,), (1,)}
+    assert x.dtypes == {"float64"} and x.shapes == {()}  # the shape of one sample's value (no batch axis)
+    assert stats["t"].max == 2 and stats["t"].shapes == {()} and stats["t"].of_lengths  # text: its lengths
     assert "min=1 max=7" in x.row("x")
     assert np.isnan(FieldStats().mean)
     r = Rates(start=0.0)
@@ -136,10 +136,10 @@ def test_field_stats_and_rates():
 def test_image_grid_lays_out_images_with_labels():
     imgs = np.zeros((10, 6, 5, 3), np.uint8)
     imgs[3] = 255
-    grid = image_grid({"img": imgs, "label": np.arange(10)}, columns=4)
-    assert grid.size == (4 * 5, 3 * (6 + 14))
+    grid = image_grid({"img": imgs, "label": np.arange(10)}, columns=4, tile=6)  # 6×6 tiles: 6×5 images fit as they are
+    assert grid.size == (4 * 6, 3 * (6 + 14))
     pixels = np.asarray(grid)
-    assert pixels[0:6, 15:20].min() == 255 and pixels[0:6, 0:15].max() == 0  # image 3: row 0, col 3
-    assert pixels[6:20, 0:5].max() > 0  # a label is written under image 0
+    assert pixels[0:6, 18:23].min() == 255 and pixels[0:6, 0:18].max() == 0  # image 3: row 0, col 3
+    assert pixels[6:20, 0:6].max() > 0  # a label is written under image 0
     with pytest.raises(ConfigError):
         image_grid({"label": np.arange(3)})

@@ -143,7 +143,7 @@ def test_native_order_is_a_function_of_seed_and_epoch(mixed_dataset):
     assert a == _labels(cftf.dataset(root, batch_size=4, seed=5, shuffle_buffer=8))
     assert a != _labels(cftf.dataset(root, batch_size=4, seed=6, shuffle_buffer=8))
     assert a != _labels(cftf.dataset(root, batch_size=4, seed=5, epoch=1, shuffle_buffer=8))
-    assert len(a) == len(samples) // 4 * 4
+    assert len(a) == len(samples)  # the last partial batch is kept (drop_last=False, as in the Loader)
     # shuffle="none" is index (shard) order, as the dataset itself iterates
     index_order = [s["label"] for s in crossfeed.open_dataset(root)["train"]]
     assert _labels(cftf.dataset(root, batch_size=None, shuffle="none")) == index_order

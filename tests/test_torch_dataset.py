@@ -200,17 +200,28 @@ def test_a_stream_source_is_converted_without_splitting():
         list(DataLoader(TorchDataset(_stream()), batch_size=None, num_workers=1))
 
 
+def test_a_stream_source_goes_through_stateful_loader():
+    # the README says streams are sources: StatefulLoader(TorchDataset(stream), num_workers=0) reads it
+    with StatefulLoader(TorchDataset(_stream()), num_workers=0) as loader:
+        got = list(loader)
+        assert _flat(_ids(got)) == list(range(20))
+        with pytest.raises(ConfigError, match="stream"):
+            loader.state_dict()  # a stream has no position to save
+
+
 def test_a_crossfeed_connect_stream_is_a_source():
     from net_helpers import FAST_HB, Synthetic
 
     from crossfeed.net import Heartbeat, Server, ServerOptions, connect
 
-    hb = Heartbeat(FAST_HB["heartbeat_interval"], FAST_HB["heartbeat_timeout"])
+    # generous heartbeats: on a busy 2-core machine a 2 s silence is not a dead server
+    slow = dict(FAST_HB, heartbeat_interval=0.5, heartbeat_timeout=60.0, connect_timeout=60.0)
+    hb = Heartbeat(slow["heartbeat_interval"], slow["heartbeat_timeout"])
     opts = ServerOptions(("tcp://127.0.0.1:0",), epochs=1, heartbeat=hb)
     with Server(Synthetic(num_samples=40, batch_size=8), opts) as server:
-        with connect(server.endpoints, with_meta=True, **FAST_HB) as client:
+        with connect(server.endpoints, with_meta=True, **slow) as client:
             got = list(DataLoader(TorchDataset(client), batch_size=None))
-        assert server.wait(10)
+        assert server.wait(60)
     ids = []
     for meta, batch in got:  # with_meta streams keep their (meta, batch) pairs
         assert isinstance(batch["x"], torch.Tensor) and batch["x"].shape[1:] == (4,)

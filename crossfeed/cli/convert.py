@@ -1,8 +1,10 @@
-"""``crossfeed convert images|csv|parquet|numpy SRC OUT``: a thin shell over
-`crossfeed.beam_jobs.job.convert`. Shows live progress, ends with a summary, then verifies what it
-wrote. Beam is imported only when a command runs, so ``crossfeed --help`` works without it.
+"""``crossfeed convert images|csv|parquet|numpy INPUT... OUT [-- BEAM OPTIONS]``: a thin shell over
+`crossfeed.beam_jobs.job.convert`. Shows progress (on a terminal), ends with a summary, then
+verifies what it wrote. Beam is imported only when a command runs, so ``crossfeed --help`` works
+without it.
 
-Beam pipeline options go after ``--``, e.g.
+INPUT is a file, a folder or a glob pattern, quoted (``'part-*.parquet'``) or expanded by the
+shell; the last positional argument is OUT. Beam pipeline options go only after ``--``, e.g.
 ``crossfeed convert csv data.csv out -- --runner DaskRunner --dask_client_address tcp://host:8786``.
 """
 
@@ -10,14 +12,31 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperCommand
 
+from crossfeed.cli.progress import Progress
 from crossfeed.errors import ConfigError
 
-_CTX = {"allow_extra_args": True, "ignore_unknown_options": True}
+log = logging.getLogger(__name__)
+_BEAM_ARGS = "crossfeed.beam_args"
+
+
+class _BeamCommand(TyperCommand):
+    """A convert command: everything after the first ``--`` is Beam's; before it, typer's rules
+    (so a stray argument is an error, not a Beam option)."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        if "--" in args:
+            cut = args.index("--")
+            ctx.meta[_BEAM_ARGS], args = args[cut + 1:], args[:cut]
+        else:
+            ctx.meta[_BEAM_ARGS] = []
+        return super().parse_args(ctx, args)
 
 
 class Compress(str, enum.Enum):
@@ -35,8 +54,10 @@ class ConvertTo(str, enum.Enum):
     jpeg = "jpeg"
 
 
-Src = Annotated[Path, typer.Argument(exists=True, help="Input file or directory.")]
-Out = Annotated[Path, typer.Argument(help="Output dataset directory (created; its split(s) are replaced).")]
+Src = Annotated[list[str], typer.Argument(help="Input files, folders or glob patterns (quoted or not).",
+                                          metavar="INPUT", show_default=False)]
+Out = Annotated[Path, typer.Argument(metavar="OUT", help="Output dataset directory, the last argument (created; its split(s) "
+                                          "are replaced).")]
 SplitOpt = Annotated[str, typer.Option("--split", help="The split to write everything to.")]
 SplitsOpt = Annotated[Optional[str], typer.Option("--splits", help="Deterministic ratios, e.g. train=0.9,validation=0.1.")]
 ShardsOpt = Annotated[Optional[int], typer.Option("--shards", min=1, help="Exactly this many shards per split.")]
@@ -53,21 +74,20 @@ VerifyOpt = Annotated[bool, typer.Option("--verify/--no-verify", help="Check eve
 def register(app: typer.Typer) -> None:
     group = typer.Typer(help="Convert image folders, CSV, Parquet or numpy files into a dataset (Apache Beam).",
                         no_args_is_help=True)
-    group.command("images", context_settings=_CTX)(images)
-    group.command("csv", context_settings=_CTX)(csv)
-    group.command("parquet", context_settings=_CTX)(parquet)
-    group.command("numpy", context_settings=_CTX)(numpy)
+    for fn in (images, csv, parquet, numpy):
+        group.command(fn.__name__, cls=_BeamCommand)(fn)
     app.add_typer(group, name="convert")
 
 
-def images(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
+def images(ctx: typer.Context, src: Annotated[Path, typer.Argument(help="Image folder: one subdirectory per class.")],
+           out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
            shards: ShardsOpt = None, shard_size: SizeOpt = "256MB", compress: CompressOpt = Compress.none,
            runner: RunnerOpt = None, seed: SeedOpt = 0, on_error: OnErrorOpt = OnError.raise_,
            max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True,
            convert: Annotated[Optional[ConvertTo], typer.Option("--convert", help="Re-encode GIF/TIFF/RGBA/… images to this format.")] = None,
            ) -> None:
     """An image folder: one subdirectory per class (labels in sorted class order)."""
-    _run(ctx, "images", src, out, locals(), convert=convert.value if convert else None)
+    _run(ctx, "images", [str(src)], out, locals(), convert=convert.value if convert else None)
 
 
 def csv(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
@@ -79,10 +99,12 @@ def csv(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", split
         header: Annotated[bool, typer.Option("--header/--no-header", help="The first line names the columns.")] = True,
         skip_rows: Annotated[int, typer.Option("--skip-rows", min=0, help="Lines to skip before the header.")] = 0,
         delimiter: Annotated[str, typer.Option("--delimiter", help="Field separator.")] = ",",
+        label_classes: Annotated[bool, typer.Option("--label-classes/--no-label-classes", help="Store a string "
+                                 "--label column as class indices, names in the manifest (class_names).")] = True,
         ) -> None:
     """CSV files: typed columns (int64, float, string), bad rows reported with file and line."""
     _run(ctx, "csv", src, out, locals(), label=label, types=types, names=names, header=header,
-         skip_rows=skip_rows, delimiter=delimiter)
+         skip_rows=skip_rows, delimiter=delimiter, label_classes=label_classes)
 
 
 def parquet(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
@@ -91,9 +113,11 @@ def parquet(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", s
             max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True, label: LabelOpt = None,
             types: Annotated[Optional[str], typer.Option("--types", help="Column types, e.g. age:int64,name:string.")] = None,
             columns: Annotated[Optional[str], typer.Option("--columns", help="Columns to keep, comma-separated.")] = None,
+    label_classes: Annotated[bool, typer.Option("--label-classes/--no-label-classes", help="Store a string "
+                                     "--label column as class indices, names in the manifest (class_names).")] = True,
             ) -> None:
     """Parquet files: one work unit per row group."""
-    _run(ctx, "parquet", src, out, locals(), label=label, types=types, columns=columns)
+    _run(ctx, "parquet", src, out, locals(), label=label, types=types, columns=columns, label_classes=label_classes)
 
 
 def numpy(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
@@ -104,56 +128,105 @@ def numpy(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", spl
     _run(ctx, "numpy", src, out, locals(), label=label)
 
 
-def _run(ctx: typer.Context, kind: str, src: Path, out: Path, common: dict, **source_options) -> None:
-    from crossfeed.beam_jobs.job import convert, make_source  # lazy: needs apache_beam
+def _check_paths(inputs: list[str], out: Path) -> None:
+    """Catch the shell-glob and stray-argument mistakes before any work starts."""
+    hint = "usage: INPUT... OUT (OUT is the last argument; Beam options go after --)"
+    if out.is_file():
+        raise typer.BadParameter(f"{out} is a file, not an output folder; {hint}", param_hint="OUT")
+    for item in inputs:
+        if os.path.isdir(item) and os.path.exists(os.path.join(item, "crossfeed.json")):
+            raise typer.BadParameter(f"{item} is a crossfeed dataset, not an input; {hint}", param_hint="INPUT")
+        if os.path.abspath(item) == os.path.abspath(out):
+            raise typer.BadParameter(f"{item} is both an input and OUT; {hint}", param_hint="INPUT")
+
+
+def _quiet_import_of_beam(verbose: bool):
+    """Import the conversion job; Beam's import-time warnings on the root logger ("apitools not
+    found …") are hidden unless --verbose."""
+    root = logging.getLogger()
+    level = root.level
+    if not verbose:
+        root.setLevel(logging.ERROR)
+    try:
+        from crossfeed.beam_jobs import job
+    finally:
+        root.setLevel(level)
+    return job
+
+
+def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict, **source_options) -> None:
+    verbose = bool(ctx.find_root().params.get("verbose"))
+    job = _quiet_import_of_beam(verbose)
     from crossfeed.beam_jobs.policy import ErrorPolicy
 
     logging.getLogger("apache_beam.runners.common").setLevel(logging.CRITICAL)  # our error line says it
     if common.get("shards") is not None and ctx.get_parameter_source("shard_size").name == "COMMANDLINE":
         raise typer.BadParameter("give --shards or --shard-size, not both", param_hint="--shard-size")
+    if kind == "images" and len(src) != 1:
+        raise typer.BadParameter("convert images takes one image folder", param_hint="INPUT")
+    _check_paths(src, out)
     if "on_error" in common:
         source_options["on_error"] = ErrorPolicy(common["on_error"].value, common["max_skips"])
+    options = {k: v for k, v in source_options.items() if v is not None}
     try:
-        source = make_source(kind, str(src), **{k: v for k, v in source_options.items() if v is not None})
+        source = job.make_source(kind, src[0] if kind == "images" else src, **options)
     except ConfigError as e:
-        raise typer.BadParameter(str(e), param_hint="SRC") from e
+        raise typer.BadParameter(f"{e} (usage: INPUT... OUT; Beam options go after --)", param_hint="INPUT") from e
     typer.echo(f"converting {source.describe()} -> {out}", err=True)
+    for line in getattr(source, "report", list)():  # what type inference decided, and why
+        typer.echo(f"  {line}", err=True)
 
-    def progress(samples: int, nbytes: int, seconds: float) -> None:
-        rate = samples / seconds if seconds > 0 else 0.0
-        typer.echo(f"\r  {samples:,} samples, {nbytes / 1e6:,.1f} MB, {rate:,.0f} samples/s", err=True, nl=False)
+    with Progress() as progress:
+        bar = progress.phase("encoding", total=_expected_samples(source), unit="samples")  # read+encode+write shards
+        result = job.convert(source, out, split=common["split"], splits=common["splits"],
+                             num_shards=common["shards"], shard_size=common["shard_size"],
+                             compress=common["compress"] is Compress.gzip, seed=common["seed"],
+                             max_skips=common.get("max_skips"), runner=common["runner"],
+                             beam_args=list(ctx.meta.get(_BEAM_ARGS, [])),
+                             on_progress=lambda samples, nbytes, seconds: bar.update(samples))
+        bar.update(result.total_samples, result.total_samples)
+        per_split = ", ".join(f"{k}: {v:,} in {result.shards[k]} shards" for k, v in result.samples.items())
+        typer.echo(f"wrote {result.total_samples:,} samples ({per_split}), {result.num_bytes:,} bytes "
+                     f"in {result.seconds:.2f} s: {result.samples_per_second:,.0f} samples/s"
+                     + (f"; skipped {result.skipped} bad records" if result.skipped else ""))
+        _warn_empty_shards(str(out), list(result.samples))
+        if common["verify"]:
+            _verify(str(out), list(result.samples), progress)
 
-    result = convert(source, out, split=common["split"], splits=common["splits"], num_shards=common["shards"],
-                     shard_size=common["shard_size"], compress=common["compress"] is Compress.gzip, seed=common["seed"],
-                     max_skips=common.get("max_skips"), runner=common["runner"], beam_args=list(ctx.args),
-                     on_progress=progress)
-    typer.echo("", err=True)
-    per_split = ", ".join(f"{k}: {v:,} in {result.shards[k]} shards" for k, v in result.samples.items())
-    typer.echo(f"wrote {result.total_samples:,} samples ({per_split}), {result.num_bytes:,} bytes "
-               f"in {result.seconds:.2f} s: {result.samples_per_second:,.0f} samples/s"
-               + (f"; skipped {result.skipped} bad records" if result.skipped else ""))
-    if common["verify"]:
-        _verify(str(out), list(result.samples))
+
+def _expected_samples(source) -> int | None:
+    """How many samples the source holds, where it knows before reading (for the bar's ETA)."""
+    if getattr(source, "num_samples", None) is not None:  # Parquet: from the file metadata
+        return int(source.num_samples)
+    if isinstance(getattr(source, "lengths", None), tuple):  # numpy arrays
+        return int(sum(source.lengths))
+    if hasattr(source, "class_names") and isinstance(getattr(source, "files", None), tuple):  # image folder
+        return len(source.files)
+    return None  # CSV: unknown until read
 
 
-def _verify(path: str, splits: list[str]) -> None:
-    try:
-        from crossfeed.read.verify import verify_dataset
-    except ImportError:
-        verify_dataset = None
+def _warn_empty_shards(path: str, splits: list[str]) -> None:
+    from crossfeed.read.dataset import open_dataset
+
+    with open_dataset(path) as ds:
+        for name in splits:
+            info = ds.splits[name]
+            empty = sum(1 for sh in info.shards if sh.num_records == 0)
+            if empty:
+                typer.echo(f"warning: {empty} of {len(info.shards)} shards of split {name!r} are empty (it has "
+                           f"{info.num_records} records); pass fewer --shards", err=True)
+
+
+def _verify(path: str, splits: list[str], progress: Progress) -> None:
+    from crossfeed.read.dataset import open_dataset
+    from crossfeed.read.verify import verify_dataset
+
+    with open_dataset(path) as ds:
+        total = sum(ds.splits[s].num_bytes for s in splits)
+    bar = progress.phase("verifying", total=total, unit="bytes")
     problems: list = []
-    if verify_dataset is not None:
-        for s in splits:
-            problems += verify_dataset(path, split=s)
-    else:  # read back every record of what was written, checking its CRCs
-        from crossfeed import open_dataset
-
-        with open_dataset(path) as ds:
-            for s in splits:
-                sp = ds[s]
-                for shard, n in enumerate(sp.counts.tolist()):
-                    for k in range(n):
-                        sp.payload(shard, k)
+    for s in splits:
+        problems += verify_dataset(path, split=s, progress=bar.callback)
     if problems:
         for p in problems:
             typer.echo(f"problem: {p}", err=True)

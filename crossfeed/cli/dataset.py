@@ -1,53 +1,21 @@
 """``crossfeed index | info | verify | head``: look after datasets on disk.
 
-Thin shells over `crossfeed.write.adopt`, `crossfeed.read.verify` and `crossfeed.read.dataset`. Diagnostics go to
-stderr; a bad path or a broken file is one line on stderr and exit status 2, never a traceback.
+Thin shells over `crossfeed.write.adopt`, `crossfeed.read.verify` and `crossfeed.read.dataset`. Errors
+are raised and turned into one line on stderr by the CLI's one boundary (`crossfeed.cli.main`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
-import sys
-from collections.abc import Iterator
 from typing import Annotated
 
 import numpy as np
 import typer
 
-from crossfeed.errors import CrossfeedError
-
-PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar from this dataset size on
+from crossfeed.cli.progress import Progress
 
 DatasetArg = Annotated[str, typer.Argument(help="Dataset directory (or fsspec URL) holding crossfeed.json.")]
 SplitOpt = Annotated[str | None, typer.Option("--split", "-s", help="Only this split (default: all).")]
-
-
-def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
-
-
-def _one_line_errors(fn):
-    """Turn the errors a user can cause (bad path, broken file) into one line on stderr, exit 2."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except (CrossfeedError, OSError) as e:
-            _fail(str(e) if isinstance(e, CrossfeedError) else f"{getattr(e, 'filename', None) or ''} {e.strerror or e}".strip())
-    return wrapper
-
-
-@contextlib.contextmanager
-def _progress(total: int, label: str) -> Iterator:
-    """A progress bar on stderr for large jobs (a no-op callback for small ones)."""
-    if total < PROGRESS_MIN_BYTES:
-        yield lambda n: None
-        return
-    with typer.progressbar(length=total, label=label, file=sys.stderr) as bar:
-        yield bar.update
 
 
 def index(
@@ -62,8 +30,10 @@ def index(
     from crossfeed.write.adopt import index_dataset, is_shard_name
 
     total = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if is_shard_name(n)) if os.path.isdir(path) else 0
-    with _progress(total, "indexing") as advance:
-        manifest = index_dataset(path, split=split, split_from_name=split_from_name, force=force, progress=advance)
+    with Progress() as progress:
+        bar = progress.phase("indexing", total=total, unit="bytes")
+        manifest = index_dataset(path, split=split, split_from_name=split_from_name, force=force,
+                                 progress=bar.callback)
     counts = ", ".join(f"{k}: {v.num_records} records in {len(v.shards)} shards" for k, v in manifest.splits.items())
     typer.echo(f"indexed {path}: {counts}; features {', '.join(manifest.schema.names)}")
 
@@ -85,6 +55,11 @@ def info(dataset: DatasetArg,
         for f in ds.schema:
             shape = "(" + ", ".join("?" if d is None else str(d) for d in f.shape) + ("," if len(f.shape) == 1 else "") + ")"
             typer.echo(f"  {f.name:<20} {f.dtype:<8} {shape:<16} {f.encoding.value}")
+        for name, s in sorted(ds.splits.items()):
+            if s.statistics:
+                typer.echo(f"statistics ({name}):")
+                for feature, st in s.statistics.items():
+                    typer.echo(f"  {feature:<20} {_stats_line(st)}")
         if ds.metadata:
             typer.echo("metadata:")
             for k, v in sorted(ds.metadata.items()):
@@ -98,12 +73,13 @@ def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
     from crossfeed.read.verify import verify_dataset
 
     with open_dataset(dataset) as ds:
-        names = [split] if split is not None and split in ds.splits else list(ds.splits)
+        names = [ds[split].name] if split is not None else list(ds.splits)  # an unknown split raises here
         total = sum(ds.splits[n].num_bytes for n in names)
         records = sum(ds.splits[n].num_records for n in names)
         shards = sum(len(ds.splits[n].shards) for n in names)
-    with _progress(total, "verifying") as advance:
-        problems = verify_dataset(dataset, split=split, progress=advance)
+    with Progress() as progress:
+        bar = progress.phase("verifying", total=total, unit="bytes")
+        problems = verify_dataset(dataset, split=split, progress=bar.callback)
     if problems:
         for p in problems:
             typer.echo(f"BAD {p}", err=True)
@@ -114,17 +90,31 @@ def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
 
 
 def head(dataset: DatasetArg, n: Annotated[int, typer.Option("-n", "--num", min=0, help="How many samples.")] = 5,
-         split: SplitOpt = None) -> None:
+         split: Annotated[str | None, typer.Option("--split", "-s", help="Split to show (default: train, or the "
+                                                    "first split by name when there is no train).")] = None) -> None:
     """Show the first samples of a split: shape, dtype and small values; bytes truncated."""
     from crossfeed.read.dataset import open_dataset
 
     with open_dataset(dataset) as ds:
         name = split or ("train" if "train" in ds.splits else sorted(ds.splits)[0])
-        s = ds[name] if name in ds.splits else _fail(f"{ds.path}: no split {name!r}; it has {sorted(ds.splits)}")
+        s = ds[name]
         for i in range(min(n, len(s))):
             typer.echo(f"[{name} {i}]")
             for key, value in s[i].items():
                 typer.echo(f"  {key}: {_show(value)}")
+
+
+def _stats_line(st: dict) -> str:
+    """``count 1,797  min 0  max 16  mean 4.88  shapes 8x8x1 ×1,797`` from a manifest statistics entry."""
+    parts = [f"count {st.get('count', 0):,}"]
+    if "min" in st:
+        parts.append(f"min {st['min']:g}  max {st['max']:g}  mean {st['mean']:.4g}")
+    shapes = st.get("shapes") or {}
+    if shapes:
+        top = sorted(shapes.items(), key=lambda kv: -kv[1])
+        text = ", ".join(f"{k} ×{v:,}" for k, v in top[:3])
+        parts.append(f"shapes {text}" + (f" (+{len(top) - 3} more)" if len(top) > 3 else ""))
+    return "  ".join(parts)
 
 
 def _show(v) -> str:
@@ -149,4 +139,4 @@ def _size(n: int) -> str:
 
 def register(app: typer.Typer) -> None:
     for fn in (index, info, verify, head):
-        app.command(fn.__name__)(_one_line_errors(fn))
+        app.command(fn.__name__)(fn)

@@ -1,23 +1,108 @@
 """Entry point of the ``crossfeed`` command. Each command group lives in its own module and adds
-itself with ``register(app)``; errors of the CrossfeedError family print one line, exit 2."""
+itself with ``register(app)``.
+
+The one error boundary of the CLI is `_Boundary.invoke`, around every command:
+
+* a `CrossfeedError` (what a user can cause: a bad path, option, file or address), or an OSError
+  naming a file (missing, not permitted) → one line ``error: …`` on stderr, exit status 2;
+* a closed stdout (``crossfeed info … | head``) → quiet, exit status 141 (128 + SIGPIPE);
+* Ctrl-C → exit status 130, no traceback;
+* anything else is a bug in crossfeed and keeps its traceback.
+
+Commands therefore raise and never print their own ``error:`` lines.
+"""
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
+from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperGroup
 
 from crossfeed.errors import CrossfeedError
 
+EXIT_ERROR = 2
+EXIT_SIGPIPE = 141
+EXIT_INTERRUPTED = 130
+
+# OSErrors that name a path the user gave: an error of the environment, not a bug.
+_PATH_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+# Libraries whose INFO lines are noise to a CLI user; shown with --verbose.
+_NOISY = ("apache_beam", "distributed", "dask", "bokeh", "tornado", "fsspec")
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, CrossfeedError):
+        return str(e)
+    return f"{e.filename}: {e.strerror}" if getattr(e, "filename", None) else str(e)
+
+
+def _silence_stdout() -> None:
+    """After EPIPE, point stdout at /dev/null so the interpreter's final flush stays quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file (CliRunner): nothing to flush
+        pass
+
+
+class _Boundary(TyperGroup):
+    """The top-level group: every command (and sub-group) runs inside its `invoke`."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            _silence_stdout()
+            raise typer.Exit(EXIT_SIGPIPE) from None
+        except (CrossfeedError, *_PATH_ERRORS) as e:
+            typer.echo(f"error: {_message(e)}", err=True)
+            raise typer.Exit(EXIT_ERROR) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
 app = typer.Typer(
     name="crossfeed",
+    cls=_Boundary,
     help="Convert datasets once, read them from TensorFlow and PyTorch, and serve batches over the network.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def configure_logging(verbose: bool) -> None:
+    """WARNING and up on stderr; INFO of crossfeed and of Beam/Dask only with ``--verbose``."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("crossfeed").setLevel(logging.INFO if verbose else logging.WARNING)
+    for name in _NOISY:
+        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from crossfeed import __version__
+
+        typer.echo(f"crossfeed {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show INFO logs (crossfeed, Beam, Dask).")] = False,
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+) -> None:
+    """Convert datasets once, read them from TensorFlow and PyTorch, and serve batches over the network."""
+    configure_logging(verbose)
+
 
 # Command-group modules, each with register(app). Imported lazily so `crossfeed --help` stays fast
 # and a missing optional extra (beam, …) only breaks the command that needs it.
@@ -35,12 +120,7 @@ for _name in GROUPS:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        app()
-    except CrossfeedError as e:
-        typer.echo(f"error: {e}", err=True)
-        sys.exit(2)
+    app(prog_name="crossfeed")
 
 
 if __name__ == "__main__":

@@ -5,23 +5,20 @@ from __future__ import annotations
 import enum
 import importlib
 import logging
+import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import typer
 
+from crossfeed.errors import ConfigError
 from crossfeed.read.options import LoaderOptions
-from crossfeed.errors import ConfigError, CrossfeedError
+from crossfeed.read.plan import Shuffle
 
 logger = logging.getLogger(__name__)
-
-
-class Shuffle(str, enum.Enum):
-    GLOBAL = "global"
-    BLOCK = "block"
-    NONE = "none"
 
 
 class ServeMode(str, enum.Enum):
@@ -30,14 +27,18 @@ class ServeMode(str, enum.Enum):
 
 
 def resolve_function(spec: str) -> Callable[..., Any]:
-    """`package.module:function` -> the function."""
+    """`package.module:function` -> the function. Modules in the current directory are found, as
+    with ``python -m``."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"--transform {spec!r}: expected module:function, e.g. mypkg.aug:augment")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ConfigError(f"--transform {spec!r}: cannot import {module_name}: {e}") from e
+        raise ConfigError(f"--transform {spec!r}: cannot import {module_name} ({e}); run from the folder "
+                          f"holding {module_name.split('.')[0]}.py or add that folder to PYTHONPATH") from e
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
@@ -69,11 +70,12 @@ def serve(
     dataset: Annotated[str, typer.Argument(help="Dataset path or remote URL.")],
     addresses: Annotated[list[str], typer.Argument(help="Addresses to bind; brace patterns expand.")],
     split: Annotated[str, typer.Option(help="Split to serve.")] = "train",
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 32,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per batch sent.")] = 32,
     shuffle: Annotated[Shuffle, typer.Option(help="Shuffle mode.")] = Shuffle.GLOBAL,
     seed: Annotated[int, typer.Option(help="Shuffle seed.")] = 0,
     epochs: Annotated[Optional[int], typer.Option(min=1, help="End after N epochs (default: never).")] = None,
-    start_epoch: Annotated[int, typer.Option("--start-epoch", min=0)] = 0,
+    start_epoch: Annotated[int, typer.Option("--start-epoch", min=0, help="First epoch to serve (to resume a run: "
+                                             "the same seed gives the same order).")] = 0,
     transform: Annotated[Optional[str], typer.Option(help="module:function applied to each sample.")] = None,
     workers: Annotated[int, typer.Option(min=1, help="Loader threads building batches in parallel.")] = 2,
     rank: Annotated[Optional[int], typer.Option(min=0, help="This server's share: rank R of --world-size M.")] = None,
@@ -82,39 +84,37 @@ def serve(
     broadcast: Annotated[Optional[list[str]], typer.Option(help="PUB address(es) for mon/stat/show.")] = None,
     auth_keys: Annotated[Optional[Path], typer.Option("--auth-keys", help="Dir of accepted client *.key; enables CURVE.")] = None,
     server_key: Annotated[Optional[Path], typer.Option("--server-key", help="Server .key_secret (default AUTH_KEYS/server.key_secret).")] = None,
-    heartbeat_interval: Annotated[float, typer.Option(min=0.01)] = 1.0,
-    heartbeat_timeout: Annotated[float, typer.Option(min=0.05)] = 10.0,
+    heartbeat_interval: Annotated[float, typer.Option(min=0.01, help="Seconds between liveness messages to "
+                                                      "each trainer.")] = 1.0,
+    heartbeat_timeout: Annotated[float, typer.Option(min=0.05, help="Seconds of silence after which a trainer "
+                                                     "counts as gone (its unacknowledged batches go to others).")] = 10.0,
     endpoint_file: Annotated[Optional[Path], typer.Option(help="Write the bound addresses here (for scripts).")] = None,
 ) -> None:
     """Run the Loader here and stream ready batches to trainers (`crossfeed.connect`)."""
     from crossfeed.net.keys import ServerKeys
     from crossfeed.net.protocol import Heartbeat
-    from crossfeed.net.server import Mode, Server, ServerOptions
+    from crossfeed.net.server import Mode, ServerOptions
 
+    keys = ServerKeys.from_dir(auth_keys, server_key) if auth_keys else None
+    options = ServerOptions(
+        tuple(addresses), broadcast=tuple(broadcast or ()), mode=Mode(mode.value),
+        epochs=epochs, start_epoch=start_epoch, heartbeat=Heartbeat(heartbeat_interval, heartbeat_timeout),
+    )
+    if (rank is None) != (world_size is None):
+        raise ConfigError("--rank and --world-size go together")
+    loader_options = LoaderOptions.of(  # a server is not a trainer: RANK/WORLD_SIZE are not its share
+        split=split, batch_size=batch_size, shuffle=shuffle.value, seed=seed, num_threads=workers,
+        rank=0 if rank is None else rank, world_size=1 if world_size is None else world_size)
+    factory = LoaderEpochs(dataset, loader_options, transform=resolve_function(transform) if transform else None)
     try:
-        keys = ServerKeys.from_dir(auth_keys, server_key) if auth_keys else None
-        options = ServerOptions(
-            tuple(addresses), broadcast=tuple(broadcast or ()), mode=Mode(mode.value),
-            epochs=epochs, start_epoch=start_epoch, heartbeat=Heartbeat(heartbeat_interval, heartbeat_timeout),
-        )
-        if (rank is None) != (world_size is None):
-            raise ConfigError("--rank and --world-size go together")
-        loader_options = LoaderOptions.of(  # a server is not a trainer: RANK/WORLD_SIZE are not its share
-            split=split, batch_size=batch_size, shuffle=shuffle.value, seed=seed, num_threads=workers,
-            rank=0 if rank is None else rank, world_size=1 if world_size is None else world_size)
-        factory = LoaderEpochs(dataset, loader_options, transform=resolve_function(transform) if transform else None)
-        try:
-            run_server(factory, options, keys, endpoint_file)
-        finally:
-            factory.close()
-    except CrossfeedError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
+        run_server(factory, options, keys, endpoint_file)
+    finally:
+        factory.close()
 
 
 def run_server(factory, options, keys, endpoint_file: Path | None) -> None:
     """Serve until the stream ends or SIGINT/SIGTERM; raises CrossfeedError if the server failed."""
-    from crossfeed.net.server import Server
+    from crossfeed.net.server import Mode, Server
 
     stop = threading.Event()
     previous = {}
@@ -124,7 +124,12 @@ def run_server(factory, options, keys, endpoint_file: Path | None) -> None:
     try:
         with Server(factory, options, keys=keys) as server:
             bound = " ".join(server.endpoints + server.broadcast_endpoints)
-            typer.echo(f"serving on {bound}", err=True)
+            how = "broadcast (PUB: mon/stat/show and evaluation; lossy)" if options.mode is Mode.BROADCAST \
+                else "distribution (trainers: crossfeed.connect)"
+            typer.echo(f"serving {how} on {' '.join(server.endpoints)}", err=True)
+            if server.broadcast_endpoints:
+                typer.echo(f"broadcast (PUB: mon/stat/show; lossy) on {' '.join(server.broadcast_endpoints)}",
+                           err=True)
             if endpoint_file is not None:
                 tmp = endpoint_file.with_name(endpoint_file.name + ".tmp")
                 tmp.write_text(bound)
@@ -144,13 +149,9 @@ def keygen(
     """Write CURVE key pairs NAME.key (public) and NAME.key_secret (keep private)."""
     from crossfeed.net.keys import keygen as make
 
-    try:
-        for name in names or ["server", "client"]:
-            public, secret = make(directory, name)
-            typer.echo(f"wrote {public} and {secret}", err=True)
-    except CrossfeedError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
+    for name in names or ["server", "client"]:
+        public, secret = make(directory, name)
+        typer.echo(f"wrote {public} and {secret}", err=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -29,9 +29,26 @@ def _subscribe(addresses: list[str], keys: Path | None, timeout: float):
                    heartbeat_timeout=timeout, heartbeat_interval=min(1.0, timeout / 4))
 
 
-def _fail(e: CrossfeedError) -> typer.Exit:
-    typer.echo(f"error: {e}", err=True)
-    return typer.Exit(2)
+def _nothing_received(addresses: list[str], timeout: float) -> CrossfeedError:
+    return CrossfeedError(
+        f"no batch received from {' '.join(addresses)} within {timeout:g}s. mon/stat/show subscribe to a "
+        f"broadcast (PUB) address: the one `crossfeed serve` prints as 'broadcast … on ADDRESS' (serve "
+        f"--broadcast ADDRESS, or the main address of serve --mode broadcast), not a distribution address; "
+        f"check that the server runs and that the address and --keys are right")
+
+
+def _class_names(dataset: str | None) -> list[str] | None:
+    """The class names in a dataset's manifest metadata (``class_names``), or None without --dataset."""
+    if dataset is None:
+        return None
+    from crossfeed.read.dataset import open_dataset
+
+    with open_dataset(dataset) as ds:
+        names = ds.metadata.get("class_names")
+    if not names:
+        raise CrossfeedError(f"{dataset}: its manifest metadata has no class_names; labels are shown as numbers "
+                             f"without --dataset")
+    return [str(n) for n in names]
 
 
 def mon(
@@ -44,25 +61,24 @@ def mon(
     """Live batches/s, samples/s and MB/s of a stream."""
     from crossfeed.net.observe import Rates
 
-    try:
-        with _subscribe(addresses, keys, timeout) as stream:
+    with _subscribe(addresses, keys, timeout) as stream:
+        now = time.monotonic()
+        total, window = Rates(now), Rates(now)
+        for batch in stream:
+            total.add(batch)
+            window.add(batch)
             now = time.monotonic()
-            total, window = Rates(now), Rates(now)
-            for batch in stream:
-                total.add(batch)
-                window.add(batch)
-                now = time.monotonic()
-                if now - window.start >= every:
-                    b, s, mb = window.per_second(now)
-                    typer.echo(f"{b:10.1f} batches/s {s:12.1f} samples/s {mb:10.2f} MB/s")
-                    window = Rates(now)
-                if count and total.batches >= count:
-                    break
-            b, s, mb = total.per_second(time.monotonic())
-            typer.echo(f"total: {total.batches} batches, {total.samples} samples, "
-                       f"{total.nbytes / 1e6:.2f} MB; {b:.1f} batches/s {s:.1f} samples/s {mb:.2f} MB/s")
-    except CrossfeedError as e:
-        raise _fail(e) from e
+            if now - window.start >= every:
+                b, s, mb = window.per_second(now)
+                typer.echo(f"{b:10.1f} batches/s {s:12.1f} samples/s {mb:10.2f} MB/s")
+                window = Rates(now)
+            if count and total.batches >= count:
+                break
+    if not total.batches:
+        raise _nothing_received(addresses, timeout)
+    b, s, mb = total.per_second(time.monotonic())
+    typer.echo(f"total: {total.batches} batches, {total.samples} samples, "
+               f"{total.nbytes / 1e6:.2f} MB; {b:.1f} batches/s {s:.1f} samples/s {mb:.2f} MB/s")
 
 
 def stat(
@@ -71,25 +87,23 @@ def stat(
     keys: Keys = None,
     timeout: Timeout = 30.0,
 ) -> None:
-    """Per field: the dtype/shape set, min, max, mean and std over N batches."""
+    """Per field over N batches: dtypes, item shapes (min/max of each dimension when they vary) and
+    the values' min, max, mean and std (pixels for images, never their sizes)."""
     from crossfeed.net.observe import field_stats
 
-    try:
-        stats: dict = {}
-        seen = 0
-        with _subscribe(addresses, keys, timeout) as stream:
-            for batch in stream:
-                field_stats([batch], stats)
-                seen += 1
-                if seen >= count:
-                    break
-        if not seen:
-            raise CrossfeedError("no batch received")
-        typer.echo(f"{seen} batches")
-        for name, s in stats.items():
-            typer.echo(s.row(name))
-    except CrossfeedError as e:
-        raise _fail(e) from e
+    stats: dict = {}
+    seen = 0
+    with _subscribe(addresses, keys, timeout) as stream:
+        for batch in stream:
+            field_stats([batch], stats)
+            seen += 1
+            if seen >= count:
+                break
+    if not seen:
+        raise _nothing_received(addresses, timeout)
+    typer.echo(f"{seen} batches")
+    for name, s in stats.items():
+        typer.echo(s.row(name))
 
 
 def show(
@@ -97,26 +111,28 @@ def show(
     output: Annotated[Path, typer.Option("-o", "--output", help="PNG file to write.")],
     image: Annotated[Optional[str], typer.Option("--image", help="Image field (default: first N,H,W[,C]).")] = None,
     label: Annotated[Optional[str], typer.Option("--label", help="Label field (default: first 1-D field).")] = None,
+    dataset: Annotated[Optional[str], typer.Option("--dataset", help="Dataset served (path/URL): label indices "
+                                                   "are shown as its manifest's class names.")] = None,
+    tile: Annotated[int, typer.Option("--tile", min=8, help="Tile size in pixels; images of other sizes are "
+                                      "resized to fit, keeping their aspect.")] = 96,
     skip: Annotated[int, typer.Option("--skip", min=0, help="Batches to skip first.")] = 0,
     keys: Keys = None,
     timeout: Timeout = 30.0,
 ) -> None:
-    """Write a PNG grid of the images of one batch, with their labels."""
+    """Write a PNG grid of the images of one batch (any sizes), with their labels or class names."""
     from crossfeed.net.observe import image_grid
 
-    try:
-        with _subscribe(addresses, keys, timeout) as stream:
-            batch = None
-            for i, b in enumerate(stream):
-                if i >= skip:
-                    batch = b
-                    break
-        if batch is None:
-            raise CrossfeedError("no batch received")
-        image_grid(batch, image=image, label=label).save(output, format="PNG")
-        typer.echo(f"wrote {output}", err=True)
-    except CrossfeedError as e:
-        raise _fail(e) from e
+    class_names = _class_names(dataset)
+    with _subscribe(addresses, keys, timeout) as stream:
+        batch = None
+        for i, b in enumerate(stream):
+            if i >= skip:
+                batch = b
+                break
+    if batch is None:
+        raise _nothing_received(addresses, timeout)
+    image_grid(batch, image=image, label=label, class_names=class_names, tile=tile).save(output, format="PNG")
+    typer.echo(f"wrote {output}", err=True)
 
 
 def register(app: typer.Typer) -> None:

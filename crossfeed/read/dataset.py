@@ -10,7 +10,7 @@ import numpy as np
 
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
-from crossfeed.errors import CrossfeedError, DatasetNotFoundError, ExampleError, IndexFileError
+from crossfeed.errors import CrossfeedError, DatasetNotFoundError, ExampleError, IndexFileError, SplitNotFoundError
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads
 from crossfeed.format.schema import Schema, SchemaError, decode_value
 from crossfeed.read.storage import ShardFile, Storage
@@ -54,7 +54,7 @@ class Dataset:
 
     def __getitem__(self, split: str) -> Split:
         if split not in self.manifest.splits:
-            raise KeyError(f"{self.path}: no split {split!r}; it has {sorted(self.manifest.splits)}")
+            raise SplitNotFoundError(f"{self.path}: no split {split!r}; it has {sorted(self.manifest.splits)}")
         if split not in self._splits:
             self._splits[split] = Split(self, self.manifest.splits[split])
         return self._splits[split]

@@ -103,9 +103,11 @@ def _peak_rss() -> int:
 
 
 def bench_loader(source, options: LoaderOptions, *, batches: int = 50, transform: Callable[[dict], dict] | None = None,
-                 batch_transform: Callable[[dict], dict] | None = None, stage_batches: int | None = None) -> BenchReport:
+                 batch_transform: Callable[[dict], dict] | None = None, stage_batches: int | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> BenchReport:
     """Measure reading ``batches`` batches (see the module docstring); ``stage_batches``
-    (default: ``min(batches, 20)``) batches are built again one stage at a time."""
+    (default: ``min(batches, 20)``) batches are built again one stage at a time. ``progress(done,
+    total)`` is called after each batch read end to end."""
     if batches < 1:
         raise ConfigError(f"batches must be >= 1, got {batches}")
     t0 = time.perf_counter()
@@ -118,6 +120,8 @@ def bench_loader(source, options: LoaderOptions, *, batches: int = 50, transform
                 first_s = t1 - t0
             samples += _batch_len(batch)
             done += 1
+            if progress is not None:
+                progress(done, batches)
             if done >= batches:
                 break
         seconds = time.perf_counter() - t1
