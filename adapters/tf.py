@@ -68,13 +68,16 @@ engine with MultiWorkerMirroredStrategy (``input_fn`` shards by input pipeline),
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from collections.abc import Callable
 
 import tensorflow as tf
 
 from crossfeed.adapters import tf_native, tf_plan, tf_spec
-from crossfeed.adapters.tf_options import Engine, ReadOptions, Shuffle
+from crossfeed.read.options import LoaderOptions, Source
+from crossfeed.adapters.tf_options import Engine, TFOptions, Shuffle
 from crossfeed.read.dataset import Dataset, open_dataset
 from crossfeed.errors import ConfigError
 
@@ -108,6 +111,14 @@ def element_spec(source, *, split: str = "train", batch_size: int | None = None,
     return tf_spec.element_spec(feats, batch_size=batch_size, drop_last=drop_last, return_index=return_index)
 
 
+_DATASET_DEFAULTS = dict(split="train", batch_size=None, shuffle="global", seed=0, drop_last=False, features=None,
+                         rank=0, world_size=1, return_index=False)
+
+
+def _is_mixture(source) -> bool:
+    return isinstance(source, (list, tuple)) and bool(source) and all(isinstance(s, Source) for s in source)
+
+
 def _tf_can_open(url: str) -> bool:
     try:
         tf.io.gfile.exists(url)
@@ -116,7 +127,7 @@ def _tf_can_open(url: str) -> bool:
     return True
 
 
-def _resolve(ds: Dataset, opts: ReadOptions, *, state, loader_options) -> Engine:
+def _resolve(ds: Dataset, opts: TFOptions, *, state, loader_options) -> Engine:
     wants_plan = [why for why, on in (("state=", state is not None), ("return_index=True", opts.return_index),
                                       ("loader_options=", bool(loader_options))) if on]
     if opts.engine is Engine.NATIVE:
@@ -135,8 +146,13 @@ def dataset(source, *, split: str = "train", batch_size: int | None = None, shuf
             rank: int = 0, world_size: int = 1, shuffle_buffer: int = 4096, repeat: bool = False,
             return_index: bool = False, num_parallel_calls: int | None = None, prefetch: int | None = None,
             state: dict | None = None, loader_options: dict | None = None,
-            element_spec: dict | None = None) -> tf.data.Dataset:
+            element_spec: dict | None = None, options: LoaderOptions | None = None) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` of ``dict`` elements (batches of ``batch_size``, or records when None).
+
+    ``options``: a `crossfeed.LoaderOptions`, passed whole to the plan engine's Loader (then the
+    keywords it covers — split, batch_size, shuffle, seed, drop_last, features, rank, world_size,
+    return_index — are taken from it and must be left at their defaults). ``source`` may also be a
+    mixture, a list of `crossfeed.Source` (plan engine).
 
     ``source``: a dataset path/URL or an open `crossfeed.Dataset`; or a stream — any iterable of
     dict batches such as ``crossfeed.connect(...)`` — whose spec is ``element_spec`` or read off
@@ -145,10 +161,25 @@ def dataset(source, *, split: str = "train", batch_size: int | None = None, shuf
     ``loader_options``: extra ``crossfeed.Loader`` keywords (plan engine); when a transform
     changes the batch, pass its ``element_spec``. See the module docstring for the engines.
     """
-    opts = ReadOptions(split=split, batch_size=batch_size, shuffle=shuffle, seed=seed, epoch=epoch,
-                       drop_last=drop_last, features=features, engine=engine, rank=rank, world_size=world_size,
-                       shuffle_buffer=shuffle_buffer, repeat=repeat, return_index=return_index,
-                       num_parallel_calls=num_parallel_calls, prefetch=prefetch)
+    tf_only = dict(epoch=epoch, engine=engine, shuffle_buffer=shuffle_buffer, repeat=repeat,
+                   num_parallel_calls=num_parallel_calls, prefetch=prefetch)
+    if options is not None:
+        given = {k: v for k, v in dict(split=split, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                       features=features, rank=rank, world_size=world_size,
+                                       return_index=return_index).items()
+                 if v != _DATASET_DEFAULTS[k]}
+        if given:
+            raise ConfigError(f"options= carries {sorted(given)}; pass them in the LoaderOptions, not both")
+        if not isinstance(options, LoaderOptions):
+            raise ConfigError(f"options must be a crossfeed.LoaderOptions, got {type(options).__name__}")
+        opts = TFOptions.from_loader(options, **tf_only)
+    else:
+        opts = TFOptions(split=split, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                         features=features, rank=rank, world_size=world_size, return_index=return_index, **tf_only)
+    if _is_mixture(source):
+        if opts.engine is Engine.NATIVE:
+            raise ConfigError("a mixture is read by the plan engine; use engine='plan' or 'auto'")
+        return tf_plan.build(list(source), opts, state=state, loader_options=loader_options, element_spec=element_spec)
     if not _is_dataset_source(source):
         if opts.engine is Engine.NATIVE or state is not None or loader_options:
             raise ConfigError("a stream source is read as it comes: engine='native', state= and loader_options= "
@@ -158,6 +189,8 @@ def dataset(source, *, split: str = "train", batch_size: int | None = None, shuf
                               f"got {type(source).__name__}")
         return tf_plan.build_stream(source, opts, element_spec=element_spec)
     ds = _open(source, opts.split)
+    if opts.loader is not None and opts.engine is Engine.AUTO:  # options passed whole: the Loader reads them
+        opts = dataclasses.replace(opts, engine=Engine.PLAN)
     if _resolve(ds, opts, state=state, loader_options=loader_options) is Engine.NATIVE:
         if element_spec is not None:
             raise ConfigError("element_spec= is for streams and plan-engine transforms; the native engine's comes "
@@ -184,7 +217,7 @@ def input_fn(source, *, split: str = "train", global_batch_size: int, shuffle: s
     common = dict(split=split, shuffle=shuffle, seed=seed, epoch=epoch, drop_last=True, features=features,
                   shuffle_buffer=shuffle_buffer, repeat=repeat, num_parallel_calls=num_parallel_calls,
                   prefetch=prefetch)
-    engine_ = _resolve(ds, ReadOptions(batch_size=global_batch_size, engine=engine, **common), state=None,
+    engine_ = _resolve(ds, TFOptions(batch_size=global_batch_size, engine=engine, **common), state=None,
                        loader_options=loader_options)
 
     def fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -194,11 +227,11 @@ def input_fn(source, *, split: str = "train", global_batch_size: int, shuffle: s
                               f"in sync; make it a multiple")
         per = global_batch_size // replicas
         local = max(1, replicas // n)  # replicas fed by this pipeline, one batch each per step
-        opts = ReadOptions(batch_size=per, engine=engine_, rank=ctx.input_pipeline_id, world_size=n, **common)
+        opts = TFOptions(batch_size=per, engine=engine_, rank=ctx.input_pipeline_id, world_size=n, **common)
         if engine_ is Engine.NATIVE:
             batches = min(tf_native.shares(ds[split].counts, n)[1]) // per
         else:
-            with tf_plan.loader(ds, opts, **(loader_options or {})) as ld:  # the Loader that will deliver
+            with tf_plan.loader(ds, opts, loader_options) as ld:  # the Loader that will deliver
                 batches = len(ld)
         steps = batches // local
         if steps == 0:
@@ -218,7 +251,7 @@ def plan_state(source, *, split: str = "train", batch_size: int, seed: int = 0, 
     Keras users take ``steps`` from ``optimizer.iterations`` modulo the steps per epoch."""
     if not isinstance(steps, int) or steps < 0:
         raise ConfigError(f"steps must be an int >= 0, got {steps!r}")
-    opts = ReadOptions(split=split, batch_size=batch_size, shuffle=shuffle, seed=seed, epoch=epoch,
+    opts = TFOptions(split=split, batch_size=batch_size, shuffle=shuffle, seed=seed, epoch=epoch,
                        drop_last=drop_last, engine=Engine.PLAN, world_size=world_size)
     with tf_plan.loader(_open(source, split), opts) as ld:
         state = ld.state_dict()

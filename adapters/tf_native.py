@@ -19,7 +19,7 @@ import tensorflow as tf
 from crossfeed.read.dataset import Dataset
 from crossfeed.errors import ConfigError, DatasetNotFoundError
 from crossfeed.adapters import tf_spec
-from crossfeed.adapters.tf_options import ReadOptions, Shuffle
+from crossfeed.adapters.tf_options import TFOptions, Shuffle
 
 _CYCLE = 16  # files read at once when shuffling
 
@@ -67,7 +67,7 @@ def _records_of(path, compression):
     return tf.data.TFRecordDataset(path, compression_type=compression)
 
 
-def build(ds: Dataset, opts: ReadOptions, *, take_batches: int | None = None) -> tf.data.Dataset:
+def build(ds: Dataset, opts: TFOptions, *, take_batches: int | None = None) -> tf.data.Dataset:
     """The native pipeline for ``opts`` (rank ``opts.rank`` of ``opts.world_size``)."""
     if opts.return_index:
         raise ConfigError("return_index=True needs the plan engine (the native engine does not know sample "
@@ -102,7 +102,7 @@ def build(ds: Dataset, opts: ReadOptions, *, take_batches: int | None = None) ->
     return tf_spec.finish(out, opts, take_batches, cardinality=tf_spec.batches(n, opts))
 
 
-def _parse(records: tf.data.Dataset, feats, opts: ReadOptions, npc) -> tf.data.Dataset:
+def _parse(records: tf.data.Dataset, feats, opts: TFOptions, npc) -> tf.data.Dataset:
     spec = tf_spec.feature_spec(feats)
     decode = tf_spec.make_decoder(feats)
     bs = opts.batch_size

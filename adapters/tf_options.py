@@ -1,7 +1,9 @@
 """The validated options of the TensorFlow adapter: which engine, how to shuffle, how to batch.
 
 Made once by `crossfeed.adapters.tf.dataset` / `input_fn` from their keyword arguments; every
-check happens here, so the engines receive a `ReadOptions` they can trust.
+check happens here, so the engines receive a `TFOptions` they can trust. The plan engine reads
+through the core's own options object: `TFOptions.loader_options` builds the one
+`crossfeed.LoaderOptions` (or takes the caller's, whole) that both counts and delivers batches.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from crossfeed.errors import ConfigError
+from crossfeed.read.options import LoaderOptions
 from crossfeed.read.plan import Shuffle  # the Loader's modes; the native engine treats global and block alike
 
 
@@ -36,7 +39,7 @@ def _choice(enum_cls, value, option: str):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ReadOptions:
+class TFOptions:
     """What to read and how; the engines' one input besides the dataset."""
 
     split: str = "train"
@@ -54,6 +57,7 @@ class ReadOptions:
     return_index: bool = False
     num_parallel_calls: int | None = None  # None: tf.data.AUTOTUNE
     prefetch: int | None = None  # None: tf.data.AUTOTUNE; 0: no prefetch
+    loader: LoaderOptions | None = None  # the plan engine's Loader options, when the caller passed them whole
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -83,3 +87,29 @@ class ReadOptions:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < (1 if name == "num_parallel_calls" else 0)):
                 raise ConfigError(f"{name} must be None (AUTOTUNE) or a positive int, got {v!r}")
+
+    @classmethod
+    def from_loader(cls, options: LoaderOptions, **tf_fields) -> TFOptions:
+        """TF options that read what a `crossfeed.LoaderOptions` says (passed whole to the plan engine)."""
+        plan, shard = options.plan, options.shard
+        return cls(split=options.split, batch_size=plan.batch_size, shuffle=plan.shuffle, seed=plan.seed,
+                   drop_last=plan.drop_last, features=options.features, rank=shard.rank, world_size=shard.world_size,
+                   return_index=options.return_index, loader=options, **tf_fields)
+
+    def loader_options(self, extra: dict | None = None) -> tuple[LoaderOptions, dict]:
+        """``(LoaderOptions, callables)``: the one options object of the plan engine's Loaders (the
+        caller's own, or made from these fields and ``extra`` Loader keywords), and the
+        ``transform``/``batch_transform`` among ``extra``."""
+        extra = dict(extra or {})
+        calls = {k: extra.pop(k) for k in ("transform", "batch_transform") if k in extra}
+        if self.loader is not None:
+            return (self.loader.replace(**extra) if extra else self.loader), calls
+        if self.seed is None:
+            raise ConfigError("the plan engine needs an int seed (its order is a pure function of it); pass seed=")
+        if self.batch_size is None:
+            raise ConfigError("the plan engine yields batches; pass batch_size= (or use engine='native' for records)")
+        base = dict(split=self.split, batch_size=self.batch_size, shuffle=self.shuffle.value, seed=self.seed,
+                    rank=self.rank, world_size=self.world_size, drop_last=self.drop_last,
+                    features=None if self.features is None else list(self.features), return_index=self.return_index)
+        base.update(extra)
+        return LoaderOptions.of(**base), calls

@@ -19,7 +19,8 @@ import tensorflow as tf
 
 from crossfeed.errors import ConfigError, SchemaError
 from crossfeed.adapters import tf_spec
-from crossfeed.adapters.tf_options import ReadOptions
+from crossfeed.adapters.tf_options import TFOptions
+from crossfeed.format.schema import INDEX_KEY, SOURCE_KEY, Schema
 
 
 def _to_ragged(items, spec: tf.RaggedTensorSpec):
@@ -85,7 +86,7 @@ def _np_to_tf(dtype: np.dtype) -> tf.DType:
     return tf.string if dtype.kind in "OSU" else tf.as_dtype(dtype)
 
 
-def from_batches(make_iter, spec: dict, opts: ReadOptions, *, take_batches: int | None = None,
+def from_batches(make_iter, spec: dict, opts: TFOptions, *, take_batches: int | None = None,
                  cardinality: int | None = None) -> tf.data.Dataset:
     """``from_generator`` over ``make_iter(pass_number)`` (called once per pass over the dataset),
     which yields ``cardinality`` batches per pass when known."""
@@ -108,39 +109,36 @@ def from_batches(make_iter, spec: dict, opts: ReadOptions, *, take_batches: int 
     return tf_spec.finish(out, opts, take_batches, cardinality)
 
 
-def build(ds, opts: ReadOptions, *, state: dict | None = None, take_batches: int | None = None,
+def build(ds, opts: TFOptions, *, state: dict | None = None, take_batches: int | None = None,
           loader_options: dict | None = None, element_spec: dict | None = None) -> tf.data.Dataset:
     """The plan engine: pass ``n`` over the dataset iterates the Loader at epoch ``opts.epoch + n``
-    (the first pass resumed from ``state``, a ``Loader.state_dict()``, when given)."""
+    (the first pass resumed from ``state``, a ``Loader.state_dict()``, when given). ``ds``: an
+    open dataset, or a mixture (a list of `crossfeed.Source`)."""
     from crossfeed.read.loader import Loader
 
-    if opts.seed is None:
-        raise ConfigError("the plan engine needs an int seed (its order is a pure function of it); pass seed=")
-    if opts.batch_size is None:
-        raise ConfigError("the plan engine yields batches; pass batch_size= (or use engine='native' for records)")
-    feats = tf_spec.select(ds.schema, opts.features, ds.splits[opts.split].statistics)
-    spec = element_spec or tf_spec.element_spec(feats, batch_size=opts.batch_size, drop_last=opts.drop_last,
-                                                return_index=opts.return_index)
-    kwargs = dict(split=opts.split, batch_size=opts.batch_size, shuffle=opts.shuffle.value, seed=opts.seed,
-                  rank=opts.rank, world_size=opts.world_size, drop_last=opts.drop_last,
-                  features=None if opts.features is None else list(opts.features),
-                  return_index=opts.return_index, **(loader_options or {}))
-
+    options, calls = opts.loader_options(loader_options)
+    source = ds if isinstance(ds, (list, tuple)) else ds.path
     first_epoch = opts.epoch if state is None else int(state["epoch"])
+    # Every pass has the same number of batches, counted by the very Loader that delivers them;
+    # except after state=, whose first pass is the rest of an epoch: no one cardinality then.
+    with Loader(source, options, start=(first_epoch, 0), **calls) as counter:
+        cardinality = len(counter) if state is None else None
+        feats = counter.builder.reader.decoder.features
+        stats = counter.dataset.splits[options.split if counter.sources is None else counter.sources[0].split].statistics
+    if element_spec is None:
+        feats = tf_spec.select(Schema(feats), None, stats)
+        element_spec = tf_spec.element_spec(feats, batch_size=options.batch_size, drop_last=options.plan.drop_last,
+                                            return_index=options.return_index)
+        if counter.sources is not None and options.return_index:
+            element_spec[SOURCE_KEY] = tf.TensorSpec(element_spec[INDEX_KEY].shape, tf.int64)
 
     def make_iter(n: int):
-        loader = Loader(ds.path, epoch=first_epoch + n, **kwargs)  # its own files: passes may overlap
+        loader = Loader(source, options, start=(first_epoch + n, 0), **calls)  # its own files: passes may overlap
         if n == 0 and state is not None:
             loader.load_state_dict(state)
         return _closing(loader)
 
-    # Every pass has the same number of batches, counted by the very Loader that delivers them;
-    # except after state=, whose first pass is the rest of an epoch: no one cardinality then.
-    cardinality = None
-    if state is None:
-        with Loader(ds.path, epoch=first_epoch, **kwargs) as counter:
-            cardinality = len(counter)
-    return from_batches(make_iter, spec, opts, take_batches=take_batches, cardinality=cardinality)
+    return from_batches(make_iter, element_spec, opts, take_batches=take_batches, cardinality=cardinality)
 
 
 class _closing:
@@ -157,16 +155,16 @@ class _closing:
         self._loader.close()
 
 
-def loader(ds, opts: ReadOptions, **loader_options):
-    """The Loader the plan engine iterates for ``opts`` (to count batches or make a state)."""
+def loader(ds, opts: TFOptions, loader_options: dict | None = None):
+    """The Loader the plan engine iterates for ``opts`` (to count batches or make a state): the
+    same options object `build` gives its Loaders."""
     from crossfeed.read.loader import Loader
 
-    return Loader(ds.path, split=opts.split, batch_size=opts.batch_size, shuffle=opts.shuffle.value, seed=opts.seed,
-                  epoch=opts.epoch, rank=opts.rank, world_size=opts.world_size, drop_last=opts.drop_last,
-                  **loader_options)
+    options, calls = opts.loader_options(loader_options)
+    return Loader(ds if isinstance(ds, (list, tuple)) else ds.path, options, start=(opts.epoch, 0), **calls)
 
 
-def build_stream(source, opts: ReadOptions, *, element_spec: dict | None = None) -> tf.data.Dataset:
+def build_stream(source, opts: TFOptions, *, element_spec: dict | None = None) -> tf.data.Dataset:
     """A stream of dict batches (``crossfeed.connect(...)``, or any iterable) as a dataset.
 
     The spec is, in order of preference: ``element_spec``; the stream's own ``schema`` (a

@@ -22,10 +22,10 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
+from crossfeed.format.schema import INDEX_KEY
 from crossfeed.errors import SchemaError
 from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema
 
-INDEX_KEY = "__index__"
 
 # decode_raw has no unsigned 32/64-bit out_type: read the signed twin and bitcast.
 _RAW_TWIN = {tf.uint32: tf.int32, tf.uint64: tf.int64}

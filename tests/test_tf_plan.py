@@ -146,3 +146,27 @@ def test_input_fn_checks_the_global_batch(data):
         fn(tf.distribute.InputContext(1, 0, 2))
     with pytest.raises(ConfigError, match="too few"):
         cftf.input_fn(data, global_batch_size=64)(tf.distribute.InputContext(1, 0, 1))
+
+
+def test_loader_options_pass_whole_and_mixtures_read_in_the_loaders_order(tmp_path):
+    """`options=` (one LoaderOptions) reaches the plan engine's Loader unchanged, and a mixture
+    of sources comes out of TensorFlow in the Loader's order, with __source__/__index__."""
+    import crossfeed
+
+    for name, n, off in (("a", 40, 0), ("b", 9, 1000)):
+        crossfeed.write_dataset(tmp_path / name, [{"id": off + i, "x": np.full(3, i, np.float32)} for i in range(n)],
+                                num_shards=2).close()
+    opts = crossfeed.LoaderOptions.of(batch_size=6, seed=3, shuffle="block", return_index=True, num_threads=1)
+    with Loader(tmp_path / "a", opts) as ld:
+        want = [b["__index__"].tolist() for b in ld]
+    ds = cftf.dataset(tmp_path / "a", options=opts)
+    assert ds.cardinality().numpy() == len(want)
+    assert [b["__index__"].tolist() for b in ds.as_numpy_iterator()] == want
+    with pytest.raises(crossfeed.ConfigError, match="options= carries"):
+        cftf.dataset(tmp_path / "a", options=opts, batch_size=7)
+    sources = [crossfeed.Source(tmp_path / "a", weight=3), crossfeed.Source(tmp_path / "b", weight=1)]
+    mix = crossfeed.LoaderOptions.of(batch_size=5, seed=1, samples_per_epoch=50, return_index=True)
+    with Loader(sources, mix) as ld:
+        want = [(b["__source__"].tolist(), b["id"].tolist()) for b in ld]
+    got = [(b["__source__"].tolist(), b["id"].tolist()) for b in cftf.dataset(sources, options=mix).as_numpy_iterator()]
+    assert got == want and len(got) == 10
