@@ -49,7 +49,8 @@ from crossfeed.read.options import LoaderOptions, Source
 __all__ = ["StatefulLoader", "TorchDataset", "to_torch"]
 
 
-def _is_stream(source) -> bool:
+def is_stream(source) -> bool:
+    """Whether ``source`` is a stream of batches (e.g. ``crossfeed.connect(...)``) rather than a dataset or a mixture."""
     if isinstance(source, (list, tuple)) and source and all(isinstance(s, Source) for s in source):
         return False  # a mixture
     return not isinstance(source, (str, bytes, os.PathLike, Dataset, Source)) and hasattr(source, "__iter__")
@@ -68,7 +69,7 @@ class TorchDataset(IterableDataset):
 
     def __init__(self, source, options: LoaderOptions | None = None, *, transform: Callable[[dict], dict] | None = None,
                  batch_transform: Callable[[dict], dict] | None = None, epoch: int = 0, **fields):
-        self._stream = source if _is_stream(source) else None
+        self._stream = source if is_stream(source) else None
         self._loaders: dict[tuple[int, int], Loader] = {}
         self._pid = os.getpid()
         self._cursor = Cursor(epoch)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from crossfeed.adapters.torch import TorchDataset, _is_stream
+from crossfeed.adapters.torch import TorchDataset, is_stream
 from crossfeed.read.dataset import open_dataset
 from crossfeed.errors import ConfigError
 
@@ -105,7 +105,7 @@ def train(source, *, split: str = "train", steps: int = 300, batch_size: int = 3
     if steps < 1 or batch_size < 1 or image_size < 8:
         raise ConfigError(f"steps and batch_size must be >= 1 and image_size >= 8, got {steps}, {batch_size}, {image_size}")
     torch.manual_seed(seed)
-    stream = _is_stream(source)
+    stream = is_stream(source)
     resize = ResizeImage(image_key, image_size)
     ds = (TorchDataset(source) if stream else
           TorchDataset(source, split=split, batch_size=batch_size, seed=seed, features=[image_key, label_key],
