@@ -250,3 +250,13 @@ def test_cache_command_lists_prunes_and_clears(served, tmp_path):
     assert ShardCache(tmp_path / "c").entries() == []
     bad = subprocess.run(run + ["ls", "--dir", str(tmp_path / "nope")], capture_output=True, text=True)
     assert bad.returncode != 0 and "no such cache directory" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bench_reads_through_the_cache(served, tmp_path):
+    url, _, handler = served
+    cmd = [sys.executable, "-m", "crossfeed.cli.main", "bench", url, "--batch-size", "50", "--batches", "4",
+           "--cache-dir", str(tmp_path / "c"), "--cache-limit", "1GB"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "samples/s" in out.stdout
+    assert len(ShardCache(tmp_path / "c").entries()) == 6

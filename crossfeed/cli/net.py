@@ -89,6 +89,8 @@ def serve(
     heartbeat_timeout: Annotated[float, typer.Option(min=0.05, help="Seconds of silence after which a trainer "
                                                      "counts as gone (its unacknowledged batches go to others).")] = 10.0,
     endpoint_file: Annotated[Optional[Path], typer.Option(help="Write the bound addresses here (for scripts).")] = None,
+    cache_dir: Annotated[Optional[str], typer.Option("--cache-dir", help="Cache remote shards here (default: $CROSSFEED_CACHE_DIR).")] = None,
+    cache_limit: Annotated[Optional[str], typer.Option("--cache-limit", help="Keep the cache under this size, e.g. 50GB.")] = None,
 ) -> None:
     """Run the Loader here and stream ready batches to trainers (`crossfeed.connect`)."""
     from crossfeed.net.keys import ServerKeys
@@ -104,7 +106,8 @@ def serve(
         raise ConfigError("--rank and --world-size go together")
     loader_options = LoaderOptions.of(  # a server is not a trainer: RANK/WORLD_SIZE are not its share
         split=split, batch_size=batch_size, shuffle=shuffle.value, seed=seed, num_threads=workers,
-        rank=0 if rank is None else rank, world_size=1 if world_size is None else world_size)
+        rank=0 if rank is None else rank, world_size=1 if world_size is None else world_size,
+        cache_dir=cache_dir, cache_limit=cache_limit)
     factory = LoaderEpochs(dataset, loader_options, transform=resolve_function(transform) if transform else None)
     try:
         run_server(factory, options, keys, endpoint_file)
