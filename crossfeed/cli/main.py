@@ -84,6 +84,8 @@ def configure_logging(verbose: bool) -> None:
     logging.getLogger("crossfeed").setLevel(logging.INFO if verbose else logging.WARNING)
     for name in _NOISY:
         logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
+    if not verbose:  # Dask configures its own loggers on import, and in the workers it spawns: tell it too
+        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
 
 
 def _version(value: bool) -> None:
