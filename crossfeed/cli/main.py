@@ -84,6 +84,11 @@ def configure_logging(verbose: bool) -> None:
     logging.getLogger("crossfeed").setLevel(logging.INFO if verbose else logging.WARNING)
     for name in _NOISY:
         logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
+    if not verbose:  # Dask configures its own loggers on import, and in the workers it spawns: tell it too
+        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+        # records logged on the root logger itself (Beam's import-time "apitools not found") in the workers;
+        # named loggers (crossfeed's too) propagate past the root's level, so their warnings still show
+        os.environ.setdefault("DASK_LOGGING__ROOT", "error")
 
 
 def _version(value: bool) -> None:
