@@ -81,8 +81,12 @@ def _dask_threads(address: str | None) -> int:
         return os.cpu_count() or 1
     from distributed import Client
 
-    with Client(address, timeout=30) as client:
-        return max(1, sum(w["nthreads"] for w in client.scheduler_info(n_workers=-1)["workers"].values()))
+    try:
+        with Client(address, timeout=30) as client:
+            return max(1, sum(w["nthreads"] for w in client.scheduler_info(n_workers=-1)["workers"].values()))
+    except (ValueError, OSError, TimeoutError) as e:  # a malformed address, or nothing answering there
+        raise ConfigError(f"--dask_client_address {address!r}: cannot reach a Dask scheduler there ({e}); "
+                          f"start one (dask scheduler) or fix the address, e.g. tcp://host:8786") from e
 
 
 def run_pipeline(build: Callable, *, runner: str | None = None, beam_args: Sequence[str] = (),

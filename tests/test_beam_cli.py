@@ -68,3 +68,15 @@ def test_bad_parameters(app, tmp_path):
 def test_cli_module_does_not_import_beam():
     code = "import sys, crossfeed.cli.convert; sys.exit('apache_beam' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_bad_dask_address_is_one_clear_line(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "t.csv").write_text("a,b\n1,2\n3,4\n")
+    out = subprocess.run([sys.executable, "-m", "crossfeed.cli.main", "convert", "csv", str(tmp_path / "t.csv"),
+                          str(tmp_path / "out"), "--runner", "DaskRunner", "--", "--dask_client_address=nonsense"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and "cannot reach a Dask scheduler" in out.stderr
