@@ -10,6 +10,7 @@ import numpy as np
 
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
+from crossfeed.format import tfrecord
 from crossfeed.errors import CrossfeedError, DatasetNotFoundError, ExampleError, IndexFileError
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads
 from crossfeed.format.schema import Schema, SchemaError, decode_value
@@ -22,7 +23,7 @@ def open_dataset(path) -> Dataset:
         return path
     storage = Storage(path)
     try:
-        text = storage.read(MANIFEST).decode()
+        text = storage.read(MANIFEST)
     except DatasetNotFoundError:
         raise DatasetNotFoundError(
             f"{storage.root}: not a crossfeed dataset (no {MANIFEST}); write one with crossfeed.write_dataset, "
@@ -107,13 +108,21 @@ class Split:
                 data = self.dataset.storage.read(idx.index_path(info.file))
             except DatasetNotFoundError as e:
                 raise IndexFileError(f"{where}: index file is missing; rebuild it with `crossfeed index`") from e
-            arr = idx.parse_index(data, where)
-            if len(arr) != info.num_records:
-                raise IndexFileError(
-                    f"{where}: {len(arr)} entries, the manifest says {info.num_records} records; the dataset is "
-                    f"inconsistent, rebuild it with `crossfeed index`")
+            arr = idx.checked_index(data, where, info, gzip=lambda: self._is_gzip(shard))
             self._index[shard] = arr
         return arr
+
+    def _is_gzip(self, shard: int) -> bool:
+        f = self._files[shard]
+        if f.rel.endswith(".gz"):
+            return True
+        storage = self.dataset.storage
+        if not storage.remote:
+            return tfrecord.is_gzip(f.path)
+        try:
+            return tfrecord.looks_gzip(storage.read_range(f.rel, 0, tfrecord.HEADER))
+        except (OSError, ValueError):
+            return False
 
     def locate(self, i: int) -> tuple[int, int]:
         """``(shard, record_within_shard)`` of global index ``i``."""
