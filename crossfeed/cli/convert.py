@@ -36,7 +36,7 @@ class ConvertTo(str, enum.Enum):
 
 
 Src = Annotated[Path, typer.Argument(exists=True, help="Input file or directory.")]
-Out = Annotated[Path, typer.Argument(help="Output dataset directory (created; its split(s) are replaced).")]
+Out = Annotated[Path, typer.Argument(help="Output dataset directory (created; must be new or empty unless --overwrite).")]
 SplitOpt = Annotated[str, typer.Option("--split", help="The split to write everything to.")]
 SplitsOpt = Annotated[Optional[str], typer.Option("--splits", help="Deterministic ratios, e.g. train=0.9,validation=0.1.")]
 ShardsOpt = Annotated[Optional[int], typer.Option("--shards", min=1, help="Exactly this many shards per split.")]
@@ -48,6 +48,7 @@ OnErrorOpt = Annotated[OnError, typer.Option("--on-error", help="A bad record st
 MaxSkipsOpt = Annotated[Optional[int], typer.Option("--max-skips", min=0, help="Most bad records to skip before failing.")]
 LabelOpt = Annotated[Optional[str], typer.Option("--label", help="Column/array stored as the feature 'label'.")]
 VerifyOpt = Annotated[bool, typer.Option("--verify/--no-verify", help="Check every record of what was written.")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the dataset OUT holds, all of it (refused otherwise).")]
 
 
 def register(app: typer.Typer) -> None:
@@ -63,7 +64,7 @@ def register(app: typer.Typer) -> None:
 def images(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
            shards: ShardsOpt = None, shard_size: SizeOpt = "256MB", compress: CompressOpt = Compress.none,
            runner: RunnerOpt = None, seed: SeedOpt = 0, on_error: OnErrorOpt = OnError.raise_,
-           max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True,
+           max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True, overwrite: OverwriteOpt = False,
            convert: Annotated[Optional[ConvertTo], typer.Option("--convert", help="Re-encode GIF/TIFF/RGBA/… images to this format.")] = None,
            ) -> None:
     """An image folder: one subdirectory per class (labels in sorted class order)."""
@@ -73,7 +74,7 @@ def images(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", sp
 def csv(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
         shards: ShardsOpt = None, shard_size: SizeOpt = "256MB", compress: CompressOpt = Compress.none,
         runner: RunnerOpt = None, seed: SeedOpt = 0, on_error: OnErrorOpt = OnError.raise_,
-        max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True, label: LabelOpt = None,
+        max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True, overwrite: OverwriteOpt = False, label: LabelOpt = None,
         types: Annotated[Optional[str], typer.Option("--types", help="Column types, e.g. age:int64,name:string.")] = None,
         names: Annotated[Optional[str], typer.Option("--names", help="Column names, comma-separated (replace the header).")] = None,
         header: Annotated[bool, typer.Option("--header/--no-header", help="The first line names the columns.")] = True,
@@ -88,7 +89,7 @@ def csv(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", split
 def parquet(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
             shards: ShardsOpt = None, shard_size: SizeOpt = "256MB", compress: CompressOpt = Compress.none,
             runner: RunnerOpt = None, seed: SeedOpt = 0, on_error: OnErrorOpt = OnError.raise_,
-            max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True, label: LabelOpt = None,
+            max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True, overwrite: OverwriteOpt = False, label: LabelOpt = None,
             types: Annotated[Optional[str], typer.Option("--types", help="Column types, e.g. age:int64,name:string.")] = None,
             columns: Annotated[Optional[str], typer.Option("--columns", help="Columns to keep, comma-separated.")] = None,
             ) -> None:
@@ -98,7 +99,7 @@ def parquet(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", s
 
 def numpy(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
           shards: ShardsOpt = None, shard_size: SizeOpt = "256MB", compress: CompressOpt = Compress.none,
-          runner: RunnerOpt = None, seed: SeedOpt = 0, verify: VerifyOpt = True, label: LabelOpt = None,
+          runner: RunnerOpt = None, seed: SeedOpt = 0, verify: VerifyOpt = True, overwrite: OverwriteOpt = False, label: LabelOpt = None,
           ) -> None:
     """.npy/.npz arrays whose first axis is the sample axis (memory-mapped)."""
     _run(ctx, "numpy", src, out, locals(), label=label)
@@ -126,7 +127,7 @@ def _run(ctx: typer.Context, kind: str, src: Path, out: Path, common: dict, **so
     result = convert(source, out, split=common["split"], splits=common["splits"], num_shards=common["shards"],
                      shard_size=common["shard_size"], compress=common["compress"] is Compress.gzip, seed=common["seed"],
                      max_skips=common.get("max_skips"), runner=common["runner"], beam_args=list(ctx.args),
-                     on_progress=progress)
+                     on_progress=progress, overwrite=common["overwrite"])
     typer.echo("", err=True)
     per_split = ", ".join(f"{k}: {v:,} in {result.shards[k]} shards" for k, v in result.samples.items())
     typer.echo(f"wrote {result.total_samples:,} samples ({per_split}), {result.num_bytes:,} bytes "
