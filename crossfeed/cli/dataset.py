@@ -103,7 +103,13 @@ def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
         records = sum(ds.splits[n].num_records for n in names)
         shards = sum(len(ds.splits[n].shards) for n in names)
     with _progress(total, "verifying") as advance:
-        problems = verify_dataset(dataset, split=split, progress=advance)
+        shown = [0]
+
+        def progress(done: int, _total: int) -> None:  # verify reports totals, the bar takes steps
+            advance(done - shown[0])
+            shown[0] = done
+
+        problems = verify_dataset(dataset, split=split, progress=progress)
     if problems:
         for p in problems:
             typer.echo(f"BAD {p}", err=True)
