@@ -235,7 +235,8 @@ _JOURNAL = ".commit"
 
 
 def _undo_journal(root: str, path: str, keep: set[str]) -> int:
-    """Delete the files a dead commit's journal lists that the current manifest does not name."""
+    """Delete the files a dead commit's journal lists (those it created and those it retired) that
+    the current manifest does not name."""
     try:
         with open(path, "rb") as f:
             names = json.loads(f.read().decode("utf-8"))
@@ -243,8 +244,8 @@ def _undo_journal(root: str, path: str, keep: set[str]) -> int:
         return 0
     removed = 0
     for n in names if isinstance(names, list) else ():
-        try:
-            n = check_name(n, path)
+        try:  # a shard name, or a shard name + ".idx": a plain name inside root either way
+            check_name(n.removesuffix(".idx") if isinstance(n, str) else n, path)
         except ManifestError:
             continue
         if n in keep:
@@ -327,11 +328,15 @@ def commit_splits(root, staged: dict[str, list[StagedShard]], schema: Schema, *,
         finals = {name: [shard_name(name, i, len(shards), compress=s.tmp_path.endswith(".gz"),
                                     generation=generation if clash else 0) for i, s in enumerate(shards)]
                   for name, shards in staged.items()}
+        splits = dict(old.splits) if old and add_split else {}
+        kept = {n for s in splits.values() for sh in s.shards for n in (sh.file, sh.file + ".idx")}
+        # The journal names every file this commit creates or retires: whatever version a crash
+        # leaves, the next commit deletes those of them that its manifest does not name.
         journal = os.path.join(root, f"{TMP_PREFIX}{token or secrets.token_hex(6)}-{secrets.token_hex(4)}{_JOURNAL}")
-        _write_durably(journal, json.dumps([x for names in finals.values() for n in names for x in (n, n + ".idx")]))
+        _write_durably(journal, json.dumps(sorted({x for names in finals.values() for n in names for x in (n, n + ".idx")}
+                                                  | (taken - kept))))
         fsync_dir(root)
         crash_point("journal written")
-        splits = dict(old.splits) if old and add_split else {}
         for name, shards in sorted(staged.items()):
             infos = []
             for s, final in zip(shards, finals[name]):
