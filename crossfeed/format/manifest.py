@@ -278,7 +278,7 @@ class _Validator:
             if name in names:
                 self.fail(f"{at}.name", f"feature {name!r} appears twice")
             names.add(name)
-            if enc not in _ENCODINGS:
+            if not isinstance(enc, str) or enc not in _ENCODINGS:
                 self.fail(f"{at}.encoding", f"unknown encoding {_short(enc)}; expected one of {sorted(_ENCODINGS)}")
             if not isinstance(dtype, str) or dtype not in _DTYPES[enc]:
                 self.fail(f"{at}.dtype", f"dtype {_short(dtype)} is not one the {enc} encoding stores "

@@ -11,7 +11,7 @@ import numpy as np
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
-from crossfeed.errors import CrossfeedError, DatasetNotFoundError, ExampleError, IndexFileError
+from crossfeed.errors import CrossfeedError, DatasetNotFoundError, ExampleError, IndexFileError, ManifestError
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads
 from crossfeed.format.schema import Schema, SchemaError, decode_value
 from crossfeed.read.storage import ShardFile, Storage
@@ -28,6 +28,8 @@ def open_dataset(path) -> Dataset:
         raise DatasetNotFoundError(
             f"{storage.root}: not a crossfeed dataset (no {MANIFEST}); write one with crossfeed.write_dataset, "
             f"`crossfeed convert`, or adopt existing TFRecord shards with `crossfeed index`") from None
+    except OSError as e:  # a directory or unreadable file where the manifest should be
+        raise ManifestError(f"{storage.url(MANIFEST)}: cannot read the manifest ({e.strerror or e})") from e
     return Dataset(storage, loads(text, storage.url(MANIFEST)))
 
 
@@ -108,6 +110,8 @@ class Split:
                 data = self.dataset.storage.read(idx.index_path(info.file))
             except DatasetNotFoundError as e:
                 raise IndexFileError(f"{where}: index file is missing; rebuild it with `crossfeed index`") from e
+            except OSError as e:
+                raise IndexFileError(f"{where}: cannot read the index file ({e.strerror or e})") from e
             arr = idx.checked_index(data, where, info, gzip=lambda: self._is_gzip(shard))
             self._index[shard] = arr
         return arr
