@@ -77,7 +77,7 @@ def convert(source: Source, out, *, split: str = "train", splits: SplitSpec | st
     """
     out = os.path.abspath(os.fspath(out))
     os.makedirs(out, exist_ok=True)
-    check_target(out, overwrite=overwrite)  # refuse before any work
+    check_target(out, overwrite=overwrite, clean=True)  # refuse before any work
     token = secrets.token_hex(6)
     write = WriteDataset(out, split=split, splits=splits, num_shards=num_shards, shard_size=parse_size(shard_size),
                          schema=source.schema, compress=compress, metadata=source.metadata, seed=seed, batched=True,

@@ -93,6 +93,27 @@ def test_kill_at_every_step_of_a_commit_leaves_old_or_new(tmp_path, mode):
     assert seen == {"old", "new"}  # kills landed both before and after the commit point
 
 
+def test_a_first_write_killed_at_any_step_leaves_nothing_or_the_dataset(tmp_path):
+    for k in range(1, 100):
+        root = tmp_path / f"{k}"
+        status = _run(root, k, 1000, "overwrite")
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+            assert k > 3
+            break
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+        try:
+            got = _contents(root)
+        except crossfeed.DatasetNotFoundError:  # killed before the commit point: no dataset at all
+            got = None
+        assert got in (None, {"train": list(range(1000, 1007))}), (k, got)
+        # a plain rerun (no overwrite) works when there is no dataset: what the dead writer left,
+        # orphaned shards included, is not "a non-empty directory"
+        crossfeed.write_dataset(root, [{"v": i} for i in range(3)], overwrite=got is not None).close()
+        assert _leftovers(root) == [], (k, _leftovers(root))
+    else:
+        pytest.fail("the writer never finished")
+
+
 def test_stale_temporaries_of_a_dead_writer_go_but_a_live_writers_stay(tmp_path):
     from crossfeed.write.writer import TMP_PREFIX, dataset_lock, remove_stale, writer_lock
 

@@ -264,15 +264,21 @@ def dataset_entries(root: str) -> list[str]:
         return []
 
 
-def check_target(root: str, *, overwrite: bool = False, add_split: bool = False, splits=()) -> Manifest | None:
+def check_target(root: str, *, overwrite: bool = False, add_split: bool = False, splits=(),
+                 clean: bool = False) -> Manifest | None:
     """Whether a write may go to ``root``; returns the dataset there (None when there is none).
 
     Refuses a directory that holds a dataset (unless ``overwrite``, which replaces it whole, or
     ``add_split``, which adds splits it does not have yet) and a non-empty directory that holds
     none (unless ``overwrite``): never two conversions' splits side by side, never a dataset
-    written among unrelated files."""
+    written among unrelated files. With ``clean`` what dead writers left is removed first (their
+    orphaned shards are not "unrelated files"); a commit, holding the lock already, cleans itself.
+    """
     if overwrite and add_split:
         raise ConfigError("give overwrite=True (replace the whole dataset) or add_split=True (add a split), not both")
+    if clean and os.path.isdir(root):
+        with dataset_lock(root):
+            remove_stale(root)
     try:
         old = read_manifest(root)
     except ManifestError:
@@ -401,7 +407,7 @@ def write_dataset(path, samples: Iterable[Mapping], *, split: str = "train", num
         raise ConfigError(f"shard_size must be >= 1 byte, got {shard_size}")
     root = os.fspath(path)
     os.makedirs(root, exist_ok=True)
-    check_target(root, overwrite=overwrite, add_split=add_split, splits=[split])  # fail before the work
+    check_target(root, overwrite=overwrite, add_split=add_split, splits=[split], clean=True)  # fail before the work
     token = secrets.token_hex(6)
     with writer_lock(root, token):
         _write(root, token, samples, split=split, num_shards=num_shards, shard_size=shard_size, schema=schema,
