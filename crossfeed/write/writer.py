@@ -182,6 +182,23 @@ def _lock_is_free(path: str) -> bool:
         os.close(fd)
 
 
+def _remove_free_lock(path: str) -> None:
+    """Unlink a lock file while holding it, so a writer that took it meanwhile is never robbed of
+    it (`writer_lock` re-checks, after its flock, that its file is still the one at the path)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            os.unlink(path)
+    except (BlockingIOError, FileNotFoundError):
+        pass  # a writer holds it now, or it is gone already
+    finally:
+        os.close(fd)
+
+
 def remove_stale(root: str, *, keep: str | None = None) -> int:
     """Remove what dead writers left in ``root`` (call with `dataset_lock` held): temporary files
     whose writer's lock is free (or who had none), except those of token ``keep``; and the shards
@@ -216,8 +233,7 @@ def remove_stale(root: str, *, keep: str | None = None) -> int:
             pass
     for n in names:  # locks of dead writers last
         if n.startswith(TMP_PREFIX) and n.endswith(".lock") and _token_of(n) not in live and _token_of(n) != keep:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(root, n))
+            _remove_free_lock(os.path.join(root, n))
     if removed:
         log.info("%s: removed %d files left by writers that died", root, removed)
     return removed
