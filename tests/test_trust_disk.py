@@ -73,12 +73,15 @@ def test_a_write_never_deletes_outside_the_root(tmp_path):
 
 
 def test_verify_reports_a_fifo_or_device_shard_instead_of_hanging(tmp_path):
-    root = _write(tmp_path / "d")
-    shard = root / "train-00000-of-00002.tfrecord"
+    root = _write(tmp_path / "d", shards=3)
+    shard = root / "train-00000-of-00003.tfrecord"
     shard.unlink()
     os.mkfifo(shard)
-    (root / "train-00001-of-00002.tfrecord").unlink()
-    os.symlink("/dev/zero", root / "train-00001-of-00002.tfrecord")
+    (root / "train-00001-of-00003.tfrecord").unlink()
+    os.symlink("/dev/zero", root / "train-00001-of-00003.tfrecord")
+    index = root / "train-00002-of-00003.tfrecord.idx"
+    index.unlink()
+    os.mkfifo(index)  # a FIFO where an index should be
     code = textwrap.dedent(f"""
         from crossfeed.read.verify import verify_dataset
         for p in verify_dataset({str(root)!r}):
@@ -86,7 +89,25 @@ def test_verify_reports_a_fifo_or_device_shard_instead_of_hanging(tmp_path):
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("not a regular file") == 2
+    assert out.stdout.count("not a regular file") == 3, out.stdout
+    code = textwrap.dedent(f"""
+        import crossfeed
+        from crossfeed.read.loader import Loader
+        with crossfeed.open_dataset({str(root)!r}) as ds:
+            for shard in range(3):
+                try:
+                    ds["train"].index(shard)
+                except crossfeed.CrossfeedError as e:
+                    print(type(e).__name__, e)
+        try:
+            with Loader({str(root)!r}, batch_size=4, shuffle="none") as loader:
+                list(loader)
+        except crossfeed.CrossfeedError as e:
+            print("loader", type(e).__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, text=True)
+    assert out.returncode == 0, out.stderr  # the readers never open a FIFO or a device either
+    assert out.stdout.count("not a regular file") == 3 and "loader CorruptRecordError" in out.stdout, out.stdout
 
 
 # ---- 9: index checksums --------------------------------------------------------------------------

@@ -4,6 +4,8 @@ randomly accessible sequence of samples (``dict`` of numpy arrays)."""
 from __future__ import annotations
 
 import bisect
+import os
+import stat
 from collections.abc import Iterator
 
 import numpy as np
@@ -11,7 +13,7 @@ import numpy as np
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
-from crossfeed.errors import CrossfeedError, DatasetNotFoundError, ExampleError, IndexFileError, ManifestError
+from crossfeed.errors import CorruptRecordError, CrossfeedError, DatasetNotFoundError, ExampleError, IndexFileError, ManifestError
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads
 from crossfeed.format.schema import Schema, SchemaError, decode_value
 from crossfeed.read.storage import ShardFile, Storage
@@ -106,6 +108,7 @@ class Split:
         if arr is None:
             info = self.shards[shard]
             where = self.dataset.storage.url(idx.index_path(info.file))
+            self._check_regular(shard, where)
             try:
                 data = self.dataset.storage.read(idx.index_path(info.file))
             except DatasetNotFoundError as e:
@@ -115,6 +118,20 @@ class Split:
             arr = idx.checked_index(data, where, info, gzip=lambda: self._is_gzip(shard))
             self._index[shard] = arr
         return arr
+
+    def _check_regular(self, shard: int, index_where: str) -> None:
+        """A local shard and its index must be regular files (symlinks to them are followed): a
+        FIFO would block the reader forever, a device never end."""
+        if self.dataset.storage.remote:
+            return
+        for where, error in ((self._files[shard].path, None), (index_where, IndexFileError)):
+            try:
+                mode = os.stat(where).st_mode
+            except OSError:
+                continue  # missing: reported where it is read
+            if not stat.S_ISREG(mode):
+                reason = "not a regular file (a directory, FIFO or device); shards and index files are plain files"
+                raise IndexFileError(f"{where}: {reason}") if error else CorruptRecordError(where, 0, reason)
 
     def _is_gzip(self, shard: int) -> bool:
         f = self._files[shard]

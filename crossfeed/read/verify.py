@@ -107,10 +107,8 @@ def verify_shard(storage: Storage, shard: ShardInfo, schema: Schema, *, decoder:
     scanned, stream_len, complete = _scan(path, schema, problems)
     if complete and len(scanned) != shard.num_records:
         problems.append(Problem(path, None, f"holds {len(scanned)} records, the manifest says {shard.num_records}"))
-    found = _check_index(ipath, scanned, stream_len, shard.num_records)
-    if not found and index_problems.problems:
-        found = index_problems.problems
-    return problems + found
+    found = [] if entries is None else _check_index(ipath, entries, scanned, stream_len, shard.num_records)
+    return problems + (found or index_problems.problems)
 
 
 @dataclass
@@ -325,11 +323,8 @@ def _inflate_partial(path: str) -> tuple[bytes, str]:
     return b"".join(out), "GZIP stream ends early (truncated file); records after this uncompressed offset are lost"
 
 
-def _check_index(ipath: str, scanned: np.ndarray, stream_len: int, expected: int) -> list[Problem]:
-    try:
-        entries = idx.read_index(ipath)
-    except IndexFileError as e:
-        return [Problem(ipath, None, str(e).removeprefix(f"{ipath}: "))]
+def _check_index(ipath: str, entries: np.ndarray, scanned: np.ndarray, stream_len: int, expected: int) -> list[Problem]:
+    """The index entries compared with the records a scan found."""
     problems = []
     if len(entries) != expected:
         problems.append(Problem(ipath, None, f"{len(entries)} entries, the manifest says {expected} records"))
