@@ -1,6 +1,10 @@
 """Index files: one ``offset length`` line per record, the format of the ``tfrecord`` package's
 ``tfrecord2idx`` and of DALI. ``length`` is the framed length (header + payload + footer).
-For GZIP shards the offsets are positions in the uncompressed stream."""
+For GZIP shards the offsets are positions in the uncompressed stream.
+
+An index is trusted only once checked (`checked_index`): against the manifest's ``index_sha256``
+where it has one, and always for tiling its shard, so that no edited entry can make a reader
+return one record twice and another never."""
 
 from __future__ import annotations
 

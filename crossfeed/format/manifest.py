@@ -1,7 +1,12 @@
 """The manifest: ``crossfeed.json`` at the dataset root, written last and atomically.
 
-It holds the schema, the splits and, per shard, the file name, record count, byte size and
-sha256. A directory without it is not a dataset."""
+It holds the schema, the splits and, per shard, the file name, record count, byte size, sha256
+and the sha256 of its index file. A directory without it is not a dataset.
+
+A manifest is data from disk, so it is checked in full when it is read (`loads`): every field's
+type and range, file names that stay inside the dataset directory (`check_name`), shard files
+unique across splits, feature names unique, size and nesting limits. Every problem is a
+`ManifestError` naming the field, e.g. ``splits.train.shards[3].num_records``."""
 
 from __future__ import annotations
 

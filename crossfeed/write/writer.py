@@ -1,8 +1,10 @@
 """Writing datasets without TensorFlow.
 
 `write_dataset` is for data one process can produce. The pieces it is made of — `StagedShard`
-(a shard written under a temporary name) and `commit_split` (rename into place, manifest
-last) — are what the Beam jobs use from many workers.
+(a shard written under a temporary name) and `commit_splits` (one atomic, journaled commit:
+shards under fresh names, then the manifest by one rename, then the old files go) — are what
+the Beam jobs use from many workers. A write never mixes two datasets in one directory: see
+`check_target` for ``overwrite`` and ``add_split``.
 """
 
 from __future__ import annotations
