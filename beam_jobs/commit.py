@@ -1,8 +1,8 @@
-"""The last step of a job: `crossfeed.write.writer.commit_splits` moves every split's staged shards
-into place and writes one manifest, last. A job killed at any point leaves either the old dataset
-untouched (killed before that step) or no manifest at all, never a mix a reader accepts.
-Temporary files are named ``.tmp-<token>-…``; `remove_temporaries` clears one job's (on failure) or
-every other job's (stale ones, on success).
+"""The last step of a job: `crossfeed.write.writer.commit_splits` publishes every split's staged
+shards with one atomic rename of the manifest (journal, shards under fresh names, manifest, old
+files removed). A job killed at any point leaves the old dataset or the new one, whole.
+Temporary files are named ``.tmp-<token>-…``; `remove_temporaries` clears one job's (on failure)
+or those of writers that are gone (stale ones, after a commit).
 """
 
 from __future__ import annotations
@@ -11,29 +11,29 @@ import logging
 import os
 import shutil
 
-from crossfeed.write.writer import commit_splits
+from crossfeed.write.writer import TMP_PREFIX, commit_splits, dataset_lock, remove_stale
 
 __all__ = ["TMP_PREFIX", "commit_splits", "remove_temporaries"]
 
 log = logging.getLogger(__name__)
-TMP_PREFIX = ".tmp-"
 
 
 def remove_temporaries(root: str, *, token: str | None = None, keep: str | None = None) -> int:
-    """Delete ``.tmp-*`` entries of ``root``: those of job ``token``, or all but ``keep``'s.
-    Returns how many were removed."""
+    """Delete the ``.tmp-*`` entries of ``root`` of job ``token``; without ``token``, those of
+    every writer that is gone (`remove_stale`: a running `write_dataset` keeps its files), but
+    ``keep``'s. Returns how many were removed."""
     if not os.path.isdir(root):
         return 0
+    if token is None:
+        with dataset_lock(root):
+            return remove_stale(root, keep=keep)
     removed = 0
     for name in os.listdir(root):
-        if not name.startswith(TMP_PREFIX):
-            continue
-        mine = name.startswith(f"{TMP_PREFIX}{token}") if token else True
-        if not mine or (keep and name.startswith(f"{TMP_PREFIX}{keep}")):
+        if not name.startswith(f"{TMP_PREFIX}{token}"):
             continue
         path = os.path.join(root, name)
         try:
-            if os.path.isdir(path):
+            if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
             else:
                 os.unlink(path)
@@ -41,5 +41,5 @@ def remove_temporaries(root: str, *, token: str | None = None, keep: str | None 
         except FileNotFoundError:
             pass
     if removed:
-        log.info("%s: removed %d temporary files%s", root, removed, f" of job {token}" if token else "")
+        log.info("%s: removed %d temporary files of job %s", root, removed, token)
     return removed

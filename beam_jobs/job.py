@@ -27,7 +27,7 @@ from crossfeed.beam_jobs.sources import ReadSource, Source
 from crossfeed.beam_jobs.splits import SplitSpec
 from crossfeed.beam_jobs.write import WriteDataset
 from crossfeed.errors import ConfigError
-from crossfeed.write.writer import DEFAULT_SHARD_SIZE, read_manifest
+from crossfeed.write.writer import DEFAULT_SHARD_SIZE, check_target, read_manifest
 
 log = logging.getLogger(__name__)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.I)
@@ -67,19 +67,21 @@ def parse_size(text: str | int) -> int:
 def convert(source: Source, out, *, split: str = "train", splits: SplitSpec | str | None = None,
             num_shards: int | None = None, shard_size: int | str = DEFAULT_SHARD_SIZE, compress: bool = False,
             seed: int = 0, max_skips: int | None = None, runner: str | None = None, beam_args: Sequence[str] = (),
-            on_progress: Callable[[int, int, float], None] | None = None) -> ConvertResult:
+            on_progress: Callable[[int, int, float], None] | None = None, overwrite: bool = False) -> ConvertResult:
     """Convert ``source`` into split(s) of the dataset at ``out``; returns what was written.
 
     ``on_progress(samples, bytes, seconds)`` is called about twice a second while the job runs
     (samples encoded so far; works on any runner whose workers share ``out``'s filesystem). On
-    failure the job's temporary files are removed and the error propagates.
+    failure the job's temporary files are removed and the error propagates. ``out`` must be new or
+    empty; ``overwrite=True`` replaces the dataset there, all of it, in one atomic commit.
     """
     out = os.path.abspath(os.fspath(out))
     os.makedirs(out, exist_ok=True)
+    check_target(out, overwrite=overwrite, clean=True)  # refuse before any work
     token = secrets.token_hex(6)
     write = WriteDataset(out, split=split, splits=splits, num_shards=num_shards, shard_size=parse_size(shard_size),
                          schema=source.schema, compress=compress, metadata=source.metadata, seed=seed, batched=True,
-                         max_skips=max_skips, token=token, progress=on_progress is not None)
+                         max_skips=max_skips, token=token, progress=on_progress is not None, overwrite=overwrite)
     read = ReadSource(source)
     watcher = _Watcher(write.cfg.progress_dir, on_progress) if on_progress is not None else None
     start = time.perf_counter()

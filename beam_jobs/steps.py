@@ -48,6 +48,8 @@ class WriteConfig:
     seed: int = 0
     policy: ErrorPolicy = ErrorPolicy()
     progress: bool = False
+    overwrite: bool = False
+    add_split: bool = False
 
     def __post_init__(self):
         if self.num_shards is not None and self.num_shards < 1:
@@ -232,8 +234,8 @@ class CommitDoFn(beam.DoFn):
             info = infos[0]
             meta = dict(cfg.metadata)
             meta["skipped_records"] = info.skipped
-            manifest = commit_splits(cfg.root, staged, info.schema,
-                                     statistics=info.statistics, metadata=meta)
+            manifest = commit_splits(cfg.root, staged, info.schema, statistics=info.statistics, metadata=meta,
+                                     overwrite=cfg.overwrite, add_split=cfg.add_split, token=cfg.token)
         except BaseException:
             remove_temporaries(cfg.root, token=cfg.token)
             raise

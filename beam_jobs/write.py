@@ -15,8 +15,8 @@ Determinism: each record's place is a pure function of its key hash (blake2b) an
 bucket counts, so the same input and options give byte-identical shards on every runner and at
 every parallelism. Records of one split are ordered by ``(hash, key)`` and cut into ``num_shards``
 ranges whose counts differ by at most one. Atomicity: shards are written under ``.tmp-<token>-…``
-names and the manifest last (commit.py); a failed job removes its temporaries, a killed job's are
-removed by the next successful one. One job per output directory at a time.
+names and the manifest last, in one atomic rename (commit.py); a failed job removes its temporaries,
+a killed job's are removed by the next commit. One job per output directory at a time.
 """
 
 from __future__ import annotations
@@ -45,13 +45,15 @@ class WriteDataset(beam.PTransform):
     is inferred when not given. ``seed`` changes the write-time shuffle (not split membership).
     ``max_skips`` is the job-wide budget of bad records sources may skip. ``key_groups`` sets how
     many groups ``(key, sample)`` input is batched in (each group is held in memory once).
+    ``path`` must hold no dataset: ``overwrite=True`` replaces one whole, ``add_split=True`` adds
+    new splits to it (`crossfeed.write.writer.check_target`); the commit is one atomic rename.
     """
 
     def __init__(self, path, *, split: str = "train", splits: SplitSpec | str | None = None,
                  num_shards: int | None = None, shard_size: int = DEFAULT_SHARD_SIZE, schema: Schema | None = None,
                  compress: bool = False, metadata: dict | None = None, seed: int = 0, batched: bool = False,
                  max_skips: int | None = None, key_groups: int = 64, token: str | None = None,
-                 progress: bool = False):
+                 progress: bool = False, overwrite: bool = False, add_split: bool = False):
         super().__init__()
         if isinstance(splits, str):
             splits = SplitSpec.parse(splits)
@@ -60,7 +62,8 @@ class WriteDataset(beam.PTransform):
         self.cfg = WriteConfig(
             root=str(path), token=token or secrets.token_hex(6), splits=splits or SplitSpec.single(split),
             num_shards=num_shards, shard_size=shard_size, schema=schema, compress=compress,
-            metadata=dict(metadata or {}), seed=seed, policy=ErrorPolicy("skip", max_skips), progress=progress)
+            metadata=dict(metadata or {}), seed=seed, policy=ErrorPolicy("skip", max_skips), progress=progress,
+            overwrite=overwrite, add_split=add_split)
         self.batched = batched
         self.key_groups = key_groups
 

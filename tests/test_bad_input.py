@@ -93,13 +93,15 @@ def test_damage_raises_crossfeed_error_naming_file_and_offset(dataset, damage):
         with pytest.raises(CrossfeedError) as e:
             _read_all(split, shard_no)
         assert str(where).removesuffix(".idx") in str(e.value)
-        if offset is not None:
+        if damage is index_past_end:
+            assert f"entry {N_SHARDS * 5 // N_SHARDS - 1} ('{offset} " in str(e.value)
+        elif offset is not None:
             assert f"offset {offset}" in str(e.value)
-        if damage is wrong_count:
+        if damage in (wrong_count, index_past_end):  # an index that does not tile its shard is caught on load
             assert isinstance(e.value, IndexFileError)
         if damage is remove:
             assert isinstance(e.value, DatasetNotFoundError)
-        if damage in (flip_byte, truncate, not_tfrecord, index_past_end):
+        if damage in (flip_byte, truncate, not_tfrecord):
             assert isinstance(e.value, CorruptRecordError) and e.value.offset == offset
         for other in range(N_SHARDS):  # the rest of the dataset stays readable
             if other != shard_no:

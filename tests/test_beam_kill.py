@@ -30,7 +30,7 @@ KILLER = textwrap.dedent("""
             yield out
 
     steps.WriteShardDoFn.process = process
-    convert(make_source("numpy", sys.argv[1]), sys.argv[2], num_shards=4)
+    convert(make_source("numpy", sys.argv[1]), sys.argv[2], num_shards=4, overwrite=True)
 """)
 
 
@@ -63,7 +63,7 @@ def test_killed_rewrite_keeps_the_old_dataset_whole(tmp_path):
     run_killed(tmp_path, tmp_path / "x.npy", out)
     old = open_dataset(out)  # the commit never started: the old dataset is intact and consistent
     assert sorted(int(s["x"]) for s in old["train"]) == list(range(100))
-    convert(make_source("numpy", tmp_path / "x.npy"), out, num_shards=3)
+    convert(make_source("numpy", tmp_path / "x.npy"), out, num_shards=3, overwrite=True)
     new = open_dataset(out)
     assert sorted(int(s["x"]) for s in new["train"]) == list(range(1000, 1300))
     assert not [f for f in os.listdir(out) if f.startswith(".tmp-") or "-of-00002" in f]

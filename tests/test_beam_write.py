@@ -125,15 +125,21 @@ def test_empty_input_is_a_clear_error(tmp_path):
     assert isinstance(info.value, EmptyInputError) or "EmptyInputError" in str(info.value)
 
 
-def test_rerun_replaces_the_split_and_keeps_the_others(tmp_path):
-    for split, n in (("train", 100), ("test", 30), ("train", 60)):
+def test_rerun_adds_a_split_or_replaces_the_whole_dataset(tmp_path):
+    # Changed on purpose: a rerun into a dataset must say add_split (a new split) or overwrite (all of
+    # it); replacing one split beside another conversion's splits is refused.
+    for split, n, mode in (("train", 100, {}), ("test", 30, {"add_split": True}), ("train", 60, {"overwrite": True})):
         with pipeline() as p:
-            p | beam.Create(pairs(n)) | WriteDataset(tmp_path, split=split, num_shards=3)
+            p | beam.Create(pairs(n)) | WriteDataset(tmp_path, split=split, num_shards=3, **mode)
     ds = open_dataset(tmp_path)
-    assert len(ds["train"]) == 60 and len(ds["test"]) == 30
-    names = sorted(os.listdir(tmp_path))
-    assert names == sorted(["crossfeed.json"] + [f"{s}-{i:05d}-of-00003.tfrecord{x}" for s in ("test", "train")
+    assert len(ds["train"]) == 60 and "test" not in ds
+    names = sorted(os.listdir(tmp_path))  # the plain names were the old version's: generation 2
+    assert names == sorted(["crossfeed.json"] + [f"train-{i:05d}-of-00003.g2.tfrecord{x}"
                                                   for i in range(3) for x in ("", ".idx")])
+    with pytest.raises(Exception, match="already holds a dataset"):
+        with pipeline() as p:
+            p | beam.Create(pairs(10)) | WriteDataset(tmp_path, split="train", num_shards=1)
+    assert len(open_dataset(tmp_path)["train"]) == 60
 
 
 def test_more_shards_than_samples_gives_empty_shards(tmp_path):

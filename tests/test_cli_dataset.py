@@ -55,7 +55,7 @@ def test_head_truncates_long_bytes(tmp_path):
 
 def test_verify_ok_and_split(mixed_dataset):
     root, samples = mixed_dataset
-    crossfeed.write_dataset(root, samples[:4], split="test").close()
+    crossfeed.write_dataset(root, samples[:4], split="test", add_split=True).close()
     result = invoke("verify", root)
     assert result.exit_code == 0 and result.stdout.strip() == "ok: 34 records in 4 shards (" + result.stdout.split("(")[1].strip()
     assert "ok: 4 records in 1 shards" in invoke("verify", root, "--split", "test").stdout

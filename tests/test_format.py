@@ -163,20 +163,26 @@ def test_inferred_schema_and_variable_lists(tmp_path, mixed_dataset):
 
 
 def test_add_and_replace_splits(tmp_path, mixed_dataset):
+    # Changed on purpose: writing into a dataset needs add_split=True (a new split) or overwrite=True
+    # (the whole dataset), so splits of two conversions never end up side by side.
     root, samples = mixed_dataset
-    crossfeed.write_dataset(root, samples[:5], split="test", num_shards=2).close()
+    with pytest.raises(ConfigError, match="already holds a dataset"):
+        crossfeed.write_dataset(root, samples[:5], split="test", num_shards=2)
+    crossfeed.write_dataset(root, samples[:5], split="test", num_shards=2, add_split=True).close()
     with crossfeed.open_dataset(root) as ds:
         assert {k: len(ds[k]) for k in ds.splits} == {"train": 30, "test": 5}
-    crossfeed.write_dataset(root, samples[10:13], split="train", num_shards=1).close()
+    with pytest.raises(ConfigError, match="already has split"):
+        crossfeed.write_dataset(root, samples[10:13], split="train", num_shards=1, add_split=True)
+    crossfeed.write_dataset(root, samples[10:13], split="train", num_shards=1, overwrite=True).close()
     with crossfeed.open_dataset(root) as ds:
-        assert {k: len(ds[k]) for k in ds.splits} == {"train": 3, "test": 5}
+        assert {k: len(ds[k]) for k in ds.splits} == {"train": 3}
         assert [r["label"] for r in ds["train"]] == [10, 11, 12]
-    names = sorted(os.listdir(root))
-    assert names == sorted([MANIFEST, "train-00000-of-00001.tfrecord", "train-00000-of-00001.tfrecord.idx",
-                            "test-00000-of-00002.tfrecord", "test-00000-of-00002.tfrecord.idx",
-                            "test-00001-of-00002.tfrecord", "test-00001-of-00002.tfrecord.idx"])
+    assert sorted(os.listdir(root)) == sorted([MANIFEST, "train-00000-of-00001.tfrecord", "train-00000-of-00001.tfrecord.idx"])
     with pytest.raises(SchemaError, match="other types"):
-        crossfeed.write_dataset(root, [{"other": 1.0}], split="train")
+        crossfeed.write_dataset(root, [{"other": 1.0}], split="test", add_split=True)
+    crossfeed.write_dataset(root, [{"other": 1.0}], split="train", overwrite=True).close()
+    # the plain names are the current version's: the new one takes generation 3's names
+    assert sorted(os.listdir(root)) == sorted([MANIFEST, "train-00000-of-00001.g3.tfrecord", "train-00000-of-00001.g3.tfrecord.idx"])
 
 
 def test_failed_write_leaves_nothing(tmp_path, mixed_dataset):
@@ -194,7 +200,7 @@ def test_failed_write_leaves_nothing(tmp_path, mixed_dataset):
     root, _ = mixed_dataset  # replacing a split that fails half-way keeps the old one intact
     before = {n: (root / n).read_bytes() for n in os.listdir(root)}
     with pytest.raises(RuntimeError):
-        crossfeed.write_dataset(root, boom(7), split="train", shard_size=100)
+        crossfeed.write_dataset(root, boom(7), split="train", shard_size=100, overwrite=True)
     assert {n: (root / n).read_bytes() for n in os.listdir(root)} == before
     with pytest.raises(ConfigError):
         crossfeed.write_dataset(tmp_path / "empty", [])

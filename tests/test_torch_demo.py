@@ -36,7 +36,7 @@ def _images(n: int, seed: int):
 def demo_dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo") / "images"
     crossfeed.write_dataset(root, _images(256, 0), schema=SCHEMA, num_shards=2).close()
-    crossfeed.write_dataset(root, _images(96, 1), split="test", schema=SCHEMA, num_shards=1).close()
+    crossfeed.write_dataset(root, _images(96, 1), split="test", schema=SCHEMA, num_shards=1, add_split=True).close()
     return root
 
 

@@ -56,8 +56,8 @@ class ConvertTo(str, enum.Enum):
 
 Src = Annotated[list[str], typer.Argument(help="Input files, folders or glob patterns (quoted or not).",
                                           metavar="INPUT", show_default=False)]
-Out = Annotated[Path, typer.Argument(metavar="OUT", help="Output dataset directory, the last argument (created; its split(s) "
-                                          "are replaced).")]
+Out = Annotated[Path, typer.Argument(metavar="OUT", help="Output dataset directory, the last argument (created; "
+                                          "must be new or empty unless --overwrite).")]
 SplitOpt = Annotated[str, typer.Option("--split", help="The split to write everything to.")]
 SplitsOpt = Annotated[Optional[str], typer.Option("--splits", help="Deterministic ratios, e.g. train=0.9,validation=0.1.")]
 ShardsOpt = Annotated[Optional[int], typer.Option("--shards", min=1, help="Exactly this many shards per split.")]
@@ -69,6 +69,7 @@ OnErrorOpt = Annotated[OnError, typer.Option("--on-error", help="A bad record st
 MaxSkipsOpt = Annotated[Optional[int], typer.Option("--max-skips", min=0, help="Most bad records to skip before failing.")]
 LabelOpt = Annotated[Optional[str], typer.Option("--label", help="Column/array stored as the feature 'label'.")]
 VerifyOpt = Annotated[bool, typer.Option("--verify/--no-verify", help="Check every record of what was written.")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the dataset OUT holds, all of it (refused otherwise).")]
 
 
 def register(app: typer.Typer) -> None:
@@ -83,7 +84,7 @@ def images(ctx: typer.Context, src: Annotated[Path, typer.Argument(help="Image f
            out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
            shards: ShardsOpt = None, shard_size: SizeOpt = "256MB", compress: CompressOpt = Compress.none,
            runner: RunnerOpt = None, seed: SeedOpt = 0, on_error: OnErrorOpt = OnError.raise_,
-           max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True,
+           max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True, overwrite: OverwriteOpt = False,
            convert: Annotated[Optional[ConvertTo], typer.Option("--convert", help="Re-encode GIF/TIFF/RGBA/… images to this format.")] = None,
            ) -> None:
     """An image folder: one subdirectory per class (labels in sorted class order)."""
@@ -93,7 +94,7 @@ def images(ctx: typer.Context, src: Annotated[Path, typer.Argument(help="Image f
 def csv(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
         shards: ShardsOpt = None, shard_size: SizeOpt = "256MB", compress: CompressOpt = Compress.none,
         runner: RunnerOpt = None, seed: SeedOpt = 0, on_error: OnErrorOpt = OnError.raise_,
-        max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True, label: LabelOpt = None,
+        max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True, overwrite: OverwriteOpt = False, label: LabelOpt = None,
         types: Annotated[Optional[str], typer.Option("--types", help="Column types, e.g. age:int64,name:string.")] = None,
         names: Annotated[Optional[str], typer.Option("--names", help="Column names, comma-separated (replace the header).")] = None,
         header: Annotated[bool, typer.Option("--header/--no-header", help="The first line names the columns.")] = True,
@@ -110,7 +111,7 @@ def csv(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", split
 def parquet(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
             shards: ShardsOpt = None, shard_size: SizeOpt = "256MB", compress: CompressOpt = Compress.none,
             runner: RunnerOpt = None, seed: SeedOpt = 0, on_error: OnErrorOpt = OnError.raise_,
-            max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True, label: LabelOpt = None,
+            max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True, overwrite: OverwriteOpt = False, label: LabelOpt = None,
             types: Annotated[Optional[str], typer.Option("--types", help="Column types, e.g. age:int64,name:string.")] = None,
             columns: Annotated[Optional[str], typer.Option("--columns", help="Columns to keep, comma-separated.")] = None,
     label_classes: Annotated[bool, typer.Option("--label-classes/--no-label-classes", help="Store a string "
@@ -122,7 +123,7 @@ def parquet(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", s
 
 def numpy(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
           shards: ShardsOpt = None, shard_size: SizeOpt = "256MB", compress: CompressOpt = Compress.none,
-          runner: RunnerOpt = None, seed: SeedOpt = 0, verify: VerifyOpt = True, label: LabelOpt = None,
+          runner: RunnerOpt = None, seed: SeedOpt = 0, verify: VerifyOpt = True, overwrite: OverwriteOpt = False, label: LabelOpt = None,
           ) -> None:
     """.npy/.npz arrays whose first axis is the sample axis (memory-mapped)."""
     _run(ctx, "numpy", src, out, locals(), label=label)
@@ -183,7 +184,8 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict,
                              compress=common["compress"] is Compress.gzip, seed=common["seed"],
                              max_skips=common.get("max_skips"), runner=common["runner"],
                              beam_args=list(ctx.meta.get(_BEAM_ARGS, [])),
-                             on_progress=lambda samples, nbytes, seconds: bar.update(samples))
+                             on_progress=lambda samples, nbytes, seconds: bar.update(samples),
+                             overwrite=common["overwrite"])
         bar.update(result.total_samples, result.total_samples)
         per_split = ", ".join(f"{k}: {v:,} in {result.shards[k]} shards" for k, v in result.samples.items())
         typer.echo(f"wrote {result.total_samples:,} samples ({per_split}), {result.num_bytes:,} bytes "

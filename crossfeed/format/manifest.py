@@ -1,28 +1,48 @@
 """The manifest: ``crossfeed.json`` at the dataset root, written last and atomically.
 
-It holds the schema, the splits and, per shard, the file name, record count, byte size and
-sha256. A directory without it is not a dataset."""
+It holds the schema, the splits and, per shard, the file name, record count, byte size, sha256
+and the sha256 of its index file. A directory without it is not a dataset.
+
+A manifest is data from disk, so it is checked in full when it is read (`loads`): every field's
+type and range, file names that stay inside the dataset directory (`check_name`), shard files
+unique across splits, feature names unique, size and nesting limits. Every problem is a
+`ManifestError` naming the field, e.g. ``splits.train.shards[3].num_records``."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import tempfile
+import secrets
 from dataclasses import dataclass, field
 
-from crossfeed.errors import ManifestError
-from crossfeed.format.schema import Schema
+from crossfeed.errors import ManifestError, SchemaError
+from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema
 
 MANIFEST = "crossfeed.json"
+TMP_MANIFEST_PREFIX = ".tmp-manifest-"
 FORMAT = "crossfeed.read.dataset"
 VERSION = 1
-_SHARD_RE = re.compile(r"^(?P<split>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.tfrecord(?P<gz>\.gz)?$")
+# Bounds a manifest must stay within (far above any real dataset; they stop hostile files early).
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_DEPTH = 32
+MAX_NAME_BYTES = 255
+MAX_SPLITS = 1024
+MAX_SHARDS = 1 << 20
+MAX_FEATURES = 4096
+MAX_RANK = 32
+MAX_DIM = 1 << 40
+MAX_BYTES = 1 << 50
+MAX_INT = 1 << 62
+_SHARD_RE = re.compile(r"^(?P<split>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})(?:\.g\d+)?\.tfrecord(?P<gz>\.gz)?$")
 
 
-def shard_name(split: str, i: int, n: int, *, compress: bool = False) -> str:
-    """``train-00003-of-00008.tfrecord`` (``.tfrecord.gz`` when GZIP)."""
-    return f"{split}-{i:05d}-of-{n:05d}.tfrecord" + (".gz" if compress else "")
+def shard_name(split: str, i: int, n: int, *, compress: bool = False, generation: int = 0) -> str:
+    """``train-00003-of-00008.tfrecord`` (``.tfrecord.gz`` when GZIP); with a ``generation``
+    ``train-00003-of-00008.g2.tfrecord``, the name a commit gives shards when the plain name
+    is taken by the version it replaces."""
+    gen = f".g{generation}" if generation else ""
+    return f"{split}-{i:05d}-of-{n:05d}{gen}.tfrecord" + (".gz" if compress else "")
 
 
 def parse_shard_name(name: str):
@@ -31,16 +51,42 @@ def parse_shard_name(name: str):
     return (m["split"], int(m["i"]), int(m["n"]), bool(m["gz"])) if m else None
 
 
+def check_name(name, where: str) -> str:
+    """``name`` if it is a plain file name inside the dataset root, else `ManifestError`.
+
+    Every file a manifest names (shards, and so their ``.idx`` files) must be one: no directory
+    part, not ``.``/``..``, no leading dot (temporary files), no control characters, not the
+    manifest or an index file itself. So nothing a manifest says can make crossfeed read, write
+    or delete a file outside the dataset directory."""
+    if not isinstance(name, str):
+        raise ManifestError(f"{where}: expected a file name (string), got {type(name).__name__}")
+    bad = (not name or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES or name in (".", "..")
+           or name.startswith(".") or "/" in name or "\\" in name or any(ord(c) < 32 or ord(c) == 127 for c in name)
+           or name == MANIFEST or name.endswith(".idx"))
+    if bad:
+        raise ManifestError(
+            f"{where}: {name!r} is not a plain file name inside the dataset directory (no '/', no leading '.', "
+            f"not {MANIFEST} or an .idx file); shards must sit beside {MANIFEST}")
+    return name
+
+
 @dataclass(frozen=True)
 class ShardInfo:
-    file: str  # relative to the dataset root
+    file: str  # a plain name in the dataset root (`check_name`)
     num_records: int
     num_bytes: int
     sha256: str
+    index_sha256: str | None = None  # sha256 of the .idx file; None in manifests of older crossfeed
 
     @property
     def compressed(self) -> bool:
         return self.file.endswith(".gz")
+
+    def to_json(self) -> dict:
+        d = {"file": self.file, "num_records": self.num_records, "num_bytes": self.num_bytes, "sha256": self.sha256}
+        if self.index_sha256 is not None:
+            d["index_sha256"] = self.index_sha256
+        return d
 
 
 @dataclass(frozen=True)
@@ -63,9 +109,15 @@ class Manifest:
     schema: Schema
     splits: dict[str, SplitInfo]
     metadata: dict = field(default_factory=dict)
+    generation: int = 0  # bumped by every commit; new shards never take a name the previous version uses
+
+    @property
+    def files(self) -> set[str]:
+        """Every file of the dataset: shards and their index files (plain names)."""
+        return {n for s in self.splits.values() for sh in s.shards for n in (sh.file, sh.file + ".idx")}
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "format": FORMAT,
             "version": VERSION,
             "schema": self.schema.to_json(),
@@ -73,55 +125,234 @@ class Manifest:
                 name: {
                     "num_records": s.num_records,
                     "num_bytes": s.num_bytes,
-                    "shards": [vars(sh) for sh in s.shards],
+                    "shards": [sh.to_json() for sh in s.shards],
                     "statistics": s.statistics,
                 }
                 for name, s in sorted(self.splits.items())
             },
             "metadata": self.metadata,
         }
+        if self.generation:
+            d["generation"] = self.generation
+        return d
 
     @classmethod
-    def from_json(cls, d: dict, where: str) -> Manifest:
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise ManifestError(f"{where}: not a crossfeed manifest (format is not {FORMAT!r})")
-        if d.get("version") != VERSION:
-            raise ManifestError(f"{where}: manifest version {d.get('version')!r}; this crossfeed reads version {VERSION}")
-        try:
-            splits = {
-                name: SplitInfo(name, tuple(ShardInfo(**sh) for sh in s["shards"]), s.get("statistics", {}))
-                for name, s in d["splits"].items()
-            }
-            for name, s in d["splits"].items():
-                if s.get("num_records", splits[name].num_records) != splits[name].num_records:
-                    raise ManifestError(f"{where}: split {name!r} says {s['num_records']} records, its shards add up to {splits[name].num_records}")
-            return cls(Schema.from_json(d["schema"]), splits, d.get("metadata", {}))
-        except (KeyError, TypeError) as e:
-            raise ManifestError(f"{where}: malformed manifest ({e!r}); rebuild it with `crossfeed index`") from e
+    def from_json(cls, d, where: str) -> Manifest:
+        """The manifest a parsed ``crossfeed.json`` holds, every field checked (`ManifestError`
+        naming the field, e.g. ``splits.train.shards[3].num_records``)."""
+        return _Validator(where).manifest(d)
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n"
 
 
-def write_manifest(root: str | os.PathLike, manifest: Manifest) -> None:
-    """Write ``crossfeed.json`` atomically: a temporary file in the same directory, fsync, rename."""
+def write_manifest(root: str | os.PathLike, manifest: Manifest, *, before_rename=None) -> None:
+    """Write ``crossfeed.json`` atomically and durably: a temporary file in the same directory
+    (created with the umask's permissions, like the shards), fsync, rename, fsync the directory.
+    ``before_rename()``, if given, runs once the temporary file is durable (a test hook)."""
     root = os.fspath(root)
-    fd, tmp = tempfile.mkstemp(prefix=".crossfeed.json.", dir=root)
+    tmp = os.path.join(root, f"{TMP_MANIFEST_PREFIX}{secrets.token_hex(6)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to every shard
     try:
         with os.fdopen(fd, "w") as f:
             f.write(manifest.dumps())
             f.flush()
             os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename()
         os.replace(tmp, os.path.join(root, MANIFEST))
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    fsync_dir(root)
 
 
-def loads(text: str, where: str) -> Manifest:
+def fsync_dir(path: str) -> None:
+    """Make renames and unlinks in ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def loads(text: str | bytes, where: str) -> Manifest:
+    """Parse and check a manifest's text; every problem is a `ManifestError` naming ``where``."""
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{where}: {len(text)} bytes, more than a manifest may hold ({MAX_MANIFEST_BYTES}); "
+                            f"rebuild it with `crossfeed index --force`")
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ManifestError(f"{where}: not UTF-8 text ({e}); rebuild it with `crossfeed index --force`") from e
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ManifestError(f"{where}: not valid JSON ({e}); rebuild it with `crossfeed index`") from e
+        raise ManifestError(f"{where}: not valid JSON ({e}); rebuild it with `crossfeed index --force`") from e
+    except RecursionError as e:
+        raise ManifestError(f"{where}: JSON nested too deeply; rebuild it with `crossfeed index --force`") from e
     return Manifest.from_json(d, where)
+
+
+class _Validator:
+    """Checks a parsed manifest field by field; errors name the field's path."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field_: str, what: str):
+        raise ManifestError(f"{self.where}: {field_}: {what}; fix the manifest or rebuild it with `crossfeed index --force`")
+
+    def dict_(self, v, field_: str) -> dict:
+        if not isinstance(v, dict):
+            self.fail(field_, f"expected an object, got {_kind(v)}")
+        return v
+
+    def int_(self, v, field_: str, lo: int = 0, hi: int = MAX_INT) -> int:
+        if not isinstance(v, int) or isinstance(v, bool):
+            self.fail(field_, f"expected an integer, got {_kind(v)}")
+        if not lo <= v <= hi:
+            self.fail(field_, f"{v} is out of range [{lo}, {hi}]")
+        return v
+
+    def hex_(self, v, field_: str) -> str:
+        if not isinstance(v, str) or not _SHA256.fullmatch(v):
+            self.fail(field_, f"expected a sha256 (64 lowercase hex digits), got {_short(v)}")
+        return v
+
+    def json_(self, v, field_: str) -> dict:
+        """A free-form object (metadata, statistics), no deeper than `MAX_DEPTH`."""
+        self.dict_(v, field_)
+        stack = [(v, 1)]
+        while stack:
+            x, depth = stack.pop()
+            if depth > MAX_DEPTH:
+                self.fail(field_, f"nested deeper than {MAX_DEPTH} levels")
+            if isinstance(x, dict):
+                stack += [(y, depth + 1) for y in x.values()]
+            elif isinstance(x, list):
+                stack += [(y, depth + 1) for y in x]
+        return v
+
+    def manifest(self, d) -> Manifest:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ManifestError(f"{self.where}: not a crossfeed manifest (format is not {FORMAT!r})")
+        if d.get("version") != VERSION:
+            raise ManifestError(f"{self.where}: manifest version {_short(d.get('version'))}; this crossfeed reads version {VERSION}")
+        unknown = set(d) - {"format", "version", "schema", "splits", "metadata", "generation"}
+        if unknown:
+            self.fail(sorted(unknown)[0], "unknown field")
+        schema = self.schema(d.get("schema"))
+        splits_d = self.dict_(d.get("splits"), "splits")
+        if not splits_d:
+            self.fail("splits", "no splits")
+        if len(splits_d) > MAX_SPLITS:
+            self.fail("splits", f"{len(splits_d)} splits, more than {MAX_SPLITS}")
+        splits, seen = {}, {}
+        for name, s in splits_d.items():
+            if not name or len(name) > MAX_NAME_BYTES:
+                self.fail(f"splits.{name}", "a split name must be 1 to 255 characters")
+            splits[name] = self.split(name, s, seen)
+        metadata = self.json_(d.get("metadata", {}), "metadata")
+        generation = self.int_(d.get("generation", 0), "generation")
+        return Manifest(schema, splits, metadata, generation)
+
+    def schema(self, items) -> Schema:
+        if not isinstance(items, list):
+            self.fail("schema", f"expected a list of features, got {_kind(items)}")
+        if not items:
+            self.fail("schema", "no features; a dataset needs at least one")
+        if len(items) > MAX_FEATURES:
+            self.fail("schema", f"{len(items)} features, more than {MAX_FEATURES}")
+        feats, names = [], set()
+        for i, f in enumerate(items):
+            at = f"schema[{i}]"
+            self.dict_(f, at)
+            if set(f) != {"name", "dtype", "shape", "encoding"}:
+                self.fail(at, f"expected the fields name, dtype, shape, encoding, got {sorted(map(str, f))}")
+            name, dtype, shape, enc = f["name"], f["dtype"], f["shape"], f["encoding"]
+            if not isinstance(name, str) or not name or len(name) > MAX_NAME_BYTES:
+                self.fail(f"{at}.name", f"expected a name of 1 to {MAX_NAME_BYTES} characters, got {_short(name)}")
+            if name in names:
+                self.fail(f"{at}.name", f"feature {name!r} appears twice")
+            names.add(name)
+            if not isinstance(enc, str) or enc not in _ENCODINGS:
+                self.fail(f"{at}.encoding", f"unknown encoding {_short(enc)}; expected one of {sorted(_ENCODINGS)}")
+            if not isinstance(dtype, str) or dtype not in _DTYPES[enc]:
+                self.fail(f"{at}.dtype", f"dtype {_short(dtype)} is not one the {enc} encoding stores "
+                                         f"({', '.join(sorted(_DTYPES[enc]))})")
+            if not isinstance(shape, list) or len(shape) > MAX_RANK:
+                self.fail(f"{at}.shape", f"expected a list of at most {MAX_RANK} dimensions, got {_short(shape)}")
+            for j, dim in enumerate(shape):
+                if dim is not None:
+                    self.int_(dim, f"{at}.shape[{j}]", 0, MAX_DIM)
+            try:
+                feats.append(Feature(name, dtype, tuple(shape), Encoding(enc)))
+            except (SchemaError, TypeError, ValueError) as e:
+                self.fail(at, str(e))
+        for n in names:
+            if n + SHAPE_SUFFIX in names:
+                self.fail("schema", f"feature {n + SHAPE_SUFFIX!r} clashes with the shape of feature {n!r}")
+        return Schema(feats)
+
+    def split(self, name: str, s, seen: dict) -> SplitInfo:
+        at = f"splits.{name}"
+        self.dict_(s, at)
+        unknown = set(s) - {"num_records", "num_bytes", "shards", "statistics"}
+        if unknown:
+            self.fail(f"{at}.{sorted(unknown)[0]}", "unknown field")
+        items = s.get("shards")
+        if not isinstance(items, list):
+            self.fail(f"{at}.shards", f"expected a list of shards, got {_kind(items)}")
+        if len(items) > MAX_SHARDS:
+            self.fail(f"{at}.shards", f"{len(items)} shards, more than {MAX_SHARDS}")
+        shards = tuple(self.shard(f"{at}.shards[{i}]", sh, seen) for i, sh in enumerate(items))
+        info = SplitInfo(name, shards, self.json_(s.get("statistics", {}), f"{at}.statistics"))
+        for key in ("num_records", "num_bytes"):
+            if key in s and self.int_(s[key], f"{at}.{key}") != getattr(info, key):
+                self.fail(f"{at}.{key}", f"says {s[key]}, its shards add up to {getattr(info, key)}")
+        return info
+
+    def shard(self, at: str, sh, seen: dict) -> ShardInfo:
+        self.dict_(sh, at)
+        unknown = set(sh) - {"file", "num_records", "num_bytes", "sha256", "index_sha256"}
+        missing = {"file", "num_records", "num_bytes", "sha256"} - set(sh)
+        if unknown or missing:
+            self.fail(at, f"unknown field {sorted(unknown)[0]!r}" if unknown else f"missing field {sorted(missing)[0]!r}")
+        name = check_name(sh["file"], f"{self.where}: {at}.file")
+        if name in seen:
+            self.fail(f"{at}.file", f"{name!r} is listed twice (also at {seen[name]}); each shard belongs to one place")
+        seen[name] = at
+        nbytes = self.int_(sh["num_bytes"], f"{at}.num_bytes", 0, MAX_BYTES)
+        # A record is at least 16 bytes and deflate inflates at most ~1032:1 (adopted GZIP shards
+        # need not end in .gz, so this bound holds for every shard; the index pins plain ones exactly).
+        most = (nbytes * 1100) // 16 + 64
+        n = self.int_(sh["num_records"], f"{at}.num_records", 0, most)
+        index_sha = sh.get("index_sha256")
+        return ShardInfo(name, n, nbytes, self.hex_(sh["sha256"], f"{at}.sha256"),
+                         None if index_sha is None else self.hex_(index_sha, f"{at}.index_sha256"))
+
+
+def _kind(v) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_ENCODINGS = {e.value for e in Encoding}
+_NUMERIC = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+            "float16", "float32", "float64", "complex64", "complex128"}
+_DTYPES = {"tensor": _NUMERIC, "image": {"uint8", "uint16"}, "int64": {"int64"}, "float": {"float32"},
+           "bytes": {"bytes", "string"}}

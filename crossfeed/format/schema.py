@@ -181,6 +181,8 @@ def decode_value(f: Feature, parsed: dict, *, decode_images: bool = True):
     if f.encoding is Encoding.TENSOR:
         if len(vals) != 1:
             raise SchemaError(f"tensor feature {f.name!r} must hold exactly one bytes value, got {len(vals)}")
+        if not f.fixed and f.name + SHAPE_SUFFIX not in parsed:
+            raise SchemaError(f"tensor feature {f.name!r} has a variable shape but the record has no {f.name + SHAPE_SUFFIX!r}")
         shape = f.shape if f.fixed else tuple(ex.int64_values(parsed[f.name + SHAPE_SUFFIX][1]).tolist())
         dt = np.dtype(f.dtype).newbyteorder("<")
         try:

@@ -12,6 +12,7 @@ import gzip
 import hashlib
 import os
 import struct
+import zlib
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -67,6 +68,7 @@ def frame(payload: bytes) -> bytes:
 
 
 GZIP_MAGIC = b"\x1f\x8b"
+GZIP_ERRORS = (OSError, EOFError, zlib.error)  # what inflating damaged bytes raises (gzip.BadGzipFile is an OSError)
 
 
 def looks_gzip(head: bytes) -> bool:
@@ -185,8 +187,8 @@ def read_bytes(path: str | os.PathLike) -> bytes:
         try:
             with gzip.open(path, "rb") as f:
                 return f.read()
-        except (OSError, EOFError) as e:
-            raise CorruptRecordError(str(path), 0, f"not a readable GZIP stream ({e})") from e
+        except GZIP_ERRORS as e:  # every way inflating damaged bytes fails, BadGzipFile included
+            raise CorruptRecordError(str(path), 0, f"not a readable GZIP stream ({type(e).__name__}: {e})") from e
     with open(path, "rb") as f:
         return f.read()
 

@@ -33,9 +33,41 @@ def keygen(directory: str | os.PathLike, name: str) -> tuple[Path, Path]:
     for suffix in (".key", ".key_secret"):
         if (d / f"{name}{suffix}").exists():
             raise ConfigError(f"{d / (name + suffix)} exists; choose another name or remove it")
-    public, secret = zmq.auth.create_certificates(d, name)
-    os.chmod(secret, 0o600)
-    return Path(public), Path(secret)
+    public_key, secret_key = zmq.curve_keypair()
+    public, secret = d / f"{name}.key", d / f"{name}.key_secret"
+    # The secret file is created 0600 (never readable by others, not even for a moment); O_EXCL
+    # refuses a file that appeared since the check above, or a planted symlink.
+    _write_key_file(secret, public_key, secret_key, 0o600)
+    _write_key_file(public, public_key, None, 0o644)
+    return public, secret
+
+
+def _write_key_file(path: Path, public: bytes, secret: bytes | None, mode: int) -> None:
+    """A key file in pyzmq's certificate format (what `zmq.auth.load_certificate` reads)."""
+    lines = ["#   ZeroMQ CURVE " + ("Secret" if secret else "Public") + " Certificate (crossfeed keygen)",
+             "#   " + ("Keep this file private; never share it." if secret else "Exchange securely, or upload."),
+             "", "metadata", "curve", f'    public-key = "{public.decode()}"']
+    if secret:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
+    except FileExistsError as e:
+        raise ConfigError(f"{path} exists; choose another name or remove it") from e
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def check_not_writable_by_others(path: Path, what: str) -> None:
+    """Refuse a key directory or file that group or other users may write: anyone who can add a
+    ``*.key`` there could let their own client in."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {path}: {e}") from e
+    if mode & 0o022:
+        raise ConfigError(
+            f"{what} {path} is writable by {'group and others' if mode & 0o022 == 0o022 else 'group' if mode & 0o020 else 'others'} "
+            f"(mode {mode & 0o7777:04o}): anyone who can write there can add a client key; run `chmod go-w {path}`")
 
 
 def _load(path: Path, need_secret: bool) -> tuple[bytes, bytes | None]:
@@ -61,9 +93,15 @@ class ServerKeys:
         d = Path(directory)
         if not d.is_dir():
             raise ConfigError(f"--auth-keys {d}: not a directory")
-        public, secret = _load(Path(server_key) if server_key else d / "server.key_secret", True)
+        check_not_writable_by_others(d, "--auth-keys directory")
+        secret_path = Path(server_key) if server_key else d / "server.key_secret"
+        check_not_writable_by_others(secret_path, "server key file")
+        public, secret = _load(secret_path, True)
+        keys = sorted(d.glob("*.key"))
+        for p in keys:
+            check_not_writable_by_others(p, "client key file")
         allowed = frozenset(
-            k for p in sorted(d.glob("*.key")) if (k := _load(p, False)[0]) != public
+            k for p in keys if (k := _load(p, False)[0]) != public
         )
         if not allowed:
             raise ConfigError(f"{d} holds no client public keys (*.key); run `crossfeed keygen`")

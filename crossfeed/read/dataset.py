@@ -4,13 +4,17 @@ randomly accessible sequence of samples (``dict`` of numpy arrays)."""
 from __future__ import annotations
 
 import bisect
+import os
+import stat
 from collections.abc import Iterator
 
 import numpy as np
 
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
-from crossfeed.errors import CrossfeedError, DatasetNotFoundError, ExampleError, IndexFileError, SplitNotFoundError
+from crossfeed.format import tfrecord
+from crossfeed.errors import (CorruptRecordError, CrossfeedError, DatasetNotFoundError, ExampleError, IndexFileError,
+                              ManifestError, SplitNotFoundError)
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads
 from crossfeed.format.schema import Schema, SchemaError, decode_value
 from crossfeed.read.storage import ShardFile, Storage
@@ -22,11 +26,13 @@ def open_dataset(path) -> Dataset:
         return path
     storage = Storage(path)
     try:
-        text = storage.read(MANIFEST).decode()
+        text = storage.read(MANIFEST)
     except DatasetNotFoundError:
         raise DatasetNotFoundError(
             f"{storage.root}: not a crossfeed dataset (no {MANIFEST}); write one with crossfeed.write_dataset, "
             f"`crossfeed convert`, or adopt existing TFRecord shards with `crossfeed index`") from None
+    except OSError as e:  # a directory or unreadable file where the manifest should be
+        raise ManifestError(f"{storage.url(MANIFEST)}: cannot read the manifest ({e.strerror or e})") from e
     return Dataset(storage, loads(text, storage.url(MANIFEST)))
 
 
@@ -103,17 +109,42 @@ class Split:
         if arr is None:
             info = self.shards[shard]
             where = self.dataset.storage.url(idx.index_path(info.file))
+            self._check_regular(shard, where)
             try:
                 data = self.dataset.storage.read(idx.index_path(info.file))
             except DatasetNotFoundError as e:
                 raise IndexFileError(f"{where}: index file is missing; rebuild it with `crossfeed index`") from e
-            arr = idx.parse_index(data, where)
-            if len(arr) != info.num_records:
-                raise IndexFileError(
-                    f"{where}: {len(arr)} entries, the manifest says {info.num_records} records; the dataset is "
-                    f"inconsistent, rebuild it with `crossfeed index`")
+            except OSError as e:
+                raise IndexFileError(f"{where}: cannot read the index file ({e.strerror or e})") from e
+            arr = idx.checked_index(data, where, info, gzip=lambda: self._is_gzip(shard))
             self._index[shard] = arr
         return arr
+
+    def _check_regular(self, shard: int, index_where: str) -> None:
+        """A local shard and its index must be regular files (symlinks to them are followed): a
+        FIFO would block the reader forever, a device never end."""
+        if self.dataset.storage.remote:
+            return
+        for where, error in ((self._files[shard].path, None), (index_where, IndexFileError)):
+            try:
+                mode = os.stat(where).st_mode
+            except OSError:
+                continue  # missing: reported where it is read
+            if not stat.S_ISREG(mode):
+                reason = "not a regular file (a directory, FIFO or device); shards and index files are plain files"
+                raise IndexFileError(f"{where}: {reason}") if error else CorruptRecordError(where, 0, reason)
+
+    def _is_gzip(self, shard: int) -> bool:
+        f = self._files[shard]
+        if f.rel.endswith(".gz"):
+            return True
+        storage = self.dataset.storage
+        if not storage.remote:
+            return tfrecord.is_gzip(f.path)
+        try:
+            return tfrecord.looks_gzip(storage.read_range(f.rel, 0, tfrecord.HEADER))
+        except (OSError, ValueError):
+            return False
 
     def locate(self, i: int) -> tuple[int, int]:
         """``(shard, record_within_shard)`` of global index ``i``."""

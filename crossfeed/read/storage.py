@@ -115,8 +115,8 @@ class ShardFile:
 
                 try:
                     data = gzip.decompress(data)
-                except (OSError, EOFError) as e:
-                    raise CorruptRecordError(self.path, 0, f"not a readable GZIP stream ({e})") from e
+                except tfrecord.GZIP_ERRORS as e:
+                    raise CorruptRecordError(self.path, 0, f"not a readable GZIP stream ({type(e).__name__}: {e})") from e
             return data
         if not os.path.exists(self.path):
             raise DatasetNotFoundError(f"{self.path}: shard file is missing; restore it or rebuild with `crossfeed index`")

@@ -4,10 +4,17 @@ byte sizes and sha256 of every shard, and that each record decodes per the schem
 ``verify_dataset(path)`` is what ``crossfeed verify`` runs. It keeps going after a problem, so one
 run lists every bad shard; a problem that stops a shard's scan (a bad record) still leaves the
 other shards checked. For GZIP shards offsets are positions in the uncompressed stream.
+
+It runs at about read speed in bounded memory: each shard is read once, in chunks of
+`CHUNK_BYTES`, hashed as it is read, its frames checked a chunk at a time (`check_frames`) and
+each chunk decoded by the Loader's own decoder.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import stat
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +28,10 @@ from crossfeed.write.adopt import file_sha256, open_stream
 from crossfeed.read.dataset import open_dataset
 from crossfeed.errors import ConfigError, CorruptRecordError, ExampleError, IndexFileError, SchemaError
 from crossfeed.format.manifest import ShardInfo
+from crossfeed.format.frames import check_frames
 from crossfeed.format.schema import Schema, decode_value
+from crossfeed.read.decode import RecordDecoder, make_decoder
+from crossfeed.read.frame_reader import Frames
 from crossfeed.read.storage import Storage
 
 
@@ -38,40 +48,226 @@ class Problem:
         return f"{where}: {self.reason}"
 
 
-def verify_dataset(path, split: str | None = None, progress: Callable[[int], None] | None = None) -> list[Problem]:
+CHUNK_BYTES = 8 << 20  # bytes of records checked at once: memory stays bounded by a few chunks
+
+
+def verify_dataset(path, split: str | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> list[Problem]:
     """All problems of the dataset at ``path`` (one split, or all); an empty list when it is sound.
-    ``progress`` is called with each shard's byte size once it is checked."""
+    ``progress(done_bytes, total_bytes)`` is called as the shards' bytes are checked."""
     with open_dataset(path) as ds:
         if ds.storage.remote:
             raise ConfigError(f"{ds.path}: verify reads local datasets; copy it to a local directory first")
         if split is not None and split not in ds.splits:
             raise ConfigError(f"{ds.path}: no split {split!r}; it has {sorted(ds.splits)}")
+        shards = [sh for name in ([split] if split is not None else sorted(ds.splits)) for sh in ds.splits[name].shards]
+        total = sum(sh.num_bytes for sh in shards)
+        decoder = make_decoder(ds.schema, decode_images=False, recycle=0)
         problems: list[Problem] = []
-        for name in [split] if split is not None else sorted(ds.splits):
-            for shard in ds.splits[name].shards:
-                problems += verify_shard(ds.storage, shard, ds.schema)
-                if progress is not None:
-                    progress(shard.num_bytes)
+        done = 0
+        for shard in shards:
+            report = None if progress is None else (lambda n, base=done: progress(base + min(n, shard.num_bytes), total))
+            problems += verify_shard(ds.storage, shard, ds.schema, decoder=decoder, progress=report)
+            done += shard.num_bytes
+            if progress is not None:
+                progress(done, total)
         return problems
 
 
-def verify_shard(storage: Storage, shard: ShardInfo, schema: Schema) -> list[Problem]:
+def verify_shard(storage: Storage, shard: ShardInfo, schema: Schema, *, decoder: RecordDecoder | None = None,
+                 progress: Callable[[int], None] | None = None) -> list[Problem]:
+    """The problems of one shard and its index. ``progress(bytes_read)`` follows the file.
+
+    Fast path, for a shard whose index tiles it (the usual case): one sequential pass reads the
+    file in chunks, hashes it, checks each chunk's frames with `check_frames` and decodes it with
+    the Loader's own decoder (`make_decoder`). Anything wrong sends the shard down the slow path, which walks
+    the records on its own and compares them with the index, to say exactly what is wrong."""
     path = storage.url(shard.file)
     ipath = idx.index_path(path)
     try:
-        size = storage.size(shard.file)
+        st = os.stat(path)
     except FileNotFoundError:
         return [Problem(path, None, "shard file is missing; restore it, or re-index what is left with `crossfeed index --force`")]
+    if not stat.S_ISREG(st.st_mode):  # a FIFO or device would hang or never end
+        return [Problem(path, None, "not a regular file (a directory, FIFO or device); a shard is a plain file")]
     problems = []
-    if size != shard.num_bytes:
-        problems.append(Problem(path, None, f"file is {size} bytes, the manifest says {shard.num_bytes}"))
+    if st.st_size != shard.num_bytes:
+        problems.append(Problem(path, None, f"file is {st.st_size} bytes, the manifest says {shard.num_bytes}"))
+    gz = tfrecord.is_gzip(path)
+    entries, index_problems = _load_index(ipath, shard, None if gz else st.st_size)
+    if entries is not None and not index_problems.structural:
+        fast = _fast(path, gz, entries, decoder or make_decoder(schema, decode_images=False, recycle=0), progress)
+        if fast is not None:
+            sha, record_problems = fast
+            if sha != shard.sha256:
+                problems.append(Problem(path, None, "sha256 differs from the manifest: the file changed after it was written"))
+            return problems + record_problems + index_problems.problems
+    # slow path: the index does not tile the shard, or a record is damaged
     if file_sha256(path) != shard.sha256:
         problems.append(Problem(path, None, "sha256 differs from the manifest: the file changed after it was written"))
     scanned, stream_len, complete = _scan(path, schema, problems)
     if complete and len(scanned) != shard.num_records:
         problems.append(Problem(path, None, f"holds {len(scanned)} records, the manifest says {shard.num_records}"))
-    problems += _check_index(ipath, scanned, stream_len, shard.num_records)
-    return problems
+    found = [] if entries is None else _check_index(ipath, entries, scanned, stream_len, shard.num_records)
+    return problems + (found or index_problems.problems)
+
+
+@dataclass
+class _IndexProblems:
+    problems: list[Problem]
+    structural: bool  # the entries cannot be trusted to tile the shard
+
+
+def _load_index(ipath: str, shard: ShardInfo, size: int | None) -> tuple[np.ndarray | None, _IndexProblems]:
+    """The index entries and what is wrong with the index file (`idx.checked_index`'s checks)."""
+    try:
+        st = os.stat(ipath)
+        if not stat.S_ISREG(st.st_mode):
+            return None, _IndexProblems([Problem(ipath, None, "not a regular file; rebuild it with `crossfeed index --force`")], True)
+        with open(ipath, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None, _IndexProblems([Problem(ipath, None, "index file is missing; rebuild it with `crossfeed index --force`")], True)
+    try:
+        entries = idx.parse_index(data, ipath)
+    except IndexFileError as e:
+        return None, _IndexProblems([Problem(ipath, None, str(e).removeprefix(f"{ipath}: "))], True)
+    problems = []
+    if len(entries) != shard.num_records:
+        problems.append(Problem(ipath, None, f"{len(entries)} entries, the manifest says {shard.num_records} records"))
+    if shard.index_sha256 is not None and hashlib.sha256(data).hexdigest() != shard.index_sha256:
+        problems.append(Problem(ipath, None, "sha256 differs from the manifest's index_sha256: the index changed after it "
+                                             "was written; rebuild it with `crossfeed index --force`"))
+    ends = entries[:, 0] + entries[:, 1]
+    tiles = (not len(entries) or (entries[0, 0] == 0 and bool(np.all(entries[1:, 0] == ends[:-1]))
+                                  and (size is None or ends[-1] == size))) and (len(entries) or not size)
+    return entries, _IndexProblems(problems, not tiles)
+
+
+def _fast(path: str, gz: bool, entries: np.ndarray, decoder: RecordDecoder,
+          progress: Callable[[int], None] | None) -> tuple[str, list[Problem]] | None:
+    """``(sha256, decode problems)`` from one chunked pass, or None if a frame, the GZIP stream or
+    the stream's length disagrees with the index (then the slow path says what is wrong)."""
+    problems: list[Problem] = []
+    offsets, lengths = entries[:, 0], entries[:, 1]
+    ends = offsets + lengths
+    try:
+        with _Stream(path, gz) as stream:
+            a = 0
+            while a < len(entries):
+                b = max(a + 1, int(np.searchsorted(ends, offsets[a] + CHUNK_BYTES, side="right")))
+                base = int(offsets[a])
+                buf = stream.take(int(ends[b - 1]) - base)
+                if len(buf) != int(ends[b - 1]) - base:
+                    return None  # the stream ends before the index does
+                payloads = check_frames(buf, offsets[a:b] - base, lengths[a:b], path)
+                if not problems:
+                    bad = _decode_check(decoder, payloads)
+                    if bad is not None:
+                        problems.append(Problem(path, int(offsets[a + bad[0]]), bad[1]))
+                del payloads
+                a = b
+                if progress is not None:
+                    progress(stream.raw_bytes)
+            if stream.rest() != 0:
+                return None  # records (or junk) after the last indexed one
+            return stream.sha256(), problems
+    except CorruptRecordError:
+        return None
+    except tfrecord.GZIP_ERRORS:
+        return None
+
+
+def _decode_check(decoder: RecordDecoder, payloads: list) -> tuple[int, str] | None:
+    """The first payload that does not decode per the schema, ``(position, reason)``; the batch
+    decoder checks the chunk at once, the reference decoder finds which record is bad."""
+    if not payloads:
+        return None
+    try:
+        decoder(Frames(np.arange(len(payloads)), payloads=payloads))
+        return None
+    except (ExampleError, SchemaError):
+        pass
+    for i, p in enumerate(payloads):
+        reason = _decode_problem(decoder.features, p)
+        if reason:
+            return i, reason
+    return 0, "records do not match the schema"  # the batch decoder saw what the reference did not
+
+
+class _Stream:
+    """A shard file read front to back once: hashed as it is read, inflated if GZIP; ``take(n)``
+    gives the next ``n`` bytes of the record stream."""
+
+    BLOCK = 4 << 20
+
+    def __init__(self, path: str, gz: bool):
+        self._f = open(path, "rb")
+        self._hash = hashlib.sha256()
+        self._gz = gz
+        self._inflate = zlib.decompressobj(31) if gz else None
+        self._out = bytearray()  # inflated, not yet taken
+        self._tail = b""  # compressed input not yet inflated
+        self._eof = False
+        self.raw_bytes = 0
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+    def _read(self, n: int) -> bytes:
+        data = self._f.read(n)
+        self._hash.update(data)
+        self.raw_bytes += len(data)
+        return data
+
+    def take(self, n: int):
+        if not self._gz:
+            return self._read(n)
+        while len(self._out) < n and self._fill(n - len(self._out)):
+            pass
+        out = bytes(self._out[:n])
+        del self._out[:n]
+        return out
+
+    def _fill(self, want: int) -> bool:
+        """Inflate up to ``want`` more bytes; False at the end of the file."""
+        if not self._tail:
+            if self._eof:
+                return False
+            self._tail = self._read(self.BLOCK)
+            if not self._tail:
+                self._eof = True
+                if not self._inflate.eof:
+                    raise EOFError("compressed file ended before the end-of-stream marker")
+                return False
+        if self._inflate.eof:  # another GZIP member follows (concatenated files)
+            self._tail = self._inflate.unused_data + self._tail
+            self._inflate = zlib.decompressobj(31)
+        self._out += self._inflate.decompress(self._tail, max(want, 1 << 16))
+        self._tail = self._inflate.unconsumed_tail
+        if self._inflate.eof and self._inflate.unused_data:
+            self._tail = self._inflate.unused_data + self._tail
+            self._inflate = zlib.decompressobj(31)
+        return True
+
+    def rest(self) -> int:
+        """Read to the end (for the hash); the number of stream bytes left after what was taken."""
+        left = len(self._out)
+        self._out.clear()
+        if not self._gz:
+            while data := self._read(self.BLOCK):
+                left += len(data)
+            return left
+        while self._fill(self.BLOCK):
+            left += len(self._out)
+            self._out.clear()
+        return left
+
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
 
 
 def _scan(path: str, schema: Schema, problems: list[Problem]) -> tuple[np.ndarray, int, bool]:
@@ -106,7 +302,7 @@ def _scan(path: str, schema: Schema, problems: list[Problem]) -> tuple[np.ndarra
     return np.array(found, dtype=np.int64).reshape(-1, 2), stream_len, complete
 
 
-def _decode_problem(schema: Schema, payload) -> str | None:
+def _decode_problem(schema, payload) -> str | None:
     try:
         parsed = ex.decode(payload)
         for f in schema:
@@ -128,11 +324,8 @@ def _inflate_partial(path: str) -> tuple[bytes, str]:
     return b"".join(out), "GZIP stream ends early (truncated file); records after this uncompressed offset are lost"
 
 
-def _check_index(ipath: str, scanned: np.ndarray, stream_len: int, expected: int) -> list[Problem]:
-    try:
-        entries = idx.read_index(ipath)
-    except IndexFileError as e:
-        return [Problem(ipath, None, str(e).removeprefix(f"{ipath}: "))]
+def _check_index(ipath: str, entries: np.ndarray, scanned: np.ndarray, stream_len: int, expected: int) -> list[Problem]:
+    """The index entries compared with the records a scan found."""
     problems = []
     if len(entries) != expected:
         problems.append(Problem(ipath, None, f"{len(entries)} entries, the manifest says {expected} records"))

@@ -21,8 +21,9 @@ from crossfeed.format import example as ex
 from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
 from crossfeed.errors import ConfigError, DatasetNotFoundError, ExampleError, ManifestError, SchemaError
-from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads, write_manifest
+from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, check_name, loads, write_manifest
 from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema
+from crossfeed.write.writer import dataset_lock
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +167,8 @@ def _index_shard(path: str, inference: _Inference) -> ShardInfo:
             inference.add(payload, path, offset)
             offsets.append((offset, tfrecord.HEADER + len(payload) + tfrecord.FOOTER))
             del payload
-    idx.write_index(idx.index_path(path), offsets)
-    return ShardInfo("", len(offsets), os.path.getsize(path), file_sha256(path))
+    index_sha = idx.write_index(idx.index_path(path), offsets)
+    return ShardInfo("", len(offsets), os.path.getsize(path), file_sha256(path), index_sha)
 
 
 def index_dataset(path, *, split: str = DEFAULT_SPLIT, split_from_name: bool = True, force: bool = False,
@@ -189,14 +190,16 @@ def index_dataset(path, *, split: str = DEFAULT_SPLIT, split_from_name: bool = T
     if os.path.exists(manifest_path):
         if not force:
             raise ConfigError(f"{manifest_path}: the dataset is already indexed; pass --force to rebuild its index and manifest")
-        with contextlib.suppress(ManifestError, SchemaError, OSError, UnicodeDecodeError):
-            with open(manifest_path) as f:
+        with contextlib.suppress(ManifestError, SchemaError, OSError):
+            with open(manifest_path, "rb") as f:
                 old = loads(f.read(), manifest_path)
     names = sorted(n for n in os.listdir(root) if is_shard_name(n) and os.path.isfile(os.path.join(root, n)))
     if not names:
         raise DatasetNotFoundError(
             f"{root}: no TFRecord shards (files named *.tfrecord, *.tfrecords, *.tfrec[.gz] or "
             f"<split>-SSSSS-of-NNNNN); point `crossfeed index` at the directory that holds them")
+    for n in names:
+        check_name(n, root)  # a manifest names plain files only
     groups: dict[str, list[tuple[int, str]]] = {}
     for n in names:
         s, i = split_of(n, split) if split_from_name else (split, 0)
@@ -207,7 +210,7 @@ def index_dataset(path, *, split: str = DEFAULT_SPLIT, split_from_name: bool = T
         shards = []
         for _, n in sorted(members):
             info = _index_shard(os.path.join(root, n), inference)
-            shards.append(ShardInfo(n, info.num_records, info.num_bytes, info.sha256))
+            shards.append(ShardInfo(n, info.num_records, info.num_bytes, info.sha256, info.index_sha256))
             if progress is not None:
                 progress(info.num_bytes)
         declared = {int(m["n"]) for _, n in members if (m := _SHARDED.match(n))} if split_from_name else set()
@@ -219,6 +222,7 @@ def index_dataset(path, *, split: str = DEFAULT_SPLIT, split_from_name: bool = T
         raise ConfigError(f"{root}: the shards hold no records, so there is no schema to infer; write some records first")
     metadata = dict(old.metadata) if old else {}
     metadata.setdefault("source", "crossfeed index")
-    manifest = Manifest(inference.schema(old), splits, metadata)
-    write_manifest(root, manifest)
+    manifest = Manifest(inference.schema(old), splits, metadata, old.generation + 1 if old else 0)
+    with dataset_lock(root):
+        write_manifest(root, manifest)
     return manifest
