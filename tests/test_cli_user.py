@@ -94,7 +94,7 @@ def test_info_shows_statistics_and_head_defaults_as_documented(tmp_path, mixed_d
     r = invoke("info", root)
     assert "statistics (train):" in r.output and "shapes 4x5x3 ×30" in r.output and "label" in r.output
     crossfeed.write_dataset(tmp_path / "vt", samples[:3], split="validation").close()
-    crossfeed.write_dataset(tmp_path / "vt", samples[:2], split="test").close()
+    crossfeed.write_dataset(tmp_path / "vt", samples[:2], split="test", add_split=True).close()
     r = invoke("head", tmp_path / "vt", "-n", 1)
     assert r.exit_code == 0 and "[test 0]" in r.output  # no train: the first split by name, as --help says
     assert "first split by name" in invoke("head", "--help").output
