@@ -14,6 +14,7 @@ from crossfeed.errors import (
     IndexFileError,
     ManifestError,
     SchemaError,
+    ServerLostError,
     WireError,
 )
 from crossfeed.read.loader import Loader, ReadOptions
@@ -54,6 +55,7 @@ __all__ = [
     "Remainder",
     "Schema",
     "SchemaError",
+    "ServerLostError",
     "Shuffle",
     "Split",
     "WireError",

@@ -5,7 +5,11 @@ bytes (one batch is always allowed, however large). `assign()` hands the
 oldest pending batch to the next peer (round robin) that has room and remembers it as unacked
 until `ack()`. A peer that dies (`kill()`, or silent past the timeout in `expire()`) has its
 unacked batches put back at the front of the queue, oldest first, for the others; anything it
-says afterwards is ignored.
+says afterwards is ignored (the server answers it FENCED).
+
+Progress deadline: a peer that holds unacknowledged batches and acknowledges none of them for
+`progress_timeout` seconds (its training loop hangs while its network thread still heartbeats)
+is declared dead the same way, so the epoch never waits on it forever.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class _Peer:
     credit_bytes: int = 0  # 0: no byte limit
     unacked: dict[int, Item] = dataclasses.field(default_factory=dict)
     unacked_bytes: int = 0
+    progress_at: float = 0.0  # last ack, or when it last went from holding nothing to holding some
 
     @property
     def room(self) -> int:
@@ -49,9 +54,10 @@ class _Peer:
 class Dispatcher:
     """Who may receive what; the server loop drives it and does the sending."""
 
-    def __init__(self, *, max_credit: int, timeout: float):
+    def __init__(self, *, max_credit: int, timeout: float, progress_timeout: float | None = None):
         self.max_credit = max_credit
         self.timeout = timeout
+        self.progress_timeout = progress_timeout
         self.peers: dict[bytes, _Peer] = {}
         self.pending: collections.deque[Item] = collections.deque()
         self._dead: collections.OrderedDict[bytes, None] = collections.OrderedDict()
@@ -90,6 +96,7 @@ class Dispatcher:
         item = p.unacked.pop(seq, None)
         if item is not None:
             p.unacked_bytes -= item.nbytes
+            p.progress_at = p.last_seen
         return item
 
     # ---- deaths ----
@@ -119,14 +126,21 @@ class Dispatcher:
         silent = [k for k, p in self.peers.items() if now - p.last_seen > self.timeout]
         for k in silent:
             self.kill(k, f"silent for more than {self.timeout:g}s, declared dead")
-        return silent
+        limit = self.progress_timeout
+        stuck = [] if limit is None else [
+            k for k, p in self.peers.items() if p.unacked and now - p.progress_at > limit
+        ]
+        for k in stuck:
+            self.kill(k, f"acknowledged nothing for more than {limit:g}s, fenced")
+        return silent + stuck
 
     # ---- sending ----
     def demand(self) -> int:
         """How many more batches the live peers could take right now."""
         return max(sum(p.room for p in self.peers.values()) - len(self.pending), 0)
 
-    def assign(self) -> tuple[bytes, Item] | None:
+    def assign(self, now: float | None = None) -> tuple[bytes, Item] | None:
+        """The next (peer, batch) to send; `now` starts the peer's progress clock if it held none."""
         if not self.pending or not self.peers:
             return None
         keys = list(self.peers)
@@ -135,6 +149,8 @@ class Dispatcher:
             p = self.peers[k]
             if p.room:
                 item = self.pending.popleft()
+                if not p.unacked:
+                    p.progress_at = p.last_seen if now is None else now
                 p.unacked[item.seq] = item
                 p.unacked_bytes += item.nbytes
                 self._turn = (self._turn + i + 1) % len(keys)
