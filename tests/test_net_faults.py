@@ -62,7 +62,7 @@ def test_a_killed_server_is_dropped_and_the_client_reads_on(tmp_path, caplog):
         second = read_endpoint(tmp_path / "ep2", procs=procs)
         got = collections.defaultdict(list)
         with caplog.at_level(logging.WARNING, "crossfeed.net.receiver"):
-            with connect([first, second], with_meta=True, **FAST_HB) as client:
+            with connect([first, second], with_meta=True, on_loss="continue", **FAST_HB) as client:
                 for meta, _ in client:
                     source = "s1" if meta.sample_ids[0] < 10_000 else "s2"
                     got[source].extend(meta.sample_ids.tolist())
@@ -172,7 +172,7 @@ def test_a_server_sending_oversized_messages_is_dropped_and_the_others_read_on()
         with Server(Synthetic(num_samples=24, batch_size=4), opts) as good:
             limits = wire.WireLimits(max_message_bytes=1 << 20)
             addresses = [f"tcp://127.0.0.1:{port}", good.endpoints[0]]
-            with connect(addresses, limits=limits, with_meta=True, **FAST_HB) as client:
+            with connect(addresses, limits=limits, with_meta=True, on_loss="continue", **FAST_HB) as client:
                 assert fake.poll(20_000)
                 peer = fake.recv_multipart()[0]
                 fake.send_multipart([peer, P.pack(P.Kind.HEARTBEAT)])
