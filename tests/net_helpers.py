@@ -157,3 +157,53 @@ def write_image_dataset(path: str, n: int = 20) -> None:
 def add_hundred(sample: dict) -> dict:
     """A `--transform` for the CLI test."""
     return {**sample, "label": sample["label"] + 100}
+
+
+def run_server_with(endpoint_file: str, spec: dict) -> None:
+    """A server from a JSON-able `spec`: address, num_samples, batch_size, epochs, delay,
+    keys (a CURVE server key directory), progress_timeout, heartbeat [interval, timeout]."""
+    import logging
+
+    from crossfeed.net import Heartbeat, Server, ServerKeys, ServerOptions
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    hb = spec.get("heartbeat", [FAST_HB["heartbeat_interval"], FAST_HB["heartbeat_timeout"]])
+    opts = ServerOptions(
+        (spec["address"],), epochs=spec.get("epochs", 1), heartbeat=Heartbeat(*hb),
+        progress_timeout=spec.get("progress_timeout", 60.0),
+    )
+    keys = ServerKeys.from_dir(spec["keys"]) if spec.get("keys") else None
+    factory = Synthetic(spec.get("num_samples", 40), spec.get("batch_size", 4), delay=spec.get("delay", 0.0))
+    with Server(factory, opts, keys=keys) as server:
+        _write_atomic(endpoint_file, " ".join(server.endpoints))
+        server.wait()
+        server.raise_if_failed()
+
+
+def run_pausing_trainer(addresses, out_file: str, pause_after: int, resume_file: str,
+                        credits: int = 4, connect_timeout: float = 15.0) -> None:
+    """Like run_trainer, but after `pause_after` batches the training loop stops (holding that
+    batch, its network thread still running) until `resume_file` exists, writes RESUMED and goes
+    on. Ends with "END" (or "LOST <reason>" on ServerLostError), then "STATS <fenced> <stale>"."""
+    import logging
+
+    from crossfeed.errors import ServerLostError
+    from crossfeed.net import connect
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    hb = dict(FAST_HB, connect_timeout=connect_timeout)
+    with open(out_file, "a", buffering=1) as out, connect(addresses, credits=credits, with_meta=True, **hb) as c:
+        try:
+            for n, (meta, _batch) in enumerate(c, 1):
+                out.write(json.dumps(meta.sample_ids.tolist()) + "\n")
+                out.flush()
+                if n == pause_after:
+                    out.write("PAUSED\n")
+                    while not os.path.exists(resume_file):
+                        time.sleep(0.02)
+                    out.write("RESUMED\n")
+            out.write("END\n")
+        except ServerLostError as e:
+            out.write(f"LOST {e.reason}\n")
+        finally:
+            out.write(f"STATS {c.fenced} {c.stale_dropped}\n")

@@ -105,6 +105,11 @@ class Client(Iterator[Any]):
         return self._receiver.fenced
 
     @property
+    def stale_dropped(self) -> int:
+        """Batches received under a lease the server fenced, dropped here without being yielded."""
+        return self._receiver.stale_dropped
+
+    @property
     def dropped_messages(self) -> int:
         return self._receiver.dropped_messages
 
