@@ -199,13 +199,13 @@ class Distribution:
         if len(frames) != (3 if env.kind is P.Kind.ACKS else 2):
             raise WireError(f"{env.kind.name} message has {len(frames) - 1} frames")
         disp, now = self._disp, time.monotonic()
-        if disp.is_dead(peer):
-            logger.debug("fenced %s from trainer %s, declared dead", env.kind.name, peer.hex())
+        if disp.is_dead(peer) or (peer not in disp.peers and env.kind is not P.Kind.CREDIT):
+            # declared dead (or dead and forgotten): only a CREDIT on a new identity joins
+            logger.debug("fenced %s from trainer %s, not a live trainer", env.kind.name, peer.hex())
             if env.kind is not P.Kind.BYE:  # one answer per message: it cannot amplify
                 self._to_peer(peer, [self._pack(P.Kind.FENCED, token=env.token)])
             return
-        if env.kind is P.Kind.CREDIT or (env.kind is P.Kind.HEARTBEAT and peer not in disp.peers):
-            # a HEARTBEAT carries the credit too, so a client that reconnected resumes
+        if env.kind is P.Kind.CREDIT:
             disp.credit(peer, env.a, now, env.b)
             if ended:
                 self._to_peer(peer, [self._pack(P.Kind.END_OF_STREAM, self._stats["epochs"])])

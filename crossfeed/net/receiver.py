@@ -347,15 +347,13 @@ class Receiver:
                 logger.info("server %s ended its stream after %d epochs", link.address, env.a)
 
     def _fence(self, index: int, link: Link) -> None:
-        """The server declared us dead: drop what we hold of it, unused; rejoin later."""
-        stale = [e for e in self._events if isinstance(e, Delivery) and e.server == index]
-        for e in stale:
-            self._events.remove(e)
-        self.stale_dropped += len(stale)
+        """The server declared us dead: what we hold of it is dropped unused (by _ready_event,
+        which never hands out a Delivery of a fenced link); we rejoin when the user asks next."""
+        held = sum(1 for e in list(self._events) if isinstance(e, Delivery) and e.server == index)
         self.fenced += 1
         link.fence()
         logger.warning(
-            "server %s fenced this client (declared dead after a stall or no progress): %d "
-            "batches it had sent us went to other trainers and are dropped here unused",
-            link.address, len(stale),
+            "server %s fenced this client (declared it dead after a stall or no progress): the "
+            "%d batches it sent here and we had not used went to other trainers; dropped unused",
+            link.address, held,
         )
