@@ -170,7 +170,7 @@ def run_server_with(endpoint_file: str, spec: dict) -> None:
     hb = spec.get("heartbeat", [FAST_HB["heartbeat_interval"], FAST_HB["heartbeat_timeout"]])
     opts = ServerOptions(
         (spec["address"],), epochs=spec.get("epochs", 1), heartbeat=Heartbeat(*hb),
-        progress_timeout=spec.get("progress_timeout", 60.0),
+        progress_timeout=spec.get("progress_timeout", 300.0),
     )
     keys = ServerKeys.from_dir(spec["keys"]) if spec.get("keys") else None
     factory = Synthetic(spec.get("num_samples", 40), spec.get("batch_size", 4), delay=spec.get("delay", 0.0))

@@ -87,7 +87,7 @@ def serve(
     server_key: Annotated[Optional[Path], typer.Option("--server-key", help="Server .key_secret (default AUTH_KEYS/server.key_secret).")] = None,
     heartbeat_interval: Annotated[float, typer.Option(min=0.01)] = 1.0,
     heartbeat_timeout: Annotated[float, typer.Option(min=0.05)] = 10.0,
-    progress_timeout: Annotated[float, typer.Option("--progress-timeout", min=0, help="Fence a trainer that holds batches and acknowledges none for S s (0: never).")] = 60.0,
+    progress_timeout: Annotated[float, typer.Option("--progress-timeout", min=0, help="Fence a trainer that holds batches and acknowledges none for S s (0: never); above your longest pause between batches.")] = 300.0,
     insecure: Annotated[bool, typer.Option("--insecure", help="Serve without --auth-keys on addresses other machines can reach (trusted networks only).")] = False,
     endpoint_file: Annotated[Optional[Path], typer.Option(help="Write the bound addresses here (for scripts).")] = None,
 ) -> None:

@@ -57,8 +57,9 @@ class ServerOptions:
     heartbeat: P.Heartbeat = P.Heartbeat()
     linger: float = 5.0  # after END_OF_STREAM, how long to wait for trainers to say BYE
     server_id: str = ""
-    # a trainer holding batches that acknowledges none for this long is fenced (None: never)
-    progress_timeout: float | None = 60.0
+    # a trainer holding batches that acknowledges none for this long is fenced (None: never);
+    # above the longest pause of a training loop between two batches (evaluation, checkpoints)
+    progress_timeout: float | None = 300.0
     insecure: bool = False  # serve without CURVE on addresses other machines can reach
 
     def __post_init__(self) -> None:
