@@ -15,6 +15,7 @@ import time
 import psutil
 import pytest
 import zmq
+import zmq.auth
 
 from crossfeed.errors import ConfigError, ServerLostError
 from crossfeed.net import Heartbeat, Server, ServerKeys, ServerOptions, connect, keygen
@@ -58,6 +59,41 @@ def test_a_squatter_on_the_next_generated_routing_id_does_not_abort_the_server(t
         stop(*procs)
         ctx.destroy(linger=0)
     assert sorted(set(_ids(out))) == list(range(40))
+
+
+def test_a_curve_server_attaches_no_unauthorised_peer_so_none_can_squat_an_id(tmp_path, curve_dirs):
+    """On an unauthenticated server a squatter plus an anonymous raw peer can still abort libzmq
+    (docs-net.md, limits); under CURVE neither gets past the handshake, so neither holds an id."""
+    server_dir, client_dir = curve_dirs
+    keygen(tmp_path / "intruder", "intruder")
+    intruder = zmq.auth.load_certificate(tmp_path / "intruder" / "intruder.key_secret")
+    server_public = zmq.auth.load_certificate(client_dir / "server.key")[0]
+    spec = {"address": "tcp://127.0.0.1:0", "num_samples": 40, "batch_size": 4, "keys": str(server_dir)}
+    server = child("run_server_with", str(tmp_path / "ep"), spec, log=tmp_path / "server.log")
+    ctx = zmq.Context()
+    try:
+        address = read_endpoint(tmp_path / "ep", procs=[server])
+        peers = []
+        for curve in (False, True):
+            for routing_id in (bytes.fromhex("006b8b4567"), None):  # the squatter, then anonymous
+                sock = ctx.socket(zmq.DEALER)
+                sock.linger = 0
+                if curve:  # a well-formed CURVE handshake with a key the server does not hold
+                    sock.curve_publickey, sock.curve_secretkey = intruder
+                    sock.curve_serverkey = server_public
+                if routing_id:
+                    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+                sock.connect(address)
+                sock.send(P.pack(P.Kind.CREDIT, 1))
+                peers.append(sock)
+        with connect(address, keys=client_dir, with_meta=True, **FAST_HB) as client:
+            ids = sorted(i for meta, _ in client for i in meta.sample_ids.tolist())
+        assert ids == list(range(40))
+        assert not any(sock.poll(0) for sock in peers)  # none of them was ever answered
+        assert server.wait(30) == 0, (tmp_path / "server.log").read_text()
+    finally:
+        stop(server)
+        ctx.destroy(linger=0)
 
 
 # ---- 2. authentication before any frame -------------------------------------------------------
