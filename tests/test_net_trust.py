@@ -18,12 +18,10 @@ import zmq
 import zmq.auth
 
 from crossfeed.errors import ConfigError, ServerLostError
-from crossfeed.net import Heartbeat, Server, ServerKeys, ServerOptions, connect, keygen
+from crossfeed.net import Heartbeat, Server, ServerOptions, connect, keygen
 from crossfeed.net import protocol as P
 from crossfeed.net.addresses import is_local
-from net_helpers import (
-    FAST_HB, Synthetic, batches_in, child, read_endpoint, read_lines, stop, wait_until,
-)
+from net_helpers import FAST_HB, Synthetic, batches_in, child, read_endpoint, read_lines, stop, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,7 +30,7 @@ def _ids(path) -> list[int]:
     return [i for batch in batches_in(path) for i in batch]
 
 
-# ---- 1. a squatted routing id cannot abort the server ----------------------------------------
+# ---- 1. a squatted routing id cannot abort the server (for honest trainers; see docs-net.md) ----
 
 def test_a_squatter_on_the_next_generated_routing_id_does_not_abort_the_server(tmp_path):
     spec = {"address": "tcp://127.0.0.1:0", "num_samples": 40, "batch_size": 4}
@@ -112,10 +110,10 @@ def test_unauthenticated_serving_is_refused_where_other_machines_can_reach_it(tm
 
 
 def test_the_serve_command_refuses_a_public_address_without_keys_or_insecure(tmp_path):
-    from typer.testing import CliRunner
-
     import net_helpers
     import typer
+    from typer.testing import CliRunner
+
     from crossfeed.cli import net
 
     app = typer.Typer()

@@ -167,7 +167,7 @@ class Receiver:
 
     def _rejoin_fenced(self) -> None:
         now = time.monotonic()
-        for i, link in enumerate(self._links):
+        for link in self._links:
             if link.state == "fenced":
                 link.rejoin(self._open(link.address, now).sock, now)
                 logger.warning("rejoined %s under a new identity after it fenced us", link.address)
@@ -227,7 +227,8 @@ class Receiver:
 
     def _read(self, wait: float) -> None:
         room = len(self._events) < self._buffer
-        want = {link.sock for link in self._links if link.state == "live"} if room else set()
+        # a link we asked for a lease probe is read even when full: its answer frees the queue
+        want = {link.sock for link in self._links if link.state == "live" and (room or link.probe)}
         if want != self._polled:
             for sock in self._polled - want:
                 self._poller.unregister(sock)
