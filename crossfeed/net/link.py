@@ -118,12 +118,16 @@ class Link:
             for i in range(0, len(seqs), P.MAX_ACKS):
                 self.send(P.pack_acks(seqs[i : i + P.MAX_ACKS]))
             # the server restarts its progress clock when these arrive, after `now`
-            self._renew(now) if self.unacked else setattr(self, "lease_until", math.inf)
+            if self.unacked:
+                self._renew(now)
+            else:
+                self.lease_until = math.inf
 
-    def _renew(self, now: float, budget: float | None = None) -> None:
-        if budget is None:
-            budget = self.progress_timeout
-        self.lease_until = math.inf if budget is None else now + budget / 2
+    def _renew(self, now: float) -> None:
+        """The server will not fence us for lack of progress before `now` + its deadline; we
+        count on half of it (the rest is margin for the network)."""
+        limit = self.progress_timeout
+        self.lease_until = math.inf if limit is None else now + limit / 2
 
     def heartbeat(self, env: P.Envelope) -> None:
         """The server's HEARTBEAT: its timeouts (token 0), or the answer to our probe (b = how
