@@ -213,7 +213,7 @@ def _fenced_run(tmp_path, *, progress_timeout, heartbeat, stall):
     """Server here, trainers A and B in processes; A's loop stops after 2 batches (and, with
     `stall`, its whole process is SIGSTOPped) until the server has fenced it. Without `stall`
     (a hung loop), B must finish the whole epoch while A's loop is still stopped."""
-    n = 1200  # 300 batches, 10 ms each: the epoch outlasts the dance below
+    n = 2000  # 500 batches, 10 ms each: the epoch outlasts the dance below
     opts = ServerOptions(("tcp://127.0.0.1:0",), epochs=1, heartbeat=Heartbeat(*heartbeat),
                          progress_timeout=progress_timeout)
     a_out, b_out, resume = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "resume"
