@@ -134,6 +134,17 @@ def test_the_progress_deadline_fences_a_peer_that_holds_batches_and_acknowledges
     assert d.expire(now=50.0) == []  # holding nothing, `idle` is never stuck
 
 
+def test_batches_a_peer_skipped_were_lost_in_transit_and_go_out_again():
+    d = Dispatcher(max_credit=8, timeout=100.0)
+    d.credit(b"a", 8, now=0.0)
+    d.pending.extend(_items(4))
+    assert [d.assign()[1].seq for _ in range(4)] == [0, 1, 2, 3]
+    assert d.ack(b"a", 0).seq == 0 and not d.pending  # in order: nothing skipped
+    assert d.ack(b"a", 2).seq == 2  # 1 was sent before 2 and never acknowledged: lost
+    assert [i.seq for i in d.pending] == [1] and list(d.peers[b"a"].unacked) == [3]
+    assert d.ack(b"a", 1) is None  # no longer this peer's
+
+
 def test_envelopes_carry_the_server_instance_and_the_probe_token():
     instance = P.new_instance()
     env = P.unpack(P.pack(P.Kind.FENCED, instance=instance, token=2**64 - 1), P.SERVER_KINDS)

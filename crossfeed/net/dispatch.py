@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 from typing import Any
 
@@ -90,13 +91,26 @@ class Dispatcher:
         return True
 
     def ack(self, peer: bytes, seq: int) -> Item | None:
+        """`peer` consumed batch `seq`. A trainer consumes in arrival order, which is the order
+        we sent in, so its batches sent before `seq` and still unacknowledged never arrived (a
+        connection reset under them, the trainer reconnected under the same identity): they go
+        back to the front of the queue at once instead of holding up the epoch's end."""
         p = self.peers.get(peer)
-        if p is None:
+        if p is None or seq not in p.unacked:
             return None
-        item = p.unacked.pop(seq, None)
-        if item is not None:
-            p.unacked_bytes -= item.nbytes
-            p.progress_at = p.last_seen
+        skipped = list(itertools.takewhile(lambda s: s != seq, p.unacked))
+        item = p.unacked.pop(seq)
+        p.unacked_bytes -= item.nbytes
+        p.progress_at = p.last_seen
+        if skipped:
+            for s in reversed(skipped):
+                lost = p.unacked.pop(s)
+                p.unacked_bytes -= lost.nbytes
+                self.pending.appendleft(lost)
+            logger.warning(
+                "trainer %s acknowledged batch %d but never batches %s sent to it before: "
+                "they were lost in transit and go out again", peer.hex(), seq, skipped,
+            )
         return item
 
     # ---- deaths ----
