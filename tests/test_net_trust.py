@@ -21,7 +21,9 @@ from crossfeed.errors import ConfigError, ServerLostError
 from crossfeed.net import Heartbeat, Server, ServerOptions, connect, keygen
 from crossfeed.net import protocol as P
 from crossfeed.net.addresses import is_local
-from net_helpers import FAST_HB, Synthetic, batches_in, child, read_endpoint, read_lines, stop, wait_until
+from net_helpers import (
+    FAST_HB, Synthetic, TcpProxy, batches_in, child, read_endpoint, read_lines, stop, wait_until,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -288,6 +290,32 @@ def test_a_hung_training_loop_is_fenced_after_the_progress_deadline(tmp_path):
 def test_a_progress_timeout_must_exceed_the_heartbeat_interval():
     with pytest.raises(ConfigError, match="progress_timeout"):
         ServerOptions(("tcp://127.0.0.1:0",), heartbeat=Heartbeat(1.0, 10.0), progress_timeout=0.5)
+
+
+def test_a_connection_reset_between_live_processes_loses_nothing():
+    """The trainer reconnects under the same identity; the server fenced it (its send failed) or
+    resends what never arrived: every sample arrives, within the test's timeout, far below the
+    300 s progress deadline; only the batch in the loop's hands at the reset may come twice."""
+    opts = ServerOptions(("tcp://127.0.0.1:0",), epochs=1, heartbeat=Heartbeat(0.1, 2.0))
+    got, held = [], []
+    with Server(Synthetic(num_samples=400, batch_size=4, delay=0.002), opts) as server:
+        proxy = TcpProxy(int(server.endpoints[0].rsplit(":", 1)[1]))
+        try:
+            with connect(f"tcp://127.0.0.1:{proxy.port}", credits=4, with_meta=True, **FAST_HB) as client:
+                for meta, _ in client:
+                    got.extend(meta.sample_ids.tolist())
+                    if len(got) == 40:
+                        held = meta.sample_ids.tolist()
+                        proxy.swallow = True  # what the server sends now is lost ...
+                        time.sleep(0.3)
+                        proxy.reset()  # ... and the connection breaks under it
+                        proxy.swallow = False
+                lost = client.lost
+        finally:
+            proxy.close()
+    counts = collections.Counter(got)
+    assert set(counts) == set(range(400)) and lost == []
+    assert {i for i, c in counts.items() if c > 1} <= set(held)
 
 
 # ---- 4. a restarted server is noticed, never merged --------------------------------------------

@@ -145,6 +145,18 @@ def test_batches_a_peer_skipped_were_lost_in_transit_and_go_out_again():
     assert d.ack(b"a", 1) is None  # no longer this peer's
 
 
+def test_a_peer_we_cannot_send_to_gets_nothing_more_until_it_speaks_but_is_not_declared_dead():
+    d = Dispatcher(max_credit=8, timeout=5.0)
+    d.credit(b"a", 4, now=0.0)
+    d.pending.extend(_items(2))
+    peer, item = d.assign()
+    d.unreachable(b"a", item)  # the send failed: not sent, back to the front
+    assert [i.seq for i in d.pending] == [0, 1] and not d.peers[b"a"].unacked
+    assert d.assign() is None and b"a" in d.peers and not d.is_dead(b"a")
+    d.seen(b"a", 1.0)  # it reconnected and spoke
+    assert d.assign()[1].seq == 0
+
+
 def test_envelopes_carry_the_server_instance_and_the_probe_token():
     instance = P.new_instance()
     env = P.unpack(P.pack(P.Kind.FENCED, instance=instance, token=2**64 - 1), P.SERVER_KINDS)

@@ -44,9 +44,12 @@ class _Peer:
     unacked: dict[int, Item] = dataclasses.field(default_factory=dict)
     unacked_bytes: int = 0
     progress_at: float = 0.0  # last ack, or when it last went from holding nothing to holding some
+    reachable: bool = True  # False after a send to it failed, until it speaks again
 
     @property
     def room(self) -> int:
+        if not self.reachable:
+            return 0
         if self.credit_bytes and self.unacked_bytes >= self.credit_bytes:
             return 0
         return max(self.credit - len(self.unacked), 0)
@@ -74,7 +77,7 @@ class Dispatcher:
             return False
         p = self.peers.get(peer)
         if p is not None:
-            p.last_seen = now
+            p.last_seen, p.reachable = now, True
         return True
 
     def credit(self, peer: bytes, n: int, now: float, nbytes: int = 0) -> bool:
@@ -87,7 +90,7 @@ class Dispatcher:
         if p is None:
             self.peers[peer] = _Peer(credit=n, last_seen=now, credit_bytes=nbytes)
         else:
-            p.credit, p.credit_bytes, p.last_seen = n, nbytes, now
+            p.credit, p.credit_bytes, p.last_seen, p.reachable = n, nbytes, now, True
         return True
 
     def ack(self, peer: bytes, seq: int) -> Item | None:
@@ -112,6 +115,19 @@ class Dispatcher:
                 "they were lost in transit and go out again", peer.hex(), seq, skipped,
             )
         return item
+
+    def unreachable(self, peer: bytes, item: Item | None = None) -> None:
+        """A send to `peer` failed (its connection is down, maybe coming back under the same
+        identity): `item` was not sent and goes back to the front of the queue; nothing more is
+        sent to it until it speaks again. Only silence or the progress deadline declare it dead,
+        the two things its lease accounts for."""
+        p = self.peers.get(peer)
+        if p is None:
+            return
+        p.reachable = False
+        if item is not None and p.unacked.pop(item.seq, None) is not None:
+            p.unacked_bytes -= item.nbytes
+            self.pending.appendleft(item)
 
     # ---- deaths ----
     def kill(self, peer: bytes, reason: str) -> int:

@@ -131,7 +131,7 @@ class Distribution:
                     ending_at = now + self._linger
             while (assigned := disp.assign(now)) is not None:
                 peer, item = assigned
-                if self._to_peer(peer, [self._pack(P.Kind.BATCH, item.seq, item.epoch), *item.frames]):
+                if self._to_peer(peer, [self._pack(P.Kind.BATCH, item.seq, item.epoch), *item.frames], item):
                     self._stats["sent"] += 1
             if epoch_end is not None and disp.in_flight() == 0:
                 self._end_epoch(epoch_end)
@@ -155,7 +155,7 @@ class Distribution:
             raise CrossfeedError(f"the batch source failed: {msg.message}")
         return msg
 
-    def _to_peer(self, peer: bytes, frames: list) -> bool:
+    def _to_peer(self, peer: bytes, frames: list, item: Item | None = None) -> bool:
         send = self._main.send
         try:
             # send_multipart, minus its per-frame enum arithmetic (it shows at 10k+ msg/s)
@@ -165,7 +165,10 @@ class Distribution:
             send(frames[-1], _LAST, copy=False)
             return True
         except zmq.ZMQError as e:
-            self._disp.kill(peer, f"unreachable ({e.strerror})")
+            # not declared dead for this: its connection may come back under the same identity,
+            # and its client counts on silence (or the progress deadline) before that happens
+            logger.debug("could not send to trainer %s: %s", peer.hex(), e.strerror)
+            self._disp.unreachable(peer, item)
             return False
 
     def _drain_wakeups(self) -> None:
