@@ -12,7 +12,8 @@ client → server: CREDIT(a=batches allowed in flight, b=bytes allowed in flight
                  ACKS(a=count; payload = one frame of `count` int64 seqs, at most MAX_ACKS)
 server → client: BATCH(a=seq, b=epoch; payload = `crossfeed.net.wire` frames),
                  END_OF_EPOCH(a=epoch, b=batches in it), END_OF_STREAM(a=epochs served),
-                 HEARTBEAT(a=silence timeout ms, b=progress timeout ms, token=probe answered or 0),
+                 HEARTBEAT(a=silence timeout ms, b=progress deadline ms (0: none), token=0), or,
+                 answering a probe, token=the probe and b=ms left before that trainer's deadline,
                  FENCED(token=probe answered or 0): the server declared this client dead and gave
                  its unacknowledged batches to others; nothing it holds may be used
 
