@@ -14,6 +14,7 @@ from crossfeed.errors import (
     IndexFileError,
     ManifestError,
     SchemaError,
+    ServerLostError,
     SplitNotFoundError,
     WireError,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "Remainder",
     "Schema",
     "SchemaError",
+    "ServerLostError",
     "ShardOptions",
     "Shuffle",
     "Source",

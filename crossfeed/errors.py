@@ -58,6 +58,21 @@ class WireError(CrossfeedError):
     """A network message is malformed, truncated, oversized or of an unknown version."""
 
 
+class ServerLostError(CrossfeedError):
+    """A server of a `connect()` stream never answered, went silent, restarted or reported a
+    failure: what it had not delivered will not come (a finished epoch looks different: it ends
+    the iteration). `address` and `reason` say which and what; `connect(..., on_loss="continue")`
+    reads on from the other servers instead and lists the dropped ones in `client.lost`."""
+
+    def __init__(self, address: str, reason: str):
+        self.address = address
+        self.reason = reason
+        super().__init__(
+            f"server {address} lost: {reason}. Check that it runs and is reachable (and that "
+            f"client and server agree on CURVE keys); pass on_loss='continue' to read on without it"
+        )
+
+
 class ExampleError(CrossfeedError):
     """Bytes that are not a well-formed ``tf.train.Example``."""
 

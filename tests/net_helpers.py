@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -149,3 +152,128 @@ def write_image_dataset(path: str, n: int = 20) -> None:
 def add_hundred(sample: dict) -> dict:
     """A `--transform` for the CLI test."""
     return {**sample, "label": sample["label"] + 100}
+
+
+def run_server_with(endpoint_file: str, spec: dict) -> None:
+    """A server from a JSON-able `spec`: address, num_samples, batch_size, epochs, delay,
+    keys (a CURVE server key directory), progress_timeout, heartbeat [interval, timeout]."""
+    import logging
+
+    from crossfeed.net import Heartbeat, Server, ServerKeys, ServerOptions
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    hb = spec.get("heartbeat", [FAST_HB["heartbeat_interval"], FAST_HB["heartbeat_timeout"]])
+    opts = ServerOptions(
+        (spec["address"],), epochs=spec.get("epochs", 1), heartbeat=Heartbeat(*hb),
+        progress_timeout=spec.get("progress_timeout", 300.0),
+    )
+    keys = ServerKeys.from_dir(spec["keys"]) if spec.get("keys") else None
+    factory = Synthetic(spec.get("num_samples", 40), spec.get("batch_size", 4), delay=spec.get("delay", 0.0))
+    with Server(factory, opts, keys=keys) as server:
+        _write_atomic(endpoint_file, " ".join(server.endpoints))
+        server.wait()
+        server.raise_if_failed()
+
+
+def run_pausing_trainer(addresses, out_file: str, pause_after: int, resume_file: str,
+                        credits: int = 4, connect_timeout: float = 15.0) -> None:
+    """Like run_trainer, but after `pause_after` batches the training loop stops (holding that
+    batch, its network thread still running) until `resume_file` exists, writes RESUMED and goes
+    on. Ends with "END" (or "LOST <reason>" on ServerLostError), then "STATS <fenced> <stale>"."""
+    import logging
+
+    from crossfeed.errors import ServerLostError
+    from crossfeed.net import connect
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    hb = dict(FAST_HB, connect_timeout=connect_timeout)
+    with open(out_file, "a", buffering=1) as out, connect(addresses, credits=credits, with_meta=True, **hb) as c:
+        try:
+            for n, (meta, _batch) in enumerate(c, 1):
+                out.write(json.dumps(meta.sample_ids.tolist()) + "\n")
+                out.flush()
+                if n == pause_after:
+                    out.write("PAUSED\n")
+                    while not os.path.exists(resume_file):
+                        time.sleep(0.02)
+                    out.write("RESUMED\n")
+            out.write("END\n")
+        except ServerLostError as e:
+            out.write(f"LOST {e.reason}\n")
+        finally:
+            out.write(f"STATS {c.fenced} {c.stale_dropped}\n")
+
+
+class TcpProxy:
+    """A loopback TCP forwarder to `port` that the test can break: `swallow` drops what the
+    server sends while set; `reset()` closes every connection through it (clients reconnect)."""
+
+    def __init__(self, port: int):
+        self._upstream = port
+        self._listen = socket.create_server(("127.0.0.1", 0))
+        self._listen.setblocking(False)
+        self.port = self._listen.getsockname()[1]
+        self.swallow = False
+        self._pairs: dict = {}  # socket -> its other end
+        self._clients: set = set()
+        self._lock = threading.Lock()
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listen, selectors.EVENT_READ)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._sel.select(0.05):
+                sock = key.fileobj
+                with self._lock:
+                    if sock is self._listen:
+                        client, _ = self._listen.accept()
+                        server = socket.create_connection(("127.0.0.1", self._upstream))
+                        for s in (client, server):
+                            s.setblocking(True)
+                            self._sel.register(s, selectors.EVENT_READ)
+                        self._pairs[client], self._pairs[server] = server, client
+                        self._clients.add(client)
+                        continue
+                    other = self._pairs.get(sock)
+                    if other is None:
+                        continue
+                    try:
+                        data = sock.recv(1 << 16)
+                    except OSError:
+                        data = b""
+                    if not data:
+                        self._drop(sock)
+                        continue
+                    if self.swallow and sock not in self._clients:
+                        continue  # from the server: lost on the way
+                    try:
+                        other.sendall(data)
+                    except OSError:
+                        self._drop(sock)
+
+    def _drop(self, sock) -> None:
+        other = self._pairs.pop(sock, None)
+        for s in (sock, other):
+            if s is None:
+                continue
+            self._pairs.pop(s, None)
+            try:
+                self._sel.unregister(s)
+            except (KeyError, ValueError):
+                pass
+            self._clients.discard(s)
+            s.close()
+
+    def reset(self) -> None:
+        with self._lock:
+            for sock in list(self._pairs):
+                self._drop(sock)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.reset()
+        self._listen.close()

@@ -15,7 +15,7 @@ import zmq
 from crossfeed.net import wire
 from crossfeed.net import Heartbeat, Server, ServerOptions, connect
 from crossfeed.net import protocol as P
-from crossfeed.net.producer import encode_batch
+from crossfeed.net.producer import encode_item
 from net_helpers import FAST_HB, Synthetic, batches_in, child, read_endpoint, read_lines, stop, wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -62,7 +62,7 @@ def test_a_killed_server_is_dropped_and_the_client_reads_on(tmp_path, caplog):
         second = read_endpoint(tmp_path / "ep2", procs=procs)
         got = collections.defaultdict(list)
         with caplog.at_level(logging.WARNING, "crossfeed.net.receiver"):
-            with connect([first, second], with_meta=True, **FAST_HB) as client:
+            with connect([first, second], with_meta=True, on_loss="continue", **FAST_HB) as client:
                 for meta, _ in client:
                     source = "s1" if meta.sample_ids[0] < 10_000 else "s2"
                     got[source].extend(meta.sample_ids.tolist())
@@ -133,7 +133,7 @@ def test_hostile_messages_to_a_client_are_dropped_and_it_reads_on(tmp_path):
 
     try:
         peer = next_peer()
-        item = encode_batch({"x": np.arange(6.0).reshape(2, 3), "__index__": np.array([4, 5])},
+        item = encode_item({"x": np.arange(6.0).reshape(2, 3), "__index__": np.array([4, 5])},
                             epoch=0, seq=7, server_id="fake")
         frames = [f.tobytes() if isinstance(f, np.ndarray) else bytes(f) for f in item.frames]
         hostile = [
@@ -172,7 +172,7 @@ def test_a_server_sending_oversized_messages_is_dropped_and_the_others_read_on()
         with Server(Synthetic(num_samples=24, batch_size=4), opts) as good:
             limits = wire.WireLimits(max_message_bytes=1 << 20)
             addresses = [f"tcp://127.0.0.1:{port}", good.endpoints[0]]
-            with connect(addresses, limits=limits, with_meta=True, **FAST_HB) as client:
+            with connect(addresses, limits=limits, with_meta=True, on_loss="continue", **FAST_HB) as client:
                 assert fake.poll(20_000)
                 peer = fake.recv_multipart()[0]
                 fake.send_multipart([peer, P.pack(P.Kind.HEARTBEAT)])

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from crossfeed.errors import CrossfeedError
+from crossfeed.errors import CrossfeedError, ServerLostError
 from crossfeed.net import Heartbeat, Mode, Server, ServerOptions, connect
 from net_helpers import FAST_HB, Synthetic, wait_until
 
@@ -145,8 +145,11 @@ def test_a_failing_batch_source_is_reported():
     server = Server(broken, ServerOptions(("tcp://127.0.0.1:0",), heartbeat=HB)).start()
     try:
         with connect(server.endpoints, **FAST_HB) as client:
-            got = list(client)  # ends: the server says it failed
-            assert len(got) <= 1
+            got = []
+            with pytest.raises(ServerLostError, match="batch source failed") as info:
+                for batch in client:  # raises, not a normal end: the server says it failed
+                    got.append(batch)
+            assert len(got) <= 1 and info.value.address == server.endpoints[0]
             assert [lost.reason for lost in client.lost] == [
                 "the server reported that its batch source failed"]
         assert server.wait(10)

@@ -120,6 +120,52 @@ def test_a_dead_peers_batches_go_back_to_the_front_and_its_late_acks_are_ignored
     assert d.leave(b"fast") == 3 and [i.seq for i in d.pending] == [0, 1, 2]
 
 
+def test_the_progress_deadline_fences_a_peer_that_holds_batches_and_acknowledges_none():
+    d = Dispatcher(max_credit=64, timeout=100.0, progress_timeout=1.0)
+    d.credit(b"hung", 4, now=0.0)
+    d.credit(b"idle", 4, now=0.0)
+    d.pending.extend(_items(3))
+    assert [d.assign(now=0.0)[0] for _ in range(3)] == [b"hung", b"idle", b"hung"]
+    d.seen(b"idle", 0.8)
+    assert d.ack(b"idle", 1) is not None  # its progress clock restarts at 0.8; it holds nothing now
+    d.seen(b"hung", 0.9)  # heartbeats are not progress
+    assert d.expire(now=0.95) == []
+    assert d.expire(now=1.05) == [b"hung"] and [i.seq for i in d.pending] == [0, 2]
+    assert d.expire(now=50.0) == []  # holding nothing, `idle` is never stuck
+
+
+def test_batches_a_peer_skipped_were_lost_in_transit_and_go_out_again():
+    d = Dispatcher(max_credit=8, timeout=100.0)
+    d.credit(b"a", 8, now=0.0)
+    d.pending.extend(_items(4))
+    assert [d.assign()[1].seq for _ in range(4)] == [0, 1, 2, 3]
+    assert d.ack(b"a", 0).seq == 0 and not d.pending  # in order: nothing skipped
+    assert d.ack(b"a", 2).seq == 2  # 1 was sent before 2 and never acknowledged: lost
+    assert [i.seq for i in d.pending] == [1] and list(d.peers[b"a"].unacked) == [3]
+    assert d.ack(b"a", 1) is None  # no longer this peer's
+
+
+def test_a_peer_we_cannot_send_to_gets_nothing_more_until_it_speaks_but_is_not_declared_dead():
+    d = Dispatcher(max_credit=8, timeout=5.0)
+    d.credit(b"a", 4, now=0.0)
+    d.pending.extend(_items(2))
+    peer, item = d.assign()
+    d.unreachable(b"a", item)  # the send failed: not sent, back to the front
+    assert [i.seq for i in d.pending] == [0, 1] and not d.peers[b"a"].unacked
+    assert d.assign() is None and b"a" in d.peers and not d.is_dead(b"a")
+    d.seen(b"a", 1.0)  # it reconnected and spoke
+    assert d.assign()[1].seq == 0
+
+
+def test_envelopes_carry_the_server_instance_and_the_probe_token():
+    instance = P.new_instance()
+    env = P.unpack(P.pack(P.Kind.FENCED, instance=instance, token=2**64 - 1), P.SERVER_KINDS)
+    assert (env.kind, env.instance, env.token) == (P.Kind.FENCED, instance, 2**64 - 1)
+    assert instance != P.new_instance() and instance != 0
+    with pytest.raises(WireError, match="not expected"):
+        P.unpack(P.pack(P.Kind.FENCED), P.CLIENT_KINDS)
+
+
 def test_field_stats_and_rates():
     stats = field_stats([{"x": np.array([1.0, 3.0]), "t": ["ab", "c"]}, {"x": np.array([5.0, 7.0]), "t": ["d"]}])
     x = stats["x"]

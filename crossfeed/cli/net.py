@@ -88,6 +88,8 @@ def serve(
                                                       "each trainer.")] = 1.0,
     heartbeat_timeout: Annotated[float, typer.Option(min=0.05, help="Seconds of silence after which a trainer "
                                                      "counts as gone (its unacknowledged batches go to others).")] = 10.0,
+    progress_timeout: Annotated[float, typer.Option("--progress-timeout", min=0, help="Fence a trainer that holds batches and acknowledges none for S s (0: never); above your longest pause between batches.")] = 300.0,
+    insecure: Annotated[bool, typer.Option("--insecure", help="Serve without --auth-keys on addresses other machines can reach (trusted networks only).")] = False,
     endpoint_file: Annotated[Optional[Path], typer.Option(help="Write the bound addresses here (for scripts).")] = None,
     cache_dir: Annotated[Optional[str], typer.Option("--cache-dir", help="Cache remote shards here (default: $CROSSFEED_CACHE_DIR).")] = None,
     cache_limit: Annotated[Optional[str], typer.Option("--cache-limit", help="Keep the cache under this size, e.g. 50GB.")] = None,
@@ -101,6 +103,7 @@ def serve(
     options = ServerOptions(
         tuple(addresses), broadcast=tuple(broadcast or ()), mode=Mode(mode.value),
         epochs=epochs, start_epoch=start_epoch, heartbeat=Heartbeat(heartbeat_interval, heartbeat_timeout),
+        progress_timeout=progress_timeout or None, insecure=insecure,
     )
     if (rank is None) != (world_size is None):
         raise ConfigError("--rank and --world-size go together")

@@ -25,7 +25,7 @@ Timeout = Annotated[float, typer.Option("--timeout", min=0.1, help="Give up on a
 def _subscribe(addresses: list[str], keys: Path | None, timeout: float):
     from crossfeed.net.client import connect
 
-    return connect(addresses, keys=keys, broadcast=True, connect_timeout=timeout,
+    return connect(addresses, keys=keys, broadcast=True, connect_timeout=timeout, on_loss="continue",
                    heartbeat_timeout=timeout, heartbeat_interval=min(1.0, timeout / 4))
 
 

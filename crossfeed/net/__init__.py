@@ -7,7 +7,7 @@ reports), `client`, `addresses` (brace expansion), `keys` (CURVE), `observe` (st
 mon/stat/show).
 """
 
-from crossfeed.net.client import Client, ClientOptions, connect
+from crossfeed.net.client import Client, ClientOptions, OnLoss, connect
 from crossfeed.net.events import LostServer
 from crossfeed.net.keys import ClientKeys, ServerKeys, keygen
 from crossfeed.net.protocol import Heartbeat
@@ -20,6 +20,7 @@ __all__ = [
     "Heartbeat",
     "LostServer",
     "Mode",
+    "OnLoss",
     "Server",
     "ServerKeys",
     "ServerOptions",

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Iterable
 
@@ -70,3 +71,19 @@ def expand_all(addresses: str | Iterable[str]) -> list[str]:
     if not out:
         raise ConfigError("no address given")
     return out
+
+
+def is_local(address: str) -> bool:
+    """True when only this machine can reach `address`: ipc://, inproc://, or tcp on a loopback
+    host (127.0.0.0/8, ::1, localhost). Wildcards (`*`, 0.0.0.0), interface names and every
+    other host are not local."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -4,25 +4,31 @@
         for batch in batches:          # dict[str, np.ndarray] (bytes/str fields: lists)
             train_step(batch)          # batches.last_meta: epoch, seq, server, sample ids
 
-Iteration ends when every server has ended its stream (END_OF_STREAM) or been dropped for
-silence; `lost` lists the dropped ones. A batch is acknowledged when the next one is asked
-for (or on close), so a trainer that dies loses nothing: its server gives the unacknowledged
-batches to the other trainers. Received arrays are read-only views of the network frames.
+Iteration ends when every server has ended its stream (END_OF_STREAM). A server that never
+answers (`connect_timeout`), goes silent (`heartbeat_timeout`), restarts (another process answers
+at its address) or reports that its source failed raises `ServerLostError` naming it, unless
+`on_loss="continue"`: then the client reads on from the others and `lost` lists the dropped ones.
+A batch is acknowledged when the next one is asked for (or on close), so a trainer that dies
+loses nothing: its server gives the unacknowledged batches to the other trainers. A trainer the
+server declared dead (stalled, or no ack within the server's progress deadline) is fenced: what
+it still holds is dropped unused, never yielded, and it rejoins (`fenced` counts how often).
+Received arrays are read-only views of the network frames.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from crossfeed.net import wire
-from crossfeed.errors import ConfigError, CrossfeedError
+from crossfeed.errors import ConfigError, CrossfeedError, ServerLostError
 from crossfeed.net import protocol as P
 from crossfeed.net.addresses import expand_all
-from crossfeed.net.events import AllDone, Delivery, EpochDone, LostServer, ReceiverFailed
+from crossfeed.net.events import AllDone, Delivery, EpochDone, Lost, LostServer, ReceiverFailed
 from crossfeed.net.keys import ClientKeys, as_client_keys
 from crossfeed.net.receiver import Receiver
 
@@ -34,6 +40,13 @@ DEFAULT_CREDITS = 32
 DEFAULT_CREDIT_BYTES = 64 << 20
 
 
+class OnLoss(str, enum.Enum):
+    """What a lost server does to the iteration: raise ServerLostError, or read on without it."""
+
+    RAISE = "raise"
+    CONTINUE = "continue"
+
+
 @dataclasses.dataclass(frozen=True)
 class ClientOptions:
     credits: int = DEFAULT_CREDITS  # batches in flight per server, the one being consumed included
@@ -43,8 +56,13 @@ class ClientOptions:
     connect_timeout: float = 60.0
     limits: wire.WireLimits = wire.DEFAULT_LIMITS
     with_meta: bool = False  # yield (BatchMeta, batch) instead of batch
+    on_loss: OnLoss = OnLoss.RAISE
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "on_loss", OnLoss(self.on_loss))
+        except ValueError as e:
+            raise ConfigError(f"on_loss must be 'raise' or 'continue', got {self.on_loss!r}") from e
         if not 1 <= self.credits <= 64:
             raise ConfigError(f"credits must be in 1..64, got {self.credits}")
         if self.credit_bytes < 0:
@@ -70,7 +88,7 @@ class Client(Iterator[Any]):
             credit_bytes=options.credit_bytes, broadcast=options.broadcast, heartbeat=options.heartbeat,
             connect_timeout=options.connect_timeout, limits=options.limits,
         ).start()
-        self._held: tuple[int, int] | None = None
+        self._held: tuple[int, int, int] | None = None  # (server, seq, lease)
         self._finished = False
         self.last_meta: wire.BatchMeta | None = None
         self.epochs_ended: list[tuple[str, int, int]] = []  # (server address, epoch, batches)
@@ -80,6 +98,16 @@ class Client(Iterator[Any]):
     def lost(self) -> list[LostServer]:
         """Servers dropped because they went silent (or never answered)."""
         return list(self._receiver.lost)
+
+    @property
+    def fenced(self) -> int:
+        """How many times a server fenced this client (declared it dead; it rejoined)."""
+        return self._receiver.fenced
+
+    @property
+    def stale_dropped(self) -> int:
+        """Batches received under a lease the server fenced, dropped here without being yielded."""
+        return self._receiver.stale_dropped
 
     @property
     def dropped_messages(self) -> int:
@@ -103,12 +131,15 @@ class Client(Iterator[Any]):
                     raise CrossfeedError("the client's I/O thread stopped")
                 continue
             if isinstance(event, Delivery):
-                self._held = (event.server, event.meta.seq)
+                self._held = (event.server, event.meta.seq, event.lease)
                 self.last_meta = event.meta
                 self.batches += 1
                 return (event.meta, event.batch) if self.options.with_meta else event.batch
             if isinstance(event, EpochDone):
                 self.epochs_ended.append((self.addresses[event.server], event.epoch, event.batches))
+            elif isinstance(event, Lost):
+                if self.options.on_loss is OnLoss.RAISE:
+                    raise ServerLostError(event.info.address, event.info.reason)
             elif isinstance(event, AllDone):
                 self._finished = True
             elif isinstance(event, ReceiverFailed):
@@ -140,16 +171,19 @@ def connect(
     connect_timeout: float = 60.0,
     limits: wire.WireLimits = wire.DEFAULT_LIMITS,
     with_meta: bool = False,
+    on_loss: OnLoss | str = OnLoss.RAISE,
 ) -> Client:
     """A `Client` reading from every server in `addresses` (brace patterns expand).
 
     `keys`: a `ClientKeys` or a directory holding `client.key_secret` and `server.key`.
     `credits` / `credit_bytes`: how many batches / bytes each server may have in flight to this
     client (received, not yet consumed); the server sends the next batch while both allow it.
+    `on_loss`: "raise" (default): a server that never answers, goes silent, restarts or fails
+    raises `ServerLostError`; "continue": read on from the others, `client.lost` lists it.
     """
     options = ClientOptions(
         credits=credits, credit_bytes=credit_bytes, broadcast=broadcast,
         heartbeat=P.Heartbeat(heartbeat_interval, heartbeat_timeout),
-        connect_timeout=connect_timeout, limits=limits, with_meta=with_meta,
+        connect_timeout=connect_timeout, limits=limits, with_meta=with_meta, on_loss=on_loss,
     )
     return Client(addresses, keys=keys, options=options)

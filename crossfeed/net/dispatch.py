@@ -5,13 +5,18 @@ bytes (one batch is always allowed, however large). `assign()` hands the
 oldest pending batch to the next peer (round robin) that has room and remembers it as unacked
 until `ack()`. A peer that dies (`kill()`, or silent past the timeout in `expire()`) has its
 unacked batches put back at the front of the queue, oldest first, for the others; anything it
-says afterwards is ignored.
+says afterwards is ignored (the server answers it FENCED).
+
+Progress deadline: a peer that holds unacknowledged batches and acknowledges none of them for
+`progress_timeout` seconds (its training loop hangs while its network thread still heartbeats)
+is declared dead the same way, so the epoch never waits on it forever.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 from typing import Any
 
@@ -38,9 +43,13 @@ class _Peer:
     credit_bytes: int = 0  # 0: no byte limit
     unacked: dict[int, Item] = dataclasses.field(default_factory=dict)
     unacked_bytes: int = 0
+    progress_at: float = 0.0  # last ack, or when it last went from holding nothing to holding some
+    reachable: bool = True  # False after a send to it failed, until it speaks again
 
     @property
     def room(self) -> int:
+        if not self.reachable:
+            return 0
         if self.credit_bytes and self.unacked_bytes >= self.credit_bytes:
             return 0
         return max(self.credit - len(self.unacked), 0)
@@ -49,9 +58,10 @@ class _Peer:
 class Dispatcher:
     """Who may receive what; the server loop drives it and does the sending."""
 
-    def __init__(self, *, max_credit: int, timeout: float):
+    def __init__(self, *, max_credit: int, timeout: float, progress_timeout: float | None = None):
         self.max_credit = max_credit
         self.timeout = timeout
+        self.progress_timeout = progress_timeout
         self.peers: dict[bytes, _Peer] = {}
         self.pending: collections.deque[Item] = collections.deque()
         self._dead: collections.OrderedDict[bytes, None] = collections.OrderedDict()
@@ -67,7 +77,7 @@ class Dispatcher:
             return False
         p = self.peers.get(peer)
         if p is not None:
-            p.last_seen = now
+            p.last_seen, p.reachable = now, True
         return True
 
     def credit(self, peer: bytes, n: int, now: float, nbytes: int = 0) -> bool:
@@ -80,17 +90,44 @@ class Dispatcher:
         if p is None:
             self.peers[peer] = _Peer(credit=n, last_seen=now, credit_bytes=nbytes)
         else:
-            p.credit, p.credit_bytes, p.last_seen = n, nbytes, now
+            p.credit, p.credit_bytes, p.last_seen, p.reachable = n, nbytes, now, True
         return True
 
     def ack(self, peer: bytes, seq: int) -> Item | None:
+        """`peer` consumed batch `seq`. A trainer consumes in arrival order, which is the order
+        we sent in, so its batches sent before `seq` and still unacknowledged never arrived (a
+        connection reset under them, the trainer reconnected under the same identity): they go
+        back to the front of the queue at once instead of holding up the epoch's end."""
+        p = self.peers.get(peer)
+        if p is None or seq not in p.unacked:
+            return None
+        skipped = list(itertools.takewhile(lambda s: s != seq, p.unacked))
+        item = p.unacked.pop(seq)
+        p.unacked_bytes -= item.nbytes
+        p.progress_at = p.last_seen
+        if skipped:
+            for s in reversed(skipped):
+                lost = p.unacked.pop(s)
+                p.unacked_bytes -= lost.nbytes
+                self.pending.appendleft(lost)
+            logger.warning(
+                "trainer %s acknowledged batch %d but never batches %s sent to it before: "
+                "they were lost in transit and go out again", peer.hex(), seq, skipped,
+            )
+        return item
+
+    def unreachable(self, peer: bytes, item: Item | None = None) -> None:
+        """A send to `peer` failed (its connection is down, maybe coming back under the same
+        identity): `item` was not sent and goes back to the front of the queue; nothing more is
+        sent to it until it speaks again. Only silence or the progress deadline declare it dead,
+        the two things its lease accounts for."""
         p = self.peers.get(peer)
         if p is None:
-            return None
-        item = p.unacked.pop(seq, None)
-        if item is not None:
+            return
+        p.reachable = False
+        if item is not None and p.unacked.pop(item.seq, None) is not None:
             p.unacked_bytes -= item.nbytes
-        return item
+            self.pending.appendleft(item)
 
     # ---- deaths ----
     def kill(self, peer: bytes, reason: str) -> int:
@@ -119,14 +156,21 @@ class Dispatcher:
         silent = [k for k, p in self.peers.items() if now - p.last_seen > self.timeout]
         for k in silent:
             self.kill(k, f"silent for more than {self.timeout:g}s, declared dead")
-        return silent
+        limit = self.progress_timeout
+        stuck = [] if limit is None else [
+            k for k, p in self.peers.items() if p.unacked and now - p.progress_at > limit
+        ]
+        for k in stuck:
+            self.kill(k, f"acknowledged nothing for more than {limit:g}s, fenced")
+        return silent + stuck
 
     # ---- sending ----
     def demand(self) -> int:
         """How many more batches the live peers could take right now."""
         return max(sum(p.room for p in self.peers.values()) - len(self.pending), 0)
 
-    def assign(self) -> tuple[bytes, Item] | None:
+    def assign(self, now: float | None = None) -> tuple[bytes, Item] | None:
+        """The next (peer, batch) to send; `now` starts the peer's progress clock if it held none."""
         if not self.pending or not self.peers:
             return None
         keys = list(self.peers)
@@ -135,6 +179,8 @@ class Dispatcher:
             p = self.peers[k]
             if p.room:
                 item = self.pending.popleft()
+                if not p.unacked:
+                    p.progress_at = p.last_seen if now is None else now
                 p.unacked[item.seq] = item
                 p.unacked_bytes += item.nbytes
                 self._turn = (self._turn + i + 1) % len(keys)

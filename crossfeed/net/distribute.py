@@ -6,6 +6,12 @@ e's END_OF_EPOCH once every batch of e is acknowledged (and no batch of e+1 befo
 END_OF_STREAM after the last epoch, and waits up to `linger` seconds for the trainers' BYE.
 A copy of every batch and marker goes to `publish` (the server's observers). The producer
 wakes the loop through an inproc PAIR (`wake()`) when the loop waits for a batch.
+
+Every message out carries the server's `instance` id. A trainer declared dead (silent past the
+heartbeat timeout, or past the progress deadline: see `dispatch`) is fenced: its batches go to
+the others, and whatever it says afterwards is answered FENCED (and otherwise ignored). A
+HEARTBEAT with a probe token from a live trainer is answered at once with the same token: that
+is how a client that stalled revalidates its lease before using what it holds.
 """
 
 from __future__ import annotations
@@ -43,11 +49,17 @@ class Distribution:
         linger: float,
         stats: dict[str, int],
         stop: threading.Event,
+        instance: int,
+        progress_timeout: float | None = None,
     ):
         self._main, self._publish = main, publish
         self._hb, self._linger = heartbeat, linger
         self._stats, self._stop = stats, stop
-        self._disp = Dispatcher(max_credit=max_credit, timeout=heartbeat.timeout)
+        self._instance = instance
+        self._progress_timeout = progress_timeout
+        self._disp = Dispatcher(
+            max_credit=max_credit, timeout=heartbeat.timeout, progress_timeout=progress_timeout
+        )
         self._log = P.RateLimitedLog(logger)
         self._waiting = False  # the loop is about to block waiting for the producer
         wake = f"inproc://crossfeed-server-wake-{next(_ids)}"
@@ -70,6 +82,19 @@ class Distribution:
             except zmq.ZMQError:
                 pass  # a wake-up is already queued (or the server is closing)
 
+    def _pack(self, kind: P.Kind, a: int = 0, b: int = 0, token: int = 0) -> bytes:
+        return P.pack(kind, a, b, instance=self._instance, token=token)
+
+    def _beat(self, probe: int = 0, peer: bytes = b"", now: float = 0.0) -> bytes:
+        """A HEARTBEAT telling the trainers our silence timeout and progress deadline (ms); as
+        the answer to `peer`'s `probe`, b is how long we will still wait for its next ack."""
+        limit = self._progress_timeout
+        budget = 0 if limit is None else int(limit * 1000)
+        p = self._disp.peers.get(peer) if probe else None
+        if p is not None and p.unacked and limit is not None:
+            budget = max(int((limit - (now - p.progress_at)) * 1000), 1)
+        return self._pack(P.Kind.HEARTBEAT, int(self._hb.timeout * 1000), budget, probe)
+
     def run(self, producer: Producer) -> None:
         hb, disp = self._hb, self._disp
         poller = zmq.Poller()
@@ -91,29 +116,29 @@ class Distribution:
             if self._main in ready:
                 self._receive(ending_at is not None)
             now = time.monotonic()
-            disp.expire(now)
+            self._stats["fenced"] += len(disp.expire(now))
             while epoch_end is None and ending_at is None and disp.demand() > 0:
                 msg = self._next_from(producer)
                 if msg is None:
                     break
                 if isinstance(msg, Item):
                     disp.pending.append(msg)
-                    self._publish([P.pack(P.Kind.BATCH, msg.seq, msg.epoch), *msg.frames])
+                    self._publish([self._pack(P.Kind.BATCH, msg.seq, msg.epoch), *msg.frames])
                 elif isinstance(msg, EpochEnd):
                     epoch_end = msg
                 elif isinstance(msg, StreamEnd):
                     self._end_stream(msg.epochs)
                     ending_at = now + self._linger
-            while (assigned := disp.assign()) is not None:
+            while (assigned := disp.assign(now)) is not None:
                 peer, item = assigned
-                if self._to_peer(peer, [P.pack(P.Kind.BATCH, item.seq, item.epoch), *item.frames]):
+                if self._to_peer(peer, [self._pack(P.Kind.BATCH, item.seq, item.epoch), *item.frames], item):
                     self._stats["sent"] += 1
             if epoch_end is not None and disp.in_flight() == 0:
                 self._end_epoch(epoch_end)
                 epoch_end = None
             if now >= next_beat:
                 next_beat = now + hb.interval
-                beat = P.pack(P.Kind.HEARTBEAT)
+                beat = self._beat()
                 for peer in list(disp.peers):
                     self._to_peer(peer, [beat])
                 self._publish([beat])
@@ -130,7 +155,7 @@ class Distribution:
             raise CrossfeedError(f"the batch source failed: {msg.message}")
         return msg
 
-    def _to_peer(self, peer: bytes, frames: list) -> bool:
+    def _to_peer(self, peer: bytes, frames: list, item: Item | None = None) -> bool:
         send = self._main.send
         try:
             # send_multipart, minus its per-frame enum arithmetic (it shows at 10k+ msg/s)
@@ -140,7 +165,10 @@ class Distribution:
             send(frames[-1], _LAST, copy=False)
             return True
         except zmq.ZMQError as e:
-            self._disp.kill(peer, f"unreachable ({e.strerror})")
+            # not declared dead for this: its connection may come back under the same identity,
+            # and its client counts on silence (or the progress deadline) before that happens
+            logger.debug("could not send to trainer %s: %s", peer.hex(), e.strerror)
+            self._disp.unreachable(peer, item)
             return False
 
     def _drain_wakeups(self) -> None:
@@ -174,14 +202,17 @@ class Distribution:
         if len(frames) != (3 if env.kind is P.Kind.ACKS else 2):
             raise WireError(f"{env.kind.name} message has {len(frames) - 1} frames")
         disp, now = self._disp, time.monotonic()
-        if disp.is_dead(peer):
-            logger.debug("ignored %s from trainer %s, declared dead", env.kind.name, peer.hex())
+        if disp.is_dead(peer) or (peer not in disp.peers and env.kind is not P.Kind.CREDIT):
+            # declared dead (or dead and forgotten): only a CREDIT on a new identity joins
+            logger.debug("fenced %s from trainer %s, not a live trainer", env.kind.name, peer.hex())
+            if env.kind is not P.Kind.BYE:  # one answer per message: it cannot amplify
+                self._to_peer(peer, [self._pack(P.Kind.FENCED, token=env.token)])
             return
-        if env.kind is P.Kind.CREDIT or (env.kind is P.Kind.HEARTBEAT and peer not in disp.peers):
-            # a HEARTBEAT carries the credit too, so a client that reconnected resumes
+        if env.kind is P.Kind.CREDIT:
             disp.credit(peer, env.a, now, env.b)
             if ended:
-                self._to_peer(peer, [P.pack(P.Kind.END_OF_STREAM, self._stats["epochs"])])
+                self._to_peer(peer, [self._pack(P.Kind.END_OF_STREAM, self._stats["epochs"])])
+            self._to_peer(peer, [self._beat(probe=env.token, peer=peer, now=now)])
         elif env.kind is P.Kind.ACK or env.kind is P.Kind.ACKS:
             seqs = P.unpack_acks(env, frames[2]) if env.kind is P.Kind.ACKS else (env.a,)
             disp.seen(peer, now)
@@ -192,11 +223,13 @@ class Distribution:
                     logger.debug("ack of unknown batch %d from %s", seq, peer.hex())
         elif env.kind is P.Kind.HEARTBEAT:
             disp.seen(peer, now)
+            if env.token:  # a lease probe: "am I still a live trainer of yours?"
+                self._to_peer(peer, [self._beat(probe=env.token, peer=peer, now=now)])
         elif env.kind is P.Kind.BYE:
             disp.leave(peer)
 
     def _end_epoch(self, end: EpochEnd) -> None:
-        marker = P.pack(P.Kind.END_OF_EPOCH, end.epoch, end.batches)
+        marker = self._pack(P.Kind.END_OF_EPOCH, end.epoch, end.batches)
         for peer in list(self._disp.peers):
             self._to_peer(peer, [marker])
         self._publish([marker])
@@ -205,7 +238,7 @@ class Distribution:
 
     def _end_stream(self, epochs: int, failed: bool = False) -> None:
         """END_OF_STREAM to everyone; b=1 tells them the server failed (what is missing is lost)."""
-        marker = P.pack(P.Kind.END_OF_STREAM, epochs, int(failed))
+        marker = self._pack(P.Kind.END_OF_STREAM, epochs, int(failed))
         for peer in list(self._disp.peers):
             self._to_peer(peer, [marker])
         self._publish([marker])

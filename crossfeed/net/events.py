@@ -14,6 +14,7 @@ class Delivery:
     server: int
     meta: wire.BatchMeta
     batch: dict[str, Any]
+    lease: int = 0  # the link's lease it came under: stale (and dropped) once that link rejoined
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,3 +45,11 @@ class LostServer:
     unacked_batches: int
     last_epoch: int | None
     last_seq: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Lost:
+    """A server was dropped (silent, never answered, restarted, or its source failed)."""
+
+    server: int
+    info: LostServer

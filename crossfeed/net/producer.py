@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from crossfeed.format.schema import INDEX_KEY
 from crossfeed.net import wire
 from crossfeed.net.dispatch import Item
 
 logger = logging.getLogger(__name__)
 
 BatchFactory = Callable[[int], Iterable[Mapping[str, Any]]]
-INDEX_KEY = "__index__"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class ProducerFailed:
     message: str
 
 
-def encode_batch(batch: Mapping[str, Any], *, epoch: int, seq: int, server_id: str) -> Item:
+def encode_item(batch: Mapping[str, Any], *, epoch: int, seq: int, server_id: str) -> Item:
     """An Item whose frames carry `batch`; the "__index__" key becomes the provenance ids."""
     fields = {k: v for k, v in batch.items() if k != INDEX_KEY}
     ids = batch.get(INDEX_KEY)
@@ -179,7 +179,7 @@ class Producer:
                 batches = self._factory(epoch)
                 try:
                     for batch in batches:
-                        item = encode_batch(batch, epoch=epoch, seq=seq, server_id=self._server_id)
+                        item = encode_item(batch, epoch=epoch, seq=seq, server_id=self._server_id)
                         if not self._put(item):
                             return
                         seq += 1

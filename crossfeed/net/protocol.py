@@ -1,12 +1,21 @@
-"""Control messages of the data plane: one fixed 24-byte envelope frame, then a payload.
+"""Control messages of the data plane: one fixed 40-byte envelope frame, then a payload.
 
     envelope: magic "CXFN" | u8 version | u8 kind | u16 reserved | i64 a | i64 b
+              | u64 instance | u64 token
+
+`instance` is the sending server's random instance id (fresh in every server process, in every
+message it sends; 0 from clients): a client that hears a new instance at an address knows the
+server restarted and never merges the two streams. `token` is a client's lease probe (below).
 
 client → server: CREDIT(a=batches allowed in flight, b=bytes allowed in flight, 0: any),
-                 ACK(a=seq), HEARTBEAT(a=credit, b=byte credit), BYE,
+                 ACK(a=seq), HEARTBEAT(a=credit, b=byte credit, token=probe or 0), BYE,
                  ACKS(a=count; payload = one frame of `count` int64 seqs, at most MAX_ACKS)
 server → client: BATCH(a=seq, b=epoch; payload = `crossfeed.net.wire` frames),
-                 END_OF_EPOCH(a=epoch, b=batches in it), END_OF_STREAM(a=epochs served), HEARTBEAT
+                 END_OF_EPOCH(a=epoch, b=batches in it), END_OF_STREAM(a=epochs served),
+                 HEARTBEAT(a=silence timeout ms, b=progress deadline ms (0: none), token=0), or,
+                 answering a probe, token=the probe and b=ms left before that trainer's deadline,
+                 FENCED(token=probe answered or 0): the server declared this client dead and gave
+                 its unacknowledged batches to others; nothing it holds may be used
 
 `recv_bounded` reads a multipart message frame by frame and drops it (draining the rest)
 once it passes the frame or byte limit, so a hostile peer cannot make us hold more.
@@ -17,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import os
 import struct
 import time
 from typing import Any
@@ -26,8 +36,8 @@ import zmq
 from crossfeed.errors import ConfigError, WireError
 
 MAGIC = b"CXFN"
-VERSION = 2  # 2: ACKS, several acknowledgements in one message
-_ENVELOPE = struct.Struct("<4sBBHqq")
+VERSION = 3  # 2: ACKS, several acknowledgements in one message; 3: instance, token, FENCED
+_ENVELOPE = struct.Struct("<4sBBHqqQQ")
 ENVELOPE_SIZE = _ENVELOPE.size
 MAX_ACKS = 256  # seqs per ACKS message: 8 * 256 bytes stays far below the server's 4 KiB limit
 _SEQS = struct.Struct("<q")
@@ -42,10 +52,13 @@ class Kind(enum.IntEnum):
     BATCH = 16
     END_OF_EPOCH = 17
     END_OF_STREAM = 18
+    FENCED = 19
 
 
 CLIENT_KINDS = frozenset({Kind.CREDIT, Kind.ACK, Kind.ACKS, Kind.HEARTBEAT, Kind.BYE})
-SERVER_KINDS = frozenset({Kind.BATCH, Kind.END_OF_EPOCH, Kind.END_OF_STREAM, Kind.HEARTBEAT})
+SERVER_KINDS = frozenset(
+    {Kind.BATCH, Kind.END_OF_EPOCH, Kind.END_OF_STREAM, Kind.HEARTBEAT, Kind.FENCED}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +66,17 @@ class Envelope:
     kind: Kind
     a: int = 0
     b: int = 0
+    instance: int = 0
+    token: int = 0
 
 
-def pack(kind: Kind, a: int = 0, b: int = 0) -> bytes:
-    return _ENVELOPE.pack(MAGIC, VERSION, int(kind), 0, a, b)
+def pack(kind: Kind, a: int = 0, b: int = 0, *, instance: int = 0, token: int = 0) -> bytes:
+    return _ENVELOPE.pack(MAGIC, VERSION, int(kind), 0, a, b, instance, token)
+
+
+def new_instance() -> int:
+    """A random, non-zero 64-bit id for one server process (or one client lease probe)."""
+    return int.from_bytes(os.urandom(8), "little") | 1
 
 
 def pack_acks(seqs: list[int]) -> list[bytes]:
@@ -85,7 +105,7 @@ def unpack(frame: Any, allowed: frozenset[Kind]) -> Envelope:
     data = getattr(frame, "buffer", frame)
     if len(data) != ENVELOPE_SIZE:
         raise WireError(f"envelope has {len(data)} bytes, expected {ENVELOPE_SIZE}")
-    magic, version, kind, _reserved, a, b = _ENVELOPE.unpack(data)
+    magic, version, kind, _reserved, a, b, instance, token = _ENVELOPE.unpack(data)
     if magic != MAGIC:
         raise WireError(f"bad envelope magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
@@ -95,7 +115,7 @@ def unpack(frame: Any, allowed: frozenset[Kind]) -> Envelope:
         raise WireError(f"unknown message kind {kind}")
     if k not in allowed:
         raise WireError(f"message kind {k.name} not expected here")
-    return Envelope(k, a, b)
+    return Envelope(k, a, b, instance, token)
 
 
 def recv_bounded(sock: zmq.Socket, max_frames: int, max_bytes: int) -> list[zmq.Frame]:

@@ -3,8 +3,17 @@
 `next_event()` yields, in arrival order:
     Delivery(server, meta, batch)      a decoded batch (arrays view the received frames)
     EpochDone(server, epoch, batches)  that server's END_OF_EPOCH
+    Lost(server, info)                 that server was dropped (also kept in `lost`)
     AllDone()                          every server has ended or been dropped
     ReceiverFailed(message)            the receiver itself broke; nothing follows
+
+Fencing: a Delivery is handed out only while its link's lease holds (`Link.usable`): after this
+process stalled (a gap between two pumps longer than half the server's silence budget) or past
+half the server's progress deadline, `next_event` first asks the server (a probe) and waits for
+the answer. A server that declared us dead answers FENCED: every Delivery of that link still
+queued is dropped (the server gave those batches to others), nothing of it is acknowledged, and
+the link rejoins under a new identity at the next `next_event` (the user asking for more).
+A server that answers with another instance id restarted: it is dropped, never merged.
 
 Whoever holds the lock "pumps" the sockets (reads, decodes, sends acks and heartbeats): the
 user thread itself inside `next_event()` when it has nothing to return (no thread hand-off per
@@ -31,7 +40,7 @@ import zmq
 from crossfeed.net import wire
 from crossfeed.errors import WireError
 from crossfeed.net import protocol as P
-from crossfeed.net.events import AllDone, Delivery, EpochDone, LostServer, ReceiverFailed
+from crossfeed.net.events import AllDone, Delivery, EpochDone, Lost, LostServer, ReceiverFailed
 from crossfeed.net.keys import ClientKeys
 from crossfeed.net.link import Link
 
@@ -64,6 +73,8 @@ class Receiver:
         self._acks: collections.deque[tuple[int, int]] = collections.deque()  # (server, seq)
         self.lost: list[LostServer] = []
         self.dropped_messages = 0
+        self.fenced = 0  # how many times a server fenced this client (it rejoined each time)
+        self.stale_dropped = 0  # deliveries dropped unused because their lease was fenced
         self._log = P.RateLimitedLog(logger)
         self._ctx = zmq.Context()
         self._lock = threading.Lock()  # held by whoever pumps the sockets
@@ -72,6 +83,7 @@ class Receiver:
         self._poller = zmq.Poller()
         self._polled: set[zmq.Socket] = set()
         self._next_beat = 0.0
+        self._last_pump = time.monotonic()
         self._done_signalled = False
         self._failed = False
         self._closed = False
@@ -91,9 +103,9 @@ class Receiver:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._failed
 
-    def ack(self, server: int, seq: int) -> None:
+    def ack(self, server: int, seq: int, lease: int = 0) -> None:
         """Note that batch `seq` of `server` was consumed; it is acknowledged soon (see above)."""
-        self._acks.append((server, seq))
+        self._acks.append((server, seq, lease))
         if len(self._acks) >= self._ack_every and self._lock.acquire(blocking=False):
             try:  # keep the server's window open without waiting for the queue to run dry
                 self._pump(0.0)
@@ -101,24 +113,64 @@ class Receiver:
                 self._lock.release()
 
     def next_event(self, timeout: float) -> Any | None:
-        """The next event; pumps the sockets on this thread while there is none; None after
-        `timeout` seconds without one."""
-        if self._events:
-            return self._events.popleft()
+        """The next event; pumps the sockets on this thread while there is none (or while the
+        next Delivery waits for its lease to be confirmed); None after `timeout` seconds."""
+        event = self._ready_event()
+        if event is not None:
+            return event
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             if not self._lock.acquire(timeout=max(remaining, 0.0)):
-                return self._events.popleft() if self._events else None
+                return self._ready_event()
             try:
-                if not self._events:
-                    self._pump(max(remaining, 0.0))
+                self._rejoin_fenced()
+                event = self._ready_event(locked=True)
+                if event is None:
+                    self._pump(max(min(remaining, self._tick), 0.0))
+                    event = self._ready_event(locked=True)
             finally:
                 self._lock.release()
-            if self._events:
-                return self._events.popleft()
+            if event is not None:
+                return event
             if remaining <= 0 or self._failed or self._closed:
                 return None
+
+    def _ready_event(self, locked: bool = False) -> Any | None:
+        """The head event if it may be handed out now; stale deliveries are dropped. A Delivery
+        whose lease needs confirming stays queued (with `locked`, a probe is sent for it)."""
+        while self._events:
+            event = self._events[0]
+            if not isinstance(event, Delivery) or self._broadcast:
+                return self._events.popleft()
+            link = self._links[event.server]
+            if event.lease != link.lease or link.state == "fenced":
+                self._events.popleft()
+                self.stale_dropped += 1
+                continue
+            now = time.monotonic()
+            if link.state == "live":
+                if now - self._last_pump > self._stall_limit(link):
+                    link.suspect = True  # we stalled: the server may have declared us dead
+                if not link.usable(now):
+                    if locked:
+                        link.send_probe(now, self._credits, self._credit_bytes)
+                    return None
+            return self._events.popleft()
+        return None
+
+    def _stall_limit(self, link: Link) -> float:
+        """A pause longer than this may have let the server declare us dead (half of what its
+        silence timeout leaves after one heartbeat interval)."""
+        timeout = link.server_timeout or self._hb.timeout
+        return max((timeout - self._hb.interval) / 2, self._tick)
+
+    def _rejoin_fenced(self) -> None:
+        now = time.monotonic()
+        for link in self._links:
+            if link.state == "fenced":
+                link.rejoin(self._open(link.address, now).sock, now)
+                logger.warning("rejoined %s under a new identity after it fenced us", link.address)
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -160,6 +212,11 @@ class Receiver:
         something), notice silent servers. Never raises: a failure becomes ReceiverFailed."""
         if self._failed or self._closed:
             return
+        now = time.monotonic()
+        for link in self._links:
+            if link.state == "live" and now - self._last_pump > self._stall_limit(link):
+                link.suspect = True  # sticky until a probe answers: see _ready_event
+        self._last_pump = now
         try:
             self._flush_acks()
             self._read(wait)
@@ -170,7 +227,8 @@ class Receiver:
 
     def _read(self, wait: float) -> None:
         room = len(self._events) < self._buffer
-        want = {link.sock for link in self._links if link.state == "live"} if room else set()
+        # a link we asked for a lease probe is read even when full: its answer frees the queue
+        want = {link.sock for link in self._links if link.state == "live" and (room or link.probe)}
         if want != self._polled:
             for sock in self._polled - want:
                 self._poller.unregister(sock)
@@ -201,8 +259,8 @@ class Receiver:
             if link.state == "live":
                 reason = link.silence(now, self._hb.timeout, self._connect_timeout)
                 if reason is not None:
-                    self.lost.append(link.lose(reason))
-        if not self._done_signalled and all(link.state != "live" for link in self._links):
+                    self._lose(link, reason)
+        if not self._done_signalled and all(link.state in ("ended", "lost") for link in self._links):
             self._done_signalled = True
             self._events.append(AllDone())
 
@@ -219,10 +277,12 @@ class Receiver:
             return
         by_server: dict[int, list[int]] = {}
         while self._acks:
-            server, seq = self._acks.popleft()
-            by_server.setdefault(server, []).append(seq)
+            server, seq, lease = self._acks.popleft()
+            if lease == self._links[server].lease:  # an older lease's batches went to others
+                by_server.setdefault(server, []).append(seq)
+        now = time.monotonic()
         for server, seqs in by_server.items():
-            self._links[server].acked(seqs)
+            self._links[server].acked(seqs, now)
 
     def _drain(self, index: int, link: Link) -> None:
         for _ in range(self._buffer + 16):
@@ -246,6 +306,11 @@ class Receiver:
         self.dropped_messages += 1
         self._log.warning(link.address, "dropped a malformed message from %s: %s", link.address, error)
 
+    def _lose(self, link: Link, reason: str) -> None:
+        info = link.lose(reason)
+        self.lost.append(info)
+        self._events.append(Lost(next(i for i, x in enumerate(self._links) if x is link), info))
+
     def _handle(self, index: int, link: Link, frames: list) -> None:
         env = P.unpack(frames[0], P.SERVER_KINDS)
         if env.kind is P.Kind.BATCH:
@@ -254,17 +319,42 @@ class Receiver:
                 raise WireError(f"envelope says seq {env.a} epoch {env.b}, batch says {meta.seq} {meta.epoch}")
         elif len(frames) != 1:
             raise WireError(f"{env.kind.name} carries {len(frames) - 1} unexpected frames")
-        link.last_seen, link.heard = time.monotonic(), True
+        if link.instance is None:
+            link.instance = env.instance
+        elif env.instance != link.instance:
+            self._lose(link, (
+                f"restarted: a new server process (instance {env.instance:016x}, was "
+                f"{link.instance:016x}) answers there; its stream is not this one's continuation"
+            ))
+            return
+        now = time.monotonic()
+        link.last_seen, link.heard = now, True
         if env.kind is P.Kind.BATCH:
-            link.received_batch(meta, track=not self._broadcast)
-            self._events.append(Delivery(index, meta, batch))
+            link.received_batch(meta, track=not self._broadcast, now=now)
+            self._events.append(Delivery(index, meta, batch, link.lease))
+        elif env.kind is P.Kind.HEARTBEAT:
+            link.heartbeat(env)
+        elif env.kind is P.Kind.FENCED:
+            self._fence(index, link)
         elif env.kind is P.Kind.END_OF_EPOCH:
             self._events.append(EpochDone(index, env.a, env.b))
         elif env.kind is P.Kind.END_OF_STREAM:
             if not self._broadcast:
                 link.send(P.pack(P.Kind.BYE))
             if env.b:
-                self.lost.append(link.lose("the server reported that its batch source failed"))
+                self._lose(link, "the server reported that its batch source failed")
             else:
                 link.state = "ended"
                 logger.info("server %s ended its stream after %d epochs", link.address, env.a)
+
+    def _fence(self, index: int, link: Link) -> None:
+        """The server declared us dead: what we hold of it is dropped unused (by _ready_event,
+        which never hands out a Delivery of a fenced link); we rejoin when the user asks next."""
+        held = sum(1 for e in list(self._events) if isinstance(e, Delivery) and e.server == index)
+        self.fenced += 1
+        link.fence()
+        logger.warning(
+            "server %s fenced this client (declared it dead after a stall or no progress): the "
+            "%d batches it sent here and we had not used went to other trainers; dropped unused",
+            link.address, held,
+        )

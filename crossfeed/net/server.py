@@ -7,6 +7,11 @@ Epoch e's END_OF_EPOCH goes out once every batch of e is acknowledged, and no ba
 leaves before it. With a finite `epochs`, END_OF_STREAM follows the last epoch.
 Broadcast: PUB; every subscriber sees the stream; lossy when a subscriber falls behind.
 In both modes the `broadcast` addresses (PUB) carry a copy of every batch for observers.
+
+Security: without CURVE keys a server binds only addresses that no other machine can reach
+(ipc://, loopback tcp) unless `insecure=True` says the network is trusted. An unauthenticated
+peer can make libzmq buffer an unbounded multipart message below us, and can abort the process
+through a ROUTER routing-id collision; with CURVE, the handshake (ZAP) rejects it before any frame.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import zmq
 
 from crossfeed.errors import ConfigError, CrossfeedError
 from crossfeed.net import protocol as P
-from crossfeed.net.addresses import expand_all
+from crossfeed.net.addresses import expand_all, is_local
 from crossfeed.net.dispatch import Item
 from crossfeed.net.distribute import Distribution
 from crossfeed.net.keys import ServerKeys, secure_server_socket, start_authenticator
@@ -52,6 +57,10 @@ class ServerOptions:
     heartbeat: P.Heartbeat = P.Heartbeat()
     linger: float = 5.0  # after END_OF_STREAM, how long to wait for trainers to say BYE
     server_id: str = ""
+    # a trainer holding batches that acknowledges none for this long is fenced (None: never);
+    # above the longest pause of a training loop between two batches (evaluation, checkpoints)
+    progress_timeout: float | None = 300.0
+    insecure: bool = False  # serve without CURVE on addresses other machines can reach
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "addresses", tuple(expand_all(self.addresses)))
@@ -64,6 +73,11 @@ class ServerOptions:
             raise ConfigError("max_credit, prefetch and pub_hwm must be >= 1")
         if self.prefetch_bytes < 0:
             raise ConfigError(f"prefetch_bytes must be >= 0 (0: no byte bound), got {self.prefetch_bytes}")
+        if self.progress_timeout is not None and self.progress_timeout <= self.heartbeat.interval:
+            raise ConfigError(
+                f"progress_timeout ({self.progress_timeout}) must be above the heartbeat interval "
+                f"({self.heartbeat.interval}), or None for no progress deadline"
+            )
         if not self.server_id:
             object.__setattr__(self, "server_id", f"{socket.gethostname()}:{os.getpid()}")
 
@@ -72,7 +86,18 @@ class Server:
     """`with Server(factory, options) as s: s.wait()`; `s.endpoints` are the bound addresses."""
 
     def __init__(self, factory: BatchFactory, options: ServerOptions, *, keys: ServerKeys | None = None):
+        if keys is None and not options.insecure:
+            exposed = [a for a in (*options.addresses, *options.broadcast) if not is_local(a)]
+            if exposed:
+                raise ConfigError(
+                    f"refusing to serve {', '.join(exposed)} without authentication: any machine "
+                    "that reaches it could read the stream, exhaust this server's memory or abort "
+                    "it. Pass CURVE keys (`crossfeed keygen`, --auth-keys), bind ipc:// or a "
+                    "loopback address, or accept the risk on a trusted network with --insecure "
+                    "(ServerOptions(insecure=True))"
+                )
         self.options = options
+        self.instance = P.new_instance()  # in every message: clients notice a restarted server
         self._factory = factory
         self._keys = keys
         self._ctx = zmq.Context()
@@ -84,7 +109,7 @@ class Server:
         self._distribution: Distribution | None = None
         self.endpoints: list[str] = []
         self.broadcast_endpoints: list[str] = []
-        self.stats = {"sent": 0, "acked": 0, "dropped_messages": 0, "epochs": 0}
+        self.stats = {"sent": 0, "acked": 0, "dropped_messages": 0, "epochs": 0, "fenced": 0}
 
     # ---- lifecycle ----
     def start(self) -> Server:
@@ -103,7 +128,8 @@ class Server:
             self._distribution = Distribution(
                 self._ctx, self._main, publish=self._publish, heartbeat=self.options.heartbeat,
                 max_credit=self.options.max_credit, linger=self.options.linger,
-                stats=self.stats, stop=self._stop,
+                stats=self.stats, stop=self._stop, instance=self.instance,
+                progress_timeout=self.options.progress_timeout,
             )
         self._producer = Producer(
             self._factory, server_id=self.options.server_id, epochs=self.options.epochs,
@@ -196,7 +222,7 @@ class Server:
 
     def _end_stream(self, epochs: int, failed: bool = False) -> None:
         """END_OF_STREAM to the subscribers; b=1 tells them the server failed (what is missing is lost)."""
-        self._publish([P.pack(P.Kind.END_OF_STREAM, epochs, int(failed))])
+        self._publish([P.pack(P.Kind.END_OF_STREAM, epochs, int(failed), instance=self.instance)])
         if not failed:
             logger.info("stream ended after %d epochs", epochs)
 
@@ -207,7 +233,7 @@ class Server:
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + hb.interval
-                self._publish([P.pack(P.Kind.HEARTBEAT)])
+                self._publish([P.pack(P.Kind.HEARTBEAT, int(hb.timeout * 1000), instance=self.instance)])
             try:
                 msg = self._producer.queue.get(timeout=min(hb.interval / 2, 0.1))
             except queue.Empty:
@@ -216,10 +242,10 @@ class Server:
                 self._end_stream(self.stats["epochs"], failed=True)
                 raise CrossfeedError(f"the batch source failed: {msg.message}")
             if isinstance(msg, Item):
-                self._publish([P.pack(P.Kind.BATCH, msg.seq, msg.epoch), *msg.frames])
+                self._publish([P.pack(P.Kind.BATCH, msg.seq, msg.epoch, instance=self.instance), *msg.frames])
                 self.stats["sent"] += 1
             elif isinstance(msg, EpochEnd):
-                self._publish([P.pack(P.Kind.END_OF_EPOCH, msg.epoch, msg.batches)])
+                self._publish([P.pack(P.Kind.END_OF_EPOCH, msg.epoch, msg.batches, instance=self.instance)])
                 self.stats["epochs"] += 1
             elif isinstance(msg, StreamEnd):
                 self._end_stream(msg.epochs)
