@@ -1,0 +1,208 @@
+"""The Loader's fast paths against TensorFlow's own reader (STYLE.md habit 16): every batch, value
+for value, equals what ``tf.data.TFRecordDataset`` + ``tf.io.parse_example`` + ``tf.io.decode_raw``
+make of the same records, matched by the Loader's ``__index__`` (global indices, shard order).
+
+Shards written by `crossfeed.write_dataset` and by ``tf.io.TFRecordWriter`` (then adopted with
+``crossfeed index``, which calls an undeclared raw tensor ``bytes``: those are compared as bytes),
+at the sizes where each path switches on: batches of ≥ 1 MiB of 64×64×3 uint8/float32 tensors
+(records > 4096 bytes: the big-value copy), values of 508 / 512 / 516 bytes around the big-value
+threshold, and small records (≤ 4096 framed bytes: the columnar path) with int64 varints of 1 to 10
+bytes. Imports tensorflow, never torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import crossfeed
+from crossfeed import Encoding, Feature, ReadOptions, Schema
+from crossfeed.cli.main import app
+
+tf = pytest.importorskip("tensorflow")
+
+CODES = (0, 127, 128, 2**40, -1)  # varints of 1, 1, 2, 6 and 10 bytes
+N_SHARDS = 3
+
+# name → (dtype, shape, encoding): the samples written by both writers
+SMALL_FEATURES = {
+    "label": ("int64", (), Encoding.INT64),
+    "code": ("int64", (), Encoding.INT64),
+    "score": ("float32", (), Encoding.FLOAT),
+    "emb": ("float32", (4,), Encoding.FLOAT),
+    "v508": ("uint8", (508,), Encoding.TENSOR),
+    "v512": ("uint8", (512,), Encoding.TENSOR),
+    "v516": ("float32", (129,), Encoding.TENSOR),
+}
+BIG_FEATURES = {**SMALL_FEATURES, "img": ("uint8", (64, 64, 3), Encoding.TENSOR),
+                "imgf": ("float32", (64, 64, 3), Encoding.TENSOR)}
+NUMERIC = ["label", "code", "score", "emb"]
+
+
+def _samples(feats: dict, n: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        s = {}
+        for name, (dtype, shape, enc) in feats.items():
+            if name == "label":
+                s[name] = i
+            elif name == "code":
+                s[name] = CODES[i % len(CODES)]
+            elif dtype == "uint8":
+                s[name] = rng.integers(0, 256, shape, dtype=np.uint8)
+            else:
+                s[name] = rng.standard_normal(shape).astype(np.float32)
+        out.append(s)
+    return out
+
+
+def _write_crossfeed(root, feats, samples) -> None:
+    schema = Schema([Feature(k, d, s, e) for k, (d, s, e) in feats.items()])
+    crossfeed.write_dataset(root, samples, num_shards=N_SHARDS, schema=schema).close()
+
+
+def _tf_example(feats, s) -> bytes:
+    f = {}
+    for name, (_, _, enc) in feats.items():
+        v = s[name]
+        if enc is Encoding.TENSOR:
+            f[name] = tf.train.Feature(bytes_list=tf.train.BytesList(value=[np.ascontiguousarray(v).tobytes()]))
+        elif enc is Encoding.INT64:
+            f[name] = tf.train.Feature(int64_list=tf.train.Int64List(value=np.atleast_1d(v).tolist()))
+        else:
+            f[name] = tf.train.Feature(float_list=tf.train.FloatList(value=np.atleast_1d(v).tolist()))
+    return tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString()
+
+
+def _write_tf(root, feats, samples) -> None:
+    root.mkdir(parents=True)
+    writers = [tf.io.TFRecordWriter(str(root / f"train-{s:05d}-of-{N_SHARDS:05d}.tfrecord")) for s in range(N_SHARDS)]
+    for i, s in enumerate(samples):
+        writers[i % N_SHARDS].write(_tf_example(feats, s))
+    for w in writers:
+        w.close()
+    result = CliRunner().invoke(app, ["index", str(root)])
+    assert result.exit_code == 0, result.output
+
+
+def tf_reference(root, feats: dict) -> dict:
+    """Every record of the split, in shard order, as TensorFlow parses it: ``{name: array}``
+    (raw tensors through ``decode_raw``) plus ``{name + "/bytes": list of bytes}``."""
+    with crossfeed.open_dataset(root) as ds:
+        sp = ds["train"]
+        paths = [sp.file(s).path for s in range(len(sp.counts))]
+    spec = {}
+    for name, (dtype, shape, enc) in feats.items():
+        if enc is Encoding.TENSOR:
+            spec[name] = tf.io.FixedLenFeature([], tf.string)
+        else:
+            spec[name] = tf.io.FixedLenFeature(list(shape), tf.int64 if enc is Encoding.INT64 else tf.float32)
+    parts: dict[str, list] = {}
+    for recs in tf.data.TFRecordDataset(paths).batch(64):
+        p = tf.io.parse_example(recs, spec)
+        for name, (dtype, shape, enc) in feats.items():
+            if enc is Encoding.TENSOR:
+                parts.setdefault(name + "/bytes", []).extend(p[name].numpy().tolist())
+                arr = tf.reshape(tf.io.decode_raw(p[name], tf.as_dtype(dtype)), [-1, *shape])
+            else:
+                arr = p[name]
+            parts.setdefault(name, []).append(arr.numpy())
+    return {k: (v if k.endswith("/bytes") else np.concatenate(v)) for k, v in parts.items()}
+
+
+def _dataset(tmp_path_factory, writer: str, feats: dict, seed: int, n: int):
+    root = tmp_path_factory.mktemp(f"tfo-{writer}") / "ds"
+    samples = _samples(feats, n, seed)
+    (_write_crossfeed if writer == "crossfeed" else _write_tf)(root, feats, samples)
+    ref = tf_reference(root, feats)
+    assert len(ref["label"]) == n and sorted(ref["label"].tolist()) == list(range(n))
+    return root, ref
+
+
+@pytest.fixture(scope="module", params=["crossfeed", "tf"])
+def big(request, tmp_path_factory):
+    """300 records of ~62 KB in 3 shards: a batch of 32 `imgf` is 1.5 MiB."""
+    return request.param, *_dataset(tmp_path_factory, request.param, BIG_FEATURES, 11, 300)
+
+
+@pytest.fixture(scope="module", params=["crossfeed", "tf"])
+def small(request, tmp_path_factory):
+    """600 records of ~1.7 KB (framed ≤ 4096 bytes: the columnar path) in 3 shards."""
+    return request.param, *_dataset(tmp_path_factory, request.param, SMALL_FEATURES, 12, 600)
+
+
+def assert_matches_tf(batch: dict, ref: dict, feats: dict, schema) -> None:
+    idx = batch["__index__"]
+    for name in (k for k in batch if k != "__index__"):
+        got = batch[name]
+        if schema[name].encoding is Encoding.BYTES:  # an adopted raw tensor, undeclared: bytes
+            assert got.dtype == object and got.shape == (len(idx),)
+            assert [bytes(v) for v in got] == [ref[name + "/bytes"][i] for i in idx.tolist()], name
+            continue
+        want = ref[name][idx]
+        assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, got.shape, want.dtype, want.shape)
+        np.testing.assert_array_equal(got, want, err_msg=f"feature {name!r}")
+
+
+def read_and_compare(root, ref, feats, *, batch_size, shuffle, features=None, epochs=1, keep=False, **kw):
+    kept = []
+    with crossfeed.Loader(root, batch_size=batch_size, shuffle=shuffle, seed=7, return_index=True, features=features,
+                          **kw) as loader:
+        schema = loader.dataset.schema
+        for _ in range(epochs):
+            seen = []
+            for b in loader:
+                assert_matches_tf(b, ref, feats, schema)
+                seen.append(b["__index__"])
+                if keep:
+                    kept.append(b)
+            assert sorted(np.concatenate(seen).tolist()) == list(range(len(ref["label"])))
+    for b in kept:  # nothing delivered earlier was overwritten since
+        assert_matches_tf(b, ref, feats, schema)
+    return kept
+
+
+def test_adopted_schema(big, small):
+    """What `crossfeed index` makes of TensorFlow-written shards: raw tensors are `bytes`."""
+    for writer, root, _ in (big, small):
+        with crossfeed.open_dataset(root) as ds:
+            enc = {f.name: f.encoding for f in ds.schema}
+        if writer == "tf":
+            assert enc["v512"] is Encoding.BYTES and enc["emb"] is Encoding.FLOAT and enc["code"] is Encoding.INT64
+        else:
+            assert enc["v512"] is Encoding.TENSOR
+
+
+@pytest.mark.parametrize("shuffle", ["none", "global", "block"])
+@pytest.mark.parametrize("batch_size", [1, 7, 32, 128, 256])
+def test_big_records_match_tf(big, shuffle, batch_size):
+    _, root, ref = big
+    read_and_compare(root, ref, BIG_FEATURES, batch_size=batch_size, shuffle=shuffle)
+
+
+@pytest.mark.parametrize("shuffle", ["none", "global", "block"])
+@pytest.mark.parametrize("batch_size", [1, 7, 32, 256])
+def test_small_records_match_tf(small, shuffle, batch_size):
+    _, root, ref = small
+    read_and_compare(root, ref, SMALL_FEATURES, batch_size=batch_size, shuffle=shuffle)
+    # numeric features only: TensorFlow-written shards take the fixed-layout paths too
+    read_and_compare(root, ref, SMALL_FEATURES, batch_size=batch_size, shuffle=shuffle, features=NUMERIC)
+
+
+def test_batches_spanning_shards_match_tf(big, small):
+    for _, root, ref in (big, small):
+        n = len(ref["label"])
+        feats = BIG_FEATURES if "img" in ref else SMALL_FEATURES
+        read_and_compare(root, ref, feats, batch_size=n - 1, shuffle="none", epochs=2)  # one batch over every shard
+        read_and_compare(root, ref, feats, batch_size=n // 2 + 1, shuffle="global")
+
+
+def test_kept_batches_match_tf_after_several_epochs(big):
+    """Every batch of three epochs kept alive, then compared again: the recycler hands out no
+    array still in use."""
+    _, root, ref = big
+    kept = read_and_compare(root, ref, BIG_FEATURES, batch_size=32, shuffle="global", epochs=3, keep=True,
+                            read=ReadOptions(num_threads=2, prefetch=2))
+    assert len(kept) == 3 * 10
