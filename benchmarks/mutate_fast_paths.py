@@ -78,12 +78,12 @@ def _pytest(root: str, test: str, timeout: float) -> tuple[str, str]:
     """``(verdict, detail)`` of running one test file against the copy at ``root``."""
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONDONTWRITEBYTECODE": "1"}
     where = subprocess.run([sys.executable, "-c", "import crossfeed; print(crossfeed.__file__)"], cwd=root, env=env,
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=120, check=False)
     if not where.stdout.startswith(root):
         return "error", f"the copy is not what imports: {where.stdout.strip() or where.stderr[-300:]}"
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--timeout", str(int(timeout)), test]
     try:
-        p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout + 60)
+        p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout + 60, check=False)
     except subprocess.TimeoutExpired:
         return "error", "timed out"
     last = (p.stdout.strip().splitlines() or [""])[-1]
@@ -106,7 +106,8 @@ def run(mutations, tests_wanted, timeout: float) -> list[tuple]:
             _copy(root)
             if m is not None:
                 path = os.path.join(root, m.file)
-                text = open(path).read()
+                with open(path) as f:
+                    text = f.read()
                 if text.count(m.old) != 1:
                     rows.append((name, m.file, "-", "STALE", f"old text occurs {text.count(m.old)} times"))
                     print(f"{name}: stale", flush=True)

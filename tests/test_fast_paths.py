@@ -66,7 +66,7 @@ def parse_example(payload: bytes) -> dict[str, tuple[int, list]]:
     out = {}
     for _, _, feats in _fields(payload):  # Example.features = 1
         for _, _, entry in _fields(feats):  # Features.feature = 1 (map entries)
-            parts = dict((n, v) for n, _, v in _fields(entry))
+            parts = {n: v for n, _, v in _fields(entry)}
             kind, values = 0, []
             for kind, _, lst in _fields(parts.get(2, b"")):
                 for _, wire, v in _fields(lst):
@@ -87,7 +87,8 @@ def parse_example(payload: bytes) -> dict[str, tuple[int, list]]:
 
 def read_frames(path) -> list[bytes]:
     """Payloads of a plain TFRecord file, by its framing alone (no CRC check)."""
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     out, p = [], 0
     while p < len(data):
         (n,) = struct.unpack_from("<Q", data, p)
@@ -97,7 +98,7 @@ def read_frames(path) -> list[bytes]:
 
 
 def oracle_value(f: Feature, kind_values):
-    kind, values = kind_values
+    _, values = kind_values
     shape = [-1 if d is None else d for d in f.shape]
     if f.encoding is Encoding.TENSOR:
         (raw,) = values
@@ -288,7 +289,7 @@ def test_recycler_never_hands_out_a_live_batch(big):
 
 def test_recycler_generic_path_batches_stay_intact(big):
     """The record-by-record path (a bytes feature in the request) allocates through the recycler too."""
-    root, ref = big
+    root = big[0]
     samples = list(big_samples(180))
     # a ragged int64 list breaks the fixed layout: the generic path builds these batches
     rag = Schema([*BIG, Feature("tags", "int64", (None,), Encoding.INT64)])
