@@ -326,8 +326,9 @@ def test_batch_kept_while_the_next_epoch_runs_stays_intact(big):
 
 # ---- frame checks: corruption is reported, never delivered -------------------------------------
 
-def _corrupt(src, dst, shard: int, record: int, at: int, new: bytes) -> None:
-    """Copy dataset ``src`` to ``dst`` and overwrite bytes at offset ``at`` of one framed record."""
+def _corrupt(src, dst, shard: int, record: int, at: int, new: bytes | None) -> None:
+    """Copy dataset ``src`` to ``dst`` and overwrite bytes at offset ``at`` of one framed record
+    with ``new`` (None: invert the byte there)."""
     shutil.copytree(src, dst)
     with crossfeed.open_dataset(dst) as ds:
         sp = ds["train"]
@@ -335,7 +336,10 @@ def _corrupt(src, dst, shard: int, record: int, at: int, new: bytes) -> None:
         off = int(sp.index(shard)[record][0])
     with open(path, "r+b") as f:
         f.seek(off + at)
-        f.write(new)
+        old = f.read(len(new or b"x"))
+        f.seek(off + at)
+        f.write(new if new is not None else bytes(b ^ 0xFF for b in old))  # None: invert the byte
+    assert new is None or new != old
 
 
 def _read_all(root, shuffle: str, batch_size: int) -> None:
@@ -349,7 +353,7 @@ def _read_all(root, shuffle: str, batch_size: int) -> None:
 def test_a_payload_byte_flipped_is_reported(request, tmp_path, which, shuffle):
     root, _ = request.getfixturevalue(which)
     bad = tmp_path / "bad"
-    _corrupt(root, bad, shard=1, record=3, at=12 + 200, new=b"\x5a")  # inside the payload, header intact
+    _corrupt(root, bad, shard=1, record=3, at=12 + 200, new=None)  # inside the payload, header intact
     with pytest.raises(crossfeed.CorruptRecordError):
         _read_all(bad, shuffle, 64)
 

@@ -12,6 +12,9 @@ bytes. Imports tensorflow, never torch.
 
 from __future__ import annotations
 
+import shutil
+import struct
+
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -164,15 +167,15 @@ def read_and_compare(root, ref, feats, *, batch_size, shuffle, features=None, ep
     return kept
 
 
-def test_adopted_schema(big, small):
+def test_adopted_schema(small):
     """What `crossfeed index` makes of TensorFlow-written shards: raw tensors are `bytes`."""
-    for writer, root, _ in (big, small):
-        with crossfeed.open_dataset(root) as ds:
-            enc = {f.name: f.encoding for f in ds.schema}
-        if writer == "tf":
-            assert enc["v512"] is Encoding.BYTES and enc["emb"] is Encoding.FLOAT and enc["code"] is Encoding.INT64
-        else:
-            assert enc["v512"] is Encoding.TENSOR
+    writer, root, _ = small
+    with crossfeed.open_dataset(root) as ds:
+        enc = {f.name: f.encoding for f in ds.schema}
+    if writer == "tf":
+        assert enc["v512"] is Encoding.BYTES and enc["emb"] is Encoding.FLOAT and enc["code"] is Encoding.INT64
+    else:
+        assert enc["v512"] is Encoding.TENSOR
 
 
 @pytest.mark.parametrize("shuffle", ["none", "global", "block"])
@@ -191,12 +194,18 @@ def test_small_records_match_tf(small, shuffle, batch_size):
     read_and_compare(root, ref, SMALL_FEATURES, batch_size=batch_size, shuffle=shuffle, features=NUMERIC)
 
 
-def test_batches_spanning_shards_match_tf(big, small):
-    for _, root, ref in (big, small):
-        n = len(ref["label"])
-        feats = BIG_FEATURES if "img" in ref else SMALL_FEATURES
-        read_and_compare(root, ref, feats, batch_size=n - 1, shuffle="none", epochs=2)  # one batch over every shard
-        read_and_compare(root, ref, feats, batch_size=n // 2 + 1, shuffle="global")
+def _spanning(root, ref, feats) -> None:
+    n = len(ref["label"])
+    read_and_compare(root, ref, feats, batch_size=n - 1, shuffle="none", epochs=2)  # one batch over every shard
+    read_and_compare(root, ref, feats, batch_size=n // 2 + 1, shuffle="global")
+
+
+def test_big_batches_spanning_shards_match_tf(big):
+    _spanning(big[1], big[2], BIG_FEATURES)
+
+
+def test_small_batches_spanning_shards_match_tf(small):
+    _spanning(small[1], small[2], SMALL_FEATURES)
 
 
 def test_kept_batches_match_tf_after_several_epochs(big):
@@ -206,3 +215,60 @@ def test_kept_batches_match_tf_after_several_epochs(big):
     kept = read_and_compare(root, ref, BIG_FEATURES, batch_size=32, shuffle="global", epochs=3, keep=True,
                             read=ReadOptions(num_threads=2, prefetch=2))
     assert len(kept) == 3 * 10
+
+
+def test_int64_vectors_whose_varint_widths_differ_match_tf(tmp_path):
+    """Equal-length records whose int64 pair splits its bytes differently ([128, 0] vs [0, 128])."""
+    pairs = [[128, 0], [0, 128], [2**40, 1], [1, 2**40], [-1, 0], [0, -1], [127, 128], [128, 127]]
+    feats = {"label": ("int64", (), Encoding.INT64), "ids": ("int64", (2,), Encoding.INT64),
+             "x": ("uint8", (16,), Encoding.TENSOR)}
+    samples = [{**s, "ids": np.array(pairs[i % len(pairs)], np.int64)} for i, s in enumerate(_samples(feats, 96, 3))]
+    for writer in ("crossfeed", "tf"):
+        root = tmp_path / writer
+        (_write_crossfeed if writer == "crossfeed" else _write_tf)(root, feats, samples)
+        ref = tf_reference(root, feats)
+        for shuffle in ("none", "global"):
+            for b in (2, 8, 96):
+                read_and_compare(root, ref, feats, batch_size=b, shuffle=shuffle)
+
+
+def _flip(src, dst, shard: int, record: int, at: int, new: bytes | None) -> None:
+    """Copy dataset ``src`` to ``dst``, overwrite bytes at ``at`` of one framed record (None: invert one)."""
+    shutil.copytree(src, dst)
+    with crossfeed.open_dataset(dst) as ds:
+        sp = ds["train"]
+        path, off = sp.file(shard).path, int(sp.index(shard)[record][0])
+    with open(path, "r+b") as f:
+        f.seek(off + at)
+        old = f.read(len(new or b"x"))
+        f.seek(off + at)
+        f.write(new if new is not None else bytes(b ^ 0xFF for b in old))  # None: invert the byte
+    assert new is None or new != old
+
+
+def _refused(root, bad, damage: str, shuffle: str) -> None:
+    """A flipped payload byte, or a length header one more than the index says (its CRC that of
+    the true length): TensorFlow's reader refuses the shard, and so must every crossfeed path."""
+    with crossfeed.open_dataset(root) as ds:
+        n = int(ds["train"].index(1)[4][1]) - 16
+        files = [ds["train"].file(s).path.replace(str(root), str(bad)) for s in range(len(ds["train"].counts))]
+    _flip(root, bad, 1, 4, *((12 + 100, None) if damage == "payload" else (0, struct.pack("<Q", n + 1))))
+    with pytest.raises(tf.errors.DataLossError):
+        for _ in tf.data.TFRecordDataset(files):
+            pass
+    with pytest.raises(crossfeed.CorruptRecordError), \
+            crossfeed.Loader(bad, batch_size=64, shuffle=shuffle, seed=0, features=NUMERIC) as loader:
+        for _ in loader:
+            pass
+
+
+@pytest.mark.parametrize("damage", ["payload", "length"])
+@pytest.mark.parametrize("shuffle", ["none", "global"])
+def test_damaged_small_records_are_refused_like_tf_refuses_them(small, tmp_path, damage, shuffle):
+    _refused(small[1], tmp_path / "bad", damage, shuffle)
+
+
+@pytest.mark.parametrize("damage", ["payload", "length"])
+@pytest.mark.parametrize("shuffle", ["none", "global"])
+def test_damaged_big_records_are_refused_like_tf_refuses_them(big, tmp_path, damage, shuffle):
+    _refused(big[1], tmp_path / "bad", damage, shuffle)
