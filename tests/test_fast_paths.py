@@ -353,9 +353,18 @@ def _read_all(root, shuffle: str, batch_size: int) -> None:
 @pytest.mark.parametrize("which", ["small", "big"])
 @pytest.mark.parametrize("shuffle", ["none", "global"])
 def test_a_payload_byte_flipped_is_reported(request, tmp_path, which, shuffle):
-    root, _ = request.getfixturevalue(which)
+    """One byte inside a value flipped (header intact, the record's layout still fits): the
+    payload CRC check is all that can see it."""
+    root, ref = request.getfixturevalue(which)
+    with crossfeed.open_dataset(root) as ds:
+        sp = ds["train"]
+        off, length = (int(x) for x in sp.index(1)[3])
+        with open(sp.file(1).path, "rb") as f:
+            payload = f.read(off + length)[off + 12 : off + length - 4]
+    at = payload.find(ref[int(sp.starts[1]) + 3]["v508"].tobytes())
+    assert at > 0
     bad = tmp_path / "bad"
-    _corrupt(root, bad, shard=1, record=3, at=12 + 200, new=None)  # inside the payload, header intact
+    _corrupt(root, bad, shard=1, record=3, at=12 + at + 10, new=None)
     with pytest.raises(crossfeed.CorruptRecordError):
         _read_all(bad, shuffle, 64)
 

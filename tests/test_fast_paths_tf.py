@@ -248,13 +248,19 @@ def _flip(src, dst, shard: int, record: int, at: int, new: bytes | None) -> None
     assert new is None or new != old
 
 
-def _refused(root, bad, damage: str, shuffle: str) -> None:
-    """A flipped payload byte, or a length header one more than the index says (its CRC that of
-    the true length): TensorFlow's reader refuses the shard, and so must every crossfeed path."""
+def _refused(root, ref, bad, damage: str, shuffle: str) -> None:
+    """A flipped byte inside a value (the layout still fits), or a length header one more than the
+    index says (its CRC that of the true length): TensorFlow's reader refuses the shard, and so
+    must every crossfeed path."""
     with crossfeed.open_dataset(root) as ds:
-        n = int(ds["train"].index(1)[4][1]) - 16
-        files = [ds["train"].file(s).path.replace(str(root), str(bad)) for s in range(len(ds["train"].counts))]
-    _flip(root, bad, 1, 4, *((12 + 100, None) if damage == "payload" else (0, struct.pack("<Q", n + 1))))
+        sp = ds["train"]
+        off, length = (int(x) for x in sp.index(1)[4])
+        files = [sp.file(s).path.replace(str(root), str(bad)) for s in range(len(sp.counts))]
+        with open(sp.file(1).path, "rb") as f:
+            payload = f.read(off + length)[off + 12 : off + length - 4]
+    at = payload.find(ref["v508/bytes"][int(sp.starts[1]) + 4])
+    assert at > 0
+    _flip(root, bad, 1, 4, *((12 + at + 10, None) if damage == "payload" else (0, struct.pack("<Q", length - 16 + 1))))
     with pytest.raises(tf.errors.DataLossError):
         for _ in tf.data.TFRecordDataset(files):
             pass
@@ -267,10 +273,10 @@ def _refused(root, bad, damage: str, shuffle: str) -> None:
 @pytest.mark.parametrize("damage", ["payload", "length"])
 @pytest.mark.parametrize("shuffle", ["none", "global"])
 def test_damaged_small_records_are_refused_like_tf_refuses_them(small, tmp_path, damage, shuffle):
-    _refused(small[1], tmp_path / "bad", damage, shuffle)
+    _refused(small[1], small[2], tmp_path / "bad", damage, shuffle)
 
 
 @pytest.mark.parametrize("damage", ["payload", "length"])
 @pytest.mark.parametrize("shuffle", ["none", "global"])
 def test_damaged_big_records_are_refused_like_tf_refuses_them(big, tmp_path, damage, shuffle):
-    _refused(big[1], tmp_path / "bad", damage, shuffle)
+    _refused(big[1], big[2], tmp_path / "bad", damage, shuffle)
