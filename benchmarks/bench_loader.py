@@ -60,7 +60,7 @@ READERS = ("crossfeed", "tf", "tfrecord", "wds")
 BATCH_SIZES = (32, 256, 4096)
 SHUFFLES = ("none", "global")
 FULL = {"raw": 16384, "jpeg": 16384, "tabular": 1 << 20}
-QUICK = {"raw": 2048, "jpeg": 2048, "tabular": 1 << 17}
+QUICK = {"raw": 4096, "jpeg": 3072, "tabular": 1 << 17}
 SHARDS = 8
 # goals: crossfeed / tf.data, per workload and batch size (the issue's); None: no goal set
 GOALS = {"raw": {32: 3.0, 256: 3.0}, "tabular": {256: 2.0, 4096: 3.0}, "jpeg": {32: 1.2, 256: 1.2, 4096: 1.2}}
@@ -420,7 +420,7 @@ def _best(runs: dict, key, configs) -> dict | None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes, 1 timed epoch: the whole sweep takes < 6 minutes")
+    ap.add_argument("--quick", action="store_true", help="small sizes, 1 round: the whole sweep takes < 6 minutes")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--writers", default=",".join(WRITERS), help="who wrote the shards: crossfeed, tf (then `crossfeed index`)")
     ap.add_argument("--readers", default="crossfeed,tf", help=f"any of {','.join(READERS)}")
@@ -428,7 +428,7 @@ def main(argv=None) -> None:
     ap.add_argument("--shuffles", default=",".join(SHUFFLES), help="none (file order), global")
     for k in WORKLOADS:
         ap.add_argument(f"--{k}", type=int, default=None, help=f"samples of the {k} workload")
-    ap.add_argument("--epochs", type=int, default=None, help="timed epochs per run (best kept); default 1 quick, 2 full")
+    ap.add_argument("--epochs", type=int, default=None, help="timed epochs per run (best kept); default 2")
     ap.add_argument("--dir", default=os.environ.get("CROSSFEED_BENCH_DIR", os.path.join(tempfile.gettempdir(), "crossfeed-bench")))
     ap.add_argument("--rounds", type=int, default=None, help="rounds over all readers (best kept); default 1 quick, 2 full")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per reader process")
@@ -452,7 +452,7 @@ def main(argv=None) -> None:
     for k in WORKLOADS:
         env = os.environ.get(f"CROSSFEED_BENCH_{k.upper()}")
         sizes[k] = getattr(a, k) or (int(env) if env else sizes[k])
-    epochs = a.epochs or (1 if a.quick else 2)
+    epochs = a.epochs or 2
     rounds = a.rounds or (1 if a.quick else 2)
     kinds = [k for k in a.workloads.split(",") if k]
     writers = [w for w in a.writers.split(",") if w]
