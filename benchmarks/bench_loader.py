@@ -1,23 +1,38 @@
-"""Loader throughput: crossfeed vs tf.data vs the ``tfrecord`` package vs webdataset, one run.
+"""Loader throughput: crossfeed vs tf.data, swept over the configurations users run, in one run.
 
-Every reader reads the same samples from the same machine in the same run: crossfeed and tf.data
-and the ``tfrecord`` package read the very same TFRecord shards (the package through crossfeed's
-``.idx`` files, which are in its index format); webdataset reads the same samples written as tar
-shards. Each reader delivers the same numpy/torch batches — ``image`` uint8 ``(B, 224, 224, 3)``
-(raw tensor or decoded JPEG) or ``x`` float32 ``(B, 32)``, and ``label`` int64 ``(B,)`` — and the
-sum of the labels of each epoch is checked (every sample exactly once).
+The sweep (STYLE.md habit 17): for every workload — raw 224×224×3 uint8 tensors, 224×224 JPEGs,
+tabular records of 32 floats — on shards written by crossfeed (`crossfeed.write_dataset`) *and*
+the same samples written by TensorFlow's ``tf.io.TFRecordWriter`` as ``tf.train.Example`` and
+adopted with ``crossfeed index``; at batch sizes 32, 256 and 4096; with the shuffle off (file
+order) and on. Each cell prints both sides' samples/s, the ratio, the goal and ✓/✗, and time to
+first batch. crossfeed and tf.data read the very same shard files.
 
-Each (reader, configuration, workload) runs in a process of its own (the ``tfrecord`` package
-cannot share a process with TensorFlow, and peak RSS must be per reader): one untimed warm-up
-epoch (also giving time to first batch, from constructing the reader), then ``--epochs`` timed
-epochs, best kept. Peers are tuned: several configurations are run and the fastest is compared.
+* shuffle **none**: crossfeed in file order vs tf.data in file order (``TFRecordDataset → batch →
+  parse_example → decode``), tf.data tuned: sequential or parallel reads, whichever is faster.
+* shuffle **global**: crossfeed's exact global shuffle vs the usual tf.data idiom, shuffled file
+  list + parallel reads + ``shuffle(buffer)`` (windowed, not exact: less work than crossfeed's).
+  The table also gives this row's ratio against tf.data in file order (the conservative one).
+* A raw tensor in TensorFlow-written shards is adopted as ``bytes`` (nothing declares its dtype
+  and shape yet): crossfeed then hands out the bytes without decoding them, while tf.data runs
+  ``decode_raw``. Those rows are marked; they do not compare like with like.
 
-crossfeed reads with an exact global shuffle (its default); the peers read in file order without
-shuffling, which is less work — the ratios are conservative.
+Every reader delivers the same numpy batches — ``image`` uint8 ``(B, 224, 224, 3)`` or ``x``
+float32 ``(B, 32)``, and ``label`` int64 ``(B,)`` — and the label sum of each warm-up epoch is
+checked (every sample exactly once). Each (reader, workload, writer) runs in a process of its own
+(peak RSS is per reader, and the ``tfrecord`` package cannot share a process with TensorFlow),
+which runs all its (batch size, shuffle) configurations one after another: for each, one untimed
+warm-up epoch (also giving time to first batch, from constructing the reader; the framework is
+imported before the clock starts), then ``--epochs`` timed epochs, best kept. ``--rounds``
+repeats the whole sweep, readers interleaved, best kept. A batch size is skipped where the
+workload has fewer than two batches of samples (``--quick`` raw/JPEG at 4096).
 
-    .venv/bin/python benchmarks/bench_loader.py                 # full sizes
-    .venv/bin/python benchmarks/bench_loader.py --quick         # < 3 minutes
-    .venv/bin/python benchmarks/bench_loader.py --workloads raw --readers crossfeed,tf --raw 8192
+The ``tfrecord`` package and webdataset are still available as peers (``--readers
+crossfeed,tf,tfrecord,wds``): file order, crossfeed-written shards (and tar shards of the same
+samples for webdataset), a table of their own.
+
+    .venv/bin/python benchmarks/bench_loader.py --quick         # the whole sweep, < 6 minutes
+    .venv/bin/python benchmarks/bench_loader.py                 # full sizes, 2 rounds
+    .venv/bin/python benchmarks/bench_loader.py --workloads tabular --writers tf --batch-sizes 256,4096
 
 Sizes also come from the environment: ``CROSSFEED_BENCH_RAW``, ``…_JPEG``, ``…_TABULAR`` (sample
 counts), ``CROSSFEED_BENCH_DIR`` (cache of generated data, default ``$TMPDIR/crossfeed-bench``).
@@ -29,7 +44,6 @@ import argparse
 import io
 import json
 import os
-import resource
 import subprocess
 import sys
 import tarfile
@@ -41,21 +55,27 @@ import numpy as np
 
 HW = 224
 WORKLOADS = ("raw", "jpeg", "tabular")
+WRITERS = ("crossfeed", "tf")
 READERS = ("crossfeed", "tf", "tfrecord", "wds")
+BATCH_SIZES = (32, 256, 4096)
+SHUFFLES = ("none", "global")
 FULL = {"raw": 16384, "jpeg": 16384, "tabular": 1 << 20}
-QUICK = {"raw": 4096, "jpeg": 3072, "tabular": 1 << 18}
-BATCH = {"raw": 128, "jpeg": 128, "tabular": 4096}
+QUICK = {"raw": 4096, "jpeg": 3072, "tabular": 1 << 17}
 SHARDS = 8
-GOALS = {("raw", "tf"): 3.0, ("jpeg", "tf"): 1.2, ("tabular", "tf"): 2.0,
-         ("raw", "tfrecord"): 5.0, ("jpeg", "tfrecord"): 5.0, ("tabular", "tfrecord"): 5.0}
-# configurations tried per reader; a peer is compared at its best one
+# goals: crossfeed / tf.data, per workload and batch size (the issue's); None: no goal set
+GOALS = {"raw": {32: 3.0, 256: 3.0}, "tabular": {256: 2.0, 4096: 3.0}, "jpeg": {32: 1.2, 256: 1.2, 4096: 1.2}}
+TTFB_GOAL = 0.2  # seconds, crossfeed
+PEER_GOALS = {"tfrecord": 5.0}
+# tf.data's shuffle buffer (records) for shuffle "global": ~150 MB of raw images, 16k tabular rows
+SHUFFLE_BUFFER = {"raw": 1024, "jpeg": 1024, "tabular": 16384}
+# configurations per reader and shuffle; a peer is compared at its best one
 CONFIGS = {
-    "crossfeed": ["global", "block", "none"],
-    "tf": ["seq", "par"],  # TFRecordDataset num_parallel_reads None (sequential) / AUTOTUNE
-    "tfrecord": ["w0", "w2"],  # torch DataLoader num_workers 0 / 2
-    "wds": ["w0", "w2"],
+    "crossfeed": {"none": ["none"], "global": ["global"]},
+    "tf": {"none": ["seq", "par"], "global": ["shuf"]},  # file order: sequential / AUTOTUNE reads
+    "tfrecord": {"none": ["w0", "w2"]},  # torch DataLoader num_workers 0 / 2
+    "wds": {"none": ["w0", "w2"]},
 }
-CONFIGS_QUICK = {"crossfeed": ["global", "none"], "tf": ["seq", "par"], "tfrecord": ["w2"], "wds": ["w2"]}
+CONFIGS_QUICK = {**CONFIGS, "tfrecord": {"none": ["w2"]}, "wds": {"none": ["w2"]}}
 
 
 # ---- data ------------------------------------------------------------------------------------
@@ -66,6 +86,12 @@ def _sample(kind: str, i: int, rng: np.random.Generator) -> dict:
     if kind == "tabular":
         return {"x": rng.standard_normal(32, dtype=np.float32), "label": i}
     return {"image": _jpeg(rng), "label": i}
+
+
+def _samples(kind: str, n: int):
+    rng = np.random.default_rng(1234)
+    for i in range(n):
+        yield _sample(kind, i, rng)
 
 
 def _jpeg(rng: np.random.Generator) -> bytes:
@@ -91,44 +117,67 @@ def _schema(kind: str):
     return Schema([Feature("image", "uint8", (None, None, 3), Encoding.IMAGE), label])
 
 
-def prepare(kind: str, n: int, root: str) -> str:
-    """Generate (once; cached by kind and size) ``<root>/<kind>-<n>/{tfrecord,wds}``."""
+def shard_dir(root: str, kind: str, n: int, writer: str) -> str:
+    """``<root>/<kind>-<n>/tfrecord`` (written by crossfeed), ``…/tfwritten`` (by TensorFlow)."""
+    return os.path.join(root, f"{kind}-{n}", "tfrecord" if writer == "crossfeed" else "tfwritten")
+
+
+def prepare(kind: str, n: int, root: str, writers, wds: bool = False) -> None:
+    """Generate (once; cached by kind and size) the shards of each writer, and tar shards for
+    webdataset. A directory counts as done once its manifest (written last) exists."""
     import crossfeed
 
-    d = os.path.join(root, f"{kind}-{n}")
-    done = os.path.join(d, "DONE")
-    if os.path.exists(done):
-        return d
-    os.makedirs(d, exist_ok=True)
-    print(f"generating {kind} × {n} in {d} …", file=sys.stderr, flush=True)
+    for w in writers:
+        out = shard_dir(root, kind, n, w)
+        if os.path.exists(os.path.join(out, "crossfeed.json")):
+            continue
+        print(f"generating {kind} × {n} written by {w} in {out} …", file=sys.stderr, flush=True)
+        if w == "crossfeed":
+            crossfeed.write_dataset(out, _samples(kind, n), num_shards=SHARDS, schema=_schema(kind)).close()
+        else:  # TensorFlow in a process of its own, then `crossfeed index`
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--write-tf", kind, str(n), out], check=True)
+            subprocess.run([sys.executable, "-m", "crossfeed.cli.main", "index", out], check=True, stdout=subprocess.DEVNULL)
+    d = os.path.join(root, f"{kind}-{n}", "wds")
+    if wds and not os.path.exists(os.path.join(d, "DONE")):
+        os.makedirs(d, exist_ok=True)
+        tars = [tarfile.open(os.path.join(d, f"shard-{s:05d}.tar"), "w") for s in range(SHARDS)]
+        ext = {"raw": "raw", "jpeg": "jpg", "tabular": "f32"}[kind]
+        for i, s in enumerate(_samples(kind, n)):
+            value = s["image"] if kind != "tabular" else s["x"]
+            data = value if isinstance(value, bytes) else value.tobytes()
+            for name, blob in ((f"{i:09d}.{ext}", data), (f"{i:09d}.cls", str(i).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(blob)
+                tars[i % SHARDS].addfile(info, io.BytesIO(blob))
+        for t in tars:
+            t.close()
+        with open(os.path.join(d, "DONE"), "w"):
+            pass
 
-    def samples():
-        rng = np.random.default_rng(1234)
-        for i in range(n):
-            yield _sample(kind, i, rng)
 
-    crossfeed.write_dataset(os.path.join(d, "tfrecord"), samples(), num_shards=SHARDS, schema=_schema(kind)).close()
-    os.makedirs(os.path.join(d, "wds"), exist_ok=True)
-    tars = [tarfile.open(os.path.join(d, "wds", f"shard-{s:05d}.tar"), "w") for s in range(SHARDS)]
-    ext = {"raw": "raw", "jpeg": "jpg", "tabular": "f32"}[kind]
-    for i, s in enumerate(samples()):
-        value = s["image"] if kind != "tabular" else s["x"]
-        data = value if isinstance(value, bytes) else value.tobytes()
-        for name, blob in ((f"{i:09d}.{ext}", data), (f"{i:09d}.cls", str(i).encode())):
-            info = tarfile.TarInfo(name)
-            info.size = len(blob)
-            tars[i % SHARDS].addfile(info, io.BytesIO(blob))
-    for t in tars:
-        t.close()
-    open(done, "w").close()
-    return d
+def write_tf(kind: str, n: int, out: str) -> None:
+    """The same samples as ``tf.train.Example`` through ``tf.io.TFRecordWriter``, dealt
+    round-robin into ``train-SSSSS-of-NNNNN.tfrecord`` like crossfeed's writer does."""
+    import tensorflow as tf
+
+    os.makedirs(out, exist_ok=True)
+    writers = [tf.io.TFRecordWriter(os.path.join(out, f"train-{s:05d}-of-{SHARDS:05d}.tfrecord")) for s in range(SHARDS)]
+    for i, s in enumerate(_samples(kind, n)):
+        f = {"label": tf.train.Feature(int64_list=tf.train.Int64List(value=[s["label"]]))}
+        if kind == "tabular":
+            f["x"] = tf.train.Feature(float_list=tf.train.FloatList(value=s["x"].tolist()))
+        else:
+            v = s["image"]
+            f["image"] = tf.train.Feature(bytes_list=tf.train.BytesList(value=[v if isinstance(v, bytes) else v.tobytes()]))
+        writers[i % SHARDS].write(tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString())
+    for w in writers:
+        w.close()
 
 
-# ---- readers (each yields dict batches with "label" and "image"/"x") ----------------------------
+# ---- readers (each yields dict batches with "label" and "image"/"x"; ``sd`` is a shard dir) ------
 
-def _tfrecord_files(d: str) -> list[str]:
-    t = os.path.join(d, "tfrecord")
-    return sorted(os.path.join(t, f) for f in os.listdir(t) if f.endswith(".tfrecord"))
+def _tfrecord_files(sd: str) -> list[str]:
+    return sorted(os.path.join(sd, f) for f in os.listdir(sd) if f.endswith(".tfrecord"))
 
 
 def _decode_pil(data) -> np.ndarray:
@@ -138,22 +187,28 @@ def _decode_pil(data) -> np.ndarray:
         return np.asarray(im.convert("RGB"))
 
 
-def reader_crossfeed(kind: str, d: str, b: int, config: str):
+def reader_crossfeed(kind: str, sd: str, b: int, config: str):
     from crossfeed.read.loader import Loader
 
-    loader = Loader(os.path.join(d, "tfrecord"), batch_size=b, shuffle=config, seed=0)
+    loader = Loader(sd, batch_size=b, shuffle=config, seed=0)
     return loader, loader.close
 
 
-def reader_tf(kind: str, d: str, b: int, config: str):
+def reader_tf(kind: str, sd: str, b: int, config: str):
+    """``seq``/``par``: file order, sequential / AUTOTUNE-parallel reads; ``shuf``: shuffled file
+    list, parallel reads, ``shuffle(SHUFFLE_BUFFER)`` (reshuffled each epoch)."""
     import tensorflow as tf
 
-    files = _tfrecord_files(d)
+    files = _tfrecord_files(sd)
     value = "x" if kind == "tabular" else "image"
     spec = {"label": tf.io.FixedLenFeature([], tf.int64),
             value: tf.io.FixedLenFeature([32], tf.float32) if kind == "tabular" else tf.io.FixedLenFeature([], tf.string)}
     auto = tf.data.AUTOTUNE
-    ds = tf.data.TFRecordDataset(files, num_parallel_reads=None if config == "seq" else auto, buffer_size=8 << 20)
+    if config == "shuf":
+        ds = tf.data.Dataset.from_tensor_slices(files).shuffle(len(files), seed=0)
+        ds = tf.data.TFRecordDataset(ds, num_parallel_reads=auto, buffer_size=8 << 20).shuffle(SHUFFLE_BUFFER[kind], seed=0)
+    else:
+        ds = tf.data.TFRecordDataset(files, num_parallel_reads=None if config == "seq" else auto, buffer_size=8 << 20)
     if kind == "jpeg":
         def parse_one(rec):
             p = tf.io.parse_single_example(rec, spec)
@@ -176,7 +231,7 @@ def reader_tf(kind: str, d: str, b: int, config: str):
     return Epochs(), lambda: None
 
 
-def reader_tfrecord(kind: str, d: str, b: int, config: str):
+def reader_tfrecord(kind: str, sd: str, b: int, config: str):
     import torch
     from tfrecord.torch.dataset import TFRecordDataset
 
@@ -192,17 +247,17 @@ def reader_tfrecord(kind: str, d: str, b: int, config: str):
         return {value: v, "label": s["label"][0]}
 
     ds = torch.utils.data.ChainDataset(
-        [TFRecordDataset(f, f + ".idx", desc, transform=transform) for f in _tfrecord_files(d)])
+        [TFRecordDataset(f, f + ".idx", desc, transform=transform) for f in _tfrecord_files(sd)])
     workers = int(config[1:])
     dl = torch.utils.data.DataLoader(ds, batch_size=b, num_workers=workers, persistent_workers=workers > 0)
     return dl, lambda: None
 
 
-def reader_wds(kind: str, d: str, b: int, config: str):
+def reader_wds(kind: str, sd: str, b: int, config: str):
     import torch
     import webdataset as wds
 
-    t = os.path.join(d, "wds")
+    t = os.path.join(os.path.dirname(sd), "wds")
     urls = sorted(os.path.join(t, f) for f in os.listdir(t) if f.endswith(".tar"))
     ext = {"raw": "raw", "jpeg": "jpg", "tabular": "f32"}[kind]
     value = "x" if kind == "tabular" else "image"
@@ -276,11 +331,15 @@ def _len_and_label_sum(batch) -> tuple[int, int, tuple]:
     return len(lab), int(lab.astype(np.int64).sum()), (tuple(np.asarray(value).shape[1:]), str(np.asarray(value).dtype))
 
 
-def child(reader: str, kind: str, d: str, b: int, config: str, epochs: int, n: int) -> dict:
+# ---- one reader's runs, in a child process -------------------------------------------------------
+
+_IMPORTS = {"crossfeed": "crossfeed.read.loader", "tf": "tensorflow", "tfrecord": "tfrecord.torch.dataset", "wds": "webdataset"}
+
+
+def child_one(reader: str, kind: str, sd: str, b: int, config: str, epochs: int, n: int) -> dict:
     mem = _MemSampler()
-    baseline = mem._p.memory_info().rss
     t0 = time.perf_counter()
-    it, close = globals()[f"reader_{reader}"](kind, d, b, config)
+    it, close = globals()[f"reader_{reader}"](kind, sd, b, config)
     # warm-up epoch; also time to first batch from constructing the reader
     ttfb, count, label_sum, form = None, 0, 0, None
     for batch in it:
@@ -289,7 +348,8 @@ def child(reader: str, kind: str, d: str, b: int, config: str, epochs: int, n: i
         k, s, form = _len_and_label_sum(batch)
         count, label_sum = count + k, label_sum + s
     if count != n or label_sum != n * (n - 1) // 2:
-        raise SystemExit(f"{reader}/{config}/{kind}: delivered {count} samples, label sum {label_sum}; expected {n}, {n * (n - 1) // 2}")
+        raise RuntimeError(f"{reader}/{config}/{kind}/b{b}: delivered {count} samples, label sum {label_sum}; "
+                           f"expected {n}, {n * (n - 1) // 2}")
     best, best_cpu = 0.0, 0.0
     for _ in range(epochs):
         c0, t = _cpu_seconds(mem._p), time.perf_counter()
@@ -300,18 +360,30 @@ def child(reader: str, kind: str, d: str, b: int, config: str, epochs: int, n: i
         best, best_cpu = max(best, count / wall), max(best_cpu, count / max(cpu, 1e-9))
     close()
     mem.stop()
-    return {"reader": reader, "config": config, "workload": kind, "samples_per_s": best, "per_cpu_s": best_cpu, "ttfb_s": ttfb,
-            "peak_rss": mem.peak_rss, "peak_private": mem.peak_private, "baseline_rss": baseline,
-            "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "form": form}
+    return {"reader": reader, "config": config, "workload": kind, "batch": b, "samples_per_s": best, "per_cpu_s": best_cpu,
+            "ttfb_s": ttfb, "peak_rss": mem.peak_rss, "peak_private": mem.peak_private, "form": form}
 
 
-def shuffle_quality(d: str, b: int) -> dict:
+def child(reader: str, kind: str, sd: str, runs: str, epochs: int, n: int) -> list[dict]:
+    """Every ``batch:config`` of ``runs`` one after another; a failed run is reported, not fatal."""
+    __import__(_IMPORTS[reader])  # before any clock starts: time to first batch excludes the import
+    out = []
+    for run in runs.split(","):
+        b, config = run.split(":")
+        try:
+            out.append(child_one(reader, kind, sd, int(b), config, epochs, n))
+        except Exception as e:  # noqa: BLE001 - reported in the table, the other runs go on
+            out.append({"reader": reader, "config": config, "workload": kind, "batch": int(b), "error": f"{type(e).__name__}: {e}"})
+    return out
+
+
+def shuffle_quality(sd: str, b: int) -> dict:
     """Correlation of delivery position with original index for crossfeed's shuffle modes."""
     from crossfeed.read.loader import Loader
 
     out = {}
     for mode in ("global", "block", "none"):
-        with Loader(os.path.join(d, "tfrecord"), batch_size=b, shuffle=mode, seed=0, features=["label"],
+        with Loader(sd, batch_size=b, shuffle=mode, seed=0, features=["label"],
                     return_index=True) as loader:
             order = np.concatenate([bt["__index__"] for bt in loader])
             starts = loader.split.starts
@@ -328,10 +400,10 @@ def shuffle_quality(d: str, b: int) -> dict:
 
 # ---- driver -------------------------------------------------------------------------------------
 
-def _run_child(args: list[str], timeout: float) -> dict | None:
+def _run_child(args: list[str], timeout: float):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", *args]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         print(f"  {' '.join(args[:3])}: timed out after {timeout:.0f}s", file=sys.stderr)
         return None
@@ -341,114 +413,169 @@ def _run_child(args: list[str], timeout: float) -> dict | None:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def _best(runs: dict, key, configs) -> dict | None:
+    got = [runs[(*key, c)] for c in configs if (*key, c) in runs]
+    return max(got, key=lambda r: r["samples_per_s"]) if got else None
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes: the whole run takes < 3 minutes")
+    ap.add_argument("--quick", action="store_true", help="small sizes, 1 round: the whole sweep takes < 6 minutes")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--readers", default=",".join(READERS))
+    ap.add_argument("--writers", default=",".join(WRITERS), help="who wrote the shards: crossfeed, tf (then `crossfeed index`)")
+    ap.add_argument("--readers", default="crossfeed,tf", help=f"any of {','.join(READERS)}")
+    ap.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
+    ap.add_argument("--shuffles", default=",".join(SHUFFLES), help="none (file order), global")
     for k in WORKLOADS:
         ap.add_argument(f"--{k}", type=int, default=None, help=f"samples of the {k} workload")
-        ap.add_argument(f"--{k}-batch", type=int, default=BATCH[k])
-    ap.add_argument("--epochs", type=int, default=None, help="timed epochs per reader (best kept)")
+    ap.add_argument("--epochs", type=int, default=None, help="timed epochs per run (best kept); default 2")
     ap.add_argument("--dir", default=os.environ.get("CROSSFEED_BENCH_DIR", os.path.join(tempfile.gettempdir(), "crossfeed-bench")))
     ap.add_argument("--rounds", type=int, default=None, help="rounds over all readers (best kept); default 1 quick, 2 full")
-    ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--child", nargs=7, metavar=("READER", "KIND", "DIR", "B", "CONFIG", "EPOCHS", "N"), help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per reader process")
+    ap.add_argument("--child", nargs=6, metavar=("READER", "KIND", "SHARDS", "RUNS", "EPOCHS", "N"), help=argparse.SUPPRESS)
+    ap.add_argument("--write-tf", nargs=3, metavar=("KIND", "N", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.write_tf:
+        k, n, out = a.write_tf
+        write_tf(k, int(n), out)
+        return
     if a.child:
-        r, k, d, b, c, e, n = a.child
+        r, k, sd, runs, e, n = a.child
         if r == "shuffle":
-            print(json.dumps(shuffle_quality(d, int(b))))
+            print(json.dumps(shuffle_quality(sd, int(runs))))
         else:
-            print(json.dumps(child(r, k, d, int(b), c, int(e), int(n))))
+            print(json.dumps(child(r, k, sd, runs, int(e), int(n))))
         return
 
+    t_start = time.perf_counter()
     sizes = dict(QUICK if a.quick else FULL)
     for k in WORKLOADS:
         env = os.environ.get(f"CROSSFEED_BENCH_{k.upper()}")
         sizes[k] = getattr(a, k) or (int(env) if env else sizes[k])
     epochs = a.epochs or 2
-    a.rounds = a.rounds or (1 if a.quick else 2)
+    rounds = a.rounds or (1 if a.quick else 2)
     kinds = [k for k in a.workloads.split(",") if k]
+    writers = [w for w in a.writers.split(",") if w]
     readers = [r for r in a.readers.split(",") if r]
+    batches = [int(b) for b in a.batch_sizes.split(",") if b]
+    shuffles = [s for s in a.shuffles.split(",") if s]
+    configs = CONFIGS_QUICK if a.quick else CONFIGS
     print(f"bench_loader: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, sizes {({k: sizes[k] for k in kinds})}, "
-          f"batch {({k: getattr(a, k + '_batch') for k in kinds})}, {a.rounds} round(s) × {epochs} timed epochs (best kept)", flush=True)
-    results: dict[tuple[str, str], dict] = {}
-    runs: dict[tuple[str, str, str], dict] = {}
+          f"batch sizes {batches}, writers {writers}, shuffles {shuffles}, {rounds} round(s) × {epochs} timed epoch(s) "
+          f"(best kept); load average {os.getloadavg()[0]:.1f}", flush=True)
+    runs: dict[tuple, dict] = {}  # (kind, writer, reader, batch, config) → best result over the rounds
     for k in kinds:
-        d = prepare(k, sizes[k], a.dir)
-        b = getattr(a, k + "_batch")
-        # rounds interleave the readers, so that load from elsewhere on the machine hits all of them
-        for rnd in range(a.rounds):
-            for r in readers:
-                for c in (CONFIGS_QUICK if a.quick else CONFIGS)[r]:
-                    res = _run_child([r, k, d, str(b), c, str(epochs), str(sizes[k])], a.timeout)
-                    if res is None:
+        prepare(k, sizes[k], a.dir, writers, wds="wds" in readers)
+    for rnd in range(rounds):  # rounds interleave the readers, so that load from elsewhere hits all of them
+        for k in kinds:
+            bs = [b for b in batches if sizes[k] >= 2 * b]
+            for w in writers:
+                sd = shard_dir(a.dir, k, sizes[k], w)
+                for r in readers:
+                    if r in ("tfrecord", "wds") and w != "crossfeed":
+                        continue  # the other peers read crossfeed-written shards (and tars) only
+                    cs = [(b, c) for b in bs for s in shuffles for c in configs[r].get(s, [])]
+                    if not cs:
                         continue
-                    print(f"  {k:8s} {r:10s} {c:7s} round {rnd + 1}: {res['samples_per_s']:>11,.0f} samples/s "
-                          f"({res['per_cpu_s']:>10,.0f} per CPU-s)  first batch {res['ttfb_s']:.2f}s  "
-                          f"peak RSS {res['peak_rss'] / 2**20:,.0f} MiB (private {res['peak_private'] / 2**20:,.0f})", flush=True)
-                    key = (k, r, c)
-                    if key in runs:  # best of the rounds, per measure
-                        old = runs[key]
-                        for m in ("samples_per_s", "per_cpu_s"):
-                            res[m] = max(res[m], old[m])
-                        for m in ("ttfb_s", "peak_rss", "peak_private"):
-                            res[m] = min(res[m], old[m])
-                    runs[key] = res
-    for (k, r, c), res in runs.items():
-        # crossfeed is compared in its default (global shuffle); peers at their best config
-        key = (k, r)
-        if r == "crossfeed":
-            if c == "global":
-                results[key] = res
-        elif key not in results or res["samples_per_s"] > results[key]["samples_per_s"]:
-            results[key] = res
-    _table(kinds, readers, results, runs)
-    if "crossfeed" in readers:
+                    res = _run_child([r, k, sd, ",".join(f"{b}:{c}" for b, c in cs), str(epochs), str(sizes[k])], a.timeout)
+                    for one in res or []:
+                        tag = f"  {k:8s} {w:9s} {r:9s} b{one['batch']:<5d} {one['config']:6s} round {rnd + 1}:"
+                        if "error" in one:
+                            print(f"{tag} FAILED {one['error']}", flush=True)
+                            continue
+                        print(f"{tag} {one['samples_per_s']:>11,.0f} samples/s ({one['per_cpu_s']:>10,.0f} per CPU-s)  "
+                              f"first batch {one['ttfb_s']:.2f}s  peak RSS {one['peak_rss'] / 2**20:,.0f} MiB", flush=True)
+                        key = (k, w, r, one["batch"], one["config"])
+                        if key in runs:  # best of the rounds, per measure
+                            old = runs[key]
+                            for m in ("samples_per_s", "per_cpu_s"):
+                                one[m] = max(one[m], old[m])
+                            for m in ("ttfb_s", "peak_rss", "peak_private"):
+                                one[m] = min(one[m], old[m])
+                        runs[key] = one
+    if "crossfeed" in readers and "tf" in readers:
+        _sweep_table(kinds, writers, batches, shuffles, sizes, runs, configs)
+    peers = [r for r in readers if r in ("tfrecord", "wds")]
+    if peers and "crossfeed" in readers:
+        _peer_table(kinds, batches, peers, runs, configs)
+    if "crossfeed" in readers and "global" in shuffles:
         k = "tabular" if "tabular" in kinds else kinds[0]
-        q = _run_child(["shuffle", k, os.path.join(a.dir, f"{k}-{sizes[k]}"), str(getattr(a, k + "_batch")), "-", "0", "0"], a.timeout)
+        q = _run_child(["shuffle", k, shard_dir(a.dir, k, sizes[k], writers[0]), "256", "0", "0"], a.timeout)
         if q:
             print(f"\nshuffle quality (crossfeed, {k} workload, {sizes[k]:,} samples; position vs original index, 0 = no order left):")
             print(f"  {'mode':8s} {'spearman':>9s} {'pearson':>9s} {'same-shard neighbours':>22s} {'mean |jump|/N':>14s}")
             for mode, m in q.items():
                 print(f"  {mode:8s} {m['spearman']:>9.4f} {m['pearson']:>9.4f} {m['same_shard_adjacent']:>22.3f} {m['mean_jump']:>14.3f}")
             print("  (a uniform random order gives spearman ≈ 0, same-shard neighbours ≈ 1/shards, mean |jump|/N ≈ 0.333)")
+    print(f"\nwhole run: {time.perf_counter() - t_start:.0f} s; load average now {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} CPUs (above the CPU count: the machine was busy, the numbers are low and noisy)")
 
 
-def _table(kinds, readers, results, runs) -> None:
-    print("\nsamples/s (peers at their best configuration; crossfeed with global shuffle)")
-    head = f"{'workload':9s}" + "".join(f"{r:>22s}" for r in readers)
+def _fmt(x: float) -> str:
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e4 else f"{x:,.0f}"
+
+
+def _sweep_table(kinds, writers, batches, shuffles, sizes, runs, configs) -> None:
+    print("\ncrossfeed vs tf.data, samples/s (tf.data at its best configuration for the shuffle mode; first batch in s)")
+    head = (f"{'workload':8s} {'writer':9s} {'batch':>5s} {'shuffle':7s} {'crossfeed':>9s} {'tf.data':>14s} {'ratio':>6s} "
+            f"{'goal':>6s} {'':1s}  {'vs tf file order':>16s}  {'first batch cf / tf':>19s}")
     print(head)
+    print("-" * len(head))
+    met = missed = 0
+    notes = set()
     for k in kinds:
-        row = f"{k:9s}"
-        for r in readers:
-            res = results.get((k, r))
-            cell = f"{res['samples_per_s']:,.0f} ({res['config']})" if res else "—"
-            row += f"{cell:>22s}"
-        print(row)
-    cf = {k: results.get((k, "crossfeed")) for k in kinds}
-    print("\ncrossfeed (global shuffle) / peer: wall-clock samples/s, [per CPU-second], (crossfeed in file order like the peers)")
+        for w in writers:
+            for b in batches:
+                for s in shuffles:
+                    row = f"{k:8s} {w:9s} {b:>5d} {s:7s}"
+                    if sizes[k] < 2 * b:
+                        print(f"{row} skipped: {sizes[k]:,} samples < two batches (run the full sizes)")
+                        continue
+                    cf = _best(runs, (k, w, "crossfeed", b), configs["crossfeed"].get(s, []))
+                    tf_ = _best(runs, (k, w, "tf", b), configs["tf"].get(s, []))
+                    tf_file = _best(runs, (k, w, "tf", b), configs["tf"]["none"])
+                    if cf is None or tf_ is None:
+                        print(f"{row} — (a run failed; see above)")
+                        continue
+                    ratio = cf["samples_per_s"] / tf_["samples_per_s"]
+                    goal = GOALS.get(k, {}).get(b)
+                    mark = ""
+                    if goal is not None:
+                        ok = ratio >= goal
+                        met, missed = met + ok, missed + (not ok)
+                        mark = "✓" if ok else "✗"
+                    vs_file = f"{cf['samples_per_s'] / tf_file['samples_per_s']:.2f}×" if tf_file and s != "none" else ""
+                    ttfb = f"{cf['ttfb_s']:.2f}{'' if cf['ttfb_s'] <= TTFB_GOAL else '✗'} / {tf_['ttfb_s']:.2f}"
+                    flag = ""
+                    if k == "raw" and w == "tf":
+                        flag, _ = " *", notes.add("*")
+                    print(f"{row} {_fmt(cf['samples_per_s']):>9s} {_fmt(tf_['samples_per_s']) + ' (' + tf_['config'] + ')':>14s} "
+                          f"{ratio:5.2f}× {'≥' + format(goal, '.1f') + '×' if goal else '—':>6s} {mark:1s}  {vs_file:>16s}  "
+                          f"{ttfb:>19s}{flag}")
+    print(f"\ngoals met: {met} of {met + missed}; crossfeed time to first batch goal ≤ {TTFB_GOAL} s (✗ marks a miss)")
+    print("tf.data configurations: seq / par = file order, sequential / parallel reads; shuf = shuffled files, parallel "
+          "reads, shuffle(buffer): " + ", ".join(f"{k} {v:,} records" for k, v in SHUFFLE_BUFFER.items() if k in kinds))
+    if "*" in notes:
+        print("* TensorFlow-written raw tensors are adopted as `bytes` (no declared dtype/shape): crossfeed hands out the "
+              "bytes without decoding them; tf.data runs decode_raw. Not like with like.")
+
+
+def _peer_table(kinds, batches, peers, runs, configs) -> None:
+    print("\nother peers (file order, crossfeed-written shards; webdataset: tar shards of the same samples), samples/s")
     for k in kinds:
-        for r in readers:
-            if r == "crossfeed" or not cf[k] or (k, r) not in results:
+        for b in batches:
+            cf = _best(runs, (k, "crossfeed", "crossfeed", b), configs["crossfeed"]["none"])
+            if cf is None:
                 continue
-            peer = results[(k, r)]
-            ratio = cf[k]["samples_per_s"] / peer["samples_per_s"]
-            cpu = cf[k]["per_cpu_s"] / peer["per_cpu_s"]
-            same = runs.get((k, "crossfeed", "none"))
-            same_s = f"({same['samples_per_s'] / peer['samples_per_s']:.2f}×)" if same else ""
-            goal = GOALS.get((k, r))
-            verdict = "" if goal is None else f"  goal ≥ {goal:.1f}× {'MET' if ratio >= goal else 'MISSED'}"
-            print(f"  {k:8s} vs {r:9s} {ratio:6.2f}×  [{cpu:5.2f}×]  {same_s:9s}{verdict}")
-    print("\ntime to first batch (s) / peak RSS MiB (private, i.e. without mmap'd page cache)")
-    for k in kinds:
-        parts = []
-        for r in readers:
-            res = results.get((k, r))
-            if res:
-                parts.append(f"{r} {res['ttfb_s']:.2f}s / {res['peak_rss'] / 2**20:,.0f} ({res['peak_private'] / 2**20:,.0f})")
-        print(f"  {k:8s} " + "; ".join(parts))
+            parts = [f"crossfeed {_fmt(cf['samples_per_s'])}"]
+            for r in peers:
+                p = _best(runs, (k, "crossfeed", r, b), configs[r]["none"])
+                if p:
+                    ratio = cf["samples_per_s"] / p["samples_per_s"]
+                    goal = PEER_GOALS.get(r)
+                    verdict = "" if goal is None else f" goal ≥ {goal:.0f}× {'✓' if ratio >= goal else '✗'}"
+                    parts.append(f"{r} {_fmt(p['samples_per_s'])} ({p['config']}) {ratio:.2f}×{verdict}")
+            print(f"  {k:8s} b{b:<5d} " + "; ".join(parts))
 
 
 if __name__ == "__main__":
