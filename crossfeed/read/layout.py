@@ -80,6 +80,10 @@ class Layout:
                 widths = tuple(widths)
             slots.append(_Slot(f, pos, e, widths))
             covered[pos:e] = True
+        wanted = {f.name for f in features}
+        for name, (_, s, e) in sp.items():  # features not read: their values are no part of the layout
+            if name not in wanted:
+                covered[s:e] = True  # (their entries' lengths stay in it, so the values cannot move)
         big = tuple(sorted((sl for sl in slots if sl.feature.encoding is not Encoding.INT64 and sl.stop - sl.start >= _BIG
                             and _LITTLE), key=lambda sl: sl.start))
         keep = np.ones(len(buf), dtype=bool)
