@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # the full packages through the extras (crossfeed[tf], crossfeed[torch]).
 DEV_PINS := "tensorflow-cpu==2.21.0" "torch==2.13.0"
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench mutants lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +22,19 @@ demo: install
 	$(PY) -m crossfeed.demo demo_out
 
 test: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
 bench: install
 	$(PY) -m benchmarks.run_all
+
+mutants: install  # break each fast path on purpose: a test must fail for every one
+	$(PY) benchmarks/mutate_fast_paths.py
+
+lint: install
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 clean:
 	rm -rf $(VENV) demo_out benchmarks/_data

@@ -69,20 +69,18 @@ engine with MultiWorkerMirroredStrategy (``input_fn`` shards by input pipeline),
 from __future__ import annotations
 
 import dataclasses
-
 import os
 from collections.abc import Callable
 
 import tensorflow as tf
 
 from crossfeed.adapters import tf_native, tf_plan, tf_spec
-from crossfeed.read.options import LoaderOptions, Source
-from crossfeed.adapters.tf_options import Engine, TFOptions, Shuffle
-from crossfeed.read.dataset import Dataset, open_dataset
+from crossfeed.adapters.tf_options import Engine, Shuffle, TFOptions
 from crossfeed.errors import ConfigError
+from crossfeed.read.dataset import Dataset, open_dataset
+from crossfeed.read.options import LoaderOptions, Source
 
-__all__ = ["Engine", "Shuffle", "dataset", "element_spec", "feature_spec", "input_fn", "plan_state",
-           "train_keras_demo"]
+__all__ = ["Engine", "Shuffle", "dataset", "element_spec", "feature_spec", "input_fn", "plan_state", "train_keras_demo"]
 
 
 def _open(source, split: str | None = None) -> Dataset:
@@ -103,16 +101,32 @@ def feature_spec(source, *, features=None) -> dict:
     return tf_spec.feature_spec(tf_spec.select(_open(source).schema, features))
 
 
-def element_spec(source, *, split: str = "train", batch_size: int | None = None, drop_last: bool = False,
-                 features=None, return_index: bool = False) -> dict:
+def element_spec(
+    source,
+    *,
+    split: str = "train",
+    batch_size: int | None = None,
+    drop_last: bool = False,
+    features=None,
+    return_index: bool = False,
+) -> dict:
     """The ``element_spec`` that `dataset` yields for these options, read off the manifest."""
     ds = _open(source, split)
     feats = tf_spec.select(ds.schema, features, ds.splits[split].statistics)
     return tf_spec.element_spec(feats, batch_size=batch_size, drop_last=drop_last, return_index=return_index)
 
 
-_DATASET_DEFAULTS = dict(split="train", batch_size=None, shuffle="global", seed=0, drop_last=False, features=None,
-                         rank=0, world_size=1, return_index=False)
+_DATASET_DEFAULTS = dict(
+    split="train",
+    batch_size=None,
+    shuffle="global",
+    seed=0,
+    drop_last=False,
+    features=None,
+    rank=0,
+    world_size=1,
+    return_index=False,
+)
 
 
 def _is_mixture(source) -> bool:
@@ -128,8 +142,15 @@ def _tf_can_open(url: str) -> bool:
 
 
 def _resolve(ds: Dataset, opts: TFOptions, *, state, loader_options) -> Engine:
-    wants_plan = [why for why, on in (("state=", state is not None), ("return_index=True", opts.return_index),
-                                      ("loader_options=", bool(loader_options))) if on]
+    wants_plan = [
+        why
+        for why, on in (
+            ("state=", state is not None),
+            ("return_index=True", opts.return_index),
+            ("loader_options=", bool(loader_options)),
+        )
+        if on
+    ]
     if opts.engine is Engine.NATIVE:
         if wants_plan:
             raise ConfigError(f"engine='native' cannot honour {', '.join(wants_plan)}; use engine='plan'")
@@ -141,12 +162,29 @@ def _resolve(ds: Dataset, opts: TFOptions, *, state, loader_options) -> Engine:
     return Engine.NATIVE
 
 
-def dataset(source, *, split: str = "train", batch_size: int | None = None, shuffle: str | bool = "global",
-            seed: int | None = 0, epoch: int = 0, drop_last: bool = False, features=None, engine: str = "auto",
-            rank: int = 0, world_size: int = 1, shuffle_buffer: int = 4096, repeat: bool = False,
-            return_index: bool = False, num_parallel_calls: int | None = None, prefetch: int | None = None,
-            state: dict | None = None, loader_options: dict | None = None,
-            element_spec: dict | None = None, options: LoaderOptions | None = None) -> tf.data.Dataset:
+def dataset(
+    source,
+    *,
+    split: str = "train",
+    batch_size: int | None = None,
+    shuffle: str | bool = "global",
+    seed: int | None = 0,
+    epoch: int = 0,
+    drop_last: bool = False,
+    features=None,
+    engine: str = "auto",
+    rank: int = 0,
+    world_size: int = 1,
+    shuffle_buffer: int = 4096,
+    repeat: bool = False,
+    return_index: bool = False,
+    num_parallel_calls: int | None = None,
+    prefetch: int | None = None,
+    state: dict | None = None,
+    loader_options: dict | None = None,
+    element_spec: dict | None = None,
+    options: LoaderOptions | None = None,
+) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` of ``dict`` elements (batches of ``batch_size``, or records when None).
 
     ``options``: a `crossfeed.LoaderOptions`, passed whole to the plan engine's Loader (then the
@@ -161,48 +199,91 @@ def dataset(source, *, split: str = "train", batch_size: int | None = None, shuf
     ``loader_options``: extra ``crossfeed.Loader`` keywords (plan engine); when a transform
     changes the batch, pass its ``element_spec``. See the module docstring for the engines.
     """
-    tf_only = dict(epoch=epoch, engine=engine, shuffle_buffer=shuffle_buffer, repeat=repeat,
-                   num_parallel_calls=num_parallel_calls, prefetch=prefetch)
+    tf_only = dict(
+        epoch=epoch,
+        engine=engine,
+        shuffle_buffer=shuffle_buffer,
+        repeat=repeat,
+        num_parallel_calls=num_parallel_calls,
+        prefetch=prefetch,
+    )
     if options is not None:
-        given = {k: v for k, v in dict(split=split, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                                       features=features, rank=rank, world_size=world_size,
-                                       return_index=return_index).items()
-                 if v != _DATASET_DEFAULTS[k]}
+        given = {
+            k: v
+            for k, v in dict(
+                split=split,
+                batch_size=batch_size,
+                shuffle=shuffle,
+                seed=seed,
+                drop_last=drop_last,
+                features=features,
+                rank=rank,
+                world_size=world_size,
+                return_index=return_index,
+            ).items()
+            if v != _DATASET_DEFAULTS[k]
+        }
         if given:
             raise ConfigError(f"options= carries {sorted(given)}; pass them in the LoaderOptions, not both")
         if not isinstance(options, LoaderOptions):
             raise ConfigError(f"options must be a crossfeed.LoaderOptions, got {type(options).__name__}")
         opts = TFOptions.from_loader(options, **tf_only)
     else:
-        opts = TFOptions(split=split, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                         features=features, rank=rank, world_size=world_size, return_index=return_index, **tf_only)
+        opts = TFOptions(
+            split=split,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            features=features,
+            rank=rank,
+            world_size=world_size,
+            return_index=return_index,
+            **tf_only,
+        )
     if _is_mixture(source):
         if opts.engine is Engine.NATIVE:
             raise ConfigError("a mixture is read by the plan engine; use engine='plan' or 'auto'")
         return tf_plan.build(list(source), opts, state=state, loader_options=loader_options, element_spec=element_spec)
     if not _is_dataset_source(source):
         if opts.engine is Engine.NATIVE or state is not None or loader_options:
-            raise ConfigError("a stream source is read as it comes: engine='native', state= and loader_options= "
-                              "need a dataset path")
+            raise ConfigError(
+                "a stream source is read as it comes: engine='native', state= and loader_options= need a dataset path"
+            )
         if not hasattr(source, "__iter__"):
-            raise ConfigError(f"source must be a dataset path, a crossfeed.Dataset or an iterable of dict batches, "
-                              f"got {type(source).__name__}")
+            raise ConfigError(
+                f"source must be a dataset path, a crossfeed.Dataset or an iterable of dict batches, "
+                f"got {type(source).__name__}"
+            )
         return tf_plan.build_stream(source, opts, element_spec=element_spec)
     ds = _open(source, opts.split)
     if opts.loader is not None and opts.engine is Engine.AUTO:  # options passed whole: the Loader reads them
         opts = dataclasses.replace(opts, engine=Engine.PLAN)
     if _resolve(ds, opts, state=state, loader_options=loader_options) is Engine.NATIVE:
         if element_spec is not None:
-            raise ConfigError("element_spec= is for streams and plan-engine transforms; the native engine's comes "
-                              "from the manifest")
+            raise ConfigError(
+                "element_spec= is for streams and plan-engine transforms; the native engine's comes from the manifest"
+            )
         return tf_native.build(ds, opts)
     return tf_plan.build(ds, opts, state=state, loader_options=loader_options, element_spec=element_spec)
 
 
-def input_fn(source, *, split: str = "train", global_batch_size: int, shuffle: str | bool = "global",
-             seed: int | None = 0, epoch: int = 0, features=None, engine: str = "auto", shuffle_buffer: int = 4096,
-             repeat: bool = False, num_parallel_calls: int | None = None, prefetch: int | None = None,
-             loader_options: dict | None = None) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
+def input_fn(
+    source,
+    *,
+    split: str = "train",
+    global_batch_size: int,
+    shuffle: str | bool = "global",
+    seed: int | None = 0,
+    epoch: int = 0,
+    features=None,
+    engine: str = "auto",
+    shuffle_buffer: int = 4096,
+    repeat: bool = False,
+    num_parallel_calls: int | None = None,
+    prefetch: int | None = None,
+    loader_options: dict | None = None,
+) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
     """A function of ``tf.distribute.InputContext`` for ``strategy.distribute_datasets_from_function``.
 
     Pipeline ``input_pipeline_id`` of ``num_input_pipelines`` reads its share (whole shards when
@@ -214,17 +295,29 @@ def input_fn(source, *, split: str = "train", global_batch_size: int, shuffle: s
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise ConfigError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
     ds = _open(source, split)
-    common = dict(split=split, shuffle=shuffle, seed=seed, epoch=epoch, drop_last=True, features=features,
-                  shuffle_buffer=shuffle_buffer, repeat=repeat, num_parallel_calls=num_parallel_calls,
-                  prefetch=prefetch)
-    engine_ = _resolve(ds, TFOptions(batch_size=global_batch_size, engine=engine, **common), state=None,
-                       loader_options=loader_options)
+    common = dict(
+        split=split,
+        shuffle=shuffle,
+        seed=seed,
+        epoch=epoch,
+        drop_last=True,
+        features=features,
+        shuffle_buffer=shuffle_buffer,
+        repeat=repeat,
+        num_parallel_calls=num_parallel_calls,
+        prefetch=prefetch,
+    )
+    engine_ = _resolve(
+        ds, TFOptions(batch_size=global_batch_size, engine=engine, **common), state=None, loader_options=loader_options
+    )
 
     def fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         n, replicas = ctx.num_input_pipelines, ctx.num_replicas_in_sync
         if global_batch_size % replicas:
-            raise ConfigError(f"global_batch_size {global_batch_size} does not divide by the {replicas} replicas "
-                              f"in sync; make it a multiple")
+            raise ConfigError(
+                f"global_batch_size {global_batch_size} does not divide by the {replicas} replicas "
+                f"in sync; make it a multiple"
+            )
         per = global_batch_size // replicas
         local = max(1, replicas // n)  # replicas fed by this pipeline, one batch each per step
         opts = TFOptions(batch_size=per, engine=engine_, rank=ctx.input_pipeline_id, world_size=n, **common)
@@ -235,8 +328,10 @@ def input_fn(source, *, split: str = "train", global_batch_size: int, shuffle: s
                 batches = len(ld)
         steps = batches // local
         if steps == 0:
-            raise ConfigError(f"split {split!r} has too few records for one step of global batch {global_batch_size} "
-                              f"over {n} input pipeline(s); use a smaller batch")
+            raise ConfigError(
+                f"split {split!r} has too few records for one step of global batch {global_batch_size} "
+                f"over {n} input pipeline(s); use a smaller batch"
+            )
         if engine_ is Engine.NATIVE:
             return tf_native.build(ds, opts, take_batches=steps * local)
         return tf_plan.build(ds, opts, take_batches=steps * local, loader_options=loader_options)
@@ -244,15 +339,33 @@ def input_fn(source, *, split: str = "train", global_batch_size: int, shuffle: s
     return fn
 
 
-def plan_state(source, *, split: str = "train", batch_size: int, seed: int = 0, epoch: int = 0, steps: int,
-               shuffle: str = "global", world_size: int = 1, drop_last: bool = False) -> dict:
+def plan_state(
+    source,
+    *,
+    split: str = "train",
+    batch_size: int,
+    seed: int = 0,
+    epoch: int = 0,
+    steps: int,
+    shuffle: str = "global",
+    world_size: int = 1,
+    drop_last: bool = False,
+) -> dict:
     """The ``Loader.state_dict()`` after ``steps`` batches of ``epoch`` were consumed on every rank:
     pass it as ``dataset(..., state=...)`` to resume exactly there (with the PyTorch adapter too).
     Keras users take ``steps`` from ``optimizer.iterations`` modulo the steps per epoch."""
     if not isinstance(steps, int) or steps < 0:
         raise ConfigError(f"steps must be an int >= 0, got {steps!r}")
-    opts = TFOptions(split=split, batch_size=batch_size, shuffle=shuffle, seed=seed, epoch=epoch,
-                       drop_last=drop_last, engine=Engine.PLAN, world_size=world_size)
+    opts = TFOptions(
+        split=split,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        epoch=epoch,
+        drop_last=drop_last,
+        engine=Engine.PLAN,
+        world_size=world_size,
+    )
     with tf_plan.loader(_open(source, split), opts) as ld:
         state = ld.state_dict()
         state["position"] = ld.sampler.position_after(0, steps)

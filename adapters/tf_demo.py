@@ -17,9 +17,9 @@ import tensorflow as tf
 
 from crossfeed.adapters import tf as cftf
 from crossfeed.adapters import tf_spec
-from crossfeed.read.dataset import open_dataset
 from crossfeed.errors import ConfigError
 from crossfeed.format.schema import Encoding
+from crossfeed.read.dataset import open_dataset
 
 
 def logical_cpus(n: int) -> list[str]:
@@ -55,9 +55,18 @@ def _inputs(ds, split: str, label: str) -> dict:
     return feats
 
 
-def train_keras_demo(dataset_path, *, steps: int = 100, batch_size: int = 64, split: str = "train",
-                     label: str = "label", num_devices: int = 2, seed: int = 0, epochs: int = 2,
-                     eval_split: str | None = None) -> dict:
+def train_keras_demo(
+    dataset_path,
+    *,
+    steps: int = 100,
+    batch_size: int = 64,
+    split: str = "train",
+    label: str = "label",
+    num_devices: int = 2,
+    seed: int = 0,
+    epochs: int = 2,
+    eval_split: str | None = None,
+) -> dict:
     """Train for ``epochs`` × ``steps`` steps of global batch ``batch_size``; returns
     ``dict(accuracy=..., accuracy_on=split, loss=[first epoch, last epoch], samples_per_s=..., replicas=...)``.
     Accuracy is measured on ``eval_split`` (default: "validation" or "test" if the dataset has
@@ -88,33 +97,46 @@ def train_keras_demo(dataset_path, *, steps: int = 100, batch_size: int = 64, sp
         return tf.concat(parts, axis=1), batch[label]
 
     strategy = tf.distribute.MirroredStrategy(devices)
-    fn = cftf.input_fn(ds, split=split, global_batch_size=batch_size, seed=seed, repeat=True,
-                       features=[*scales, label])
+    fn = cftf.input_fn(ds, split=split, global_batch_size=batch_size, seed=seed, repeat=True, features=[*scales, label])
     data = strategy.distribute_datasets_from_function(lambda ctx: fn(ctx).map(to_xy))
     keras.utils.set_random_seed(seed)
     with strategy.scope():
         L = keras.layers
-        body = ([L.Conv2D(16, 3, activation="relu"), L.MaxPooling2D(), L.Conv2D(32, 3, activation="relu"),
-                 L.GlobalAveragePooling2D()] if image is not None else [])
+        body = (
+            [
+                L.Conv2D(16, 3, activation="relu"),
+                L.MaxPooling2D(),
+                L.Conv2D(32, 3, activation="relu"),
+                L.GlobalAveragePooling2D(),
+            ]
+            if image is not None
+            else []
+        )
         model = keras.Sequential(body + [L.Dense(64, activation="relu"), L.Dense(num_classes)])
-        model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
     first = model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False)  # includes tracing
     t0 = time.perf_counter()
-    rest = model.fit(data, steps_per_epoch=steps, epochs=max(1, epochs - 1), verbose=0,
-                     shuffle=False)
+    rest = model.fit(data, steps_per_epoch=steps, epochs=max(1, epochs - 1), verbose=0, shuffle=False)
     elapsed = time.perf_counter() - t0
     eval_split = eval_split or next((s for s in ("validation", "test") if s in ds.splits), split)
-    eval_data = cftf.dataset(ds, split=eval_split, batch_size=batch_size, shuffle="none", drop_last=False,
-                             features=[*scales, label]).map(to_xy)
+    eval_data = cftf.dataset(
+        ds, split=eval_split, batch_size=batch_size, shuffle="none", drop_last=False, features=[*scales, label]
+    ).map(to_xy)
     options = tf.data.Options()  # the dataset knows its exact cardinality: Keras counts no phantom batch
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF  # one worker
     eval_data = eval_data.with_options(options)
     _, accuracy = model.evaluate(eval_data, verbose=0)
-    return {"accuracy": float(accuracy), "accuracy_on": eval_split,
-            "loss": [float(first.history["loss"][0]), float(rest.history["loss"][-1])],
-            "samples_per_s": steps * max(1, epochs - 1) * batch_size / elapsed,
-            "replicas": strategy.num_replicas_in_sync}
+    return {
+        "accuracy": float(accuracy),
+        "accuracy_on": eval_split,
+        "loss": [float(first.history["loss"][0]), float(rest.history["loss"][-1])],
+        "samples_per_s": steps * max(1, epochs - 1) * batch_size / elapsed,
+        "replicas": strategy.num_replicas_in_sync,
+    }
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from crossfeed.read.dataset import Dataset
-from crossfeed.errors import ConfigError, DatasetNotFoundError
 from crossfeed.adapters import tf_spec
-from crossfeed.adapters.tf_options import TFOptions, Shuffle
+from crossfeed.adapters.tf_options import Shuffle, TFOptions
+from crossfeed.errors import ConfigError, DatasetNotFoundError
+from crossfeed.read.dataset import Dataset
 
 _CYCLE = 16  # files read at once when shuffling
 
@@ -70,14 +70,18 @@ def _records_of(path, compression):
 def build(ds: Dataset, opts: TFOptions, *, take_batches: int | None = None) -> tf.data.Dataset:
     """The native pipeline for ``opts`` (rank ``opts.rank`` of ``opts.world_size``)."""
     if opts.return_index:
-        raise ConfigError("return_index=True needs the plan engine (the native engine does not know sample "
-                          "indices); pass engine='plan'")
+        raise ConfigError(
+            "return_index=True needs the plan engine (the native engine does not know sample "
+            "indices); pass engine='plan'"
+        )
     feats = tf_spec.select(ds.schema, opts.features, ds.splits[opts.split].statistics)
     paths, comps = shard_paths(ds, opts.split)
     files_per_rank, per_rank = shares(ds[opts.split].counts, opts.world_size)
     if min(per_rank) == 0:
-        raise ConfigError(f"split {opts.split!r} ({sum(per_rank)} records in {len(paths)} shards) leaves a reader of "
-                          f"{opts.world_size} with no records; use fewer readers or more data")
+        raise ConfigError(
+            f"split {opts.split!r} ({sum(per_rank)} records in {len(paths)} shards) leaves a reader of "
+            f"{opts.world_size} with no records; use fewer readers or more data"
+        )
     mine = list(range(len(paths))) if files_per_rank is None else files_per_rank[opts.rank]
     shuffled = opts.shuffle is not Shuffle.NONE
     npc = tf.data.AUTOTUNE if opts.num_parallel_calls is None else opts.num_parallel_calls
@@ -86,15 +90,17 @@ def build(ds: Dataset, opts: TFOptions, *, take_batches: int | None = None) -> t
     if shuffled:
         files = files.shuffle(len(mine), seed=derive_seed(opts.seed, opts.epoch, 1), reshuffle_each_iteration=True)
     if shuffled:
-        records = files.interleave(_records_of, cycle_length=min(len(mine), _CYCLE), block_length=1,
-                                   num_parallel_calls=npc, deterministic=True)
+        records = files.interleave(
+            _records_of, cycle_length=min(len(mine), _CYCLE), block_length=1, num_parallel_calls=npc, deterministic=True
+        )
     else:  # index order: one shard after another
         records = files.interleave(_records_of, cycle_length=1, block_length=1)
     if files_per_rank is None and opts.world_size > 1:
         records = records.shard(opts.world_size, opts.rank)
     if shuffled:
-        records = records.shuffle(opts.shuffle_buffer, seed=derive_seed(opts.seed, opts.epoch, 2),
-                                  reshuffle_each_iteration=True)
+        records = records.shuffle(
+            opts.shuffle_buffer, seed=derive_seed(opts.seed, opts.epoch, 2), reshuffle_each_iteration=True
+        )
     if opts.world_size > 1:  # every rank yields the same number of samples
         records = records.take(min(per_rank))
     out = _parse(records, feats, opts, npc)
@@ -107,12 +113,14 @@ def _parse(records: tf.data.Dataset, feats, opts: TFOptions, npc) -> tf.data.Dat
     decode = tf_spec.make_decoder(feats)
     bs = opts.batch_size
     if bs is None or tf_spec.per_record(feats):
-        out = records.map(lambda r: decode(tf.io.parse_single_example(r, spec)), num_parallel_calls=npc,
-                          deterministic=True)
+        out = records.map(
+            lambda r: decode(tf.io.parse_single_example(r, spec)), num_parallel_calls=npc, deterministic=True
+        )
         if bs is None:
             return out
         if any(None in tf_spec.item_shape(f) for f in feats):
             return out.ragged_batch(bs, drop_remainder=opts.drop_last, row_splits_dtype=tf.int64)
         return out.batch(bs, drop_remainder=opts.drop_last)
     return records.batch(bs, drop_remainder=opts.drop_last).map(
-        lambda b: decode(tf.io.parse_example(b, spec)), num_parallel_calls=npc, deterministic=True)
+        lambda b: decode(tf.io.parse_example(b, spec)), num_parallel_calls=npc, deterministic=True
+    )

@@ -65,12 +65,14 @@ class TFOptions:
         set_(self, "shuffle", _choice(Shuffle, self.shuffle, "shuffle"))
         if not isinstance(self.split, str) or not self.split:
             raise ConfigError(f"split must be a non-empty string, got {self.split!r}")
-        if self.batch_size is not None and (isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int)
-                                            or self.batch_size < 1):
+        if self.batch_size is not None and (
+            isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1
+        ):
             raise ConfigError(f"batch_size must be a positive int or None (unbatched), got {self.batch_size!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ConfigError(f"seed must be a non-negative int (or None for a nondeterministic shuffle), "
-                              f"got {self.seed!r}")
+            raise ConfigError(
+                f"seed must be a non-negative int (or None for a nondeterministic shuffle), got {self.seed!r}"
+            )
         if not isinstance(self.epoch, int) or self.epoch < 0:
             raise ConfigError(f"epoch must be a non-negative int, got {self.epoch!r}")
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -92,9 +94,19 @@ class TFOptions:
     def from_loader(cls, options: LoaderOptions, **tf_fields) -> TFOptions:
         """TF options that read what a `crossfeed.LoaderOptions` says (passed whole to the plan engine)."""
         plan, shard = options.plan, options.shard
-        return cls(split=options.split, batch_size=plan.batch_size, shuffle=plan.shuffle, seed=plan.seed,
-                   drop_last=plan.drop_last, features=options.features, rank=shard.rank, world_size=shard.world_size,
-                   return_index=options.return_index, loader=options, **tf_fields)
+        return cls(
+            split=options.split,
+            batch_size=plan.batch_size,
+            shuffle=plan.shuffle,
+            seed=plan.seed,
+            drop_last=plan.drop_last,
+            features=options.features,
+            rank=shard.rank,
+            world_size=shard.world_size,
+            return_index=options.return_index,
+            loader=options,
+            **tf_fields,
+        )
 
     def loader_options(self, extra: dict | None = None) -> tuple[LoaderOptions, dict]:
         """``(LoaderOptions, callables)``: the one options object of the plan engine's Loaders (the
@@ -108,8 +120,16 @@ class TFOptions:
             raise ConfigError("the plan engine needs an int seed (its order is a pure function of it); pass seed=")
         if self.batch_size is None:
             raise ConfigError("the plan engine yields batches; pass batch_size= (or use engine='native' for records)")
-        base = dict(split=self.split, batch_size=self.batch_size, shuffle=self.shuffle.value, seed=self.seed,
-                    rank=self.rank, world_size=self.world_size, drop_last=self.drop_last,
-                    features=None if self.features is None else list(self.features), return_index=self.return_index)
+        base = dict(
+            split=self.split,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle.value,
+            seed=self.seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            drop_last=self.drop_last,
+            features=None if self.features is None else list(self.features),
+            return_index=self.return_index,
+        )
         base.update(extra)
         return LoaderOptions.of(**base), calls

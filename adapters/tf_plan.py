@@ -17,17 +17,18 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from crossfeed.errors import ConfigError, SchemaError
 from crossfeed.adapters import tf_spec
 from crossfeed.adapters.tf_options import TFOptions
+from crossfeed.errors import ConfigError, SchemaError
 from crossfeed.format.schema import INDEX_KEY, SOURCE_KEY, Schema
 
 
 def _to_ragged(items, spec: tf.RaggedTensorSpec):
     rr = spec.ragged_rank
     arrays = [np.asarray(a) for a in items]
-    nested = [np.concatenate([np.full(int(np.prod(a.shape[:k])), a.shape[k], np.int64) for a in arrays])
-              for k in range(rr)]
+    nested = [
+        np.concatenate([np.full(int(np.prod(a.shape[:k])), a.shape[k], np.int64) for a in arrays]) for k in range(rr)
+    ]
     dtype = object if spec.dtype == tf.string else spec.dtype.as_numpy_dtype
     values = np.concatenate([a.reshape((-1,) + a.shape[rr:]).astype(dtype, copy=False) for a in arrays])
     return tf.RaggedTensor.from_nested_row_lengths(values, nested, validate=False)
@@ -39,8 +40,9 @@ def to_tensors(batch, spec: dict) -> dict:
     out = {}
     for name, s in spec.items():
         if name not in batch:
-            raise SchemaError(f"batch has no {name!r}; it has {sorted(batch)} (the element_spec expects "
-                              f"{sorted(spec)})")
+            raise SchemaError(
+                f"batch has no {name!r}; it has {sorted(batch)} (the element_spec expects {sorted(spec)})"
+            )
         v = batch[name]
         try:
             if isinstance(s, tf.RaggedTensorSpec):
@@ -86,8 +88,9 @@ def _np_to_tf(dtype: np.dtype) -> tf.DType:
     return tf.string if dtype.kind in "OSU" else tf.as_dtype(dtype)
 
 
-def from_batches(make_iter, spec: dict, opts: TFOptions, *, take_batches: int | None = None,
-                 cardinality: int | None = None) -> tf.data.Dataset:
+def from_batches(
+    make_iter, spec: dict, opts: TFOptions, *, take_batches: int | None = None, cardinality: int | None = None
+) -> tf.data.Dataset:
     """``from_generator`` over ``make_iter(pass_number)`` (called once per pass over the dataset),
     which yields ``cardinality`` batches per pass when known."""
     passes = itertools.count()
@@ -109,8 +112,15 @@ def from_batches(make_iter, spec: dict, opts: TFOptions, *, take_batches: int | 
     return tf_spec.finish(out, opts, take_batches, cardinality)
 
 
-def build(ds, opts: TFOptions, *, state: dict | None = None, take_batches: int | None = None,
-          loader_options: dict | None = None, element_spec: dict | None = None) -> tf.data.Dataset:
+def build(
+    ds,
+    opts: TFOptions,
+    *,
+    state: dict | None = None,
+    take_batches: int | None = None,
+    loader_options: dict | None = None,
+    element_spec: dict | None = None,
+) -> tf.data.Dataset:
     """The plan engine: pass ``n`` over the dataset iterates the Loader at epoch ``opts.epoch + n``
     (the first pass resumed from ``state``, a ``Loader.state_dict()``, when given). ``ds``: an
     open dataset, or a mixture (a list of `crossfeed.Source`)."""
@@ -124,11 +134,14 @@ def build(ds, opts: TFOptions, *, state: dict | None = None, take_batches: int |
     with Loader(source, options, start=(first_epoch, 0), **calls) as counter:
         cardinality = len(counter) if state is None else None
         feats = counter.builder.reader.decoder.features
-        stats = counter.dataset.splits[options.split if counter.sources is None else counter.sources[0].split].statistics
+        stats = counter.dataset.splits[
+            options.split if counter.sources is None else counter.sources[0].split
+        ].statistics
     if element_spec is None:
         feats = tf_spec.select(Schema(feats), None, stats)
-        element_spec = tf_spec.element_spec(feats, batch_size=options.batch_size, drop_last=options.plan.drop_last,
-                                            return_index=options.return_index)
+        element_spec = tf_spec.element_spec(
+            feats, batch_size=options.batch_size, drop_last=options.plan.drop_last, return_index=options.return_index
+        )
         if counter.sources is not None and options.return_index:
             element_spec[SOURCE_KEY] = tf.TensorSpec(element_spec[INDEX_KEY].shape, tf.int64)
 
@@ -182,8 +195,10 @@ def build_stream(source, opts: TFOptions, *, element_spec: dict | None = None) -
         try:
             first.append(next(it))
         except StopIteration:
-            raise ConfigError("the stream ended before its first batch; pass element_spec= to build the "
-                              "dataset without reading from it") from None
+            raise ConfigError(
+                "the stream ended before its first batch; pass element_spec= to build the "
+                "dataset without reading from it"
+            ) from None
         element_spec = infer_spec(first[0])
         if opts.features is not None:
             element_spec = {k: element_spec[k] for k in opts.features}

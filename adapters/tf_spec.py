@@ -22,10 +22,8 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from crossfeed.format.schema import INDEX_KEY
 from crossfeed.errors import SchemaError
-from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema
-
+from crossfeed.format.schema import INDEX_KEY, SHAPE_SUFFIX, Encoding, Feature, Schema
 
 # decode_raw has no unsigned 32/64-bit out_type: read the signed twin and bitcast.
 _RAW_TWIN = {tf.uint32: tf.int32, tf.uint64: tf.int64}
@@ -90,8 +88,10 @@ def ragged_list(f: Feature) -> bool:
     if f.encoding in (Encoding.TENSOR, Encoding.IMAGE) or f.fixed:
         return False
     if len(f.shape) != 1:
-        raise SchemaError(f"feature {f.name!r}: {f.encoding.value} lists with shape {list(f.shape)} are not "
-                          f"supported; only one varying dimension, (None,)")
+        raise SchemaError(
+            f"feature {f.name!r}: {f.encoding.value} lists with shape {list(f.shape)} are not "
+            f"supported; only one varying dimension, (None,)"
+        )
     return True
 
 
@@ -155,8 +155,11 @@ def _decode_image(f: Feature, data):
         return tf.io.decode_image(data, channels=channels, dtype=dtype, expand_animations=False)
 
     if dtype == tf.uint8:  # JPEG with the accurate integer IDCT: the pixels the Loader (libjpeg, PIL) decodes
-        img = tf.cond(tf.io.is_jpeg(data),
-                      lambda: tf.io.decode_jpeg(data, channels=channels, dct_method="INTEGER_ACCURATE"), other)
+        img = tf.cond(
+            tf.io.is_jpeg(data),
+            lambda: tf.io.decode_jpeg(data, channels=channels, dct_method="INTEGER_ACCURATE"),
+            other,
+        )
     else:
         img = other()
     return tf.ensure_shape(img, shape)

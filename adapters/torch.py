@@ -40,9 +40,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from crossfeed.adapters.torch_convert import to_torch
 from crossfeed.adapters.torch_cursor import Cursor
+from crossfeed.errors import ConfigError
 from crossfeed.read.dataset import Dataset
 from crossfeed.read.env import rank_and_world
-from crossfeed.errors import ConfigError
 from crossfeed.read.loader import Loader
 from crossfeed.read.options import LoaderOptions, Source
 
@@ -67,8 +67,16 @@ class TorchDataset(IterableDataset):
     `crossfeed.read.loader.Loader`'s. With ``multiprocessing_context="spawn"`` the transforms must be
     picklable (module-level functions, not lambdas)."""
 
-    def __init__(self, source, options: LoaderOptions | None = None, *, transform: Callable[[dict], dict] | None = None,
-                 batch_transform: Callable[[dict], dict] | None = None, epoch: int = 0, **fields):
+    def __init__(
+        self,
+        source,
+        options: LoaderOptions | None = None,
+        *,
+        transform: Callable[[dict], dict] | None = None,
+        batch_transform: Callable[[dict], dict] | None = None,
+        epoch: int = 0,
+        **fields,
+    ):
         self._stream = source if is_stream(source) else None
         self._loaders: dict[tuple[int, int], Loader] = {}
         self._pid = os.getpid()
@@ -78,7 +86,9 @@ class TorchDataset(IterableDataset):
             return
         if options is None:
             if fields.get("batch_size") is None:
-                raise ConfigError("batch_size is required when reading a dataset (only a stream brings its own batches)")
+                raise ConfigError(
+                    "batch_size is required when reading a dataset (only a stream brings its own batches)"
+                )
             if fields.get("rank") is None and fields.get("world_size") is None:
                 fields["rank"], fields["world_size"] = _rank_and_world(None, None)
             options = LoaderOptions.of(**fields)
@@ -96,8 +106,12 @@ class TorchDataset(IterableDataset):
             self._loaders, self._pid = {}, os.getpid()
         key = (worker, num_workers)
         if key not in self._loaders:
-            self._loaders[key] = Loader(self.source, self.options.replace(worker=worker, num_workers=num_workers),
-                                        transform=self.transform, batch_transform=self.batch_transform)
+            self._loaders[key] = Loader(
+                self.source,
+                self.options.replace(worker=worker, num_workers=num_workers),
+                transform=self.transform,
+                batch_transform=self.batch_transform,
+            )
         return self._loaders[key]
 
     @property
@@ -150,8 +164,10 @@ class TorchDataset(IterableDataset):
         info = get_worker_info()
         if self._stream is not None:
             if info is not None:
-                raise ConfigError("a stream source is read in the main process: use DataLoader(num_workers=0); "
-                                  "the servers already run the loading in parallel")
+                raise ConfigError(
+                    "a stream source is read in the main process: use DataLoader(num_workers=0); "
+                    "the servers already run the loading in parallel"
+                )
             return (to_torch(b) if not isinstance(b, tuple) else (b[0], to_torch(b[1])) for b in self._stream)
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return self._batches(self._loader(worker, num_workers), *self._next_start())
@@ -201,7 +217,9 @@ class StatefulLoader:
             raise ConfigError(f"StatefulLoader wraps a TorchDataset, got {type(dataset).__name__}")
         for bad in ("sampler", "batch_sampler", "shuffle", "drop_last"):
             if dataloader_kwargs.get(bad) not in (None, False):
-                raise ConfigError(f"{bad}= is the TorchDataset's job (its shuffle/drop_last options), not the DataLoader's")
+                raise ConfigError(
+                    f"{bad}= is the TorchDataset's job (its shuffle/drop_last options), not the DataLoader's"
+                )
         if dataloader_kwargs.pop("batch_size", None) is not None:
             raise ConfigError("batch_size belongs to the TorchDataset; the DataLoader gets batch_size=None")
         self.dataset = dataset

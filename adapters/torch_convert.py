@@ -26,7 +26,8 @@ def to_torch(batch: Mapping) -> dict:
         except TypeError as e:
             raise ConfigError(
                 f"feature {key!r}: {getattr(value, 'dtype', type(value).__name__)} has no torch equivalent ({e}); "
-                f"cast it in the loader's transform or batch_transform") from e
+                f"cast it in the loader's transform or batch_transform"
+            ) from e
     return out
 
 

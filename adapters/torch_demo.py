@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from crossfeed.adapters.torch import TorchDataset, is_stream
-from crossfeed.read.dataset import open_dataset
 from crossfeed.errors import ConfigError
+from crossfeed.read.dataset import open_dataset
 
 log = logging.getLogger(__name__)
 EVAL_SPLITS = ("test", "validation", "val", "eval")
@@ -52,10 +52,18 @@ def fit_image(img: np.ndarray, size: int) -> np.ndarray:
 
 def tiny_cnn(num_classes: int) -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
-        nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(64, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveMaxPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, num_classes),
+    )
 
 
 def _inputs(images, size: int) -> torch.Tensor:
@@ -94,30 +102,49 @@ def _batches(ds: TorchDataset, loader: DataLoader, stream: bool):
         epoch += 1
 
 
-def train(source, *, split: str = "train", steps: int = 300, batch_size: int = 32, image_key: str = "image",
-          label_key: str = "label", image_size: int = 32, num_classes: int | None = None, num_workers: int = 0,
-          lr: float = 3e-3, seed: int = 0, eval_source=None) -> dict:
+def train(
+    source,
+    *,
+    split: str = "train",
+    steps: int = 300,
+    batch_size: int = 32,
+    image_key: str = "image",
+    label_key: str = "label",
+    image_size: int = 32,
+    num_classes: int | None = None,
+    num_workers: int = 0,
+    lr: float = 3e-3,
+    seed: int = 0,
+    eval_source=None,
+) -> dict:
     """Train a tiny CNN for ``steps`` steps; returns ``accuracy`` (on a held-out split of the
     dataset when it has one — test/validation/val/eval — else on the last tenth of the training
     batches, as ``accuracy_on`` says), ``samples_per_s`` (data loading and training together),
     ``steps`` and ``final_loss``. A model trained from a stream is evaluated on ``eval_source``'s
     held-out split when given (a dataset path)."""
     if steps < 1 or batch_size < 1 or image_size < 8:
-        raise ConfigError(f"steps and batch_size must be >= 1 and image_size >= 8, got {steps}, {batch_size}, {image_size}")
+        raise ConfigError(
+            f"steps and batch_size must be >= 1 and image_size >= 8, got {steps}, {batch_size}, {image_size}"
+        )
     torch.manual_seed(seed)
     stream = is_stream(source)
     resize = ResizeImage(image_key, image_size)
-    ds = (TorchDataset(source) if stream else
-          TorchDataset(source, split=split, batch_size=batch_size, seed=seed, features=[image_key, label_key],
-                       transform=resize))
+    ds = (
+        TorchDataset(source)
+        if stream
+        else TorchDataset(
+            source, split=split, batch_size=batch_size, seed=seed, features=[image_key, label_key], transform=resize
+        )
+    )
     if num_classes is None:
         if stream:
             raise ConfigError("a stream does not say how many classes there are: pass num_classes=")
         num_classes = _num_classes(ds, split, label_key)
     model = tiny_cnn(num_classes)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    loader = DataLoader(ds, batch_size=None, num_workers=0 if stream else num_workers,
-                        persistent_workers=num_workers > 0 and not stream)
+    loader = DataLoader(
+        ds, batch_size=None, num_workers=0 if stream else num_workers, persistent_workers=num_workers > 0 and not stream
+    )
     tail = max(1, steps // 10)
     done = seen = correct = counted = 0
     loss = torch.zeros(())
@@ -136,18 +163,30 @@ def train(source, *, split: str = "train", steps: int = 300, batch_size: int = 3
         if done == steps:
             break
     elapsed = time.perf_counter() - start
-    result = {"steps": done, "samples_per_s": seen / elapsed if elapsed > 0 else float("inf"),
-              "final_loss": float(loss.detach()), "accuracy": correct / max(1, counted), "accuracy_on": f"{split} (last {tail} steps)"}
+    result = {
+        "steps": done,
+        "samples_per_s": seen / elapsed if elapsed > 0 else float("inf"),
+        "final_loss": float(loss.detach()),
+        "accuracy": correct / max(1, counted),
+        "accuracy_on": f"{split} (last {tail} steps)",
+    }
     target = eval_source if stream else source
     if target is not None:
         with open_dataset(target) as dataset:
             held_out = [s for s in EVAL_SPLITS if s != split and s in dataset]
         if held_out:
-            result["accuracy"], result["accuracy_on"] = _evaluate(model, target, held_out[0], batch_size, resize,
-                                                                  image_key, label_key, image_size), held_out[0]
+            result["accuracy"], result["accuracy_on"] = (
+                _evaluate(model, target, held_out[0], batch_size, resize, image_key, label_key, image_size),
+                held_out[0],
+            )
     ds.close()
-    log.info("trained %d steps: accuracy %.3f on %s, %.0f samples/s", done, result["accuracy"],
-             result["accuracy_on"], result["samples_per_s"])
+    log.info(
+        "trained %d steps: accuracy %.3f on %s, %.0f samples/s",
+        done,
+        result["accuracy"],
+        result["accuracy_on"],
+        result["samples_per_s"],
+    )
     return result
 
 
@@ -155,8 +194,16 @@ def train(source, *, split: str = "train", steps: int = 300, batch_size: int = 3
 def _evaluate(model, source, split, batch_size, resize, image_key, label_key, image_size) -> float:
     model.eval()
     correct = total = 0
-    with TorchDataset(source, split=split, batch_size=batch_size, shuffle="none", features=[image_key, label_key],
-                      transform=resize, rank=0, world_size=1) as ds:
+    with TorchDataset(
+        source,
+        split=split,
+        batch_size=batch_size,
+        shuffle="none",
+        features=[image_key, label_key],
+        transform=resize,
+        rank=0,
+        world_size=1,
+    ) as ds:
         for batch in ds:
             y = batch[label_key].long().view(-1)
             correct += int((model(_inputs(batch[image_key], image_size)).argmax(1) == y).sum())

@@ -49,7 +49,9 @@ class NumpySource:
             arrays = {name: open_array(root, where) for name, where in members}
             sizes = {name: a.shape[0] if a.ndim else 0 for name, a in arrays.items()}
             if len(set(sizes.values())) != 1 or not min(sizes.values(), default=0):
-                raise ConfigError(f"{gname or src}: arrays must be non-scalar with the same first (sample) axis, got {sizes}")
+                raise ConfigError(
+                    f"{gname or src}: arrays must be non-scalar with the same first (sample) axis, got {sizes}"
+                )
             lengths.append(next(iter(sizes.values())))
             names = [_name(n, label) for n in arrays]
             feats = Schema(infer_feature(_name(n, label), np.asarray(a[:1])[0]) for n, a in arrays.items())

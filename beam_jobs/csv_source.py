@@ -21,9 +21,19 @@ from dataclasses import dataclass
 from crossfeed.beam_jobs.policy import EmptyInputError, ErrorPolicy, Skips
 from crossfeed.beam_jobs.records import SampleBatch
 from crossfeed.beam_jobs.sources import list_files
-from crossfeed.beam_jobs.tabular import (ColumnType, Inference, convert_strings, drop_rows, encode_labels,
-                                         feature_name, infer_column, parse_types, table_metadata, vocabulary,
-                                         table_schema)
+from crossfeed.beam_jobs.tabular import (
+    ColumnType,
+    Inference,
+    convert_strings,
+    drop_rows,
+    encode_labels,
+    feature_name,
+    infer_column,
+    parse_types,
+    table_metadata,
+    table_schema,
+    vocabulary,
+)
 from crossfeed.errors import ConfigError
 from crossfeed.format.schema import Schema
 
@@ -46,9 +56,22 @@ class CsvSource:
     inferred: tuple[Inference, ...] = ()
 
     @classmethod
-    def scan(cls, src, *, names=None, header: bool = True, skip_rows: int = 0, delimiter: str = ",", types=None,
-             label: str | None = None, on_error: ErrorPolicy = ErrorPolicy(), batch_rows: int = 8192,
-             encoding: str = "utf-8", infer_rows: int = 1000, label_classes: bool = True) -> CsvSource:
+    def scan(
+        cls,
+        src,
+        *,
+        names=None,
+        header: bool = True,
+        skip_rows: int = 0,
+        delimiter: str = ",",
+        types=None,
+        label: str | None = None,
+        on_error: ErrorPolicy = ErrorPolicy(),
+        batch_rows: int = 8192,
+        encoding: str = "utf-8",
+        infer_rows: int = 1000,
+        label_classes: bool = True,
+    ) -> CsvSource:
         if skip_rows < 0 or batch_rows < 1 or len(delimiter) != 1:
             raise ConfigError("skip_rows must be >= 0, batch_rows >= 1 and the delimiter one character")
         root, files = list_files(src, EXTENSIONS, "CSV")
@@ -84,8 +107,20 @@ class CsvSource:
         if label is not None and label_classes and dict(cols)[label] is ColumnType.STRING:
             at = names.index(label)
             classes = label_classes_of(root, files, at, header, skip_rows, delimiter, encoding, label)
-        return cls(root, tuple(files), tuple(cols), label, header, skip_rows, delimiter, encoding, on_error, batch_rows,
-                   classes, tuple(inferred))
+        return cls(
+            root,
+            tuple(files),
+            tuple(cols),
+            label,
+            header,
+            skip_rows,
+            delimiter,
+            encoding,
+            on_error,
+            batch_rows,
+            classes,
+            tuple(inferred),
+        )
 
     @property
     def schema(self) -> Schema:
@@ -100,8 +135,10 @@ class CsvSource:
         lines = [("warning: " if i.warn else "") + i.why for i in self.inferred]
         if self.classes is not None:
             shown = ", ".join(self.classes[:10]) + (" …" if len(self.classes) > 10 else "")
-            lines.append(f"label {self.label!r}: {len(self.classes)} classes ({shown}) stored as indices 0..{len(self.classes) - 1}; "
-                         f"names in the manifest (class_names); --no-label-classes keeps the strings")
+            lines.append(
+                f"label {self.label!r}: {len(self.classes)} classes ({shown}) stored as indices 0..{len(self.classes) - 1}; "
+                f"names in the manifest (class_names); --no-label-classes keeps the strings"
+            )
         return lines
 
     def describe(self) -> str:
@@ -173,8 +210,9 @@ def _peek(path: str, header: bool, skip_rows: int, delimiter: str, encoding: str
     return ([h.strip() for h in head] if head is not None else None), rows
 
 
-def label_classes_of(root: str, files, at: int, header: bool, skip_rows: int, delimiter: str, encoding: str,
-                     name: str) -> tuple[str, ...]:
+def label_classes_of(
+    root: str, files, at: int, header: bool, skip_rows: int, delimiter: str, encoding: str, name: str
+) -> tuple[str, ...]:
     """The sorted vocabulary of column ``at`` over every file (one pass over the label column)."""
     values: set[str] = set()
     for rel in files:

@@ -24,14 +24,16 @@ from crossfeed.format.schema import Encoding, Feature, Schema
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".tif", ".tiff", ".bmp", ".webp")
 KEEP = {("JPEG", "L"), ("JPEG", "RGB"), ("PNG", "L"), ("PNG", "RGB")}
-SCHEMA = Schema([
-    Feature("image", "uint8", (None, None, None), Encoding.IMAGE),
-    Feature("label", "int64", (), Encoding.INT64),
-    Feature("height", "int64", (), Encoding.INT64),
-    Feature("width", "int64", (), Encoding.INT64),
-    Feature("channels", "int64", (), Encoding.INT64),
-    Feature("path", "string", (), Encoding.BYTES),
-])
+SCHEMA = Schema(
+    [
+        Feature("image", "uint8", (None, None, None), Encoding.IMAGE),
+        Feature("label", "int64", (), Encoding.INT64),
+        Feature("height", "int64", (), Encoding.INT64),
+        Feature("width", "int64", (), Encoding.INT64),
+        Feature("channels", "int64", (), Encoding.INT64),
+        Feature("path", "string", (), Encoding.BYTES),
+    ]
+)
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,11 @@ class ImageFolderSource:
         for c in classes:
             for dirpath, dirnames, names in os.walk(os.path.join(root, c)):
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-                files += [os.path.relpath(os.path.join(dirpath, n), root).replace(os.sep, "/")
-                          for n in names if n.lower().endswith(EXTENSIONS) and not n.startswith(".")]
+                files += [
+                    os.path.relpath(os.path.join(dirpath, n), root).replace(os.sep, "/")
+                    for n in names
+                    if n.lower().endswith(EXTENSIONS) and not n.startswith(".")
+                ]
         if not files:
             raise EmptyInputError(f"{root}: no image files ({', '.join(EXTENSIONS)}) under {classes}")
         return cls(root, tuple(classes), tuple(sorted(files)), **options)
@@ -104,10 +109,19 @@ class ImageFolderSource:
             return
         arr = np.array(shapes, dtype=np.int64).reshape(-1, 3)
         yield SampleBatch(
-            f"images-{number:06d}", keys,
-            {"image": images, "label": np.array([labels[k.split("/", 1)[0]] for k in keys], dtype=np.int64),
-             "height": arr[:, 0], "width": arr[:, 1], "channels": arr[:, 2], "path": keys},
-            shapes={"image": [tuple(s) for s in shapes]}, skipped=skips.count)
+            f"images-{number:06d}",
+            keys,
+            {
+                "image": images,
+                "label": np.array([labels[k.split("/", 1)[0]] for k in keys], dtype=np.int64),
+                "height": arr[:, 0],
+                "width": arr[:, 1],
+                "channels": arr[:, 2],
+                "path": keys,
+            },
+            shapes={"image": [tuple(s) for s in shapes]},
+            skipped=skips.count,
+        )
 
 
 def inspect_image(data: bytes, convert: str | None = None) -> tuple[bytes, tuple[int, int, int]]:
@@ -122,8 +136,10 @@ def inspect_image(data: bytes, convert: str | None = None) -> tuple[bytes, tuple
             if (fmt, mode) in KEEP:
                 return data, (h, w, 1 if mode == "L" else 3)
             if convert is None:
-                raise ValueError(f"{fmt} image in mode {mode} is not stored as-is (only JPEG/PNG in L or RGB); "
-                                 f"pass convert='png' (--convert png) to re-encode such files")
+                raise ValueError(
+                    f"{fmt} image in mode {mode} is not stored as-is (only JPEG/PNG in L or RGB); "
+                    f"pass convert='png' (--convert png) to re-encode such files"
+                )
             out = _to_storable(im)
     except ValueError:
         raise

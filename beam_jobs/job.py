@@ -64,10 +64,22 @@ def parse_size(text: str | int) -> int:
     return int(value)
 
 
-def convert(source: Source, out, *, split: str = "train", splits: SplitSpec | str | None = None,
-            num_shards: int | None = None, shard_size: int | str = DEFAULT_SHARD_SIZE, compress: bool = False,
-            seed: int = 0, max_skips: int | None = None, runner: str | None = None, beam_args: Sequence[str] = (),
-            on_progress: Callable[[int, int, float], None] | None = None, overwrite: bool = False) -> ConvertResult:
+def convert(
+    source: Source,
+    out,
+    *,
+    split: str = "train",
+    splits: SplitSpec | str | None = None,
+    num_shards: int | None = None,
+    shard_size: int | str = DEFAULT_SHARD_SIZE,
+    compress: bool = False,
+    seed: int = 0,
+    max_skips: int | None = None,
+    runner: str | None = None,
+    beam_args: Sequence[str] = (),
+    on_progress: Callable[[int, int, float], None] | None = None,
+    overwrite: bool = False,
+) -> ConvertResult:
     """Convert ``source`` into split(s) of the dataset at ``out``; returns what was written.
 
     ``on_progress(samples, bytes, seconds)`` is called about twice a second while the job runs
@@ -79,15 +91,32 @@ def convert(source: Source, out, *, split: str = "train", splits: SplitSpec | st
     os.makedirs(out, exist_ok=True)
     check_target(out, overwrite=overwrite, clean=True)  # refuse before any work
     token = secrets.token_hex(6)
-    write = WriteDataset(out, split=split, splits=splits, num_shards=num_shards, shard_size=parse_size(shard_size),
-                         schema=source.schema, compress=compress, metadata=source.metadata, seed=seed, batched=True,
-                         max_skips=max_skips, token=token, progress=on_progress is not None, overwrite=overwrite)
+    write = WriteDataset(
+        out,
+        split=split,
+        splits=splits,
+        num_shards=num_shards,
+        shard_size=parse_size(shard_size),
+        schema=source.schema,
+        compress=compress,
+        metadata=source.metadata,
+        seed=seed,
+        batched=True,
+        max_skips=max_skips,
+        token=token,
+        progress=on_progress is not None,
+        overwrite=overwrite,
+    )
     read = ReadSource(source)
     watcher = _Watcher(write.cfg.progress_dir, on_progress) if on_progress is not None else None
     start = time.perf_counter()
     try:
-        run_pipeline(lambda p: p | "Read" >> read | "Write" >> write, runner=runner, beam_args=beam_args,
-                     work_units=read.num_units)
+        run_pipeline(
+            lambda p: p | "Read" >> read | "Write" >> write,
+            runner=runner,
+            beam_args=beam_args,
+            work_units=read.num_units,
+        )
     except BaseException:
         remove_temporaries(out, token=token)
         raise
@@ -99,10 +128,14 @@ def convert(source: Source, out, *, split: str = "train", splits: SplitSpec | st
     if manifest is None:
         raise ConfigError(f"{out}: the pipeline finished but wrote no manifest; was the runner's job cancelled?")
     names = write.cfg.splits.names
-    return ConvertResult(out, {n: manifest.splits[n].num_records for n in names},
-                         {n: len(manifest.splits[n].shards) for n in names},
-                         sum(manifest.splits[n].num_bytes for n in names), seconds,
-                         int(manifest.metadata.get("skipped_records", 0)))
+    return ConvertResult(
+        out,
+        {n: manifest.splits[n].num_records for n in names},
+        {n: len(manifest.splits[n].shards) for n in names},
+        sum(manifest.splits[n].num_bytes for n in names),
+        seconds,
+        int(manifest.metadata.get("skipped_records", 0)),
+    )
 
 
 class _Watcher:
@@ -143,15 +176,19 @@ def make_source(kind: str, src, **options) -> Source:
     """The source for ``kind`` (images, csv, parquet, numpy) with its options."""
     if kind == "images":
         from crossfeed.beam_jobs.images import ImageFolderSource
+
         return ImageFolderSource.scan(src, **options)
     if kind == "csv":
         from crossfeed.beam_jobs.csv_source import CsvSource
+
         return CsvSource.scan(src, **options)
     if kind == "parquet":
         from crossfeed.beam_jobs.parquet_source import ParquetSource
+
         return ParquetSource.scan(src, **options)
     if kind == "numpy":
         from crossfeed.beam_jobs.arrays import NumpySource
+
         return NumpySource.scan(src, **options)
     raise ConfigError(f"unknown source kind {kind!r}; use images, csv, parquet or numpy")
 
@@ -179,12 +216,24 @@ def run(argv: Sequence[str] | None = None) -> ConvertResult:
     if known.label is not None and known.kind != "images":
         options["label"] = known.label
     source = make_source(known.kind, known.src, **options)
-    return convert(source, known.out, split=known.split, splits=known.splits, num_shards=known.shards,
-                   shard_size=known.shard_size, compress=known.compress == "gzip", seed=known.seed,
-                   max_skips=known.max_skips, runner=known.runner, beam_args=beam_args)
+    return convert(
+        source,
+        known.out,
+        split=known.split,
+        splits=known.splits,
+        num_shards=known.shards,
+        shard_size=known.shard_size,
+        compress=known.compress == "gzip",
+        seed=known.seed,
+        max_skips=known.max_skips,
+        runner=known.runner,
+        beam_args=beam_args,
+    )
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
     r = run()
-    log.info("%d samples in %d shards, %d bytes, %.1f s", r.total_samples, sum(r.shards.values()), r.num_bytes, r.seconds)
+    log.info(
+        "%d samples in %d shards, %d bytes, %.1f s", r.total_samples, sum(r.shards.values()), r.num_bytes, r.seconds
+    )

@@ -15,8 +15,17 @@ import numpy as np
 from crossfeed.beam_jobs.policy import ErrorPolicy, Skips
 from crossfeed.beam_jobs.records import SampleBatch
 from crossfeed.beam_jobs.sources import list_files
-from crossfeed.beam_jobs.tabular import (ColumnType, convert_strings, drop_rows, encode_labels, feature_name, parse_types,
-                                         table_metadata, table_schema, vocabulary)
+from crossfeed.beam_jobs.tabular import (
+    ColumnType,
+    convert_strings,
+    drop_rows,
+    encode_labels,
+    feature_name,
+    parse_types,
+    table_metadata,
+    table_schema,
+    vocabulary,
+)
 from crossfeed.errors import ConfigError
 from crossfeed.format.schema import Schema
 
@@ -32,8 +41,16 @@ class ParquetSource:
     num_rows: int = 0
 
     @classmethod
-    def scan(cls, src, *, columns=None, types=None, label: str | None = None,
-             on_error: ErrorPolicy = ErrorPolicy(), label_classes: bool = True) -> ParquetSource:
+    def scan(
+        cls,
+        src,
+        *,
+        columns=None,
+        types=None,
+        label: str | None = None,
+        on_error: ErrorPolicy = ErrorPolicy(),
+        label_classes: bool = True,
+    ) -> ParquetSource:
         """``src``: a file, a folder, a glob pattern or a list of these. A string ``label`` column
         becomes class indices (vocabulary in the metadata) unless ``label_classes=False``."""
         import pyarrow.parquet as pq
@@ -46,7 +63,11 @@ class ParquetSource:
             schema = meta.schema_arrow
             if first_schema is None:
                 first_schema = schema
-                names = [n.strip() for n in columns.split(",")] if isinstance(columns, str) else list(columns or schema.names)
+                names = (
+                    [n.strip() for n in columns.split(",")]
+                    if isinstance(columns, str)
+                    else list(columns or schema.names)
+                )
                 for n in names:
                     if n not in schema.names:
                         raise ConfigError(f"{rel}: no column {n!r}; it has {schema.names}")
@@ -85,8 +106,10 @@ class ParquetSource:
         """Column types (from the Parquet schema) and the label's classes."""
         lines = [f"{n}: {t.value} (Parquet type)" for n, t in self.columns]
         if self.classes is not None:
-            lines.append(f"label {self.label!r}: {len(self.classes)} classes stored as indices; names in the manifest "
-                         f"(class_names); --no-label-classes keeps the strings")
+            lines.append(
+                f"label {self.label!r}: {len(self.classes)} classes stored as indices; names in the manifest "
+                f"(class_names); --no-label-classes keeps the strings"
+            )
         return lines
 
     @property
@@ -112,8 +135,9 @@ class ParquetSource:
         columns, bad = {}, set()
         for name, typ in self.columns:
             if self.classes is not None and name == self.label:
-                col, errors = encode_labels(["" if v is None else str(v) for v in table.column(name).to_pylist()],
-                                            self.classes, name)
+                col, errors = encode_labels(
+                    ["" if v is None else str(v) for v in table.column(name).to_pylist()], self.classes, name
+                )
             else:
                 col, errors = _convert(table.column(name), typ, name)
             for i, why in sorted(errors.items()):
@@ -133,11 +157,16 @@ def _arrow_type(name: str, t) -> ColumnType:
         return ColumnType.INT64
     if pa.types.is_floating(t):
         return ColumnType.FLOAT
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or (
-            pa.types.is_dictionary(t) and (pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type))):
+    if (
+        pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or (pa.types.is_dictionary(t) and (pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type)))
+    ):
         return ColumnType.STRING
-    raise ConfigError(f"column {name!r} has Parquet type {t}, which is not int, float or string; "
-                      f"pass types={{{name!r}: 'string'}} (--types {name}:string) to store its text")
+    raise ConfigError(
+        f"column {name!r} has Parquet type {t}, which is not int, float or string; "
+        f"pass types={{{name!r}: 'string'}} (--types {name}:string) to store its text"
+    )
 
 
 def _convert(column, typ: ColumnType, name: str) -> tuple[object, dict[int, str]]:

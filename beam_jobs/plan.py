@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from crossfeed.errors import ConfigError, CrossfeedError
 from crossfeed.beam_jobs.policy import DuplicateKeyError
 from crossfeed.beam_jobs.records import BUCKET_BITS, NUM_BUCKETS, Part
+from crossfeed.errors import ConfigError, CrossfeedError
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,11 @@ def plan_split(split: str, hist: np.ndarray, num_shards: int) -> list[ShardPlan]
 def route_table(plans: list[ShardPlan]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(first_buckets, last_buckets, shard_indices)`` of a split's non-empty shards."""
     live = [p for p in plans if p.num_records]
-    return (np.array([p.first_bucket for p in live], dtype=np.int64),
-            np.array([p.last_bucket for p in live], dtype=np.int64),
-            np.array([p.index for p in live], dtype=np.int64))
+    return (
+        np.array([p.first_bucket for p in live], dtype=np.int64),
+        np.array([p.last_bucket for p in live], dtype=np.int64),
+        np.array([p.index for p in live], dtype=np.int64),
+    )
 
 
 def route(part: Part, table: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Iterator[tuple[int, Part]]:
@@ -122,6 +124,7 @@ def sorted_order(hashes: np.ndarray, keys: list[str], split: str) -> np.ndarray:
             for a, b in zip(run, run[1:]):
                 if keys[a] == keys[b]:
                     raise DuplicateKeyError(
-                        f"split {split!r}: key {keys[a]!r} occurs more than once; every sample needs its own key")
+                        f"split {split!r}: key {keys[a]!r} occurs more than once; every sample needs its own key"
+                    )
             order[s:e] = run
     return order

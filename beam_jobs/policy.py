@@ -37,7 +37,8 @@ class ErrorPolicy:
         if self.max_skips is not None and skipped > self.max_skips:
             raise BadInputError(
                 f"{where}: {skipped} bad records were skipped, more than the budget of {self.max_skips}; "
-                f"fix the input or raise --max-skips")
+                f"fix the input or raise --max-skips"
+            )
 
 
 class Skips:

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from crossfeed.errors import SchemaError
-from crossfeed.errors import SampleSchemaError
+from crossfeed.errors import SampleSchemaError, SchemaError
 from crossfeed.format.encode import encoder_for
 from crossfeed.format.schema import Encoding, Feature, Schema, infer_schema
 from crossfeed.format.stats import FeatureStats
@@ -87,7 +86,9 @@ def key_hashes(keys: list[str], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     shuffle = both[:, 0]
     if seed:
         salt = str(int(seed)).encode()
-        keyed = b"".join(hashlib.blake2b(k.encode(), digest_size=8, key=salt, person=b"crossfeed.seed").digest() for k in keys)
+        keyed = b"".join(
+            hashlib.blake2b(k.encode(), digest_size=8, key=salt, person=b"crossfeed.seed").digest() for k in keys
+        )
         shuffle = np.frombuffer(keyed, dtype=">u8").astype(np.uint64)
     return np.ascontiguousarray(shuffle), np.ascontiguousarray(both[:, 1])
 
@@ -120,7 +121,11 @@ def encode_parts(batch: SampleBatch, schema: Schema | None, assign, seed: int = 
         idx = np.arange(len(batch)) if everything else np.flatnonzero(which == s)
         if not len(idx):
             continue
-        part = Part(name, shuffle, batch.keys, payloads) if everything else Part(name, shuffle, batch.keys, payloads).take(idx)
+        part = (
+            Part(name, shuffle, batch.keys, payloads)
+            if everything
+            else Part(name, shuffle, batch.keys, payloads).take(idx)
+        )
         parts.append(part)
         buckets, counts = np.unique((part.hashes >> np.uint64(64 - BUCKET_BITS)).astype(np.int64), return_counts=True)
         summary.buckets[name] = (buckets, counts.astype(np.int64))
@@ -148,7 +153,7 @@ def batch_stats(schema: Schema, batch: SampleBatch) -> dict[str, FeatureStats]:
         elif isinstance(col, np.ndarray) and col.dtype.kind in "biuf" and f.fixed:
             _array_stats(st, col, n, f)
         else:
-            for v in (col if not isinstance(col, np.ndarray) else list(col)):
+            for v in col if not isinstance(col, np.ndarray) else list(col):
                 st.add(v)
         out[f.name] = st
     return out

@@ -64,9 +64,15 @@ def beam_options(beam_args: Sequence[str] = (), *, runner_name: str = "", work_u
     DaskRunner gets ``--dask_npartitions`` = ``work_units`` unless given)."""
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    args = ["--dask_client_address" if a == "--dask_address" else
-            a.replace("--dask_address=", "--dask_client_address=", 1) for a in beam_args]
-    if runner_name == "DaskRunner" and work_units and not any(a.startswith(("--dask_npartitions", "--dask_partition_size")) for a in args):
+    args = [
+        "--dask_client_address" if a == "--dask_address" else a.replace("--dask_address=", "--dask_client_address=", 1)
+        for a in beam_args
+    ]
+    if (
+        runner_name == "DaskRunner"
+        and work_units
+        and not any(a.startswith(("--dask_npartitions", "--dask_partition_size")) for a in args)
+    ):
         options = PipelineOptions(args)
         address = options.get_all_options().get("address")
         args.append(f"--dask_npartitions={max(1, min(work_units, _dask_threads(address)))}")
@@ -85,12 +91,15 @@ def _dask_threads(address: str | None) -> int:
         with Client(address, timeout=30) as client:
             return max(1, sum(w["nthreads"] for w in client.scheduler_info(n_workers=-1)["workers"].values()))
     except (ValueError, OSError, TimeoutError) as e:  # a malformed address, or nothing answering there
-        raise ConfigError(f"--dask_client_address {address!r}: cannot reach a Dask scheduler there ({e}); "
-                          f"start one (dask scheduler) or fix the address, e.g. tcp://host:8786") from e
+        raise ConfigError(
+            f"--dask_client_address {address!r}: cannot reach a Dask scheduler there ({e}); "
+            f"start one (dask scheduler) or fix the address, e.g. tcp://host:8786"
+        ) from e
 
 
-def run_pipeline(build: Callable, *, runner: str | None = None, beam_args: Sequence[str] = (),
-                 work_units: int | None = None) -> None:
+def run_pipeline(
+    build: Callable, *, runner: str | None = None, beam_args: Sequence[str] = (), work_units: int | None = None
+) -> None:
     """Build a pipeline with ``build(pipeline)`` and run it to completion on ``runner``.
 
     A DaskRunner client is closed afterwards (DaskRunner itself leaves it open)."""

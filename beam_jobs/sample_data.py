@@ -16,8 +16,15 @@ from crossfeed.errors import ConfigError
 CLASSES = ("circle", "square", "triangle", "cross", "ring", "diamond")
 
 
-def make_image_folder(path, *, n_per_class: int = 20, classes: tuple[str, ...] | int = 3, size: int = 64,
-                      seed: int = 0, formats: tuple[str, ...] = ("jpeg", "png")) -> list[str]:
+def make_image_folder(
+    path,
+    *,
+    n_per_class: int = 20,
+    classes: tuple[str, ...] | int = 3,
+    size: int = 64,
+    seed: int = 0,
+    formats: tuple[str, ...] = ("jpeg", "png"),
+) -> list[str]:
     """Write the folder and return the written files (relative to ``path``), sorted.
 
     ``classes`` is a tuple of names from `CLASSES` or a count (the first ``n`` of them); files

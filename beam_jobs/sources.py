@@ -44,8 +44,9 @@ class ReadSource(beam.PTransform):
         return len(self._units)
 
     def expand(self, pbegin):
-        return (pbegin | "Units" >> beam.Create(self._units, reshuffle=False)
-                | "Read" >> beam.ParDo(_ReadUnit(self.source)))
+        return (
+            pbegin | "Units" >> beam.Create(self._units, reshuffle=False) | "Read" >> beam.ParDo(_ReadUnit(self.source))
+        )
 
 
 class _ReadUnit(beam.DoFn):

@@ -141,8 +141,10 @@ class PlanDoFn(beam.DoFn):
         for name in cfg.splits.names:
             count = int(hist[name].sum())
             if not count:
-                raise EmptyInputError(f"{cfg.root}: split {name!r} received none of the {total} samples; "
-                                      f"give it a larger ratio or convert more data")
+                raise EmptyInputError(
+                    f"{cfg.root}: split {name!r} received none of the {total} samples; "
+                    f"give it a larger ratio or convert more data"
+                )
             n = planning.num_shards_for(name, count, nbytes[name], num_shards=cfg.num_shards, shard_size=cfg.shard_size)
             num_shards[name] = n
             plans = planning.plan_split(name, hist[name], n)
@@ -157,8 +159,10 @@ class PlanDoFn(beam.DoFn):
 
 def _widen_schema(feats: dict, s: Summary) -> dict:
     if feats and set(feats) != set(s.schema.names):
-        raise SchemaError(f"batch {s.batch_id} has features {sorted(s.schema.names)}, earlier ones {sorted(feats)}; "
-                          f"every sample needs the same features, or pass schema=")
+        raise SchemaError(
+            f"batch {s.batch_id} has features {sorted(s.schema.names)}, earlier ones {sorted(feats)}; "
+            f"every sample needs the same features, or pass schema="
+        )
     out = dict(feats)
     for f in s.schema:
         out[f.name] = widen(out[f.name], f) if f.name in out else f
@@ -170,8 +174,10 @@ def route_batch(element):
     parts = [v for tag, v in values if tag == "parts"]
     tables = [v for tag, v in values if tag == "table"]
     if len(parts) != 1 or len(tables) != 1:
-        raise CrossfeedError(f"batch {batch_id!r}: expected one batch and one plan, got {len(parts)} and {len(tables)}; "
-                             f"are two batches using the same id?")
+        raise CrossfeedError(
+            f"batch {batch_id!r}: expected one batch and one plan, got {len(parts)} and {len(tables)}; "
+            f"are two batches using the same id?"
+        )
     for part in parts[0]:
         for shard, piece in planning.route(part, tables[0][part.split]):
             yield (part.split, shard), ("piece", piece)
@@ -194,8 +200,10 @@ class WriteShardDoFn(beam.DoFn):
         keys = [k for x in pieces for k in x.keys]
         payloads = [b for x in pieces for b in x.payloads]
         if len(keys) != p.end_offset - p.first_offset:
-            raise CrossfeedError(f"shard {index} of split {split!r}: received {len(keys)} records, the plan expects "
-                                 f"{p.end_offset - p.first_offset}; the runner lost or repeated data")
+            raise CrossfeedError(
+                f"shard {index} of split {split!r}: received {len(keys)} records, the plan expects "
+                f"{p.end_offset - p.first_offset}; the runner lost or repeated data"
+            )
         order = planning.sorted_order(hashes, keys, split)
         os.makedirs(self.cfg.root, exist_ok=True)
         sink = ShardSink(self.cfg.root, f"{self.cfg.token}-{split}-{index:05d}", compress=self.cfg.compress)
@@ -234,12 +242,24 @@ class CommitDoFn(beam.DoFn):
             info = infos[0]
             meta = dict(cfg.metadata)
             meta["skipped_records"] = info.skipped
-            manifest = commit_splits(cfg.root, staged, info.schema, statistics=info.statistics, metadata=meta,
-                                     overwrite=cfg.overwrite, add_split=cfg.add_split, token=cfg.token)
+            manifest = commit_splits(
+                cfg.root,
+                staged,
+                info.schema,
+                statistics=info.statistics,
+                metadata=meta,
+                overwrite=cfg.overwrite,
+                add_split=cfg.add_split,
+                token=cfg.token,
+            )
         except BaseException:
             remove_temporaries(cfg.root, token=cfg.token)
             raise
         remove_temporaries(cfg.root)  # this job's progress files and any stale job's leftovers
-        yield WriteResult(cfg.root, {k: v.num_records for k, v in manifest.splits.items() if k in staged},
-                          {k: len(v) for k, v in staged.items()},
-                          sum(v.num_bytes for k, v in manifest.splits.items() if k in staged), info.skipped)
+        yield WriteResult(
+            cfg.root,
+            {k: v.num_records for k, v in manifest.splits.items() if k in staged},
+            {k: len(v) for k, v in staged.items()},
+            sum(v.num_bytes for k, v in manifest.splits.items() if k in staged),
+            info.skipped,
+        )

@@ -30,10 +30,21 @@ class ColumnType(str, enum.Enum):
     STRING = "string"
 
 
-_ALIASES = {"int": "int64", "int64": "int64", "float": "float", "float32": "float", "float64": "float",
-            "double": "float", "str": "string", "string": "string"}
-_FEATURE = {ColumnType.INT64: ("int64", Encoding.INT64), ColumnType.FLOAT: ("float32", Encoding.FLOAT),
-            ColumnType.STRING: ("string", Encoding.BYTES)}
+_ALIASES = {
+    "int": "int64",
+    "int64": "int64",
+    "float": "float",
+    "float32": "float",
+    "float64": "float",
+    "double": "float",
+    "str": "string",
+    "string": "string",
+}
+_FEATURE = {
+    ColumnType.INT64: ("int64", Encoding.INT64),
+    ColumnType.FLOAT: ("float32", Encoding.FLOAT),
+    ColumnType.STRING: ("string", Encoding.BYTES),
+}
 
 
 def parse_types(text: str | dict | None) -> dict[str, ColumnType]:
@@ -112,21 +123,30 @@ def infer_column(name: str, cells: list[tuple[str, str]]) -> Inference:
         return Inference(name, ColumnType.INT64, f"{name}: int64 (all {len(cells)} sampled cells are integers)")
     if not not_float:
         if not not_int:  # integers with holes: NaN needs a float
-            return Inference(name, ColumnType.FLOAT, f"{name}: float, not int64, because {len(empty)} cells are empty "
-                             f"and become NaN ({_cells(empty)}); pass --types {name}:int64 to make them bad rows",
-                             warn=True)
+            return Inference(
+                name,
+                ColumnType.FLOAT,
+                f"{name}: float, not int64, because {len(empty)} cells are empty "
+                f"and become NaN ({_cells(empty)}); pass --types {name}:int64 to make them bad rows",
+                warn=True,
+            )
         why = f"{name}: float (all {len(present)} non-empty sampled cells are numbers)"
         if empty:
-            return Inference(name, ColumnType.FLOAT, f"{why}; {len(empty)} empty cells become NaN ({_cells(empty)})",
-                             warn=True)
+            return Inference(
+                name, ColumnType.FLOAT, f"{why}; {len(empty)} empty cells become NaN ({_cells(empty)})", warn=True
+            )
         return Inference(name, ColumnType.FLOAT, why)
     if len(not_float) < len(present) / 2:  # mostly numbers: say which cells made it text
         shown = ", ".join(f"{v!r} at {w}" for w, v in not_float[:_SHOW])
         more = f" and {len(not_float) - _SHOW} more" if len(not_float) > _SHOW else ""
-        return Inference(name, ColumnType.STRING,
-                         f"{name}: string, because {len(not_float)} of {len(present)} sampled cells are not numbers: "
-                         f"{shown}{more}; pass --types {name}:float to read it as numbers (those rows are then bad "
-                         f"rows: an error, or dropped and counted with --on-error skip)", warn=True)
+        return Inference(
+            name,
+            ColumnType.STRING,
+            f"{name}: string, because {len(not_float)} of {len(present)} sampled cells are not numbers: "
+            f"{shown}{more}; pass --types {name}:float to read it as numbers (those rows are then bad "
+            f"rows: an error, or dropped and counted with --on-error skip)",
+            warn=True,
+        )
     return Inference(name, ColumnType.STRING, f"{name}: string (e.g. {present[0][1]!r} at {present[0][0]})")
 
 
@@ -146,8 +166,11 @@ def encode_labels(values: list[str], classes: tuple[str, ...], name: str) -> tup
     for i, v in enumerate(values):
         k = index.get(v)
         if k is None:
-            bad[i] = (f"label column {name!r}: empty label" if v == "" else
-                      f"label column {name!r}: {v!r} is not one of the classes found when the job started")
+            bad[i] = (
+                f"label column {name!r}: empty label"
+                if v == ""
+                else f"label column {name!r}: {v!r} is not one of the classes found when the job started"
+            )
         else:
             out[i] = k
     return out, bad
@@ -171,8 +194,11 @@ def convert_strings(values: list[str], typ: ColumnType, name: str) -> tuple[obje
         try:
             out[i] = int(v) if typ is ColumnType.INT64 else float(v)
         except (ValueError, OverflowError):
-            bad[i] = (f"column {name!r}: empty value in an int64 column (declare it float to keep the row as NaN)"
-                      if not v.strip() else f"column {name!r}: {v!r} is not {'an int64' if typ is ColumnType.INT64 else 'a float'}")
+            bad[i] = (
+                f"column {name!r}: empty value in an int64 column (declare it float to keep the row as NaN)"
+                if not v.strip()
+                else f"column {name!r}: {v!r} is not {'an int64' if typ is ColumnType.INT64 else 'a float'}"
+            )
     return out, bad
 
 
@@ -180,8 +206,9 @@ def feature_name(name: str, label: str | None) -> str:
     return "label" if label is not None and name == label else name
 
 
-def table_schema(columns: list[tuple[str, ColumnType]], label: str | None,
-                 classes: tuple[str, ...] | None = None) -> Schema:
+def table_schema(
+    columns: list[tuple[str, ColumnType]], label: str | None, classes: tuple[str, ...] | None = None
+) -> Schema:
     names = [n for n, _ in columns]
     if label is not None:
         if label not in names:
@@ -195,8 +222,9 @@ def table_schema(columns: list[tuple[str, ColumnType]], label: str | None,
     return Schema(feats)
 
 
-def table_metadata(kind: str, label: str | None, classes: tuple[str, ...] | None = None,
-                   inferred: tuple[Inference, ...] = ()) -> dict:
+def table_metadata(
+    kind: str, label: str | None, classes: tuple[str, ...] | None = None, inferred: tuple[Inference, ...] = ()
+) -> dict:
     meta: dict = {"source": kind}
     if label is not None:
         meta["label_column"] = label

@@ -49,21 +49,46 @@ class WriteDataset(beam.PTransform):
     new splits to it (`crossfeed.write.writer.check_target`); the commit is one atomic rename.
     """
 
-    def __init__(self, path, *, split: str = "train", splits: SplitSpec | str | None = None,
-                 num_shards: int | None = None, shard_size: int = DEFAULT_SHARD_SIZE, schema: Schema | None = None,
-                 compress: bool = False, metadata: dict | None = None, seed: int = 0, batched: bool = False,
-                 max_skips: int | None = None, key_groups: int = 64, token: str | None = None,
-                 progress: bool = False, overwrite: bool = False, add_split: bool = False):
+    def __init__(
+        self,
+        path,
+        *,
+        split: str = "train",
+        splits: SplitSpec | str | None = None,
+        num_shards: int | None = None,
+        shard_size: int = DEFAULT_SHARD_SIZE,
+        schema: Schema | None = None,
+        compress: bool = False,
+        metadata: dict | None = None,
+        seed: int = 0,
+        batched: bool = False,
+        max_skips: int | None = None,
+        key_groups: int = 64,
+        token: str | None = None,
+        progress: bool = False,
+        overwrite: bool = False,
+        add_split: bool = False,
+    ):
         super().__init__()
         if isinstance(splits, str):
             splits = SplitSpec.parse(splits)
         if key_groups < 1:
             raise ConfigError(f"key_groups must be >= 1, got {key_groups}")
         self.cfg = WriteConfig(
-            root=str(path), token=token or secrets.token_hex(6), splits=splits or SplitSpec.single(split),
-            num_shards=num_shards, shard_size=shard_size, schema=schema, compress=compress,
-            metadata=dict(metadata or {}), seed=seed, policy=ErrorPolicy("skip", max_skips), progress=progress,
-            overwrite=overwrite, add_split=add_split)
+            root=str(path),
+            token=token or secrets.token_hex(6),
+            splits=splits or SplitSpec.single(split),
+            num_shards=num_shards,
+            shard_size=shard_size,
+            schema=schema,
+            compress=compress,
+            metadata=dict(metadata or {}),
+            seed=seed,
+            policy=ErrorPolicy("skip", max_skips),
+            progress=progress,
+            overwrite=overwrite,
+            add_split=add_split,
+        )
         self.batched = batched
         self.key_groups = key_groups
 
@@ -72,21 +97,38 @@ class WriteDataset(beam.PTransform):
         batches = pcoll if self.batched else pcoll | "BatchPairs" >> _BatchPairs(self.key_groups)
         encoded = batches | "Encode" >> beam.ParDo(EncodeDoFn(cfg))
         # A marker from a one-element Create, so that an empty input still reaches Plan and fails clearly.
-        begin = (pcoll.pipeline | "Begin" >> beam.Create([None])
-                 | "BeginMarker" >> beam.Map(lambda _: (0, ("begin", None))))
+        begin = (
+            pcoll.pipeline | "Begin" >> beam.Create([None]) | "BeginMarker" >> beam.Map(lambda _: (0, ("begin", None)))
+        )
         summaries = encoded | "Summaries" >> beam.Map(lambda kv: (0, ("summary", kv[1][1])))
-        planned = ((summaries, begin) | "GatherSummaries" >> beam.Flatten()
-                   | "GroupSummaries" >> beam.GroupByKey() | "Plan" >> beam.ParDo(PlanDoFn(cfg)))
+        planned = (
+            (summaries, begin)
+            | "GatherSummaries" >> beam.Flatten()
+            | "GroupSummaries" >> beam.GroupByKey()
+            | "Plan" >> beam.ParDo(PlanDoFn(cfg))
+        )
         tables = planned | "RouteTables" >> beam.FlatMap(_pick, "route", "table")
         shard_plans = planned | "ShardPlans" >> beam.FlatMap(_pick, "shard", "plan")
         commit_info = planned | "CommitInfo" >> beam.FlatMap(_pick, "commit", "commit")
         parts = encoded | "Parts" >> beam.Map(lambda kv: (kv[0], ("parts", kv[1][0])))
-        pieces = ((parts, tables) | "JoinPlan" >> beam.Flatten()
-                  | "GroupByBatch" >> beam.GroupByKey() | "Route" >> beam.FlatMap(route_batch))
-        staged = ((pieces, shard_plans) | "JoinShardPlans" >> beam.Flatten()
-                  | "GroupByShard" >> beam.GroupByKey() | "WriteShards" >> beam.ParDo(WriteShardDoFn(cfg)))
-        return ((staged, commit_info) | "JoinCommit" >> beam.Flatten()
-                | "GroupForCommit" >> beam.GroupByKey() | "Commit" >> beam.ParDo(CommitDoFn(cfg)))
+        pieces = (
+            (parts, tables)
+            | "JoinPlan" >> beam.Flatten()
+            | "GroupByBatch" >> beam.GroupByKey()
+            | "Route" >> beam.FlatMap(route_batch)
+        )
+        staged = (
+            (pieces, shard_plans)
+            | "JoinShardPlans" >> beam.Flatten()
+            | "GroupByShard" >> beam.GroupByKey()
+            | "WriteShards" >> beam.ParDo(WriteShardDoFn(cfg))
+        )
+        return (
+            (staged, commit_info)
+            | "JoinCommit" >> beam.Flatten()
+            | "GroupForCommit" >> beam.GroupByKey()
+            | "Commit" >> beam.ParDo(CommitDoFn(cfg))
+        )
 
 
 def _pick(element, tag: str, new_tag: str):
@@ -103,8 +145,12 @@ class _BatchPairs(beam.PTransform):
         self.groups = groups
 
     def expand(self, pcoll):
-        return (pcoll | "KeyByGroup" >> beam.Map(_group_of, self.groups)
-                | "GroupPairs" >> beam.GroupByKey() | "ToBatches" >> beam.FlatMap(_to_batches))
+        return (
+            pcoll
+            | "KeyByGroup" >> beam.Map(_group_of, self.groups)
+            | "GroupPairs" >> beam.GroupByKey()
+            | "ToBatches" >> beam.FlatMap(_to_batches)
+        )
 
 
 def _group_of(pair, groups: int):

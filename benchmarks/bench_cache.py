@@ -164,10 +164,17 @@ def main(argv=None) -> None:
         bw = link_bandwidth(base, shard_files)
         nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in shard_files) / a.samples
         runs = {}
-        for who, url, shuffle in (("local", os.path.join(root, "cf"), "global"), ("crossfeed", f"{base}/cf", "global"),
-                                  ("crossfeed", f"{base}/cf", "block"), ("wds", f"{base}/wds", "none")):
-            out = subprocess.run([sys.executable, __file__, "--samples", str(a.samples), "--data", a.data,
-                                  "--child", who, url, shuffle], capture_output=True, text=True)
+        for who, url, shuffle in (
+            ("local", os.path.join(root, "cf"), "global"),
+            ("crossfeed", f"{base}/cf", "global"),
+            ("crossfeed", f"{base}/cf", "block"),
+            ("wds", f"{base}/wds", "none"),
+        ):
+            out = subprocess.run(
+                [sys.executable, __file__, "--samples", str(a.samples), "--data", a.data, "--child", who, url, shuffle],
+                capture_output=True,
+                text=True,
+            )
             if out.returncode:
                 print(f"{who} {shuffle} failed: {out.stderr.strip().splitlines()[-1:]}")
                 continue
@@ -175,13 +182,18 @@ def main(argv=None) -> None:
     finally:
         server.shutdown()
     local = runs.get(("local", "global"), {"rates": [float("nan")] * 2})["rates"][1]
-    print(f"{a.samples} raw {SIDE}×{SIDE}×3 samples ({nbytes / 1e3:.0f} KB each) over HTTP, {a.latency * 1e3:.0f} ms per "
-          f"request; link {bw / 1e6:,.0f} MB/s = {bw / nbytes:,.0f} samples/s")
+    print(
+        f"{a.samples} raw {SIDE}×{SIDE}×3 samples ({nbytes / 1e3:.0f} KB each) over HTTP, {a.latency * 1e3:.0f} ms per "
+        f"request; link {bw / 1e6:,.0f} MB/s = {bw / nbytes:,.0f} samples/s"
+    )
     print(f"{'reader':28} {'epoch 1/s':>10} {'of link':>8} {'epoch 2/s':>10} {'of local':>9} {'peak RSS':>9}")
     for (who, shuffle), r in runs.items():
         e1, e2 = r["rates"]
-        name = {"local": "crossfeed, local disk", "crossfeed": f"crossfeed cache, {shuffle}",
-                "wds": "webdataset cache_dir"}[who]
+        name = {
+            "local": "crossfeed, local disk",
+            "crossfeed": f"crossfeed cache, {shuffle}",
+            "wds": "webdataset cache_dir",
+        }[who]
         print(f"{name:28} {e1:10,.0f} {e1 * nbytes / bw:8.2f} {e2:10,.0f} {e2 / local:9.2f} {r['rss'] / 2**20:7.0f} MB")
     try:
         import streaming  # noqa: F401

@@ -45,8 +45,15 @@ def make_csv(folder: str, rows: int, files: int = 4, seed: int = 0) -> None:
         with open(os.path.join(folder, f"part-{f:02d}.csv"), "w", newline="") as out:
             w = csv.writer(out)
             w.writerow(["id", "a", "b", "name", "label"])
-            w.writerows(zip(ids.tolist(), np.round(a, 6).tolist(), np.round(b, 6).tolist(),
-                            [f"item{i}" for i in ids.tolist()], labels.tolist()))
+            w.writerows(
+                zip(
+                    ids.tolist(),
+                    np.round(a, 6).tolist(),
+                    np.round(b, 6).tolist(),
+                    [f"item{i}" for i in ids.tolist()],
+                    labels.tolist(),
+                )
+            )
 
 
 def plain_loop(source, out: str, shards: int) -> int:
@@ -92,26 +99,44 @@ def main(argv=None) -> None:
         workloads = {}
         if "tabular" in args.workloads:
             make_csv(os.path.join(tmp, "csv"), args.rows)
-            workloads["tabular"] = (make_source("csv", os.path.join(tmp, "csv"), label="label"),
-                                    dict(splits="train=0.9,validation=0.1", num_shards=8), 8)
+            workloads["tabular"] = (
+                make_source("csv", os.path.join(tmp, "csv"), label="label"),
+                dict(splits="train=0.9,validation=0.1", num_shards=8),
+                8,
+            )
         if "jpeg" in args.workloads:
-            make_image_folder(os.path.join(tmp, "img"), n_per_class=max(1, args.images // 4), classes=4, size=args.image_size)
+            make_image_folder(
+                os.path.join(tmp, "img"), n_per_class=max(1, args.images // 4), classes=4, size=args.image_size
+            )
             workloads["jpeg"] = (make_source("images", os.path.join(tmp, "img")), dict(num_shards=4), 4)
         if not args.no_dask:
             from distributed import LocalCluster
 
-            cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None,
-                                   silence_logs=logging.ERROR)
+            cluster = LocalCluster(
+                n_workers=args.workers,
+                threads_per_worker=1,
+                processes=True,
+                dashboard_address=None,
+                silence_logs=logging.ERROR,
+            )
             logging.getLogger("distributed").setLevel(logging.ERROR)
         print(f"{'workload':10s} {'way':8s} {'samples':>9s} {'seconds':>8s} {'samples/s':>11s}")
         for name, (source, options, shards) in workloads.items():
             rates = {}
-            runs = {"loop": lambda: plain_loop(source, os.path.join(tmp, f"{name}-loop"), shards),
-                    "direct": lambda: convert(source, os.path.join(tmp, f"{name}-direct"), **options).total_samples}
+            runs = {
+                "loop": lambda: plain_loop(source, os.path.join(tmp, f"{name}-loop"), shards),
+                "direct": lambda: convert(source, os.path.join(tmp, f"{name}-direct"), **options).total_samples,
+            }
             if cluster is not None:
-                runs["dask"] = lambda: convert(source, os.path.join(tmp, f"{name}-dask"), runner="DaskRunner",
-                                               beam_args=[f"--dask_client_address={cluster.scheduler_address}"],
-                                               **options).total_samples
+                runs["dask"] = lambda: (
+                    convert(
+                        source,
+                        os.path.join(tmp, f"{name}-dask"),
+                        runner="DaskRunner",
+                        beam_args=[f"--dask_client_address={cluster.scheduler_address}"],
+                        **options,
+                    ).total_samples
+                )
             for way, fn in runs.items():
                 n, s = timed(fn)
                 rates[way] = n / s

@@ -80,6 +80,7 @@ CONFIGS_QUICK = {**CONFIGS, "tfrecord": {"none": ["w2"]}, "wds": {"none": ["w2"]
 
 # ---- data ------------------------------------------------------------------------------------
 
+
 def _sample(kind: str, i: int, rng: np.random.Generator) -> dict:
     if kind == "raw":
         return {"image": rng.integers(0, 256, (HW, HW, 3), dtype=np.uint8), "label": i}
@@ -136,7 +137,9 @@ def prepare(kind: str, n: int, root: str, writers, wds: bool = False) -> None:
             crossfeed.write_dataset(out, _samples(kind, n), num_shards=SHARDS, schema=_schema(kind)).close()
         else:  # TensorFlow in a process of its own, then `crossfeed index`
             subprocess.run([sys.executable, os.path.abspath(__file__), "--write-tf", kind, str(n), out], check=True)
-            subprocess.run([sys.executable, "-m", "crossfeed.cli.main", "index", out], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [sys.executable, "-m", "crossfeed.cli.main", "index", out], check=True, stdout=subprocess.DEVNULL
+            )
     d = os.path.join(root, f"{kind}-{n}", "wds")
     if wds and not os.path.exists(os.path.join(d, "DONE")):
         os.makedirs(d, exist_ok=True)
@@ -161,20 +164,25 @@ def write_tf(kind: str, n: int, out: str) -> None:
     import tensorflow as tf
 
     os.makedirs(out, exist_ok=True)
-    writers = [tf.io.TFRecordWriter(os.path.join(out, f"train-{s:05d}-of-{SHARDS:05d}.tfrecord")) for s in range(SHARDS)]
+    writers = [
+        tf.io.TFRecordWriter(os.path.join(out, f"train-{s:05d}-of-{SHARDS:05d}.tfrecord")) for s in range(SHARDS)
+    ]
     for i, s in enumerate(_samples(kind, n)):
         f = {"label": tf.train.Feature(int64_list=tf.train.Int64List(value=[s["label"]]))}
         if kind == "tabular":
             f["x"] = tf.train.Feature(float_list=tf.train.FloatList(value=s["x"].tolist()))
         else:
             v = s["image"]
-            f["image"] = tf.train.Feature(bytes_list=tf.train.BytesList(value=[v if isinstance(v, bytes) else v.tobytes()]))
+            f["image"] = tf.train.Feature(
+                bytes_list=tf.train.BytesList(value=[v if isinstance(v, bytes) else v.tobytes()])
+            )
         writers[i % SHARDS].write(tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString())
     for w in writers:
         w.close()
 
 
 # ---- readers (each yields dict batches with "label" and "image"/"x"; ``sd`` is a shard dir) ------
+
 
 def _tfrecord_files(sd: str) -> list[str]:
     return sorted(os.path.join(sd, f) for f in os.listdir(sd) if f.endswith(".tfrecord"))
@@ -201,25 +209,33 @@ def reader_tf(kind: str, sd: str, b: int, config: str):
 
     files = _tfrecord_files(sd)
     value = "x" if kind == "tabular" else "image"
-    spec = {"label": tf.io.FixedLenFeature([], tf.int64),
-            value: tf.io.FixedLenFeature([32], tf.float32) if kind == "tabular" else tf.io.FixedLenFeature([], tf.string)}
+    spec = {
+        "label": tf.io.FixedLenFeature([], tf.int64),
+        value: tf.io.FixedLenFeature([32], tf.float32) if kind == "tabular" else tf.io.FixedLenFeature([], tf.string),
+    }
     auto = tf.data.AUTOTUNE
     if config == "shuf":
         ds = tf.data.Dataset.from_tensor_slices(files).shuffle(len(files), seed=0)
-        ds = tf.data.TFRecordDataset(ds, num_parallel_reads=auto, buffer_size=8 << 20).shuffle(SHUFFLE_BUFFER[kind], seed=0)
+        ds = tf.data.TFRecordDataset(ds, num_parallel_reads=auto, buffer_size=8 << 20).shuffle(
+            SHUFFLE_BUFFER[kind], seed=0
+        )
     else:
         ds = tf.data.TFRecordDataset(files, num_parallel_reads=None if config == "seq" else auto, buffer_size=8 << 20)
     if kind == "jpeg":
+
         def parse_one(rec):
             p = tf.io.parse_single_example(rec, spec)
             return {"image": tf.io.decode_jpeg(p["image"], channels=3), "label": p["label"]}
+
         ds = ds.map(parse_one, num_parallel_calls=auto, deterministic=False).batch(b)
     else:
+
         def parse_batch(recs):
             p = tf.io.parse_example(recs, spec)
             if kind == "raw":
                 p["image"] = tf.reshape(tf.io.decode_raw(p["image"], tf.uint8), [-1, HW, HW, 3])
             return p
+
         ds = ds.batch(b).map(parse_batch, num_parallel_calls=auto, deterministic=False)
     opts = tf.data.Options()
     opts.deterministic = False
@@ -228,6 +244,7 @@ def reader_tf(kind: str, sd: str, b: int, config: str):
     class Epochs:
         def __iter__(self):
             return ds.as_numpy_iterator()
+
     return Epochs(), lambda: None
 
 
@@ -247,7 +264,8 @@ def reader_tfrecord(kind: str, sd: str, b: int, config: str):
         return {value: v, "label": s["label"][0]}
 
     ds = torch.utils.data.ChainDataset(
-        [TFRecordDataset(f, f + ".idx", desc, transform=transform) for f in _tfrecord_files(sd)])
+        [TFRecordDataset(f, f + ".idx", desc, transform=transform) for f in _tfrecord_files(sd)]
+    )
     workers = int(config[1:])
     dl = torch.utils.data.DataLoader(ds, batch_size=b, num_workers=workers, persistent_workers=workers > 0)
     return dl, lambda: None
@@ -276,8 +294,11 @@ def reader_wds(kind: str, sd: str, b: int, config: str):
         vs, ls = zip(*samples)
         return {value: np.stack(vs), "label": np.asarray(ls, np.int64)}
 
-    ds = (wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node, empty_check=False)
-          .map(decode).batched(b, collation_fn=collate, partial=True))
+    ds = (
+        wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node, empty_check=False)
+        .map(decode)
+        .batched(b, collation_fn=collate, partial=True)
+    )
     workers = int(config[1:])
     if workers == 0:
         return ds, lambda: None
@@ -286,6 +307,7 @@ def reader_wds(kind: str, sd: str, b: int, config: str):
 
 
 # ---- one measurement, in a child process ----------------------------------------------------------
+
 
 class _MemSampler:
     """Peak RSS and peak private (RSS − shared: not counting mmap'd page cache) of this process."""
@@ -333,7 +355,12 @@ def _len_and_label_sum(batch) -> tuple[int, int, tuple]:
 
 # ---- one reader's runs, in a child process -------------------------------------------------------
 
-_IMPORTS = {"crossfeed": "crossfeed.read.loader", "tf": "tensorflow", "tfrecord": "tfrecord.torch.dataset", "wds": "webdataset"}
+_IMPORTS = {
+    "crossfeed": "crossfeed.read.loader",
+    "tf": "tensorflow",
+    "tfrecord": "tfrecord.torch.dataset",
+    "wds": "webdataset",
+}
 
 
 def child_one(reader: str, kind: str, sd: str, b: int, config: str, epochs: int, n: int) -> dict:
@@ -348,8 +375,10 @@ def child_one(reader: str, kind: str, sd: str, b: int, config: str, epochs: int,
         k, s, form = _len_and_label_sum(batch)
         count, label_sum = count + k, label_sum + s
     if count != n or label_sum != n * (n - 1) // 2:
-        raise RuntimeError(f"{reader}/{config}/{kind}/b{b}: delivered {count} samples, label sum {label_sum}; "
-                           f"expected {n}, {n * (n - 1) // 2}")
+        raise RuntimeError(
+            f"{reader}/{config}/{kind}/b{b}: delivered {count} samples, label sum {label_sum}; "
+            f"expected {n}, {n * (n - 1) // 2}"
+        )
     best, best_cpu = 0.0, 0.0
     for _ in range(epochs):
         c0, t = _cpu_seconds(mem._p), time.perf_counter()
@@ -360,8 +389,18 @@ def child_one(reader: str, kind: str, sd: str, b: int, config: str, epochs: int,
         best, best_cpu = max(best, count / wall), max(best_cpu, count / max(cpu, 1e-9))
     close()
     mem.stop()
-    return {"reader": reader, "config": config, "workload": kind, "batch": b, "samples_per_s": best, "per_cpu_s": best_cpu,
-            "ttfb_s": ttfb, "peak_rss": mem.peak_rss, "peak_private": mem.peak_private, "form": form}
+    return {
+        "reader": reader,
+        "config": config,
+        "workload": kind,
+        "batch": b,
+        "samples_per_s": best,
+        "per_cpu_s": best_cpu,
+        "ttfb_s": ttfb,
+        "peak_rss": mem.peak_rss,
+        "peak_private": mem.peak_private,
+        "form": form,
+    }
 
 
 def child(reader: str, kind: str, sd: str, runs: str, epochs: int, n: int) -> list[dict]:
@@ -373,7 +412,15 @@ def child(reader: str, kind: str, sd: str, runs: str, epochs: int, n: int) -> li
         try:
             out.append(child_one(reader, kind, sd, int(b), config, epochs, n))
         except Exception as e:  # noqa: BLE001 - reported in the table, the other runs go on
-            out.append({"reader": reader, "config": config, "workload": kind, "batch": int(b), "error": f"{type(e).__name__}: {e}"})
+            out.append(
+                {
+                    "reader": reader,
+                    "config": config,
+                    "workload": kind,
+                    "batch": int(b),
+                    "error": f"{type(e).__name__}: {e}",
+                }
+            )
     return out
 
 
@@ -383,8 +430,7 @@ def shuffle_quality(sd: str, b: int) -> dict:
 
     out = {}
     for mode in ("global", "block", "none"):
-        with Loader(sd, batch_size=b, shuffle=mode, seed=0, features=["label"],
-                    return_index=True) as loader:
+        with Loader(sd, batch_size=b, shuffle=mode, seed=0, features=["label"], return_index=True) as loader:
             order = np.concatenate([bt["__index__"] for bt in loader])
             starts = loader.split.starts
         n = len(order)
@@ -399,6 +445,7 @@ def shuffle_quality(sd: str, b: int) -> dict:
 
 
 # ---- driver -------------------------------------------------------------------------------------
+
 
 def _run_child(args: list[str], timeout: float):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", *args]
@@ -422,17 +469,25 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, 1 round: the whole sweep takes < 6 minutes")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--writers", default=",".join(WRITERS), help="who wrote the shards: crossfeed, tf (then `crossfeed index`)")
+    ap.add_argument(
+        "--writers", default=",".join(WRITERS), help="who wrote the shards: crossfeed, tf (then `crossfeed index`)"
+    )
     ap.add_argument("--readers", default="crossfeed,tf", help=f"any of {','.join(READERS)}")
     ap.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
     ap.add_argument("--shuffles", default=",".join(SHUFFLES), help="none (file order), global")
     for k in WORKLOADS:
         ap.add_argument(f"--{k}", type=int, default=None, help=f"samples of the {k} workload")
     ap.add_argument("--epochs", type=int, default=None, help="timed epochs per run (best kept); default 2")
-    ap.add_argument("--dir", default=os.environ.get("CROSSFEED_BENCH_DIR", os.path.join(tempfile.gettempdir(), "crossfeed-bench")))
-    ap.add_argument("--rounds", type=int, default=None, help="rounds over all readers (best kept); default 1 quick, 2 full")
+    ap.add_argument(
+        "--dir", default=os.environ.get("CROSSFEED_BENCH_DIR", os.path.join(tempfile.gettempdir(), "crossfeed-bench"))
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="rounds over all readers (best kept); default 1 quick, 2 full"
+    )
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per reader process")
-    ap.add_argument("--child", nargs=6, metavar=("READER", "KIND", "SHARDS", "RUNS", "EPOCHS", "N"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--child", nargs=6, metavar=("READER", "KIND", "SHARDS", "RUNS", "EPOCHS", "N"), help=argparse.SUPPRESS
+    )
     ap.add_argument("--write-tf", nargs=3, metavar=("KIND", "N", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.write_tf:
@@ -460,9 +515,12 @@ def main(argv=None) -> None:
     batches = [int(b) for b in a.batch_sizes.split(",") if b]
     shuffles = [s for s in a.shuffles.split(",") if s]
     configs = CONFIGS_QUICK if a.quick else CONFIGS
-    print(f"bench_loader: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, sizes {({k: sizes[k] for k in kinds})}, "
-          f"batch sizes {batches}, writers {writers}, shuffles {shuffles}, {rounds} round(s) × {epochs} timed epoch(s) "
-          f"(best kept); load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"bench_loader: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, sizes { ({k: sizes[k] for k in kinds}) }, "
+        f"batch sizes {batches}, writers {writers}, shuffles {shuffles}, {rounds} round(s) × {epochs} timed epoch(s) "
+        f"(best kept); load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     runs: dict[tuple, dict] = {}  # (kind, writer, reader, batch, config) → best result over the rounds
     for k in kinds:
         prepare(k, sizes[k], a.dir, writers, wds="wds" in readers)
@@ -477,14 +535,19 @@ def main(argv=None) -> None:
                     cs = [(b, c) for b in bs for s in shuffles for c in configs[r].get(s, [])]
                     if not cs:
                         continue
-                    res = _run_child([r, k, sd, ",".join(f"{b}:{c}" for b, c in cs), str(epochs), str(sizes[k])], a.timeout)
+                    res = _run_child(
+                        [r, k, sd, ",".join(f"{b}:{c}" for b, c in cs), str(epochs), str(sizes[k])], a.timeout
+                    )
                     for one in res or []:
                         tag = f"  {k:8s} {w:9s} {r:9s} b{one['batch']:<5d} {one['config']:6s} round {rnd + 1}:"
                         if "error" in one:
                             print(f"{tag} FAILED {one['error']}", flush=True)
                             continue
-                        print(f"{tag} {one['samples_per_s']:>11,.0f} samples/s ({one['per_cpu_s']:>10,.0f} per CPU-s)  "
-                              f"first batch {one['ttfb_s']:.2f}s  peak RSS {one['peak_rss'] / 2**20:,.0f} MiB", flush=True)
+                        print(
+                            f"{tag} {one['samples_per_s']:>11,.0f} samples/s ({one['per_cpu_s']:>10,.0f} per CPU-s)  "
+                            f"first batch {one['ttfb_s']:.2f}s  peak RSS {one['peak_rss'] / 2**20:,.0f} MiB",
+                            flush=True,
+                        )
                         key = (k, w, r, one["batch"], one["config"])
                         if key in runs:  # best of the rounds, per measure
                             old = runs[key]
@@ -502,13 +565,23 @@ def main(argv=None) -> None:
         k = "tabular" if "tabular" in kinds else kinds[0]
         q = _run_child(["shuffle", k, shard_dir(a.dir, k, sizes[k], writers[0]), "256", "0", "0"], a.timeout)
         if q:
-            print(f"\nshuffle quality (crossfeed, {k} workload, {sizes[k]:,} samples; position vs original index, 0 = no order left):")
-            print(f"  {'mode':8s} {'spearman':>9s} {'pearson':>9s} {'same-shard neighbours':>22s} {'mean |jump|/N':>14s}")
+            print(
+                f"\nshuffle quality (crossfeed, {k} workload, {sizes[k]:,} samples; position vs original index, 0 = no order left):"
+            )
+            print(
+                f"  {'mode':8s} {'spearman':>9s} {'pearson':>9s} {'same-shard neighbours':>22s} {'mean |jump|/N':>14s}"
+            )
             for mode, m in q.items():
-                print(f"  {mode:8s} {m['spearman']:>9.4f} {m['pearson']:>9.4f} {m['same_shard_adjacent']:>22.3f} {m['mean_jump']:>14.3f}")
-            print("  (a uniform random order gives spearman ≈ 0, same-shard neighbours ≈ 1/shards, mean |jump|/N ≈ 0.333)")
-    print(f"\nwhole run: {time.perf_counter() - t_start:.0f} s; load average now {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} CPUs (above the CPU count: the machine was busy, the numbers are low and noisy)")
+                print(
+                    f"  {mode:8s} {m['spearman']:>9.4f} {m['pearson']:>9.4f} {m['same_shard_adjacent']:>22.3f} {m['mean_jump']:>14.3f}"
+                )
+            print(
+                "  (a uniform random order gives spearman ≈ 0, same-shard neighbours ≈ 1/shards, mean |jump|/N ≈ 0.333)"
+            )
+    print(
+        f"\nwhole run: {time.perf_counter() - t_start:.0f} s; load average now {os.getloadavg()[0]:.1f} "
+        f"on {os.cpu_count()} CPUs (above the CPU count: the machine was busy, the numbers are low and noisy)"
+    )
 
 
 def _fmt(x: float) -> str:
@@ -516,9 +589,13 @@ def _fmt(x: float) -> str:
 
 
 def _sweep_table(kinds, writers, batches, shuffles, sizes, runs, configs) -> None:
-    print("\ncrossfeed vs tf.data, samples/s (tf.data at its best configuration for the shuffle mode; first batch in s)")
-    head = (f"{'workload':8s} {'writer':9s} {'batch':>5s} {'shuffle':7s} {'crossfeed':>9s} {'tf.data':>14s} {'ratio':>6s} "
-            f"{'goal':>6s} {'':1s}  {'vs tf file order':>16s}  {'first batch cf / tf':>19s}")
+    print(
+        "\ncrossfeed vs tf.data, samples/s (tf.data at its best configuration for the shuffle mode; first batch in s)"
+    )
+    head = (
+        f"{'workload':8s} {'writer':9s} {'batch':>5s} {'shuffle':7s} {'crossfeed':>9s} {'tf.data':>14s} {'ratio':>6s} "
+        f"{'goal':>6s} {'':1s}  {'vs tf file order':>16s}  {'first batch cf / tf':>19s}"
+    )
     print(head)
     print("-" * len(head))
     met = missed = 0
@@ -544,20 +621,28 @@ def _sweep_table(kinds, writers, batches, shuffles, sizes, runs, configs) -> Non
                         ok = ratio >= goal
                         met, missed = met + ok, missed + (not ok)
                         mark = "✓" if ok else "✗"
-                    vs_file = f"{cf['samples_per_s'] / tf_file['samples_per_s']:.2f}×" if tf_file and s != "none" else ""
+                    vs_file = (
+                        f"{cf['samples_per_s'] / tf_file['samples_per_s']:.2f}×" if tf_file and s != "none" else ""
+                    )
                     ttfb = f"{cf['ttfb_s']:.2f}{'' if cf['ttfb_s'] <= TTFB_GOAL else '✗'} / {tf_['ttfb_s']:.2f}"
                     flag = ""
                     if k == "raw" and w == "tf":
                         flag, _ = " *", notes.add("*")
-                    print(f"{row} {_fmt(cf['samples_per_s']):>9s} {_fmt(tf_['samples_per_s']) + ' (' + tf_['config'] + ')':>14s} "
-                          f"{ratio:5.2f}× {'≥' + format(goal, '.1f') + '×' if goal else '—':>6s} {mark:1s}  {vs_file:>16s}  "
-                          f"{ttfb:>19s}{flag}")
+                    print(
+                        f"{row} {_fmt(cf['samples_per_s']):>9s} {_fmt(tf_['samples_per_s']) + ' (' + tf_['config'] + ')':>14s} "
+                        f"{ratio:5.2f}× {'≥' + format(goal, '.1f') + '×' if goal else '—':>6s} {mark:1s}  {vs_file:>16s}  "
+                        f"{ttfb:>19s}{flag}"
+                    )
     print(f"\ngoals met: {met} of {met + missed}; crossfeed time to first batch goal ≤ {TTFB_GOAL} s (✗ marks a miss)")
-    print("tf.data configurations: seq / par = file order, sequential / parallel reads; shuf = shuffled files, parallel "
-          "reads, shuffle(buffer): " + ", ".join(f"{k} {v:,} records" for k, v in SHUFFLE_BUFFER.items() if k in kinds))
+    print(
+        "tf.data configurations: seq / par = file order, sequential / parallel reads; shuf = shuffled files, parallel "
+        "reads, shuffle(buffer): " + ", ".join(f"{k} {v:,} records" for k, v in SHUFFLE_BUFFER.items() if k in kinds)
+    )
     if "*" in notes:
-        print("* TensorFlow-written raw tensors are adopted as `bytes` (no declared dtype/shape): crossfeed hands out the "
-              "bytes without decoding them; tf.data runs decode_raw. Not like with like.")
+        print(
+            "* TensorFlow-written raw tensors are adopted as `bytes` (no declared dtype/shape): crossfeed hands out the "
+            "bytes without decoding them; tf.data runs decode_raw. Not like with like."
+        )
 
 
 def _peer_table(kinds, batches, peers, runs, configs) -> None:

@@ -61,18 +61,23 @@ def run_tf(paths, batches: int, batch: int, shuffle: str) -> dict:
     spec = {"x": tf.io.FixedLenFeature([32], tf.float32), "label": tf.io.FixedLenFeature([], tf.int64)}
     parts = []
     for i, p in enumerate(paths):
-        ds = tf.data.TFRecordDataset(sorted(glob.glob(os.path.join(p, "train-*.tfrecord"))), num_parallel_reads=tf.data.AUTOTUNE)
+        ds = tf.data.TFRecordDataset(
+            sorted(glob.glob(os.path.join(p, "train-*.tfrecord"))), num_parallel_reads=tf.data.AUTOTUNE
+        )
         if shuffle != "none":
             ds = ds.shuffle(16384, seed=i)
         parts.append(ds.repeat().map(lambda r, i=i: (r, tf.constant(i, tf.int64))))
     w = np.asarray(WEIGHTS, np.float64) / sum(WEIGHTS)
     mixed = tf.data.Dataset.sample_from_datasets(parts, weights=w.tolist(), seed=0)
-    mixed = mixed.batch(batch).map(lambda r, s: (tf.io.parse_example(r, spec), s),
-                                   num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+    mixed = (
+        mixed.batch(batch)
+        .map(lambda r, s: (tf.io.parse_example(r, spec), s), num_parallel_calls=tf.data.AUTOTUNE)
+        .prefetch(tf.data.AUTOTUNE)
+    )
     it = iter(mixed.as_numpy_iterator())
     next(it)
     t, n, counts = time.perf_counter(), 0, np.zeros(3, np.int64)
-    for i in range(batches - 1):
+    for _ in range(batches - 1):
         b, s = next(it)
         n += len(b["label"])
         counts += np.bincount(s, minlength=3)
@@ -94,22 +99,41 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     paths = _paths(a.data)
     if a.child:
-        r = run_tf(paths, a.batches, a.batch, a.shuffle) if a.child == "tf" else \
-            run_crossfeed(paths, a.batches, a.batch, a.shuffle, single=a.child == "single")
+        r = (
+            run_tf(paths, a.batches, a.batch, a.shuffle)
+            if a.child == "tf"
+            else run_crossfeed(paths, a.batches, a.batch, a.shuffle, single=a.child == "single")
+        )
         print(json.dumps(r))
         return
     out = {}
     for who in ("crossfeed", "single", "tf"):
-        cmd = [sys.executable, __file__, "--child", who, "--batches", str(a.batches), "--batch", str(a.batch),
-               "--shuffle", a.shuffle, "--data", a.data]
-        out[who] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            who,
+            "--batches",
+            str(a.batches),
+            "--batch",
+            str(a.batch),
+            "--shuffle",
+            a.shuffle,
+            "--data",
+            a.data,
+        ]
+        out[who] = json.loads(
+            subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        )
     print(f"3 tabular sources {SIZES}, weights {WEIGHTS}, batch {a.batch}, {a.batches} batches, shuffle {a.shuffle}")
     print(f"{'reader':34} {'samples/s':>12} {'proportion error (samples)':>28}")
     print(f"{'crossfeed mixture':34} {out['crossfeed']['rate']:12,.0f} {_error(out['crossfeed']):28.2f}")
     print(f"{'tf.data sample_from_datasets':34} {out['tf']['rate']:12,.0f} {_error(out['tf']):28.2f}")
     print(f"{'crossfeed, largest source alone':34} {out['single']['rate']:12,.0f}")
-    print(f"crossfeed / tf.data: {out['crossfeed']['rate'] / out['tf']['rate']:.2f}×; mixing overhead vs one source: "
-          f"{out['single']['rate'] / out['crossfeed']['rate'] - 1:+.0%}")
+    print(
+        f"crossfeed / tf.data: {out['crossfeed']['rate'] / out['tf']['rate']:.2f}×; mixing overhead vs one source: "
+        f"{out['single']['rate'] / out['crossfeed']['rate'] - 1:+.0%}"
+    )
 
 
 if __name__ == "__main__":

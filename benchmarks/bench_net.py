@@ -37,6 +37,7 @@ def _batch(shape) -> dict:
 
 # ---- processes --------------------------------------------------------------------------
 
+
 def _raw_sender(address: str, shape, ready) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
@@ -77,6 +78,7 @@ def _start(target, address, shape):
 
 # ---- receivers ---------------------------------------------------------------------------
 
+
 def _time_loop(next_message, seconds: float, nbytes: int) -> tuple[float, float]:
     """(messages/s, GB/s) after a short warm-up."""
     for _ in range(3):
@@ -97,6 +99,7 @@ def raw(address: str, shape, seconds: float) -> tuple[float, float]:
     sock.rcvhwm = 4
     sock.connect(endpoint)
     try:
+
         def receive():
             frames = sock.recv_multipart(copy=False)
             return np.frombuffer(frames[2].buffer, np.uint8)
@@ -143,8 +146,10 @@ def main(argv=None) -> None:
     for name, addr in transports.items() if "large" in parts else ():
         r_mps, r_gbs = raw(addr("raw"), LARGE, args.seconds)
         o_mps, o_gbs = ours([addr("ours")], LARGE, args.seconds)
-        print(f"  {name}: crossfeed {o_gbs:6.2f} GB/s ({o_mps:6.1f} batches/s)   raw pyzmq {r_gbs:6.2f} GB/s "
-              f"({r_mps:6.1f}/s)   ratio {o_gbs / r_gbs:.2f}")
+        print(
+            f"  {name}: crossfeed {o_gbs:6.2f} GB/s ({o_mps:6.1f} batches/s)   raw pyzmq {r_gbs:6.2f} GB/s "
+            f"({r_mps:6.1f}/s)   ratio {o_gbs / r_gbs:.2f}"
+        )
     if "small" in parts:
         print(f"small batches {'x'.join(map(str, SMALL))} float32 + 16 sample ids")
     for name, addr in transports.items() if "small" in parts else ():
@@ -152,8 +157,10 @@ def main(argv=None) -> None:
         for credits in [None, *(int(c) for c in args.credits.split(",") if c)]:
             o_mps, _ = ours([addr(f"ours-small-{credits}")], SMALL, args.seconds, credits)
             label = f"{DEFAULT_CREDITS} default" if credits is None else f"{credits}"
-            print(f"  {name}: crossfeed (credits={label:>10}) {o_mps:9.0f} msg/s   raw pyzmq {r_mps:9.0f} msg/s"
-                  f"   ratio {o_mps / r_mps:.2f}")
+            print(
+                f"  {name}: crossfeed (credits={label:>10}) {o_mps:9.0f} msg/s   raw pyzmq {r_mps:9.0f} msg/s"
+                f"   ratio {o_mps / r_mps:.2f}"
+            )
     if "servers" in parts:
         print("M servers -> 1 client, tcp, large batches")
     for m in (int(x) for x in args.servers.split(",") if "servers" in parts):

@@ -25,8 +25,9 @@ def measure(n: int, shuffle: Shuffle, batch: int = 256, batches: int = 200) -> t
     counts = [10**6] * (n // 10**6) if n >= 10**6 else [n]
     tracemalloc.start()
     t = time.perf_counter()
-    plan = Sampler(counts, PlanOptions(batch_size=batch, shuffle=shuffle, seed=0),
-                   ShardOptions(rank=1, world_size=8)).plan(epoch=3, position=0)
+    plan = Sampler(
+        counts, PlanOptions(batch_size=batch, shuffle=shuffle, seed=0), ShardOptions(rank=1, world_size=8)
+    ).plan(epoch=3, position=0)
     make = time.perf_counter() - t
     t = time.perf_counter()
     for b in range(batches):  # in order, as a Loader takes them
@@ -51,13 +52,17 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-exp", type=int, default=10)
     a = ap.parse_args(argv)
-    print(f"{'N':>14} {'shuffle':7} {'plan (ms)':>10} {'µs/batch':>9} {'peak MiB':>9}   materialised permutation (before)")
+    print(
+        f"{'N':>14} {'shuffle':7} {'plan (ms)':>10} {'µs/batch':>9} {'peak MiB':>9}   materialised permutation (before)"
+    )
     for e in range(6, a.max_exp + 1):
         n = 10**e
         base = baseline(n) if e <= 8 else None
         for shuffle in Shuffle:
             make, per, peak = measure(n, shuffle)
-            extra = f"   {base[0] * 1e3:9.0f} ms {base[1] / 2**20:8.0f} MiB" if base and shuffle is Shuffle.GLOBAL else ""
+            extra = (
+                f"   {base[0] * 1e3:9.0f} ms {base[1] / 2**20:8.0f} MiB" if base and shuffle is Shuffle.GLOBAL else ""
+            )
             print(f"{n:>14,} {shuffle.value:7} {make * 1e3:10.2f} {per * 1e6:9.1f} {peak / 2**20:9.2f}{extra}")
 
 

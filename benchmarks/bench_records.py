@@ -97,8 +97,12 @@ def read_crossfeed(files: list[str]) -> tuple[float, int, int]:
 
 
 def read_tf(files: list[str], repeat: int) -> tuple[float, int, int, bool]:
-    proc = subprocess.run([sys.executable, "-c", _TF_READER, json.dumps(files), str(repeat)],
-                          capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _TF_READER, json.dumps(files), str(repeat)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
     if proc.returncode != 0:
         raise SystemExit(f"tf.data reader failed:\n{proc.stderr[-3000:]}")
     r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -127,16 +131,35 @@ def main(argv=None) -> None:
         tf_secs, tf_n, tf_bytes, parallel = read_tf(files, a.repeat)
         if (cf_n, cf_bytes) != (tf_n, tf_bytes):
             raise SystemExit(f"{name}: crossfeed read {cf_n} records / {cf_bytes} bytes, tf.data {tf_n} / {tf_bytes}")
-        rows.append((name, cf_n, cf_bytes / cf_n, cf_n / cf_secs, cf_bytes / cf_secs, tf_n / tf_secs, tf_bytes / tf_secs, parallel))
-    print(f"{'workload':<9} {'records':>8} {'rec size':>9} | {'crossfeed rec/s':>15} {'MB/s':>7} | "
-          f"{'tf.data rec/s':>13} {'MB/s':>7} | {'ratio':>6} {'goal':>5}")
+        rows.append(
+            (
+                name,
+                cf_n,
+                cf_bytes / cf_n,
+                cf_n / cf_secs,
+                cf_bytes / cf_secs,
+                tf_n / tf_secs,
+                tf_bytes / tf_secs,
+                parallel,
+            )
+        )
+    print(
+        f"{'workload':<9} {'records':>8} {'rec size':>9} | {'crossfeed rec/s':>15} {'MB/s':>7} | "
+        f"{'tf.data rec/s':>13} {'MB/s':>7} | {'ratio':>6} {'goal':>5}"
+    )
     for name, n, size, cf_r, cf_b, tf_r, tf_b, parallel in rows:
         ratio = cf_r / tf_r
         mark = "ok" if ratio >= GOALS[name] else "MISS"
         tf_note = "*" if parallel[1] else " "
-        print(f"{name:<9} {n:>8} {size / 1e3:>7.1f}KB | {cf_r:>15,.0f} {cf_b / 1e6:>7,.0f} | "
-              f"{tf_r:>12,.0f}{tf_note} {tf_b / 1e6:>7,.0f} | {ratio:>5.2f}x {GOALS[name]:>4.1f}x {mark}")
-    print("both check every CRC; best of", a.repeat, "passes on a warm page cache; * = tf.data faster with num_parallel_reads=AUTOTUNE")
+        print(
+            f"{name:<9} {n:>8} {size / 1e3:>7.1f}KB | {cf_r:>15,.0f} {cf_b / 1e6:>7,.0f} | "
+            f"{tf_r:>12,.0f}{tf_note} {tf_b / 1e6:>7,.0f} | {ratio:>5.2f}x {GOALS[name]:>4.1f}x {mark}"
+        )
+    print(
+        "both check every CRC; best of",
+        a.repeat,
+        "passes on a warm page cache; * = tf.data faster with num_parallel_reads=AUTOTUNE",
+    )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,9 @@ def prepare(kind: str, n: int, cache: str) -> str:
         return root
     schema = None
     if kind == "jpeg":
-        schema = Schema([Feature("image", "uint8", (64, 64, 3), Encoding.IMAGE),
-                         Feature("label", "int64", (), Encoding.INT64)])
+        schema = Schema(
+            [Feature("image", "uint8", (64, 64, 3), Encoding.IMAGE), Feature("label", "int64", (), Encoding.INT64)]
+        )
     rng = np.random.default_rng(0)
     crossfeed.write_dataset(root, (_sample(kind, i, rng) for i in range(n)), num_shards=SHARDS, schema=schema).close()
     return root
@@ -96,8 +97,9 @@ def hand_written(kind: str, root: str, batch_size: int, seed: int):
         ds = ds.batch(batch_size, drop_remainder=True).map(batch, num_parallel_calls=tf.data.AUTOTUNE)
     else:
         spec = {"x": tf.io.FixedLenFeature([16], tf.float32), "label": tf.io.FixedLenFeature([], tf.int64)}
-        ds = ds.batch(batch_size, drop_remainder=True).map(lambda r: tf.io.parse_example(r, spec),
-                                                           num_parallel_calls=tf.data.AUTOTUNE)
+        ds = ds.batch(batch_size, drop_remainder=True).map(
+            lambda r: tf.io.parse_example(r, spec), num_parallel_calls=tf.data.AUTOTUNE
+        )
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
@@ -106,8 +108,9 @@ def readers(kind: str, root: str, batch_size: int, seed: int = 0) -> dict:
 
     return {
         "tf.data (hand-written)": hand_written(kind, root, batch_size, seed),
-        "crossfeed native": cftf.dataset(root, batch_size=batch_size, seed=seed, engine="native",
-                                         shuffle_buffer=SHUFFLE_BUFFER),
+        "crossfeed native": cftf.dataset(
+            root, batch_size=batch_size, seed=seed, engine="native", shuffle_buffer=SHUFFLE_BUFFER
+        ),
         "crossfeed plan": cftf.dataset(root, batch_size=batch_size, seed=seed, engine="plan"),
     }
 
@@ -130,20 +133,27 @@ def run(kind: str, n: int, batch_size: int, *, epochs: int, cache: str) -> dict:
     expect_sum = sum(i % 10 for i in range(n))  # drop_last: the sum of the samples kept
     best = {name: float("inf") for name in rs}
     cpu = {name: float("inf") for name in rs}
-    for name, ds in rs.items():
+    for ds in rs.values():
         epoch(ds)  # warm-up: tracing, thread pools, page cache
     for _ in range(epochs):  # readers alternate epoch by epoch, so a busy moment hits them alike
         for name, ds in rs.items():
             sec, cpu_sec, got, total = epoch(ds)
             if got != expect_n or (got == n and total != expect_sum):
-                raise RuntimeError(f"{name} delivered {got} samples (label sum {total}) in an epoch, "
-                                   f"expected {expect_n}")
+                raise RuntimeError(
+                    f"{name} delivered {got} samples (label sum {total}) in an epoch, expected {expect_n}"
+                )
             best[name], cpu[name] = min(best[name], sec), min(cpu[name], cpu_sec)
     rates = {name: expect_n / sec for name, sec in best.items()}
     hand = rates["tf.data (hand-written)"]
-    return {"workload": kind, "samples": n, "batch_size": batch_size, "samples_per_s": rates,
-            "cpu_us_per_sample": {name: 1e6 * c / expect_n for name, c in cpu.items()},
-            "native_vs_hand": rates["crossfeed native"] / hand, "plan_vs_hand": rates["crossfeed plan"] / hand}
+    return {
+        "workload": kind,
+        "samples": n,
+        "batch_size": batch_size,
+        "samples_per_s": rates,
+        "cpu_us_per_sample": {name: 1e6 * c / expect_n for name, c in cpu.items()},
+        "native_vs_hand": rates["crossfeed native"] / hand,
+        "plan_vs_hand": rates["crossfeed plan"] / hand,
+    }
 
 
 def main(argv=None) -> int:
@@ -152,8 +162,9 @@ def main(argv=None) -> int:
     for k, (n, _) in WORKLOADS.items():
         ap.add_argument(f"--{k}", type=int, default=n, help=f"samples of the {k} workload")
     ap.add_argument("--epochs", type=int, default=5, help="timed epochs per reader (best kept)")
-    ap.add_argument("--cache", default=os.environ.get("CROSSFEED_BENCH_DIR",
-                                                      os.path.join(tempfile.gettempdir(), "crossfeed-bench")))
+    ap.add_argument(
+        "--cache", default=os.environ.get("CROSSFEED_BENCH_DIR", os.path.join(tempfile.gettempdir(), "crossfeed-bench"))
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON line per workload instead of a table")
     args = ap.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

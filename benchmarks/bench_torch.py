@@ -51,6 +51,7 @@ QUICK = {"raw": 1536, "tabular": 40_000, "jpeg": 1024}  # big enough for epochs 
 
 # ---- data: the workload's TFRecord dataset, and the same samples as webdataset tars --------------
 
+
 def prepare(kind: str, n: int) -> tuple[str, str, dict]:
     """``(crossfeed dataset, webdataset directory, {"n", "label_sum"})``, generated once."""
     import crossfeed
@@ -86,6 +87,7 @@ def prepare(kind: str, n: int) -> tuple[str, str, dict]:
 
 
 # ---- readers: each returns a re-iterable of epochs of dict batches ---------------------------------
+
 
 def _loader(dataset, workers: int, **kw):
     from torch.utils.data import DataLoader
@@ -159,28 +161,38 @@ def reader_webdataset(kind: str, path: str, wds_dir: str, b: int, workers: int):
 
     urls = sorted(os.path.join(wds_dir, f) for f in os.listdir(wds_dir) if f.endswith(".tar"))
     ext = "jpg" if kind == "jpeg" else "npy"
-    ds = (wds.WebDataset(urls, shardshuffle=False, empty_check=False, nodesplitter=wds.single_node_only)
-          .decode("rgb8").to_tuple(ext, "cls").batched(b, collation_fn=_WdsCollate(kind), partial=True))
+    ds = (
+        wds.WebDataset(urls, shardshuffle=False, empty_check=False, nodesplitter=wds.single_node_only)
+        .decode("rgb8")
+        .to_tuple(ext, "cls")
+        .batched(b, collation_fn=_WdsCollate(kind), partial=True)
+    )
     return _loader(ds, workers, batch_size=None)
 
 
 # ---- measuring ---------------------------------------------------------------------------------
 
-def measure(reader: str, kind: str, path: str, wds_dir: str, meta: dict, b: int, workers: int,
-            epochs: int) -> tuple[float, float]:
+
+def measure(
+    reader: str, kind: str, path: str, wds_dir: str, meta: dict, b: int, workers: int, epochs: int
+) -> tuple[float, float]:
     """Best samples/s and least CPU seconds per sample over ``epochs`` timed epochs, after a
     checked warm-up epoch."""
     it = globals()[f"reader_{reader}"](kind, path, wds_dir, b, workers)
     count = label_sum = 0
     for batch in it:
         v = batch[VALUE[kind]]
-        if not (hasattr(v, "shape") and v.shape[1:] == ((workloads.SIDE, workloads.SIDE, 3) if kind != "tabular" else (32,))):
+        if not (
+            hasattr(v, "shape") and v.shape[1:] == ((workloads.SIDE, workloads.SIDE, 3) if kind != "tabular" else (32,))
+        ):
             raise SystemExit(f"{reader}/{kind}: unexpected batch of {type(v).__name__} {getattr(v, 'shape', '')}")
         count += len(batch["label"])
         label_sum += int(batch["label"].sum())
     if (count, label_sum) != (meta["n"], meta["label_sum"]):
-        raise SystemExit(f"{reader}/{kind}/{workers} workers: {count} samples with label sum {label_sum}, "
-                         f"expected {meta['n']} and {meta['label_sum']}")
+        raise SystemExit(
+            f"{reader}/{kind}/{workers} workers: {count} samples with label sum {label_sum}, "
+            f"expected {meta['n']} and {meta['label_sum']}"
+        )
     best, cpu = 0.0, float("inf")
     for _ in range(epochs):
         c, t = _cpu_seconds(), time.perf_counter()
@@ -227,21 +239,32 @@ def main(argv=None) -> None:
             for reader in readers:
                 sps, cpu = measure(reader, kind, path, wds_dir, meta, BATCH[kind], workers, a.epochs)
                 results[(kind, reader, workers)] = sps, cpu
-                print(f"  {kind:8s} {reader:11s} workers={workers}: {sps:12,.0f} samples/s  {cpu * 1e6:8,.0f} CPU µs/sample",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  {kind:8s} {reader:11s} workers={workers}: {sps:12,.0f} samples/s  {cpu * 1e6:8,.0f} CPU µs/sample",
+                    file=sys.stderr,
+                    flush=True,
+                )
     _table(kinds, readers, worker_counts, results)
     assert "tensorflow" not in sys.modules
-    print(f"\n({time.perf_counter() - t0:.0f}s; batch sizes {BATCH}; best of {a.epochs} epochs; "
-          f"{os.cpu_count()} CPUs; tensorflow imported: no)")
+    print(
+        f"\n({time.perf_counter() - t0:.0f}s; batch sizes {BATCH}; best of {a.epochs} epochs; "
+        f"{os.cpu_count()} CPUs; tensorflow imported: no)"
+    )
 
 
 def _table(kinds, readers, worker_counts, results) -> None:
     """Two tables: samples/s (wall clock) and CPU µs per sample (all processes); the ratios are
     crossfeed's advantage (higher samples/s, lower CPU per sample)."""
-    for title, col, fmt, better in (("samples/s (wall clock, best epoch)", 0, "{:12,.0f}", lambda cf, v: cf / v),
-                                    ("CPU µs per sample (main + workers, best epoch)", 1, "{:12,.1f}", lambda cf, v: v / cf)):
+    for title, col, fmt, better in (
+        ("samples/s (wall clock, best epoch)", 0, "{:12,.0f}", lambda cf, v: cf / v),
+        ("CPU µs per sample (main + workers, best epoch)", 1, "{:12,.1f}", lambda cf, v: v / cf),
+    ):
         print(f"\n{title}")
-        print(f"{'workload':9s} {'workers':>7s} " + " ".join(f"{r:>12s}" for r in readers) + "   crossfeed's advantage (goal)")
+        print(
+            f"{'workload':9s} {'workers':>7s} "
+            + " ".join(f"{r:>12s}" for r in readers)
+            + "   crossfeed's advantage (goal)"
+        )
         for kind in kinds:
             for w in worker_counts:
                 row = [results.get((kind, r, w)) for r in readers]

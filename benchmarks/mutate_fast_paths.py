@@ -40,31 +40,58 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("copy_big: zero big values", "crossfeed/read/layout.py",
-             "rows[i] = np.frombuffer(p, np.uint8, width, sl.start)", "rows[i] = 0"),
-    Mutation("copy_big_rows: zero big values", "crossfeed/read/layout.py",
-             "dst.reshape(len(dst), -1).view(np.uint8)[pos] = rows[:, sl.start : sl.stop]",
-             "dst.reshape(len(dst), -1).view(np.uint8)[pos] = 0"),
-    Mutation("recycler: ignore refcount", "crossfeed/read/decode.py",
-             "sys.getrefcount(a) == 3", "True"),
-    Mutation("_varints: no continuation check", "crossfeed/read/layout.py",
-             "if not np.array_equal(cont, np.broadcast_to(expect, cont.shape)):\n            return None",
-             "if False:\n            return None"),
-    Mutation("payload CRC check: always passes", "crossfeed/format/frames.py",
-             "return mask(crcs) != stored", "return np.zeros(len(stored), dtype=bool)"),
-    Mutation("header check: length field ignored", "crossfeed/format/frames.py",
-             "bad = stored_len != (lengths - FRAMING).astype(np.uint64)", "bad = np.zeros(len(lengths), dtype=bool)"),
+    Mutation(
+        "copy_big: zero big values",
+        "crossfeed/read/layout.py",
+        "rows[i] = np.frombuffer(p, np.uint8, width, sl.start)",
+        "rows[i] = 0",
+    ),
+    Mutation(
+        "copy_big_rows: zero big values",
+        "crossfeed/read/layout.py",
+        "dst.reshape(len(dst), -1).view(np.uint8)[pos] = rows[:, sl.start : sl.stop]",
+        "dst.reshape(len(dst), -1).view(np.uint8)[pos] = 0",
+    ),
+    Mutation("recycler: ignore refcount", "crossfeed/read/decode.py", "sys.getrefcount(a) == 3", "True"),
+    Mutation(
+        "_varints: no continuation check",
+        "crossfeed/read/layout.py",
+        "if not np.array_equal(cont, np.broadcast_to(expect, cont.shape)):\n            return None",
+        "if False:\n            return None",
+    ),
+    Mutation(
+        "payload CRC check: always passes",
+        "crossfeed/format/frames.py",
+        "return mask(crcs) != stored",
+        "return np.zeros(len(stored), dtype=bool)",
+    ),
+    Mutation(
+        "header check: length field ignored",
+        "crossfeed/format/frames.py",
+        "bad = stored_len != (lengths - FRAMING).astype(np.uint64)",
+        "bad = np.zeros(len(lengths), dtype=bool)",
+    ),
     # beyond the issue's list
-    Mutation("rows form: no payload CRC check", "crossfeed/read/frame_reader.py",
-             'if bad_payload_rows(payload, framed[:, k - FOOTER : k].copy().view("<u4").ravel()).any():',
-             "if False:"),
-    Mutation("views form: no payload CRC check", "crossfeed/read/frame_reader.py",
-             "if bad_payloads(payloads, foot).any():", "if False:"),
-    Mutation("_varints: 6-bit shift", "crossfeed/read/layout.py",
-             "<< np.uint64(7 * j)", "<< np.uint64(6 * j)"),
-    Mutation("JPEG into batch: BGR", "crossfeed/read/decode.py",
-             '_simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=out)',
-             '_simplejpeg.decode_jpeg(data, colorspace="BGR", buffer=out)', (FAST,)),
+    Mutation(
+        "rows form: no payload CRC check",
+        "crossfeed/read/frame_reader.py",
+        'if bad_payload_rows(payload, framed[:, k - FOOTER : k].copy().view("<u4").ravel()).any():',
+        "if False:",
+    ),
+    Mutation(
+        "views form: no payload CRC check",
+        "crossfeed/read/frame_reader.py",
+        "if bad_payloads(payloads, foot).any():",
+        "if False:",
+    ),
+    Mutation("_varints: 6-bit shift", "crossfeed/read/layout.py", "<< np.uint64(7 * j)", "<< np.uint64(6 * j)"),
+    Mutation(
+        "JPEG into batch: BGR",
+        "crossfeed/read/decode.py",
+        '_simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=out)',
+        '_simplejpeg.decode_jpeg(data, colorspace="BGR", buffer=out)',
+        (FAST,),
+    ),
 ]
 
 
@@ -77,9 +104,20 @@ def _copy(dst: str) -> None:
 
 def _pytest(root: str, test: str, timeout: float) -> tuple[str, str]:
     """``(verdict, detail)`` of running one test file against the copy at ``root``."""
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONDONTWRITEBYTECODE": "1"}
-    where = subprocess.run([sys.executable, "-c", "import crossfeed; print(crossfeed.__file__)"], cwd=root, env=env,
-                           capture_output=True, text=True, timeout=120, check=False)
+    env = {
+        **os.environ,
+        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    where = subprocess.run(
+        [sys.executable, "-c", "import crossfeed; print(crossfeed.__file__)"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     if not where.stdout.startswith(root):
         return "error", f"the copy is not what imports: {where.stdout.strip() or where.stderr[-300:]}"
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--timeout", str(int(timeout)), test]
@@ -123,7 +161,9 @@ def run(mutations, tests_wanted, timeout: float) -> list[tuple]:
                 else:
                     status = {"failed": "caught", "passed": "MISSED"}.get(verdict, "ERROR")
                 rows.append((name, m.file if m else "-", os.path.basename(t), status, detail))
-                print(f"{name} / {os.path.basename(t)}: {status} ({time.perf_counter() - t0:.0f}s) {detail}", flush=True)
+                print(
+                    f"{name} / {os.path.basename(t)}: {status} ({time.perf_counter() - t0:.0f}s) {detail}", flush=True
+                )
     return rows
 
 
@@ -146,8 +186,10 @@ def main(argv=None) -> int:
     for name, _, _, status, _ in rows:
         by_mut[name] = by_mut.get(name, False) or status in ("caught", "ok")
     missed = [n for n, ok in by_mut.items() if not ok]
-    print(f"\n{len(by_mut) - 1 - len([n for n in missed if n != '(none: baseline)'])}/{len(by_mut) - 1} mutations caught"
-          + (f"; not caught: {', '.join(missed)}" if missed else ""))
+    print(
+        f"\n{len(by_mut) - 1 - len([n for n in missed if n != '(none: baseline)'])}/{len(by_mut) - 1} mutations caught"
+        + (f"; not caught: {', '.join(missed)}" if missed else "")
+    )
     return 1 if missed or any(r[3] in ("BASELINE FAILS", "STALE") for r in bad) else 0
 
 

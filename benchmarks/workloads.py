@@ -38,9 +38,13 @@ NUM_SHARDS = 8
 SIDE = 224
 
 SCHEMAS = {
-    "raw": Schema([Feature("image", "uint8", (SIDE, SIDE, 3), Encoding.TENSOR), Feature("label", "int64", (), Encoding.INT64)]),
+    "raw": Schema(
+        [Feature("image", "uint8", (SIDE, SIDE, 3), Encoding.TENSOR), Feature("label", "int64", (), Encoding.INT64)]
+    ),
     "tabular": Schema([Feature("x", "float32", (32,), Encoding.FLOAT), Feature("label", "int64", (), Encoding.INT64)]),
-    "jpeg": Schema([Feature("image", "uint8", (SIDE, SIDE, 3), Encoding.IMAGE), Feature("label", "int64", (), Encoding.INT64)]),
+    "jpeg": Schema(
+        [Feature("image", "uint8", (SIDE, SIDE, 3), Encoding.IMAGE), Feature("label", "int64", (), Encoding.INT64)]
+    ),
 }
 
 
@@ -91,8 +95,13 @@ def ensure(name: str, n: int | None = None, *, root: str | None = None, quick: b
     path = os.path.join(root or cache_dir(), f"{name}-{n}")
     if not os.path.exists(os.path.join(path, MANIFEST)):
         rng = np.random.default_rng(0)
-        crossfeed.write_dataset(path, _GENERATORS[name](n, rng), schema=SCHEMAS[name],
-                                num_shards=min(NUM_SHARDS, n), metadata={"workload": name}).close()
+        crossfeed.write_dataset(
+            path,
+            _GENERATORS[name](n, rng),
+            schema=SCHEMAS[name],
+            num_shards=min(NUM_SHARDS, n),
+            metadata={"workload": name},
+        ).close()
     return path
 
 

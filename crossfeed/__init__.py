@@ -4,7 +4,6 @@ The public surface is the names below; everything else lives in submodules. Impo
 never imports tensorflow, torch or apache_beam.
 """
 
-from crossfeed.read.dataset import Dataset, Split, open_dataset
 from crossfeed.errors import (
     ConfigError,
     CorruptRecordError,
@@ -18,17 +17,22 @@ from crossfeed.errors import (
     SplitNotFoundError,
     WireError,
 )
+from crossfeed.format.schema import Encoding, Feature, Schema
+from crossfeed.read.dataset import Dataset, Split, open_dataset
 from crossfeed.read.loader import Loader
 from crossfeed.read.options import LoaderOptions, PlanOptions, ReadOptions, ShardOptions, Source
 from crossfeed.read.plan import Remainder, Shuffle
-from crossfeed.format.schema import Encoding, Feature, Schema
 from crossfeed.write.writer import write_dataset
 
 __version__ = "0.1.0"
 
 # The network plane pulls in pyzmq: imported on first use, so `import crossfeed` stays light.
-_LAZY = {"connect": "crossfeed.net.client", "Client": "crossfeed.net.client", "ClientKeys": "crossfeed.net.keys",
-         "BatchMeta": "crossfeed.net.wire"}
+_LAZY = {
+    "connect": "crossfeed.net.client",
+    "Client": "crossfeed.net.client",
+    "ClientKeys": "crossfeed.net.keys",
+    "BatchMeta": "crossfeed.net.wire",
+}
 
 
 def __getattr__(name: str):
@@ -37,6 +41,7 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'crossfeed' has no attribute {name!r}")
+
 
 __all__ = [
     "BatchMeta",

@@ -66,7 +66,9 @@ def main(out: str = "demo_out") -> None:
     print(f"wrote {len(files)} images under {images}")
 
     _step(2, "convert with Apache Beam (in-process runner), then verify")
-    _run(CLI + ["convert", "images", str(images), str(dataset), "--splits", "train=0.8,validation=0.2", "--shards", "4"])
+    _run(
+        CLI + ["convert", "images", str(images), str(dataset), "--splits", "train=0.8,validation=0.2", "--shards", "4"]
+    )
     _run(CLI + ["info", str(dataset)])
 
     _step(3, "read the train split through the Loader")
@@ -77,13 +79,29 @@ def main(out: str = "demo_out") -> None:
                 n += len(batch["label"])
                 first = first or time.perf_counter() - start
         secs = time.perf_counter() - start
-    print(f"Loader: {n} samples in {secs:.2f} s = {n / secs:,.0f} samples/s (JPEG/PNG decoded), first batch after {first * 1e3:.0f} ms")
+    print(
+        f"Loader: {n} samples in {secs:.2f} s = {n / secs:,.0f} samples/s (JPEG/PNG decoded), first batch after {first * 1e3:.0f} ms"
+    )
 
     _step(4, "serve over ZeroMQ; train PyTorch from the stream while `crossfeed mon` watches")
     tmp = Path(tempfile.mkdtemp(prefix="crossfeed-demo-"))
     endpoints = tmp / "endpoints"
-    server = subprocess.Popen(CLI + ["serve", str(dataset), "tcp://127.0.0.1:0", "--broadcast", "tcp://127.0.0.1:0",
-                                     "--batch-size", "32", "--epochs", "40", "--endpoint-file", str(endpoints)])
+    server = subprocess.Popen(
+        CLI
+        + [
+            "serve",
+            str(dataset),
+            "tcp://127.0.0.1:0",
+            "--broadcast",
+            "tcp://127.0.0.1:0",
+            "--batch-size",
+            "32",
+            "--epochs",
+            "40",
+            "--endpoint-file",
+            str(endpoints),
+        ]
+    )
     try:
         addr, pub = _wait_for(endpoints, server).split()
         print(f"serving on {addr}, broadcasting on {pub}")
@@ -98,9 +116,12 @@ def main(out: str = "demo_out") -> None:
             "from crossfeed.adapters.torch_demo import train\n"
             f"with crossfeed.connect([{addr!r}]) as stream:\n"
             f"    r = train(stream, steps=300, batch_size=32, num_classes=4, eval_source={str(dataset)!r})\n"
-            "print(json.dumps(r))\n")
-        print(f"PyTorch from the stream: {result['steps']} steps, accuracy {result['accuracy']:.3f} "
-              f"(on the {result['accuracy_on']} split), {result['samples_per_s']:,.0f} samples/s")
+            "print(json.dumps(r))\n"
+        )
+        print(
+            f"PyTorch from the stream: {result['steps']} steps, accuracy {result['accuracy']:.3f} "
+            f"(on the {result['accuracy_on']} split), {result['samples_per_s']:,.0f} samples/s"
+        )
         for name, proc in (("crossfeed show", show), ("crossfeed mon", mon)):
             try:
                 proc.wait(timeout=30)
@@ -125,7 +146,8 @@ def main(out: str = "demo_out") -> None:
         r = _python_json(
             "import json\n"
             "from crossfeed.adapters.tf_demo import train_keras_demo\n"
-            f"print(json.dumps(train_keras_demo({str(dataset)!r}, steps=200, batch_size=64)))\n")
+            f"print(json.dumps(train_keras_demo({str(dataset)!r}, steps=200, batch_size=64)))\n"
+        )
         print(f"Keras: accuracy {r['accuracy']:.3f}, {r['samples_per_s']:,.0f} samples/s")
     print(f"\ndemo done: everything is under {out_dir}")
 

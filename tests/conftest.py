@@ -39,8 +39,9 @@ def mixed_dataset(tmp_path):
 
 def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter; fails the test with its stderr when it exits non-zero."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
         pytest.fail(f"subprocess exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     return proc

@@ -26,8 +26,7 @@ FAST_HB = {"heartbeat_interval": 0.1, "heartbeat_timeout": 2.0, "connect_timeout
 class Synthetic:
     """factory(epoch) -> batches of `num_samples` samples; ids 0..n-1, values derived from ids."""
 
-    def __init__(self, num_samples: int = 64, batch_size: int = 8, shape=(4,), delay: float = 0.0,
-                 offset: int = 0):
+    def __init__(self, num_samples: int = 64, batch_size: int = 8, shape=(4,), delay: float = 0.0, offset: int = 0):
         self.num_samples, self.batch_size, self.shape = num_samples, batch_size, tuple(shape)
         self.delay, self.offset = delay, offset
 
@@ -100,15 +99,27 @@ def _write_atomic(path: str, text: str) -> None:
 
 # ---- child entry points ------------------------------------------------------------------
 
-def run_server(endpoint_file: str, address: str, num_samples: int, batch_size: int,
-               epochs, delay: float = 0.0, broadcast: str = "", shape=(4,), offset: int = 0) -> None:
+
+def run_server(
+    endpoint_file: str,
+    address: str,
+    num_samples: int,
+    batch_size: int,
+    epochs,
+    delay: float = 0.0,
+    broadcast: str = "",
+    shape=(4,),
+    offset: int = 0,
+) -> None:
     import logging
 
     from crossfeed.net import Heartbeat, Server, ServerOptions
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     opts = ServerOptions(
-        (address,), broadcast=(broadcast,) if broadcast else (), epochs=epochs,
+        (address,),
+        broadcast=(broadcast,) if broadcast else (),
+        epochs=epochs,
         heartbeat=Heartbeat(FAST_HB["heartbeat_interval"], FAST_HB["heartbeat_timeout"]),
     )
     with Server(Synthetic(num_samples, batch_size, shape, delay, offset), opts) as server:
@@ -164,7 +175,9 @@ def run_server_with(endpoint_file: str, spec: dict) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     hb = spec.get("heartbeat", [FAST_HB["heartbeat_interval"], FAST_HB["heartbeat_timeout"]])
     opts = ServerOptions(
-        (spec["address"],), epochs=spec.get("epochs", 1), heartbeat=Heartbeat(*hb),
+        (spec["address"],),
+        epochs=spec.get("epochs", 1),
+        heartbeat=Heartbeat(*hb),
         progress_timeout=spec.get("progress_timeout", 300.0),
     )
     keys = ServerKeys.from_dir(spec["keys"]) if spec.get("keys") else None
@@ -175,8 +188,9 @@ def run_server_with(endpoint_file: str, spec: dict) -> None:
         server.raise_if_failed()
 
 
-def run_pausing_trainer(addresses, out_file: str, pause_after: int, resume_file: str,
-                        credits: int = 4, connect_timeout: float = 15.0) -> None:
+def run_pausing_trainer(
+    addresses, out_file: str, pause_after: int, resume_file: str, credits: int = 4, connect_timeout: float = 15.0
+) -> None:
     """Like run_trainer, but after `pause_after` batches the training loop stops (holding that
     batch, its network thread still running) until `resume_file` exists, writes RESUMED and goes
     on. Ends with "END" (or "LOST <reason>" on ServerLostError), then "STATS <fenced> <stale>"."""

@@ -11,9 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 import crossfeed
-from crossfeed.format import index as idx
 from crossfeed.cli.main import app
 from crossfeed.errors import CorruptRecordError, CrossfeedError, DatasetNotFoundError, IndexFileError
+from crossfeed.format import index as idx
 from crossfeed.format.manifest import MANIFEST
 from crossfeed.read.verify import verify_dataset
 
@@ -139,7 +139,7 @@ def test_verify_catches_changed_bytes_and_bad_index_entries(dataset):
     old = bytes(crossfeed.format.tfrecord.unframe(bytes(data), off, n, "x"))
     payload = old.replace(b"\x06" * 10, b"\x07" * 10)
     assert payload != old and len(payload) == len(old)
-    data[off:off + n] = crossfeed.format.tfrecord.frame(payload)
+    data[off : off + n] = crossfeed.format.tfrecord.frame(payload)
     shard(dataset, 6).write_bytes(bytes(data))
     # an index entry that points at the middle of a record
     entries7 = offsets(dataset, 7)
@@ -171,10 +171,16 @@ def test_bad_paths_and_files_are_one_line_errors(tmp_path, dataset):
     (tmp_path / "junk" / "a.tfrecord").write_bytes(b"not a tfrecord at all, just text")
     (tmp_path / "badjson").mkdir()
     (tmp_path / "badjson" / MANIFEST).write_text("{not json")
-    cases = [["info", str(tmp_path / "nothing")], ["head", str(tmp_path / "nothing")],
-             ["verify", str(tmp_path / "nothing")], ["index", str(tmp_path / "nothing")],
-             ["index", str(tmp_path / "junk")], ["info", str(tmp_path / "badjson")],
-             ["head", str(dataset), "--split", "nope"], ["verify", str(dataset), "--split", "nope"]]
+    cases = [
+        ["info", str(tmp_path / "nothing")],
+        ["head", str(tmp_path / "nothing")],
+        ["verify", str(tmp_path / "nothing")],
+        ["index", str(tmp_path / "nothing")],
+        ["index", str(tmp_path / "junk")],
+        ["info", str(tmp_path / "badjson")],
+        ["head", str(dataset), "--split", "nope"],
+        ["verify", str(dataset), "--split", "nope"],
+    ]
     for args in cases:
         result = runner.invoke(app, args)
         assert result.exit_code == 2, (args, result.output)

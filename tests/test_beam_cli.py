@@ -31,8 +31,19 @@ def invoke(app, *args):
 
 def test_convert_images_summary_and_verify(app, tmp_path):
     make_image_folder(tmp_path / "img", n_per_class=5, classes=2, size=24)
-    r = invoke(app, "images", tmp_path / "img", tmp_path / "out", "--splits", "train=0.6,validation=0.4",
-               "--shards", 2, "--", "--runner", "DirectRunner")
+    r = invoke(
+        app,
+        "images",
+        tmp_path / "img",
+        tmp_path / "out",
+        "--splits",
+        "train=0.6,validation=0.4",
+        "--shards",
+        2,
+        "--",
+        "--runner",
+        "DirectRunner",
+    )
     assert r.exit_code == 0, r.output
     assert "wrote 10 samples" in r.output and "samples/s" in r.output and "verified" in r.output
     ds = open_dataset(tmp_path / "out")
@@ -43,8 +54,22 @@ def test_convert_csv_and_numpy_options(app, tmp_path):
     (tmp_path / "t.csv").write_text("a;b\n1;x\n2;y\noops\n")
     r = invoke(app, "csv", tmp_path / "t.csv", tmp_path / "o1", "--delimiter", ";")
     assert r.exit_code == 2 and "t.csv:4" in r.output  # one line on stderr since the CLI's one error boundary
-    r = invoke(app, "csv", tmp_path / "t.csv", tmp_path / "o1", "--delimiter", ";", "--on-error", "skip",
-               "--label", "b", "--shard-size", "1K", "--compress", "gzip")
+    r = invoke(
+        app,
+        "csv",
+        tmp_path / "t.csv",
+        tmp_path / "o1",
+        "--delimiter",
+        ";",
+        "--on-error",
+        "skip",
+        "--label",
+        "b",
+        "--shard-size",
+        "1K",
+        "--compress",
+        "gzip",
+    )
     assert r.exit_code == 0, r.output
     assert "skipped 1 bad records" in r.output
     ds = open_dataset(tmp_path / "o1")  # a string label is stored as class indices, names in the manifest
@@ -75,8 +100,23 @@ def test_a_bad_dask_address_is_one_clear_line(tmp_path):
     import sys
 
     (tmp_path / "t.csv").write_text("a,b\n1,2\n3,4\n")
-    out = subprocess.run([sys.executable, "-m", "crossfeed.cli.main", "convert", "csv", str(tmp_path / "t.csv"),
-                          str(tmp_path / "out"), "--runner", "DaskRunner", "--", "--dask_client_address=nonsense"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "crossfeed.cli.main",
+            "convert",
+            "csv",
+            str(tmp_path / "t.csv"),
+            str(tmp_path / "out"),
+            "--runner",
+            "DaskRunner",
+            "--",
+            "--dask_client_address=nonsense",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr and "cannot reach a Dask scheduler" in out.stderr

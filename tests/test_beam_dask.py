@@ -19,8 +19,9 @@ from crossfeed.beam_jobs.sample_data import make_image_folder  # noqa: E402
 
 @pytest.fixture(scope="module")
 def cluster():
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                                  memory_limit="2GiB") as c:
+    with distributed.LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, memory_limit="2GiB"
+    ) as c:
         yield c
 
 
@@ -41,13 +42,20 @@ def test_dask_and_direct_write_identical_datasets(cluster, tmp_path):
     for f in range(3):
         rows = "\n".join(f"{f * 1000 + i},{rng.normal():.5f},w{i % 7}" for i in range(400))
         (tmp_path / "csv" / f"p{f}.csv").write_text("id,x,word\n" + rows + "\n")
-    jobs = {"images": (make_source("images", img, batch_files=8), dict(splits="train=0.8,validation=0.2", num_shards=3)),
-            "csv": (make_source("csv", tmp_path / "csv", batch_rows=100), dict(shard_size="8K", compress=True))}
+    jobs = {
+        "images": (make_source("images", img, batch_files=8), dict(splits="train=0.8,validation=0.2", num_shards=3)),
+        "csv": (make_source("csv", tmp_path / "csv", batch_rows=100), dict(shard_size="8K", compress=True)),
+    }
     before = sum(executed(cluster))
     for name, (source, options) in jobs.items():
         direct = convert(source, tmp_path / f"{name}-direct", **options)
-        dask = convert(source, tmp_path / f"{name}-dask", runner="DaskRunner",
-                       beam_args=[f"--dask_client_address={cluster.scheduler_address}"], **options)
+        dask = convert(
+            source,
+            tmp_path / f"{name}-dask",
+            runner="DaskRunner",
+            beam_args=[f"--dask_client_address={cluster.scheduler_address}"],
+            **options,
+        )
         assert dask.samples == direct.samples and dask.shards == direct.shards
         a, b = files(tmp_path / f"{name}-direct"), files(tmp_path / f"{name}-dask")
         assert a == b  # shards, index files and the manifest, byte for byte
@@ -62,6 +70,10 @@ def test_dask_and_direct_write_identical_datasets(cluster, tmp_path):
 def test_dask_failure_is_raised_and_cleaned_up(cluster, tmp_path):
     (tmp_path / "bad.csv").write_text("a,b\n1,2\n3\n")
     with pytest.raises(Exception, match="bad.csv:3"):
-        convert(make_source("csv", tmp_path / "bad.csv"), tmp_path / "out", runner="DaskRunner",
-                beam_args=[f"--dask_address={cluster.scheduler_address}"])
+        convert(
+            make_source("csv", tmp_path / "bad.csv"),
+            tmp_path / "out",
+            runner="DaskRunner",
+            beam_args=[f"--dask_address={cluster.scheduler_address}"],
+        )
     assert os.listdir(tmp_path / "out") == []

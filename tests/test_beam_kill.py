@@ -51,8 +51,9 @@ def test_killed_conversion_leaves_nothing_readable_and_rerun_is_clean(tmp_path):
         open_dataset(out)
     r = convert(make_source("numpy", tmp_path / "x.npy"), out, num_shards=4)
     assert r.total_samples == 400
-    assert sorted(os.listdir(out)) == sorted(["crossfeed.json"] + [f"train-{i:05d}-of-00004.tfrecord{x}"
-                                                                    for i in range(4) for x in ("", ".idx")])
+    assert sorted(os.listdir(out)) == sorted(
+        ["crossfeed.json"] + [f"train-{i:05d}-of-00004.tfrecord{x}" for i in range(4) for x in ("", ".idx")]
+    )
 
 
 def test_killed_rewrite_keeps_the_old_dataset_whole(tmp_path):

@@ -63,7 +63,9 @@ def test_plan_route_cut_is_the_global_order_in_balanced_pieces(n_records, n_shar
     rng = np.random.default_rng(seed)
     keys = [f"k{i}" for i in range(n_records)]
     if clustered:  # few distinct buckets, so boundary buckets span several shards
-        hashes = (rng.integers(0, 3, n_records).astype(np.uint64) << np.uint64(60)) | rng.integers(0, 2**40, n_records).astype(np.uint64)
+        hashes = (rng.integers(0, 3, n_records).astype(np.uint64) << np.uint64(60)) | rng.integers(
+            0, 2**40, n_records
+        ).astype(np.uint64)
         hashes[: n_records // 3] = hashes[0]  # ties broken by key
     else:
         hashes = rng.integers(0, 2**63, n_records, dtype=np.int64).astype(np.uint64) * np.uint64(2)

@@ -92,10 +92,14 @@ def test_csv_bad_row_reported_with_file_and_line(tmp_path):
     with raises(BadInputError, r"t\.csv:4: expected 4 fields, got 3"):
         convert(make_source("csv", tmp_path / "t.csv", types="score:float"), tmp_path / "out")
     with raises(BadInputError, "more than 1 bad records"):
-        convert(make_source("csv", tmp_path / "t.csv", types="score:float", on_error=ErrorPolicy("skip", 1)),
-                tmp_path / "out")
-    r = convert(make_source("csv", tmp_path / "t.csv", types="score:float", label="label", on_error=ErrorPolicy("skip", 2)),
-                tmp_path / "out")
+        convert(
+            make_source("csv", tmp_path / "t.csv", types="score:float", on_error=ErrorPolicy("skip", 1)),
+            tmp_path / "out",
+        )
+    r = convert(
+        make_source("csv", tmp_path / "t.csv", types="score:float", label="label", on_error=ErrorPolicy("skip", 2)),
+        tmp_path / "out",
+    )
     assert r.skipped == 2 and r.total_samples == 3
     ds = open_dataset(tmp_path / "out")
     assert ds.schema.names == ["id", "score", "name", "label"] and ds.metadata["label_column"] == "label"
@@ -108,8 +112,16 @@ def test_csv_bad_row_reported_with_file_and_line(tmp_path):
 
 def test_csv_headerless_and_odd_header(tmp_path):
     (tmp_path / "h.tsv").write_text("# exported 2024\n# by a tool\n7\t1.25\tq\n8\t2.5\tr\n")
-    src = make_source("csv", tmp_path / "h.tsv", header=False, skip_rows=2, delimiter="\t", names="n,w,tag", label="tag",
-                      label_classes=False)  # keep the label strings
+    src = make_source(
+        "csv",
+        tmp_path / "h.tsv",
+        header=False,
+        skip_rows=2,
+        delimiter="\t",
+        names="n,w,tag",
+        label="tag",
+        label_classes=False,
+    )  # keep the label strings
     convert(src, tmp_path / "out")
     ds = open_dataset(tmp_path / "out")
     assert sorted((int(s["n"]), float(s["w"]), s["label"]) for s in ds["train"]) == [(7, 1.25, "q"), (8, 2.5, "r")]
@@ -130,15 +142,24 @@ def test_csv_missing_int_is_a_bad_row(tmp_path):
 def test_parquet_row_groups_types_and_nulls(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    table = pa.table({"k": pa.array([1, 2, None, 4, 5, 6], pa.int32()), "f": [0.5, None, 1.0, 2.0, 3.0, 4.0],
-                      "s": ["a", "b", "c", None, "e", "f"], "num": ["10", "20", "30", "40", "x", "60"],
-                      "y": [True, False, True, True, False, True]})
+    table = pa.table(
+        {
+            "k": pa.array([1, 2, None, 4, 5, 6], pa.int32()),
+            "f": [0.5, None, 1.0, 2.0, 3.0, 4.0],
+            "s": ["a", "b", "c", None, "e", "f"],
+            "num": ["10", "20", "30", "40", "x", "60"],
+            "y": [True, False, True, True, False, True],
+        }
+    )
     pq.write_table(table, tmp_path / "t.parquet", row_group_size=2)
     src = make_source("parquet", tmp_path / "t.parquet", types="num:int64", label="y", on_error=SKIP)
     assert len(src.units()) == 3
     r = convert(src, tmp_path / "out", num_shards=2)
     assert r.total_samples == 4 and r.skipped == 2  # a null int and an unparsable "x"
-    rows = sorted((int(s["k"]), float(s["f"]), s["s"], int(s["num"]), int(s["label"])) for s in open_dataset(tmp_path / "out")["train"])
+    rows = sorted(
+        (int(s["k"]), float(s["f"]), s["s"], int(s["num"]), int(s["label"]))
+        for s in open_dataset(tmp_path / "out")["train"]
+    )
     assert rows[0][0] == 1 and rows[1][:3] == (2, rows[1][1], "b") and np.isnan(rows[1][1])
     assert rows[2] == (4, 2.0, "", 40, 1) and rows[3] == (6, 4.0, "f", 60, 1)
     with raises(BadInputError, r"t\.parquet: row 2: column 'k': null"):

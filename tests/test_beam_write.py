@@ -30,13 +30,18 @@ def pipeline():
 
 
 def pairs(n, offset=0):
-    return [(f"s{i:05d}", {"x": np.int64(i), "v": np.arange(3, dtype=np.float32) + i, "name": f"n{i}"})
-            for i in range(offset, offset + n)]
+    return [
+        (f"s{i:05d}", {"x": np.int64(i), "v": np.arange(3, dtype=np.float32) + i, "name": f"n{i}"})
+        for i in range(offset, offset + n)
+    ]
 
 
 def shard_files(root):
-    return {f: hashlib.sha256(open(os.path.join(root, f), "rb").read()).hexdigest()
-            for f in sorted(os.listdir(root)) if ".tfrecord" in f}
+    return {
+        f: hashlib.sha256(open(os.path.join(root, f), "rb").read()).hexdigest()
+        for f in sorted(os.listdir(root))
+        if ".tfrecord" in f
+    }
 
 
 def test_encode_step_splits_each_batch_by_key_hash(tmp_path):
@@ -46,13 +51,19 @@ def test_encode_step_splits_each_batch_by_key_hash(tmp_path):
 
     def summarise(kv):
         parts, summary = kv[1]
-        return kv[0], sorted((p.split, len(p.keys)) for p in parts), sum(int(c.sum()) for _, c in summary.buckets.values())
+        return (
+            kv[0],
+            sorted((p.split, len(p.keys)) for p in parts),
+            sum(int(c.sum()) for _, c in summary.buckets.values()),
+        )
 
     expected = []
     for b in batches:
         _, h = key_hashes(b.keys)
         names, which = cfg.splits.assign(h)
-        expected.append((b.batch_id, sorted((n, int(np.sum(which == i))) for i, n in enumerate(names) if np.any(which == i)), 50))
+        expected.append(
+            (b.batch_id, sorted((n, int(np.sum(which == i))) for i, n in enumerate(names) if np.any(which == i)), 50)
+        )
     with pipeline() as p:
         out = p | beam.Create(batches) | beam.ParDo(EncodeDoFn(cfg)) | beam.Map(summarise)
         assert_that(out, equal_to(expected))
@@ -62,8 +73,9 @@ def test_write_dataset_from_pairs(tmp_path):
     data = pairs(300)
     with pipeline() as p:
         result = p | beam.Create(data) | WriteDataset(tmp_path, splits="train=0.8,test=0.2", num_shards=4)
-        assert_that(result | beam.Map(lambda r: (sum(r.samples.values()), r.shards)),
-                    equal_to([(300, {"train": 4, "test": 4})]))
+        assert_that(
+            result | beam.Map(lambda r: (sum(r.samples.values()), r.shards)), equal_to([(300, {"train": 4, "test": 4})])
+        )
     ds = open_dataset(tmp_path)
     assert ds.schema.names == ["x", "v", "name"]
     got = {}
@@ -134,8 +146,9 @@ def test_rerun_adds_a_split_or_replaces_the_whole_dataset(tmp_path):
     ds = open_dataset(tmp_path)
     assert len(ds["train"]) == 60 and "test" not in ds
     names = sorted(os.listdir(tmp_path))  # the plain names were the old version's: generation 2
-    assert names == sorted(["crossfeed.json"] + [f"train-{i:05d}-of-00003.g2.tfrecord{x}"
-                                                  for i in range(3) for x in ("", ".idx")])
+    assert names == sorted(
+        ["crossfeed.json"] + [f"train-{i:05d}-of-00003.g2.tfrecord{x}" for i in range(3) for x in ("", ".idx")]
+    )
     with pytest.raises(Exception, match="already holds a dataset"):
         with pipeline() as p:
             p | beam.Create(pairs(10)) | WriteDataset(tmp_path, split="train", num_shards=1)

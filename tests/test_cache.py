@@ -78,8 +78,9 @@ def served(tmp_path):
     """A 600-sample dataset in 6 shards, served over HTTP; yields (url, local path, handler class)."""
     root = tmp_path / "ds"
     rng = np.random.default_rng(0)
-    crossfeed.write_dataset(root, [{"x": rng.random(16, dtype=np.float32), "id": i} for i in range(600)],
-                            num_shards=6).close()
+    crossfeed.write_dataset(
+        root, [{"x": rng.random(16, dtype=np.float32), "id": i} for i in range(600)], num_shards=6
+    ).close()
     handler = type("H", (_Handler,), {"counts": collections.Counter(), "latency": 0.02, "chunk_delay": 0.0})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
     t = threading.Thread(target=server.serve_forever, daemon=True)
@@ -121,8 +122,16 @@ def test_the_cache_stays_under_its_limit_by_at_most_one_shard(served, tmp_path):
     shard = max(os.path.getsize(root / f) for f in os.listdir(root) if f.endswith(".tfrecord"))
     limit = int(2.5 * shard)
     cache = ShardCache(tmp_path / "c", limit)
-    with crossfeed.Loader(url, batch_size=20, shuffle="block", block_shards=1, cache_dir=tmp_path / "c",
-                          cache_limit=limit, num_threads=1, prefetch=0) as loader:
+    with crossfeed.Loader(
+        url,
+        batch_size=20,
+        shuffle="block",
+        block_shards=1,
+        cache_dir=tmp_path / "c",
+        cache_limit=limit,
+        num_threads=1,
+        prefetch=0,
+    ) as loader:
         n = 0
         for b in loader:
             n += len(b["id"])
@@ -191,8 +200,10 @@ with crossfeed.Loader(sys.argv[1], batch_size=100, shuffle="global", cache_dir=s
 def test_two_processes_sharing_a_cache_download_each_shard_once(served, tmp_path):
     url, root, handler = served
     handler.chunk_delay = 0.005
-    procs = [subprocess.Popen([sys.executable, "-c", _SHARE, url, str(tmp_path / "c")], stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _SHARE, url, str(tmp_path / "c")], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert outs == ["600", "600"]
     gets = {k: n for k, n in handler.counts.items() if k.endswith(".tfrecord")}
@@ -216,19 +227,26 @@ def test_s3_through_moto_and_s3fs(tmp_path, monkeypatch):
     try:
         host, port = server.get_host_and_port()
         endpoint = f"http://{host}:{port}"
-        for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        for k, v in {
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
             monkeypatch.setenv(k, v)
         monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": endpoint})
         s3 = boto3.client("s3", endpoint_url=endpoint)
         s3.create_bucket(Bucket="data")
         root = tmp_path / "ds"
-        crossfeed.write_dataset(root, [{"x": np.full(4, i, np.float32), "id": i} for i in range(200)], num_shards=4).close()
+        crossfeed.write_dataset(
+            root, [{"x": np.full(4, i, np.float32), "id": i} for i in range(200)], num_shards=4
+        ).close()
         for f in os.listdir(root):
             s3.upload_file(str(root / f), "data", f"ds/{f}")
         with crossfeed.Loader(root, batch_size=50, shuffle="global", seed=1, return_index=True) as local:
             want = ids_of(local)
-        with crossfeed.Loader("s3://data/ds", batch_size=50, shuffle="global", seed=1, return_index=True,
-                              cache_dir=tmp_path / "c") as remote:
+        with crossfeed.Loader(
+            "s3://data/ds", batch_size=50, shuffle="global", seed=1, return_index=True, cache_dir=tmp_path / "c"
+        ) as remote:
             got = ids_of(remote)
             again = ids_of(remote)
             assert remote.cache.downloads == 4  # each shard once, the second epoch from the cache
@@ -254,8 +272,21 @@ def test_cache_command_lists_prunes_and_clears(served, tmp_path):
 
 def test_bench_reads_through_the_cache(served, tmp_path):
     url, _, handler = served
-    cmd = [sys.executable, "-m", "crossfeed.cli.main", "bench", url, "--batch-size", "50", "--batches", "4",
-           "--cache-dir", str(tmp_path / "c"), "--cache-limit", "1GB"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "crossfeed.cli.main",
+        "bench",
+        url,
+        "--batch-size",
+        "50",
+        "--batches",
+        "4",
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--cache-limit",
+        "1GB",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "samples/s" in out.stdout

@@ -42,8 +42,12 @@ def jpegs(tmp_path):
         buf = io.BytesIO()
         Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(buf, format="JPEG")
         samples.append({"jpeg": buf.getvalue(), "label": i})
-    schema = crossfeed.Schema([crossfeed.Feature("jpeg", "uint8", (None, None, 3), crossfeed.Encoding.IMAGE),
-                               crossfeed.Feature("label", "int64", (), crossfeed.Encoding.INT64)])
+    schema = crossfeed.Schema(
+        [
+            crossfeed.Feature("jpeg", "uint8", (None, None, 3), crossfeed.Encoding.IMAGE),
+            crossfeed.Feature("label", "int64", (), crossfeed.Encoding.INT64),
+        ]
+    )
     root = tmp_path / "jpegs"
     crossfeed.write_dataset(root, samples, num_shards=2, schema=schema).close()
     return root
@@ -51,8 +55,9 @@ def jpegs(tmp_path):
 
 @pytest.mark.parametrize("shuffle", ["global", "block", "none"])
 def test_bench_prints_throughput_and_every_stage(app, tensors, shuffle):
-    r = CliRunner().invoke(app, ["bench", str(tensors), "--batch-size", "8", "--batches", "3", "--threads", "2",
-                                 "--shuffle", shuffle])
+    r = CliRunner().invoke(
+        app, ["bench", str(tensors), "--batch-size", "8", "--batches", "3", "--threads", "2", "--shuffle", shuffle]
+    )
     assert r.exit_code == 0, r.output
     out = r.output
     assert "3 batches of 8 (24 samples)" in out
@@ -92,8 +97,12 @@ def test_report_counts_bytes_and_stages(tensors):
 
 
 def test_report_times_a_transform(tensors):
-    rep = bench_loader(tensors, LoaderOptions.of(batch_size=10, num_threads=1), batches=2,
-                       transform=lambda s: {"image": s["image"].astype(np.float32) / 255, "label": s["label"]})
+    rep = bench_loader(
+        tensors,
+        LoaderOptions.of(batch_size=10, num_threads=1),
+        batches=2,
+        transform=lambda s: {"image": s["image"].astype(np.float32) / 255, "label": s["label"]},
+    )
     assert rep.stages.seconds["transform"] > 0 and rep.stages.seconds["batch"] > 0
 
 
@@ -120,8 +129,9 @@ def test_bench_times_the_stages_the_loader_runs(tmp_path, monkeypatch):
     from crossfeed.read import decode, frame_reader
 
     rng = np.random.default_rng(0)
-    crossfeed.write_dataset(tmp_path / "t", [{"x": rng.random(8, dtype=np.float32), "y": i} for i in range(64)],
-                            num_shards=2).close()
+    crossfeed.write_dataset(
+        tmp_path / "t", [{"x": rng.random(8, dtype=np.float32), "y": i} for i in range(64)], num_shards=2
+    ).close()
     seen = []
     real_cut = decode.ColumnarDecoder._cut
     real_rows = frame_reader.FrameReader._rows

@@ -12,10 +12,10 @@ import numpy as np
 from typer.testing import CliRunner
 
 import crossfeed
-from crossfeed.format import tfrecord
 from crossfeed.cli.main import app
-from crossfeed.format.manifest import MANIFEST
+from crossfeed.format import tfrecord
 from crossfeed.format.encode import encode_sample
+from crossfeed.format.manifest import MANIFEST
 from crossfeed.format.schema import Encoding, Feature, infer_schema
 
 runner = CliRunner()
@@ -57,7 +57,10 @@ def test_verify_ok_and_split(mixed_dataset):
     root, samples = mixed_dataset
     crossfeed.write_dataset(root, samples[:4], split="test", add_split=True).close()
     result = invoke("verify", root)
-    assert result.exit_code == 0 and result.stdout.strip() == "ok: 34 records in 4 shards (" + result.stdout.split("(")[1].strip()
+    assert (
+        result.exit_code == 0
+        and result.stdout.strip() == "ok: 34 records in 4 shards (" + result.stdout.split("(")[1].strip()
+    )
     assert "ok: 4 records in 1 shards" in invoke("verify", root, "--split", "test").stdout
     os.unlink(root / "test-00000-of-00001.tfrecord.idx")
     assert invoke("verify", root, "--split", "train").exit_code == 0
@@ -87,7 +90,11 @@ def test_index_adopts_foreign_shards_and_splits_from_names(tmp_path):
     assert result.exit_code == 0, result.stderr
     with crossfeed.open_dataset(root) as ds:
         assert {k: len(ds[k]) for k in ds.splits} == {"train": 30, "validation": 10}  # extra.tfrecord → train
-        assert [s.file for s in ds.splits["train"].shards] == ["extra.tfrecord", "train-00000-of-00002", "train-00001-of-00002"]
+        assert [s.file for s in ds.splits["train"].shards] == [
+            "extra.tfrecord",
+            "train-00000-of-00002",
+            "train-00001-of-00002",
+        ]
         assert ds.schema["v"] == Feature("v", "float32", (2,), Encoding.FLOAT)
         assert ds.schema["id"] == Feature("id", "int64", (), Encoding.INT64)
         assert ds.schema["tag"] == Feature("tag", "bytes", (), Encoding.BYTES)
@@ -114,8 +121,13 @@ def test_index_infers_images_and_variable_lengths(tmp_path):
         Image.fromarray(np.full((h, w, 3), 7, np.uint8)).save(b, format="PNG")
         return b.getvalue()
 
-    schema = crossfeed.Schema([Feature("img", "bytes", (), Encoding.BYTES), Feature("ids", "int64", (None,), Encoding.INT64),
-                               Feature("maybe", "float32", (None,), Encoding.FLOAT)])
+    schema = crossfeed.Schema(
+        [
+            Feature("img", "bytes", (), Encoding.BYTES),
+            Feature("ids", "int64", (None,), Encoding.INT64),
+            Feature("maybe", "float32", (None,), Encoding.FLOAT),
+        ]
+    )
     root = tmp_path / "imgs"
     root.mkdir()
     with tfrecord.RecordWriter(root / "x.tfrecord") as w:

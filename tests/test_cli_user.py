@@ -31,6 +31,7 @@ def invoke(*args):
 
 # -- the one error boundary -------------------------------------------------------------------------
 
+
 def test_unknown_split_is_one_line_everywhere(mixed_dataset):
     root, _ = mixed_dataset
     ds = crossfeed.open_dataset(root)
@@ -38,11 +39,16 @@ def test_unknown_split_is_one_line_everywhere(mixed_dataset):
         ds["nope"]
     assert isinstance(e.value, KeyError) and isinstance(e.value, crossfeed.CrossfeedError)
     assert str(e.value).endswith("no split 'nope'; it has ['train']")  # not a quoted KeyError
-    for args in (["serve", root, "tcp://127.0.0.1:0", "--split", "nope"], ["head", root, "--split", "nope"],
-                 ["verify", root, "--split", "nope"], ["bench", root, "--split", "nope"]):
+    for args in (
+        ["serve", root, "tcp://127.0.0.1:0", "--split", "nope"],
+        ["head", root, "--split", "nope"],
+        ["verify", root, "--split", "nope"],
+        ["bench", root, "--split", "nope"],
+    ):
         r = invoke(*args)
-        assert r.exit_code == 2 and r.output.strip().splitlines() == [f"error: {root}: no split 'nope'; it has "
-                                                                      f"['train']"], (args, r.output)
+        assert r.exit_code == 2 and r.output.strip().splitlines() == [
+            f"error: {root}: no split 'nope'; it has ['train']"
+        ], (args, r.output)
 
 
 def test_interrupt_is_130_and_a_bug_keeps_its_traceback(mixed_dataset, monkeypatch):
@@ -66,8 +72,12 @@ def test_interrupt_is_130_and_a_bug_keeps_its_traceback(mixed_dataset, monkeypat
 def test_a_closed_stdout_is_quiet(mixed_dataset):
     # `crossfeed info DS | head -1`: the reader is gone before crossfeed writes
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "crossfeed.cli.main", "info", str(mixed_dataset[0])],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "crossfeed.cli.main", "info", str(mixed_dataset[0])],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(60) == 141 and err == ""
@@ -114,6 +124,7 @@ def test_transform_modules_are_found_in_the_current_directory(tmp_path, monkeypa
 
 # -- convert -----------------------------------------------------------------------------------------
 
+
 def test_convert_takes_several_inputs_and_globs(tmp_path):
     parts = parquet_parts(tmp_path / "pq")
     r = run_cli("convert", "parquet", *parts, tmp_path / "a", "--label", "y")  # the shell expanded the glob
@@ -130,6 +141,7 @@ def test_convert_takes_several_inputs_and_globs(tmp_path):
 
 def test_convert_rejects_stray_arguments(tmp_path):
     csv = wine_csv(tmp_path / "wine.csv")
+
     def said(r):  # typer draws the message in a box
         return " ".join(line.strip("│ ") for line in r.stderr.splitlines())
 
@@ -137,8 +149,19 @@ def test_convert_rejects_stray_arguments(tmp_path):
     assert r.returncode == 2 and "usage: INPUT... OUT" in said(r) and not (tmp_path / "bogus").exists()
     r = run_cli("convert", "csv", csv, csv)  # OUT forgotten: the last input would be overwritten
     assert r.returncode == 2 and "is a file" in said(r)
-    r = run_cli("convert", "csv", csv, tmp_path / "out", "--label", "cultivar", "--runner", "DirectRunner",
-                "--", "--direct_num_workers", "1")  # Beam options after --
+    r = run_cli(
+        "convert",
+        "csv",
+        csv,
+        tmp_path / "out",
+        "--label",
+        "cultivar",
+        "--runner",
+        "DirectRunner",
+        "--",
+        "--direct_num_workers",
+        "1",
+    )  # Beam options after --
     assert r.returncode == 0, r.stderr
 
 
@@ -156,11 +179,25 @@ def test_csv_inference_reports_decisions_with_file_and_line(tmp_path):
 
     r = run_cli("convert", "csv", csv, tmp_path / "o2", "--label", "cultivar", "--types", "alcohol:float")
     assert r.returncode == 2 and f"wine.csv:{WINE_BAD_LINE}: column 'alcohol': '1n/a'" in r.stderr
-    r = run_cli("convert", "csv", csv, tmp_path / "o3", "--types", "alcohol:float", "--on-error", "skip",
-                "--label", "cultivar", "--no-label-classes")
+    r = run_cli(
+        "convert",
+        "csv",
+        csv,
+        tmp_path / "o3",
+        "--types",
+        "alcohol:float",
+        "--on-error",
+        "skip",
+        "--label",
+        "cultivar",
+        "--no-label-classes",
+    )
     assert r.returncode == 0 and "skipped 1 bad records" in r.stdout
     assert sorted({s["label"] for s in crossfeed.open_dataset(tmp_path / "o3")["train"]}) == [
-        "barbera", "barolo", "grignolino"]
+        "barbera",
+        "barolo",
+        "grignolino",
+    ]
 
 
 def test_convert_warns_about_empty_shards(tmp_path):
@@ -187,6 +224,7 @@ def test_progress_bar_names_the_phase_on_a_terminal(capsys):
 
 # -- the watch tools ---------------------------------------------------------------------------------
 
+
 def test_mon_at_a_distribution_address_fails_and_says_why():
     from net_helpers import Synthetic
 
@@ -204,8 +242,19 @@ def test_stat_and_show_on_photos_of_different_sizes(tmp_path):
     photos_folder(tmp_path / "jpg")
     assert run_cli("convert", "images", tmp_path / "jpg", tmp_path / "ds").returncode == 0
     ep = tmp_path / "ep"
-    proc = child("cli", "serve", str(tmp_path / "ds"), "tcp://127.0.0.1:0", "--mode", "broadcast",
-                 "--batch-size", "4", "--endpoint-file", str(ep), log=tmp_path / "serve.log")
+    proc = child(
+        "cli",
+        "serve",
+        str(tmp_path / "ds"),
+        "tcp://127.0.0.1:0",
+        "--mode",
+        "broadcast",
+        "--batch-size",
+        "4",
+        "--endpoint-file",
+        str(ep),
+        log=tmp_path / "serve.log",
+    )
     try:
         address = read_endpoint(ep, timeout=60, procs=[proc])
         stat = invoke("stat", address, "-c", "3", "--timeout", "30")

@@ -14,23 +14,33 @@ import pytest
 import crossfeed
 from crossfeed.format.manifest import MANIFEST
 
+
 def _write_new(root, base: int, mode: str) -> None:
     def samples(split, n):
         return [{"x": np.full(3, base + i, np.int16), "split": split} for i in range(n)]
+
     if mode == "overwrite":  # replaces both splits of the old version
         crossfeed.write_dataset(root, samples("train", 7), split="train", num_shards=1, overwrite=True).close()
     else:  # adds a split to the old version
-        crossfeed.write_dataset(root, samples("validation", 5), split="validation", num_shards=1, add_split=True).close()
+        crossfeed.write_dataset(
+            root, samples("validation", 5), split="validation", num_shards=1, add_split=True
+        ).close()
 
 
 OLD = {"train": list(range(0, 6)), "validation": list(range(100, 104))}
 
 
 def _old_version(root):
-    crossfeed.write_dataset(root, [{"x": np.full(3, v, np.int16), "split": "train"} for v in OLD["train"]],
-                            num_shards=2).close()
-    crossfeed.write_dataset(root, [{"x": np.full(3, v, np.int16), "split": "validation"} for v in OLD["validation"]],
-                            split="validation", num_shards=1, add_split=True).close()
+    crossfeed.write_dataset(
+        root, [{"x": np.full(3, v, np.int16), "split": "train"} for v in OLD["train"]], num_shards=2
+    ).close()
+    crossfeed.write_dataset(
+        root,
+        [{"x": np.full(3, v, np.int16), "split": "validation"} for v in OLD["validation"]],
+        split="validation",
+        num_shards=1,
+        add_split=True,
+    ).close()
 
 
 def _contents(root) -> dict[str, list[int]]:
@@ -72,8 +82,9 @@ def test_kill_at_every_step_of_a_commit_leaves_old_or_new(tmp_path, mode):
         if mode == "overwrite":
             _old_version(root)
         else:
-            crossfeed.write_dataset(root, [{"x": np.full(3, v, np.int16), "split": "train"} for v in OLD["train"]],
-                                    num_shards=2).close()
+            crossfeed.write_dataset(
+                root, [{"x": np.full(3, v, np.int16), "split": "train"} for v in OLD["train"]], num_shards=2
+            ).close()
         status = _run(root, k, 1000, mode)
         if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:  # k is past the last step: the whole write ran
             assert k > 5, "the crash points were never reached"
@@ -84,8 +95,9 @@ def test_kill_at_every_step_of_a_commit_leaves_old_or_new(tmp_path, mode):
         assert got in (old, new), (k, got)
         seen.add("new" if got == new else "old")
         # the next write (a full rewrite, in this process) cleans up what the dead one left
-        crossfeed.write_dataset(root, [{"x": np.full(3, 3000 + i, np.int16), "split": "train"} for i in range(7)],
-                                overwrite=True).close()
+        crossfeed.write_dataset(
+            root, [{"x": np.full(3, 3000 + i, np.int16), "split": "train"} for i in range(7)], overwrite=True
+        ).close()
         assert _contents(root) == {"train": list(range(3000, 3007))}
         assert _leftovers(root) == [], (k, _leftovers(root))
     else:

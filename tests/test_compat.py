@@ -11,14 +11,13 @@ import json
 
 import numpy as np
 import pytest
+from conftest import run_python
 from PIL import Image
 from typer.testing import CliRunner
 
 import crossfeed
 from crossfeed.cli.main import app
 from crossfeed.format.schema import Encoding, Feature, Schema
-
-from conftest import run_python
 
 tf = pytest.importorskip("tensorflow")
 
@@ -35,16 +34,18 @@ def _jpeg(arr):
     return b.getvalue()
 
 
-SCHEMA = Schema([
-    Feature("pixels", "uint8", (6, 5, 3), Encoding.TENSOR),
-    Feature("emb", "float32", (3,), Encoding.TENSOR),
-    Feature("counts", "int16", (None, 2), Encoding.TENSOR),
-    Feature("vec", "float32", (4,), Encoding.FLOAT),
-    Feature("label", "int64", (), Encoding.INT64),
-    Feature("ids", "int64", (None,), Encoding.INT64),
-    Feature("text", "string", (), Encoding.BYTES),
-    Feature("png", "uint8", (6, 5, 3), Encoding.IMAGE),
-])
+SCHEMA = Schema(
+    [
+        Feature("pixels", "uint8", (6, 5, 3), Encoding.TENSOR),
+        Feature("emb", "float32", (3,), Encoding.TENSOR),
+        Feature("counts", "int16", (None, 2), Encoding.TENSOR),
+        Feature("vec", "float32", (4,), Encoding.FLOAT),
+        Feature("label", "int64", (), Encoding.INT64),
+        Feature("ids", "int64", (None,), Encoding.INT64),
+        Feature("text", "string", (), Encoding.BYTES),
+        Feature("png", "uint8", (6, 5, 3), Encoding.IMAGE),
+    ]
+)
 
 
 def _samples(n=24):
@@ -52,10 +53,18 @@ def _samples(n=24):
     out = []
     for i in range(n):
         px = rng.integers(0, 255, (6, 5, 3), dtype=np.uint8)
-        out.append({"pixels": px, "emb": rng.standard_normal(3).astype(np.float32),
-                    "counts": rng.integers(-999, 999, (i % 3, 2)).astype(np.int16),
-                    "vec": rng.standard_normal(4).astype(np.float32), "label": i - 5,
-                    "ids": np.arange(i % 4, dtype=np.int64) * 10**12, "text": f"é{i}", "png": _png(px)})
+        out.append(
+            {
+                "pixels": px,
+                "emb": rng.standard_normal(3).astype(np.float32),
+                "counts": rng.integers(-999, 999, (i % 3, 2)).astype(np.int16),
+                "vec": rng.standard_normal(4).astype(np.float32),
+                "label": i - 5,
+                "ids": np.arange(i % 4, dtype=np.int64) * 10**12,
+                "text": f"é{i}",
+                "png": _png(px),
+            }
+        )
     return out
 
 
@@ -85,10 +94,14 @@ def test_tf_data_reads_crossfeed_shards(tmp_path, compress):
     batch = tf.io.parse_example(next(iter(records)), _tf_spec(SCHEMA))
     assert len(batch["label"]) == len(expected)
     for i, want in enumerate(expected):
-        np.testing.assert_array_equal(tf.reshape(tf.io.decode_raw(batch["pixels"][i], tf.uint8), (6, 5, 3)).numpy(), want["pixels"])
+        np.testing.assert_array_equal(
+            tf.reshape(tf.io.decode_raw(batch["pixels"][i], tf.uint8), (6, 5, 3)).numpy(), want["pixels"]
+        )
         np.testing.assert_array_equal(tf.io.decode_raw(batch["emb"][i], tf.float32).numpy(), want["emb"])
         shape = batch["counts/shape"][i].numpy()
-        np.testing.assert_array_equal(tf.reshape(tf.io.decode_raw(batch["counts"][i], tf.int16), shape).numpy(), want["counts"])
+        np.testing.assert_array_equal(
+            tf.reshape(tf.io.decode_raw(batch["counts"][i], tf.int16), shape).numpy(), want["counts"]
+        )
         np.testing.assert_array_equal(batch["vec"][i].numpy(), want["vec"])
         assert batch["label"][i].numpy() == want["label"]
         assert batch["ids"][i].numpy().tolist() == want["ids"].tolist()
@@ -97,14 +110,19 @@ def test_tf_data_reads_crossfeed_shards(tmp_path, compress):
 
 
 def test_tfrecord_package_reads_crossfeed_shards(tmp_path):
-    samples = [{"label": i, "score": np.float32(i / 4), "vec": [i + 0.5, i + 1.0, -i], "name": f"n{i}"}
-               for i in range(20)]
+    samples = [
+        {"label": i, "score": np.float32(i / 4), "vec": [i + 0.5, i + 1.0, -i], "name": f"n{i}"} for i in range(20)
+    ]
     args, expected = [], []
     for compress in (False, True):  # one subprocess for both: importing the package is slow
         with crossfeed.write_dataset(tmp_path / f"d{compress}", samples, num_shards=2, compress=compress) as ds:
-            args += [f"{'gzip' if compress else 'plain'}:{tmp_path / f'd{compress}' / s.file}" for s in ds.splits["train"].shards]
+            args += [
+                f"{'gzip' if compress else 'plain'}:{tmp_path / f'd{compress}' / s.file}"
+                for s in ds.splits["train"].shards
+            ]
             expected += [{k: np.asarray(v).tolist() for k, v in r.items()} for r in ds["train"]]
-    out = run_python("""
+    out = run_python(
+        """
         import json, os, sys, tempfile
         from tfrecord.reader import tfrecord_loader
         from tfrecord.tools.tfrecord2idx import create_index
@@ -122,7 +140,9 @@ def test_tfrecord_package_reads_crossfeed_shards(tmp_path):
                 create_index(path, theirs)
                 same_index &= open(theirs).read().split() == open(path + ".idx").read().split()
         print(json.dumps({"rows": rows, "same_index": same_index}))
-    """, *args)
+    """,
+        *args,
+    )
     got = json.loads(out.stdout)
     assert got["same_index"]
     assert got["rows"] == expected
@@ -130,14 +150,18 @@ def test_tfrecord_package_reads_crossfeed_shards(tmp_path):
 
 def _tf_example(i, jpeg, png):
     F = tf.train.Feature
-    return tf.train.Example(features=tf.train.Features(feature={
-        "image/encoded": F(bytes_list=tf.train.BytesList(value=[jpeg])),
-        "mask": F(bytes_list=tf.train.BytesList(value=[png])),
-        "bbox": F(float_list=tf.train.FloatList(value=[0.1 * i, 0.2, 0.3, 0.4])),
-        "label": F(int64_list=tf.train.Int64List(value=[i])),
-        "objects": F(int64_list=tf.train.Int64List(value=list(range(i % 3)))),
-        "caption": F(bytes_list=tf.train.BytesList(value=[f"cap {i}".encode()])),
-    })).SerializeToString()
+    return tf.train.Example(
+        features=tf.train.Features(
+            feature={
+                "image/encoded": F(bytes_list=tf.train.BytesList(value=[jpeg])),
+                "mask": F(bytes_list=tf.train.BytesList(value=[png])),
+                "bbox": F(float_list=tf.train.FloatList(value=[0.1 * i, 0.2, 0.3, 0.4])),
+                "label": F(int64_list=tf.train.Int64List(value=[i])),
+                "objects": F(int64_list=tf.train.Int64List(value=list(range(i % 3)))),
+                "caption": F(bytes_list=tf.train.BytesList(value=[f"cap {i}".encode()])),
+            }
+        )
+    ).SerializeToString()
 
 
 @pytest.mark.parametrize("compress", [False, True])
@@ -180,7 +204,8 @@ def test_crossfeed_adopts_tensorflow_written_shards(tmp_path, compress):
 def test_crossfeed_adopts_tfrecord_package_shards(tmp_path):
     root = tmp_path / "pkg"
     root.mkdir()
-    run_python("""
+    run_python(
+        """
         import sys
         from tfrecord import TFRecordWriter
         for s in range(2):
@@ -188,7 +213,9 @@ def test_crossfeed_adopts_tfrecord_package_shards(tmp_path):
             for i in range(s * 5, s * 5 + 5):
                 w.write({"x": ([float(i), 0.5], "float"), "y": (i * 3, "int"), "blob": (bytes([i]) * i, "byte")})
             w.close()
-    """, str(root))
+    """,
+        str(root),
+    )
     assert CliRunner().invoke(app, ["index", str(root), "--split", "all"]).exit_code == 0
     with crossfeed.open_dataset(root) as ds:
         assert ds.schema["x"] == Feature("x", "float32", (2,), Encoding.FLOAT)
@@ -201,7 +228,9 @@ def test_crossfeed_adopts_tfrecord_package_shards(tmp_path):
 @pytest.mark.parametrize("tf_first", [True, False], ids=["tf-then-crossfeed", "crossfeed-then-tf"])
 def test_codec_next_to_tensorflow_in_one_process(tf_first):
     imports = "import tensorflow as tf\nimport crossfeed" if tf_first else "import crossfeed\nimport tensorflow as tf"
-    out = run_python(imports + """
+    out = run_python(
+        imports
+        + """
 import numpy as np
 from crossfeed.format import example as ex
 from crossfeed.format.encode import encode_sample
@@ -218,5 +247,6 @@ theirs = tf.train.Example(features=tf.train.Features(feature={
 assert ex.to_python(theirs) == {"f": [-1, 2**62]}
 assert tf.train.Example.FromString(payload).features.feature["b"].int64_list.value == [7]
 print("ok")
-""")
+"""
+    )
     assert out.stdout.strip().endswith("ok")

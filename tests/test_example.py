@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossfeed.format import example as ex
 from crossfeed.errors import ExampleError, SchemaError
+from crossfeed.format import example as ex
 from crossfeed.format.encode import encode_sample
 from crossfeed.format.schema import Encoding, Feature, Schema, decode_value, infer_schema
 
@@ -18,7 +18,8 @@ int64s = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=20)
 floats = st.lists(st.floats(width=32, allow_nan=False), max_size=20)
 blobs = st.lists(st.binary(max_size=40), max_size=6)
 feature_values = st.one_of(
-    st.tuples(st.just(ex.INT64), int64s), st.tuples(st.just(ex.FLOAT), floats), st.tuples(st.just(ex.BYTES), blobs))
+    st.tuples(st.just(ex.INT64), int64s), st.tuples(st.just(ex.FLOAT), floats), st.tuples(st.just(ex.BYTES), blobs)
+)
 _ENCODERS = {ex.INT64: ex.encode_int64_list, ex.FLOAT: ex.encode_float_list, ex.BYTES: ex.encode_bytes_list}
 
 
@@ -55,8 +56,11 @@ def test_malformed_examples_raise_example_error(bad):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.sampled_from(["uint8", "int16", "uint32", "int64", "float16", "float32", "float64", "bool"]),
-       st.lists(st.integers(1, 4), min_size=0, max_size=3), st.integers(0, 2**32 - 1))
+@given(
+    st.sampled_from(["uint8", "int16", "uint32", "int64", "float16", "float32", "float64", "bool"]),
+    st.lists(st.integers(1, 4), min_size=0, max_size=3),
+    st.integers(0, 2**32 - 1),
+)
 def test_tensor_encoding_round_trip_property(dtype, shape, seed):
     arr = (np.random.default_rng(seed).standard_normal(shape) * 100).astype(dtype)
     fixed = Feature("x", dtype, tuple(shape), Encoding.TENSOR)
@@ -68,12 +72,26 @@ def test_tensor_encoding_round_trip_property(dtype, shape, seed):
 
 
 def test_encode_sample_every_encoding_round_trip():
-    sample = {"t": np.arange(6, dtype=">i4").reshape(2, 3), "i": [3, -4], "f": 0.25, "b": b"\x00\xff", "s": "ünï",
-              "bl": [b"a", b"bc"], "e": []}
-    schema = Schema([Feature("t", "int32", (2, 3), Encoding.TENSOR), Feature("i", "int64", (2,), Encoding.INT64),
-                     Feature("f", "float32", (), Encoding.FLOAT), Feature("b", "bytes", (), Encoding.BYTES),
-                     Feature("s", "string", (), Encoding.BYTES), Feature("bl", "bytes", (None,), Encoding.BYTES),
-                     Feature("e", "float32", (None,), Encoding.FLOAT)])
+    sample = {
+        "t": np.arange(6, dtype=">i4").reshape(2, 3),
+        "i": [3, -4],
+        "f": 0.25,
+        "b": b"\x00\xff",
+        "s": "ünï",
+        "bl": [b"a", b"bc"],
+        "e": [],
+    }
+    schema = Schema(
+        [
+            Feature("t", "int32", (2, 3), Encoding.TENSOR),
+            Feature("i", "int64", (2,), Encoding.INT64),
+            Feature("f", "float32", (), Encoding.FLOAT),
+            Feature("b", "bytes", (), Encoding.BYTES),
+            Feature("s", "string", (), Encoding.BYTES),
+            Feature("bl", "bytes", (None,), Encoding.BYTES),
+            Feature("e", "float32", (None,), Encoding.FLOAT),
+        ]
+    )
     parsed = ex.decode(encode_sample(schema, sample))
     got = {f.name: decode_value(f, parsed) for f in schema}
     np.testing.assert_array_equal(got["t"], sample["t"])  # big-endian input stored little-endian
@@ -98,15 +116,24 @@ def test_schema_mismatch_is_a_schema_error():
 from crossfeed.format.encode import Encoder, SampleSchemaError, encode_sample_reference, encoder_for  # noqa: E402
 
 _TENSOR_DTYPES = ["uint8", "int16", "int32", "int64", "float16", "float32", "float64", "bool"]
-_any_float = st.one_of(st.floats(), st.floats(width=32), st.sampled_from([0.0, -0.0, 1e300, -1e39, 3.4028235e38, 3.4028236e38]),
-                       st.integers(0, 2**64 - 1).map(lambda b: float(np.uint64(b).view(np.float64))))  # NaN payloads
+_any_float = st.one_of(
+    st.floats(),
+    st.floats(width=32),
+    st.sampled_from([0.0, -0.0, 1e300, -1e39, 3.4028235e38, 3.4028236e38]),
+    st.integers(0, 2**64 - 1).map(lambda b: float(np.uint64(b).view(np.float64))),
+)  # NaN payloads
 _int64 = st.integers(-(2**63), 2**63 - 1)
 
 
 def _int_value(shape):
     if shape == ():
-        return st.one_of(st.integers(-(2**63), 2**64 - 1), _int64.map(np.int64), st.integers(0, 2**64 - 1).map(np.uint64),
-                         st.integers(-128, 127).map(np.int8), st.booleans())
+        return st.one_of(
+            st.integers(-(2**63), 2**64 - 1),
+            _int64.map(np.int64),
+            st.integers(0, 2**64 - 1).map(np.uint64),
+            st.integers(-128, 127).map(np.int8),
+            st.booleans(),
+        )
     n = shape[0] if shape[0] is not None else None
     lists = st.lists(_int64, min_size=n or 0, max_size=n if n is not None else 5)
     return st.one_of(lists, lists.map(lambda v: np.array(v, dtype=np.int64)), lists.map(tuple))
@@ -114,10 +141,14 @@ def _int_value(shape):
 
 def _float_value(shape):
     if shape == ():
-        return st.one_of(_any_float, _any_float.map(np.float64), st.floats(width=32).map(np.float32), st.integers(-1000, 1000))
+        return st.one_of(
+            _any_float, _any_float.map(np.float64), st.floats(width=32).map(np.float32), st.integers(-1000, 1000)
+        )
     n = shape[0] if shape[0] is not None else None
     lists = st.lists(_any_float, min_size=n or 0, max_size=n if n is not None else 5)
-    return st.one_of(lists, lists.map(lambda v: np.array(v, dtype=np.float64)), lists.map(lambda v: np.array(v, dtype=np.float32)))
+    return st.one_of(
+        lists, lists.map(lambda v: np.array(v, dtype=np.float64)), lists.map(lambda v: np.array(v, dtype=np.float32))
+    )
 
 
 def _text_value(dtype, shape):
@@ -148,7 +179,10 @@ def _feature_and_values(draw, name, n):
         @st.composite
         def gen(draw2):
             seed = draw2(st.integers(0, 2**32 - 1))
-            return (np.random.default_rng(seed).standard_normal(shape) * 100).astype(np.dtype(dtype).newbyteorder(order))
+            return (np.random.default_rng(seed).standard_normal(shape) * 100).astype(
+                np.dtype(dtype).newbyteorder(order)
+            )
+
         gen = gen()
     values = draw(st.lists(gen, min_size=n, max_size=n))
     if f.shape == (0,):  # lists that fit: empty ones
@@ -158,7 +192,10 @@ def _feature_and_values(draw, name, n):
     if f.shape in ((1,), (3,)):
         k = f.shape[0]
         values = [v[:k] if len(v) >= k else v for v in values]
-        values = [v if len(v) == k else (np.zeros(k, np.asarray(v).dtype) if isinstance(v, np.ndarray) else [0] * k) for v in values]
+        values = [
+            v if len(v) == k else (np.zeros(k, np.asarray(v).dtype) if isinstance(v, np.ndarray) else [0] * k)
+            for v in values
+        ]
     return f, values
 
 
@@ -175,7 +212,14 @@ def _column_forms(values):
 @st.composite
 def _schema_and_columns(draw):
     n = draw(st.integers(1, 6))
-    names = draw(st.lists(st.sampled_from(["a", "b", "a/x", "a.b", "b0", "ü", "lab", "label", "z" * 200]), min_size=0, max_size=5, unique=True))
+    names = draw(
+        st.lists(
+            st.sampled_from(["a", "b", "a/x", "a.b", "b0", "ü", "lab", "label", "z" * 200]),
+            min_size=0,
+            max_size=5,
+            unique=True,
+        )
+    )
     feats, cols = [], {}
     for name in names:
         f, values = draw(_feature_and_values(name, n))
@@ -216,7 +260,11 @@ def test_encoder_bytes_equal_reference_property(case):
                 with pytest.raises(type(err)) as got:
                     call()
                 if isinstance(err, SchemaError):
-                    assert isinstance(got.value, SampleSchemaError) and got.value.index == i and got.value.reason == str(err)
+                    assert (
+                        isinstance(got.value, SampleSchemaError)
+                        and got.value.index == i
+                        and got.value.reason == str(err)
+                    )
                 else:
                     assert str(got.value) == str(err)
 
@@ -224,17 +272,30 @@ def test_encoder_bytes_equal_reference_property(case):
 def test_tabular_columns_vectorised_and_identical():
     rng = np.random.default_rng(1)
     n = 5000
-    schema = Schema([Feature("id", "int64", (), Encoding.INT64), Feature("a", "float32", (), Encoding.FLOAT),
-                     Feature("b", "float32", (), Encoding.FLOAT), Feature("name", "string", (), Encoding.BYTES),
-                     Feature("label", "int64", (), Encoding.INT64), Feature("v", "float32", (3,), Encoding.FLOAT),
-                     Feature("t", "uint8", (2, 2), Encoding.TENSOR)])
+    schema = Schema(
+        [
+            Feature("id", "int64", (), Encoding.INT64),
+            Feature("a", "float32", (), Encoding.FLOAT),
+            Feature("b", "float32", (), Encoding.FLOAT),
+            Feature("name", "string", (), Encoding.BYTES),
+            Feature("label", "int64", (), Encoding.INT64),
+            Feature("v", "float32", (3,), Encoding.FLOAT),
+            Feature("t", "uint8", (2, 2), Encoding.TENSOR),
+        ]
+    )
     ids = rng.integers(-(2**63), 2**63 - 1, n)
     ids[:20] = [0, 1, 127, 128, 16383, 16384, -1, -(2**63), 2**63 - 1, 2**35, 300, 5, 6, 7, 8, 9, 10, 11, 12, 13]
     a = rng.normal(size=n) * 1e38
     a[:6] = [np.nan, -np.inf, -0.0, 1e300, 1e-46, 3.4028236e38]
-    cols = {"id": ids, "a": a, "b": rng.uniform(size=n).astype(np.float32), "name": [f"itém{i}" * (i % 40) for i in range(n)],
-            "label": rng.integers(0, 10, n).astype(np.uint8), "v": rng.normal(size=(n, 3)),
-            "t": rng.integers(0, 255, (n, 2, 2)).astype(np.uint8)}
+    cols = {
+        "id": ids,
+        "a": a,
+        "b": rng.uniform(size=n).astype(np.float32),
+        "name": [f"itém{i}" * (i % 40) for i in range(n)],
+        "label": rng.integers(0, 10, n).astype(np.uint8),
+        "v": rng.normal(size=(n, 3)),
+        "t": rng.integers(0, 255, (n, 2, 2)).astype(np.uint8),
+    }
     rows = [{k: c[i] for k, c in cols.items()} for i in range(n)]
     enc = encoder_for(schema)
     with np.errstate(over="ignore"):
@@ -272,10 +333,16 @@ def test_write_dataset_errors_and_stats_unchanged(tmp_path):
     assert not any(p.name.endswith(".tfrecord") for p in (tmp_path / "bad").iterdir())
 
     rng = np.random.default_rng(3)
-    cols = {"f": rng.normal(size=3000).tolist(), "g": rng.normal(size=3000).astype(np.float32),
-            "z": [0.0, -0.0] * 1500, "n": [np.nan if i % 7 == 0 else float(i) for i in range(3000)],
-            "i": rng.integers(-(2**62), 2**62, 3000).tolist(), "j": rng.integers(0, 9, 3000), "s": ["a"] * 3000,
-            "v": [np.arange(i % 3) for i in range(3000)]}
+    cols = {
+        "f": rng.normal(size=3000).tolist(),
+        "g": rng.normal(size=3000).astype(np.float32),
+        "z": [0.0, -0.0] * 1500,
+        "n": [np.nan if i % 7 == 0 else float(i) for i in range(3000)],
+        "i": rng.integers(-(2**62), 2**62, 3000).tolist(),
+        "j": rng.integers(0, 9, 3000),
+        "s": ["a"] * 3000,
+        "v": [np.arange(i % 3) for i in range(3000)],
+    }
     chunk = [{k: c[i] for k, c in cols.items()} for i in range(3000)]
     want: dict = {}
     for s in chunk:
@@ -283,7 +350,7 @@ def test_write_dataset_errors_and_stats_unchanged(tmp_path):
             want.setdefault(k, FeatureStats()).add(v)
     got: dict = {}
     for lo in range(0, 3000, 700):
-        _add_stats(got, chunk[lo:lo + 700])
+        _add_stats(got, chunk[lo : lo + 700])
     assert list(got) == list(want)
     for k in want:
         assert repr(got[k]) == repr(want[k]), k

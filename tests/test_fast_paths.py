@@ -29,6 +29,7 @@ SHUFFLES = ("none", "global", "block")
 
 # ---- the oracle: TFRecord framing + tf.train.Example, walked by hand ----------------------------
 
+
 def _varint(b: bytes, p: int) -> tuple[int, int]:
     v = shift = 0
     while True:
@@ -141,8 +142,9 @@ def check_epochs(root, ref, *, batch_size: int, shuffle: str, epochs: int = 1, f
     """Read ``epochs`` epochs, compare every batch with the oracle, check each sample comes once
     per epoch; returns the batches (kept alive throughout: the recycler must not reuse them)."""
     kept = []
-    with crossfeed.Loader(root, batch_size=batch_size, shuffle=shuffle, seed=3, return_index=True, features=features,
-                          **kw) as loader:
+    with crossfeed.Loader(
+        root, batch_size=batch_size, shuffle=shuffle, seed=3, return_index=True, features=features, **kw
+    ) as loader:
         names = features or loader.dataset.schema.names
         for _ in range(epochs):
             seen = []
@@ -156,6 +158,7 @@ def check_epochs(root, ref, *, batch_size: int, shuffle: str, epochs: int = 1, f
 
 # ---- datasets ----------------------------------------------------------------------------------
 
+
 def _common(i: int, rng) -> dict:
     return {
         "label": 2**20 + i,  # a 3-byte varint in every record
@@ -167,12 +170,22 @@ def _common(i: int, rng) -> dict:
     }
 
 
-COMMON = [Feature("label", "int64", (), Encoding.INT64), Feature("code", "int64", (), Encoding.INT64),
-          Feature("score", "float32", (), Encoding.FLOAT), Feature("v508", "uint8", (508,), Encoding.TENSOR),
-          Feature("v512", "uint8", (512,), Encoding.TENSOR), Feature("v516", "float32", (129,), Encoding.TENSOR)]
+COMMON = [
+    Feature("label", "int64", (), Encoding.INT64),
+    Feature("code", "int64", (), Encoding.INT64),
+    Feature("score", "float32", (), Encoding.FLOAT),
+    Feature("v508", "uint8", (508,), Encoding.TENSOR),
+    Feature("v512", "uint8", (512,), Encoding.TENSOR),
+    Feature("v516", "float32", (129,), Encoding.TENSOR),
+]
 SMALL = Schema([*COMMON, Feature("emb", "float32", (4,), Encoding.FLOAT)])
-BIG = Schema([*COMMON, Feature("img", "uint8", (64, 64, 3), Encoding.TENSOR),
-              Feature("imgf", "float32", (64, 64, 3), Encoding.TENSOR)])
+BIG = Schema(
+    [
+        *COMMON,
+        Feature("img", "uint8", (64, 64, 3), Encoding.TENSOR),
+        Feature("imgf", "float32", (64, 64, 3), Encoding.TENSOR),
+    ]
+)
 
 
 def small_samples(n: int):
@@ -184,8 +197,11 @@ def small_samples(n: int):
 def big_samples(n: int):
     rng = np.random.default_rng(2)
     for i in range(n):
-        yield {**_common(i, rng), "img": rng.integers(0, 256, (64, 64, 3), dtype=np.uint8),
-               "imgf": rng.standard_normal((64, 64, 3)).astype(np.float32)}
+        yield {
+            **_common(i, rng),
+            "img": rng.integers(0, 256, (64, 64, 3), dtype=np.uint8),
+            "imgf": rng.standard_normal((64, 64, 3)).astype(np.float32),
+        }
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +236,7 @@ def test_oracle_agrees_with_the_samples_written(small):
 
 
 # ---- the columnar small-record path --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("shuffle", SHUFFLES)
 @pytest.mark.parametrize("batch_size", [1, 7, 32, 256])
@@ -258,8 +275,10 @@ def test_int64_vectors_whose_varint_widths_differ_at_equal_length(tmp_path):
     bytes, [0, 128] is 1 + 2): one layout cannot cut both; the varint continuation check must see it."""
     rng = np.random.default_rng(5)
     pairs = [[128, 0], [0, 128], [2**40, 1], [1, 2**40], [-1, 0], [0, -1], [127, 128], [128, 127]]
-    samples = [{"ids": np.array(pairs[i % len(pairs)], np.int64), "x": rng.integers(0, 256, 16, dtype=np.uint8)}
-               for i in range(96)]
+    samples = [
+        {"ids": np.array(pairs[i % len(pairs)], np.int64), "x": rng.integers(0, 256, 16, dtype=np.uint8)}
+        for i in range(96)
+    ]
     schema = Schema([Feature("ids", "int64", (2,), Encoding.INT64), Feature("x", "uint8", (16,), Encoding.TENSOR)])
     root = tmp_path / "pairs"
     crossfeed.write_dataset(root, samples, num_shards=2, schema=schema).close()
@@ -270,6 +289,7 @@ def test_int64_vectors_whose_varint_widths_differ_at_equal_length(tmp_path):
 
 
 # ---- large records: the big-value copy and the recycler -----------------------------------------
+
 
 @pytest.mark.parametrize("shuffle", SHUFFLES)
 @pytest.mark.parametrize("batch_size", [1, 7, 32, 128])
@@ -282,7 +302,9 @@ def test_recycler_never_hands_out_a_live_batch(big):
     """Every batch of three epochs kept alive (1.5 MiB `imgf` arrays, 2 threads, prefetch 2),
     then all compared with the oracle at the end: a recycled array still in use would show."""
     root, ref = big
-    kept = check_epochs(root, ref, batch_size=32, shuffle="global", epochs=3, read=ReadOptions(num_threads=2, prefetch=2))
+    kept = check_epochs(
+        root, ref, batch_size=32, shuffle="global", epochs=3, read=ReadOptions(num_threads=2, prefetch=2)
+    )
     assert len(kept) == 3 * 6
     assert len({id(b["imgf"]) for b in kept}) == len(kept)
     for b in kept:
@@ -297,12 +319,20 @@ def test_recycler_generic_path_batches_stay_intact(big):
     rag = Schema([*BIG, Feature("tags", "int64", (None,), Encoding.INT64)])
     root2 = root.parent / "big_ragged"
     if not root2.exists():
-        crossfeed.write_dataset(root2, ({**s, "tags": list(range(i % 3))} for i, s in enumerate(samples)),
-                                num_shards=3, schema=rag).close()
+        crossfeed.write_dataset(
+            root2, ({**s, "tags": list(range(i % 3))} for i, s in enumerate(samples)), num_shards=3, schema=rag
+        ).close()
     ref2 = oracle(root2)
     kept = []
-    with crossfeed.Loader(root2, batch_size=32, shuffle="global", seed=1, return_index=True, features=["imgf", "tags"],
-                          read=ReadOptions(num_threads=2, prefetch=2)) as loader:
+    with crossfeed.Loader(
+        root2,
+        batch_size=32,
+        shuffle="global",
+        seed=1,
+        return_index=True,
+        features=["imgf", "tags"],
+        read=ReadOptions(num_threads=2, prefetch=2),
+    ) as loader:
         for _ in range(2):
             kept += list(loader)
     for b in kept:
@@ -313,8 +343,9 @@ def test_recycler_generic_path_batches_stay_intact(big):
 
 def test_batch_kept_while_the_next_epoch_runs_stays_intact(big):
     root, ref = big
-    with crossfeed.Loader(root, batch_size=32, shuffle="global", seed=0, return_index=True,
-                          read=ReadOptions(num_threads=2, prefetch=2)) as loader:
+    with crossfeed.Loader(
+        root, batch_size=32, shuffle="global", seed=0, return_index=True, read=ReadOptions(num_threads=2, prefetch=2)
+    ) as loader:
         first = next(iter(loader))  # the generator is dropped: the rest of epoch 0 is abandoned
         snapshot = {k: v.copy() for k, v in first.items()}
         loader.set_epoch(1)
@@ -327,6 +358,7 @@ def test_batch_kept_while_the_next_epoch_runs_stays_intact(big):
 
 
 # ---- frame checks: corruption is reported, never delivered -------------------------------------
+
 
 def _corrupt(src, dst, shard: int, record: int, at: int, new: bytes | None) -> None:
     """Copy dataset ``src`` to ``dst`` and overwrite bytes at offset ``at`` of one framed record
@@ -385,6 +417,7 @@ def test_a_length_header_that_disagrees_with_the_index_is_reported(small, tmp_pa
 
 # ---- JPEG: libjpeg-turbo straight into the batch, vs Pillow -------------------------------------
 
+
 def _jpeg(arr: np.ndarray) -> bytes:
     b = io.BytesIO()
     Image.fromarray(arr).save(b, format="JPEG", quality=90)
@@ -421,14 +454,18 @@ def test_jpeg_batches_equal_pillow_decoding(tmp_path):
     imgs[150] = _smooth(rng, 37, 51, 3)
     imgs[151] = _smooth(rng, 40, 30, 1)
     samples = [{"image": _jpeg(a), "label": i} for i, a in enumerate(imgs)]
-    schema = Schema([Feature("image", "uint8", (None, None, None), Encoding.IMAGE), Feature("label", "int64", (), Encoding.INT64)])
+    schema = Schema(
+        [Feature("image", "uint8", (None, None, None), Encoding.IMAGE), Feature("label", "int64", (), Encoding.INT64)]
+    )
     root = tmp_path / "jpeg"
     crossfeed.write_dataset(root, samples, num_shards=2, schema=schema).close()
     ref = oracle(root)
     assert ref[0]["image"].shape == (64, 64, 3)
     assert {r["image"].shape for r in ref} == {(64, 64, 3), (37, 51, 3), (40, 30, 1)}
     kept = []
-    with crossfeed.Loader(root, batch_size=100, shuffle="none", return_index=True, read=ReadOptions(num_threads=2, prefetch=2)) as loader:
+    with crossfeed.Loader(
+        root, batch_size=100, shuffle="none", return_index=True, read=ReadOptions(num_threads=2, prefetch=2)
+    ) as loader:
         for _ in range(2):
             for b in loader:
                 np.testing.assert_array_equal(b["label"], np.stack([ref[i]["label"] for i in b["__index__"].tolist()]))

@@ -39,8 +39,11 @@ SMALL_FEATURES = {
     "v512": ("uint8", (512,), Encoding.TENSOR),
     "v516": ("float32", (129,), Encoding.TENSOR),
 }
-BIG_FEATURES = {**SMALL_FEATURES, "img": ("uint8", (64, 64, 3), Encoding.TENSOR),
-                "imgf": ("float32", (64, 64, 3), Encoding.TENSOR)}
+BIG_FEATURES = {
+    **SMALL_FEATURES,
+    "img": ("uint8", (64, 64, 3), Encoding.TENSOR),
+    "imgf": ("float32", (64, 64, 3), Encoding.TENSOR),
+}
 NUMERIC = ["label", "code", "score", "emb"]
 
 
@@ -49,7 +52,7 @@ def _samples(feats: dict, n: int, seed: int) -> list[dict]:
     out = []
     for i in range(n):
         s = {}
-        for name, (dtype, shape, enc) in feats.items():
+        for name, (dtype, shape, _enc) in feats.items():
             if name == "label":  # a 3-byte varint in every record: only `code` varies the record length,
                 s[name] = LABEL0 + i  # so records of one length share one layout (the columnar path holds)
             elif name == "code":
@@ -98,7 +101,7 @@ def tf_reference(root, feats: dict) -> dict:
         sp = ds["train"]
         paths = [sp.file(s).path for s in range(len(sp.counts))]
     spec = {}
-    for name, (dtype, shape, enc) in feats.items():
+    for name, (_dtype, shape, enc) in feats.items():
         if enc is Encoding.TENSOR:
             spec[name] = tf.io.FixedLenFeature([], tf.string)
         else:
@@ -152,8 +155,9 @@ def assert_matches_tf(batch: dict, ref: dict, feats: dict, schema) -> None:
 
 def read_and_compare(root, ref, feats, *, batch_size, shuffle, features=None, epochs=1, keep=False, **kw):
     kept = []
-    with crossfeed.Loader(root, batch_size=batch_size, shuffle=shuffle, seed=7, return_index=True, features=features,
-                          **kw) as loader:
+    with crossfeed.Loader(
+        root, batch_size=batch_size, shuffle=shuffle, seed=7, return_index=True, features=features, **kw
+    ) as loader:
         schema = loader.dataset.schema
         for _ in range(epochs):
             seen = []
@@ -214,16 +218,27 @@ def test_kept_batches_match_tf_after_several_epochs(big):
     """Every batch of three epochs kept alive, then compared again: the recycler hands out no
     array still in use."""
     _, root, ref = big
-    kept = read_and_compare(root, ref, BIG_FEATURES, batch_size=32, shuffle="global", epochs=3, keep=True,
-                            read=ReadOptions(num_threads=2, prefetch=2))
+    kept = read_and_compare(
+        root,
+        ref,
+        BIG_FEATURES,
+        batch_size=32,
+        shuffle="global",
+        epochs=3,
+        keep=True,
+        read=ReadOptions(num_threads=2, prefetch=2),
+    )
     assert len(kept) == 3 * 10
 
 
 def test_int64_vectors_whose_varint_widths_differ_match_tf(tmp_path):
     """Equal-length records whose int64 pair splits its bytes differently ([128, 0] vs [0, 128])."""
     pairs = [[128, 0], [0, 128], [2**40, 1], [1, 2**40], [-1, 0], [0, -1], [127, 128], [128, 127]]
-    feats = {"label": ("int64", (), Encoding.INT64), "ids": ("int64", (2,), Encoding.INT64),
-             "x": ("uint8", (16,), Encoding.TENSOR)}
+    feats = {
+        "label": ("int64", (), Encoding.INT64),
+        "ids": ("int64", (2,), Encoding.INT64),
+        "x": ("uint8", (16,), Encoding.TENSOR),
+    }
     samples = [{**s, "ids": np.array(pairs[i % len(pairs)], np.int64)} for i, s in enumerate(_samples(feats, 96, 3))]
     for writer in ("crossfeed", "tf"):
         root = tmp_path / writer
@@ -264,8 +279,10 @@ def _refused(root, ref, bad, damage: str, shuffle: str) -> None:
     with pytest.raises(tf.errors.DataLossError):
         for _ in tf.data.TFRecordDataset(files):
             pass
-    with pytest.raises(crossfeed.CorruptRecordError), \
-            crossfeed.Loader(bad, batch_size=64, shuffle=shuffle, seed=0) as loader:
+    with (
+        pytest.raises(crossfeed.CorruptRecordError),
+        crossfeed.Loader(bad, batch_size=64, shuffle=shuffle, seed=0) as loader,
+    ):
         for _ in loader:
             pass
 

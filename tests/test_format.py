@@ -8,16 +8,15 @@ import os
 
 import numpy as np
 import pytest
+from conftest import mixed_samples
 from PIL import Image
 
 import crossfeed
+from crossfeed.errors import ConfigError, CorruptRecordError, SchemaError
 from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
-from crossfeed.errors import ConfigError, CorruptRecordError, SchemaError
 from crossfeed.format.manifest import MANIFEST
 from crossfeed.format.schema import Encoding, Feature, Schema
-
-from conftest import mixed_samples
 
 
 @pytest.mark.parametrize("compress", [False, True])
@@ -107,7 +106,21 @@ def _assert_equal(a, b):
             assert np.asarray(a).dtype == b.dtype
 
 
-DTYPES = ["uint8", "int8", "uint16", "int16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bool", "complex64"]
+DTYPES = [
+    "uint8",
+    "int8",
+    "uint16",
+    "int16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "bool",
+    "complex64",
+]
 
 
 @pytest.mark.parametrize("compress", [False, True])
@@ -121,22 +134,28 @@ def test_write_open_round_trip_every_encoding(tmp_path, compress):
             var=rng.standard_normal((i % 3 + 1, 4)).astype(np.float32),
             ints=np.arange(i % 5, dtype=np.int64) - 2**62,
             floats=(np.arange(i % 4) / 3).astype(np.float32),
-            scalar_i=np.int64(-i), scalar_f=np.float32(i * 0.5),
-            blob=os.urandom(i), text=f"héllo {i}", words=[f"w{i}", "x"],
+            scalar_i=np.int64(-i),
+            scalar_f=np.float32(i * 0.5),
+            blob=os.urandom(i),
+            text=f"héllo {i}",
+            words=[f"w{i}", "x"],
             img=_png(pixels[i]),
         )
         samples.append(s)
-    schema = Schema([Feature(f"t_{d}", d, (2, 3), Encoding.TENSOR) for d in DTYPES] + [
-        Feature("var", "float32", (None, 4), Encoding.TENSOR),
-        Feature("ints", "int64", (None,), Encoding.INT64),
-        Feature("floats", "float32", (None,), Encoding.FLOAT),
-        Feature("scalar_i", "int64", (), Encoding.INT64),
-        Feature("scalar_f", "float32", (), Encoding.FLOAT),
-        Feature("blob", "bytes", (), Encoding.BYTES),
-        Feature("text", "string", (), Encoding.BYTES),
-        Feature("words", "string", (2,), Encoding.BYTES),
-        Feature("img", "uint8", (6, 5, 3), Encoding.IMAGE),
-    ])
+    schema = Schema(
+        [Feature(f"t_{d}", d, (2, 3), Encoding.TENSOR) for d in DTYPES]
+        + [
+            Feature("var", "float32", (None, 4), Encoding.TENSOR),
+            Feature("ints", "int64", (None,), Encoding.INT64),
+            Feature("floats", "float32", (None,), Encoding.FLOAT),
+            Feature("scalar_i", "int64", (), Encoding.INT64),
+            Feature("scalar_f", "float32", (), Encoding.FLOAT),
+            Feature("blob", "bytes", (), Encoding.BYTES),
+            Feature("text", "string", (), Encoding.BYTES),
+            Feature("words", "string", (2,), Encoding.BYTES),
+            Feature("img", "uint8", (6, 5, 3), Encoding.IMAGE),
+        ]
+    )
     with crossfeed.write_dataset(tmp_path / "d", samples, schema=schema, num_shards=4, compress=compress) as ds:
         assert ds.schema == schema and len(ds["train"]) == 12
         for shard in ds.splits["train"].shards:
@@ -177,12 +196,16 @@ def test_add_and_replace_splits(tmp_path, mixed_dataset):
     with crossfeed.open_dataset(root) as ds:
         assert {k: len(ds[k]) for k in ds.splits} == {"train": 3}
         assert [r["label"] for r in ds["train"]] == [10, 11, 12]
-    assert sorted(os.listdir(root)) == sorted([MANIFEST, "train-00000-of-00001.tfrecord", "train-00000-of-00001.tfrecord.idx"])
+    assert sorted(os.listdir(root)) == sorted(
+        [MANIFEST, "train-00000-of-00001.tfrecord", "train-00000-of-00001.tfrecord.idx"]
+    )
     with pytest.raises(SchemaError, match="other types"):
         crossfeed.write_dataset(root, [{"other": 1.0}], split="test", add_split=True)
     crossfeed.write_dataset(root, [{"other": 1.0}], split="train", overwrite=True).close()
     # the plain names are the current version's: the new one takes generation 3's names
-    assert sorted(os.listdir(root)) == sorted([MANIFEST, "train-00000-of-00001.g3.tfrecord", "train-00000-of-00001.g3.tfrecord.idx"])
+    assert sorted(os.listdir(root)) == sorted(
+        [MANIFEST, "train-00000-of-00001.g3.tfrecord", "train-00000-of-00001.g3.tfrecord.idx"]
+    )
 
 
 def test_failed_write_leaves_nothing(tmp_path, mixed_dataset):

@@ -11,20 +11,27 @@ import threading
 
 import numpy as np
 import pytest
+from loader_helpers import assert_resumes_identically, epoch_batches
 
 import crossfeed
 from crossfeed import Feature, Schema
 from crossfeed.errors import ConfigError, CorruptRecordError, CrossfeedError
 from crossfeed.read.loader import INDEX_KEY, Loader
-from loader_helpers import assert_resumes_identically, epoch_batches
 
 
 def _tabular(tmp_path, n=1001, shards=3, name="tab"):
-    schema = Schema([Feature("id", "int64", (), "int64"), Feature("x", "float32", (8,), "float"),
-                     Feature("t", "int16", (2, 3), "tensor")])
+    schema = Schema(
+        [
+            Feature("id", "int64", (), "int64"),
+            Feature("x", "float32", (8,), "float"),
+            Feature("t", "int16", (2, 3), "tensor"),
+        ]
+    )
     rng = np.random.default_rng(0)
-    samples = [{"id": i, "x": rng.random(8, dtype=np.float32), "t": rng.integers(-999, 999, (2, 3)).astype(np.int16)}
-               for i in range(n)]
+    samples = [
+        {"id": i, "x": rng.random(8, dtype=np.float32), "t": rng.integers(-999, 999, (2, 3)).astype(np.int16)}
+        for i in range(n)
+    ]
     root = tmp_path / name
     crossfeed.write_dataset(root, samples, num_shards=shards, schema=schema).close()
     return root, samples
@@ -42,7 +49,7 @@ def test_batches_hold_the_written_values(tabular):
         assert len(loader) == 16
         for batch in loader:
             assert batch["x"].dtype == np.float32 and batch["t"].dtype == np.int16 and batch["t"].shape[1:] == (2, 3)
-            for j, i in enumerate(batch[INDEX_KEY]):
+            for j, _i in enumerate(batch[INDEX_KEY]):
                 s = samples[int(batch["id"][j])]
                 np.testing.assert_array_equal(batch["x"][j], s["x"])
                 np.testing.assert_array_equal(batch["t"][j], s["t"])
@@ -79,8 +86,9 @@ def test_index_of_every_sample_matches_random_access(tabular):
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_resumes_identically_from_every_batch(tmp_path, shuffle, world, rank, drop_last):
     root, _ = _tabular(tmp_path, n=203, shards=4)
-    assert_resumes_identically(root, batch_size=16, shuffle=shuffle, seed=5, rank=rank, world_size=world,
-                               drop_last=drop_last)
+    assert_resumes_identically(
+        root, batch_size=16, shuffle=shuffle, seed=5, rank=rank, world_size=world, drop_last=drop_last
+    )
 
 
 def test_resume_is_o1_and_the_state_is_small(tabular):
@@ -184,7 +192,9 @@ def test_rank_and_world_from_the_environment(tabular, monkeypatch):
         assert (loader.rank, loader.world_size) == (1, 4)
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
-    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"chief": ["a:1"], "worker": ["b:1", "c:1"]}, "task": {"type": "worker", "index": 1}}')
+    monkeypatch.setenv(
+        "TF_CONFIG", '{"cluster": {"chief": ["a:1"], "worker": ["b:1", "c:1"]}, "task": {"type": "worker", "index": 1}}'
+    )
     with Loader(root, batch_size=10) as loader:
         assert (loader.rank, loader.world_size) == (2, 3)
 
@@ -255,7 +265,9 @@ def test_jpeg_images_decode_in_the_loader(tmp_path):
         return buf.getvalue()
 
     schema = Schema([Feature("image", "uint8", (None, None, 3), "image"), Feature("label", "int64", (), "int64")])
-    crossfeed.write_dataset(tmp_path / "img", [{"image": jpeg(i), "label": i} for i in range(10)], schema=schema).close()
+    crossfeed.write_dataset(
+        tmp_path / "img", [{"image": jpeg(i), "label": i} for i in range(10)], schema=schema
+    ).close()
     with Loader(tmp_path / "img", batch_size=5, shuffle="none") as loader:
         b = next(iter(loader))
     assert b["image"].shape == (5, 16, 12, 3) and b["image"].dtype == np.uint8
@@ -312,7 +324,7 @@ def test_http_source_with_range_reads(tabular):
         assert sorted(ids.tolist()) == list(range(1001))
         with Loader(url, batch_size=128, seed=6, shuffle="block", return_index=True) as loader:  # whole shards
             b = next(iter(loader))
-        for j, i in enumerate(b[INDEX_KEY][:10]):
+        for j, _i in enumerate(b[INDEX_KEY][:10]):
             np.testing.assert_array_equal(b["x"][j], samples[int(b["id"][j])]["x"])
     finally:
         server.shutdown()

@@ -21,14 +21,22 @@ from crossfeed.format.manifest import MANIFEST
 from crossfeed.read.loader import Loader
 from crossfeed.read.verify import verify_dataset
 
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                       HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70),
-                         st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12))
-json_values = st.recursive(json_scalars, lambda kids: st.one_of(st.lists(kids, max_size=4),
-                                                                 st.dictionaries(st.text(max_size=8), kids, max_size=4)),
-                           max_leaves=12)
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda kids: st.one_of(st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=8), kids, max_size=4)),
+    max_leaves=12,
+)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +125,7 @@ def test_mutated_manifests_raise_only_crossfeed_errors(pristine, tmp_path, data)
         if action == "delete":
             del parent[path[-1]]
         elif action == "int":
-            parent[path[-1]] = data.draw(st.integers(-2 ** 64, 2 ** 64))
+            parent[path[-1]] = data.draw(st.integers(-(2**64), 2**64))
         elif action == "dup" and isinstance(parent, list):
             parent.append(copy.deepcopy(parent[path[-1]]))
         else:
@@ -155,6 +163,6 @@ def test_fuzzed_index_files_raise_only_crossfeed_errors(pristine, tmp_path, data
             (root / MANIFEST).write_text(json.dumps(m))
         k = data.draw(st.integers(0, len(entries) - 1))
         col = data.draw(st.integers(0, 1))
-        entries[k, col] = data.draw(st.integers(0, 2 ** 40))
+        entries[k, col] = data.draw(st.integers(0, 2**40))
         idx.write_index(path, entries.tolist())
     _exercise(root)

@@ -34,16 +34,20 @@ def test_weights_become_small_integers():
 
 
 def _source(root, name: str, n: int, offset: int, shards: int = 2, **extra):
-    samples = [{"x": np.full(3, offset + i, np.float32), "id": offset + i, **{k: v(i) for k, v in extra.items()}}
-               for i in range(n)]
+    samples = [
+        {"x": np.full(3, offset + i, np.float32), "id": offset + i, **{k: v(i) for k, v in extra.items()}}
+        for i in range(n)
+    ]
     crossfeed.write_dataset(root / name, samples, num_shards=shards).close()
     return root / name
 
 
 @pytest.fixture
 def two(tmp_path):
-    return [crossfeed.Source(_source(tmp_path, "big", 60, 0, shards=3), weight=3),
-            crossfeed.Source(_source(tmp_path, "small", 7, 1000), weight=1)]
+    return [
+        crossfeed.Source(_source(tmp_path, "big", 60, 0, shards=3), weight=3),
+        crossfeed.Source(_source(tmp_path, "small", 7, 1000), weight=1),
+    ]
 
 
 def test_a_mixture_delivers_the_weights_and_each_source_pass_by_pass(two):
@@ -106,8 +110,13 @@ def test_ranks_get_equal_steps_and_resume_elastically(two):
     # every position of the epoch exactly once: the same draws, source by source, as one rank reads
     assert len(got) == 96 and sorted(got.tolist()) == sorted(reference.tolist())
     assert state["position"] == 36
-    assert sum(s["offset"] + 60 * s["pass"] if i == 0 else s["offset"] + 7 * s["pass"]
-               for i, s in enumerate(state["sources"])) == 36
+    assert (
+        sum(
+            s["offset"] + 60 * s["pass"] if i == 0 else s["offset"] + 7 * s["pass"]
+            for i, s in enumerate(state["sources"])
+        )
+        == 36
+    )
 
 
 def test_sources_must_agree_on_their_features(tmp_path):

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
+from net_helpers import FAST_HB, child, read_endpoint, stop, write_image_dataset
 from PIL import Image
 from typer.testing import CliRunner
 
 from crossfeed.net import connect
-from net_helpers import FAST_HB, child, read_endpoint, stop, write_image_dataset
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -31,27 +30,43 @@ def dataset(tmp_path):
 
 def _serve(tmp_path, dataset, *extra):
     ep = tmp_path / "ep"
-    proc = child("cli", "serve", dataset, "tcp://127.0.0.1:0", "--batch-size", "6",
-                 "--heartbeat-interval", "0.1", "--heartbeat-timeout", "2", "--endpoint-file", str(ep),
-                 *extra, log=tmp_path / "serve.log")
+    proc = child(
+        "cli",
+        "serve",
+        dataset,
+        "tcp://127.0.0.1:0",
+        "--batch-size",
+        "6",
+        "--heartbeat-interval",
+        "0.1",
+        "--heartbeat-timeout",
+        "2",
+        "--endpoint-file",
+        str(ep),
+        *extra,
+        log=tmp_path / "serve.log",
+    )
     return proc, ep
 
 
 def test_serve_streams_the_loaders_batches_with_provenance(tmp_path, dataset):
-    proc, ep = _serve(tmp_path, dataset, "--epochs", "2", "--seed", "3",
-                      "--transform", "net_helpers:add_hundred", "--workers", "2")
+    proc, ep = _serve(
+        tmp_path, dataset, "--epochs", "2", "--seed", "3", "--transform", "net_helpers:add_hundred", "--workers", "2"
+    )
     try:
         address = read_endpoint(ep, procs=[proc])
         with connect(address, with_meta=True, **FAST_HB) as client:
-            got = [(m.epoch, m.sample_ids.tolist(), b["label"].tolist(), b["image"][:, 0, 0, 0].tolist())
-                   for m, b in client]
+            got = [
+                (m.epoch, m.sample_ids.tolist(), b["label"].tolist(), b["image"][:, 0, 0, 0].tolist())
+                for m, b in client
+            ]
         assert proc.wait(30) == 0, (tmp_path / "serve.log").read_text()
     finally:
         stop(proc)
     for epoch in (0, 1):
         ids = [i for e, b, _, _ in got if e == epoch for i in b]
         assert sorted(ids) == list(range(20))
-    for _, ids, labels, pixels in got:
+    for _, _ids, labels, pixels in got:
         assert labels == [p + 100 for p in pixels]  # the transform ran
     for epoch in (0, 1):
         assert sorted(p for e, _, _, ps in got if e == epoch for p in ps) == list(range(20))

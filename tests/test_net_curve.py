@@ -5,10 +5,10 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from net_helpers import Synthetic
 
 from crossfeed.errors import ConfigError, ServerLostError
 from crossfeed.net import ClientKeys, Heartbeat, Server, ServerKeys, ServerOptions, connect, keygen
-from net_helpers import Synthetic
 
 pytestmark = pytest.mark.timeout(60)
 QUICK = {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0, "connect_timeout": 1.5}

@@ -11,12 +11,11 @@ import struct
 import numpy as np
 import pytest
 import zmq
+from net_helpers import FAST_HB, Synthetic, batches_in, child, read_endpoint, read_lines, stop, wait_until
 
-from crossfeed.net import wire
-from crossfeed.net import Heartbeat, Server, ServerOptions, connect
+from crossfeed.net import Heartbeat, Server, ServerOptions, connect, wire
 from crossfeed.net import protocol as P
 from crossfeed.net.producer import encode_item
-from net_helpers import FAST_HB, Synthetic, batches_in, child, read_endpoint, read_lines, stop, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -24,8 +23,7 @@ pytestmark = pytest.mark.timeout(90)
 @pytest.mark.parametrize("stall_after", [1, 3])
 def test_a_killed_trainers_batches_go_to_the_survivor(tmp_path, stall_after):
     n = 200
-    server = child("run_server", str(tmp_path / "ep"), "tcp://127.0.0.1:0", n, 5, 1, 0.005,
-                   log=tmp_path / "server.log")
+    server = child("run_server", str(tmp_path / "ep"), "tcp://127.0.0.1:0", n, 5, 1, 0.005, log=tmp_path / "server.log")
     procs = [server]
     try:
         address = read_endpoint(tmp_path / "ep", procs=procs)
@@ -54,10 +52,24 @@ def test_a_killed_trainers_batches_go_to_the_survivor(tmp_path, stall_after):
 def test_a_killed_server_is_dropped_and_the_client_reads_on(tmp_path, caplog):
     procs = []
     try:
-        procs.append(child("run_server", str(tmp_path / "ep1"), "tcp://127.0.0.1:0", 400, 4, 1, 0.002,
-                           log=tmp_path / "s1.log"))
-        procs.append(child("run_server", str(tmp_path / "ep2"), "tcp://127.0.0.1:0", 80, 4, 1, 0.002,
-                           "", [4], 10_000, log=tmp_path / "s2.log"))
+        procs.append(
+            child("run_server", str(tmp_path / "ep1"), "tcp://127.0.0.1:0", 400, 4, 1, 0.002, log=tmp_path / "s1.log")
+        )
+        procs.append(
+            child(
+                "run_server",
+                str(tmp_path / "ep2"),
+                "tcp://127.0.0.1:0",
+                80,
+                4,
+                1,
+                0.002,
+                "",
+                [4],
+                10_000,
+                log=tmp_path / "s2.log",
+            )
+        )
         first = read_endpoint(tmp_path / "ep1", procs=procs)
         second = read_endpoint(tmp_path / "ep2", procs=procs)
         got = collections.defaultdict(list)
@@ -80,8 +92,7 @@ def test_a_killed_server_is_dropped_and_the_client_reads_on(tmp_path, caplog):
 
 
 def test_hostile_messages_to_a_server_are_dropped_and_it_serves_on(tmp_path):
-    server = child("run_server", str(tmp_path / "ep"), "tcp://127.0.0.1:0", 40, 4, 1,
-                   log=tmp_path / "server.log")
+    server = child("run_server", str(tmp_path / "ep"), "tcp://127.0.0.1:0", 40, 4, 1, log=tmp_path / "server.log")
     ctx = zmq.Context()
     try:
         address = read_endpoint(tmp_path / "ep", procs=[server])
@@ -129,12 +140,14 @@ def test_hostile_messages_to_a_client_are_dropped_and_it_reads_on(tmp_path):
                 if frames[0] != exclude:
                     return frames[0]
             return None
+
         return wait_until(ready, 20, "a message from the client")
 
     try:
         peer = next_peer()
-        item = encode_item({"x": np.arange(6.0).reshape(2, 3), "__index__": np.array([4, 5])},
-                            epoch=0, seq=7, server_id="fake")
+        item = encode_item(
+            {"x": np.arange(6.0).reshape(2, 3), "__index__": np.array([4, 5])}, epoch=0, seq=7, server_id="fake"
+        )
         frames = [f.tobytes() if isinstance(f, np.ndarray) else bytes(f) for f in item.frames]
         hostile = [
             [b"nonsense"],

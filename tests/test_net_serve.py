@@ -7,10 +7,10 @@ import threading
 
 import numpy as np
 import pytest
+from net_helpers import FAST_HB, Synthetic, wait_until
 
 from crossfeed.errors import CrossfeedError, ServerLostError
 from crossfeed.net import Heartbeat, Mode, Server, ServerOptions, connect
-from net_helpers import FAST_HB, Synthetic, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 HB = Heartbeat(0.1, 2.0)
@@ -74,8 +74,10 @@ def test_two_clients_share_each_epoch_exactly_once():
 
 def test_one_client_reads_from_several_servers(tmp_path):
     servers = [
-        Server(Synthetic(num_samples=30, batch_size=7, offset=1000 * k),
-               ServerOptions((_address("ipc", tmp_path, f"m{k}"),), epochs=1, heartbeat=HB))
+        Server(
+            Synthetic(num_samples=30, batch_size=7, offset=1000 * k),
+            ServerOptions((_address("ipc", tmp_path, f"m{k}"),), epochs=1, heartbeat=HB),
+        )
         for k in range(3)
     ]
     try:
@@ -150,8 +152,7 @@ def test_a_failing_batch_source_is_reported():
                 for batch in client:  # raises, not a normal end: the server says it failed
                     got.append(batch)
             assert len(got) <= 1 and info.value.address == server.endpoints[0]
-            assert [lost.reason for lost in client.lost] == [
-                "the server reported that its batch source failed"]
+            assert [lost.reason for lost in client.lost] == ["the server reported that its batch source failed"]
         assert server.wait(10)
         with pytest.raises(CrossfeedError, match="disk on fire"):
             server.raise_if_failed()
@@ -176,8 +177,9 @@ def test_serving_a_dataset_with_a_variable_length_list(tmp_path):
     from crossfeed.cli.net import LoaderEpochs
 
     n = 23
-    crossfeed.write_dataset(tmp_path / "ds", [{"tokens": list(range(i % 5)), "id": i} for i in range(n)],
-                            num_shards=2).close()
+    crossfeed.write_dataset(
+        tmp_path / "ds", [{"tokens": list(range(i % 5)), "id": i} for i in range(n)], num_shards=2
+    ).close()
     factory = LoaderEpochs(str(tmp_path / "ds"), crossfeed.LoaderOptions.of(batch_size=4, seed=1, rank=0, world_size=1))
     opts = ServerOptions(("tcp://127.0.0.1:0",), epochs=2, heartbeat=HB)
     got = collections.defaultdict(set)

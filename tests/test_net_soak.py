@@ -6,9 +6,9 @@ import os
 import time
 
 import pytest
+from net_helpers import FAST_HB, child, read_endpoint, stop
 
 from crossfeed.net import connect
-from net_helpers import FAST_HB, child, read_endpoint, stop
 
 pytestmark = pytest.mark.timeout(90)
 SOAK_SECONDS = float(os.environ.get("CROSSFEED_SOAK_SECONDS", "6"))
@@ -24,8 +24,18 @@ def _rss_mb(pid: int | str = "self") -> float:
 
 def test_memory_stays_flat_while_streaming(tmp_path):
     # endless server; 64 batches/epoch of 32 x 64x64x3 float32 (1.5 MB each)
-    server = child("run_server", str(tmp_path / "ep"), "tcp://127.0.0.1:0", 32 * 64, 32, None, 0.0, "",
-                   [64, 64, 3], log=tmp_path / "server.log")
+    server = child(
+        "run_server",
+        str(tmp_path / "ep"),
+        "tcp://127.0.0.1:0",
+        32 * 64,
+        32,
+        None,
+        0.0,
+        "",
+        [64, 64, 3],
+        log=tmp_path / "server.log",
+    )
     try:
         address = read_endpoint(tmp_path / "ep", procs=[server])
         samples = {"client": [], "server": []}
@@ -33,7 +43,7 @@ def test_memory_stays_flat_while_streaming(tmp_path):
             start = time.monotonic()
             next_sample = start + SOAK_SECONDS / 4  # first sample after warm-up
             batches = 0
-            for meta, batch in client:
+            for meta, batch in client:  # noqa: B007 (the last meta says how many epochs ran)
                 batches += 1
                 assert batch["x"].shape == (32, 64, 64, 3)
                 now = time.monotonic()

@@ -16,14 +16,22 @@ import psutil
 import pytest
 import zmq
 import zmq.auth
+from net_helpers import (
+    FAST_HB,
+    Synthetic,
+    TcpProxy,
+    batches_in,
+    child,
+    read_endpoint,
+    read_lines,
+    stop,
+    wait_until,
+)
 
 from crossfeed.errors import ConfigError, ServerLostError
 from crossfeed.net import Heartbeat, Server, ServerOptions, connect, keygen
 from crossfeed.net import protocol as P
 from crossfeed.net.addresses import is_local
-from net_helpers import (
-    FAST_HB, Synthetic, TcpProxy, batches_in, child, read_endpoint, read_lines, stop, wait_until,
-)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,6 +41,7 @@ def _ids(path) -> list[int]:
 
 
 # ---- 1. a squatted routing id cannot abort the server (for honest trainers; see docs-net.md) ----
+
 
 def test_a_squatter_on_the_next_generated_routing_id_does_not_abort_the_server(tmp_path):
     spec = {"address": "tcp://127.0.0.1:0", "num_samples": 40, "batch_size": 4}
@@ -98,11 +107,27 @@ def test_a_curve_server_attaches_no_unauthorised_peer_so_none_can_squat_an_id(tm
 
 # ---- 2. authentication before any frame -------------------------------------------------------
 
+
 def test_unauthenticated_serving_is_refused_where_other_machines_can_reach_it(tmp_path):
-    assert all(map(is_local, ["ipc:///tmp/x", "tcp://127.0.0.1:1", "tcp://127.8.0.3:1",
-                              "tcp://[::1]:1", "tcp://localhost:1", "inproc://x"]))
-    assert not any(map(is_local, ["tcp://*:1", "tcp://0.0.0.0:1", "tcp://10.0.0.1:1",
-                                  "tcp://eth0:1", "tcp://[::]:1", "tcp://example.org:1"]))
+    assert all(
+        map(
+            is_local,
+            [
+                "ipc:///tmp/x",
+                "tcp://127.0.0.1:1",
+                "tcp://127.8.0.3:1",
+                "tcp://[::1]:1",
+                "tcp://localhost:1",
+                "inproc://x",
+            ],
+        )
+    )
+    assert not any(
+        map(
+            is_local,
+            ["tcp://*:1", "tcp://0.0.0.0:1", "tcp://10.0.0.1:1", "tcp://eth0:1", "tcp://[::]:1", "tcp://example.org:1"],
+        )
+    )
     for address in ("tcp://0.0.0.0:0", "tcp://*:0"):
         with pytest.raises(ConfigError, match="--insecure"):
             Server(Synthetic(), ServerOptions((address,)))
@@ -180,8 +205,7 @@ def _rss_after_flood(tmp_path, spec, flood_bytes):
 
 def test_a_multipart_flood_does_not_grow_a_curve_servers_memory(tmp_path, curve_dirs):
     server_dir, client_dir = curve_dirs
-    spec = {"address": "tcp://127.0.0.1:0", "num_samples": 40, "batch_size": 4, "keys": str(server_dir),
-            "epochs": 1}
+    spec = {"address": "tcp://127.0.0.1:0", "num_samples": 40, "batch_size": 4, "keys": str(server_dir), "epochs": 1}
     server, address, growth, sent = _rss_after_flood(tmp_path, spec, 16 << 20)
     try:
         assert sent < 16 << 20, "the CURVE server took a NULL peer's frames"  # it hangs up first
@@ -208,13 +232,15 @@ def test_the_same_flood_does_grow_an_unauthenticated_server(tmp_path):
 
 # ---- 3 and 5. fencing: a stalled or hung trainer trains on nothing given to others ------------
 
+
 def _fenced_run(tmp_path, *, progress_timeout, heartbeat, stall):
     """Server here, trainers A and B in processes; A's loop stops after 2 batches (and, with
     `stall`, its whole process is SIGSTOPped) until the server has fenced it. Without `stall`
     (a hung loop), B must finish the whole epoch while A's loop is still stopped."""
     n = 2000  # 500 batches, 10 ms each: the epoch outlasts the dance below
-    opts = ServerOptions(("tcp://127.0.0.1:0",), epochs=1, heartbeat=Heartbeat(*heartbeat),
-                         progress_timeout=progress_timeout)
+    opts = ServerOptions(
+        ("tcp://127.0.0.1:0",), epochs=1, heartbeat=Heartbeat(*heartbeat), progress_timeout=progress_timeout
+    )
     a_out, b_out, resume = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "resume"
     procs = []
     with Server(Synthetic(num_samples=n, batch_size=4, delay=0.01), opts) as server:
@@ -224,8 +250,9 @@ def _fenced_run(tmp_path, *, progress_timeout, heartbeat, stall):
             procs.append(a)
             wait_until(lambda: "PAUSED" in read_lines(a_out), 30, "A's pause", procs)
             # A consumed batch 1 (acknowledged), holds batch 2, and 3 more wait in its buffer
-            wait_until(lambda: server.stats["acked"] >= 1 and server.stats["sent"] >= 5, 30,
-                       "A's credit to fill", procs)
+            wait_until(
+                lambda: server.stats["acked"] >= 1 and server.stats["sent"] >= 5, 30, "A's credit to fill", procs
+            )
             if stall:
                 os.kill(a.pid, signal.SIGSTOP)
             wait_until(lambda: server.stats["fenced"] >= 1, 30, "the server to fence A", procs)
@@ -317,6 +344,7 @@ def test_a_connection_reset_between_live_processes_loses_nothing():
 
 # ---- 4. a restarted server is noticed, never merged --------------------------------------------
 
+
 @pytest.mark.parametrize("on_loss", ["raise", "continue"])
 def test_a_server_restarted_on_the_same_address_is_reported_not_merged(tmp_path, on_loss):
     spec = {"address": "tcp://127.0.0.1:0", "num_samples": 400, "batch_size": 4, "delay": 0.01}
@@ -334,8 +362,14 @@ def test_a_server_restarted_on_the_same_address_is_reported_not_merged(tmp_path,
                     if len(got) == 20:
                         first.kill()
                         first.wait(10)
-                        procs.append(child("run_server_with", str(tmp_path / "ep2"), dict(spec, address=address),
-                                           log=tmp_path / "s2.log"))
+                        procs.append(
+                            child(
+                                "run_server_with",
+                                str(tmp_path / "ep2"),
+                                dict(spec, address=address),
+                                log=tmp_path / "s2.log",
+                            )
+                        )
                         read_endpoint(tmp_path / "ep2", procs=procs[1:])
             except ServerLostError as e:
                 error = e
@@ -352,6 +386,7 @@ def test_a_server_restarted_on_the_same_address_is_reported_not_merged(tmp_path,
 
 
 # ---- 6. nothing serving, or a server that dies, is an error, not an end ----------------------
+
 
 def test_connecting_where_nothing_serves_raises_naming_the_address(tmp_path):
     address = f"ipc://{tmp_path}/nothing.sock"

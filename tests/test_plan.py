@@ -15,8 +15,13 @@ counts_st = st.lists(st.integers(0, 40), min_size=1, max_size=9).filter(lambda c
 
 
 @settings(max_examples=150, deadline=None)
-@given(counts=counts_st, seed=st.integers(0, 2**40), epoch=st.integers(0, 50), shuffle=st.sampled_from(list(Shuffle)),
-       block=st.integers(1, 4))
+@given(
+    counts=counts_st,
+    seed=st.integers(0, 2**40),
+    epoch=st.integers(0, 50),
+    shuffle=st.sampled_from(list(Shuffle)),
+    block=st.integers(1, 4),
+)
 def test_epoch_order_is_a_permutation_and_pure(counts, seed, epoch, shuffle, block):
     order = epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, block_shards=block)
     assert sorted(order.tolist()) == list(range(sum(counts)))
@@ -25,10 +30,20 @@ def test_epoch_order_is_a_permutation_and_pure(counts, seed, epoch, shuffle, blo
 
 
 @settings(max_examples=200, deadline=None)
-@given(counts=counts_st, seed=st.integers(0, 2**31), epoch=st.integers(0, 9), world=st.integers(1, 7),
-       workers=st.integers(1, 4), batch=st.integers(1, 9), drop_last=st.booleans(),
-       remainder=st.sampled_from(list(Remainder)), shuffle=st.sampled_from(list(Shuffle)))
-def test_ranks_get_equal_batches_and_cover_the_epoch(counts, seed, epoch, world, workers, batch, drop_last, remainder, shuffle):
+@given(
+    counts=counts_st,
+    seed=st.integers(0, 2**31),
+    epoch=st.integers(0, 9),
+    world=st.integers(1, 7),
+    workers=st.integers(1, 4),
+    batch=st.integers(1, 9),
+    drop_last=st.booleans(),
+    remainder=st.sampled_from(list(Remainder)),
+    shuffle=st.sampled_from(list(Shuffle)),
+)
+def test_ranks_get_equal_batches_and_cover_the_epoch(
+    counts, seed, epoch, world, workers, batch, drop_last, remainder, shuffle
+):
     cfg = PlanOptions(batch_size=batch, shuffle=shuffle, seed=seed, drop_last=drop_last, remainder=remainder)
     n = sum(counts)
     per_rank_batches, seen = set(), []
@@ -76,8 +91,14 @@ def test_epochs_differ_and_drop_rotates(counts, seed):
 
 
 @settings(max_examples=100, deadline=None)
-@given(n=st.integers(1, 300), seed=st.integers(0, 1000), w1=st.integers(1, 6), w2=st.integers(1, 6),
-       batch=st.integers(1, 8), steps=st.integers(0, 40))
+@given(
+    n=st.integers(1, 300),
+    seed=st.integers(0, 1000),
+    w1=st.integers(1, 6),
+    w2=st.integers(1, 6),
+    batch=st.integers(1, 8),
+    steps=st.integers(0, 40),
+)
 def test_elastic_resume_loses_and_repeats_nothing(n, seed, w1, w2, batch, steps):
     """Run `steps` lockstep steps with world w1, resume the same epoch with world w2 (drop policy,
     no padding): together every sample at most once, and all of them when the counts divide."""
@@ -142,8 +163,13 @@ def test_the_bijection_is_a_permutation(n, seed, epoch):
 
 
 @settings(max_examples=40, deadline=None)
-@given(counts=counts_st, seed=st.integers(0, 2**31), epoch=st.integers(0, 9), shuffle=st.sampled_from(list(Shuffle)),
-       block=st.integers(1, 4))
+@given(
+    counts=counts_st,
+    seed=st.integers(0, 2**31),
+    epoch=st.integers(0, 9),
+    shuffle=st.sampled_from(list(Shuffle)),
+    block=st.integers(1, 4),
+)
 def test_large_epochs_are_evaluated_per_batch_with_the_same_properties(counts, seed, epoch, shuffle, block):
     """Above TABLE_MAX the order is never materialised: evaluated on any positions it is still a
     permutation, and a plan's batches are exactly its samples in order."""
@@ -154,8 +180,11 @@ def test_large_epochs_are_evaluated_per_batch_with_the_same_properties(counts, s
     try:
         order = epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, block_shards=block)
         assert sorted(order.tolist()) == list(range(sum(counts)))
-        sampler = Sampler(counts, PlanOptions(batch_size=3, shuffle=shuffle, seed=seed, block_shards=block),
-                          ShardOptions(rank=0, world_size=2))
+        sampler = Sampler(
+            counts,
+            PlanOptions(batch_size=3, shuffle=shuffle, seed=seed, block_shards=block),
+            ShardOptions(rank=0, world_size=2),
+        )
         plan = sampler.plan(epoch, 0)
         got = [i for b in plan for i in b.tolist()]
         assert got == plan.samples.tolist()
@@ -178,7 +207,9 @@ def test_a_ten_billion_sample_epoch_plans_in_constant_memory():
     counts = [10**6] * 10**4  # 10^10 samples in 10,000 shards
     tracemalloc.start()
     for shuffle in Shuffle:
-        sampler = Sampler(counts, PlanOptions(batch_size=256, shuffle=shuffle, seed=1), ShardOptions(rank=3, world_size=8))
+        sampler = Sampler(
+            counts, PlanOptions(batch_size=256, shuffle=shuffle, seed=1), ShardOptions(rank=3, world_size=8)
+        )
         plan = sampler.plan(5, 123_456_789)
         first, later = plan.batch(0), plan.batch(plan.rank_batches - 1)
         assert len(first) == 256 and len(set(first.tolist())) == 256

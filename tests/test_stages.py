@@ -134,8 +134,10 @@ def _mixed_order_dataset(root) -> crossfeed.Dataset:
     root.mkdir()
     with tfrecord.RecordWriter(root / "train-00000-of-00001.tfrecord") as w:
         for i in range(12):
-            ent = {"x": (ex.FLOAT, ex.encode_float_list(np.arange(4, dtype=np.float32) + i)),
-                   "y": (ex.INT64, ex.encode_int64_list([i * 100]))}
+            ent = {
+                "x": (ex.FLOAT, ex.encode_float_list(np.arange(4, dtype=np.float32) + i)),
+                "y": (ex.INT64, ex.encode_int64_list([i * 100])),
+            }
             if i % 2:
                 ent = dict(reversed(list(ent.items())))
             w.write(ex.encode(ent))
@@ -216,12 +218,15 @@ def test_a_subset_of_features_keeps_the_columnar_cut(tmp_path, monkeypatch):
     from crossfeed.read import decode
 
     rng = np.random.default_rng(5)
-    samples = [{"a": rng.random(4, dtype=np.float32), "b": rng.random(6, dtype=np.float32), "label": i % 7}
-               for i in range(64)]
+    samples = [
+        {"a": rng.random(4, dtype=np.float32), "b": rng.random(6, dtype=np.float32), "label": i % 7} for i in range(64)
+    ]
     crossfeed.write_dataset(tmp_path / "d", samples, num_shards=2).close()
     parsed = []
     monkeypatch.setattr(decode.ColumnarDecoder, "_parse_into", lambda self, *a: parsed.append(1))
-    with crossfeed.Loader(tmp_path / "d", batch_size=16, shuffle="none", features=["a", "label"], return_index=True) as ld:
+    with crossfeed.Loader(
+        tmp_path / "d", batch_size=16, shuffle="none", features=["a", "label"], return_index=True
+    ) as ld:
         batches = list(ld)
     assert not parsed and len(batches) == 4
     ds = crossfeed.open_dataset(tmp_path / "d")["train"]

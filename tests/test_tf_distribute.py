@@ -12,8 +12,9 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-import crossfeed  # noqa: E402
 from conftest import run_python  # noqa: E402
+
+import crossfeed  # noqa: E402
 
 
 def _separable(n: int, seed: int = 0) -> list[dict]:
@@ -36,7 +37,8 @@ def _result(proc) -> dict:
 
 
 def test_keras_fit_under_mirrored_strategy(separable):
-    proc = run_python("""
+    proc = run_python(
+        """
         import json, sys
         from crossfeed.adapters.tf_demo import logical_cpus, train_keras_demo
         devices = logical_cpus(2)  # before anything starts TensorFlow's runtime
@@ -54,7 +56,10 @@ def test_keras_fit_under_mirrored_strategy(separable):
         demo = train_keras_demo(path, steps=15, batch_size=64, epochs=3, num_devices=2)
         print(json.dumps({"devices": devices, "sizes": sizes, "ids": ids, "demo": demo,
                           "torch": "torch" in sys.modules}))
-    """, separable, timeout=240)
+    """,
+        separable,
+        timeout=240,
+    )
     out = _result(proc)
     assert len(out["devices"]) == 2
     assert out["sizes"] == [[32, 32]] * (1000 // 64)  # per-replica batch, same steps for both replicas
@@ -67,7 +72,8 @@ def test_keras_fit_under_mirrored_strategy(separable):
 
 
 def test_parameter_server_strategy_in_process_cluster(separable):
-    proc = run_python("""
+    proc = run_python(
+        """
         import json, socket, sys
         import tensorflow as tf
         import crossfeed.adapters.tf as cftf
@@ -113,7 +119,10 @@ def test_parameter_server_strategy_in_process_cluster(separable):
         losses = [float(l) for l, _ in out]
         print(json.dumps({"first": sum(losses[:5]) / 5, "last": sum(losses[-5:]) / 5,
                           "sizes": sorted({int(n) for _, n in out}), "workers": len(spec.job_tasks("worker"))}))
-    """, separable, timeout=240)
+    """,
+        separable,
+        timeout=240,
+    )
     out = _result(proc)
     assert out["workers"] == 2
     assert out["sizes"] == [32]
@@ -121,7 +130,8 @@ def test_parameter_server_strategy_in_process_cluster(separable):
 
 
 def test_the_tf_adapter_never_imports_torch(separable):
-    proc = run_python("""
+    proc = run_python(
+        """
         import json, sys
         import crossfeed.adapters.tf as cftf
         native = next(iter(cftf.dataset(sys.argv[1], batch_size=8, engine="native")))
@@ -129,6 +139,8 @@ def test_the_tf_adapter_never_imports_torch(separable):
         print(json.dumps({"torch": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")),
                           "tf": "tensorflow" in sys.modules, "shapes": [native["x"].shape.as_list(),
                                                                        plan["x"].shape.as_list()]}))
-    """, separable)
+    """,
+        separable,
+    )
     out = _result(proc)
     assert out == {"torch": [], "tf": True, "shapes": [[8, 8], [8, 8]]}

@@ -22,34 +22,39 @@ def _png(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-RICH = Schema([
-    Feature("id", "int64", (), Encoding.INT64),
-    Feature("half", "float16", (2, 3), Encoding.TENSOR),
-    Feature("u32", "uint32", (None,), Encoding.TENSOR),
-    Feature("mask", "bool", (2,), Encoding.TENSOR),
-    Feature("img", "uint8", (4, 5, 3), Encoding.IMAGE),
-    Feature("gray", "uint8", (None, None, 1), Encoding.IMAGE),
-    Feature("tokens", "int64", (None,), Encoding.INT64),
-    Feature("score", "float32", (2,), Encoding.FLOAT),
-    Feature("name", "string", (), Encoding.BYTES),
-    Feature("tags", "bytes", (None,), Encoding.BYTES),
-])
+RICH = Schema(
+    [
+        Feature("id", "int64", (), Encoding.INT64),
+        Feature("half", "float16", (2, 3), Encoding.TENSOR),
+        Feature("u32", "uint32", (None,), Encoding.TENSOR),
+        Feature("mask", "bool", (2,), Encoding.TENSOR),
+        Feature("img", "uint8", (4, 5, 3), Encoding.IMAGE),
+        Feature("gray", "uint8", (None, None, 1), Encoding.IMAGE),
+        Feature("tokens", "int64", (None,), Encoding.INT64),
+        Feature("score", "float32", (2,), Encoding.FLOAT),
+        Feature("name", "string", (), Encoding.BYTES),
+        Feature("tags", "bytes", (None,), Encoding.BYTES),
+    ]
+)
 
 
 def rich_samples(n: int) -> list[dict]:
     rng = np.random.default_rng(7)
-    return [{
-        "id": i,
-        "half": rng.standard_normal((2, 3)).astype(np.float16),
-        "u32": np.arange(i % 4, dtype=np.uint32) * np.uint32(1 << 30),
-        "mask": np.array([i % 2 == 0, i % 3 == 0]),
-        "img": _png(rng.integers(0, 255, (4, 5, 3), dtype=np.uint8)),
-        "gray": _png(rng.integers(0, 255, (2 + i % 3, 3, 1), dtype=np.uint8)),
-        "tokens": list(range(i % 3)),
-        "score": np.array([i, -i], np.float32) / 3,
-        "name": f"sample-{i}",
-        "tags": [b"t%d" % j for j in range(i % 2 + 1)],
-    } for i in range(n)]
+    return [
+        {
+            "id": i,
+            "half": rng.standard_normal((2, 3)).astype(np.float16),
+            "u32": np.arange(i % 4, dtype=np.uint32) * np.uint32(1 << 30),
+            "mask": np.array([i % 2 == 0, i % 3 == 0]),
+            "img": _png(rng.integers(0, 255, (4, 5, 3), dtype=np.uint8)),
+            "gray": _png(rng.integers(0, 255, (2 + i % 3, 3, 1), dtype=np.uint8)),
+            "tokens": list(range(i % 3)),
+            "score": np.array([i, -i], np.float32) / 3,
+            "name": f"sample-{i}",
+            "tags": [b"t%d" % j for j in range(i % 2 + 1)],
+        }
+        for i in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +81,12 @@ def _records(dataset) -> list[dict]:
 def _expected(sample: dict) -> dict:
     from crossfeed.format.schema import decode_image
 
-    return {**sample, "img": decode_image(sample["img"]), "gray": decode_image(sample["gray"]),
-            "name": sample["name"].encode()}
+    return {
+        **sample,
+        "img": decode_image(sample["img"]),
+        "gray": decode_image(sample["gray"]),
+        "name": sample["name"].encode(),
+    }
 
 
 def _assert_same(got: dict, want: dict):
@@ -161,8 +170,9 @@ def test_each_pass_reshuffles_deterministically(mixed_dataset):
 def test_ranks_read_equal_disjoint_shares(tmp_path, num_shards, world_size):
     root = tmp_path / "d"
     crossfeed.write_dataset(root, [{"label": i} for i in range(31)], num_shards=num_shards).close()
-    shares = [_labels(cftf.dataset(root, batch_size=None, seed=2, rank=r, world_size=world_size))
-              for r in range(world_size)]
+    shares = [
+        _labels(cftf.dataset(root, batch_size=None, seed=2, rank=r, world_size=world_size)) for r in range(world_size)
+    ]
     assert len({len(s) for s in shares}) == 1  # equal, so no rank waits on another
     flat = [x for s in shares for x in s]
     assert len(flat) == len(set(flat)) >= 31 - world_size * 8
@@ -170,8 +180,9 @@ def test_ranks_read_equal_disjoint_shares(tmp_path, num_shards, world_size):
 
 def test_gzip_shards_and_feature_selection(tmp_path):
     root = tmp_path / "gz"
-    crossfeed.write_dataset(root, [{"label": i, "x": np.full(3, i, np.int16)} for i in range(10)], num_shards=2,
-                            compress=True).close()
+    crossfeed.write_dataset(
+        root, [{"label": i, "x": np.full(3, i, np.int16)} for i in range(10)], num_shards=2, compress=True
+    ).close()
     ds = cftf.dataset(root, batch_size=10, shuffle="none", features=["x"])
     assert list(ds.element_spec) == ["x"]
     (batch,) = list(ds)

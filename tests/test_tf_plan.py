@@ -17,8 +17,10 @@ from crossfeed.read.loader import Loader  # noqa: E402
 def data(tmp_path_factory):
     """41 samples in 3 uneven shards: x (float32 tensor), label, tokens (variable), name (str)."""
     root = tmp_path_factory.mktemp("plan")
-    samples = [{"x": np.full((2,), i, np.float32), "label": i, "tokens": list(range(i % 3)), "name": f"n{i}"}
-               for i in range(41)]
+    samples = [
+        {"x": np.full((2,), i, np.float32), "label": i, "tokens": list(range(i % 3)), "name": f"n{i}"}
+        for i in range(41)
+    ]
     crossfeed.write_dataset(root, samples, shard_size=300).close()
     assert len(crossfeed.open_dataset(root)["train"].shards) >= 3
     return root
@@ -104,8 +106,16 @@ def test_network_stream_from_connect(data, tmp_path):
     net = pytest.importorskip("crossfeed.net")
 
     def factory(epoch):
-        with Loader(data, batch_size=8, seed=0, epoch=epoch, rank=0, world_size=1, drop_last=True,
-                    features=["x", "label", "name"]) as ld:  # the wire carries no ragged lists
+        with Loader(
+            data,
+            batch_size=8,
+            seed=0,
+            epoch=epoch,
+            rank=0,
+            world_size=1,
+            drop_last=True,
+            features=["x", "label", "name"],
+        ) as ld:  # the wire carries no ragged lists
             yield from ld
 
     opts = net.ServerOptions((f"ipc://{tmp_path}/tf.sock",), epochs=1, heartbeat=net.Heartbeat(0.1, 5.0))
@@ -125,8 +135,9 @@ def test_input_fn_gives_every_replica_the_same_steps(data, engine, pipelines):
     fn = cftf.input_fn(data, global_batch_size=2 * replicas, seed=4, engine=engine)
     per_pipeline = []
     for i in range(pipelines):
-        ctx = tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=i,
-                                         num_replicas_in_sync=replicas)
+        ctx = tf.distribute.InputContext(
+            num_input_pipelines=pipelines, input_pipeline_id=i, num_replicas_in_sync=replicas
+        )
         labels = [b["label"].numpy().tolist() for b in fn(ctx)]
         assert all(len(x) == 2 for x in labels)  # the per-replica batch
         assert len(labels) % 2 == 0  # whole steps for both local replicas
@@ -154,8 +165,9 @@ def test_loader_options_pass_whole_and_mixtures_read_in_the_loaders_order(tmp_pa
     import crossfeed
 
     for name, n, off in (("a", 40, 0), ("b", 9, 1000)):
-        crossfeed.write_dataset(tmp_path / name, [{"id": off + i, "x": np.full(3, i, np.float32)} for i in range(n)],
-                                num_shards=2).close()
+        crossfeed.write_dataset(
+            tmp_path / name, [{"id": off + i, "x": np.full(3, i, np.float32)} for i in range(n)], num_shards=2
+        ).close()
     opts = crossfeed.LoaderOptions.of(batch_size=6, seed=3, shuffle="block", return_index=True, num_threads=1)
     with Loader(tmp_path / "a", opts) as ld:
         want = [b["__index__"].tolist() for b in ld]

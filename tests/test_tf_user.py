@@ -9,11 +9,11 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-import crossfeed.adapters.tf as cftf  # noqa: E402
 from user_data import crossfeed as run_cli  # noqa: E402
-from user_data import digits_folder, photos_folder
+from user_data import digits_folder, photos_folder  # noqa: E402
 
 import crossfeed  # noqa: E402
+import crossfeed.adapters.tf as cftf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +50,18 @@ def test_keras_validation_accuracy_is_exact(digits, engine):
         return tf.cast(b["image"], tf.float32) / 255.0, b["label"]
 
     train = cftf.dataset(digits, split="train", batch_size=bs, seed=0, engine=engine, features=["image", "label"])
-    val = cftf.dataset(digits, split="validation", batch_size=bs, shuffle="none", engine=engine,
-                       features=["image", "label"])
+    val = cftf.dataset(
+        digits, split="validation", batch_size=bs, shuffle="none", engine=engine, features=["image", "label"]
+    )
     assert int(val.cardinality()) == -(-n_val // bs) == 3  # exact, not unknown (-2)
     assert int(train.cardinality()) == 3
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((32, 32, 1)), keras.layers.Flatten(), keras.layers.Dense(3)])
-    model.compile(optimizer=keras.optimizers.SGD(0.05),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     history = model.fit(train.map(xy), validation_data=val.map(xy), epochs=1, verbose=0, shuffle=False)
 
     batches = _loader_batches(digits, split="validation", batch_size=n_val, shuffle="none")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import run_python
 from torch.utils.data import DataLoader
 
 import crossfeed
@@ -12,8 +13,6 @@ from crossfeed.adapters.torch import StatefulLoader, TorchDataset, to_torch
 from crossfeed.errors import ConfigError
 from crossfeed.read.loader import Loader
 from crossfeed.read.options import PlanOptions
-
-from conftest import run_python
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,8 +118,11 @@ def _run(loader, stop=None):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_stateful_loader_resumes_exactly_from_every_checkpoint(ids_dataset, num_workers):
     def make(workers):
-        return StatefulLoader(TorchDataset(ids_dataset, batch_size=6, seed=3, rank=0, world_size=1),
-                              num_workers=workers, persistent_workers=workers > 0)
+        return StatefulLoader(
+            TorchDataset(ids_dataset, batch_size=6, seed=3, rank=0, world_size=1),
+            num_workers=workers,
+            persistent_workers=workers > 0,
+        )
 
     with make(0) as ref:
         full = _run(ref)
@@ -243,7 +245,9 @@ def test_the_adapter_never_imports_tensorflow(ids_dataset):
         assert n == 103, n
         bad = sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "keras", "tf_keras"))
         print("TF:", bad)
-        """, str(ids_dataset))
+        """,
+        str(ids_dataset),
+    )
     assert "TF: []" in proc.stdout
 
 
@@ -271,8 +275,9 @@ def test_a_per_sample_transform_keeps_scalars_as_tensors(ids_dataset):
 
 
 def test_a_mixture_through_dataloader_workers_is_the_loaders_sequence(ids_dataset, tmp_path):
-    crossfeed.write_dataset(tmp_path / "few", [{"id": 1000 + i, "x": np.full(3, i, np.float32)} for i in range(9)],
-                            num_shards=2).close()
+    crossfeed.write_dataset(
+        tmp_path / "few", [{"id": 1000 + i, "x": np.full(3, i, np.float32)} for i in range(9)], num_shards=2
+    ).close()
     sources = [crossfeed.Source(ids_dataset, weight=2), crossfeed.Source(tmp_path / "few", weight=1)]
     kw = dict(batch_size=6, seed=4, samples_per_epoch=90, rank=0, world_size=1, return_index=True)
     with Loader(sources, **kw) as loader:

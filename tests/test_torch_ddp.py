@@ -49,12 +49,20 @@ def run_ddp(tmp_path: Path, name: str, world_size: int = 2, **config) -> list[di
     for rank in range(world_size):
         out = tmp_path / f"{name}-rank{rank}.json"
         cfg = dict(config, out=str(out))
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-                   OMP_NUM_THREADS="1")
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            GLOO_SOCKET_IFNAME="lo",
+            OMP_NUM_THREADS="1",
+        )
         log = open(tmp_path / f"{name}-rank{rank}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        )
         log.close()
         outs.append(out)
     try:
@@ -63,7 +71,9 @@ def run_ddp(tmp_path: Path, name: str, world_size: int = 2, **config) -> list[di
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        raise AssertionError(f"DDP job {name} did not finish in {RUN_TIMEOUT}s (a hang?):\n" + _logs(tmp_path, name))
+        raise AssertionError(
+            f"DDP job {name} did not finish in {RUN_TIMEOUT}s (a hang?):\n" + _logs(tmp_path, name)
+        ) from None
     finally:
         for p in procs:
             if p.poll() is None:
@@ -89,8 +99,7 @@ def _rank_main(cfg: dict) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    ds = TorchDataset(cfg["data"], batch_size=cfg["batch_size"], seed=cfg.get("seed", 7),
-                      features=["id", "x", "label"])
+    ds = TorchDataset(cfg["data"], batch_size=cfg["batch_size"], seed=cfg.get("seed", 7), features=["id", "x", "label"])
     assert (ds.rank, ds.world_size) == (dist.get_rank(), dist.get_world_size())
     workers = cfg["num_workers"]
     loader = StatefulLoader(ds, num_workers=workers, pin_memory=True, persistent_workers=workers > 0)

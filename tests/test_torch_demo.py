@@ -14,7 +14,9 @@ from crossfeed.errors import ConfigError
 from crossfeed.format.schema import Encoding, Feature, Schema
 
 pytestmark = pytest.mark.timeout(180)
-SCHEMA = Schema([Feature("image", "uint8", (None, None, 3), Encoding.IMAGE), Feature("label", "int64", (), Encoding.INT64)])
+SCHEMA = Schema(
+    [Feature("image", "uint8", (None, None, 3), Encoding.IMAGE), Feature("label", "int64", (), Encoding.INT64)]
+)
 
 
 def _images(n: int, seed: int):
@@ -50,8 +52,8 @@ def test_demo_trains_and_reports_held_out_accuracy(demo_dataset):
 def test_demo_trains_from_a_crossfeed_connect_stream(demo_dataset):
     from net_helpers import FAST_HB
 
-    from crossfeed.read.loader import Loader
     from crossfeed.net import Heartbeat, Server, ServerOptions, connect
+    from crossfeed.read.loader import Loader
 
     loader = Loader(demo_dataset, batch_size=16, seed=0, rank=0, world_size=1, transform=ResizeImage("image", 16))
 

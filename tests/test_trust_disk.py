@@ -42,8 +42,24 @@ def _save(root, m: dict) -> None:
 
 # ---- 7: names confined to the root ---------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["../other/x.tfrecord", "/dev/zero", "/etc/passwd", "sub/x.tfrecord", "..", ".",
-                                  ".tmp-x.tfrecord", "crossfeed.json", "a.tfrecord.idx", "a\x00b", "a\\..\\b", ""])
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../other/x.tfrecord",
+        "/dev/zero",
+        "/etc/passwd",
+        "sub/x.tfrecord",
+        "..",
+        ".",
+        ".tmp-x.tfrecord",
+        "crossfeed.json",
+        "a.tfrecord.idx",
+        "a\x00b",
+        "a\\..\\b",
+        "",
+    ],
+)
 def test_manifest_names_outside_the_root_are_refused(tmp_path, name):
     root = _write(tmp_path / "d")
     m = _manifest(root)
@@ -111,6 +127,7 @@ def test_verify_reports_a_fifo_or_device_shard_instead_of_hanging(tmp_path):
 
 
 # ---- 9: index checksums --------------------------------------------------------------------------
+
 
 def _duplicate_a_record(root):
     """Point entry 1 of shard 0 at record 2 (a valid record): one sample twice, another never."""
@@ -182,6 +199,7 @@ def _duplicate_a_record_in(shard):
 
 # ---- 10: damaged GZIP shards ---------------------------------------------------------------------
 
+
 def test_gzip_bit_flips_are_corrupt_record_errors_everywhere(tmp_path):
     root = _write(tmp_path / "g", n=40, shards=1, compress=True)
     shard = root / "train-00000-of-00001.tfrecord.gz"
@@ -215,9 +233,12 @@ def test_gzip_bit_flips_are_corrupt_record_errors_everywhere(tmp_path):
 
 MALFORMED = [
     (lambda m: m["splits"]["train"]["shards"][0].__setitem__("num_records", 1e15), r"shards\[0\]\.num_records"),
-    (lambda m: m["splits"]["train"]["shards"][0].__setitem__("num_records", 10 ** 15), r"shards\[0\]\.num_records"),
+    (lambda m: m["splits"]["train"]["shards"][0].__setitem__("num_records", 10**15), r"shards\[0\]\.num_records"),
     (lambda m: m["splits"]["train"]["shards"][0].__setitem__("num_bytes", -1), r"shards\[0\]\.num_bytes"),
-    (lambda m: m["splits"]["train"]["shards"].append(dict(m["splits"]["train"]["shards"][0])), r"shards\[2\]\.file.*twice"),
+    (
+        lambda m: m["splits"]["train"]["shards"].append(dict(m["splits"]["train"]["shards"][0])),
+        r"shards\[2\]\.file.*twice",
+    ),
     (lambda m: m.__setitem__("schema", []), r"schema: no features"),
     (lambda m: m["schema"][0].__setitem__("shape", [-8]), r"schema\[0\]\.shape\[0\]"),
     (lambda m: m["schema"][0].__setitem__("dtype", "object"), r"schema\[0\]\.dtype"),
@@ -253,6 +274,7 @@ def test_unparseable_manifests_are_manifest_errors(tmp_path, text):
 
 
 # ---- 12: permissions -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])
 def test_dataset_files_follow_the_umask(tmp_path, umask):
@@ -293,6 +315,7 @@ def test_keygen_secret_keys_are_private_from_the_start(tmp_path):
 
 # ---- A: never two datasets in one directory ------------------------------------------------------
 
+
 def test_writes_refuse_existing_datasets_and_foreign_directories(tmp_path):
     root = _write(tmp_path / "d")
     with pytest.raises(ConfigError, match="already holds a dataset.*overwrite"):
@@ -325,6 +348,7 @@ def test_convert_cli_refuses_an_existing_dataset_without_overwrite(tmp_path):
 
 # ---- B: verify -----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("compress", [False, True])
 def test_verify_reports_progress_and_catches_a_record_that_breaks_the_schema(tmp_path, compress, monkeypatch):
     import crossfeed.read.verify as verify_mod
@@ -348,11 +372,18 @@ def test_verify_reports_progress_and_catches_a_record_that_breaks_the_schema(tmp
     entries = idx.read_index(idx.index_path(root / name))
     off, n = (int(v) for v in entries[5])
     assert len(tfrecord.frame(bad)) != n  # a different length: the stream and index change around it
-    new = bytes(stream[:off]) + tfrecord.frame(bad) + bytes(stream[off + n:])
+    new = bytes(stream[:off]) + tfrecord.frame(bad) + bytes(stream[off + n :])
     (root / name).write_bytes(gzip.compress(new) if compress else new)
     ends = np.cumsum([len(tfrecord.frame(bad)) if i == 5 else int(e[1]) for i, e in enumerate(entries)])
-    idx.write_index(idx.index_path(root / name), [(int(e - l), int(l)) for e, l in
-                                                    zip(ends, [len(tfrecord.frame(bad)) if i == 5 else int(x[1]) for i, x in enumerate(entries)])])
+    idx.write_index(
+        idx.index_path(root / name),
+        [
+            (int(e - n), int(n))
+            for e, n in zip(ends, [len(tfrecord.frame(bad)) if i == 5 else int(x[1]) for i, x in enumerate(entries)])
+        ],
+    )
     problems = verify_dataset(root)
     schema_problems = [p for p in problems if "schema" in p.reason]
-    assert len(schema_problems) == 1 and schema_problems[0].offset == off and schema_problems[0].file == str(root / name)
+    assert (
+        len(schema_problems) == 1 and schema_problems[0].offset == off and schema_problems[0].file == str(root / name)
+    )

@@ -10,13 +10,27 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from crossfeed.net import wire
 from crossfeed.errors import ConfigError, CrossfeedError, WireError
+from crossfeed.net import wire
 
 pytestmark = pytest.mark.timeout(60)
 
-NUMERIC = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-           "float16", "float32", "float64", "complex64", "complex128"]
+NUMERIC = [
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+]
 
 
 def _blobs(frames):
@@ -109,12 +123,15 @@ def test_limits_are_validated():
 
 # ---- hostile input --------------------------------------------------------------------------
 
+
 def _valid_frames():
     meta = wire.BatchMeta(epoch=1, seq=2, server_id="s", sample_ids=np.arange(4))
-    return _blobs(wire.encode(
-        {"x": np.ones((4, 3), np.float32), "b": np.array([1, 0, 1, 1], bool), "t": ["a", "bb", "", "c"]},
-        meta,
-    ))
+    return _blobs(
+        wire.encode(
+            {"x": np.ones((4, 3), np.float32), "b": np.array([1, 0, 1, 1], bool), "t": ["a", "bb", "", "c"]},
+            meta,
+        )
+    )
 
 
 def _header(nfields=1, num_ids=0, magic=wire.MAGIC, version=wire.VERSION, sid=b""):
@@ -122,36 +139,43 @@ def _header(nfields=1, num_ids=0, magic=wire.MAGIC, version=wire.VERSION, sid=b"
 
 
 def _field(name=b"x", kind=0, code=6, dims=(4,)):
-    return struct.pack("<H", len(name)) + name + struct.pack("<BBB", kind, code, len(dims)) + \
-        np.asarray(dims, "<u8").tobytes()
+    return (
+        struct.pack("<H", len(name))
+        + name
+        + struct.pack("<BBB", kind, code, len(dims))
+        + np.asarray(dims, "<u8").tobytes()
+    )
 
 
-@pytest.mark.parametrize("frames, match", [
-    ([b"xx"], "frames"),
-    ([_header(magic=b"NOPE"), b""], "magic"),
-    ([_header(version=99), b""], "version"),
-    ([_header()[:10], b""], "truncated"),
-    ([_header(nfields=1000), b""], "fields"),
-    ([_header(num_ids=3), b"\0" * 8], "sample-id"),
-    ([_header() + _field(), b"", b"\0" * 5], "needs 4 bytes"),
-    ([_header() + _field(code=200), b"", b""], "dtype code"),
-    ([_header() + _field(kind=9), b"", b""], "kind"),
-    ([_header() + _field(dims=(1,) * 40), b"", b""], "dims"),
-    ([_header() + _field(dims=(2**40, 2**40)), b"", b""], "limit"),
-    ([_header() + _field(code=1, dims=(2,)), b"", b"\x01\x07"], "bool"),
-    ([_header() + _field(name=b"\xff\xfe"), b"", b"\0" * 4], "utf-8"),
-    ([_header(nfields=2) + _field() + _field(), b"", b"\0" * 4, b"\0" * 4], "twice"),
-    ([_header() + _field() + b"junk", b"", b"\0" * 4], "trailing"),
-    ([_header() + _field(), b"", b"\0" * 4, b"extra"], "frames"),
-    ([_header() + _field(), b""], "ends before"),
-    ([_header() + _field(kind=1, code=0, dims=(2,)), b"", np.array([1, 9], "<u8").tobytes(), b"abc"],
-     "add up"),
-    ([_header() + _field(kind=1, code=0, dims=(2,)), b"", np.array([2**63, 2**63], "<u8").tobytes(), b"ab"],
-     "add up"),
-    ([_header() + _field(kind=2, code=0, dims=(1,)), b"", np.array([2], "<u8").tobytes(), b"\xff\xff"],
-     "utf-8"),
-    ([_header() + _field(kind=1, code=0, dims=(2, 2)), b"", b"", b""], "one dim"),
-])
+@pytest.mark.parametrize(
+    "frames, match",
+    [
+        ([b"xx"], "frames"),
+        ([_header(magic=b"NOPE"), b""], "magic"),
+        ([_header(version=99), b""], "version"),
+        ([_header()[:10], b""], "truncated"),
+        ([_header(nfields=1000), b""], "fields"),
+        ([_header(num_ids=3), b"\0" * 8], "sample-id"),
+        ([_header() + _field(), b"", b"\0" * 5], "needs 4 bytes"),
+        ([_header() + _field(code=200), b"", b""], "dtype code"),
+        ([_header() + _field(kind=9), b"", b""], "kind"),
+        ([_header() + _field(dims=(1,) * 40), b"", b""], "dims"),
+        ([_header() + _field(dims=(2**40, 2**40)), b"", b""], "limit"),
+        ([_header() + _field(code=1, dims=(2,)), b"", b"\x01\x07"], "bool"),
+        ([_header() + _field(name=b"\xff\xfe"), b"", b"\0" * 4], "utf-8"),
+        ([_header(nfields=2) + _field() + _field(), b"", b"\0" * 4, b"\0" * 4], "twice"),
+        ([_header() + _field() + b"junk", b"", b"\0" * 4], "trailing"),
+        ([_header() + _field(), b"", b"\0" * 4, b"extra"], "frames"),
+        ([_header() + _field(), b""], "ends before"),
+        ([_header() + _field(kind=1, code=0, dims=(2,)), b"", np.array([1, 9], "<u8").tobytes(), b"abc"], "add up"),
+        (
+            [_header() + _field(kind=1, code=0, dims=(2,)), b"", np.array([2**63, 2**63], "<u8").tobytes(), b"ab"],
+            "add up",
+        ),
+        ([_header() + _field(kind=2, code=0, dims=(1,)), b"", np.array([2], "<u8").tobytes(), b"\xff\xff"], "utf-8"),
+        ([_header() + _field(kind=1, code=0, dims=(2, 2)), b"", b"", b""], "one dim"),
+    ],
+)
 def test_malformed_messages_raise_wire_error(frames, match):
     with pytest.raises(WireError, match=match):
         wire.decode(frames)
@@ -210,13 +234,14 @@ def _mutate(data, frames: list[bytes]) -> list[bytes]:
         f = frames[i]
         if action in ("flip", "set") and f:
             pos = data.draw(st.integers(0, len(f) - 1))
-            f[pos] = (f[pos] ^ (1 << data.draw(st.integers(0, 7)))) if action == "flip" else \
-                data.draw(st.integers(0, 255))
+            f[pos] = (
+                (f[pos] ^ (1 << data.draw(st.integers(0, 7)))) if action == "flip" else data.draw(st.integers(0, 255))
+            )
         elif action == "u64" and len(f) >= 8:  # a whole shape / dim / length replaced
             pos = data.draw(st.integers(0, len(f) - 8))
-            f[pos:pos + 8] = _u64(data.draw(st.integers(0, 2**64 - 1) | st.integers(0, 8)))
+            f[pos : pos + 8] = _u64(data.draw(st.integers(0, 2**64 - 1) | st.integers(0, 8)))
         elif action == "cut":
-            del f[data.draw(st.integers(0, len(f))):]
+            del f[data.draw(st.integers(0, len(f))) :]
         elif action == "grow":
             f.extend(data.draw(st.binary(min_size=1, max_size=16)))
         elif action == "drop":
@@ -252,6 +277,7 @@ def test_object_arrays_of_same_shaped_numbers_are_sent_as_numbers():
 
 
 # ---- ragged fields (kind RAGGED: per-item shapes + one data frame) ---------------------------
+
 
 def _ragged(*arrays):
     """The Loader's form of a feature whose shape varies within the batch."""
@@ -321,12 +347,15 @@ def test_ragged_items_view_the_received_zmq_data_frame():
         ctx.term()
 
 
-@pytest.mark.parametrize("items, match", [
-    ([np.zeros(2, np.int64), np.zeros(3, np.float32)], "dtype"),
-    ([np.zeros(2, np.int64), np.zeros((3, 1), np.int64)], "ndim"),
-    ([np.zeros(2, "datetime64[D]"), np.zeros(3, "datetime64[D]")], "cannot be sent"),
-    ([np.zeros(2, object), np.zeros(3, object)], "cannot be sent"),
-])
+@pytest.mark.parametrize(
+    "items, match",
+    [
+        ([np.zeros(2, np.int64), np.zeros(3, np.float32)], "dtype"),
+        ([np.zeros(2, np.int64), np.zeros((3, 1), np.int64)], "ndim"),
+        ([np.zeros(2, "datetime64[D]"), np.zeros(3, "datetime64[D]")], "cannot be sent"),
+        ([np.zeros(2, object), np.zeros(3, object)], "cannot be sent"),
+    ],
+)
 def test_mixed_ragged_fields_raise_wire_error_naming_the_field(items, match):
     for value in (_ragged(*items), items):
         with pytest.raises(WireError, match=match) as info:
@@ -344,23 +373,26 @@ def _u64(*values):
     return np.array(values, "<u8").tobytes()
 
 
-@pytest.mark.parametrize("frames, match", [
-    ([_header() + _ragged_field(dims=(2,)), b"", b"", b""], "2 dims"),
-    ([_header() + _ragged_field(dims=(2**30, 1)), b"", b"", b""], "items"),
-    ([_header() + _ragged_field(dims=(1, 40)), b"", b"", b""], "dims"),
-    ([_header() + _ragged_field(code=200), b"", _u64(1, 1), b"\0" * 16], "dtype code"),
-    ([_header() + _ragged_field(), b"", _u64(1), b"\0" * 16], "shape bytes"),
-    ([_header() + _ragged_field(), b"", _u64(1, 1), b"\0" * 15], "whole number"),
-    ([_header() + _ragged_field(), b"", _u64(1, 2), b"\0" * 16], "need 3"),
-    ([_header() + _ragged_field(), b"", _u64(0, 1), b"\0" * 16], "need 1"),
-    ([_header() + _ragged_field(), b"", _u64(2**63, 2**63), b"\0" * 16], "limit"),
-    ([_header() + _ragged_field(dims=(1, 3)), b"", _u64(2**28, 2**28, 2**28), b"\0" * 16], "more elements"),
-    ([_header() + _ragged_field(dims=(1, 2)), b"", _u64(2**28, 0), b"\0" * 16], "need 0"),
-    ([_header() + _ragged_field(code=1), b"", _u64(1, 1), b"\x01\x02"], "bool"),
-    ([_header() + _ragged_field(), b"", _u64(1, 1)], "ends before"),
-    ([_header() + _ragged_field(), b""], "ends before"),
-    ([_header() + _field(kind=6), b"", b"", b""], "unknown kind 6"),
-])
+@pytest.mark.parametrize(
+    "frames, match",
+    [
+        ([_header() + _ragged_field(dims=(2,)), b"", b"", b""], "2 dims"),
+        ([_header() + _ragged_field(dims=(2**30, 1)), b"", b"", b""], "items"),
+        ([_header() + _ragged_field(dims=(1, 40)), b"", b"", b""], "dims"),
+        ([_header() + _ragged_field(code=200), b"", _u64(1, 1), b"\0" * 16], "dtype code"),
+        ([_header() + _ragged_field(), b"", _u64(1), b"\0" * 16], "shape bytes"),
+        ([_header() + _ragged_field(), b"", _u64(1, 1), b"\0" * 15], "whole number"),
+        ([_header() + _ragged_field(), b"", _u64(1, 2), b"\0" * 16], "need 3"),
+        ([_header() + _ragged_field(), b"", _u64(0, 1), b"\0" * 16], "need 1"),
+        ([_header() + _ragged_field(), b"", _u64(2**63, 2**63), b"\0" * 16], "limit"),
+        ([_header() + _ragged_field(dims=(1, 3)), b"", _u64(2**28, 2**28, 2**28), b"\0" * 16], "more elements"),
+        ([_header() + _ragged_field(dims=(1, 2)), b"", _u64(2**28, 0), b"\0" * 16], "need 0"),
+        ([_header() + _ragged_field(code=1), b"", _u64(1, 1), b"\x01\x02"], "bool"),
+        ([_header() + _ragged_field(), b"", _u64(1, 1)], "ends before"),
+        ([_header() + _ragged_field(), b""], "ends before"),
+        ([_header() + _field(kind=6), b"", b"", b""], "unknown kind 6"),
+    ],
+)
 def test_malformed_ragged_fields_raise_wire_error(frames, match):
     with pytest.raises(WireError, match=match):
         wire.decode(frames)
@@ -371,20 +403,28 @@ def test_ragged_sizes_are_checked_against_the_limits_before_allocating():
     with pytest.raises(WireError, match="items"):
         wire.decode(frames, wire.WireLimits(max_items=1))
     with pytest.raises(WireError, match="dims"):
-        wire.decode(_blobs(wire.encode({"r": [np.zeros((1, 1, 1)), np.zeros((1, 2, 1))]})),
-                    wire.WireLimits(max_ndim=2))
+        wire.decode(_blobs(wire.encode({"r": [np.zeros((1, 1, 1)), np.zeros((1, 2, 1))]})), wire.WireLimits(max_ndim=2))
     assert len(wire.decode(frames, wire.WireLimits(max_items=2))[1]["r"]) == 2
 
 
 def _valid_ragged_frames():
     meta = wire.BatchMeta(epoch=1, seq=2, server_id="s", sample_ids=np.arange(4))
-    return _blobs(wire.encode({
-        "tokens": _ragged(*[np.arange(i % 3, dtype=np.int64) for i in range(4)]),
-        "img": _ragged(np.ones((2, 1, 3), np.uint8), np.zeros((1, 2, 3), np.uint8),
-                       np.zeros((0, 2, 3), np.uint8), np.ones((1, 1, 3), np.uint8)),
-        "mask": [np.array([True, False]), np.array([True]), np.array([], bool), np.array([False] * 3)],
-        "id": np.arange(4),
-    }, meta))
+    return _blobs(
+        wire.encode(
+            {
+                "tokens": _ragged(*[np.arange(i % 3, dtype=np.int64) for i in range(4)]),
+                "img": _ragged(
+                    np.ones((2, 1, 3), np.uint8),
+                    np.zeros((1, 2, 3), np.uint8),
+                    np.zeros((0, 2, 3), np.uint8),
+                    np.ones((1, 1, 3), np.uint8),
+                ),
+                "mask": [np.array([True, False]), np.array([True]), np.array([], bool), np.array([False] * 3)],
+                "id": np.arange(4),
+            },
+            meta,
+        )
+    )
 
 
 @_FUZZ
@@ -405,12 +445,13 @@ def test_fuzz_ragged_fields_round_trip(data):
 
 @_FUZZ
 @given(
-    code=st.integers(0, 20), n=st.integers(0, 6), ndim=st.integers(0, 4),
+    code=st.integers(0, 20),
+    n=st.integers(0, 6),
+    ndim=st.integers(0, 4),
     shapes=st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 5), max_size=24),
-    data=st.binary(max_size=128), extra=st.lists(st.binary(max_size=16), max_size=2),
+    data=st.binary(max_size=128),
+    extra=st.lists(st.binary(max_size=16), max_size=2),
 )
 def test_fuzz_random_ragged_messages(code, n, ndim, shapes, data, extra):
     header = _header() + _ragged_field(code=code, dims=(n, ndim))
     _decode_only_wire_errors([header, b"", _u64(*shapes), data, *extra])
-
-

@@ -16,10 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def crossfeed(*args, cwd=None, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
     """``crossfeed ARGS`` as a user runs it (``python -m crossfeed.cli.main``), never with a traceback."""
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                    **(env or {}))
-    proc = subprocess.run([sys.executable, "-m", "crossfeed.cli.main", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd, env=full_env)
+    full_env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "crossfeed.cli.main", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=full_env,
+    )
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
     return proc
 
@@ -34,7 +41,7 @@ def digits_folder(path, *, classes: int = 3, per_class: int = 7, size: int = 32,
         (path / str(c)).mkdir(parents=True, exist_ok=True)
         for i in range(per_class):
             img = rng.integers(0, 40, (size, size), dtype=np.uint8)
-            img[:, (c * size) // classes:(c * size) // classes + 3] = 250  # a column per class: learnable
+            img[:, (c * size) // classes : (c * size) // classes + 3] = 250  # a column per class: learnable
             Image.fromarray(img, "L").save(path / str(c) / f"{i}.png")
     return path
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -16,7 +16,7 @@ from crossfeed.errors import ConfigError
 
 cache_app = typer.Typer(help="Inspect and manage the local cache of remote shards.", no_args_is_help=True)
 
-DirOpt = Annotated[Optional[Path], typer.Option("--dir", help="Cache directory (default: $CROSSFEED_CACHE_DIR).")]
+DirOpt = Annotated[Path | None, typer.Option("--dir", help="Cache directory (default: $CROSSFEED_CACHE_DIR).")]
 
 
 def _cache(directory: Path | None):
@@ -42,8 +42,10 @@ def ls(directory: DirOpt = None) -> None:
 
 
 @cache_app.command("prune")
-def prune(limit: Annotated[str, typer.Argument(help="Size to keep, such as 20GB (least recently used go first).")],
-          directory: DirOpt = None) -> None:
+def prune(
+    limit: Annotated[str, typer.Argument(help="Size to keep, such as 20GB (least recently used go first).")],
+    directory: DirOpt = None,
+) -> None:
     """Remove least-recently-used shards until the cache is under LIMIT."""
     freed = _cache(directory).prune(limit)
     typer.echo(f"freed {freed / 1e6:,.1f} MB")

@@ -14,7 +14,7 @@ import enum
 import logging
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from typer.core import TyperCommand
@@ -33,7 +33,7 @@ class _BeamCommand(TyperCommand):
     def parse_args(self, ctx, args: list[str]) -> list[str]:
         if "--" in args:
             cut = args.index("--")
-            ctx.meta[_BEAM_ARGS], args = args[cut + 1:], args[:cut]
+            ctx.meta[_BEAM_ARGS], args = args[cut + 1 :], args[:cut]
         else:
             ctx.meta[_BEAM_ARGS] = []
         return super().parse_args(ctx, args)
@@ -54,77 +54,162 @@ class ConvertTo(str, enum.Enum):
     jpeg = "jpeg"
 
 
-Src = Annotated[list[str], typer.Argument(help="Input files, folders or glob patterns (quoted or not).",
-                                          metavar="INPUT", show_default=False)]
-Out = Annotated[Path, typer.Argument(metavar="OUT", help="Output dataset directory, the last argument (created; "
-                                          "must be new or empty unless --overwrite).")]
+Src = Annotated[
+    list[str],
+    typer.Argument(help="Input files, folders or glob patterns (quoted or not).", metavar="INPUT", show_default=False),
+]
+Out = Annotated[
+    Path,
+    typer.Argument(
+        metavar="OUT",
+        help="Output dataset directory, the last argument (created; must be new or empty unless --overwrite).",
+    ),
+]
 SplitOpt = Annotated[str, typer.Option("--split", help="The split to write everything to.")]
-SplitsOpt = Annotated[Optional[str], typer.Option("--splits", help="Deterministic ratios, e.g. train=0.9,validation=0.1.")]
-ShardsOpt = Annotated[Optional[int], typer.Option("--shards", min=1, help="Exactly this many shards per split.")]
+SplitsOpt = Annotated[str | None, typer.Option("--splits", help="Deterministic ratios, e.g. train=0.9,validation=0.1.")]
+ShardsOpt = Annotated[int | None, typer.Option("--shards", min=1, help="Exactly this many shards per split.")]
 SizeOpt = Annotated[str, typer.Option("--shard-size", help="Target shard size when --shards is not given (256MB, 1G).")]
 CompressOpt = Annotated[Compress, typer.Option("--compress", help="GZIP the shards.")]
-RunnerOpt = Annotated[Optional[str], typer.Option("--runner", help="Beam runner (default: in-process, offline).")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the write-time shuffle (split membership does not depend on it).")]
-OnErrorOpt = Annotated[OnError, typer.Option("--on-error", help="A bad record stops the job (raise) or is dropped (skip).")]
-MaxSkipsOpt = Annotated[Optional[int], typer.Option("--max-skips", min=0, help="Most bad records to skip before failing.")]
-LabelOpt = Annotated[Optional[str], typer.Option("--label", help="Column/array stored as the feature 'label'.")]
+RunnerOpt = Annotated[str | None, typer.Option("--runner", help="Beam runner (default: in-process, offline).")]
+SeedOpt = Annotated[
+    int, typer.Option("--seed", help="Seed of the write-time shuffle (split membership does not depend on it).")
+]
+OnErrorOpt = Annotated[
+    OnError, typer.Option("--on-error", help="A bad record stops the job (raise) or is dropped (skip).")
+]
+MaxSkipsOpt = Annotated[int | None, typer.Option("--max-skips", min=0, help="Most bad records to skip before failing.")]
+LabelOpt = Annotated[str | None, typer.Option("--label", help="Column/array stored as the feature 'label'.")]
 VerifyOpt = Annotated[bool, typer.Option("--verify/--no-verify", help="Check every record of what was written.")]
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the dataset OUT holds, all of it (refused otherwise).")]
+OverwriteOpt = Annotated[
+    bool, typer.Option("--overwrite", help="Replace the dataset OUT holds, all of it (refused otherwise).")
+]
 
 
 def register(app: typer.Typer) -> None:
-    group = typer.Typer(help="Convert image folders, CSV, Parquet or numpy files into a dataset (Apache Beam).",
-                        no_args_is_help=True)
+    group = typer.Typer(
+        help="Convert image folders, CSV, Parquet or numpy files into a dataset (Apache Beam).", no_args_is_help=True
+    )
     for fn in (images, csv, parquet, numpy):
         group.command(fn.__name__, cls=_BeamCommand)(fn)
     app.add_typer(group, name="convert")
 
 
-def images(ctx: typer.Context, src: Annotated[Path, typer.Argument(help="Image folder: one subdirectory per class.")],
-           out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
-           shards: ShardsOpt = None, shard_size: SizeOpt = "256MB", compress: CompressOpt = Compress.none,
-           runner: RunnerOpt = None, seed: SeedOpt = 0, on_error: OnErrorOpt = OnError.raise_,
-           max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True, overwrite: OverwriteOpt = False,
-           convert: Annotated[Optional[ConvertTo], typer.Option("--convert", help="Re-encode GIF/TIFF/RGBA/… images to this format.")] = None,
-           ) -> None:
+def images(
+    ctx: typer.Context,
+    src: Annotated[Path, typer.Argument(help="Image folder: one subdirectory per class.")],
+    out: Out,
+    split: SplitOpt = "train",
+    splits: SplitsOpt = None,
+    shards: ShardsOpt = None,
+    shard_size: SizeOpt = "256MB",
+    compress: CompressOpt = Compress.none,
+    runner: RunnerOpt = None,
+    seed: SeedOpt = 0,
+    on_error: OnErrorOpt = OnError.raise_,
+    max_skips: MaxSkipsOpt = None,
+    verify: VerifyOpt = True,
+    overwrite: OverwriteOpt = False,
+    convert: Annotated[
+        ConvertTo | None, typer.Option("--convert", help="Re-encode GIF/TIFF/RGBA/… images to this format.")
+    ] = None,
+) -> None:
     """An image folder: one subdirectory per class (labels in sorted class order)."""
     _run(ctx, "images", [str(src)], out, locals(), convert=convert.value if convert else None)
 
 
-def csv(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
-        shards: ShardsOpt = None, shard_size: SizeOpt = "256MB", compress: CompressOpt = Compress.none,
-        runner: RunnerOpt = None, seed: SeedOpt = 0, on_error: OnErrorOpt = OnError.raise_,
-        max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True, overwrite: OverwriteOpt = False, label: LabelOpt = None,
-        types: Annotated[Optional[str], typer.Option("--types", help="Column types, e.g. age:int64,name:string.")] = None,
-        names: Annotated[Optional[str], typer.Option("--names", help="Column names, comma-separated (replace the header).")] = None,
-        header: Annotated[bool, typer.Option("--header/--no-header", help="The first line names the columns.")] = True,
-        skip_rows: Annotated[int, typer.Option("--skip-rows", min=0, help="Lines to skip before the header.")] = 0,
-        delimiter: Annotated[str, typer.Option("--delimiter", help="Field separator.")] = ",",
-        label_classes: Annotated[bool, typer.Option("--label-classes/--no-label-classes", help="Store a string "
-                                 "--label column as class indices, names in the manifest (class_names).")] = True,
-        ) -> None:
+def csv(
+    ctx: typer.Context,
+    src: Src,
+    out: Out,
+    split: SplitOpt = "train",
+    splits: SplitsOpt = None,
+    shards: ShardsOpt = None,
+    shard_size: SizeOpt = "256MB",
+    compress: CompressOpt = Compress.none,
+    runner: RunnerOpt = None,
+    seed: SeedOpt = 0,
+    on_error: OnErrorOpt = OnError.raise_,
+    max_skips: MaxSkipsOpt = None,
+    verify: VerifyOpt = True,
+    overwrite: OverwriteOpt = False,
+    label: LabelOpt = None,
+    types: Annotated[str | None, typer.Option("--types", help="Column types, e.g. age:int64,name:string.")] = None,
+    names: Annotated[
+        str | None, typer.Option("--names", help="Column names, comma-separated (replace the header).")
+    ] = None,
+    header: Annotated[bool, typer.Option("--header/--no-header", help="The first line names the columns.")] = True,
+    skip_rows: Annotated[int, typer.Option("--skip-rows", min=0, help="Lines to skip before the header.")] = 0,
+    delimiter: Annotated[str, typer.Option("--delimiter", help="Field separator.")] = ",",
+    label_classes: Annotated[
+        bool,
+        typer.Option(
+            "--label-classes/--no-label-classes",
+            help="Store a string --label column as class indices, names in the manifest (class_names).",
+        ),
+    ] = True,
+) -> None:
     """CSV files: typed columns (int64, float, string), bad rows reported with file and line."""
-    _run(ctx, "csv", src, out, locals(), label=label, types=types, names=names, header=header,
-         skip_rows=skip_rows, delimiter=delimiter, label_classes=label_classes)
+    _run(
+        ctx,
+        "csv",
+        src,
+        out,
+        locals(),
+        label=label,
+        types=types,
+        names=names,
+        header=header,
+        skip_rows=skip_rows,
+        delimiter=delimiter,
+        label_classes=label_classes,
+    )
 
 
-def parquet(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
-            shards: ShardsOpt = None, shard_size: SizeOpt = "256MB", compress: CompressOpt = Compress.none,
-            runner: RunnerOpt = None, seed: SeedOpt = 0, on_error: OnErrorOpt = OnError.raise_,
-            max_skips: MaxSkipsOpt = None, verify: VerifyOpt = True, overwrite: OverwriteOpt = False, label: LabelOpt = None,
-            types: Annotated[Optional[str], typer.Option("--types", help="Column types, e.g. age:int64,name:string.")] = None,
-            columns: Annotated[Optional[str], typer.Option("--columns", help="Columns to keep, comma-separated.")] = None,
-    label_classes: Annotated[bool, typer.Option("--label-classes/--no-label-classes", help="Store a string "
-                                     "--label column as class indices, names in the manifest (class_names).")] = True,
-            ) -> None:
+def parquet(
+    ctx: typer.Context,
+    src: Src,
+    out: Out,
+    split: SplitOpt = "train",
+    splits: SplitsOpt = None,
+    shards: ShardsOpt = None,
+    shard_size: SizeOpt = "256MB",
+    compress: CompressOpt = Compress.none,
+    runner: RunnerOpt = None,
+    seed: SeedOpt = 0,
+    on_error: OnErrorOpt = OnError.raise_,
+    max_skips: MaxSkipsOpt = None,
+    verify: VerifyOpt = True,
+    overwrite: OverwriteOpt = False,
+    label: LabelOpt = None,
+    types: Annotated[str | None, typer.Option("--types", help="Column types, e.g. age:int64,name:string.")] = None,
+    columns: Annotated[str | None, typer.Option("--columns", help="Columns to keep, comma-separated.")] = None,
+    label_classes: Annotated[
+        bool,
+        typer.Option(
+            "--label-classes/--no-label-classes",
+            help="Store a string --label column as class indices, names in the manifest (class_names).",
+        ),
+    ] = True,
+) -> None:
     """Parquet files: one work unit per row group."""
     _run(ctx, "parquet", src, out, locals(), label=label, types=types, columns=columns, label_classes=label_classes)
 
 
-def numpy(ctx: typer.Context, src: Src, out: Out, split: SplitOpt = "train", splits: SplitsOpt = None,
-          shards: ShardsOpt = None, shard_size: SizeOpt = "256MB", compress: CompressOpt = Compress.none,
-          runner: RunnerOpt = None, seed: SeedOpt = 0, verify: VerifyOpt = True, overwrite: OverwriteOpt = False, label: LabelOpt = None,
-          ) -> None:
+def numpy(
+    ctx: typer.Context,
+    src: Src,
+    out: Out,
+    split: SplitOpt = "train",
+    splits: SplitsOpt = None,
+    shards: ShardsOpt = None,
+    shard_size: SizeOpt = "256MB",
+    compress: CompressOpt = Compress.none,
+    runner: RunnerOpt = None,
+    seed: SeedOpt = 0,
+    verify: VerifyOpt = True,
+    overwrite: OverwriteOpt = False,
+    label: LabelOpt = None,
+) -> None:
     """.npy/.npz arrays whose first axis is the sample axis (memory-mapped)."""
     _run(ctx, "numpy", src, out, locals(), label=label)
 
@@ -179,18 +264,28 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict,
 
     with Progress() as progress:
         bar = progress.phase("encoding", total=_expected_samples(source), unit="samples")  # read+encode+write shards
-        result = job.convert(source, out, split=common["split"], splits=common["splits"],
-                             num_shards=common["shards"], shard_size=common["shard_size"],
-                             compress=common["compress"] is Compress.gzip, seed=common["seed"],
-                             max_skips=common.get("max_skips"), runner=common["runner"],
-                             beam_args=list(ctx.meta.get(_BEAM_ARGS, [])),
-                             on_progress=lambda samples, nbytes, seconds: bar.update(samples),
-                             overwrite=common["overwrite"])
+        result = job.convert(
+            source,
+            out,
+            split=common["split"],
+            splits=common["splits"],
+            num_shards=common["shards"],
+            shard_size=common["shard_size"],
+            compress=common["compress"] is Compress.gzip,
+            seed=common["seed"],
+            max_skips=common.get("max_skips"),
+            runner=common["runner"],
+            beam_args=list(ctx.meta.get(_BEAM_ARGS, [])),
+            on_progress=lambda samples, nbytes, seconds: bar.update(samples),
+            overwrite=common["overwrite"],
+        )
         bar.update(result.total_samples, result.total_samples)
         per_split = ", ".join(f"{k}: {v:,} in {result.shards[k]} shards" for k, v in result.samples.items())
-        typer.echo(f"wrote {result.total_samples:,} samples ({per_split}), {result.num_bytes:,} bytes "
-                     f"in {result.seconds:.2f} s: {result.samples_per_second:,.0f} samples/s"
-                     + (f"; skipped {result.skipped} bad records" if result.skipped else ""))
+        typer.echo(
+            f"wrote {result.total_samples:,} samples ({per_split}), {result.num_bytes:,} bytes "
+            f"in {result.seconds:.2f} s: {result.samples_per_second:,.0f} samples/s"
+            + (f"; skipped {result.skipped} bad records" if result.skipped else "")
+        )
         _warn_empty_shards(str(out), list(result.samples))
         if common["verify"]:
             _verify(str(out), list(result.samples), progress)
@@ -215,8 +310,11 @@ def _warn_empty_shards(path: str, splits: list[str]) -> None:
             info = ds.splits[name]
             empty = sum(1 for sh in info.shards if sh.num_records == 0)
             if empty:
-                typer.echo(f"warning: {empty} of {len(info.shards)} shards of split {name!r} are empty (it has "
-                           f"{info.num_records} records); pass fewer --shards", err=True)
+                typer.echo(
+                    f"warning: {empty} of {len(info.shards)} shards of split {name!r} are empty (it has "
+                    f"{info.num_records} records); pass fewer --shards",
+                    err=True,
+                )
 
 
 def _verify(path: str, splits: list[str], progress: Progress) -> None:

@@ -20,26 +20,42 @@ SplitOpt = Annotated[str | None, typer.Option("--split", "-s", help="Only this s
 
 def index(
     path: Annotated[str, typer.Argument(help="Directory of TFRecord shards (plain or GZIP) written by any tool.")],
-    split: Annotated[str, typer.Option("--split", "-s", help="Split of shards whose names carry none (all shards with --no-split-from-name).")] = "train",
-    split_from_name: Annotated[bool, typer.Option("--split-from-name/--no-split-from-name", help="Take the split from '<split>-SSSSS-of-NNNNN' file names.")] = True,
-    force: Annotated[bool, typer.Option("--force", "-f", help="Rebuild the index files and manifest of an indexed dataset.")] = False,
+    split: Annotated[
+        str,
+        typer.Option(
+            "--split", "-s", help="Split of shards whose names carry none (all shards with --no-split-from-name)."
+        ),
+    ] = "train",
+    split_from_name: Annotated[
+        bool,
+        typer.Option(
+            "--split-from-name/--no-split-from-name", help="Take the split from '<split>-SSSSS-of-NNNNN' file names."
+        ),
+    ] = True,
+    force: Annotated[
+        bool, typer.Option("--force", "-f", help="Rebuild the index files and manifest of an indexed dataset.")
+    ] = False,
 ) -> None:
     """Adopt TFRecord shards: check every record, write .idx files and the manifest (crossfeed.json)."""
     import os
 
     from crossfeed.write.adopt import index_dataset, is_shard_name
 
-    total = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if is_shard_name(n)) if os.path.isdir(path) else 0
+    total = (
+        sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if is_shard_name(n))
+        if os.path.isdir(path)
+        else 0
+    )
     with Progress() as progress:
         bar = progress.phase("indexing", total=total, unit="bytes")
-        manifest = index_dataset(path, split=split, split_from_name=split_from_name, force=force,
-                                 progress=bar.callback)
+        manifest = index_dataset(path, split=split, split_from_name=split_from_name, force=force, progress=bar.callback)
     counts = ", ".join(f"{k}: {v.num_records} records in {len(v.shards)} shards" for k, v in manifest.splits.items())
     typer.echo(f"indexed {path}: {counts}; features {', '.join(manifest.schema.names)}")
 
 
-def info(dataset: DatasetArg,
-         as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False) -> None:
+def info(
+    dataset: DatasetArg, as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False
+) -> None:
     """Show a dataset's splits, record counts, sizes, schema and metadata."""
     from crossfeed.read.dataset import open_dataset
 
@@ -53,7 +69,12 @@ def info(dataset: DatasetArg,
             typer.echo(f"  {name:<12} {s.num_records:>12,} records {len(s.shards):>5} shards {_size(s.num_bytes):>10}")
         typer.echo("features:")
         for f in ds.schema:
-            shape = "(" + ", ".join("?" if d is None else str(d) for d in f.shape) + ("," if len(f.shape) == 1 else "") + ")"
+            shape = (
+                "("
+                + ", ".join("?" if d is None else str(d) for d in f.shape)
+                + ("," if len(f.shape) == 1 else "")
+                + ")"
+            )
             typer.echo(f"  {f.name:<20} {f.dtype:<8} {shape:<16} {f.encoding.value}")
         for name, s in sorted(ds.splits.items()):
             if s.statistics:
@@ -89,9 +110,16 @@ def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
     typer.echo(f"ok: {records:,} records in {shards} shards ({_size(total)}) verified")
 
 
-def head(dataset: DatasetArg, n: Annotated[int, typer.Option("-n", "--num", min=0, help="How many samples.")] = 5,
-         split: Annotated[str | None, typer.Option("--split", "-s", help="Split to show (default: train, or the "
-                                                    "first split by name when there is no train).")] = None) -> None:
+def head(
+    dataset: DatasetArg,
+    n: Annotated[int, typer.Option("-n", "--num", min=0, help="How many samples.")] = 5,
+    split: Annotated[
+        str | None,
+        typer.Option(
+            "--split", "-s", help="Split to show (default: train, or the first split by name when there is no train)."
+        ),
+    ] = None,
+) -> None:
     """Show the first samples of a split: shape, dtype and small values; bytes truncated."""
     from crossfeed.read.dataset import open_dataset
 

@@ -18,7 +18,7 @@ import importlib
 import logging
 import os
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from typer.core import TyperGroup
@@ -102,8 +102,9 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show INFO logs (crossfeed, Beam, Dask).")] = False,
-    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
-                                                    help="Print the version and exit.")] = None,
+    version: Annotated[
+        bool | None, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = None,
 ) -> None:
     """Convert datasets once, read them from TensorFlow and PyTorch, and serve batches over the network."""
     configure_logging(verbose)

@@ -62,21 +62,32 @@ class Progress:
 
             class _Count(MofNCompleteColumn):  # items: "123/456"; bytes: "1.2/3.4 MB"
                 def render(self, task):
-                    return (DownloadColumn().render(task) if task.fields.get("unit") == "bytes"
-                            else super().render(task))
+                    return DownloadColumn().render(task) if task.fields.get("unit") == "bytes" else super().render(task)
 
             class _Rate(TransferSpeedColumn):  # items: "1,234 samples/s"; bytes: "12.3 MB/s"
                 def render(self, task):
                     if task.fields.get("unit") == "bytes":
                         return super().render(task)
                     from rich.text import Text
-                    speed = task.finished_speed or task.speed
-                    return Text("?" if speed is None else f"{speed:,.0f} {task.fields.get('unit')}/s",
-                                style="progress.data.speed")
 
-            self._rich = RichProgress(TextColumn("{task.description:<16}"), BarColumn(), TaskProgressColumn(),
-                                      _Count(), _Rate(), TimeElapsedColumn(), TextColumn("ETA"),
-                                      TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+                    speed = task.finished_speed or task.speed
+                    return Text(
+                        "?" if speed is None else f"{speed:,.0f} {task.fields.get('unit')}/s",
+                        style="progress.data.speed",
+                    )
+
+            self._rich = RichProgress(
+                TextColumn("{task.description:<16}"),
+                BarColumn(),
+                TaskProgressColumn(),
+                _Count(),
+                _Rate(),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=False,
+            )
             self._rich.__enter__()
         return self
 

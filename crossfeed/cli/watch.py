@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -18,15 +18,22 @@ from crossfeed.errors import CrossfeedError
 logger = logging.getLogger(__name__)
 
 Addresses = Annotated[list[str], typer.Argument(help="Broadcast addresses; brace patterns expand.")]
-Keys = Annotated[Optional[Path], typer.Option("--keys", help="Dir with client.key_secret and server.key.")]
+Keys = Annotated[Path | None, typer.Option("--keys", help="Dir with client.key_secret and server.key.")]
 Timeout = Annotated[float, typer.Option("--timeout", min=0.1, help="Give up on a silent server after S s.")]
 
 
 def _subscribe(addresses: list[str], keys: Path | None, timeout: float):
     from crossfeed.net.client import connect
 
-    return connect(addresses, keys=keys, broadcast=True, connect_timeout=timeout, on_loss="continue",
-                   heartbeat_timeout=timeout, heartbeat_interval=min(1.0, timeout / 4))
+    return connect(
+        addresses,
+        keys=keys,
+        broadcast=True,
+        connect_timeout=timeout,
+        on_loss="continue",
+        heartbeat_timeout=timeout,
+        heartbeat_interval=min(1.0, timeout / 4),
+    )
 
 
 def _nothing_received(addresses: list[str], timeout: float) -> CrossfeedError:
@@ -34,7 +41,8 @@ def _nothing_received(addresses: list[str], timeout: float) -> CrossfeedError:
         f"no batch received from {' '.join(addresses)} within {timeout:g}s. mon/stat/show subscribe to a "
         f"broadcast (PUB) address: the one `crossfeed serve` prints as 'broadcast … on ADDRESS' (serve "
         f"--broadcast ADDRESS, or the main address of serve --mode broadcast), not a distribution address; "
-        f"check that the server runs and that the address and --keys are right")
+        f"check that the server runs and that the address and --keys are right"
+    )
 
 
 def _class_names(dataset: str | None) -> list[str] | None:
@@ -46,8 +54,9 @@ def _class_names(dataset: str | None) -> list[str] | None:
     with open_dataset(dataset) as ds:
         names = ds.metadata.get("class_names")
     if not names:
-        raise CrossfeedError(f"{dataset}: its manifest metadata has no class_names; labels are shown as numbers "
-                             f"without --dataset")
+        raise CrossfeedError(
+            f"{dataset}: its manifest metadata has no class_names; labels are shown as numbers without --dataset"
+        )
     return [str(n) for n in names]
 
 
@@ -77,8 +86,10 @@ def mon(
     if not total.batches:
         raise _nothing_received(addresses, timeout)
     b, s, mb = total.per_second(time.monotonic())
-    typer.echo(f"total: {total.batches} batches, {total.samples} samples, "
-               f"{total.nbytes / 1e6:.2f} MB; {b:.1f} batches/s {s:.1f} samples/s {mb:.2f} MB/s")
+    typer.echo(
+        f"total: {total.batches} batches, {total.samples} samples, "
+        f"{total.nbytes / 1e6:.2f} MB; {b:.1f} batches/s {s:.1f} samples/s {mb:.2f} MB/s"
+    )
 
 
 def stat(
@@ -109,12 +120,20 @@ def stat(
 def show(
     addresses: Addresses,
     output: Annotated[Path, typer.Option("-o", "--output", help="PNG file to write.")],
-    image: Annotated[Optional[str], typer.Option("--image", help="Image field (default: first N,H,W[,C]).")] = None,
-    label: Annotated[Optional[str], typer.Option("--label", help="Label field (default: first 1-D field).")] = None,
-    dataset: Annotated[Optional[str], typer.Option("--dataset", help="Dataset served (path/URL): label indices "
-                                                   "are shown as its manifest's class names.")] = None,
-    tile: Annotated[int, typer.Option("--tile", min=8, help="Tile size in pixels; images of other sizes are "
-                                      "resized to fit, keeping their aspect.")] = 96,
+    image: Annotated[str | None, typer.Option("--image", help="Image field (default: first N,H,W[,C]).")] = None,
+    label: Annotated[str | None, typer.Option("--label", help="Label field (default: first 1-D field).")] = None,
+    dataset: Annotated[
+        str | None,
+        typer.Option(
+            "--dataset", help="Dataset served (path/URL): label indices are shown as its manifest's class names."
+        ),
+    ] = None,
+    tile: Annotated[
+        int,
+        typer.Option(
+            "--tile", min=8, help="Tile size in pixels; images of other sizes are resized to fit, keeping their aspect."
+        ),
+    ] = 96,
     skip: Annotated[int, typer.Option("--skip", min=0, help="Batches to skip first.")] = 0,
     keys: Keys = None,
     timeout: Timeout = 30.0,

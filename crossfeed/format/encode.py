@@ -9,8 +9,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from crossfeed.format import example as ex
 from crossfeed.errors import SampleSchemaError, SchemaError
+from crossfeed.format import example as ex
 from crossfeed.format.encode_codec import FeatureCodec, reference_feature
 from crossfeed.format.schema import Schema
 
@@ -47,8 +47,10 @@ class Encoder:
         order = sorted(s for c in self._codecs for s in c.slots)
         slot = {s: i + 1 for i, s in enumerate(order)}  # entry 0 is the header
         self._nslots = len(order)
-        self._plan = [(c.f.name, c.one, slot[c.slots[0]] if len(c.slots) == 1 else tuple(slot[s] for s in c.slots))
-                      for c in self._codecs]
+        self._plan = [
+            (c.f.name, c.one, slot[c.slots[0]] if len(c.slots) == 1 else tuple(slot[s] for s in c.slots))
+            for c in self._codecs
+        ]
         self._multi = any(len(c.slots) > 1 for c in self._codecs)
         self._slot_index = [[slot[s] - 1 for s in c.slots] for c in self._codecs]
 
@@ -118,8 +120,9 @@ class Encoder:
                     pieces[s] = plist
                     lens += ln
         except Exception:
-            self._first_error(rows if rows is not None else
-                              [{name: cols[name][i] for name in self.names} for i in range(n)])
+            self._first_error(
+                rows if rows is not None else [{name: cols[name][i] for name in self.names} for i in range(n)]
+            )
             raise
         return list(map(b"".join, zip(ex.headers(lens.tolist()), *(p for plist in pieces for p in plist))))
 

@@ -10,21 +10,31 @@ import sys
 
 import numpy as np
 
-from crossfeed.format import example as ex
 from crossfeed.errors import SchemaError
+from crossfeed.format import example as ex
 from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, shape_fits
 
 
 def reference_feature(f: Feature, v, out: dict) -> None:
     """Validate one value and add its ``(kind, list message)`` (and a ``/shape`` one) to ``out``."""
-    if f.encoding not in (Encoding.TENSOR, Encoding.IMAGE) and isinstance(v, (list, tuple)) and not v and f.shape in ((None,), (0,)):
+    if (
+        f.encoding not in (Encoding.TENSOR, Encoding.IMAGE)
+        and isinstance(v, (list, tuple))
+        and not v
+        and f.shape in ((None,), (0,))
+    ):
         out[f.name] = (0, b"")  # empty list: no kind, so it matches whatever type later samples have
         return
     if f.encoding is Encoding.TENSOR:
         arr = np.asarray(v)
         if arr.dtype.newbyteorder("=") != np.dtype(f.dtype) or not shape_fits(arr.shape, f.shape):  # any byte order
-            raise SchemaError(f"feature {f.name!r}: got {arr.dtype}{list(arr.shape)}, the schema says {f.dtype}{list(f.shape)}")
-        out[f.name] = (ex.BYTES, ex.encode_bytes_list([np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).tobytes()]))
+            raise SchemaError(
+                f"feature {f.name!r}: got {arr.dtype}{list(arr.shape)}, the schema says {f.dtype}{list(f.shape)}"
+            )
+        out[f.name] = (
+            ex.BYTES,
+            ex.encode_bytes_list([np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).tobytes()]),
+        )
         if not f.fixed:
             out[f.name + SHAPE_SUFFIX] = (ex.INT64, ex.encode_int64_list(arr.shape))
     elif f.encoding is Encoding.IMAGE:
@@ -60,6 +70,7 @@ def _prefix_cache(make, limit: int = 4096):
             if len(cache) < limit:
                 cache[n] = p
         return p
+
     return get
 
 
@@ -145,6 +156,7 @@ class FeatureCodec:
                 elif t is np.float32 and _LITTLE:
                     return pre + v.tobytes()
                 return generic(v)
+
             self.one = one
 
         def column(col, n):
@@ -154,6 +166,7 @@ class FeatureCodec:
             k = arr.shape[1]
             pre = ex.entry_prefix(f.name, ex.FLOAT, 1 + len(ex.varint(4 * k)) + 4 * k) + b"\x0a" + ex.varint(4 * k)
             return self._rows(pre, np.ascontiguousarray(arr, dtype="<f4").view(np.uint8), n)
+
         self.column = column
 
     def _compile_int64(self):
@@ -175,6 +188,7 @@ class FeatureCodec:
                         vb = ex.varint(x)
                         return prefix[len(vb)] + vb
                 return generic(v)
+
             self.one = one
 
         def column(col, n):
@@ -189,7 +203,7 @@ class FeatureCodec:
             for L in lengths.tolist():
                 idx = np.flatnonzero(lens == L) if len(lengths) > 1 else None
                 rows = vb[:, :L] if idx is None else vb[idx, :L]
-                (pieces, _), = self._rows(prefix[L], rows, len(rows))
+                ((pieces, _),) = self._rows(prefix[L], rows, len(rows))
                 groups.append((idx, pieces[0]))
             if len(groups) == 1:
                 entries = groups[0][1]
@@ -201,13 +215,16 @@ class FeatureCodec:
                     obj[idx] = part
                 entries = obj.tolist()
             return [([entries], lens + np.array([len(p) for p in prefix], dtype=np.int64)[lens])]
+
         self.column = column
 
     def _compile_bytes(self):
         f, generic = self.f, self._generic
         if f.shape != ():
             return
-        pfx = _prefix_cache(lambda n: ex.entry_prefix(f.name, ex.BYTES, 1 + len(ex.varint(n)) + n) + b"\x0a" + ex.varint(n))
+        pfx = _prefix_cache(
+            lambda n: ex.entry_prefix(f.name, ex.BYTES, 1 + len(ex.varint(n)) + n) + b"\x0a" + ex.varint(n)
+        )
 
         def one(v):
             t = type(v)
@@ -218,6 +235,7 @@ class FeatureCodec:
             else:
                 return generic(v)
             return pfx(len(b)) + b
+
         self.one = one
 
         def column(col, n):
@@ -234,16 +252,20 @@ class FeatureCodec:
             prefixes = list(map(pfx, lens.tolist()))
             plens = np.fromiter(map(len, prefixes), np.int64, n)
             return [([prefixes, data], lens + plens)]
+
         self.column = column
 
     def _compile_image(self):
         f, generic = self.f, self._generic
-        pfx = _prefix_cache(lambda n: ex.entry_prefix(f.name, ex.BYTES, 1 + len(ex.varint(n)) + n) + b"\x0a" + ex.varint(n), 64)
+        pfx = _prefix_cache(
+            lambda n: ex.entry_prefix(f.name, ex.BYTES, 1 + len(ex.varint(n)) + n) + b"\x0a" + ex.varint(n), 64
+        )
 
         def one(v):
             if type(v) is bytes:
                 return pfx(len(v)) + v
             return generic(v)
+
         self.one = one
 
     def _compile_tensor(self):
@@ -259,11 +281,18 @@ class FeatureCodec:
             if type(v) is np.ndarray and v.dtype == dt and v.dtype.byteorder in "=|" and v.shape == shape:
                 return pre + v.tobytes()
             return generic(v)
+
         self.one = one
 
         def column(col, n):
-            if (not isinstance(col, np.ndarray) or col.dtype != dt or col.dtype.byteorder not in "=|"
-                    or col.shape[1:] != shape or not nbytes):
+            if (
+                not isinstance(col, np.ndarray)
+                or col.dtype != dt
+                or col.dtype.byteorder not in "=|"
+                or col.shape[1:] != shape
+                or not nbytes
+            ):
                 return None
             return self._rows(pre, np.ascontiguousarray(col).reshape(n, -1).view(np.uint8), n)
+
         self.column = column

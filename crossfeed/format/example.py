@@ -24,6 +24,7 @@ KIND_NAMES = {BYTES: "bytes_list", FLOAT: "float_list", INT64: "int64_list"}
 
 # ---- encode -----------------------------------------------------------------------------------
 
+
 def _varint(n: int) -> bytes:
     if n < 0:
         n += 1 << 64
@@ -95,7 +96,9 @@ def entry_prefix(name: str, kind: int, body_len: int) -> bytes:
     key = _field(0x0A, name.encode())
     feat_len = 1 + len(_varint(body_len)) + body_len
     inner_len = len(key) + 1 + len(_varint(feat_len)) + feat_len
-    return b"\x0a" + _varint(inner_len) + key + b"\x12" + _varint(feat_len) + bytes(((kind << 3) | 2,)) + _varint(body_len)
+    return (
+        b"\x0a" + _varint(inner_len) + key + b"\x12" + _varint(feat_len) + bytes(((kind << 3) | 2,)) + _varint(body_len)
+    )
 
 
 def varint_matrix(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -108,7 +111,9 @@ def varint_matrix(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         lens += u >= np.uint64(1 << (7 * k))
     out = np.empty((len(u), 10), dtype=np.uint8)
     for k in range(10):
-        out[:, k] = ((u >> np.uint64(7 * k)) & np.uint64(0x7F)).astype(np.uint8) | ((lens > k + 1).astype(np.uint8) << 7)
+        out[:, k] = ((u >> np.uint64(7 * k)) & np.uint64(0x7F)).astype(np.uint8) | (
+            (lens > k + 1).astype(np.uint8) << 7
+        )
     return lens, out
 
 
@@ -125,6 +130,7 @@ def encode(features: dict[str, tuple[int, bytes]]) -> bytes:
 
 
 # ---- decode -----------------------------------------------------------------------------------
+
 
 def read_varint(buf, pos: int, end: int) -> tuple[int, int]:
     result = shift = 0
@@ -266,4 +272,3 @@ def to_python(payload) -> dict[str, list]:
         vals = kind_values(kind, region)
         out[name] = [bytes(v) for v in vals] if kind == BYTES else list(np.asarray(vals).tolist())
     return out
-

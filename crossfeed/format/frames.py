@@ -79,14 +79,18 @@ def stored_crcs(u8: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.
 
 def payload_views(buf, offsets: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
     """Zero-copy payload views (map over C callables: no Python bytecode runs per record)."""
-    return list(map(memoryview(buf).__getitem__, map(slice, (offsets + HEADER).tolist(), (offsets + lengths - FOOTER).tolist())))
+    return list(
+        map(memoryview(buf).__getitem__, map(slice, (offsets + HEADER).tolist(), (offsets + lengths - FOOTER).tolist()))
+    )
 
 
 def first_error(buf, offset: int, length: int, path: str) -> CorruptRecordError:
     """The precise error of a record that failed a batch check."""
     size = len(memoryview(buf))
     if offset < 0 or offset + length > size or length < FRAMING:
-        return CorruptRecordError(path, offset, f"index entry of {length} bytes runs past the end of the data ({size} bytes)")
+        return CorruptRecordError(
+            path, offset, f"index entry of {length} bytes runs past the end of the data ({size} bytes)"
+        )
     try:
         tfrecord.unframe(buf, offset, length, path)
     except CorruptRecordError as e:

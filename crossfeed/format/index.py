@@ -60,9 +60,13 @@ def parse_index(data: bytes, path: str) -> np.ndarray:
     try:
         arr = np.array(lines, dtype=np.int64).reshape(-1, 2)
     except (ValueError, OverflowError) as e:
-        raise IndexFileError(f"{path}: not an index file of 'offset length' lines ({e}); rebuild it with `crossfeed index`") from e
+        raise IndexFileError(
+            f"{path}: not an index file of 'offset length' lines ({e}); rebuild it with `crossfeed index`"
+        ) from e
     if len(arr) and (arr.min() < 0 or np.any(arr[:, 1] < 16) or arr.max() > 1 << 56):
-        raise IndexFileError(f"{path}: negative offset or a record shorter than 16 bytes; rebuild it with `crossfeed index`")
+        raise IndexFileError(
+            f"{path}: negative offset or a record shorter than 16 bytes; rebuild it with `crossfeed index`"
+        )
     return arr
 
 
@@ -87,13 +91,16 @@ def checked_index(data: bytes, where: str, shard, *, gzip: Callable[[], bool]) -
     fix = "rebuild it with `crossfeed index --force`"
     arr = parse_index(data, where)
     if len(arr) != shard.num_records:
-        raise IndexFileError(f"{where}: {len(arr)} entries, the manifest says {shard.num_records} records; the "
-                             f"dataset is inconsistent, {fix}")
+        raise IndexFileError(
+            f"{where}: {len(arr)} entries, the manifest says {shard.num_records} records; the "
+            f"dataset is inconsistent, {fix}"
+        )
     if len(arr):
         _check_tiling(arr, where, shard.num_bytes, gzip, fix)
     if shard.index_sha256 is not None and hashlib.sha256(data).hexdigest() != shard.index_sha256:
-        raise IndexFileError(f"{where}: sha256 differs from the manifest's index_sha256: the index changed after it "
-                             f"was written; {fix}")
+        raise IndexFileError(
+            f"{where}: sha256 differs from the manifest's index_sha256: the index changed after it was written; {fix}"
+        )
     return arr
 
 
@@ -104,8 +111,12 @@ def _check_tiling(arr: np.ndarray, where: str, num_bytes: int, gzip: Callable[[]
     gaps = np.flatnonzero(arr[1:, 0] != ends[:-1])
     if gaps.size:
         k = int(gaps[0]) + 1
-        raise IndexFileError(f"{where}: entry {k} ('{arr[k, 0]} {arr[k, 1]}') does not start where entry {k - 1} "
-                             f"ends (byte {ends[k - 1]}); {fix}")
+        raise IndexFileError(
+            f"{where}: entry {k} ('{arr[k, 0]} {arr[k, 1]}') does not start where entry {k - 1} "
+            f"ends (byte {ends[k - 1]}); {fix}"
+        )
     if ends[-1] != num_bytes and not gzip():
-        raise IndexFileError(f"{where}: the last entry (entry {len(arr) - 1}) ends at byte {ends[-1]}, the shard is "
-                             f"{num_bytes} bytes; {fix}")
+        raise IndexFileError(
+            f"{where}: the last entry (entry {len(arr) - 1}) ends at byte {ends[-1]}, the shard is "
+            f"{num_bytes} bytes; {fix}"
+        )

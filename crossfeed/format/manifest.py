@@ -60,13 +60,22 @@ def check_name(name, where: str) -> str:
     or delete a file outside the dataset directory."""
     if not isinstance(name, str):
         raise ManifestError(f"{where}: expected a file name (string), got {type(name).__name__}")
-    bad = (not name or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES or name in (".", "..")
-           or name.startswith(".") or "/" in name or "\\" in name or any(ord(c) < 32 or ord(c) == 127 for c in name)
-           or name == MANIFEST or name.endswith(".idx"))
+    bad = (
+        not name
+        or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES
+        or name in (".", "..")
+        or name.startswith(".")
+        or "/" in name
+        or "\\" in name
+        or any(ord(c) < 32 or ord(c) == 127 for c in name)
+        or name == MANIFEST
+        or name.endswith(".idx")
+    )
     if bad:
         raise ManifestError(
             f"{where}: {name!r} is not a plain file name inside the dataset directory (no '/', no leading '.', "
-            f"not {MANIFEST} or an .idx file); shards must sit beside {MANIFEST}")
+            f"not {MANIFEST} or an .idx file); shards must sit beside {MANIFEST}"
+        )
     return name
 
 
@@ -185,8 +194,10 @@ def fsync_dir(path: str) -> None:
 def loads(text: str | bytes, where: str) -> Manifest:
     """Parse and check a manifest's text; every problem is a `ManifestError` naming ``where``."""
     if len(text) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{where}: {len(text)} bytes, more than a manifest may hold ({MAX_MANIFEST_BYTES}); "
-                            f"rebuild it with `crossfeed index --force`")
+        raise ManifestError(
+            f"{where}: {len(text)} bytes, more than a manifest may hold ({MAX_MANIFEST_BYTES}); "
+            f"rebuild it with `crossfeed index --force`"
+        )
     if isinstance(text, (bytes, bytearray, memoryview)):
         try:
             text = bytes(text).decode("utf-8")
@@ -208,7 +219,9 @@ class _Validator:
         self.where = where
 
     def fail(self, field_: str, what: str):
-        raise ManifestError(f"{self.where}: {field_}: {what}; fix the manifest or rebuild it with `crossfeed index --force`")
+        raise ManifestError(
+            f"{self.where}: {field_}: {what}; fix the manifest or rebuild it with `crossfeed index --force`"
+        )
 
     def dict_(self, v, field_: str) -> dict:
         if not isinstance(v, dict):
@@ -245,7 +258,9 @@ class _Validator:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ManifestError(f"{self.where}: not a crossfeed manifest (format is not {FORMAT!r})")
         if d.get("version") != VERSION:
-            raise ManifestError(f"{self.where}: manifest version {_short(d.get('version'))}; this crossfeed reads version {VERSION}")
+            raise ManifestError(
+                f"{self.where}: manifest version {_short(d.get('version'))}; this crossfeed reads version {VERSION}"
+            )
         unknown = set(d) - {"format", "version", "schema", "splits", "metadata", "generation"}
         if unknown:
             self.fail(sorted(unknown)[0], "unknown field")
@@ -286,8 +301,10 @@ class _Validator:
             if not isinstance(enc, str) or enc not in _ENCODINGS:
                 self.fail(f"{at}.encoding", f"unknown encoding {_short(enc)}; expected one of {sorted(_ENCODINGS)}")
             if not isinstance(dtype, str) or dtype not in _DTYPES[enc]:
-                self.fail(f"{at}.dtype", f"dtype {_short(dtype)} is not one the {enc} encoding stores "
-                                         f"({', '.join(sorted(_DTYPES[enc]))})")
+                self.fail(
+                    f"{at}.dtype",
+                    f"dtype {_short(dtype)} is not one the {enc} encoding stores ({', '.join(sorted(_DTYPES[enc]))})",
+                )
             if not isinstance(shape, list) or len(shape) > MAX_RANK:
                 self.fail(f"{at}.shape", f"expected a list of at most {MAX_RANK} dimensions, got {_short(shape)}")
             for j, dim in enumerate(shape):
@@ -325,7 +342,9 @@ class _Validator:
         unknown = set(sh) - {"file", "num_records", "num_bytes", "sha256", "index_sha256"}
         missing = {"file", "num_records", "num_bytes", "sha256"} - set(sh)
         if unknown or missing:
-            self.fail(at, f"unknown field {sorted(unknown)[0]!r}" if unknown else f"missing field {sorted(missing)[0]!r}")
+            self.fail(
+                at, f"unknown field {sorted(unknown)[0]!r}" if unknown else f"missing field {sorted(missing)[0]!r}"
+            )
         name = check_name(sh["file"], f"{self.where}: {at}.file")
         if name in seen:
             self.fail(f"{at}.file", f"{name!r} is listed twice (also at {seen[name]}); each shard belongs to one place")
@@ -336,13 +355,25 @@ class _Validator:
         most = (nbytes * 1100) // 16 + 64
         n = self.int_(sh["num_records"], f"{at}.num_records", 0, most)
         index_sha = sh.get("index_sha256")
-        return ShardInfo(name, n, nbytes, self.hex_(sh["sha256"], f"{at}.sha256"),
-                         None if index_sha is None else self.hex_(index_sha, f"{at}.index_sha256"))
+        return ShardInfo(
+            name,
+            n,
+            nbytes,
+            self.hex_(sh["sha256"], f"{at}.sha256"),
+            None if index_sha is None else self.hex_(index_sha, f"{at}.index_sha256"),
+        )
 
 
 def _kind(v) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }.get(type(v), type(v).__name__)
 
 
 def _short(v) -> str:
@@ -352,7 +383,26 @@ def _short(v) -> str:
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ENCODINGS = {e.value for e in Encoding}
-_NUMERIC = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-            "float16", "float32", "float64", "complex64", "complex128"}
-_DTYPES = {"tensor": _NUMERIC, "image": {"uint8", "uint16"}, "int64": {"int64"}, "float": {"float32"},
-           "bytes": {"bytes", "string"}}
+_NUMERIC = {
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+}
+_DTYPES = {
+    "tensor": _NUMERIC,
+    "image": {"uint8", "uint16"},
+    "int64": {"int64"},
+    "float": {"float32"},
+    "bytes": {"bytes", "string"},
+}

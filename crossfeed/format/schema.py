@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from crossfeed.format import example as ex
 from crossfeed.errors import SchemaError
+from crossfeed.format import example as ex
 
 SHAPE_SUFFIX = "/shape"
 INDEX_KEY = "__index__"  # a batch key, never a feature: the sample indices of the batch
@@ -39,8 +39,13 @@ class Encoding(str, enum.Enum):
     BYTES = "bytes"
 
 
-_KIND = {Encoding.TENSOR: ex.BYTES, Encoding.IMAGE: ex.BYTES, Encoding.INT64: ex.INT64,
-         Encoding.FLOAT: ex.FLOAT, Encoding.BYTES: ex.BYTES}
+_KIND = {
+    Encoding.TENSOR: ex.BYTES,
+    Encoding.IMAGE: ex.BYTES,
+    Encoding.INT64: ex.INT64,
+    Encoding.FLOAT: ex.FLOAT,
+    Encoding.BYTES: ex.BYTES,
+}
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,7 @@ class Schema(tuple):
 
 # ---- inference ---------------------------------------------------------------------------------
 
+
 def infer_feature(name: str, value) -> Feature:
     """The feature a sample value implies (see the module table)."""
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -131,7 +137,9 @@ def infer_feature(name: str, value) -> Feature:
     if arr.ndim == 0:
         return _scalar_feature(name, arr.dtype, ())
     if arr.dtype.kind not in "biufc":
-        raise SchemaError(f"feature {name!r}: arrays of dtype {arr.dtype} cannot be stored; use numeric arrays, bytes or str")
+        raise SchemaError(
+            f"feature {name!r}: arrays of dtype {arr.dtype} cannot be stored; use numeric arrays, bytes or str"
+        )
     return Feature(name, arr.dtype.newbyteorder("=").name, arr.shape, Encoding.TENSOR)
 
 
@@ -150,16 +158,23 @@ def widen(old: Feature, new: Feature) -> Feature:
     if old == new:
         return old
     for a, b in ((old, new), (new, old)):  # an empty list fits any list kind
-        if a.shape == (0,) and len(b.shape) == 1 and a.encoding is not Encoding.TENSOR and b.encoding is not Encoding.TENSOR:
+        if (
+            a.shape == (0,)
+            and len(b.shape) == 1
+            and a.encoding is not Encoding.TENSOR
+            and b.encoding is not Encoding.TENSOR
+        ):
             return Feature(b.name, b.dtype, (None,), b.encoding)
     if old.encoding != new.encoding or old.dtype != new.dtype or len(old.shape) != len(new.shape):
         raise SchemaError(
             f"feature {old.name!r} changed from {old.dtype}{list(old.shape)} ({old.encoding.value}) to "
-            f"{new.dtype}{list(new.shape)} ({new.encoding.value}); make every sample agree or pass schema=")
+            f"{new.dtype}{list(new.shape)} ({new.encoding.value}); make every sample agree or pass schema="
+        )
     if old.encoding is Encoding.TENSOR and not shape_fits(new.shape, old.shape):
         raise SchemaError(
             f"tensor feature {old.name!r} changed shape from {old.shape} to {new.shape}; to store "
-            f"variable shapes pass schema= with None for the varying dimensions")
+            f"variable shapes pass schema= with None for the varying dimensions"
+        )
     shape = tuple(a if a == b else None for a, b in zip(old.shape, new.shape))
     return Feature(old.name, old.dtype, shape, old.encoding)
 
@@ -176,19 +191,25 @@ def decode_value(f: Feature, parsed: dict, *, decode_images: bool = True):
     if kind and not len(region) and f.encoding is not Encoding.TENSOR:
         kind = 0  # an empty list matches any kind
     if kind not in (0, _KIND[f.encoding]):
-        raise SchemaError(f"feature {f.name!r} is a {ex.KIND_NAMES[kind]} in the record, the schema expects {f.encoding.value}")
+        raise SchemaError(
+            f"feature {f.name!r} is a {ex.KIND_NAMES[kind]} in the record, the schema expects {f.encoding.value}"
+        )
     vals = ex.kind_values(kind, region)
     if f.encoding is Encoding.TENSOR:
         if len(vals) != 1:
             raise SchemaError(f"tensor feature {f.name!r} must hold exactly one bytes value, got {len(vals)}")
         if not f.fixed and f.name + SHAPE_SUFFIX not in parsed:
-            raise SchemaError(f"tensor feature {f.name!r} has a variable shape but the record has no {f.name + SHAPE_SUFFIX!r}")
+            raise SchemaError(
+                f"tensor feature {f.name!r} has a variable shape but the record has no {f.name + SHAPE_SUFFIX!r}"
+            )
         shape = f.shape if f.fixed else tuple(ex.int64_values(parsed[f.name + SHAPE_SUFFIX][1]).tolist())
         dt = np.dtype(f.dtype).newbyteorder("<")
         try:
             return np.frombuffer(vals[0], dtype=dt).reshape(shape)
         except ValueError as e:
-            raise SchemaError(f"tensor feature {f.name!r}: {len(vals[0])} bytes do not fit {f.dtype}{list(shape)}") from e
+            raise SchemaError(
+                f"tensor feature {f.name!r}: {len(vals[0])} bytes do not fit {f.dtype}{list(shape)}"
+            ) from e
     if f.encoding is Encoding.IMAGE:
         data = bytes(vals[0]) if len(vals) == 1 else b""
         return decode_image(data, f) if decode_images else data

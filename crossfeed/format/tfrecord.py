@@ -105,11 +105,15 @@ def unframe(buf, offset: int, length: int | None, path: str) -> memoryview:
     if masked_crc(mv[offset : offset + 8]) != len_crc:
         raise CorruptRecordError(path, offset, "length CRC mismatch (not a TFRecord file, or a damaged header)")
     if length is not None and HEADER + n + FOOTER != length:
-        raise CorruptRecordError(path, offset, f"index says {length} bytes, the record header says {HEADER + n + FOOTER}")
+        raise CorruptRecordError(
+            path, offset, f"index says {length} bytes, the record header says {HEADER + n + FOOTER}"
+        )
     start = offset + HEADER
     stop = start + n
     if stop + FOOTER > end:
-        raise CorruptRecordError(path, offset, f"truncated: the record needs {n + HEADER + FOOTER} bytes, {end - offset} remain")
+        raise CorruptRecordError(
+            path, offset, f"truncated: the record needs {n + HEADER + FOOTER} bytes, {end - offset} remain"
+        )
     payload = mv[start:stop]
     if masked_crc(payload) != _U32.unpack_from(mv, stop)[0]:
         raise CorruptRecordError(path, offset, "payload CRC mismatch (damaged data)")

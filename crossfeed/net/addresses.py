@@ -1,7 +1,7 @@
 """Addresses: shell-style brace expansion and validation of ZeroMQ endpoints.
 
-    expand("tcp://127.0.0.1:78{80..83}") -> ["tcp://127.0.0.1:7880", ..., "tcp://127.0.0.1:7883"]
-    expand("ipc:///tmp/{a,b}.sock")     -> ["ipc:///tmp/a.sock", "ipc:///tmp/b.sock"]
+expand("tcp://127.0.0.1:78{80..83}") -> ["tcp://127.0.0.1:7880", ..., "tcp://127.0.0.1:7883"]
+expand("ipc:///tmp/{a,b}.sock")     -> ["ipc:///tmp/a.sock", "ipc:///tmp/b.sock"]
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from crossfeed.net import wire
 from crossfeed.errors import ConfigError, CrossfeedError, ServerLostError
 from crossfeed.net import protocol as P
+from crossfeed.net import wire
 from crossfeed.net.addresses import expand_all
 from crossfeed.net.events import AllDone, Delivery, EpochDone, Lost, LostServer, ReceiverFailed
 from crossfeed.net.keys import ClientKeys, as_client_keys
@@ -84,9 +84,14 @@ class Client(Iterator[Any]):
         self.addresses = expand_all(addresses)
         self.options = options
         self._receiver = Receiver(
-            self.addresses, keys=as_client_keys(keys), credits=options.credits,
-            credit_bytes=options.credit_bytes, broadcast=options.broadcast, heartbeat=options.heartbeat,
-            connect_timeout=options.connect_timeout, limits=options.limits,
+            self.addresses,
+            keys=as_client_keys(keys),
+            credits=options.credits,
+            credit_bytes=options.credit_bytes,
+            broadcast=options.broadcast,
+            heartbeat=options.heartbeat,
+            connect_timeout=options.connect_timeout,
+            limits=options.limits,
         ).start()
         self._held: tuple[int, int, int] | None = None  # (server, seq, lease)
         self._finished = False
@@ -182,8 +187,13 @@ def connect(
     raises `ServerLostError`; "continue": read on from the others, `client.lost` lists it.
     """
     options = ClientOptions(
-        credits=credits, credit_bytes=credit_bytes, broadcast=broadcast,
+        credits=credits,
+        credit_bytes=credit_bytes,
+        broadcast=broadcast,
         heartbeat=P.Heartbeat(heartbeat_interval, heartbeat_timeout),
-        connect_timeout=connect_timeout, limits=limits, with_meta=with_meta, on_loss=on_loss,
+        connect_timeout=connect_timeout,
+        limits=limits,
+        with_meta=with_meta,
+        on_loss=on_loss,
     )
     return Client(addresses, keys=keys, options=options)

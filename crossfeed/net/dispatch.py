@@ -112,7 +112,10 @@ class Dispatcher:
                 self.pending.appendleft(lost)
             logger.warning(
                 "trainer %s acknowledged batch %d but never batches %s sent to it before: "
-                "they were lost in transit and go out again", peer.hex(), seq, skipped,
+                "they were lost in transit and go out again",
+                peer.hex(),
+                seq,
+                skipped,
             )
         return item
 
@@ -143,8 +146,11 @@ class Dispatcher:
             self.pending.appendleft(item)
         level = logging.INFO if reason == "left" else logging.WARNING
         logger.log(
-            level, "trainer %s %s: %d unacknowledged batches go to the others",
-            peer.hex(), reason, len(items),
+            level,
+            "trainer %s %s: %d unacknowledged batches go to the others",
+            peer.hex(),
+            reason,
+            len(items),
         )
         return len(items)
 
@@ -157,9 +163,7 @@ class Dispatcher:
         for k in silent:
             self.kill(k, f"silent for more than {self.timeout:g}s, declared dead")
         limit = self.progress_timeout
-        stuck = [] if limit is None else [
-            k for k, p in self.peers.items() if p.unacked and now - p.progress_at > limit
-        ]
+        stuck = [] if limit is None else [k for k, p in self.peers.items() if p.unacked and now - p.progress_at > limit]
         for k in stuck:
             self.kill(k, f"acknowledged nothing for more than {limit:g}s, fenced")
         return silent + stuck

@@ -57,9 +57,7 @@ class Distribution:
         self._stats, self._stop = stats, stop
         self._instance = instance
         self._progress_timeout = progress_timeout
-        self._disp = Dispatcher(
-            max_credit=max_credit, timeout=heartbeat.timeout, progress_timeout=progress_timeout
-        )
+        self._disp = Dispatcher(max_credit=max_credit, timeout=heartbeat.timeout, progress_timeout=progress_timeout)
         self._log = P.RateLimitedLog(logger)
         self._waiting = False  # the loop is about to block waiting for the producer
         wake = f"inproc://crossfeed-server-wake-{next(_ids)}"

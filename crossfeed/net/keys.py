@@ -44,9 +44,14 @@ def keygen(directory: str | os.PathLike, name: str) -> tuple[Path, Path]:
 
 def _write_key_file(path: Path, public: bytes, secret: bytes | None, mode: int) -> None:
     """A key file in pyzmq's certificate format (what `zmq.auth.load_certificate` reads)."""
-    lines = ["#   ZeroMQ CURVE " + ("Secret" if secret else "Public") + " Certificate (crossfeed keygen)",
-             "#   " + ("Keep this file private; never share it." if secret else "Exchange securely, or upload."),
-             "", "metadata", "curve", f'    public-key = "{public.decode()}"']
+    lines = [
+        "#   ZeroMQ CURVE " + ("Secret" if secret else "Public") + " Certificate (crossfeed keygen)",
+        "#   " + ("Keep this file private; never share it." if secret else "Exchange securely, or upload."),
+        "",
+        "metadata",
+        "curve",
+        f'    public-key = "{public.decode()}"',
+    ]
     if secret:
         lines.append(f'    secret-key = "{secret.decode()}"')
     try:
@@ -67,7 +72,8 @@ def check_not_writable_by_others(path: Path, what: str) -> None:
     if mode & 0o022:
         raise ConfigError(
             f"{what} {path} is writable by {'group and others' if mode & 0o022 == 0o022 else 'group' if mode & 0o020 else 'others'} "
-            f"(mode {mode & 0o7777:04o}): anyone who can write there can add a client key; run `chmod go-w {path}`")
+            f"(mode {mode & 0o7777:04o}): anyone who can write there can add a client key; run `chmod go-w {path}`"
+        )
 
 
 def _load(path: Path, need_secret: bool) -> tuple[bytes, bytes | None]:
@@ -100,9 +106,7 @@ class ServerKeys:
         keys = sorted(d.glob("*.key"))
         for p in keys:
             check_not_writable_by_others(p, "client key file")
-        allowed = frozenset(
-            k for p in keys if (k := _load(p, False)[0]) != public
-        )
+        allowed = frozenset(k for p in keys if (k := _load(p, False)[0]) != public)
         if not allowed:
             raise ConfigError(f"{d} holds no client public keys (*.key); run `crossfeed keygen`")
         return cls(public, secret, allowed)  # type: ignore[arg-type]

@@ -26,8 +26,8 @@ import os
 
 import zmq
 
-from crossfeed.net import wire
 from crossfeed.net import protocol as P
+from crossfeed.net import wire
 from crossfeed.net.events import LostServer
 from crossfeed.net.keys import ClientKeys, secure_client_socket
 
@@ -178,15 +178,24 @@ class Link:
     def lose(self, reason: str) -> LostServer:
         self.state = "lost"
         info = LostServer(
-            address=self.address, reason=reason, received_batches=self.received,
-            received_samples=self.samples, unacked_batches=len(self.unacked),
-            last_epoch=self.last_epoch, last_seq=self.last_seq,
+            address=self.address,
+            reason=reason,
+            received_batches=self.received,
+            received_samples=self.samples,
+            unacked_batches=len(self.unacked),
+            last_epoch=self.last_epoch,
+            last_seq=self.last_seq,
         )
         logger.warning(
             "server %s dropped (%s): %d of its batches were outstanding (received, not yet "
             "acknowledged); received %d batches / %d samples from it, last epoch %s seq %s; "
             "what it had not sent yet is lost to this client",
-            self.address, reason, info.unacked_batches, self.received, self.samples,
-            self.last_epoch, self.last_seq,
+            self.address,
+            reason,
+            info.unacked_batches,
+            self.received,
+            self.samples,
+            self.last_epoch,
+            self.last_seq,
         )
         return info

@@ -23,7 +23,9 @@ def batch_nbytes(batch: Mapping[str, Any]) -> int:
         if isinstance(v, np.ndarray) and v.dtype != object:
             total += v.nbytes
         else:
-            total += sum(x.nbytes if isinstance(x, np.ndarray) else len(x) for x in np.asarray(v, dtype=object).reshape(-1))
+            total += sum(
+                x.nbytes if isinstance(x, np.ndarray) else len(x) for x in np.asarray(v, dtype=object).reshape(-1)
+            )
     return total
 
 
@@ -143,8 +145,10 @@ class FieldStats:
 
     def row(self, name: str) -> str:
         what = "lengths" if self.of_lengths else "values"
-        return (f"{name:<16} {'/'.join(sorted(self.dtypes)):<12} shape {self.shape_text():<28} {what} "
-                f"min={self.min:.6g} max={self.max:.6g} mean={self.mean:.6g} std={self.std:.6g}")
+        return (
+            f"{name:<16} {'/'.join(sorted(self.dtypes)):<12} shape {self.shape_text():<28} {what} "
+            f"min={self.min:.6g} max={self.max:.6g} mean={self.mean:.6g} std={self.std:.6g}"
+        )
 
 
 def field_stats(batches, stats: dict[str, FieldStats] | None = None) -> dict[str, FieldStats]:
@@ -156,16 +160,21 @@ def field_stats(batches, stats: dict[str, FieldStats] | None = None) -> dict[str
 
 
 def _is_image(x: Any) -> bool:
-    return isinstance(x, np.ndarray) and x.dtype.kind in "uf" and (
-        x.ndim == 2 or (x.ndim == 3 and x.shape[-1] in (1, 3, 4)))
+    return (
+        isinstance(x, np.ndarray)
+        and x.dtype.kind in "uf"
+        and (x.ndim == 2 or (x.ndim == 3 and x.shape[-1] in (1, 3, 4)))
+    )
 
 
 def _is_image_batch(v: Any) -> bool:
     items = _items(v)
     if items is not None:
         return all(_is_image(x) for x in items)
-    return isinstance(v, np.ndarray) and v.dtype.kind in "uf" and (
-        v.ndim == 3 or (v.ndim == 4 and v.shape[-1] in (1, 3, 4))
+    return (
+        isinstance(v, np.ndarray)
+        and v.dtype.kind in "uf"
+        and (v.ndim == 3 or (v.ndim == 4 and v.shape[-1] in (1, 3, 4)))
     )
 
 
@@ -178,8 +187,9 @@ def pick_fields(batch: Mapping[str, Any], image: str | None, label: str | None) 
         raise ConfigError(f"field {image!r} is not a batch of images (N,H,W[,C], or a list of H,W[,C] arrays)")
     n = len(batch[image])
     if label is None:  # "label" if there is one, else the first 1-D numeric or text field
-        candidates = [k for k, v in batch.items() if k != image and np.ndim(v) == 1 and len(v) == n
-                      and _items(v) is None]
+        candidates = [
+            k for k, v in batch.items() if k != image and np.ndim(v) == 1 and len(v) == n and _items(v) is None
+        ]
         label = "label" if "label" in candidates else next(iter(candidates), None)
     elif label not in batch:
         raise ConfigError(f"no field {label!r} in the batch (fields: {sorted(batch)})")
@@ -208,8 +218,16 @@ def _label_text(value: Any, class_names: list[str] | None) -> str:
     return str(value)
 
 
-def image_grid(batch: Mapping[str, Any], *, image: str | None = None, label: str | None = None,
-               max_images: int = 64, columns: int = 8, class_names: list[str] | None = None, tile: int = 96):
+def image_grid(
+    batch: Mapping[str, Any],
+    *,
+    image: str | None = None,
+    label: str | None = None,
+    max_images: int = 64,
+    columns: int = 8,
+    class_names: list[str] | None = None,
+    tile: int = 96,
+):
     """A PIL RGB image: the batch's images in a grid of ``tile``-pixel cells (each image resized to
     fit, keeping its aspect; images of different sizes are fine), each with its label below it —
     the class name when ``class_names`` is given and the label is an index."""
@@ -229,8 +247,10 @@ def image_grid(batch: Mapping[str, Any], *, image: str | None = None, label: str
     for i, x in enumerate(imgs):
         im = Image.fromarray(_to_uint8_rgb(x), "RGB")
         scale = tile / max(im.size)
-        im = im.resize((max(1, round(im.size[0] * scale)), max(1, round(im.size[1] * scale))),
-                       Image.NEAREST if scale >= 1 else Image.BILINEAR)
+        im = im.resize(
+            (max(1, round(im.size[0] * scale)), max(1, round(im.size[1] * scale))),
+            Image.NEAREST if scale >= 1 else Image.BILINEAR,
+        )
         x0, y0 = (i % cols) * tile, (i // cols) * (tile + pad)
         grid.paste(im, (x0 + (tile - im.size[0]) // 2, y0 + (tile - im.size[1]) // 2))
         if labels is not None:

@@ -56,9 +56,7 @@ class Kind(enum.IntEnum):
 
 
 CLIENT_KINDS = frozenset({Kind.CREDIT, Kind.ACK, Kind.ACKS, Kind.HEARTBEAT, Kind.BYE})
-SERVER_KINDS = frozenset(
-    {Kind.BATCH, Kind.END_OF_EPOCH, Kind.END_OF_STREAM, Kind.HEARTBEAT, Kind.FENCED}
-)
+SERVER_KINDS = frozenset({Kind.BATCH, Kind.END_OF_EPOCH, Kind.END_OF_STREAM, Kind.HEARTBEAT, Kind.FENCED})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +170,7 @@ class Heartbeat:
     def __post_init__(self) -> None:
         if not 0 < self.interval < self.timeout:
             raise ConfigError(
-                f"heartbeat interval ({self.interval}) must be > 0 and below the timeout "
-                f"({self.timeout})"
+                f"heartbeat interval ({self.interval}) must be > 0 and below the timeout ({self.timeout})"
             )
 
 

@@ -37,9 +37,9 @@ from typing import Any
 
 import zmq
 
-from crossfeed.net import wire
 from crossfeed.errors import WireError
 from crossfeed.net import protocol as P
+from crossfeed.net import wire
 from crossfeed.net.events import AllDone, Delivery, EpochDone, Lost, LostServer, ReceiverFailed
 from crossfeed.net.keys import ClientKeys
 from crossfeed.net.link import Link
@@ -266,9 +266,15 @@ class Receiver:
 
     def _open(self, address: str, now: float) -> Link:
         return Link.open(
-            self._ctx, address, keys=self._keys, broadcast=self._broadcast, credits=self._credits,
-            credit_bytes=self._credit_bytes, rcvhwm=self._buffer if self._broadcast else 1000,
-            max_message_bytes=self._limits.max_message_bytes, now=now,
+            self._ctx,
+            address,
+            keys=self._keys,
+            broadcast=self._broadcast,
+            credits=self._credits,
+            credit_bytes=self._credit_bytes,
+            rcvhwm=self._buffer if self._broadcast else 1000,
+            max_message_bytes=self._limits.max_message_bytes,
+            now=now,
         )
 
     def _flush_acks(self) -> None:
@@ -287,9 +293,7 @@ class Receiver:
     def _drain(self, index: int, link: Link) -> None:
         for _ in range(self._buffer + 16):
             try:
-                frames = P.recv_bounded(
-                    link.sock, self._limits.max_frames + 1, self._limits.max_message_bytes
-                )
+                frames = P.recv_bounded(link.sock, self._limits.max_frames + 1, self._limits.max_message_bytes)
             except zmq.Again:
                 return
             except WireError as e:
@@ -322,10 +326,13 @@ class Receiver:
         if link.instance is None:
             link.instance = env.instance
         elif env.instance != link.instance:
-            self._lose(link, (
-                f"restarted: a new server process (instance {env.instance:016x}, was "
-                f"{link.instance:016x}) answers there; its stream is not this one's continuation"
-            ))
+            self._lose(
+                link,
+                (
+                    f"restarted: a new server process (instance {env.instance:016x}, was "
+                    f"{link.instance:016x}) answers there; its stream is not this one's continuation"
+                ),
+            )
             return
         now = time.monotonic()
         link.last_seen, link.heard = now, True
@@ -356,5 +363,6 @@ class Receiver:
         logger.warning(
             "server %s fenced this client (declared it dead after a stall or no progress): the "
             "%d batches it sent here and we had not used went to other trainers; dropped unused",
-            link.address, held,
+            link.address,
+            held,
         )

@@ -126,14 +126,23 @@ class Server:
             raise
         if self.options.mode is Mode.DISTRIBUTE:
             self._distribution = Distribution(
-                self._ctx, self._main, publish=self._publish, heartbeat=self.options.heartbeat,
-                max_credit=self.options.max_credit, linger=self.options.linger,
-                stats=self.stats, stop=self._stop, instance=self.instance,
+                self._ctx,
+                self._main,
+                publish=self._publish,
+                heartbeat=self.options.heartbeat,
+                max_credit=self.options.max_credit,
+                linger=self.options.linger,
+                stats=self.stats,
+                stop=self._stop,
+                instance=self.instance,
                 progress_timeout=self.options.progress_timeout,
             )
         self._producer = Producer(
-            self._factory, server_id=self.options.server_id, epochs=self.options.epochs,
-            start_epoch=self.options.start_epoch, prefetch=self.options.prefetch,
+            self._factory,
+            server_id=self.options.server_id,
+            epochs=self.options.epochs,
+            start_epoch=self.options.start_epoch,
+            prefetch=self.options.prefetch,
             prefetch_bytes=self.options.prefetch_bytes,
             on_put=self._distribution.wake if self._distribution is not None else None,
         ).start()

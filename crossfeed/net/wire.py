@@ -33,9 +33,18 @@ from typing import Any
 import numpy as np
 
 from crossfeed.errors import ConfigError, WireError
+
 # the field kinds are part of this module's public surface (wire.RAGGED, ...)
-from crossfeed.net.wire_fields import ARRAY, BYTES_LIST, BYTES_OBJECT, RAGGED, STR_LIST, STR_OBJECT  # noqa: F401
-from crossfeed.net.wire_fields import decode_field, encode_field
+from crossfeed.net.wire_fields import (  # noqa: F401
+    ARRAY,
+    BYTES_LIST,
+    BYTES_OBJECT,
+    RAGGED,
+    STR_LIST,
+    STR_OBJECT,
+    decode_field,
+    encode_field,
+)
 
 MAGIC = b"CXFB"
 VERSION = 1
@@ -93,9 +102,9 @@ def encode(batch: Mapping[str, Any], meta: BatchMeta = BatchMeta()) -> list[Any]
     if len(batch) > DEFAULT_LIMITS.max_fields:
         raise WireError(f"{len(batch)} fields, at most {DEFAULT_LIMITS.max_fields}")
     server_id = meta.server_id.encode("utf-8")
-    ids = np.ascontiguousarray(
-        np.zeros(0, _IDS) if meta.sample_ids is None else meta.sample_ids, dtype=_IDS
-    ).reshape(-1)
+    ids = np.ascontiguousarray(np.zeros(0, _IDS) if meta.sample_ids is None else meta.sample_ids, dtype=_IDS).reshape(
+        -1
+    )
     header = [
         _PREFIX.pack(MAGIC, VERSION, 0, meta.epoch, meta.seq, len(ids), len(server_id), len(batch)),
         server_id,
@@ -140,8 +149,7 @@ class _Reader:
     def take(self, n: int, what: str) -> memoryview:
         if n < 0 or self.pos + n > len(self.data):
             raise WireError(
-                f"header truncated reading {what}: need {n} bytes at offset {self.pos}, "
-                f"header has {len(self.data)}"
+                f"header truncated reading {what}: need {n} bytes at offset {self.pos}, header has {len(self.data)}"
             )
         out = self.data[self.pos : self.pos + n]
         self.pos += n
@@ -154,9 +162,7 @@ class _Reader:
             raise WireError(f"{what} is not valid utf-8") from e
 
 
-def decode(
-    frames: Sequence[Any], limits: WireLimits = DEFAULT_LIMITS
-) -> tuple[BatchMeta, dict[str, Any]]:
+def decode(frames: Sequence[Any], limits: WireLimits = DEFAULT_LIMITS) -> tuple[BatchMeta, dict[str, Any]]:
     """`(meta, batch)` from frames made by `encode`; arrays are read-only views of the frames."""
     if not 2 <= len(frames) <= limits.max_frames:
         raise WireError(f"a batch has 2..{limits.max_frames} frames, got {len(frames)}")
@@ -167,9 +173,7 @@ def decode(
     if len(bufs[0]) > limits.max_header_bytes:
         raise WireError(f"header of {len(bufs[0])} bytes exceeds {limits.max_header_bytes}")
     r = _Reader(bufs[0])
-    magic, version, _flags, epoch, seq, num_ids, sid_len, nfields = _PREFIX.unpack(
-        r.take(_PREFIX.size, "prefix")
-    )
+    magic, version, _flags, epoch, seq, num_ids, sid_len, nfields = _PREFIX.unpack(r.take(_PREFIX.size, "prefix"))
     if magic != MAGIC:
         raise WireError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != VERSION:

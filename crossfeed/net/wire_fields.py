@@ -36,10 +36,21 @@ _TEXT_KINDS = (BYTES_LIST, STR_LIST, BYTES_OBJECT, STR_OBJECT)
 
 # dtype codes: fixed forever, never reuse a number
 _DTYPE_CODES: dict[str, int] = {
-    "bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5,
-    "uint8": 6, "uint16": 7, "uint32": 8, "uint64": 9,
-    "float16": 10, "float32": 11, "float64": 12,
-    "complex64": 13, "complex128": 14, "bfloat16": 15,
+    "bool": 1,
+    "int8": 2,
+    "int16": 3,
+    "int32": 4,
+    "int64": 5,
+    "uint8": 6,
+    "uint16": 7,
+    "uint32": 8,
+    "uint64": 9,
+    "float16": 10,
+    "float32": 11,
+    "float64": 12,
+    "complex64": 13,
+    "complex128": 14,
+    "bfloat16": 15,
 }
 _CODE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
 

@@ -43,8 +43,18 @@ from crossfeed.errors import ConfigError, CorruptRecordError, CrossfeedError
 log = logging.getLogger(__name__)
 ENV = "CROSSFEED_CACHE_DIR"
 _TMP = ".tmp-"
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30,
-          "T": 1 << 40, "TB": 1 << 40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+    "T": 1 << 40,
+    "TB": 1 << 40,
+}
 
 
 def parse_size(value) -> int:
@@ -87,8 +97,10 @@ class ShardCache:
     # -- naming --------------------------------------------------------------------------------
     def name_of(self, sha256: str, rel: str) -> str:
         if not re.fullmatch(r"[0-9a-f]{64}", sha256 or ""):
-            raise CrossfeedError(f"{rel}: the manifest has no sha256 for this shard, so it cannot be cached by "
-                                 f"content; rebuild the manifest with `crossfeed index`")
+            raise CrossfeedError(
+                f"{rel}: the manifest has no sha256 for this shard, so it cannot be cached by "
+                f"content; rebuild the manifest with `crossfeed index`"
+            )
         return sha256 + (".gz" if rel.endswith(".gz") else "")
 
     def path_of(self, name: str) -> str:
@@ -185,9 +197,13 @@ class ShardCache:
                     digest.update(chunk)
                     got += len(chunk)
             if got != size or digest.hexdigest() != sha256:
-                raise CorruptRecordError(where, 0, f"downloaded {got} bytes with sha256 {digest.hexdigest()[:16]}…, the "
-                                                   f"manifest says {size} bytes and {sha256[:16]}…; the remote shard "
-                                                   f"changed or is damaged")
+                raise CorruptRecordError(
+                    where,
+                    0,
+                    f"downloaded {got} bytes with sha256 {digest.hexdigest()[:16]}…, the "
+                    f"manifest says {size} bytes and {sha256[:16]}…; the remote shard "
+                    f"changed or is damaged",
+                )
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -204,7 +220,7 @@ class ShardCache:
                 if not f.startswith(_TMP):
                     continue
                 p = os.path.join(folder, f)
-                pid = f[len(_TMP):].split("-")[0]
+                pid = f[len(_TMP) :].split("-")[0]
                 alive = pid.isdigit() and _alive(int(pid))
                 with contextlib.suppress(OSError):
                     if not alive or now - os.path.getmtime(p) > older_than:

@@ -10,11 +10,18 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from crossfeed.errors import (
+    CorruptRecordError,
+    CrossfeedError,
+    DatasetNotFoundError,
+    ExampleError,
+    IndexFileError,
+    ManifestError,
+    SplitNotFoundError,
+)
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
-from crossfeed.errors import (CorruptRecordError, CrossfeedError, DatasetNotFoundError, ExampleError, IndexFileError,
-                              ManifestError, SplitNotFoundError)
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads
 from crossfeed.format.schema import Schema, SchemaError, decode_value
 from crossfeed.read.storage import ShardFile, Storage
@@ -30,7 +37,8 @@ def open_dataset(path) -> Dataset:
     except DatasetNotFoundError:
         raise DatasetNotFoundError(
             f"{storage.root}: not a crossfeed dataset (no {MANIFEST}); write one with crossfeed.write_dataset, "
-            f"`crossfeed convert`, or adopt existing TFRecord shards with `crossfeed index`") from None
+            f"`crossfeed convert`, or adopt existing TFRecord shards with `crossfeed index`"
+        ) from None
     except OSError as e:  # a directory or unreadable file where the manifest should be
         raise ManifestError(f"{storage.url(MANIFEST)}: cannot read the manifest ({e.strerror or e})") from e
     return Dataset(storage, loads(text, storage.url(MANIFEST)))
@@ -166,7 +174,9 @@ class Split:
             return ex.decode(data)
         except ExampleError as e:
             off = int(self.index(shard)[k][0])
-            raise CrossfeedError(f"{self._files[shard].path}: record at byte offset {off} is not a tf.train.Example: {e}") from e
+            raise CrossfeedError(
+                f"{self._files[shard].path}: record at byte offset {off} is not a tf.train.Example: {e}"
+            ) from e
 
     def decode(self, shard: int, k: int, *, features=None, decode_images: bool = True) -> dict:
         parsed = self.parse(shard, k)

@@ -28,18 +28,17 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from crossfeed.format import example as ex
 from crossfeed.errors import CrossfeedError, ExampleError, SchemaError
+from crossfeed.format import example as ex
 
 try:  # libjpeg-turbo decoding straight into numpy; Pillow is the fallback
     import simplejpeg as _simplejpeg
 except ImportError:  # pragma: no cover - simplejpeg is a core dependency
     _simplejpeg = None
 
+from crossfeed.format.schema import Encoding, Feature, decode_image, decode_value
 from crossfeed.read.frame_reader import Frames
 from crossfeed.read.layout import Layout, fixed_dtype
-from crossfeed.format.schema import Encoding, Feature, decode_image, decode_value
-
 
 
 class _Recycler:
@@ -92,8 +91,13 @@ class RecordDecoder:
         self._recycler = _Recycler(recycle)
         self.decode_images = decode_images
 
-    def __call__(self, frames: Frames, *, where: Callable[[int], str] = str,
-                 on_error: Callable[[CrossfeedError], None] | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def __call__(
+        self,
+        frames: Frames,
+        *,
+        where: Callable[[int], str] = str,
+        on_error: Callable[[CrossfeedError], None] | None = None,
+    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
         payloads = frames.as_payloads()
         return self._generic(payloads, where, on_error)
 
@@ -191,8 +195,13 @@ class ColumnarDecoder(RecordDecoder):
         super().__init__(features, decode_images=decode_images, recycle=recycle)
         self._layouts: dict[int, Layout | None] = {}
 
-    def __call__(self, frames: Frames, *, where: Callable[[int], str] = str,
-                 on_error: Callable[[CrossfeedError], None] | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def __call__(
+        self,
+        frames: Frames,
+        *,
+        where: Callable[[int], str] = str,
+        on_error: Callable[[CrossfeedError], None] | None = None,
+    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
         n = len(frames)
         out = {f.name: self._recycler.empty((n, *f.shape), fixed_dtype(f)) for f in self.features}
         bad: list[int] = []
@@ -216,8 +225,10 @@ class ColumnarDecoder(RecordDecoder):
         lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=len(payloads))
         if lengths.min() == lengths.max():  # the usual case: one length, no regrouping
             return [(None, payloads)]
-        return [(pos, [payloads[i] for i in pos.tolist()])
-                for pos in (np.flatnonzero(lengths == k) for k in np.unique(lengths).tolist())]
+        return [
+            (pos, [payloads[i] for i in pos.tolist()])
+            for pos in (np.flatnonzero(lengths == k) for k in np.unique(lengths).tolist())
+        ]
 
     def _cut(self, group, out: dict[str, np.ndarray], pos, rows: bool) -> bool:
         """Cut a group of equal-length payloads with its layout into ``out``; False if the layout

@@ -13,7 +13,9 @@ def rank_and_world(rank: int | None = None, world_size: int | None = None) -> tu
     if rank is None and world_size is None:
         rank, world_size = _from_env()
     elif rank is None or world_size is None:
-        raise ConfigError("pass both rank and world_size, or neither (then they come from RANK/WORLD_SIZE or TF_CONFIG)")
+        raise ConfigError(
+            "pass both rank and world_size, or neither (then they come from RANK/WORLD_SIZE or TF_CONFIG)"
+        )
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is not in range for world_size {world_size}")
     return int(rank), int(world_size)

@@ -26,8 +26,18 @@ import numpy as np
 
 from crossfeed.errors import CorruptRecordError
 from crossfeed.format import tfrecord
-from crossfeed.format.frames import (FRAMING, bad_headers, bad_payload_rows, bad_payloads, first_error, gather,
-                                     out_of_bounds, payload_views, stored_crcs, window)
+from crossfeed.format.frames import (
+    FRAMING,
+    bad_headers,
+    bad_payload_rows,
+    bad_payloads,
+    first_error,
+    gather,
+    out_of_bounds,
+    payload_views,
+    stored_crcs,
+    window,
+)
 from crossfeed.format.tfrecord import FOOTER, HEADER
 from crossfeed.read.cache import ShardCache
 from crossfeed.read.dataset import Split
@@ -74,8 +84,15 @@ class FrameReader:
     records as rows (see the module docstring).
     """
 
-    def __init__(self, split: Split, *, rows: bool = False, whole_shards: bool = False, keep_loaded: int | None = None,
-                 cache: ShardCache | None = None):
+    def __init__(
+        self,
+        split: Split,
+        *,
+        rows: bool = False,
+        whole_shards: bool = False,
+        keep_loaded: int | None = None,
+        cache: ShardCache | None = None,
+    ):
         self.split = split
         self.rows = rows
         self.whole_shards = whole_shards or cache is not None
@@ -157,8 +174,13 @@ class FrameReader:
             # one view per record, by shard: map over C callables, no Python bytecode per record
             views = [memoryview(b) for b in bufs]
             which = np.searchsorted(np.asarray(present), shard).tolist()
-            payloads = list(map(memoryview.__getitem__, map(views.__getitem__, which),
-                                map(slice, (offs + HEADER).tolist(), (offs + lens - FOOTER).tolist())))
+            payloads = list(
+                map(
+                    memoryview.__getitem__,
+                    map(views.__getitem__, which),
+                    map(slice, (offs + HEADER).tolist(), (offs + lens - FOOTER).tolist()),
+                )
+            )
         if bad_payloads(payloads, foot).any():
             return None
         return Frames(indices, payloads=payloads)
@@ -180,7 +202,7 @@ class FrameReader:
                 got = win[np.minimum(o, size - hi)]
                 for j in np.flatnonzero(o > size - hi).tolist():
                     got[j] = 0
-                    got[j, : size - int(o[j])] = u8[int(o[j]):]
+                    got[j, : size - int(o[j])] = u8[int(o[j]) :]
             else:
                 got = win[o]
             if m is None:
@@ -229,7 +251,9 @@ class FrameReader:
             o, n = (int(x) for x in self.split.index(s)[k])
             try:
                 f = self.split.file(s)
-                payloads.append(tfrecord.unframe(self._buffer(s), o, n, f.path) if self._in_memory(f) else f.record(o, n))
+                payloads.append(
+                    tfrecord.unframe(self._buffer(s), o, n, f.path) if self._in_memory(f) else f.record(o, n)
+                )
                 keep.append(j)
             except CorruptRecordError as e:
                 if on_error is None:
@@ -285,7 +309,7 @@ class FrameReader:
         return out
 
     def close(self) -> None:
-        for s, f in list(self._cached.items()):
+        for _s, f in list(self._cached.items()):
             f.close()
             self.cache.release(f.path)
         self._cached.clear()

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from crossfeed.format import example as ex
 from crossfeed.errors import ExampleError
+from crossfeed.format import example as ex
 from crossfeed.format.schema import Encoding, Feature
 
 _BIG = 512  # a tensor/float value at least this many bytes is copied record by record, straight into the batch
@@ -84,14 +84,25 @@ class Layout:
         for name, (_, s, e) in sp.items():  # features not read: their values are no part of the layout
             if name not in wanted:
                 covered[s:e] = True  # (their entries' lengths stay in it, so the values cannot move)
-        big = tuple(sorted((sl for sl in slots if sl.feature.encoding is not Encoding.INT64 and sl.stop - sl.start >= _BIG
-                            and _LITTLE), key=lambda sl: sl.start))
+        big = tuple(
+            sorted(
+                (
+                    sl
+                    for sl in slots
+                    if sl.feature.encoding is not Encoding.INT64 and sl.stop - sl.start >= _BIG and _LITTLE
+                ),
+                key=lambda sl: sl.start,
+            )
+        )
         keep = np.ones(len(buf), dtype=bool)
         for sl in big:
             keep[sl.start : sl.stop] = False
         kept_at = np.cumsum(keep) - 1  # record position → kept position (for kept bytes)
-        small = tuple(_Slot(sl.feature, int(kept_at[sl.start]), int(kept_at[sl.start]) + sl.stop - sl.start, sl.widths)
-                      for sl in slots if sl not in big)
+        small = tuple(
+            _Slot(sl.feature, int(kept_at[sl.start]), int(kept_at[sl.start]) + sl.stop - sl.start, sl.widths)
+            for sl in slots
+            if sl not in big
+        )
         edges = [0, *[x for sl in big for x in (sl.start, sl.stop)], len(buf)]
         ranges = tuple((a, b) for a, b in zip(edges[::2], edges[1::2]) if b > a)
         skeleton = kept_at[np.flatnonzero(~covered & keep)]

@@ -41,10 +41,20 @@ class SourceReader:
     """Stages 2 and 3 for one split: global sample indices → ``(batch, kept)``, the decoded batch
     and the positions of the indices that made it into it (all, unless ``on_error`` dropped some)."""
 
-    def __init__(self, split: Split, features, *, read: ReadOptions, whole_shards: bool, keep_loaded: int | None,
-                 cache: ShardCache | None = None):
+    def __init__(
+        self,
+        split: Split,
+        features,
+        *,
+        read: ReadOptions,
+        whole_shards: bool,
+        keep_loaded: int | None,
+        cache: ShardCache | None = None,
+    ):
         # batch arrays the consumer has dropped are reused: at most this many are in flight
-        self.decoder = make_decoder(features, decode_images=read.decode_images, recycle=read.num_threads + read.prefetch + 4)
+        self.decoder = make_decoder(
+            features, decode_images=read.decode_images, recycle=read.num_threads + read.prefetch + 4
+        )
         self.frames = FrameReader(split, whole_shards=whole_shards, keep_loaded=keep_loaded, cache=cache)
         self.frames.rows = self.decoder.columnar and self.frames.small_records()
 
@@ -57,7 +67,9 @@ class SourceReader:
             tick("decode")
         if len(frames.indices) == len(indices):
             return batch, kept
-        return batch, np.searchsorted(indices, frames.indices[kept]) if _sorted(indices) else _positions(indices, frames.indices[kept])
+        return batch, np.searchsorted(indices, frames.indices[kept]) if _sorted(indices) else _positions(
+            indices, frames.indices[kept]
+        )
 
 
 def _sorted(a: np.ndarray) -> bool:
@@ -132,8 +144,15 @@ class BatchBuilder:
     ``crossfeed bench`` times the very stages the Loader runs.
     """
 
-    def __init__(self, reader: SourceReader | MixtureReader, *, transform=None, batch_transform=None,
-                 return_index: bool = False, budget: ErrorBudget | None = None):
+    def __init__(
+        self,
+        reader: SourceReader | MixtureReader,
+        *,
+        transform=None,
+        batch_transform=None,
+        return_index: bool = False,
+        budget: ErrorBudget | None = None,
+    ):
         self.reader = reader
         self.transform, self.batch_transform = transform, batch_transform
         self.return_index = return_index
@@ -191,9 +210,17 @@ class Loader:
     ``(epoch, position)`` to begin at (``epoch=`` alone: that epoch's start).
     """
 
-    def __init__(self, source, options: LoaderOptions | None = None, *, transform: Callable[[dict], dict] | None = None,
-                 batch_transform: Callable[[dict], dict] | None = None, start: tuple[int, int] | None = None,
-                 epoch: int | None = None, **fields):
+    def __init__(
+        self,
+        source,
+        options: LoaderOptions | None = None,
+        *,
+        transform: Callable[[dict], dict] | None = None,
+        batch_transform: Callable[[dict], dict] | None = None,
+        start: tuple[int, int] | None = None,
+        epoch: int | None = None,
+        **fields,
+    ):
         if options is None:
             if "batch_size" not in fields:
                 raise ConfigError("Loader needs batch_size= (or a LoaderOptions)")
@@ -225,8 +252,11 @@ class Loader:
         readers = []
         for ds, sp in zip(self.datasets, splits):
             cache, whole, keep = _remote_mode(ds, sp, plan, self.cache)
-            readers.append(SourceReader(sp, [ds.schema[f.name] for f in feats], read=read, whole_shards=whole,
-                                        keep_loaded=keep, cache=cache))
+            readers.append(
+                SourceReader(
+                    sp, [ds.schema[f.name] for f in feats], read=read, whole_shards=whole, keep_loaded=keep, cache=cache
+                )
+            )
         self._readers = readers
         self.prefetcher = Prefetcher(self.cache) if any(r.frames.cache for r in readers) else None
         if self.sources is None:
@@ -234,13 +264,19 @@ class Loader:
             reader = readers[0]
             rows = reader.frames.rows
         else:
-            self.sampler = Sampler([sp.counts for sp in splits], plan, options.shard,
-                                   weights=[s.weight for s in self.sources])
+            self.sampler = Sampler(
+                [sp.counts for sp in splits], plan, options.shard, weights=[s.weight for s in self.sources]
+            )
             sizes = [len(sp) for sp in splits]
             reader = MixtureReader(readers, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
             rows = reader.rows
-        self.builder = BatchBuilder(reader, transform=transform, batch_transform=batch_transform,
-                                    return_index=options.return_index, budget=self._budget)
+        self.builder = BatchBuilder(
+            reader,
+            transform=transform,
+            batch_transform=batch_transform,
+            return_index=options.return_index,
+            budget=self._budget,
+        )
         # Small records cut column-wise are short numpy steps that hold the GIL: a second thread
         # only contends for it, so they get one (the prefetch window stays as wide).
         threads = 1 if rows and transform is None else read.num_threads
@@ -284,8 +320,10 @@ class Loader:
         if int(epoch) < 0:
             raise ConfigError(f"epoch must be >= 0, got {epoch}")
         if not 0 <= int(position) <= self.sampler.total:
-            raise ConfigError(f"position {position} is outside the epoch of {self.sampler.total} samples; "
-                              f"was the state saved for another dataset?")
+            raise ConfigError(
+                f"position {position} is outside the epoch of {self.sampler.total} samples; "
+                f"was the state saved for another dataset?"
+            )
         self._epoch, self._position, self._delivered = int(epoch), int(position), 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -313,12 +351,22 @@ class Loader:
 
     def state_dict(self) -> dict:
         """Small and framework-free: resume with `load_state_dict` in any process, any world size."""
-        state = {"version": STATE_VERSION, "seed": self.config.seed, "epoch": self._epoch, "position": self.position,
-                 "num_samples": self.sampler.total, "batch_size": self.config.batch_size}
+        state = {
+            "version": STATE_VERSION,
+            "seed": self.config.seed,
+            "epoch": self._epoch,
+            "position": self.position,
+            "num_samples": self.sampler.total,
+            "batch_size": self.config.batch_size,
+        }
         if self.sources is not None:  # for people: where each source stands (derived from the above)
             order = self.sampler.plan(self._epoch, self.position).order
-            draws = order.epoch * order.per_epoch + order.draws(np.full(len(self.sources), self.position), np.arange(len(self.sources)))
-            state["sources"] = [{"pass": int(d // n), "offset": int(d % n)} for d, n in zip(draws.tolist(), order.sizes.tolist())]
+            draws = order.epoch * order.per_epoch + order.draws(
+                np.full(len(self.sources), self.position), np.arange(len(self.sources))
+            )
+            state["sources"] = [
+                {"pass": int(d // n), "offset": int(d % n)} for d, n in zip(draws.tolist(), order.sizes.tolist())
+            ]
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -326,13 +374,19 @@ class Loader:
             got = state.get("version") if isinstance(state, dict) else type(state).__name__
             raise ConfigError(f"loader state version {got!r} is not {STATE_VERSION}")
         try:
-            seed, num, epoch, position = state["seed"], state["num_samples"], int(state["epoch"]), int(state["position"])
+            seed, num, epoch, position = (
+                state["seed"],
+                state["num_samples"],
+                int(state["epoch"]),
+                int(state["position"]),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"loader state is missing or has a bad field: {e}") from None
         if seed != self.config.seed or num != self.sampler.total:
             raise ConfigError(
                 f"state was saved with seed {seed} over {num} samples; this loader has seed "
-                f"{self.config.seed} over {self.sampler.total}: resume with the same seed and dataset")
+                f"{self.config.seed} over {self.sampler.total}: resume with the same seed and dataset"
+            )
         self.start_at(epoch, position)
 
     # -- iteration ----------------------------------------------------------------------------
@@ -427,7 +481,8 @@ def _features(names, datasets: list[Dataset], sources) -> list:
                 raise ConfigError(
                     f"feature {n!r} differs between mixture sources: source 0 has {defs[0].dtype}{list(defs[0].shape)} "
                     f"{defs[0].encoding.value}, source {i} has {d.dtype}{list(d.shape)} {d.encoding.value}; "
-                    f"pass features= without it, or convert one source")
+                    f"pass features= without it, or convert one source"
+                )
         out.append(defs[0])
     return out
 
@@ -435,7 +490,9 @@ def _features(names, datasets: list[Dataset], sources) -> list:
 _warned: set[str] = set()
 
 
-def _remote_mode(ds: Dataset, split: Split, plan, cache: ShardCache | None) -> tuple[ShardCache | None, bool, int | None]:
+def _remote_mode(
+    ds: Dataset, split: Split, plan, cache: ShardCache | None
+) -> tuple[ShardCache | None, bool, int | None]:
     """How a split's shards are read: ``(cache or None, whole shards, shards kept open)``.
 
     Local: mmap, all of them. Remote with a cache: whole shards into the cache — all kept open
@@ -455,9 +512,16 @@ def _remote_mode(ds: Dataset, split: Split, plan, cache: ShardCache | None) -> t
         key = f"{ds.path}/{split.name}"
         if key not in _warned:
             _warned.add(key)
-            log.warning("%s split %r is %.1f GB, more than the cache limit of %.1f GB: a global shuffle would read one "
-                        "range request per record (slow on object stores). Use shuffle='block' (each shard downloaded "
-                        "once per epoch, %d shards in memory), or raise cache_limit above %.1f GB.", ds.path, split.name,
-                        total / 1e9, cache.limit / 1e9, window, total / 1e9)
+            log.warning(
+                "%s split %r is %.1f GB, more than the cache limit of %.1f GB: a global shuffle would read one "
+                "range request per record (slow on object stores). Use shuffle='block' (each shard downloaded "
+                "once per epoch, %d shards in memory), or raise cache_limit above %.1f GB.",
+                ds.path,
+                split.name,
+                total / 1e9,
+                cache.limit / 1e9,
+                window,
+                total / 1e9,
+            )
     whole = plan.shuffle is not Shuffle.GLOBAL
     return None, whole, window if whole else None

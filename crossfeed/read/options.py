@@ -60,7 +60,9 @@ class PlanOptions:
         object.__setattr__(self, "remainder", choice(Remainder, self.remainder, "remainder"))
         object.__setattr__(self, "batch_size", _int(self.batch_size, "batch_size", 1))
         if not isinstance(self.seed, int) and not hasattr(self.seed, "__index__") or int(self.seed) < 0:
-            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}; pick one and keep it to reproduce the order")
+            raise ConfigError(
+                f"seed must be a non-negative integer, got {self.seed!r}; pick one and keep it to reproduce the order"
+            )
         object.__setattr__(self, "seed", int(self.seed))
         object.__setattr__(self, "block_shards", _int(self.block_shards, "block_shards", 1))
         object.__setattr__(self, "drop_last", bool(self.drop_last))
@@ -173,7 +175,9 @@ class LoaderOptions:
             elif k in ("split", "features", "return_index"):
                 top[k] = v
             else:
-                raise ConfigError(f"unknown loader option {k}=; the options are {sorted([*_FIELDS, 'split', 'features', 'return_index'])}")
+                raise ConfigError(
+                    f"unknown loader option {k}=; the options are {sorted([*_FIELDS, 'split', 'features', 'return_index'])}"
+                )
         if read is not None:
             groups["read"] = {**{f.name: getattr(read, f.name) for f in dataclasses.fields(read)}, **groups["read"]}
         groups["plan"]["batch_size"] = batch_size

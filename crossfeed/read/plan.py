@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import enum
 import math
-from fractions import Fraction
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -117,9 +117,13 @@ class EpochOrder:
             self._shift = (epoch * 2654435761) % self.n if self.n else 0
         else:
             starts = np.concatenate([[0], np.cumsum(self.counts)])
-            rng = np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch), 2]))
+            rng = np.random.default_rng(
+                np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch), 2])
+            )
             shard_order = rng.permutation(len(self.counts))
-            self._windows = [shard_order[w : w + block_shards] for w in range(0, len(shard_order), max(1, block_shards))]
+            self._windows = [
+                shard_order[w : w + block_shards] for w in range(0, len(shard_order), max(1, block_shards))
+            ]
             sizes = np.array([int(self.counts[ws].sum()) for ws in self._windows], dtype=np.int64)
             self._wstarts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
             self._starts = starts
@@ -127,8 +131,14 @@ class EpochOrder:
         if self.n <= TABLE_MAX and self.shuffle is Shuffle.BLOCK:  # small: one C shuffle per window
             rng = np.random.default_rng(_keys(seed, epoch, 2, count=4))
             self._table = np.concatenate(
-                [np.concatenate([np.arange(starts[s], starts[s + 1]) for s in ws])[rng.permutation(int(self.counts[ws].sum()))]
-                 for ws in self._windows] or [np.zeros(0, np.int64)]).astype(np.int64)
+                [
+                    np.concatenate([np.arange(starts[s], starts[s + 1]) for s in ws])[
+                        rng.permutation(int(self.counts[ws].sum()))
+                    ]
+                    for ws in self._windows
+                ]
+                or [np.zeros(0, np.int64)]
+            ).astype(np.int64)
 
     @property
     def materialised(self) -> bool:
@@ -180,8 +190,10 @@ def integer_weights(weights) -> list[int]:
     g = math.gcd(*ints)
     ints = [i // g for i in ints]
     if sum(ints) > MAX_PERIOD:
-        raise ConfigError(f"mixture weights {list(weights)} are too fine-grained (as integers {ints} they sum to "
-                          f"{sum(ints)} > {MAX_PERIOD}); round them")
+        raise ConfigError(
+            f"mixture weights {list(weights)} are too fine-grained (as integers {ints} they sum to "
+            f"{sum(ints)} > {MAX_PERIOD}); round them"
+        )
     return ints
 
 
@@ -231,8 +243,17 @@ class MixtureOrder:
 
     materialised = False
 
-    def __init__(self, counts: list, weights: list[int], *, n: int, seed: int, epoch: int, shuffle: Shuffle,
-                 block_shards: int = 4):
+    def __init__(
+        self,
+        counts: list,
+        weights: list[int],
+        *,
+        n: int,
+        seed: int,
+        epoch: int,
+        shuffle: Shuffle,
+        block_shards: int = 4,
+    ):
         self.counts = [np.asarray(c, dtype=np.int64) for c in counts]
         self.sizes = np.array([int(c.sum()) for c in self.counts], dtype=np.int64)
         if (self.sizes == 0).any():
@@ -243,10 +264,14 @@ class MixtureOrder:
         self.schedule = smooth_schedule(list(weights))
         self.period = len(self.schedule)
         onehot = self.schedule[:, None] == np.arange(len(weights))[None, :]
-        self._before = np.concatenate([np.zeros((1, len(weights)), np.int64), np.cumsum(onehot, axis=0)])  # (period+1, k)
+        self._before = np.concatenate(
+            [np.zeros((1, len(weights)), np.int64), np.cumsum(onehot, axis=0)]
+        )  # (period+1, k)
         self.per_epoch = self.draws(np.full(len(weights), self.n, dtype=np.int64), np.arange(len(weights)))
-        self._seeds = [int(np.random.SeedSequence([int(seed), s, 0x6D6978]).generate_state(1, np.uint64)[0] >> 2)
-                       for s in range(len(weights))]
+        self._seeds = [
+            int(np.random.SeedSequence([int(seed), s, 0x6D6978]).generate_state(1, np.uint64)[0] >> 2)
+            for s in range(len(weights))
+        ]
         self._shuffle, self._block = Shuffle(shuffle), block_shards
         self._orders: dict[tuple[int, int], EpochOrder] = {}
         self._lock = threading.Lock()
@@ -266,8 +291,9 @@ class MixtureOrder:
             if got is None:
                 if len(self._orders) > 4 * len(self.sizes):
                     self._orders.clear()
-                got = self._orders[key] = EpochOrder(self.counts[s], seed=self._seeds[s], epoch=pass_,
-                                                     shuffle=self._shuffle, block_shards=self._block)
+                got = self._orders[key] = EpochOrder(
+                    self.counts[s], seed=self._seeds[s], epoch=pass_, shuffle=self._shuffle, block_shards=self._block
+                )
         return got
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
@@ -326,7 +352,9 @@ class Plan:
         chunk of consecutive batches at once (the per-call cost of numpy dominates a single
         batch) and keep the last chunk; the indices are the same either way."""
         if self.order.materialised:
-            return self._at(np.arange(b * self.batch_size, min((b + 1) * self.batch_size, self.per_rank), dtype=np.int64))
+            return self._at(
+                np.arange(b * self.batch_size, min((b + 1) * self.batch_size, self.per_rank), dtype=np.int64)
+            )
         per = max(1, CHUNK_SAMPLES // self.batch_size)
         c = b // per
         with _CHUNK_LOCK:
@@ -389,13 +417,22 @@ class Sampler:
         o = self.options
         if self.weights is None:
             return EpochOrder(self.counts, seed=o.seed, epoch=epoch, shuffle=o.shuffle, block_shards=o.block_shards)
-        return MixtureOrder(self.counts, self.weights, n=self.total, seed=o.seed, epoch=epoch, shuffle=o.shuffle,
-                            block_shards=o.block_shards)
+        return MixtureOrder(
+            self.counts,
+            self.weights,
+            n=self.total,
+            seed=o.seed,
+            epoch=epoch,
+            shuffle=o.shuffle,
+            block_shards=o.block_shards,
+        )
 
     def plan(self, epoch: int, position: int = 0) -> Plan:
         o, sh = self.options, self.shard
         if not 0 <= position <= self.total:
-            raise ConfigError(f"position {position} is outside the epoch of {self.total} samples; was the state saved for another dataset?")
+            raise ConfigError(
+                f"position {position} is outside the epoch of {self.total} samples; was the state saved for another dataset?"
+            )
         with self._lock:
             if self._order is None or self._order[0] != epoch:  # the order of one epoch is kept
                 self._order = (epoch, self._make_order(epoch))

@@ -89,10 +89,14 @@ class BenchReport:
             s = st.seconds.get(name, 0.0)
             share = s / st.total if st.total > 0 else 0.0
             per = s / max(st.samples, 1) * 1e6
-            out.append(f"  {name:10s} {s * 1e3 / max(st.batches, 1):>10.2f} ms/batch {per:>10.2f} µs/sample {share:>7.1%}")
-        out.append(f"the pipeline keeps up with a trainer that needs up to {self.samples_per_s:,.0f} samples/s "
-                   f"({self.samples_per_s / self.batch_size:,.1f} steps/s at batch {self.batch_size}); a faster "
-                   f"trainer waits on input")
+            out.append(
+                f"  {name:10s} {s * 1e3 / max(st.batches, 1):>10.2f} ms/batch {per:>10.2f} µs/sample {share:>7.1%}"
+            )
+        out.append(
+            f"the pipeline keeps up with a trainer that needs up to {self.samples_per_s:,.0f} samples/s "
+            f"({self.samples_per_s / self.batch_size:,.1f} steps/s at batch {self.batch_size}); a faster "
+            f"trainer waits on input"
+        )
         out += self.notes
         return out
 
@@ -102,9 +106,16 @@ def _peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def bench_loader(source, options: LoaderOptions, *, batches: int = 50, transform: Callable[[dict], dict] | None = None,
-                 batch_transform: Callable[[dict], dict] | None = None, stage_batches: int | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> BenchReport:
+def bench_loader(
+    source,
+    options: LoaderOptions,
+    *,
+    batches: int = 50,
+    transform: Callable[[dict], dict] | None = None,
+    batch_transform: Callable[[dict], dict] | None = None,
+    stage_batches: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> BenchReport:
     """Measure reading ``batches`` batches (see the module docstring); ``stage_batches``
     (default: ``min(batches, 20)``) batches are built again one stage at a time. ``progress(done,
     total)`` is called after each batch read end to end."""
@@ -135,8 +146,20 @@ def bench_loader(source, options: LoaderOptions, *, batches: int = 50, transform
         if loader.dataset.storage.remote:
             notes.append("note: remote data — 'read' includes network transfers")
     read = options.read
-    return BenchReport(options.split, options.batch_size, options.plan.shuffle.value, read.num_threads, done, samples,
-                       seconds, first_s or 0.0, nbytes, _peak_rss(), stages, notes)
+    return BenchReport(
+        options.split,
+        options.batch_size,
+        options.plan.shuffle.value,
+        read.num_threads,
+        done,
+        samples,
+        seconds,
+        first_s or 0.0,
+        nbytes,
+        _peak_rss(),
+        stages,
+        notes,
+    )
 
 
 def _batch_len(batch: dict) -> int:

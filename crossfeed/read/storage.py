@@ -7,8 +7,8 @@ import mmap
 import os
 import threading
 
-from crossfeed.format import tfrecord
 from crossfeed.errors import CorruptRecordError, DatasetNotFoundError
+from crossfeed.format import tfrecord
 
 
 def is_remote(path) -> bool:
@@ -22,7 +22,7 @@ class Storage:
     def __init__(self, root):
         root = os.fspath(root)
         if root.startswith("file://"):
-            root = root[len("file://"):]
+            root = root[len("file://") :]
         self.root = root.rstrip("/") if is_remote(root) else os.path.abspath(root)
         self.remote = is_remote(root)
         self._fs = None
@@ -55,20 +55,24 @@ class Storage:
 
                 shutil.copyfile(where, dest)
         except FileNotFoundError as e:
-            raise DatasetNotFoundError(f"{where}: shard file is missing; restore it or rebuild with `crossfeed index`") from e
+            raise DatasetNotFoundError(
+                f"{where}: shard file is missing; restore it or rebuild with `crossfeed index`"
+            ) from e
 
     def read_chunks(self, rel: str, chunk: int = 8 << 20):
         """The file's bytes in chunks of up to ``chunk`` bytes (remote: one streaming read)."""
         where = self.url(rel)
         try:
-            with (self._fs.open(where, "rb", block_size=chunk) if self.remote else open(where, "rb")) as f:
+            with self._fs.open(where, "rb", block_size=chunk) if self.remote else open(where, "rb") as f:
                 while True:
                     data = f.read(chunk)
                     if not data:
                         return
                     yield data
         except FileNotFoundError as e:
-            raise DatasetNotFoundError(f"{where}: shard file is missing; restore it or rebuild with `crossfeed index`") from e
+            raise DatasetNotFoundError(
+                f"{where}: shard file is missing; restore it or rebuild with `crossfeed index`"
+            ) from e
 
     def read_range(self, rel: str, start: int, stop: int) -> bytes:
         return self._fs.cat_file(self.url(rel), start=start, end=stop)
@@ -78,7 +82,9 @@ class Storage:
         try:
             return int(self._fs.size(where)) if self.remote else os.path.getsize(where)
         except FileNotFoundError as e:
-            raise DatasetNotFoundError(f"{where}: shard file is missing; restore it or rebuild with `crossfeed index`") from e
+            raise DatasetNotFoundError(
+                f"{where}: shard file is missing; restore it or rebuild with `crossfeed index`"
+            ) from e
 
     def shard(self, rel: str) -> ShardFile:
         return ShardFile(self, rel)
@@ -116,10 +122,14 @@ class ShardFile:
                 try:
                     data = gzip.decompress(data)
                 except tfrecord.GZIP_ERRORS as e:
-                    raise CorruptRecordError(self.path, 0, f"not a readable GZIP stream ({type(e).__name__}: {e})") from e
+                    raise CorruptRecordError(
+                        self.path, 0, f"not a readable GZIP stream ({type(e).__name__}: {e})"
+                    ) from e
             return data
         if not os.path.exists(self.path):
-            raise DatasetNotFoundError(f"{self.path}: shard file is missing; restore it or rebuild with `crossfeed index`")
+            raise DatasetNotFoundError(
+                f"{self.path}: shard file is missing; restore it or rebuild with `crossfeed index`"
+            )
         if tfrecord.is_gzip(self.path):  # sniffed: adopted GZIP shards need not end in .gz
             return tfrecord.read_bytes(self.path)
         if os.path.getsize(self.path) == 0:

@@ -21,18 +21,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from crossfeed.errors import ConfigError, CorruptRecordError, ExampleError, IndexFileError, SchemaError
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
-from crossfeed.write.adopt import file_sha256, open_stream
-from crossfeed.read.dataset import open_dataset
-from crossfeed.errors import ConfigError, CorruptRecordError, ExampleError, IndexFileError, SchemaError
-from crossfeed.format.manifest import ShardInfo
 from crossfeed.format.frames import check_frames
+from crossfeed.format.manifest import ShardInfo
 from crossfeed.format.schema import Schema, decode_value
+from crossfeed.read.dataset import open_dataset
 from crossfeed.read.decode import RecordDecoder, make_decoder
 from crossfeed.read.frame_reader import Frames
 from crossfeed.read.storage import Storage
+from crossfeed.write.adopt import file_sha256, open_stream
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,7 @@ class Problem:
 CHUNK_BYTES = 8 << 20  # bytes of records checked at once: memory stays bounded by a few chunks
 
 
-def verify_dataset(path, split: str | None = None,
-                   progress: Callable[[int, int], None] | None = None) -> list[Problem]:
+def verify_dataset(path, split: str | None = None, progress: Callable[[int, int], None] | None = None) -> list[Problem]:
     """All problems of the dataset at ``path`` (one split, or all); an empty list when it is sound.
     ``progress(done_bytes, total_bytes)`` is called as the shards' bytes are checked."""
     with open_dataset(path) as ds:
@@ -66,7 +65,9 @@ def verify_dataset(path, split: str | None = None,
         problems: list[Problem] = []
         done = 0
         for shard in shards:
-            report = None if progress is None else (lambda n, base=done: progress(base + min(n, shard.num_bytes), total))
+            report = (
+                None if progress is None else (lambda n, base=done: progress(base + min(n, shard.num_bytes), total))
+            )
             problems += verify_shard(ds.storage, shard, ds.schema, decoder=decoder, progress=report)
             done += shard.num_bytes
             if progress is not None:
@@ -74,8 +75,14 @@ def verify_dataset(path, split: str | None = None,
         return problems
 
 
-def verify_shard(storage: Storage, shard: ShardInfo, schema: Schema, *, decoder: RecordDecoder | None = None,
-                 progress: Callable[[int], None] | None = None) -> list[Problem]:
+def verify_shard(
+    storage: Storage,
+    shard: ShardInfo,
+    schema: Schema,
+    *,
+    decoder: RecordDecoder | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[Problem]:
     """The problems of one shard and its index. ``progress(bytes_read)`` follows the file.
 
     Fast path, for a shard whose index tiles it (the usual case): one sequential pass reads the
@@ -87,7 +94,11 @@ def verify_shard(storage: Storage, shard: ShardInfo, schema: Schema, *, decoder:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        return [Problem(path, None, "shard file is missing; restore it, or re-index what is left with `crossfeed index --force`")]
+        return [
+            Problem(
+                path, None, "shard file is missing; restore it, or re-index what is left with `crossfeed index --force`"
+            )
+        ]
     if not stat.S_ISREG(st.st_mode):  # a FIFO or device would hang or never end
         return [Problem(path, None, "not a regular file (a directory, FIFO or device); a shard is a plain file")]
     problems = []
@@ -100,7 +111,9 @@ def verify_shard(storage: Storage, shard: ShardInfo, schema: Schema, *, decoder:
         if fast is not None:
             sha, record_problems = fast
             if sha != shard.sha256:
-                problems.append(Problem(path, None, "sha256 differs from the manifest: the file changed after it was written"))
+                problems.append(
+                    Problem(path, None, "sha256 differs from the manifest: the file changed after it was written")
+                )
             return problems + record_problems + index_problems.problems
     # slow path: the index does not tile the shard, or a record is damaged
     if file_sha256(path) != shard.sha256:
@@ -123,11 +136,15 @@ def _load_index(ipath: str, shard: ShardInfo, size: int | None) -> tuple[np.ndar
     try:
         st = os.stat(ipath)
         if not stat.S_ISREG(st.st_mode):
-            return None, _IndexProblems([Problem(ipath, None, "not a regular file; rebuild it with `crossfeed index --force`")], True)
+            return None, _IndexProblems(
+                [Problem(ipath, None, "not a regular file; rebuild it with `crossfeed index --force`")], True
+            )
         with open(ipath, "rb") as f:
             data = f.read()
     except FileNotFoundError:
-        return None, _IndexProblems([Problem(ipath, None, "index file is missing; rebuild it with `crossfeed index --force`")], True)
+        return None, _IndexProblems(
+            [Problem(ipath, None, "index file is missing; rebuild it with `crossfeed index --force`")], True
+        )
     try:
         entries = idx.parse_index(data, ipath)
     except IndexFileError as e:
@@ -136,16 +153,25 @@ def _load_index(ipath: str, shard: ShardInfo, size: int | None) -> tuple[np.ndar
     if len(entries) != shard.num_records:
         problems.append(Problem(ipath, None, f"{len(entries)} entries, the manifest says {shard.num_records} records"))
     if shard.index_sha256 is not None and hashlib.sha256(data).hexdigest() != shard.index_sha256:
-        problems.append(Problem(ipath, None, "sha256 differs from the manifest's index_sha256: the index changed after it "
-                                             "was written; rebuild it with `crossfeed index --force`"))
+        problems.append(
+            Problem(
+                ipath,
+                None,
+                "sha256 differs from the manifest's index_sha256: the index changed after it "
+                "was written; rebuild it with `crossfeed index --force`",
+            )
+        )
     ends = entries[:, 0] + entries[:, 1]
-    tiles = (not len(entries) or (entries[0, 0] == 0 and bool(np.all(entries[1:, 0] == ends[:-1]))
-                                  and (size is None or ends[-1] == size))) and (len(entries) or not size)
+    tiles = (
+        not len(entries)
+        or (entries[0, 0] == 0 and bool(np.all(entries[1:, 0] == ends[:-1])) and (size is None or ends[-1] == size))
+    ) and (len(entries) or not size)
     return entries, _IndexProblems(problems, not tiles)
 
 
-def _fast(path: str, gz: bool, entries: np.ndarray, decoder: RecordDecoder,
-          progress: Callable[[int], None] | None) -> tuple[str, list[Problem]] | None:
+def _fast(
+    path: str, gz: bool, entries: np.ndarray, decoder: RecordDecoder, progress: Callable[[int], None] | None
+) -> tuple[str, list[Problem]] | None:
     """``(sha256, decode problems)`` from one chunked pass, or None if a frame, the GZIP stream or
     the stream's length disagrees with the index (then the slow path says what is wrong)."""
     problems: list[Problem] = []
@@ -332,16 +358,28 @@ def _check_index(ipath: str, entries: np.ndarray, scanned: np.ndarray, stream_le
     past = np.flatnonzero(entries.sum(axis=1) > stream_len)
     if past.size:
         o, n = entries[past[0]]
-        problems.append(Problem(ipath, int(o), f"entry {past[0]} ({o} {n}) points past the end of the shard "
-                                               f"({stream_len} bytes){_more(past.size)}; rebuild it with `crossfeed index --force`"))
+        problems.append(
+            Problem(
+                ipath,
+                int(o),
+                f"entry {past[0]} ({o} {n}) points past the end of the shard "
+                f"({stream_len} bytes){_more(past.size)}; rebuild it with `crossfeed index --force`",
+            )
+        )
     k = min(len(entries), len(scanned))
     wrong = np.flatnonzero(np.any(entries[:k] != scanned[:k], axis=1))
     wrong = np.setdiff1d(wrong, past)
     if wrong.size:
         i = int(wrong[0])
-        problems.append(Problem(ipath, int(entries[i][0]), f"entry {i} says '{entries[i][0]} {entries[i][1]}', the record "
-                                                          f"there is '{scanned[i][0]} {scanned[i][1]}'{_more(wrong.size)}; "
-                                                          f"rebuild it with `crossfeed index --force`"))
+        problems.append(
+            Problem(
+                ipath,
+                int(entries[i][0]),
+                f"entry {i} says '{entries[i][0]} {entries[i][1]}', the record "
+                f"there is '{scanned[i][0]} {scanned[i][1]}'{_more(wrong.size)}; "
+                f"rebuild it with `crossfeed index --force`",
+            )
+        )
     return problems
 
 

@@ -17,10 +17,10 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from crossfeed.errors import ConfigError, DatasetNotFoundError, ExampleError, ManifestError, SchemaError
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
-from crossfeed.errors import ConfigError, DatasetNotFoundError, ExampleError, ManifestError, SchemaError
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, check_name, loads, write_manifest
 from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema
 from crossfeed.write.writer import dataset_lock
@@ -95,7 +95,8 @@ class _Seen:
             if self.kind and kind != self.kind:
                 raise SchemaError(
                     f"{where}: feature {name!r} is a {ex.KIND_NAMES[kind]} here and a {ex.KIND_NAMES[self.kind]} in "
-                    f"earlier records; every record must use one list type per feature")
+                    f"earlier records; every record must use one list type per feature"
+                )
             self.kind = kind
         if len(self.counts) < 3:
             self.counts.add(len(vals))
@@ -109,8 +110,10 @@ class _Seen:
         shape: tuple = () if n == 1 else (n,)
         if self.kind == ex.BYTES:
             if self.image and n == 1:
-                dims = [d if len({s[i] for s in self.image_shapes}) == 1 else None
-                        for i, d in enumerate(next(iter(self.image_shapes)))]
+                dims = [
+                    d if len({s[i] for s in self.image_shapes}) == 1 else None
+                    for i, d in enumerate(next(iter(self.image_shapes)))
+                ]
                 return Feature(name, "uint8", tuple(dims), Encoding.IMAGE)
             return Feature(name, "bytes", shape, Encoding.BYTES)
         if self.kind == ex.FLOAT:
@@ -139,22 +142,26 @@ class _Inference:
         try:
             parsed = ex.decode(payload)
         except ExampleError as e:
-            raise ExampleError(f"{where} is not a tf.train.Example ({e}); crossfeed adopts shards of tf.train.Example") from e
+            raise ExampleError(
+                f"{where} is not a tf.train.Example ({e}); crossfeed adopts shards of tf.train.Example"
+            ) from e
         if self.names is None:
             self.names = sorted(parsed)
             self.seen = {k: _Seen() for k in self.names}
         elif sorted(parsed) != self.names:
             raise SchemaError(
                 f"{where} has features {sorted(parsed)}, the first record had {self.names}; crossfeed needs every "
-                f"record to carry the same features (fill missing ones with empty lists)")
+                f"record to carry the same features (fill missing ones with empty lists)"
+            )
         for k, (kind, region) in parsed.items():
             self.seen[k].add(k, kind, region, where)
 
     def schema(self, old: Manifest | None) -> Schema:
         names = set(self.names or ())
         if old is not None:  # re-indexing a crossfeed dataset: its schema knows tensor dtypes
-            expected = set(old.schema.names) | {f.name + SHAPE_SUFFIX for f in old.schema
-                                                if f.encoding is Encoding.TENSOR and not f.fixed}
+            expected = set(old.schema.names) | {
+                f.name + SHAPE_SUFFIX for f in old.schema if f.encoding is Encoding.TENSOR and not f.fixed
+            }
             if expected == names:
                 return old.schema
         return Schema(self.seen[k].feature(k) for k in sorted(names))
@@ -171,8 +178,14 @@ def _index_shard(path: str, inference: _Inference) -> ShardInfo:
     return ShardInfo("", len(offsets), os.path.getsize(path), file_sha256(path), index_sha)
 
 
-def index_dataset(path, *, split: str = DEFAULT_SPLIT, split_from_name: bool = True, force: bool = False,
-                  progress: Callable[[int], None] | None = None) -> Manifest:
+def index_dataset(
+    path,
+    *,
+    split: str = DEFAULT_SPLIT,
+    split_from_name: bool = True,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> Manifest:
     """Adopt the TFRecord shards in directory ``path`` as a crossfeed dataset and return its manifest.
 
     Shards are the files named ``*.tfrecord``/``*.tfrecords``/``*.tfrec`` (optionally ``.gz``) or
@@ -189,7 +202,9 @@ def index_dataset(path, *, split: str = DEFAULT_SPLIT, split_from_name: bool = T
     old = None
     if os.path.exists(manifest_path):
         if not force:
-            raise ConfigError(f"{manifest_path}: the dataset is already indexed; pass --force to rebuild its index and manifest")
+            raise ConfigError(
+                f"{manifest_path}: the dataset is already indexed; pass --force to rebuild its index and manifest"
+            )
         with contextlib.suppress(ManifestError, SchemaError, OSError):
             with open(manifest_path, "rb") as f:
                 old = loads(f.read(), manifest_path)
@@ -197,7 +212,8 @@ def index_dataset(path, *, split: str = DEFAULT_SPLIT, split_from_name: bool = T
     if not names:
         raise DatasetNotFoundError(
             f"{root}: no TFRecord shards (files named *.tfrecord, *.tfrecords, *.tfrec[.gz] or "
-            f"<split>-SSSSS-of-NNNNN); point `crossfeed index` at the directory that holds them")
+            f"<split>-SSSSS-of-NNNNN); point `crossfeed index` at the directory that holds them"
+        )
     for n in names:
         check_name(n, root)  # a manifest names plain files only
     groups: dict[str, list[tuple[int, str]]] = {}
@@ -215,11 +231,14 @@ def index_dataset(path, *, split: str = DEFAULT_SPLIT, split_from_name: bool = T
                 progress(info.num_bytes)
         declared = {int(m["n"]) for _, n in members if (m := _SHARDED.match(n))} if split_from_name else set()
         if declared and declared != {len(members)}:
-            log.warning("split %r: the file names say %s shards, %d are present in %s", s,
-                        sorted(declared), len(members), root)
+            log.warning(
+                "split %r: the file names say %s shards, %d are present in %s", s, sorted(declared), len(members), root
+            )
         splits[s] = SplitInfo(s, tuple(shards))
     if inference.names is None:
-        raise ConfigError(f"{root}: the shards hold no records, so there is no schema to infer; write some records first")
+        raise ConfigError(
+            f"{root}: the shards hold no records, so there is no schema to infer; write some records first"
+        )
     metadata = dict(old.metadata) if old else {}
     metadata.setdefault("source", "crossfeed index")
     manifest = Manifest(inference.schema(old), splits, metadata, old.generation + 1 if old else 0)

@@ -24,12 +24,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from crossfeed.errors import ConfigError, CrossfeedError, ManifestError, SchemaError
 from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
-from crossfeed.errors import ConfigError, CrossfeedError, ManifestError, SchemaError
-from crossfeed.format.manifest import (MANIFEST, Manifest, ShardInfo, SplitInfo, check_name, fsync_dir, loads, shard_name,
-                                       write_manifest)
 from crossfeed.format.encode import SampleSchemaError, encoder_for
+from crossfeed.format.manifest import (
+    MANIFEST,
+    Manifest,
+    ShardInfo,
+    SplitInfo,
+    check_name,
+    fsync_dir,
+    loads,
+    shard_name,
+    write_manifest,
+)
 from crossfeed.format.schema import Schema, infer_feature, widen
 from crossfeed.format.stats import FeatureStats, merge_all
 
@@ -77,7 +86,9 @@ class ShardSink:
             os.fsync(f.fileno())
         index_sha = idx.write_index(idx.index_path(self.tmp_path), self._writer.offsets)
         crash_point("shard staged")
-        return StagedShard(self.tmp_path, len(self._writer.offsets), self._writer.num_bytes, self._writer.sha256, index_sha)
+        return StagedShard(
+            self.tmp_path, len(self._writer.offsets), self._writer.num_bytes, self._writer.sha256, index_sha
+        )
 
     def abort(self) -> None:
         self._writer.close()
@@ -123,6 +134,7 @@ def crash_point(step: str) -> None:
 
 # ---- locks --------------------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def writer_lock(root: str, token: str) -> Iterator[None]:
     """Holds ``.tmp-<token>.lock`` (flock) while a writer's temporary files exist, so that others
@@ -157,8 +169,9 @@ def dataset_lock(root: str, timeout: float = _LOCK_TIMEOUT) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise ConfigError(f"{root}: another writer has been committing for {timeout:.0f} s; "
-                                      f"wait for it, or stop it") from None
+                    raise ConfigError(
+                        f"{root}: another writer has been committing for {timeout:.0f} s; wait for it, or stop it"
+                    ) from None
                 time.sleep(0.05)
         yield
     finally:
@@ -166,7 +179,7 @@ def dataset_lock(root: str, timeout: float = _LOCK_TIMEOUT) -> Iterator[None]:
 
 
 def _token_of(name: str) -> str:
-    rest = name[len(TMP_PREFIX):]
+    rest = name[len(TMP_PREFIX) :]
     return re.split(r"[-.]", rest, maxsplit=1)[0]
 
 
@@ -212,8 +225,11 @@ def remove_stale(root: str, *, keep: str | None = None) -> int:
         return 0
     current = read_manifest_or_none(root)
     removed = 0
-    live = {_token_of(n) for n in names if n.startswith(TMP_PREFIX) and n.endswith(".lock")
-            and not _lock_is_free(os.path.join(root, n))}
+    live = {
+        _token_of(n)
+        for n in names
+        if n.startswith(TMP_PREFIX) and n.endswith(".lock") and not _lock_is_free(os.path.join(root, n))
+    }
     for n in sorted(names):
         if not n.startswith(TMP_PREFIX) or n.endswith(".lock"):
             continue
@@ -282,8 +298,9 @@ def dataset_entries(root: str) -> list[str]:
         return []
 
 
-def check_target(root: str, *, overwrite: bool = False, add_split: bool = False, splits=(),
-                 clean: bool = False) -> Manifest | None:
+def check_target(
+    root: str, *, overwrite: bool = False, add_split: bool = False, splits=(), clean: bool = False
+) -> Manifest | None:
     """Whether a write may go to ``root``; returns the dataset there (None when there is none).
 
     Refuses a directory that holds a dataset (unless ``overwrite``, which replaces it whole, or
@@ -308,23 +325,35 @@ def check_target(root: str, *, overwrite: bool = False, add_split: bool = False,
         if entries and not overwrite:
             raise ConfigError(
                 f"{root}: the directory is not empty ({', '.join(entries[:3])}{', …' if len(entries) > 3 else ''}) and "
-                f"holds no crossfeed dataset; write to a new directory, or pass overwrite=True (--overwrite)")
+                f"holds no crossfeed dataset; write to a new directory, or pass overwrite=True (--overwrite)"
+            )
         return None
     if add_split:
         clash = sorted(set(splits) & set(old.splits))
         if clash:
-            raise ConfigError(f"{root}: the dataset already has split(s) {clash}; add_split adds new splits only. "
-                              f"Rewrite the whole dataset with overwrite=True (--overwrite)")
+            raise ConfigError(
+                f"{root}: the dataset already has split(s) {clash}; add_split adds new splits only. "
+                f"Rewrite the whole dataset with overwrite=True (--overwrite)"
+            )
     elif not overwrite:
         raise ConfigError(
             f"{root}: already holds a dataset (splits {sorted(old.splits)}); pass overwrite=True (--overwrite) to "
-            f"replace all of it, add_split=True to add a new split, or write to a new directory")
+            f"replace all of it, add_split=True to add a new split, or write to a new directory"
+        )
     return old
 
 
-def commit_splits(root, staged: dict[str, list[StagedShard]], schema: Schema, *,
-                  statistics: dict[str, dict] | None = None, metadata: dict | None = None,
-                  overwrite: bool = False, add_split: bool = False, token: str | None = None) -> Manifest:
+def commit_splits(
+    root,
+    staged: dict[str, list[StagedShard]],
+    schema: Schema,
+    *,
+    statistics: dict[str, dict] | None = None,
+    metadata: dict | None = None,
+    overwrite: bool = False,
+    add_split: bool = False,
+    token: str | None = None,
+) -> Manifest:
     """Publish staged shards as the splits of the dataset at ``root``, in one atomic step.
 
     The steps, each durable before the next: a journal lists the final names; the shards move to
@@ -343,22 +372,35 @@ def commit_splits(root, staged: dict[str, list[StagedShard]], schema: Schema, *,
         if old and add_split and old.schema != schema:
             raise SchemaError(
                 f"{root}: the dataset's splits {sorted(old.splits)} have schema {old.schema.names} with other types "
-                f"than the splits {sorted(staged)} being written; write to another directory, or overwrite it")
+                f"than the splits {sorted(staged)} being written; write to another directory, or overwrite it"
+            )
         taken = old.files if old else set()
         generation = old.generation + 1 if old else 0
-        plain = {name: [shard_name(name, i, len(shards), compress=s.tmp_path.endswith(".gz"))
-                        for i, s in enumerate(shards)] for name, shards in staged.items()}
+        plain = {
+            name: [shard_name(name, i, len(shards), compress=s.tmp_path.endswith(".gz")) for i, s in enumerate(shards)]
+            for name, shards in staged.items()
+        }
         clash = any(n in taken or n + ".idx" in taken for names in plain.values() for n in names)
-        finals = {name: [shard_name(name, i, len(shards), compress=s.tmp_path.endswith(".gz"),
-                                    generation=generation if clash else 0) for i, s in enumerate(shards)]
-                  for name, shards in staged.items()}
+        finals = {
+            name: [
+                shard_name(
+                    name, i, len(shards), compress=s.tmp_path.endswith(".gz"), generation=generation if clash else 0
+                )
+                for i, s in enumerate(shards)
+            ]
+            for name, shards in staged.items()
+        }
         splits = dict(old.splits) if old and add_split else {}
         kept = {n for s in splits.values() for sh in s.shards for n in (sh.file, sh.file + ".idx")}
         # The journal names every file this commit creates or retires: whatever version a crash
         # leaves, the next commit deletes those of them that its manifest does not name.
         journal = os.path.join(root, f"{TMP_PREFIX}{token or secrets.token_hex(6)}-{secrets.token_hex(4)}{_JOURNAL}")
-        _write_durably(journal, json.dumps(sorted({x for names in finals.values() for n in names for x in (n, n + ".idx")}
-                                                  | (taken - kept))))
+        _write_durably(
+            journal,
+            json.dumps(
+                sorted({x for names in finals.values() for n in names for x in (n, n + ".idx")} | (taken - kept))
+            ),
+        )
         fsync_dir(root)
         crash_point("journal written")
         for name, shards in sorted(staged.items()):
@@ -394,17 +436,44 @@ def _write_durably(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def commit_split(root, split: str, staged: list[StagedShard], schema: Schema, *,
-                 statistics: dict | None = None, metadata: dict | None = None, overwrite: bool = False,
-                 add_split: bool = False, token: str | None = None) -> Manifest:
+def commit_split(
+    root,
+    split: str,
+    staged: list[StagedShard],
+    schema: Schema,
+    *,
+    statistics: dict | None = None,
+    metadata: dict | None = None,
+    overwrite: bool = False,
+    add_split: bool = False,
+    token: str | None = None,
+) -> Manifest:
     """`commit_splits` for one split."""
-    return commit_splits(root, {split: staged}, schema, statistics={split: statistics or {}}, metadata=metadata,
-                         overwrite=overwrite, add_split=add_split, token=token)
+    return commit_splits(
+        root,
+        {split: staged},
+        schema,
+        statistics={split: statistics or {}},
+        metadata=metadata,
+        overwrite=overwrite,
+        add_split=add_split,
+        token=token,
+    )
 
 
-def write_dataset(path, samples: Iterable[Mapping], *, split: str = "train", num_shards: int | None = None,
-                  shard_size: int = DEFAULT_SHARD_SIZE, schema: Schema | None = None, compress: bool = False,
-                  metadata: dict | None = None, overwrite: bool = False, add_split: bool = False):
+def write_dataset(
+    path,
+    samples: Iterable[Mapping],
+    *,
+    split: str = "train",
+    num_shards: int | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    schema: Schema | None = None,
+    compress: bool = False,
+    metadata: dict | None = None,
+    overwrite: bool = False,
+    add_split: bool = False,
+):
     """Write ``samples`` (dicts of numpy arrays, scalars, bytes or str) as split ``split`` of the
     dataset at ``path``, and return the opened dataset.
 
@@ -428,13 +497,36 @@ def write_dataset(path, samples: Iterable[Mapping], *, split: str = "train", num
     check_target(root, overwrite=overwrite, add_split=add_split, splits=[split], clean=True)  # fail before the work
     token = secrets.token_hex(6)
     with writer_lock(root, token):
-        _write(root, token, samples, split=split, num_shards=num_shards, shard_size=shard_size, schema=schema,
-               compress=compress, metadata=metadata, overwrite=overwrite, add_split=add_split)
+        _write(
+            root,
+            token,
+            samples,
+            split=split,
+            num_shards=num_shards,
+            shard_size=shard_size,
+            schema=schema,
+            compress=compress,
+            metadata=metadata,
+            overwrite=overwrite,
+            add_split=add_split,
+        )
     return open_dataset(root)
 
 
-def _write(root: str, token: str, samples: Iterable[Mapping], *, split, num_shards, shard_size, schema, compress,
-           metadata, overwrite, add_split) -> None:
+def _write(
+    root: str,
+    token: str,
+    samples: Iterable[Mapping],
+    *,
+    split,
+    num_shards,
+    shard_size,
+    schema,
+    compress,
+    metadata,
+    overwrite,
+    add_split,
+) -> None:
     feats = {f.name: f for f in schema} if schema is not None else None
     inferred = schema is None
     sinks: list[ShardSink] = []
@@ -504,9 +596,17 @@ def _write(root: str, token: str, samples: Iterable[Mapping], *, split, num_shar
         if count == 0:
             raise ConfigError(f"no samples to write for split {split!r}: the iterable was empty")
         staged += [s.finish() for s in (sinks if num_shards is not None else sinks[-1:])]
-        commit_split(root, split, staged, Schema(feats.values()),
-                     statistics={k: v.to_json() for k, v in merge_all([stats]).items()}, metadata=metadata,
-                     overwrite=overwrite, add_split=add_split, token=token)
+        commit_split(
+            root,
+            split,
+            staged,
+            Schema(feats.values()),
+            statistics={k: v.to_json() for k, v in merge_all([stats]).items()},
+            metadata=metadata,
+            overwrite=overwrite,
+            add_split=add_split,
+            token=token,
+        )
     except BaseException:
         for s in sinks:
             s.abort()
@@ -515,8 +615,13 @@ def _write(root: str, token: str, samples: Iterable[Mapping], *, split, num_shar
 
 
 _CHUNK = 1024
-_STAT_SCALARS = {float: np.float64, np.float64: np.float64, np.float32: np.float32, int: np.int64,
-                 **{t: t for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)}}
+_STAT_SCALARS = {
+    float: np.float64,
+    np.float64: np.float64,
+    np.float32: np.float32,
+    int: np.int64,
+    **{t: t for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)},
+}
 
 
 def _add_stats(stats: dict[str, FeatureStats], chunk: list) -> None:
