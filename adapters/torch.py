@@ -84,16 +84,9 @@ class TorchDataset(IterableDataset):
         if self._stream is not None:
             self.source, self.rank, self.world_size, self.options = None, 0, 1, None
             return
-        if options is None:
-            if fields.get("batch_size") is None:
-                raise ConfigError(
-                    "batch_size is required when reading a dataset (only a stream brings its own batches)"
-                )
-            if fields.get("rank") is None and fields.get("world_size") is None:
-                fields["rank"], fields["world_size"] = _rank_and_world(None, None)
-            options = LoaderOptions.of(**fields)
-        elif fields:
-            raise ConfigError(f"pass either a LoaderOptions or keywords, not both (got {sorted(fields)})")
+        if options is None and fields.get("rank") is None and fields.get("world_size") is None:
+            fields["rank"], fields["world_size"] = _rank_and_world(None, None)  # torch.distributed first
+        options = LoaderOptions.given(options, fields, who="TorchDataset (reading a dataset, not a stream)")
         self.options = options
         self.transform, self.batch_transform = transform, batch_transform
         self.source = source.path if isinstance(source, Dataset) else source  # picklable for spawned workers

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 
-from crossfeed.write.writer import TMP_PREFIX, commit_splits, dataset_lock, remove_stale
+from crossfeed.write.writer import TMP_PREFIX, commit_splits, dataset_lock, remove_entry, remove_stale
 
 __all__ = ["TMP_PREFIX", "commit_splits", "remove_temporaries"]
 
@@ -31,15 +30,7 @@ def remove_temporaries(root: str, *, token: str | None = None, keep: str | None 
     for name in os.listdir(root):
         if not name.startswith(f"{TMP_PREFIX}{token}"):
             continue
-        path = os.path.join(root, name)
-        try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-            removed += 1
-        except FileNotFoundError:
-            pass
+        removed += remove_entry(os.path.join(root, name))
     if removed:
         log.info("%s: removed %d temporary files of job %s", root, removed, token)
     return removed

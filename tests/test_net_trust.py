@@ -416,3 +416,34 @@ def test_a_server_that_dies_mid_stream_raises_naming_the_address(tmp_path):
 def test_on_loss_is_validated_where_it_is_made():
     with pytest.raises(ConfigError, match="on_loss"):
         connect("tcp://127.0.0.1:1", on_loss="ignore")
+
+
+_FIRST_ANONYMOUS_ID = """
+import zmq
+from crossfeed.net.server import seed_routing_ids
+seed_routing_ids()
+ctx = zmq.Context()
+router = ctx.socket(zmq.ROUTER)
+port = router.bind_to_random_port("tcp://127.0.0.1")
+dealer = ctx.socket(zmq.DEALER)
+dealer.connect(f"tcp://127.0.0.1:{port}")
+dealer.send(b"hi")
+assert router.poll(10000)
+print(router.recv_multipart()[0].hex())
+ctx.destroy(linger=0)
+"""
+
+
+def test_anonymous_routing_ids_are_not_predictable():
+    """libzmq's unseeded first id for an anonymous peer is 00 6b8b4567; a crossfeed server seeds
+    rand() first, so two servers start from ids nobody can name in advance."""
+    import subprocess
+    import sys
+
+    ids = [
+        subprocess.run(
+            [sys.executable, "-c", _FIRST_ANONYMOUS_ID], capture_output=True, text=True, timeout=60, check=True
+        ).stdout.strip()
+        for _ in range(2)
+    ]
+    assert "006b8b4567" not in ids and ids[0] != ids[1], ids

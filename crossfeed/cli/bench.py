@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from crossfeed.cli.common import CacheDirOpt, CacheLimitOpt
 from crossfeed.cli.progress import Progress
 from crossfeed.read.plan import Shuffle
 
@@ -35,12 +36,8 @@ def bench(
     decode_images: Annotated[
         bool, typer.Option("--decode-images/--no-decode-images", help="Decode JPEG/PNG features to arrays.")
     ] = True,
-    cache_dir: Annotated[
-        str | None, typer.Option("--cache-dir", help="Cache remote shards here (default: $CROSSFEED_CACHE_DIR).")
-    ] = None,
-    cache_limit: Annotated[
-        str | None, typer.Option("--cache-limit", help="Keep the cache under this size, e.g. 50GB.")
-    ] = None,
+    cache_dir: CacheDirOpt = None,
+    cache_limit: CacheLimitOpt = None,
 ) -> None:
     """Read batches like a trainer, then print samples/s, MB/s, time to first batch, peak RSS and
     the time per stage (read incl. CRC checks, decode, transform, batch)."""

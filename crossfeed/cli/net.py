@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
+from crossfeed.cli.common import CacheDirOpt, CacheLimitOpt
 from crossfeed.errors import ConfigError
 from crossfeed.read.options import LoaderOptions
 from crossfeed.read.plan import Shuffle
@@ -125,12 +126,8 @@ def serve(
         ),
     ] = False,
     endpoint_file: Annotated[Path | None, typer.Option(help="Write the bound addresses here (for scripts).")] = None,
-    cache_dir: Annotated[
-        str | None, typer.Option("--cache-dir", help="Cache remote shards here (default: $CROSSFEED_CACHE_DIR).")
-    ] = None,
-    cache_limit: Annotated[
-        str | None, typer.Option("--cache-limit", help="Keep the cache under this size, e.g. 50GB.")
-    ] = None,
+    cache_dir: CacheDirOpt = None,
+    cache_limit: CacheLimitOpt = None,
 ) -> None:
     """Run the Loader here and stream ready batches to trainers (`crossfeed.connect`)."""
     from crossfeed.net.keys import ServerKeys

@@ -38,6 +38,30 @@ from crossfeed.net.producer import BatchFactory, EpochEnd, Producer, ProducerFai
 logger = logging.getLogger(__name__)
 
 
+def seed_routing_ids() -> None:
+    """Make the routing ids libzmq gives anonymous peers unguessable.
+
+    A ROUTER numbers the peers that present no routing id of their own consecutively from a start
+    it draws with the C library's ``rand()`` when the socket is made, and nothing seeds it: every
+    server's first id is ``00 6b8b4567``. A peer that squats the id that comes next and then
+    makes another connection with none aborts libzmq 4.3.5 (a collision assertion). crossfeed
+    trainers present random ids of their own, so only anonymous peers draw from this sequence;
+    seeding ``rand()`` from the OS's randomness before each ROUTER is made makes the next id a
+    32-bit guess (the process-global ``rand()`` is used by nothing else in crossfeed). See the
+    README's Security section for what remains."""
+    import ctypes
+    import ctypes.util
+    import secrets
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        libc.srand(ctypes.c_uint(secrets.randbits(32)))
+    except (OSError, AttributeError):  # no C library to reach: ids stay libzmq's defaults
+        logger.warning(
+            "could not seed the C library's rand(): libzmq's routing ids for anonymous peers stay predictable"
+        )
+
+
 class Mode(str, enum.Enum):
     DISTRIBUTE = "distribute"
     BROADCAST = "broadcast"
@@ -151,6 +175,8 @@ class Server:
         return self
 
     def _bind(self, kind: int, addresses: tuple[str, ...], out: list[str]) -> zmq.Socket:
+        if kind == zmq.ROUTER:
+            seed_routing_ids()
         sock = self._ctx.socket(kind)
         sock.linger = 500
         secure_server_socket(sock, self._keys)

@@ -230,30 +230,33 @@ class FrameReader:
         """Check each record of a batch that failed a batch check on its own: raise the first
         error, or report every bad record to ``on_error`` and return the good ones as views."""
         buf_of = dict(zip(present, bufs))
-        payloads, keep = [], []
-        for j, (s, o, n) in enumerate(zip(shard.tolist(), offs.tolist(), lens.tolist())):
+
+        def read(j: int):
+            s, o, n = int(shard[j]), int(offs[j]), int(lens[j])
             buf, path = buf_of[s], self.split.file(s).path
-            try:
-                if o < 0 or o + n > len(memoryview(buf)) or n < FRAMING:
-                    raise first_error(buf, o, n, path)
-                payloads.append(tfrecord.unframe(buf, o, n, path))
-                keep.append(j)
-            except CorruptRecordError as e:
-                if on_error is None:
-                    raise
-                on_error(e)
-        return Frames(indices[keep], payloads=payloads)
+            if o < 0 or o + n > len(memoryview(buf)) or n < FRAMING:
+                raise first_error(buf, o, n, path)
+            return tfrecord.unframe(buf, o, n, path)
+
+        return self._each(indices, read, on_error)
 
     def _by_record(self, indices, shard, on_error) -> Frames:
+        def read(j: int):
+            s = int(shard[j])
+            o, n = (int(x) for x in self.split.index(s)[int(indices[j]) - int(self.split.starts[s])])
+            f = self.split.file(s)
+            return tfrecord.unframe(self._buffer(s), o, n, f.path) if self._in_memory(f) else f.record(o, n)
+
+        return self._each(indices, read, on_error)
+
+    @staticmethod
+    def _each(indices, read, on_error) -> Frames:
+        """``read(j)`` for each record of the batch; a `CorruptRecordError` raises, or goes to
+        ``on_error`` and drops the record."""
         payloads, keep = [], []
-        for j, (i, s) in enumerate(zip(indices.tolist(), shard.tolist())):
-            k = i - int(self.split.starts[s])
-            o, n = (int(x) for x in self.split.index(s)[k])
+        for j in range(len(indices)):
             try:
-                f = self.split.file(s)
-                payloads.append(
-                    tfrecord.unframe(self._buffer(s), o, n, f.path) if self._in_memory(f) else f.record(o, n)
-                )
+                payloads.append(read(j))
                 keep.append(j)
             except CorruptRecordError as e:
                 if on_error is None:

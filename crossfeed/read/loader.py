@@ -221,14 +221,7 @@ class Loader:
         epoch: int | None = None,
         **fields,
     ):
-        if options is None:
-            if "batch_size" not in fields:
-                raise ConfigError("Loader needs batch_size= (or a LoaderOptions)")
-            options = LoaderOptions.of(**fields)
-        elif fields:
-            raise ConfigError(f"pass either a LoaderOptions or keywords, not both (got {sorted(fields)})")
-        if not isinstance(options, LoaderOptions):
-            raise ConfigError(f"options must be a LoaderOptions, got {type(options).__name__}")
+        options = LoaderOptions.given(options, fields)
         if start is not None and epoch is not None:
             raise ConfigError("pass start=(epoch, position) or epoch=, not both")
         self.options = options

@@ -183,6 +183,20 @@ class LoaderOptions:
         groups["plan"]["batch_size"] = batch_size
         return cls(**top, **{g: _GROUPS[g](**kw) for g, kw in groups.items()})
 
+    @classmethod
+    def given(cls, options: LoaderOptions | None, fields: dict, *, who: str = "Loader") -> LoaderOptions:
+        """The options a constructor was given: ``options`` whole, or ``fields`` as keywords for
+        `of` — not both (the one check every layer that takes options makes)."""
+        if options is None:
+            if fields.get("batch_size") is None:
+                raise ConfigError(f"{who} needs batch_size= (or a LoaderOptions)")
+            return cls.of(**fields)
+        if fields:
+            raise ConfigError(f"pass either a LoaderOptions or keywords, not both (got {sorted(fields)})")
+        if not isinstance(options, cls):
+            raise ConfigError(f"options must be a LoaderOptions, got {type(options).__name__}")
+        return options
+
     def replace(self, **changes) -> LoaderOptions:
         """A copy with fields changed by name, whichever group holds them (validated again)."""
         top = {k: v for k, v in changes.items() if k not in _FIELDS}

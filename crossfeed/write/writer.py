@@ -214,6 +214,18 @@ def _remove_free_lock(path: str) -> None:
         os.close(fd)
 
 
+def remove_entry(path: str) -> int:
+    """Delete a file or a directory tree (a staging folder) that may already be gone; 1 if it was there."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        return 0
+    return 1
+
+
 def remove_stale(root: str, *, keep: str | None = None) -> int:
     """Remove what dead writers left in ``root`` (call with `dataset_lock` held): temporary files
     whose writer's lock is free (or who had none), except those of token ``keep``; and the shards
@@ -241,14 +253,7 @@ def remove_stale(root: str, *, keep: str | None = None) -> int:
             if current is False:  # the manifest is unreadable: which orphans are safe to delete is unknown
                 continue
             removed += _undo_journal(root, path, current.files if current else set())
-        try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-            removed += 1
-        except FileNotFoundError:
-            pass
+        removed += remove_entry(path)
     for n in names:  # locks of dead writers last
         if n.startswith(TMP_PREFIX) and n.endswith(".lock") and _token_of(n) not in live and _token_of(n) != keep:
             _remove_free_lock(os.path.join(root, n))
