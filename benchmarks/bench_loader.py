@@ -198,7 +198,9 @@ def _decode_pil(data) -> np.ndarray:
 def reader_crossfeed(kind: str, sd: str, b: int, config: str):
     from crossfeed.read.loader import Loader
 
-    loader = Loader(sd, batch_size=b, shuffle=config, seed=0)
+    threads = os.environ.get("CROSSFEED_BENCH_THREADS")  # crossfeed's num_threads (default: the Loader's)
+    extra = {} if threads is None else {"num_threads": int(threads)}
+    loader = Loader(sd, batch_size=b, shuffle=config, seed=0, **extra)
     return loader, loader.close
 
 

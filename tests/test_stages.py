@@ -234,3 +234,20 @@ def test_a_subset_of_features_keeps_the_columnar_cut(tmp_path, monkeypatch):
         for i, a, label in zip(b["__index__"].tolist(), b["a"], b["label"].tolist()):
             np.testing.assert_array_equal(a, ds[i]["a"])
             assert label == int(ds[i]["label"])
+
+
+@pytest.mark.parametrize("threads", [0, 1])
+def test_one_thread_and_no_thread_keep_order_and_pass_errors_on(threads):
+    def build(i):
+        if i == 7:
+            raise ValueError("batch 7 is bad")
+        return i * 2
+
+    ex_ = ThreadExecutor(threads, 3)
+    assert list(ex_.map(build, range(7))) == [i * 2 for i in range(7)]
+    with pytest.raises(ValueError, match="batch 7 is bad"):
+        list(ex_.map(build, range(10)))
+    it = ex_.map(build, iter(range(100)))
+    assert [next(it) for _ in range(3)] == [0, 2, 4]
+    it.close()  # a consumer that stops early: the producer stops too
+    ex_.close()

@@ -8,6 +8,8 @@ with at most ``window`` results built or being built ahead of the consumer.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,16 +23,26 @@ R = TypeVar("R")
 
 class ThreadExecutor:
     """``num_threads`` threads, at most ``window`` batches in flight (built, or being built, and
-    not yet taken). Exceptions raised by ``build`` reach the consumer unchanged, at the item that
+    not yet taken); 0 threads: each batch is built in the consumer's thread when it asks (no
+    overlap with the consumer's work, but no hand-over either: the fastest for small records whose
+    building holds the GIL, when the consumer does little else). Exceptions raised by ``build`` reach the consumer unchanged, at the item that
     raised; batches after it are cancelled."""
 
     def __init__(self, num_threads: int, window: int, *, name: str = "crossfeed-loader"):
-        if num_threads < 1 or window < 1:
-            raise ConfigError(f"an executor needs num_threads >= 1 and window >= 1, got {num_threads}, {window}")
+        if num_threads < 0 or window < 1:
+            raise ConfigError(f"an executor needs num_threads >= 0 and window >= 1, got {num_threads}, {window}")
         self.num_threads, self.window, self._name = num_threads, window, name
         self._pool: ThreadPoolExecutor | None = None
+        self._stops: set[threading.Event] = set()
 
     def map(self, build: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
+        if self.num_threads == 0:  # in the consumer's thread: no hand-over, no overlap
+            return (build(item) for item in items)
+        if self.num_threads == 1:
+            return self._pipelined(build, items)
+        return self._pooled(build, items)
+
+    def _pooled(self, build: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix=self._name)
         pool, it = self._pool, iter(items)
@@ -50,7 +62,51 @@ class ThreadExecutor:
             for f in pending:
                 f.cancel()
 
+    def _pipelined(self, build: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
+        """One thread: it builds the items in order into a queue of ``window`` results (one
+        hand-over per batch is all the synchronisation; a pool's futures cost more than a small
+        batch takes to build)."""
+        out: queue.Queue = queue.Queue(self.window)
+        stop = threading.Event()
+        self._stops.add(stop)  # `close` stops the producer even if this generator is never finished
+
+        def put(entry) -> bool:
+            """Hand an entry over unless the consumer went away (then False)."""
+            while not stop.is_set():
+                try:
+                    out.put(entry, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def produce() -> None:
+            try:
+                for item in items:
+                    if not put((True, build(item))):
+                        return
+                put((True, _END))
+            except BaseException as e:  # reaches the consumer at the item that raised
+                put((False, e))
+
+        worker = threading.Thread(target=produce, name=self._name, daemon=True)
+        worker.start()
+        try:
+            while True:
+                ok, r = out.get()
+                if not ok:
+                    raise r
+                if r is _END:
+                    return
+                yield r
+        finally:
+            stop.set()
+            worker.join()
+            self._stops.discard(stop)
+
     def close(self) -> None:
+        for stop in list(self._stops):
+            stop.set()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

@@ -272,8 +272,8 @@ class Loader:
         )
         # Small records cut column-wise are short numpy steps that hold the GIL: a second thread
         # only contends for it, so they get one (the prefetch window stays as wide).
-        threads = 1 if rows and transform is None else read.num_threads
-        self.executor = ThreadExecutor(threads, read.num_threads + read.prefetch)
+        threads = min(1, read.num_threads) if rows and transform is None else read.num_threads
+        self.executor = ThreadExecutor(threads, max(1, read.num_threads + read.prefetch))
         epoch, position = start if start is not None else (epoch or 0, 0)
         self.start_at(epoch, position)
 

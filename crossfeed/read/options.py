@@ -97,7 +97,8 @@ class ShardOptions:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReadOptions:
     """How hard to work. ``num_threads`` batches are built in parallel and at most
-    ``num_threads + prefetch`` exist at once, so memory is bounded by batches, not data.
+    ``num_threads + prefetch`` exist at once, so memory is bounded by batches, not data;
+    ``num_threads=0`` builds each batch in the consumer's thread when it asks (no prefetch).
     ``on_error="skip"`` drops bad records, counted and logged, up to ``max_skips``."""
 
     num_threads: int = 2
@@ -109,7 +110,7 @@ class ReadOptions:
     cache_limit: int | str | None = None  # bytes, or a size such as "50GB" (None: unbounded)
 
     def __post_init__(self):
-        object.__setattr__(self, "num_threads", _int(self.num_threads, "num_threads", 1))
+        object.__setattr__(self, "num_threads", _int(self.num_threads, "num_threads", 0))
         object.__setattr__(self, "prefetch", _int(self.prefetch, "prefetch", 0))
         object.__setattr__(self, "on_error", choice(OnError, self.on_error, "on_error"))
         object.__setattr__(self, "max_skips", _int(self.max_skips, "max_skips", 0))
