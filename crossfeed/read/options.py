@@ -98,7 +98,9 @@ class ShardOptions:
 class ReadOptions:
     """How hard to work. ``num_threads`` batches are built in parallel and at most
     ``num_threads + prefetch`` exist at once, so memory is bounded by batches, not data;
-    ``num_threads=0`` builds each batch in the consumer's thread when it asks (no prefetch).
+    ``num_threads=0`` builds each batch in the consumer's thread when it asks (no prefetch) —
+    what the Loader does anyway for small fixed-layout records without a per-sample transform,
+    whose building holds the GIL and costs less than a hand-over to a thread.
     ``on_error="skip"`` drops bad records, counted and logged, up to ``max_skips``."""
 
     num_threads: int = 2
