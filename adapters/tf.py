@@ -207,40 +207,26 @@ def dataset(
         num_parallel_calls=num_parallel_calls,
         prefetch=prefetch,
     )
+    shared = dict(
+        split=split,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        features=features,
+        rank=rank,
+        world_size=world_size,
+        return_index=return_index,
+    )
     if options is not None:
-        given = {
-            k: v
-            for k, v in dict(
-                split=split,
-                batch_size=batch_size,
-                shuffle=shuffle,
-                seed=seed,
-                drop_last=drop_last,
-                features=features,
-                rank=rank,
-                world_size=world_size,
-                return_index=return_index,
-            ).items()
-            if v != _DATASET_DEFAULTS[k]
-        }
+        given = sorted(k for k, v in shared.items() if v != _DATASET_DEFAULTS[k])
         if given:
-            raise ConfigError(f"options= carries {sorted(given)}; pass them in the LoaderOptions, not both")
+            raise ConfigError(f"options= carries {given}; pass them in the LoaderOptions, not both")
         if not isinstance(options, LoaderOptions):
             raise ConfigError(f"options must be a crossfeed.LoaderOptions, got {type(options).__name__}")
         opts = TFOptions.from_loader(options, **tf_only)
     else:
-        opts = TFOptions(
-            split=split,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-            features=features,
-            rank=rank,
-            world_size=world_size,
-            return_index=return_index,
-            **tf_only,
-        )
+        opts = TFOptions(**shared, **tf_only)
     if _is_mixture(source):
         if opts.engine is Engine.NATIVE:
             raise ConfigError("a mixture is read by the plan engine; use engine='plan' or 'auto'")
