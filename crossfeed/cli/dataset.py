@@ -35,6 +35,14 @@ def index(
     force: Annotated[
         bool, typer.Option("--force", "-f", help="Rebuild the index files and manifest of an indexed dataset.")
     ] = False,
+    feature: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--feature",
+            help="Declare what a feature's bytes are: NAME=ENCODING[:DTYPE[:SHAPE]], e.g. image=tensor:uint8:224,224,3 "
+            "or jpeg=image (repeatable); checked against every record.",
+        ),
+    ] = None,
 ) -> None:
     """Adopt TFRecord shards: check every record, write .idx files and the manifest (crossfeed.json)."""
     import os
@@ -48,7 +56,9 @@ def index(
     )
     with Progress() as progress:
         bar = progress.phase("indexing", total=total, unit="bytes")
-        manifest = index_dataset(path, split=split, split_from_name=split_from_name, force=force, progress=bar.callback)
+        manifest = index_dataset(
+            path, split=split, split_from_name=split_from_name, force=force, progress=bar.callback, features=feature
+        )
     counts = ", ".join(f"{k}: {v.num_records} records in {len(v.shards)} shards" for k, v in manifest.splits.items())
     typer.echo(f"indexed {path}: {counts}; features {', '.join(manifest.schema.names)}")
 

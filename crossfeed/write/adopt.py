@@ -22,7 +22,7 @@ from crossfeed.format import example as ex
 from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, check_name, loads, write_manifest
-from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema
+from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema, decode_value
 from crossfeed.write.writer import dataset_lock
 
 log = logging.getLogger(__name__)
@@ -132,10 +132,48 @@ def _image_shape(data) -> tuple:
         return (None, None, None)
 
 
+def parse_feature(spec: str) -> Feature:
+    """A declared feature ``NAME=ENCODING[:DTYPE[:SHAPE]]``, e.g. ``image=tensor:uint8:224,224,3``,
+    ``label=int64``, ``jpeg=image``, ``x=float:float32:32`` (``SHAPE``: comma-separated, ``?`` for a
+    dimension that varies, empty for a scalar)."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name or not rest:
+        raise ConfigError(
+            f"--feature {spec!r}: expected NAME=ENCODING[:DTYPE[:SHAPE]], e.g. image=tensor:uint8:224,224,3"
+        )
+    parts = rest.split(":")
+    if len(parts) > 3:
+        raise ConfigError(f"--feature {spec!r}: expected NAME=ENCODING[:DTYPE[:SHAPE]]")
+    try:
+        enc = Encoding(parts[0])
+    except ValueError:
+        raise ConfigError(
+            f"--feature {spec!r}: encoding {parts[0]!r} is not one of {', '.join(e.value for e in Encoding)}"
+        ) from None
+    default_dtype = {Encoding.INT64: "int64", Encoding.FLOAT: "float32", Encoding.IMAGE: "uint8"}.get(enc, "bytes")
+    dtype = parts[1] if len(parts) > 1 and parts[1] else default_dtype
+    if len(parts) > 2:
+        try:
+            shape = tuple(None if d.strip() == "?" else int(d) for d in parts[2].split(",") if d.strip())
+        except ValueError:
+            raise ConfigError(
+                f"--feature {spec!r}: SHAPE must be comma-separated integers or ?, got {parts[2]!r}"
+            ) from None
+    else:
+        shape = (None, None, None) if enc is Encoding.IMAGE else ((None,) if enc is Encoding.TENSOR else ())
+    if enc is Encoding.TENSOR and dtype == "bytes":
+        raise ConfigError(f"--feature {spec!r}: a tensor needs a dtype, e.g. {name}=tensor:uint8:224,224,3")
+    try:
+        return Feature(name, dtype, shape, enc)
+    except (SchemaError, ValueError, TypeError) as e:
+        raise ConfigError(f"--feature {spec!r}: {e}") from e
+
+
 class _Inference:
-    def __init__(self):
+    def __init__(self, declared: dict[str, Feature] | None = None):
         self.names: list[str] | None = None
         self.seen: dict[str, _Seen] = {}
+        self.declared = dict(declared or {})
 
     def add(self, payload, path: str, offset: int) -> None:
         where = f"{path}: record at byte offset {offset}"
@@ -154,7 +192,18 @@ class _Inference:
                 f"record to carry the same features (fill missing ones with empty lists)"
             )
         for k, (kind, region) in parsed.items():
-            self.seen[k].add(k, kind, region, where)
+            if k not in self.declared:
+                self.seen[k].add(k, kind, region, where)
+        for k, f in self.declared.items():  # a declared feature must fit every record
+            if k not in parsed:
+                raise SchemaError(f"{where} has no feature {k!r} (declared with --feature); it has {sorted(parsed)}")
+            try:
+                decode_value(f, parsed, decode_images=False)
+            except (SchemaError, ExampleError, ValueError) as e:
+                raise SchemaError(
+                    f"{where}: feature {k!r} does not fit its declaration {f.encoding.value} "
+                    f"{f.dtype}{list(f.shape)}: {e}"
+                ) from e
 
     def schema(self, old: Manifest | None) -> Schema:
         names = set(self.names or ())
@@ -164,7 +213,7 @@ class _Inference:
             }
             if expected == names:
                 return old.schema
-        return Schema(self.seen[k].feature(k) for k in sorted(names))
+        return Schema(self.declared[k] if k in self.declared else self.seen[k].feature(k) for k in sorted(names))
 
 
 def _index_shard(path: str, inference: _Inference) -> ShardInfo:
@@ -185,6 +234,7 @@ def index_dataset(
     split_from_name: bool = True,
     force: bool = False,
     progress: Callable[[int], None] | None = None,
+    features: dict | list | None = None,
 ) -> Manifest:
     """Adopt the TFRecord shards in directory ``path`` as a crossfeed dataset and return its manifest.
 
@@ -192,6 +242,11 @@ def index_dataset(
     ``<split>-SSSSS-of-NNNNN[...]``. With ``split_from_name`` the split comes from the latter
     pattern; other files (all files otherwise) go to ``split``. ``progress`` is called with the
     byte size of each shard once it is done. Refuses to replace a manifest unless ``force``.
+
+    ``features`` declares what some features' bytes are instead of inferring it: `Feature`s, specs
+    ``"NAME=ENCODING[:DTYPE[:SHAPE]]"`` (`parse_feature`), or a TensorFlow feature spec dict
+    (``tf.io.FixedLenFeature``/``VarLenFeature`` values, read by attribute: TensorFlow is not
+    imported). Every record is checked against the declarations (a misfit names shard and offset).
     """
     root = os.path.abspath(os.fspath(path))
     if not os.path.isdir(root):
@@ -220,7 +275,7 @@ def index_dataset(
     for n in names:
         s, i = split_of(n, split) if split_from_name else (split, 0)
         groups.setdefault(s, []).append((i, n))
-    inference = _Inference()
+    inference = _Inference(declared_features(features))
     splits = {}
     for s, members in sorted(groups.items()):
         shards = []
@@ -245,3 +300,40 @@ def index_dataset(
     with dataset_lock(root):
         write_manifest(root, manifest)
     return manifest
+
+
+def declared_features(features) -> dict[str, Feature]:
+    """``{name: Feature}`` from `index_dataset`'s ``features`` argument (see there)."""
+    if not features:
+        return {}
+    if isinstance(features, dict):
+        return {
+            name: _from_tf_spec(name, spec)
+            if not isinstance(spec, (Feature, str))
+            else (parse_feature(f"{name}={spec}") if isinstance(spec, str) else spec)
+            for name, spec in features.items()
+        }
+    out = {}
+    for f in features:
+        f = parse_feature(f) if isinstance(f, str) else f
+        if not isinstance(f, Feature):
+            raise ConfigError(f"features: expected a Feature or 'NAME=ENCODING[:DTYPE[:SHAPE]]', got {f!r}")
+        out[f.name] = f
+    return out
+
+
+def _from_tf_spec(name: str, spec) -> Feature:
+    """A ``tf.io.FixedLenFeature``/``VarLenFeature`` (duck-typed: ``dtype``, ``shape``) as a Feature."""
+    dtype = getattr(getattr(spec, "dtype", None), "name", None)
+    if dtype is None:
+        raise ConfigError(f"features[{name!r}]: expected a tf.io.FixedLenFeature/VarLenFeature or a spec string")
+    shape = getattr(spec, "shape", None)
+    fixed = shape is not None and type(spec).__name__ == "FixedLenFeature"
+    dims = tuple(int(d) for d in shape) if fixed else (None,)
+    if dtype == "string":
+        return Feature(name, "bytes", dims if fixed else (None,), Encoding.BYTES)
+    if dtype == "int64":
+        return Feature(name, "int64", dims, Encoding.INT64)
+    if dtype == "float32":
+        return Feature(name, "float32", dims, Encoding.FLOAT)
+    raise ConfigError(f"features[{name!r}]: a tf.train.Example holds bytes, int64 or float32, not {dtype}")
