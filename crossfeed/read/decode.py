@@ -101,20 +101,21 @@ class RecordDecoder:
         payloads = frames.as_payloads()
         return self._generic(payloads, where, on_error)
 
-    def parse(self, payload, where: str) -> dict:
-        """One record's values (images undecoded); errors name the record."""
+    def parse(self, payload, where: Callable[[], str]) -> dict:
+        """One record's values (images undecoded); errors name the record (``where()`` is only
+        called then: naming a record costs an index lookup)."""
         try:
             parsed = ex.decode(payload)
             return {f.name: decode_value(f, parsed, decode_images=False) for f in self.features}
         except (SchemaError, ExampleError) as e:
-            raise type(e)(f"{where}: {e}") from e
+            raise type(e)(f"{where()}: {e}") from e
 
     # -- generic ------------------------------------------------------------------------------
     def _generic(self, payloads, where, on_error):
         samples, kept = [], []
         for i, p in enumerate(payloads):
             try:
-                samples.append(self.parse(p, where(i)))
+                samples.append(self.parse(p, lambda i=i: where(i)))
                 kept.append(i)
             except (SchemaError, ExampleError) as e:
                 if on_error is None:
@@ -125,7 +126,7 @@ class RecordDecoder:
         for f in self.features:
             vals = [s[f.name] for s in samples]
             if f.encoding is Encoding.IMAGE and self.decode_images:
-                vals, bad, whole = self._images(vals, f, [where(i) for i in kept], on_error)
+                vals, bad, whole = self._images(vals, f, lambda j, kept=kept: where(kept[j]), on_error)
                 if bad:
                     keep = [j for j in range(len(vals)) if j not in bad]
                     kept_arr = kept_arr[keep]
@@ -140,7 +141,7 @@ class RecordDecoder:
             batch[f.name] = collate(vals, alloc=self._recycler.empty)
         return batch, kept_arr
 
-    def _images(self, datas, f, wheres, on_error):
+    def _images(self, datas, f, where, on_error):
         """``(arrays, bad positions, whole)``: ``whole`` is the batch array when every image was
         decoded straight into its row of it (JPEGs of one RGB size, the common case), else None."""
         whole = self._image_batch(datas)
@@ -152,7 +153,7 @@ class RecordDecoder:
                     return whole[j]
                 return decode_image(data, f)
             except SchemaError as e:
-                return SchemaError(f"{wheres[j]}: {e}")
+                return SchemaError(f"{where(j)}: {e}")
 
         results = list(map(one, enumerate(datas)))
         bad = set()
@@ -254,7 +255,7 @@ class ColumnarDecoder(RecordDecoder):
     def _parse_into(self, group, out, pos: np.ndarray, where, on_error, bad: list[int]) -> None:
         for j, p in zip(pos.tolist(), group):
             try:
-                vals = self.parse(p, where(j))
+                vals = self.parse(p, lambda j=j: where(j))
             except (SchemaError, ExampleError) as e:
                 if on_error is None:
                     raise
