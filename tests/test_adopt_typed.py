@@ -36,20 +36,17 @@ def _raw_shards(root, n=20, side=8):
     return images
 
 
+def _index(path, *features: str) -> subprocess.CompletedProcess:
+    """``crossfeed index PATH --feature F …`` through the real entry point."""
+    cmd = [sys.executable, "-m", "crossfeed.cli.main", "index", str(path)]
+    for f in features:
+        cmd += ["--feature", f]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
 def test_declared_tensors_come_out_as_arrays_through_the_cli(tmp_path):
     images = _raw_shards(tmp_path / "d")
-    cmd = [
-        sys.executable,
-        "-m",
-        "crossfeed.cli.main",
-        "index",
-        str(tmp_path / "d"),
-        "--feature",
-        "image=tensor:uint8:8,8,3",
-        "--feature",
-        "label=int64",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = _index(tmp_path / "d", "image=tensor:uint8:8,8,3", "label=int64")
     assert out.returncode == 0, out.stderr
     ds = crossfeed.open_dataset(tmp_path / "d")
     assert ds.schema["image"] == crossfeed.Feature("image", "uint8", (8, 8, 3), crossfeed.Encoding.TENSOR)
@@ -62,16 +59,7 @@ def test_declared_tensors_come_out_as_arrays_through_the_cli(tmp_path):
 
 def test_a_declaration_that_does_not_fit_names_the_record(tmp_path):
     _raw_shards(tmp_path / "d")
-    cmd = [
-        sys.executable,
-        "-m",
-        "crossfeed.cli.main",
-        "index",
-        str(tmp_path / "d"),
-        "--feature",
-        "image=tensor:uint8:8,8,4",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = _index(tmp_path / "d", "image=tensor:uint8:8,8,4")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "train-00000-of-00002.tfrecord: record at byte offset 0" in out.stderr and "'image'" in out.stderr
     assert not (tmp_path / "d" / "crossfeed.json").exists()

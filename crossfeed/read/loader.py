@@ -67,13 +67,7 @@ class SourceReader:
             tick("decode")
         if len(frames.indices) == len(indices):
             return batch, kept
-        return batch, np.searchsorted(indices, frames.indices[kept]) if _sorted(indices) else _positions(
-            indices, frames.indices[kept]
-        )
-
-
-def _sorted(a: np.ndarray) -> bool:
-    return bool(len(a) < 2 or (a[1:] > a[:-1]).all())
+        return batch, _positions(indices, frames.indices[kept])  # bad records were skipped (rare)
 
 
 def _positions(indices: np.ndarray, kept_values: np.ndarray) -> np.ndarray:
@@ -407,7 +401,7 @@ class Loader:
     def _prefetching(self, plan: Plan, ahead: int = 16) -> Iterator[np.ndarray]:
         """The plan's batches, telling the prefetcher which remote shards the batch ``ahead``
         batches later needs (the plan knows the future: downloads run ahead of use)."""
-        ids = list(plan.batch_ids())
+        ids = plan.batch_ids()  # a range: sliced lazily, never a list of every batch
         for i, b in enumerate(ids):
             for k in ids[i + (ahead if i else 0) : i + ahead + 1]:  # the first time: the whole lookahead
                 self._want(plan.batch(k))

@@ -136,8 +136,7 @@ def bench_loader(
             if done >= batches:
                 break
         seconds = time.perf_counter() - t1
-        ids = list(plan.batch_ids())
-        delivered = np.concatenate([plan.batch(b) for b in ids[:done]]) if done else np.zeros(0, np.int64)
+        delivered = np.concatenate([plan.batch(b) for b in plan.batch_ids()[:done]]) if done else np.zeros(0, np.int64)
         nbytes = _record_bytes(loader, delivered)
         stages = _stage_times(loader, plan, stage_batches or min(batches, 20))
         notes = []

@@ -59,21 +59,6 @@ class Storage:
                 f"{where}: shard file is missing; restore it or rebuild with `crossfeed index`"
             ) from e
 
-    def read_chunks(self, rel: str, chunk: int = 8 << 20):
-        """The file's bytes in chunks of up to ``chunk`` bytes (remote: one streaming read)."""
-        where = self.url(rel)
-        try:
-            with self._fs.open(where, "rb", block_size=chunk) if self.remote else open(where, "rb") as f:
-                while True:
-                    data = f.read(chunk)
-                    if not data:
-                        return
-                    yield data
-        except FileNotFoundError as e:
-            raise DatasetNotFoundError(
-                f"{where}: shard file is missing; restore it or rebuild with `crossfeed index`"
-            ) from e
-
     def read_range(self, rel: str, start: int, stop: int) -> bytes:
         return self._fs.cat_file(self.url(rel), start=start, end=stop)
 
