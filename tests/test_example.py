@@ -354,3 +354,24 @@ def test_write_dataset_errors_and_stats_unchanged(tmp_path):
     assert list(got) == list(want)
     for k in want:
         assert repr(got[k]) == repr(want[k]), k
+
+
+@pytest.mark.parametrize("values", [[0], [5], [127], [128], [-1], [2**63 - 1], [-(2**63)], [], [1, 2]])
+def test_scalar_value_agrees_with_the_list_parsers(values):
+    """The scalar fast path reads packed and unpacked int64 lists and both float forms exactly as
+    the general parsers do, and declines (None) anything that is not exactly one value."""
+    unsigned = [v & (2**64 - 1) for v in values]
+    packed = b"".join(ex.varint(v) for v in unsigned)
+    int_regions = [b"\x0a" + ex.varint(len(packed)) + packed, b"".join(b"\x08" + ex.varint(v) for v in unsigned)]
+    floats = np.asarray(values[:2], np.float32) / 3
+    float_regions = [
+        b"\x0a" + ex.varint(4 * len(floats)) + floats.tobytes(),
+        b"".join(b"\x0d" + f.tobytes() for f in floats),
+    ]
+    for kind, regions, parse in ((ex.INT64, int_regions, ex.int64_values), (ex.FLOAT, float_regions, ex.float_values)):
+        for region in regions:
+            got, want = ex.scalar_value(kind, memoryview(region)), parse(memoryview(region))
+            if len(want) == 1:
+                assert got == want[0] and got.dtype == want.dtype
+            else:
+                assert got is None

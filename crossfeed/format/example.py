@@ -258,6 +258,33 @@ def int64_values(region) -> np.ndarray:
 _KIND_DECODERS = {BYTES: bytes_values, FLOAT: float_values, INT64: int64_values}
 
 
+def scalar_value(kind: int, region):
+    """The one value of an int64 or float list region as a numpy scalar, or None when the
+    region holds another count or form (the general parsers then decide). The common case of a
+    scalar feature — a label — without building a list."""
+    n = len(region)
+    if n < 2:
+        return None
+    tag = region[0]
+    if kind == INT64:
+        if tag == 0x0A:  # packed
+            size, pos = read_varint(region, 1, n)
+            if size == 0 or pos + size != n:
+                return None
+            v, pos = read_varint(region, pos, n)
+        elif tag == 0x08:
+            v, pos = read_varint(region, 1, n)
+        else:
+            return None
+        return np.int64(_signed(v)) if pos == n else None
+    if kind == FLOAT:
+        if tag == 0x0A and n == 6 and region[1] == 4:
+            return np.frombuffer(region, dtype="<f4", count=1, offset=2)[0]
+        if tag == 0x0D and n == 5:
+            return np.frombuffer(region, dtype="<f4", count=1, offset=1)[0]
+    return None
+
+
 def kind_values(kind: int, region):
     """Values of one feature's list message; an empty feature (``kind == 0``) gives ``[]``."""
     if kind == 0:

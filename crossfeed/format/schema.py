@@ -18,6 +18,7 @@ bytes      bytes_list              ``bytes``/``str`` (dtype "bytes"/"string"), o
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -183,8 +184,8 @@ def shape_fits(shape, pattern) -> bool:
     return len(shape) == len(pattern) and all(p is None or p == s for s, p in zip(shape, pattern))
 
 
-def decode_value(f: Feature, parsed: dict, *, decode_images: bool = True):
-    """One feature's value from ``example.decode`` output."""
+def _region(f: Feature, parsed: dict) -> tuple[int, memoryview]:
+    """``(kind, list region)`` of feature ``f`` in ``example.decode`` output, kind checked."""
     if f.name not in parsed:
         raise SchemaError(f"record has no feature {f.name!r}; it has {sorted(parsed)}")
     kind, region = parsed[f.name]
@@ -194,6 +195,24 @@ def decode_value(f: Feature, parsed: dict, *, decode_images: bool = True):
         raise SchemaError(
             f"feature {f.name!r} is a {ex.KIND_NAMES[kind]} in the record, the schema expects {f.encoding.value}"
         )
+    return kind, region
+
+
+def encoded_image(f: Feature, parsed: dict) -> memoryview | bytes:
+    """The encoded bytes of image feature ``f`` as a view into the record (no copy; ``b""`` for
+    an empty feature, which fails to decode with a clear error)."""
+    kind, region = _region(f, parsed)
+    vals = ex.kind_values(kind, region)
+    return vals[0] if len(vals) == 1 else b""
+
+
+def decode_value(f: Feature, parsed: dict, *, decode_images: bool = True):
+    """One feature's value from ``example.decode`` output."""
+    kind, region = _region(f, parsed)
+    if kind and f.shape == () and f.encoding in (Encoding.INT64, Encoding.FLOAT):
+        v = ex.scalar_value(kind, region)
+        if v is not None:
+            return v
     vals = ex.kind_values(kind, region)
     if f.encoding is Encoding.TENSOR:
         if len(vals) != 1:
@@ -224,7 +243,7 @@ def decode_value(f: Feature, parsed: dict, *, decode_images: bool = True):
         return items
     arr = np.asarray(vals, dtype=np.int64 if f.encoding is Encoding.INT64 else np.float32)
     if f.fixed:
-        if arr.size != int(np.prod(f.shape, dtype=np.int64)):
+        if arr.size != math.prod(f.shape):
             raise SchemaError(f"feature {f.name!r} holds {arr.size} values, the schema says shape {list(f.shape)}")
         return arr.reshape(f.shape)
     return arr

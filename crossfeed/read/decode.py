@@ -36,7 +36,7 @@ try:  # libjpeg-turbo decoding straight into numpy; Pillow is the fallback
 except ImportError:  # pragma: no cover - simplejpeg is a core dependency
     _simplejpeg = None
 
-from crossfeed.format.schema import Encoding, Feature, decode_image, decode_value
+from crossfeed.format.schema import Encoding, Feature, decode_image, decode_value, encoded_image
 from crossfeed.read.frame_reader import Frames
 from crossfeed.read.layout import Layout, fixed_dtype
 
@@ -90,6 +90,8 @@ class RecordDecoder:
         self.features = tuple(features)
         self._recycler = _Recycler(recycle)
         self.decode_images = decode_images
+        # images this decoder decodes are taken as views into the record (no copy of the bytes)
+        self._views = {f.name for f in self.features if f.encoding is Encoding.IMAGE and decode_images}
 
     def __call__(
         self,
@@ -102,11 +104,17 @@ class RecordDecoder:
         return self._generic(payloads, where, on_error)
 
     def parse(self, payload, where: Callable[[], str]) -> dict:
-        """One record's values (images undecoded); errors name the record (``where()`` is only
-        called then: naming a record costs an index lookup)."""
+        """One record's values (images undecoded: ``bytes``, or a view into the record when this
+        decoder decodes them itself); errors name the record (``where()`` is only called then:
+        naming a record costs an index lookup)."""
         try:
             parsed = ex.decode(payload)
-            return {f.name: decode_value(f, parsed, decode_images=False) for f in self.features}
+            return {
+                f.name: encoded_image(f, parsed)
+                if f.name in self._views
+                else decode_value(f, parsed, decode_images=False)
+                for f in self.features
+            }
         except (SchemaError, ExampleError) as e:
             raise type(e)(f"{where()}: {e}") from e
 
@@ -138,7 +146,10 @@ class RecordDecoder:
                 if whole is not None:  # every image was decoded straight into its row
                     batch[f.name] = whole
                     continue
-            batch[f.name] = collate(vals, alloc=self._recycler.empty)
+            if f.shape == () and f.encoding in (Encoding.INT64, Encoding.FLOAT):  # numpy scalars
+                batch[f.name] = np.array(vals, dtype=fixed_dtype(f))
+            else:
+                batch[f.name] = collate(vals, alloc=self._recycler.empty)
         return batch, kept_arr
 
     def _images(self, datas, f, where, on_error):
@@ -151,7 +162,7 @@ class RecordDecoder:
             try:
                 if whole is not None and self._jpeg_into(data, whole[j]):
                     return whole[j]
-                return decode_image(data, f)
+                return decode_image(data if isinstance(data, bytes) else bytes(data), f)
             except SchemaError as e:
                 return SchemaError(f"{where(j)}: {e}")
 
