@@ -53,7 +53,10 @@ class SourceReader:
     ):
         # batch arrays the consumer has dropped are reused: at most this many are in flight
         self.decoder = make_decoder(
-            features, decode_images=read.decode_images, recycle=read.num_threads + read.prefetch + 4
+            features,
+            decode_images=read.decode_images,
+            recycle=read.num_threads + read.prefetch + 4,
+            shard_format=split.info.format,
         )
         self.frames = FrameReader(split, whole_shards=whole_shards, keep_loaded=keep_loaded, cache=cache)
         self.frames.rows = self.decoder.columnar and self.frames.small_records()
