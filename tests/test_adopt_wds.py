@@ -320,3 +320,18 @@ def test_manifest_split_format_is_validated(wds_dir, tmp_path):
     (root / MANIFEST).write_text(json.dumps(d))
     with pytest.raises(ManifestError, match=r"splits\.train\.format: unknown shard format 'zip'"):
         crossfeed.open_dataset(root)
+
+
+def test_mixtures_of_tar_sources_and_not_of_tar_with_tfrecord(wds_dir, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    _write_plain_tar(other, [(f"k{i}.cls", str(100 + i).encode()) for i in range(5)])
+    index_dataset(other)
+    mix = [crossfeed.Source(wds_dir), crossfeed.Source(other)]
+    with Loader(mix, batch_size=4, shuffle="global", seed=0, features=["cls"], samples_per_epoch=28) as loader:
+        labels = [c for b in loader for c in b["cls"].tolist()]
+    assert len(labels) == 28 and any(c >= 100 for c in labels) and any(c < 7 for c in labels)
+    tf = tmp_path / "tf"
+    crossfeed.write_dataset(tf, [{"cls": i} for i in range(5)])
+    with pytest.raises(crossfeed.ConfigError, match="one shard format"):
+        Loader([crossfeed.Source(wds_dir), crossfeed.Source(tf)], batch_size=4, features=["cls"], samples_per_epoch=8)

@@ -40,6 +40,8 @@ _SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta
 _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 _REGULAR = (b"0", b"\0", b"7")
 _NPY_MAGIC = b"\x93NUMPY"
+_ZERO = bytes(BLOCK)
+_NPY_HEADERS: dict[bytes, tuple] = {}  # parsed .npy headers by their text: a dataset's arrays share a few
 
 
 def is_tar_name(name: str) -> bool:
@@ -84,17 +86,16 @@ def _octal(field: bytes, what: str, path: str, offset: int) -> int:
         raise CorruptRecordError(path, offset, f"tar header's {what} field {bytes(field)!r} is not octal") from None
 
 
-def header_ok(block) -> bool:
+def header_ok(block: bytes) -> bool:
     """Whether a 512-byte header's checksum matches (unsigned sum, or the signed one old tars wrote)."""
-    a = np.frombuffer(block, dtype=np.uint8)
     try:
-        stored = int(bytes(block[148:156]).split(b"\0", 1)[0].strip() or b"-1", 8)
+        stored = int(block[148:156].split(b"\0", 1)[0].strip() or b"-1", 8)
     except ValueError:
         return False
-    unsigned = int(a.sum()) - int(a[148:156].sum()) + 8 * 32
+    unsigned = sum(block) - sum(block[148:156]) + 8 * 32
     if stored == unsigned:
         return True
-    s = a.view(np.int8)
+    s = np.frombuffer(block, dtype=np.int8)
     return stored == int(s.sum()) - int(s[148:156].sum()) + 8 * 32
 
 
@@ -113,8 +114,8 @@ def members(buf, start: int, end: int, path: str, base: int = 0) -> Iterator[Mem
             raise CorruptRecordError(
                 path, base + pos, f"a tar header needs 512 bytes, {end - pos} are left: truncated tar"
             )
-        block = view[pos : pos + BLOCK]
-        if not any(block):  # end of archive: only zero blocks (and padding) may follow
+        block = bytes(view[pos : pos + BLOCK])
+        if block == _ZERO:  # end of archive: only zero blocks (and padding) may follow
             rest = view[pos:end]
             if rest.tobytes().count(0) != len(rest):
                 raise CorruptRecordError(
@@ -125,13 +126,13 @@ def members(buf, start: int, end: int, path: str, base: int = 0) -> Iterator[Mem
             raise CorruptRecordError(
                 path, base + pos, "tar header checksum mismatch: the header is damaged (re-create or restore the tar)"
             )
-        size = _octal(bytes(block[124:136]), "size", path, base + pos)
+        size = _octal(block[124:136], "size", path, base + pos)
         if "size" in pax:
             try:
                 size = int(pax["size"])
             except ValueError:
                 raise CorruptRecordError(path, base + pos, f"pax size {pax['size']!r} is not a number") from None
-        kind = bytes(block[156:157])
+        kind = block[156:157]
         data = pos + BLOCK
         if data + size > end:
             raise CorruptRecordError(
@@ -152,8 +153,8 @@ def members(buf, start: int, end: int, path: str, base: int = 0) -> Iterator[Mem
         elif "path" in pax:
             name = pax["path"]
         else:
-            name = bytes(block[0:100]).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            prefix = bytes(block[345:500]).split(b"\0", 1)[0] if bytes(block[257:262]) == b"ustar" else b""
+            name = block[0:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            prefix = block[345:500].split(b"\0", 1)[0] if block[257:262] == b"ustar" else b""
             if prefix:
                 name = prefix.decode("utf-8", "surrogateescape") + "/" + name
         yield Member(name, first, data, size, kind in _REGULAR)
@@ -179,9 +180,13 @@ def _pax(body: bytes, path: str, offset: int) -> dict[str, str]:
     return out
 
 
-def in_sample(m: Member) -> bool:
-    """Whether an entry belongs to a sample (webdataset's rule: regular, not ``__…__``, has a key)."""
-    return m.regular and not _SKIP_META.match(m.name) and split_key(m.name)[0] is not None
+def sample_key(m: Member) -> tuple[str, str] | None:
+    """``(key, extension)`` of an entry that belongs to a sample, else None (webdataset's rule:
+    regular files only, ``__…__`` names skipped, a name without a dot has no key)."""
+    if not m.regular or _SKIP_META.match(m.name):
+        return None
+    key, ext = split_key(m.name)
+    return None if key is None else (key, ext)
 
 
 def sample_ranges(buf, path: str, on_sample: Callable[[str, dict[str, Member]], None]) -> list[tuple[int, int]]:
@@ -192,9 +197,10 @@ def sample_ranges(buf, path: str, on_sample: Callable[[str, dict[str, Member]], 
     starts, samples = [], []
     key, current = None, {}
     for m in members(buf, 0, size, path):
-        if not in_sample(m):
+        got = sample_key(m)
+        if got is None:
             continue
-        k, ext = split_key(m.name)
+        k, ext = got
         if k != key:
             if current:
                 samples.append((key, current))
@@ -231,9 +237,10 @@ def read_sample(buf, offset: int, length: int, path: str, base: int = 0) -> dict
     out: dict[str, memoryview] = {}
     key = None
     for m in members(buf, offset, offset + length, path, base):
-        if not in_sample(m):
+        got = sample_key(m)
+        if got is None:
             continue
-        k, ext = split_key(m.name)
+        k, ext = got
         if key is None:
             key = k
         elif k != key:
@@ -265,8 +272,12 @@ def npy_header(data) -> tuple[np.dtype, tuple[int, ...], bool, int]:
         n, at = int.from_bytes(head[8:12], "little"), 12
     else:
         raise SchemaError(f".npy format version {major} is not supported")
+    text = bytes(data[at : at + n])
+    got = _NPY_HEADERS.get(text)
+    if got is not None:
+        return got
     try:
-        d = ast.literal_eval(bytes(data[at : at + n]).decode("latin1"))
+        d = ast.literal_eval(text.decode("latin1"))
         dtype = np.dtype(d["descr"])
         shape = tuple(int(x) for x in d["shape"])
         fortran = bool(d["fortran_order"])
@@ -274,7 +285,10 @@ def npy_header(data) -> tuple[np.dtype, tuple[int, ...], bool, int]:
         raise SchemaError(f"malformed .npy header ({e})") from e
     if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biufc":
         raise SchemaError(f".npy dtype {dtype} is not a plain numeric dtype")
-    return dtype, shape, fortran, at + n
+    got = (dtype, shape, fortran, at + n)
+    if len(_NPY_HEADERS) < 1024:
+        _NPY_HEADERS[text] = got
+    return got
 
 
 def npy_array(data) -> np.ndarray:
