@@ -17,15 +17,17 @@ import tarfile
 import numpy as np
 import pytest
 import webdataset as wds
+from loader_helpers import assert_resumes_identically, epoch_batches
+from net_helpers import FAST_HB, child, read_endpoint, stop
 from PIL import Image
 from skimage import data as skdata
 
 import crossfeed
 from crossfeed.errors import CorruptRecordError, ManifestError, SchemaError
 from crossfeed.format.manifest import MANIFEST
+from crossfeed.net import connect
 from crossfeed.read.loader import INDEX_KEY, Loader
 from crossfeed.write.adopt import index_dataset
-from tests.loader_helpers import assert_resumes_identically, epoch_batches
 
 N = 23  # samples; 4 per shard → 6 shards, the last one short
 
@@ -335,3 +337,60 @@ def test_mixtures_of_tar_sources_and_not_of_tar_with_tfrecord(wds_dir, tmp_path)
     crossfeed.write_dataset(tf, [{"cls": i} for i in range(5)])
     with pytest.raises(crossfeed.ConfigError, match="one shard format"):
         Loader([crossfeed.Source(wds_dir), crossfeed.Source(tf)], batch_size=4, features=["cls"], samples_per_epoch=8)
+
+
+def test_remote_tars_by_range_reads_and_whole_shards(wds_dir):
+    """The same tars behind an fsspec URL: global shuffle reads samples by range, block shuffle
+    loads shards whole; both give the local Loader's batches."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for n in os.listdir(wds_dir):
+        fs.pipe(f"/wds-remote/{n}", (wds_dir / n).read_bytes())
+    kw = dict(batch_size=5, seed=4, features=["cls", "npy", "txt"], return_index=True)
+    for shuffle in ("global", "block"):
+        with Loader(wds_dir, shuffle=shuffle, **kw) as a, Loader("memory://wds-remote", shuffle=shuffle, **kw) as b:
+            for x, y in zip(a, b, strict=True):
+                assert x[INDEX_KEY].tolist() == y[INDEX_KEY].tolist() and list(x["txt"]) == list(y["txt"])
+                np.testing.assert_array_equal(x["cls"], y["cls"])
+
+
+@pytest.mark.timeout(90)
+def test_serve_streams_tar_samples(wds_dir, tmp_path):
+    ep = tmp_path / "ep"
+    proc = child(
+        "cli", "serve", str(wds_dir), "tcp://127.0.0.1:0", "--batch-size", "5", "--epochs", "1",
+        "--heartbeat-interval", "0.1", "--heartbeat-timeout", "2", "--endpoint-file", str(ep),
+        log=tmp_path / "serve.log",
+    )  # fmt: skip
+    try:
+        with connect(read_endpoint(ep, procs=[proc]), with_meta=True, **FAST_HB) as client:
+            got = [(m.sample_ids.tolist(), b["cls"].tolist(), list(b["txt"])) for m, b in client]
+        assert proc.wait(30) == 0, (tmp_path / "serve.log").read_text()
+    finally:
+        stop(proc)
+    assert sorted(i for ids, _, _ in got for i in ids) == list(range(N))
+    for ids, cls, txt in got:
+        assert cls == [i % 7 for i in ids] and txt == [f"photo {i} ünïcode" for i in ids]
+
+
+def test_npy_members_of_any_byte_order_and_memory_order(tmp_path):
+    """Arrays saved big-endian or Fortran-ordered come back equal to ``np.load`` of the member."""
+    root = tmp_path / "d"
+    root.mkdir()
+    arrays = [np.arange(12, dtype=">f4").reshape(3, 4) * i for i in range(3)]
+    arrays[1] = np.asfortranarray(arrays[1])
+
+    def npy(a):
+        b = io.BytesIO()
+        np.save(b, a)
+        return b.getvalue()
+
+    _write_plain_tar(root, [(f"k{i}.npy", npy(a)) for i, a in enumerate(arrays)])
+    index_dataset(root)
+    assert crossfeed.open_dataset(root).schema["npy"].dtype == "float32"
+    with Loader(root, batch_size=3, shuffle="none") as loader:
+        got = next(iter(loader))["npy"]
+    assert got.dtype == np.float32 and got.shape == (3, 3, 4)
+    for a, g in zip(arrays, got):
+        np.testing.assert_array_equal(g, np.load(io.BytesIO(npy(a))))
