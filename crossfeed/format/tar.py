@@ -194,7 +194,7 @@ def sample_ranges(buf, path: str, on_sample: Callable[[str, dict[str, Member]], 
     ranges tile the file); ``on_sample(key, {extension: member})`` sees each sample in order.
     A duplicate extension within a sample is an error naming the member."""
     size = len(memoryview(buf))
-    starts, samples = [], []
+    starts: list[int] = []
     key, current = None, {}
     for m in members(buf, 0, size, path):
         got = sample_key(m)
@@ -203,7 +203,7 @@ def sample_ranges(buf, path: str, on_sample: Callable[[str, dict[str, Member]], 
         k, ext = got
         if k != key:
             if current:
-                samples.append((key, current))
+                on_sample(key, current)
             key, current = k, {}
             starts.append(m.start)
         if ext in current:
@@ -213,9 +213,7 @@ def sample_ranges(buf, path: str, on_sample: Callable[[str, dict[str, Member]], 
             )
         current[ext] = m
     if current:
-        samples.append((key, current))
-    for k, group in samples:
-        on_sample(k, group)
+        on_sample(key, current)
     if starts:
         starts[0] = 0
     bounds = [*starts, size]

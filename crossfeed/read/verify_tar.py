@@ -9,7 +9,6 @@ header compared with the index entries, and every sample's members against the s
 
 from __future__ import annotations
 
-import logging
 import os
 import stat
 from collections.abc import Callable
@@ -22,8 +21,6 @@ from crossfeed.format.schema import Schema
 from crossfeed.read.storage import Storage
 from crossfeed.read.verify import Problem
 from crossfeed.write.adopt import file_sha256, open_stream
-
-log = logging.getLogger(__name__)
 
 CANNOT = "tar has no payload checksums: member data is checked only by each shard's sha256"
 
