@@ -215,7 +215,7 @@ def _tree_members() -> list[tuple[str, bytes]]:
     return out
 
 
-@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT])
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
 def test_python_tarfile_tars_match_webdataset(tmp_path, fmt):
     root = tmp_path / "d"
     root.mkdir()

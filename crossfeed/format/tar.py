@@ -329,7 +329,9 @@ def image_shape(data) -> tuple:
 
 
 def widen(old: Feature, new: Feature) -> Feature:
-    """One feature covering both: dimensions that differ become ``None``; kinds must agree."""
+    """One feature covering both: dimensions that differ become ``None``; kinds must agree.
+    (Unlike `crossfeed.format.schema.widen`, tensor shapes may vary: each npy member's header
+    carries its own shape, where a TFRecord needs a ``/shape`` feature.)"""
     if old == new:
         return old
     if old.encoding != new.encoding or old.dtype != new.dtype or len(old.shape) != len(new.shape):
