@@ -151,6 +151,8 @@ def _resolve(ds: Dataset, opts: TFOptions, *, state, loader_options) -> Engine:
         )
         if on
     ]
+    if ds[opts.split].info.format != "tfrecord":  # tar shards read in place: TFRecordDataset cannot
+        wants_plan.append(f"{ds[opts.split].info.format} shards")
     if opts.engine is Engine.NATIVE:
         if wants_plan:
             raise ConfigError(f"engine='native' cannot honour {', '.join(wants_plan)}; use engine='plan'")

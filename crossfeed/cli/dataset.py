@@ -19,7 +19,12 @@ SplitOpt = Annotated[str | None, typer.Option("--split", "-s", help="Only this s
 
 
 def index(
-    path: Annotated[str, typer.Argument(help="Directory of TFRecord shards (plain or GZIP) written by any tool.")],
+    path: Annotated[
+        str,
+        typer.Argument(
+            help="Directory of TFRecord shards (plain or GZIP) or WebDataset .tar shards, written by any tool."
+        ),
+    ],
     split: Annotated[
         str,
         typer.Option(
@@ -50,7 +55,7 @@ def index(
     from crossfeed.write.adopt import index_dataset, is_shard_name
 
     total = (
-        sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if is_shard_name(n))
+        sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if is_shard_name(n) or n.endswith(".tar"))
         if os.path.isdir(path)
         else 0
     )
@@ -108,6 +113,7 @@ def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
         total = sum(ds.splits[n].num_bytes for n in names)
         records = sum(ds.splits[n].num_records for n in names)
         shards = sum(len(ds.splits[n].shards) for n in names)
+        tar_splits = [n for n in names if ds.splits[n].format == "tar"]
     with Progress() as progress:
         bar = progress.phase("verifying", total=total, unit="bytes")
         problems = verify_dataset(dataset, split=split, progress=bar.callback)
@@ -118,6 +124,10 @@ def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
         typer.echo(f"{len(problems)} problems in {bad} of {shards} shards", err=True)
         raise typer.Exit(1)
     typer.echo(f"ok: {records:,} records in {shards} shards ({_size(total)}) verified")
+    if tar_splits:
+        from crossfeed.read.verify_tar import CANNOT
+
+        typer.echo(f"note: {CANNOT} (tar headers checked)", err=True)
 
 
 def head(

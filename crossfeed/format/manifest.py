@@ -34,6 +34,7 @@ MAX_RANK = 32
 MAX_DIM = 1 << 40
 MAX_BYTES = 1 << 50
 MAX_INT = 1 << 62
+SPLIT_FORMATS = ("tfrecord", "tar")  # how a split's shards are laid out; "tfrecord" unless the manifest says
 _SHARD_RE = re.compile(r"^(?P<split>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})(?:\.g\d+)?\.tfrecord(?P<gz>\.gz)?$")
 
 
@@ -103,6 +104,7 @@ class SplitInfo:
     name: str
     shards: tuple[ShardInfo, ...]
     statistics: dict = field(default_factory=dict)
+    format: str = "tfrecord"  # one of SPLIT_FORMATS: TFRecord shards, or tar shards read in place
 
     @property
     def num_records(self) -> int:
@@ -136,6 +138,7 @@ class Manifest:
                     "num_bytes": s.num_bytes,
                     "shards": [sh.to_json() for sh in s.shards],
                     "statistics": s.statistics,
+                    **({"format": s.format} if s.format != "tfrecord" else {}),
                 }
                 for name, s in sorted(self.splits.items())
             },
@@ -322,7 +325,7 @@ class _Validator:
     def split(self, name: str, s, seen: dict) -> SplitInfo:
         at = f"splits.{name}"
         self.dict_(s, at)
-        unknown = set(s) - {"num_records", "num_bytes", "shards", "statistics"}
+        unknown = set(s) - {"num_records", "num_bytes", "shards", "statistics", "format"}
         if unknown:
             self.fail(f"{at}.{sorted(unknown)[0]}", "unknown field")
         items = s.get("shards")
@@ -331,7 +334,10 @@ class _Validator:
         if len(items) > MAX_SHARDS:
             self.fail(f"{at}.shards", f"{len(items)} shards, more than {MAX_SHARDS}")
         shards = tuple(self.shard(f"{at}.shards[{i}]", sh, seen) for i, sh in enumerate(items))
-        info = SplitInfo(name, shards, self.json_(s.get("statistics", {}), f"{at}.statistics"))
+        fmt = s.get("format", "tfrecord")
+        if fmt not in SPLIT_FORMATS:
+            self.fail(f"{at}.format", f"unknown shard format {_short(fmt)}; expected one of {list(SPLIT_FORMATS)}")
+        info = SplitInfo(name, shards, self.json_(s.get("statistics", {}), f"{at}.statistics"), fmt)
         for key in ("num_records", "num_bytes"):
             if key in s and self.int_(s[key], f"{at}.{key}") != getattr(info, key):
                 self.fail(f"{at}.{key}", f"says {s[key]}, its shards add up to {getattr(info, key)}")

@@ -21,7 +21,7 @@ from crossfeed.errors import (
 )
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
-from crossfeed.format import tfrecord
+from crossfeed.format import tar, tfrecord
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads
 from crossfeed.format.schema import Schema, SchemaError, decode_value
 from crossfeed.read.storage import ShardFile, Storage
@@ -179,8 +179,13 @@ class Split:
             ) from e
 
     def decode(self, shard: int, k: int, *, features=None, decode_images: bool = True) -> dict:
-        parsed = self.parse(shard, k)
         feats = self.schema if features is None else [self.schema[n] for n in features]
+        if self.info.format == tar.FORMAT:  # WebDataset tar shards, read in place
+            off, length = (int(x) for x in self.index(shard)[k])
+            sf = self._files[shard]
+            buf, base = sf.raw(off, length)
+            return tar.decode_sample(buf, off - base, length, sf.path, feats, decode_images=decode_images, base=base)
+        parsed = self.parse(shard, k)
         try:
             return {f.name: decode_value(f, parsed, decode_images=decode_images) for f in feats}
         except (SchemaError, ExampleError) as e:

@@ -71,10 +71,17 @@ class _Recycler:
             return a
 
 
-def make_decoder(features: Sequence[Feature], *, decode_images: bool = True, recycle: int = 8) -> RecordDecoder:
+def make_decoder(
+    features: Sequence[Feature], *, decode_images: bool = True, recycle: int = 8, shard_format: str = "tfrecord"
+) -> RecordDecoder:
     """The decoding strategy for ``features``, chosen once (see the module docstring). Up to
-    ``recycle`` large batch arrays are reused once their consumer has dropped them."""
+    ``recycle`` large batch arrays are reused once their consumer has dropped them. Tar shards
+    (``shard_format="tar"``) take `crossfeed.read.tar_decode.TarDecoder`."""
     features = tuple(features)
+    if shard_format == "tar":
+        from crossfeed.read.tar_decode import TarDecoder
+
+        return TarDecoder(features, decode_images=decode_images, recycle=recycle)
     columnar = all(f.fixed and f.encoding in (Encoding.TENSOR, Encoding.INT64, Encoding.FLOAT) for f in features)
     cls = ColumnarDecoder if columnar and features else RecordDecoder
     return cls(features, decode_images=decode_images, recycle=recycle)

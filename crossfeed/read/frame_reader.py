@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from crossfeed.errors import CorruptRecordError
-from crossfeed.format import tfrecord
+from crossfeed.format import tar, tfrecord
 from crossfeed.format.frames import (
     FRAMING,
     bad_headers,
@@ -53,7 +53,7 @@ class Frames:
     """The checked payloads of one batch, in batch order.
 
     ``indices``: global sample indices of the records (under ``on_error`` the bad ones are gone).
-    Exactly one of ``payloads`` (a buffer per record) and ``rows`` (``[(positions, matrix)]``:
+    Exactly one of ``payloads`` (a buffer per record; ``{extension: buffer}`` per tar sample) and ``rows`` (``[(positions, matrix)]``:
     the ``(g, length)`` uint8 payloads of one length, at ``positions`` of the batch — None: all
     of them, in order) is set.
     """
@@ -122,6 +122,8 @@ class FrameReader:
         indices = np.asarray(indices, dtype=np.int64)
         if not len(indices):
             return Frames(indices, payloads=[])
+        if self.split.info.format == tar.FORMAT:
+            return self._tar_samples(indices, on_error)
         shard = np.searchsorted(self.split.starts, indices, side="right") - 1
         s0 = int(shard[0])
         if shard[-1] == s0 and (shard == s0).all():
@@ -246,6 +248,21 @@ class FrameReader:
             o, n = (int(x) for x in self.split.index(s)[int(indices[j]) - int(self.split.starts[s])])
             f = self.split.file(s)
             return tfrecord.unframe(self._buffer(s), o, n, f.path) if self._in_memory(f) else f.record(o, n)
+
+        return self._each(indices, read, on_error)
+
+    def _tar_samples(self, indices, on_error) -> Frames:
+        """Tar shards (`crossfeed.format.tar`): each sample as ``{extension: view}``, read from
+        its index range with every member header's checksum checked (tar has no payload checksum)."""
+        shard = np.searchsorted(self.split.starts, indices, side="right") - 1
+
+        def read(j: int):
+            s = int(shard[j])
+            o, n = (int(x) for x in self.split.index(s)[int(indices[j]) - int(self.split.starts[s])])
+            f = self.split.file(s)
+            buf = self._buffer(s)
+            buf, base = (buf, 0) if buf is not None else f.raw(o, n)
+            return tar.read_sample(buf, o - base, n, f.path, base)
 
         return self._each(indices, read, on_error)
 

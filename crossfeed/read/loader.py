@@ -53,7 +53,10 @@ class SourceReader:
     ):
         # batch arrays the consumer has dropped are reused: at most this many are in flight
         self.decoder = make_decoder(
-            features, decode_images=read.decode_images, recycle=read.num_threads + read.prefetch + 4
+            features,
+            decode_images=read.decode_images,
+            recycle=read.num_threads + read.prefetch + 4,
+            shard_format=split.info.format,
         )
         self.frames = FrameReader(split, whole_shards=whole_shards, keep_loaded=keep_loaded, cache=cache)
         self.frames.rows = self.decoder.columnar and self.frames.small_records()
@@ -89,6 +92,9 @@ class MixtureReader:
     decoded once — the sources agree on every feature's definition, so one decoder serves all."""
 
     def __init__(self, readers: list[SourceReader], starts: np.ndarray):
+        formats = [r.frames.split.info.format for r in readers]
+        if len(set(formats)) > 1:  # one decoder serves all: tar samples and TFRecords parse differently
+            raise ConfigError(f"a mixture's sources must share one shard format, got {formats}; mix like with like")
         self.readers, self.starts = readers, starts
         self.decoder = readers[0].decoder
         self.rows = all(r.frames.rows for r in readers)

@@ -132,6 +132,14 @@ class ShardFile:
                 raise CorruptRecordError(self.path, offset, e.reason) from None
         return tfrecord.unframe(self.load(), offset, length, self.path)
 
+    def raw(self, offset: int, length: int) -> tuple:
+        """``(buffer, base)``: a buffer holding the plain bytes ``[offset, offset + length)`` of
+        the shard (tar samples: no framing) at ``offset - base`` — the loaded stream (``base``
+        0), or one range read of a remote file not loaded whole (``base`` = ``offset``)."""
+        if self._buf is None and self.storage.remote:
+            return self.storage.read_range(self.rel, offset, offset + length), offset
+        return self.load(), 0
+
     def close(self) -> None:
         buf, self._buf = self._buf, None
         if isinstance(buf, mmap.mmap):

@@ -64,10 +64,16 @@ def verify_dataset(path, split: str | None = None, progress: Callable[[int, int]
         decoder = make_decoder(ds.schema, decode_images=False, recycle=0)
         problems: list[Problem] = []
         done = 0
+        tars = {sh.file for s in ds.splits.values() if s.format == "tar" for sh in s.shards}
         for shard in shards:
             report = (
                 None if progress is None else (lambda n, base=done: progress(base + min(n, shard.num_bytes), total))
             )
+            if shard.file in tars:  # WebDataset tar shards: header checksums, sha256, the index, the schema
+                from crossfeed.read.verify_tar import verify_tar_shard
+
+                problems += verify_tar_shard(ds.storage, shard, ds.schema, progress=report)
+                continue
             problems += verify_shard(ds.storage, shard, ds.schema, decoder=decoder, progress=report)
             done += shard.num_bytes
             if progress is not None:

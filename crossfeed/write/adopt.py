@@ -23,6 +23,7 @@ from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, check_name, loads, write_manifest
 from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema, decode_value
+from crossfeed.format.tar import is_tar_name
 from crossfeed.write.writer import dataset_lock
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,8 @@ def index_dataset(
     features: dict | list | None = None,
 ) -> Manifest:
     """Adopt the TFRecord shards in directory ``path`` as a crossfeed dataset and return its manifest.
+    A directory of ``.tar`` shards (and no TFRecords) is adopted as WebDataset tars read in place
+    (`crossfeed.write.adopt_tar`).
 
     Shards are the files named ``*.tfrecord``/``*.tfrecords``/``*.tfrec`` (optionally ``.gz``) or
     ``<split>-SSSSS-of-NNNNN[...]``. With ``split_from_name`` the split comes from the latter
@@ -264,10 +267,20 @@ def index_dataset(
             with open(manifest_path, "rb") as f:
                 old = loads(f.read(), manifest_path)
     names = sorted(n for n in os.listdir(root) if is_shard_name(n) and os.path.isfile(os.path.join(root, n)))
+    tars = sorted(n for n in os.listdir(root) if is_tar_name(n) and os.path.isfile(os.path.join(root, n)))
+    names = [n for n in names if not is_tar_name(n)]
+    if tars and not names:  # WebDataset tar shards, read in place (`crossfeed.write.adopt_tar`)
+        from crossfeed.write.adopt_tar import index_tars
+
+        groups: dict[str, list[tuple[int, str]]] = {}
+        for n in tars:
+            s, i = split_of(n, split) if split_from_name else (split, 0)
+            groups.setdefault(s, []).append((i, n))
+        return index_tars(root, groups, old=old, declared=declared_features(features), progress=progress)
     if not names:
         raise DatasetNotFoundError(
             f"{root}: no TFRecord shards (files named *.tfrecord, *.tfrecords, *.tfrec[.gz] or "
-            f"<split>-SSSSS-of-NNNNN); point `crossfeed index` at the directory that holds them"
+            f"<split>-SSSSS-of-NNNNN) and no .tar shards; point `crossfeed index` at the directory that holds them"
         )
     for n in names:
         check_name(n, root)  # a manifest names plain files only
