@@ -43,8 +43,17 @@ def index(
             "or jpeg=image (repeatable); checked against every record.",
         ),
     ] = None,
+    index_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--index-dir",
+            help="Write crossfeed.json and the .idx files here and leave the data directory untouched "
+            "(read-only or remote data, e.g. a bucket URL); open this directory as the dataset.",
+        ),
+    ] = None,
 ) -> None:
-    """Adopt TFRecord shards: check every record, write .idx files and the manifest (crossfeed.json)."""
+    """Adopt TFRecord shards or a TFDS prepared dataset: check every record, write .idx files and the manifest
+    (crossfeed.json)."""
     import os
 
     from crossfeed.write.adopt import index_dataset, is_shard_name
@@ -57,10 +66,17 @@ def index(
     with Progress() as progress:
         bar = progress.phase("indexing", total=total, unit="bytes")
         manifest = index_dataset(
-            path, split=split, split_from_name=split_from_name, force=force, progress=bar.callback, features=feature
+            path,
+            split=split,
+            split_from_name=split_from_name,
+            force=force,
+            progress=bar.callback,
+            features=feature,
+            index_dir=index_dir,
         )
     counts = ", ".join(f"{k}: {v.num_records} records in {len(v.shards)} shards" for k, v in manifest.splits.items())
-    typer.echo(f"indexed {path}: {counts}; features {', '.join(manifest.schema.names)}")
+    where = f" (manifest and indexes in {index_dir})" if index_dir else ""
+    typer.echo(f"indexed {path}{where}: {counts}; features {', '.join(manifest.schema.names)}")
 
 
 def info(
