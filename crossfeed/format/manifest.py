@@ -1,7 +1,8 @@
 """The manifest: ``crossfeed.json`` at the dataset root, written last and atomically.
 
 It holds the schema, the splits and, per shard, the file name, record count, byte size, sha256
-and the sha256 of its index file. A directory without it is not a dataset.
+and the sha256 of its index file. A directory without it is not a dataset. Shards sit beside it,
+or in its ``data_root`` (data adopted in place with ``crossfeed index --index-dir``).
 
 A manifest is data from disk, so it is checked in full when it is read (`loads`): every field's
 type and range, file names that stay inside the dataset directory (`check_name`), shard files

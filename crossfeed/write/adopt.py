@@ -2,7 +2,9 @@
 ``tfrecord`` package; plain or GZIP): scan every record with its CRCs, write the ``.idx`` index
 beside each shard, infer the schema from the Examples and write the manifest, last.
 
-``index_dataset(path)`` is what ``crossfeed index PATH`` runs. Shard files keep their names.
+``index_dataset(path)`` is what ``crossfeed index PATH`` runs. Shard files keep their names and are
+never written to; a TFDS data directory is mapped by `crossfeed.write.tfds`, and ``index_dir``
+puts the manifest and indexes elsewhere (`crossfeed.write.placement`).
 """
 
 from __future__ import annotations
