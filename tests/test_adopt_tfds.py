@@ -186,6 +186,7 @@ def test_info_verify_head_through_the_cli(prepared, tmp_path):
     out = _cli("index", data, "--index-dir", tmp_path / "idx")
     assert "train: 23 records in 3 shards" in out.stdout
     info = _cli("info", tmp_path / "idx").stdout
+    assert f"data    {data} (shards read in place)" in info
     assert 'source: "tfds"' in info and '"label": ["cat", "dog", "bird"]' in info
     assert "image                uint8    (?, ?, 3)" in info
     assert json.loads(_cli("info", tmp_path / "idx", "--json").stdout)["data_root"] == str(data)
@@ -350,3 +351,29 @@ def test_an_index_dir_dataset_takes_no_new_splits(prepared, tmp_path):
     with pytest.raises(ConfigError, match="lies in .*--index-dir"):
         crossfeed.write_dataset(tmp_path / "idx", [{"x": 1}], split="extra", add_split=True).close()
     assert crossfeed.open_dataset(tmp_path / "idx").manifest.data_root == str(data)
+
+
+_READ_WITH_TF_NATIVE = """
+import pickle, sys
+import crossfeed.adapters.tf as cftf
+index_dir, out = sys.argv[1], sys.argv[2]
+feats = ["image", "mask", "label", "patch", "counts", "caption", "tokens", "meta/weight"]
+ds = cftf.dataset(index_dir, split="train", batch_size=None, shuffle="none", features=feats, engine="native")
+rows = [{k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in r.items()} for r in ds]
+with open(out, "wb") as f:
+    pickle.dump(rows, f)
+"""
+
+
+def test_tensorflow_native_engine_reads_the_index_dir(prepared, tmp_path):
+    """tf.data's own TFRecordDataset opens the shards where they lie (the manifest's data_root)."""
+    data = _copy(prepared, tmp_path)
+    index_dataset(data, index_dir=tmp_path / "idx")
+    out = tmp_path / "tf.pkl"
+    run_python(_READ_WITH_TF_NATIVE, str(tmp_path / "idx"), str(out), timeout=300)
+    with open(out, "rb") as f:
+        rows = pickle.load(f)
+    assert len(rows) == len(prepared[1]["train"])
+    for i, (g, w) in enumerate(zip(rows, prepared[1]["train"])):
+        g = {k: v.decode("utf-8") if isinstance(v, bytes) else v for k, v in g.items()}
+        _assert_same(g, {k: w[k] for k in g}, f"tf native train[{i}]")

@@ -90,6 +90,8 @@ def info(
             typer.echo(ds.manifest.dumps().rstrip())
             return
         typer.echo(f"dataset {ds.path}")
+        if ds.manifest.data_root is not None:
+            typer.echo(f"data    {ds.manifest.data_root} (shards read in place)")
         typer.echo("splits:")
         for name, s in sorted(ds.splits.items()):
             typer.echo(f"  {name:<12} {s.num_records:>12,} records {len(s.shards):>5} shards {_size(s.num_bytes):>10}")
