@@ -26,6 +26,7 @@ from crossfeed.errors import ConfigError, CorruptRecordError, ManifestError, Sch
 from crossfeed.format.manifest import loads
 from crossfeed.read.verify import verify_dataset
 from crossfeed.write.adopt import index_dataset
+from crossfeed.write.placement import placement
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("tensorflow_datasets") is None, reason="needs tensorflow-datasets to build the data"
@@ -231,6 +232,10 @@ def test_remote_data_dir_is_read_where_it_lies(prepared, tmp_path):
         fs.pipe_file(f"{url}/{p.name}", p.read_bytes())
     with pytest.raises(ConfigError, match="--index-dir"):
         index_dataset(url)
+    place = placement(url, tmp_path / "idx")
+    with place.open("features.json") as f:
+        assert f.read() == (prepared[0] / "features.json").read_bytes()
+    assert place.data_root == url and place.index_path("a") == str(tmp_path / "idx" / "a.idx")
     manifest = index_dataset(url, index_dir=tmp_path / "idx")
     assert manifest.data_root == url and manifest.metadata["tfds"]["name"] == "tiny_tfds"
     with crossfeed.open_dataset(tmp_path / "idx") as ds:
@@ -377,3 +382,43 @@ def test_tensorflow_native_engine_reads_the_index_dir(prepared, tmp_path):
     for i, (g, w) in enumerate(zip(rows, prepared[1]["train"])):
         g = {k: v.decode("utf-8") if isinstance(v, bytes) else v for k, v in g.items()}
         _assert_same(g, {k: w[k] for k in g}, f"tf native train[{i}]")
+
+
+def test_tf_written_shards_plain_and_gzip_go_through_an_index_dir(tmp_path):
+    """The general plumbing, without TFDS: declared features, a GZIP shard, --force re-indexing."""
+    from crossfeed.format import example as ex
+    from crossfeed.format import tfrecord
+
+    data = tmp_path / "shards"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (12, 4, 4, 3), dtype=np.uint8)
+    for s, compress in ((0, False), (1, True)):
+        path = data / (f"train-{s:05d}-of-00002.tfrecord" + (".gz" if compress else ""))
+        with tfrecord.RecordWriter(path, compress=compress) as w:
+            for i in range(s, 12, 2):
+                w.write(
+                    ex.encode(
+                        {
+                            "image": (ex.BYTES, ex.encode_bytes_list([images[i].tobytes()])),
+                            "label": (ex.INT64, ex.encode_int64_list([i])),
+                        }
+                    )
+                )
+    before = _snapshot(data)
+    args = ("index", data, "--index-dir", tmp_path / "idx", "--feature", "image=tensor:uint8:4,4,3")
+    _cli(*args)
+    assert _cli(*args, check=False).returncode != 0  # indexed already
+    _cli(*args, "--force")
+    assert _snapshot(data) == before
+    assert sorted(os.listdir(tmp_path / "idx")) == [
+        "crossfeed.json",
+        "train-00000-of-00002.tfrecord.idx",
+        "train-00001-of-00002.tfrecord.gz.idx",
+    ]
+    with crossfeed.Loader(tmp_path / "idx", batch_size=5, shuffle="global", seed=4) as loader:
+        seen = [(int(label), img) for b in loader for label, img in zip(b["label"], b["image"])]
+    assert sorted(label for label, _ in seen) == list(range(12))
+    for label, img in seen:
+        np.testing.assert_array_equal(img, images[label])
+    assert "12 records in 2 shards" in _cli("verify", tmp_path / "idx").stdout

@@ -5,7 +5,13 @@ directory when the data directory is read-only or remote (``crossfeed index --in
 A manifest written into an index directory records the data directory in its ``data_root``
 (an absolute path or URL); readers open the shards there and the index files beside the
 manifest (`crossfeed.read.dataset.Dataset`). Every adopter (TFRecord, TFDS, and other formats)
-places its outputs through `placement`.
+places its outputs through `placement`::
+
+    place = placement(path, index_dir)           # validated; index_dir created
+    for name in place.listdir():                 # the data files, plain names
+        with place.open(name) as f: ...          # read only (local file or fsspec)
+        write_index_for(place.index_path(name))  # never beside the data when index_dir is given
+    write_manifest(place.root, Manifest(..., data_root=place.data_root))
 """
 
 from __future__ import annotations
@@ -83,6 +89,15 @@ class Placement:
                 return self._fs().cat_file(where)
             with open(where, "rb") as f:
                 return f.read()
+        except FileNotFoundError as e:
+            raise DatasetNotFoundError(f"{where}: no such file") from e
+
+    def open(self, name: str):
+        """A binary file object of data file ``name``, read only (local, or fsspec for a URL): what
+        a tar or Parquet reader takes."""
+        where = self.data_url(name)
+        try:
+            return self._fs().open(where, "rb") if self.remote else open(where, "rb")
         except FileNotFoundError as e:
             raise DatasetNotFoundError(f"{where}: no such file") from e
 
