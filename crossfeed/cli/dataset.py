@@ -48,8 +48,17 @@ def index(
             "or jpeg=image (repeatable); checked against every record.",
         ),
     ] = None,
+    index_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--index-dir",
+            help="Write crossfeed.json and the .idx files here and leave the data directory untouched "
+            "(read-only or remote data, e.g. a bucket URL); open this directory as the dataset.",
+        ),
+    ] = None,
 ) -> None:
-    """Adopt TFRecord shards: check every record, write .idx files and the manifest (crossfeed.json)."""
+    """Adopt TFRecord shards or a TFDS prepared dataset: check every record, write .idx files and the manifest
+    (crossfeed.json)."""
     import os
 
     from crossfeed.write.adopt import index_dataset, is_shard_name
@@ -62,10 +71,17 @@ def index(
     with Progress() as progress:
         bar = progress.phase("indexing", total=total, unit="bytes")
         manifest = index_dataset(
-            path, split=split, split_from_name=split_from_name, force=force, progress=bar.callback, features=feature
+            path,
+            split=split,
+            split_from_name=split_from_name,
+            force=force,
+            progress=bar.callback,
+            features=feature,
+            index_dir=index_dir,
         )
     counts = ", ".join(f"{k}: {v.num_records} records in {len(v.shards)} shards" for k, v in manifest.splits.items())
-    typer.echo(f"indexed {path}: {counts}; features {', '.join(manifest.schema.names)}")
+    where = f" (manifest and indexes in {index_dir})" if index_dir else ""
+    typer.echo(f"indexed {path}{where}: {counts}; features {', '.join(manifest.schema.names)}")
 
 
 def info(
@@ -79,6 +95,8 @@ def info(
             typer.echo(ds.manifest.dumps().rstrip())
             return
         typer.echo(f"dataset {ds.path}")
+        if ds.manifest.data_root is not None:
+            typer.echo(f"data    {ds.manifest.data_root} (shards read in place)")
         typer.echo("splits:")
         for name, s in sorted(ds.splits.items()):
             typer.echo(f"  {name:<12} {s.num_records:>12,} records {len(s.shards):>5} shards {_size(s.num_bytes):>10}")

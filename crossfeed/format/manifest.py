@@ -1,7 +1,8 @@
 """The manifest: ``crossfeed.json`` at the dataset root, written last and atomically.
 
 It holds the schema, the splits and, per shard, the file name, record count, byte size, sha256
-and the sha256 of its index file. A directory without it is not a dataset.
+and the sha256 of its index file. A directory without it is not a dataset. Shards sit beside it,
+or in its ``data_root`` (data adopted in place with ``crossfeed index --index-dir``).
 
 A manifest is data from disk, so it is checked in full when it is read (`loads`): every field's
 type and range, file names that stay inside the dataset directory (`check_name`), shard files
@@ -35,6 +36,7 @@ MAX_DIM = 1 << 40
 MAX_BYTES = 1 << 50
 MAX_INT = 1 << 62
 SPLIT_FORMATS = ("tfrecord", "tar")  # how a split's shards are laid out; "tfrecord" unless the manifest says
+MAX_DATA_ROOT = 4096
 _SHARD_RE = re.compile(r"^(?P<split>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})(?:\.g\d+)?\.tfrecord(?P<gz>\.gz)?$")
 
 
@@ -121,6 +123,9 @@ class Manifest:
     splits: dict[str, SplitInfo]
     metadata: dict = field(default_factory=dict)
     generation: int = 0  # bumped by every commit; new shards never take a name the previous version uses
+    # Where the shards lie when not beside the manifest (an adopted read-only or remote directory,
+    # `crossfeed index --index-dir`): an absolute path or URL. Index files stay beside the manifest.
+    data_root: str | None = None
 
     @property
     def files(self) -> set[str]:
@@ -146,6 +151,8 @@ class Manifest:
         }
         if self.generation:
             d["generation"] = self.generation
+        if self.data_root is not None:
+            d["data_root"] = self.data_root
         return d
 
     @classmethod
@@ -264,7 +271,7 @@ class _Validator:
             raise ManifestError(
                 f"{self.where}: manifest version {_short(d.get('version'))}; this crossfeed reads version {VERSION}"
             )
-        unknown = set(d) - {"format", "version", "schema", "splits", "metadata", "generation"}
+        unknown = set(d) - {"format", "version", "schema", "splits", "metadata", "generation", "data_root"}
         if unknown:
             self.fail(sorted(unknown)[0], "unknown field")
         schema = self.schema(d.get("schema"))
@@ -280,7 +287,20 @@ class _Validator:
             splits[name] = self.split(name, s, seen)
         metadata = self.json_(d.get("metadata", {}), "metadata")
         generation = self.int_(d.get("generation", 0), "generation")
-        return Manifest(schema, splits, metadata, generation)
+        return Manifest(schema, splits, metadata, generation, self.data_root(d.get("data_root")))
+
+    def data_root(self, v) -> str | None:
+        if v is None:
+            return None
+        ok = (
+            isinstance(v, str)
+            and 0 < len(v) <= MAX_DATA_ROOT
+            and not any(ord(c) < 32 or ord(c) == 127 for c in v)
+            and ("://" in v or os.path.isabs(v))
+        )
+        if not ok:
+            self.fail("data_root", f"expected an absolute path or URL of the data directory, got {_short(v)}")
+        return v
 
     def schema(self, items) -> Schema:
         if not isinstance(items, list):

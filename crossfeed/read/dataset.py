@@ -45,14 +45,18 @@ def open_dataset(path) -> Dataset:
 
 
 class Dataset:
+    """``index_storage`` holds the manifest and index files; ``storage`` the shards — the same
+    place unless the manifest names a ``data_root`` (data adopted in place with ``--index-dir``)."""
+
     def __init__(self, storage: Storage, manifest: Manifest):
-        self.storage = storage
+        self.index_storage = storage
+        self.storage = storage if manifest.data_root is None else Storage(manifest.data_root)
         self.manifest = manifest
         self._splits: dict[str, Split] = {}
 
     @property
     def path(self) -> str:
-        return self.storage.root
+        return self.index_storage.root
 
     @property
     def schema(self) -> Schema:
@@ -116,10 +120,10 @@ class Split:
         arr = self._index[shard]
         if arr is None:
             info = self.shards[shard]
-            where = self.dataset.storage.url(idx.index_path(info.file))
+            where = self.dataset.index_storage.url(idx.index_path(info.file))
             self._check_regular(shard, where)
             try:
-                data = self.dataset.storage.read(idx.index_path(info.file))
+                data = self.dataset.index_storage.read(idx.index_path(info.file))
             except DatasetNotFoundError as e:
                 raise IndexFileError(f"{where}: index file is missing; rebuild it with `crossfeed index`") from e
             except OSError as e:
@@ -131,9 +135,13 @@ class Split:
     def _check_regular(self, shard: int, index_where: str) -> None:
         """A local shard and its index must be regular files (symlinks to them are followed): a
         FIFO would block the reader forever, a device never end."""
-        if self.dataset.storage.remote:
-            return
-        for where, error in ((self._files[shard].path, None), (index_where, IndexFileError)):
+        checks = (
+            (self.dataset.storage, self._files[shard].path, None),
+            (self.dataset.index_storage, index_where, True),
+        )
+        for storage, where, error in checks:
+            if storage.remote:
+                continue
             try:
                 mode = os.stat(where).st_mode
             except OSError:
@@ -146,7 +154,7 @@ class Split:
         f = self._files[shard]
         if f.rel.endswith(".gz"):
             return True
-        storage = self.dataset.storage
+        storage = f.storage
         if not storage.remote:
             return tfrecord.is_gzip(f.path)
         try:

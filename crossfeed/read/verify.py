@@ -32,7 +32,7 @@ from crossfeed.read.dataset import open_dataset
 from crossfeed.read.decode import RecordDecoder, make_decoder
 from crossfeed.read.frame_reader import Frames
 from crossfeed.read.storage import Storage
-from crossfeed.write.adopt import file_sha256, open_stream
+from crossfeed.write.placement import file_sha256, open_stream
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,9 @@ def verify_dataset(path, split: str | None = None, progress: Callable[[int, int]
     """All problems of the dataset at ``path`` (one split, or all); an empty list when it is sound.
     ``progress(done_bytes, total_bytes)`` is called as the shards' bytes are checked."""
     with open_dataset(path) as ds:
-        if ds.storage.remote:
-            raise ConfigError(f"{ds.path}: verify reads local datasets; copy it to a local directory first")
+        if ds.storage.remote or ds.index_storage.remote:
+            where = ds.storage.root if ds.storage.remote else ds.path
+            raise ConfigError(f"{where}: verify reads local datasets; copy it to a local directory first")
         if split is not None and split not in ds.splits:
             raise ConfigError(f"{ds.path}: no split {split!r}; it has {sorted(ds.splits)}")
         shards = [sh for name in ([split] if split is not None else sorted(ds.splits)) for sh in ds.splits[name].shards]
@@ -74,7 +75,9 @@ def verify_dataset(path, split: str | None = None, progress: Callable[[int, int]
 
                 problems += verify_tar_shard(ds.storage, shard, ds.schema, progress=report)
                 continue
-            problems += verify_shard(ds.storage, shard, ds.schema, decoder=decoder, progress=report)
+            problems += verify_shard(
+                ds.storage, shard, ds.schema, decoder=decoder, progress=report, index_storage=ds.index_storage
+            )
             done += shard.num_bytes
             if progress is not None:
                 progress(done, total)
@@ -88,15 +91,17 @@ def verify_shard(
     *,
     decoder: RecordDecoder | None = None,
     progress: Callable[[int], None] | None = None,
+    index_storage: Storage | None = None,
 ) -> list[Problem]:
-    """The problems of one shard and its index. ``progress(bytes_read)`` follows the file.
+    """The problems of one shard and its index (in ``index_storage``, default beside the shard).
+    ``progress(bytes_read)`` follows the file.
 
     Fast path, for a shard whose index tiles it (the usual case): one sequential pass reads the
     file in chunks, hashes it, checks each chunk's frames with `check_frames` and decodes it with
     the Loader's own decoder (`make_decoder`). Anything wrong sends the shard down the slow path, which walks
     the records on its own and compares them with the index, to say exactly what is wrong."""
     path = storage.url(shard.file)
-    ipath = idx.index_path(path)
+    ipath = (index_storage or storage).url(idx.index_path(shard.file))
     try:
         st = os.stat(path)
     except FileNotFoundError:

@@ -20,7 +20,7 @@ from crossfeed.format.manifest import ShardInfo
 from crossfeed.format.schema import Schema
 from crossfeed.read.storage import Storage
 from crossfeed.read.verify import Problem
-from crossfeed.write.adopt import file_sha256, open_stream
+from crossfeed.write.placement import file_sha256, open_stream
 
 CANNOT = "tar has no payload checksums: member data is checked only by each shard's sha256"
 

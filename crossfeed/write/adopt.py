@@ -2,19 +2,19 @@
 ``tfrecord`` package; plain or GZIP): scan every record with its CRCs, write the ``.idx`` index
 beside each shard, infer the schema from the Examples and write the manifest, last.
 
-``index_dataset(path)`` is what ``crossfeed index PATH`` runs. Shard files keep their names.
+``index_dataset(path)`` is what ``crossfeed index PATH`` runs. Shard files keep their names and are
+never written to; a TFDS data directory is mapped by `crossfeed.write.tfds`, and ``index_dir``
+puts the manifest and indexes elsewhere (`crossfeed.write.placement`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import logging
-import mmap
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from crossfeed.errors import ConfigError, DatasetNotFoundError, ExampleError, ManifestError, SchemaError
@@ -24,6 +24,8 @@ from crossfeed.format import tfrecord
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, check_name, loads, write_manifest
 from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema, decode_value
 from crossfeed.format.tar import is_tar_name
+from crossfeed.write import tfds
+from crossfeed.write.placement import Placement, placement
 from crossfeed.write.writer import dataset_lock
 
 log = logging.getLogger(__name__)
@@ -52,33 +54,6 @@ def split_of(name: str, default: str = DEFAULT_SPLIT) -> tuple[str, int]:
     for ext in _EXTS:  # TFDS: `mnist-train.tfrecord-00000-of-00001` → `mnist-train`
         split = split[: -len(ext)] if split.endswith(ext) else split
     return split, int(m["i"])
-
-
-@contextlib.contextmanager
-def open_stream(path: str) -> Iterator:
-    """The uncompressed record stream of a local shard: an mmap for plain files, bytes for GZIP
-    (detected by its magic bytes, whatever the name)."""
-    if tfrecord.is_gzip(path):
-        yield tfrecord.read_bytes(path)
-        return
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            yield b""
-            return
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        yield mm
-    finally:
-        with contextlib.suppress(BufferError):  # a caller still holds a view; it goes with them
-            mm.close()
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(8 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass
@@ -217,15 +192,17 @@ class _Inference:
         return Schema(self.declared[k] if k in self.declared else self.seen[k].feature(k) for k in sorted(names))
 
 
-def _index_shard(path: str, inference: _Inference) -> ShardInfo:
+def _index_shard(place: Placement, name: str, inference: _Inference) -> ShardInfo:
+    """Check every record of data file ``name``, write its index into ``place.root``."""
     offsets = []
-    with open_stream(path) as buf:
-        for offset, payload in tfrecord.records(buf, path):
-            inference.add(payload, path, offset)
+    where = place.data_url(name)
+    with place.open_records(name) as (buf, size, sha):
+        for offset, payload in tfrecord.records(buf, where):
+            inference.add(payload, where, offset)
             offsets.append((offset, tfrecord.HEADER + len(payload) + tfrecord.FOOTER))
             del payload
-    index_sha = idx.write_index(idx.index_path(path), offsets)
-    return ShardInfo("", len(offsets), os.path.getsize(path), file_sha256(path), index_sha)
+    index_sha = idx.write_index(place.index_path(name), offsets)
+    return ShardInfo(name, len(offsets), size, sha, index_sha)
 
 
 def index_dataset(
@@ -236,6 +213,7 @@ def index_dataset(
     force: bool = False,
     progress: Callable[[int], None] | None = None,
     features: dict | list | None = None,
+    index_dir=None,
 ) -> Manifest:
     """Adopt the TFRecord shards in directory ``path`` as a crossfeed dataset and return its manifest.
     A directory of ``.tar`` shards (and no TFRecords) is adopted as WebDataset tars read in place
@@ -246,17 +224,22 @@ def index_dataset(
     pattern; other files (all files otherwise) go to ``split``. ``progress`` is called with the
     byte size of each shard once it is done. Refuses to replace a manifest unless ``force``.
 
+    A TFDS data directory (``dataset_info.json`` + ``features.json``) is adopted as TFDS laid it
+    out: its splits, its shards and its features (`crossfeed.write.tfds`).
+
     ``features`` declares what some features' bytes are instead of inferring it: `Feature`s, specs
     ``"NAME=ENCODING[:DTYPE[:SHAPE]]"`` (`parse_feature`), or a TensorFlow feature spec dict
     (``tf.io.FixedLenFeature``/``VarLenFeature`` values, read by attribute: TensorFlow is not
     imported). Every record is checked against the declarations (a misfit names shard and offset).
+
+    ``index_dir``: write the manifest and index files there instead of beside the data, which
+    is then only read (a read-only directory, or an fsspec URL); see `placement`.
     """
-    root = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(root):
-        raise DatasetNotFoundError(f"{root}: not a directory; pass the directory that holds the TFRecord shards")
     if not split:
         raise ConfigError("split must be a non-empty name, e.g. --split train")
-    manifest_path = os.path.join(root, MANIFEST)
+    place = placement(path, index_dir)
+    root = place.data
+    manifest_path = place.manifest_path
     old = None
     if os.path.exists(manifest_path):
         if not force:
@@ -266,52 +249,69 @@ def index_dataset(
         with contextlib.suppress(ManifestError, SchemaError, OSError):
             with open(manifest_path, "rb") as f:
                 old = loads(f.read(), manifest_path)
-    names = sorted(n for n in os.listdir(root) if is_shard_name(n) and os.path.isfile(os.path.join(root, n)))
-    tars = sorted(n for n in os.listdir(root) if is_tar_name(n) and os.path.isfile(os.path.join(root, n)))
-    names = [n for n in names if not is_tar_name(n)]
-    if tars and not names:  # WebDataset tar shards, read in place (`crossfeed.write.adopt_tar`)
-        from crossfeed.write.adopt_tar import index_tars
+    listing = place.listdir()
+    layout = tfds.read_layout(place) if tfds.is_tfds(listing) else None
+    declared = declared_features(features)
+    if layout is not None:
+        groups = {s: list(enumerate(files)) for s, files in layout.splits.items()}
+        declared = {f.name: f for f in layout.features} | declared
+    else:
+        names = [n for n in listing if is_shard_name(n) and not is_tar_name(n)]
+        tars = [n for n in listing if is_tar_name(n)]
+        if tars and not names:  # WebDataset tar shards, read in place (`crossfeed.write.adopt_tar`)
+            from crossfeed.write.adopt_tar import index_tars
 
-        groups: dict[str, list[tuple[int, str]]] = {}
-        for n in tars:
+            if index_dir is not None:
+                raise ConfigError(f"{root}: --index-dir is not supported for tar shards yet; index them in place")
+            groups = {}
+            for n in tars:
+                s, i = split_of(n, split) if split_from_name else (split, 0)
+                groups.setdefault(s, []).append((i, n))
+            return index_tars(root, groups, old=old, declared=declared, progress=progress)
+        if not names:
+            raise DatasetNotFoundError(
+                f"{root}: no TFRecord shards (files named *.tfrecord, *.tfrecords, *.tfrec[.gz] or "
+                f"<split>-SSSSS-of-NNNNN) and no .tar shards; point `crossfeed index` at the directory that holds them"
+            )
+        groups = {}
+        for n in names:
             s, i = split_of(n, split) if split_from_name else (split, 0)
             groups.setdefault(s, []).append((i, n))
-        return index_tars(root, groups, old=old, declared=declared_features(features), progress=progress)
-    if not names:
-        raise DatasetNotFoundError(
-            f"{root}: no TFRecord shards (files named *.tfrecord, *.tfrecords, *.tfrec[.gz] or "
-            f"<split>-SSSSS-of-NNNNN) and no .tar shards; point `crossfeed index` at the directory that holds them"
-        )
-    for n in names:
-        check_name(n, root)  # a manifest names plain files only
-    groups: dict[str, list[tuple[int, str]]] = {}
-    for n in names:
-        s, i = split_of(n, split) if split_from_name else (split, 0)
-        groups.setdefault(s, []).append((i, n))
-    inference = _Inference(declared_features(features))
+    for members in groups.values():
+        for _, n in members:
+            check_name(n, root)  # a manifest names plain files only
+    inference = _Inference(declared)
     splits = {}
     for s, members in sorted(groups.items()):
         shards = []
         for _, n in sorted(members):
-            info = _index_shard(os.path.join(root, n), inference)
-            shards.append(ShardInfo(n, info.num_records, info.num_bytes, info.sha256, info.index_sha256))
+            info = _index_shard(place, n, inference)
+            shards.append(info)
             if progress is not None:
                 progress(info.num_bytes)
-        declared = {int(m["n"]) for _, n in members if (m := _SHARDED.match(n))} if split_from_name else set()
-        if declared and declared != {len(members)}:
+        declared_n = {int(m["n"]) for _, n in members if (m := _SHARDED.match(n))} if split_from_name else set()
+        if layout is None and declared_n and declared_n != {len(members)}:
             log.warning(
-                "split %r: the file names say %s shards, %d are present in %s", s, sorted(declared), len(members), root
+                "split %r: the file names say %s shards, %d are present in %s",
+                s,
+                sorted(declared_n),
+                len(members),
+                root,
             )
         splits[s] = SplitInfo(s, tuple(shards))
     if inference.names is None:
         raise ConfigError(
             f"{root}: the shards hold no records, so there is no schema to infer; write some records first"
         )
+    if layout is not None:
+        tfds.check_lengths(layout, splits, place)
     metadata = dict(old.metadata) if old else {}
+    metadata.update(layout.metadata if layout is not None else {})
     metadata.setdefault("source", "crossfeed index")
-    manifest = Manifest(inference.schema(old), splits, metadata, old.generation + 1 if old else 0)
-    with dataset_lock(root):
-        write_manifest(root, manifest)
+    schema = inference.schema(old if layout is None else None)
+    manifest = Manifest(schema, splits, metadata, old.generation + 1 if old else 0, place.data_root)
+    with dataset_lock(place.root):
+        write_manifest(place.root, manifest)
     return manifest
 
 

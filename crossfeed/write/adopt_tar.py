@@ -19,7 +19,7 @@ from crossfeed.format import index as idx
 from crossfeed.format import tar
 from crossfeed.format.manifest import Manifest, ShardInfo, SplitInfo, check_name, write_manifest
 from crossfeed.format.schema import Encoding, Feature, Schema
-from crossfeed.write.adopt import file_sha256, open_stream
+from crossfeed.write.placement import file_sha256, open_stream
 from crossfeed.write.writer import dataset_lock
 
 

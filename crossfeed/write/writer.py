@@ -333,6 +333,11 @@ def check_target(
                 f"holds no crossfeed dataset; write to a new directory, or pass overwrite=True (--overwrite)"
             )
         return None
+    if add_split and old.data_root is not None:
+        raise ConfigError(
+            f"{root}: the dataset indexes data that lies in {old.data_root} (crossfeed index --index-dir); write new "
+            f"splits to a dataset of their own, or overwrite=True to replace it with a self-contained one"
+        )
     if add_split:
         clash = sorted(set(splits) & set(old.splits))
         if clash:
