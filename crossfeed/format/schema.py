@@ -249,12 +249,36 @@ def decode_value(f: Feature, parsed: dict, *, decode_images: bool = True):
     return arr
 
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _spng(data) -> np.ndarray | None:
+    """An 8-bit gray, gray+alpha, RGB or RGBA PNG decoded by libspng (pyspng: ~6× Pillow on small
+    images), as ``(H, W, C)``; None for any other PNG (palette, 16-bit, …: Pillow decodes those as
+    it always has) or when pyspng is missing."""
+    if len(data) < 33 or bytes(data[12:16]) != b"IHDR" or data[24] != 8 or data[25] not in (0, 2, 4, 6):
+        return None
+    try:
+        import pyspng
+    except ImportError:
+        return None
+    try:
+        arr = pyspng.load(data if isinstance(data, bytes) else bytes(data))
+    except Exception:  # damaged: Pillow decodes it or says what is wrong
+        return None
+    return arr[:, :, None] if arr.ndim == 2 else arr
+
+
 def decode_image(data: bytes, f: Feature | None = None) -> np.ndarray:
     """Encoded JPEG/PNG → uint8 array (H, W, C); grayscale keeps C = 1."""
     import io
 
     from PIL import Image
 
+    if bytes(data[:8]) == PNG_MAGIC:
+        arr = _spng(data)
+        if arr is not None:
+            return arr
     if bytes(data[:3]) == b"\xff\xd8\xff":
         try:
             import simplejpeg
