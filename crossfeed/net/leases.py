@@ -293,6 +293,7 @@ class LeaseBook:
             {"t": "epoch", "epoch": self.epoch},
             {"t": "lease_ids", "below": max(self._lease_limit, self._next_lease)},
         ]
+        out += [{"t": "unclaim", "trainer": k, "epoch": -1} for k in self.dead_trainers]
         if self.finished:
             return out
         for b in range(self.batches):
@@ -318,6 +319,12 @@ class LeaseBook:
                 self.claimer = [0] * self.batches
             elif t == "lease_ids":
                 self._next_lease = self._lease_limit = max(self._lease_limit, int(r["below"]))
+            elif t == "unclaim":  # that trainer was declared dead: fenced, its claims go out again
+                _remember(self.dead_trainers, int(r["trainer"]))
+                if r.get("epoch") == self.epoch:
+                    for b in range(self.batches):
+                        if self.state[b] == CLAIMED and self.claimer[b] == int(r["trainer"]):
+                            self._set_pending(b)
             elif r.get("epoch") != self.epoch:
                 continue
             elif t == "claim":
@@ -325,10 +332,6 @@ class LeaseBook:
                 self.state[b], self.claimer[b], self.lease_of[b] = CLAIMED, int(r["trainer"]), int(r["lease"])
             elif t == "done":
                 self.state[int(r["b"])] = DONE
-            elif t == "unclaim":
-                for b in range(self.batches):
-                    if self.state[b] == CLAIMED and self.claimer[b] == int(r["trainer"]):
-                        self._set_pending(b)
         self._cursor = 0
         self.leases.clear()
         for b in range(self.batches):
