@@ -44,18 +44,47 @@ def trainer(dispatcher: str, out_file: str, pace: float = 0.0, keys: str = "") -
     from crossfeed import connect
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    with open(out_file, "a", buffering=1) as out, connect(
-        dispatcher=dispatcher,
-        keys=keys or None,
-        credits=2,
-        with_meta=True,
-        heartbeat_interval=0.1,
-        heartbeat_timeout=1.5,
-        connect_timeout=10.0,
-    ) as c:
+    with (
+        open(out_file, "a", buffering=1) as out,
+        connect(
+            dispatcher=dispatcher,
+            keys=keys or None,
+            credits=2,
+            with_meta=True,
+            heartbeat_interval=0.1,
+            heartbeat_timeout=1.5,
+            connect_timeout=10.0,
+        ) as c,
+    ):
         for meta, _batch in c:
-            out.write(json.dumps(meta.sample_ids.tolist()) + "\n")
+            out.write(json.dumps([meta.sample_ids.tolist(), meta.server_id]) + "\n")
             out.flush()
             if pace:
                 time.sleep(pace)
         out.write(f"END {c.refused} {c.duplicates}\n")
+
+
+def read_batches(path: Path) -> list[tuple[list[int], str]]:
+    if not path.exists():
+        return []
+    return [tuple(json.loads(line)) for line in path.read_text().splitlines() if line.startswith("[")]
+
+
+def wait_until(predicate, timeout: float, what: str, procs=()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        for p in procs:
+            if p.poll() is not None and p.returncode != 0:
+                raise AssertionError(f"a child exited with {p.returncode} while waiting for {what}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
