@@ -27,10 +27,10 @@ def dataset(tmp_path_factory):
     return str(path)
 
 
-def start_dispatcher(tmp_path, dataset, address, *extra, name="d"):
+def start_dispatcher(tmp_path, dataset, address, *extra, name="d", batch=BATCH):
     ep = tmp_path / f"{name}.ep"
     ep.unlink(missing_ok=True)
-    argv = ["dispatch", dataset, address, "--batch-size", str(BATCH), "--journal", str(tmp_path / "journal")]
+    argv = ["dispatch", dataset, address, "--batch-size", str(batch), "--journal", str(tmp_path / "journal")]
     argv += [*HB, "--lease-size", "2", "--window", "4", "--endpoint-file", str(ep), *extra]
     proc = spawn("cli", *argv, log=tmp_path / f"{name}.log")
     return proc, wait_until(lambda: ep.exists() and ep.read_text(), 30, "the dispatcher's endpoint", [proc])
@@ -154,3 +154,25 @@ def test_hostile_messages_are_dropped_and_the_epoch_completes(tmp_path, dataset)
         stop(*procs)
     assert used([out]) == collections.Counter(range(N))
     assert "dropped a malformed message" in (tmp_path / "d.log").read_text()
+
+
+def test_lockstep_ranks_get_equal_batch_counts_each_sample_once(tmp_path, dataset):
+    """--world-size 2: a fast and a slow trainer each use the Loader's per-rank count (35 batches
+    of 7 of the 240 samples a rank gets, the last one short), every sample exactly once."""
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0", "--world-size", "2", batch=7)
+    procs = [d]
+    try:
+        procs += [start_server(tmp_path, dataset, address, f"s{i}") for i in range(2)]
+        outs = [tmp_path / f"t{i}.out" for i in range(2)]
+        trainers = [
+            spawn("trainer", address, str(out), pace, log=tmp_path / f"t{i}.log")
+            for i, (out, pace) in enumerate(zip(outs, [0.0, 0.03]))
+        ]
+        procs += trainers
+        for t in trainers:
+            assert t.wait(90) == 0, [(tmp_path / f"t{i}.log").read_text()[-3000:] for i in range(2)]
+        assert d.wait(30) == 0, (tmp_path / "d.log").read_text()[-3000:]
+    finally:
+        stop(*procs)
+    assert [len(read_batches(out)) for out in outs] == [35, 35]
+    assert used(outs) == collections.Counter(range(N))

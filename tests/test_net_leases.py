@@ -143,3 +143,30 @@ def test_options_are_checked():
         LeaseBook(0, epochs=1)
     with pytest.raises(ConfigError):
         LeaseBook(3, epochs=1, lease_size=4, window=2)
+
+
+def test_a_quota_gives_each_trainer_an_equal_count_and_refused_copies_go_out_again():
+    book = LeaseBook(4, epochs=2, lease_size=4, window=8, quota=2)
+    book.server_seen(S1, 0.0, "a")
+    book.trainer_seen(T1, 0.0)
+    book.trainer_seen(T2, 0.0)
+    (lease,) = book.grant_leases()
+    assert book.claim(T1, 0, lease.id) and book.claim(T1, 1, lease.id)
+    assert not book.claim(T1, 2, lease.id)  # T1 has its two: batch 2 goes out again
+    assert book.progress()["pending"] == 1
+    (again,) = book.grant_leases()
+    assert again.batches == [2]
+    assert book.claim(T2, 2, again.id) and book.claim(T2, 3, lease.id)
+    for t, seq in [(T1, 0), (T1, 1), (T2, 2), (T2, 3)]:
+        assert book.done(t, seq)
+    assert book.epoch == 1  # the quota counts per epoch
+    (lease,) = book.grant_leases()
+    assert book.claim(T1, 4, lease.id) and book.claim(T1, 5, lease.id)
+
+
+def test_a_copy_refused_to_an_unknown_trainer_goes_out_again():
+    book = LeaseBook(2, epochs=1, lease_size=2, window=2)
+    book.server_seen(S1, 0.0, "a")
+    (lease,) = book.grant_leases()
+    assert not book.claim(T1, 0, lease.id)  # T1 never beat: unknown
+    assert book.progress()["pending"] == 1

@@ -18,7 +18,7 @@ import typer
 from crossfeed.cli.common import CacheDirOpt, CacheLimitOpt
 from crossfeed.errors import ConfigError
 from crossfeed.read.options import LoaderOptions
-from crossfeed.read.plan import Shuffle
+from crossfeed.read.plan import Remainder, Shuffle
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +199,7 @@ def dispatched_source(dataset, dispatcher, loader_options, options, transform, d
                 batch_size=int(plan["batch_size"]),
                 shuffle=plan["shuffle"],
                 seed=int(plan["seed"]),
+                remainder=plan.get("remainder", "pad"),
                 num_threads=loader_options.read.num_threads,
                 cache_dir=loader_options.read.cache_dir,
                 cache_limit=loader_options.read.cache_limit,
@@ -279,6 +280,17 @@ def dispatch(
     shuffle: Annotated[Shuffle, typer.Option(help="Shuffle mode.")] = Shuffle.GLOBAL,
     seed: Annotated[int, typer.Option(help="Shuffle seed.")] = 0,
     epochs: Annotated[int, typer.Option(min=1, help="Epochs to hand out.")] = 1,
+    world_size: Annotated[
+        int,
+        typer.Option(
+            "--world-size",
+            min=1,
+            help="Trainers in lockstep DDP: each uses the same number of batches per epoch (the Loader's per-rank count).",
+        ),
+    ] = 1,
+    remainder: Annotated[
+        Remainder, typer.Option(help="With --world-size: pad the epoch's tail from its start, or drop it.")
+    ] = Remainder.PAD,
     journal: Annotated[
         Path, typer.Option(help="Journal file: a restarted dispatcher continues the epoch from it.")
     ] = Path("crossfeed-dispatch.journal"),
@@ -305,8 +317,13 @@ def dispatch(
     from crossfeed.read.loader import Loader
 
     plan = {"split": split, "batch_size": batch_size, "shuffle": shuffle.value, "seed": seed}
-    with Loader(dataset, LoaderOptions.of(**plan, rank=0, world_size=1, num_threads=1)) as loader:
-        batches = loader.batch_count()
+    plan |= {"world_size": world_size, "remainder": remainder.value}
+    opts = LoaderOptions.of(
+        split=split, batch_size=batch_size, shuffle=shuffle.value, seed=seed, remainder=remainder.value, num_threads=1
+    )
+    with Loader(dataset, opts.replace(rank=0, world_size=world_size)) as loader:
+        per_rank = loader.batch_count()
+    batches = per_rank * world_size
     keys = ServerKeys.from_dir(auth_keys, server_key) if auth_keys else None
     options = DispatcherOptions(
         address,
@@ -316,6 +333,7 @@ def dispatch(
         window=max(window, lease_size),
         heartbeat=Heartbeat(heartbeat_interval, heartbeat_timeout),
         insecure=insecure,
+        quota=per_rank if world_size > 1 else None,
     )
     stop = threading.Event()
     previous = {}

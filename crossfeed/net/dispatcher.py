@@ -51,6 +51,7 @@ class DispatcherOptions:
     heartbeat: P.Heartbeat = P.Heartbeat()
     linger: float = 5.0  # after the last epoch, how long to keep answering (FINISHED)
     insecure: bool = False
+    quota: int | None = None  # lockstep DDP: batches each trainer uses per epoch
 
     def __post_init__(self) -> None:
         if self.epochs is not None and self.epochs < 1:
@@ -76,6 +77,7 @@ class LeaseDispatcher:
             lease_size=options.lease_size,
             window=options.window,
             timeout=options.heartbeat.timeout,
+            quota=options.quota,
         )
         self.journal = Journal(options.journal)
         records = self.journal.read()
@@ -154,6 +156,7 @@ class LeaseDispatcher:
     def _loop(self) -> None:
         hb, book = self.options.heartbeat, self.book
         finished_at: float | None = None
+        next_report, last_report = 0.0, None
         while not self._stop.is_set():
             if self._sock.poll(int(min(hb.interval / 2, 0.05) * 1000)):
                 self._receive()
@@ -170,6 +173,12 @@ class LeaseDispatcher:
                 )
                 self._out.append((self._routes[lease.server], msg))
             self._flush()
+            if now >= next_report:
+                next_report = now + 2.0
+                report = (book.progress(), len(book.servers), len(book.trainers))
+                if report != last_report:
+                    last_report = report
+                    logger.info("progress %s; %d servers, %d trainers live", *report)
             if book.finished and finished_at is None:
                 finished_at = now
                 logger.info("every epoch is done; answering FINISHED for %.1fs", self.options.linger)
@@ -241,8 +250,10 @@ class LeaseDispatcher:
                 payload=servers,
             )
         elif msg.kind is W.Kind.CLAIM:
-            answers = [(int(seq), int(book.claim(msg.sender, int(seq), int(lease)))) for seq, lease in msg.payload]
-            granted = sum(ok for _, ok in answers)
+            answers = [
+                (int(seq), int(lease), int(book.claim(msg.sender, int(seq), int(lease)))) for seq, lease in msg.payload
+            ]
+            granted = sum(ok for _, _, ok in answers)
             self.stats["granted"] += granted
             self.stats["refused"] += len(answers) - granted
             self._reply(route, W.Kind.GRANTS, payload=answers)

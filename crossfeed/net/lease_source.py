@@ -3,8 +3,9 @@
 A thread holds one DEALER to the dispatcher: it says HELLO (this server's data endpoints),
 learns the plan (WELCOME: split, batch size, shuffle, seed and the epoch's batch count, which
 must match what the local dataset gives), beats every heartbeat interval, and builds the batch
-numbers of each LEASE with a Loader over the local copy of the dataset (batch `b` of epoch `e`:
-the plan's sample indices `plan(e).batch(b)`, fetched, decoded and transformed as the Loader
+numbers of each LEASE with a Loader over the local copy of the dataset (batch `b` of epoch `e`
+is batch `b // W` of rank `b % W` in the Loader's plan for `W` ranks, W = the plan's world_size,
+1 unless the trainers are lockstep DDP ranks; fetched, decoded and transformed as the Loader
 does). Each batch goes to the server's queue as an `Item` with seq `e * batches + b` and the
 lease id, which the trainer quotes when it claims the batch. Yields, like `Producer`:
     Item(seq, epoch, frames, n, lease)   one encoded batch
@@ -27,6 +28,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import zmq
 
@@ -35,6 +37,7 @@ from crossfeed.net import leasewire as W
 from crossfeed.net import protocol as P
 from crossfeed.net.keys import ClientKeys, secure_client_socket
 from crossfeed.net.producer import Prefetch, ProducerFailed, StreamEnd, encode_item
+from crossfeed.read.plan import Sampler
 
 logger = logging.getLogger(__name__)
 SERVER = 1
@@ -73,6 +76,7 @@ class LeaseSource:
         self.queue = Prefetch(prefetch)
         self._todo: collections.deque[tuple[int, int, int, int]] = collections.deque()  # lease, epoch, b, batches
         self._loader = None
+        self._samplers: list[Sampler] = []
         self._held = None  # a built batch the server's queue had no room for yet
         self._batches = 0
         self._id = P.new_instance()
@@ -195,7 +199,15 @@ class LeaseSource:
             raise WireError(f"the dispatcher's plan is not JSON: {e}") from e
         if self._loader is None:
             self._loader = self._make_loader(plan)
-            mine = self._loader.batch_count()
+            world = int(plan.get("world_size", 1))
+            if not 1 <= world <= 1 << 16:
+                raise WireError(f"the dispatcher's plan names world_size {world}")
+            shard = self._loader.options.shard
+            self._samplers = [
+                Sampler(self._loader.split.counts, self._loader.options.plan, replace(shard, rank=r, world_size=world))
+                for r in range(world)
+            ]
+            mine = world * self._samplers[0].rank_batch_count()
             if mine != msg.a:
                 raise ConfigError(
                     f"the dispatcher's plan has {msg.a} batches per epoch, this server's dataset gives "
@@ -218,7 +230,8 @@ class LeaseSource:
     def _build_one(self):
         lease, epoch, b, batches = self._todo.popleft()
         loader = self._loader
-        indices = loader.sampler.plan(epoch, 0).batch(b)
+        world = len(self._samplers)  # batch b is batch b // world of rank b % world
+        indices = self._samplers[b % world].plan(epoch, 0).batch(b // world)
         batch = loader.builder(indices)
         item = encode_item(batch, epoch=epoch, seq=epoch * batches + b, server_id=self._server_id)
         item.lease = lease

@@ -68,7 +68,9 @@ class LeasedClient(Iterator[Any]):
         self._lock = threading.Lock()  # the dispatcher socket and the state below
         self._id = P.new_instance()
         self._servers: dict[str, int] = {}  # address -> receiver index of its live link
-        self._awaiting: dict[int, tuple[Delivery, float]] = {}  # seq -> (delivery, claim sent)
+        # (seq, lease) -> (delivery, when its claim was sent): copies of one batch under two leases
+        # (one revoked) are two entries; the dispatcher grants at most one of them
+        self._awaiting: dict[tuple[int, int], tuple[Delivery, float]] = {}
         self._granted: collections.deque[Delivery] = collections.deque()
         self._seen: set[int] = set()  # seqs granted to (and so used by) this client
         self._done: set[int] = set()  # used, DONE not yet confirmed
@@ -120,11 +122,11 @@ class LeasedClient(Iterator[Any]):
         if isinstance(event, Delivery):
             seq = event.meta.seq
             with self._lock:
-                if seq in self._seen or seq in self._awaiting:
+                if seq in self._seen or (seq, event.token) in self._awaiting:
                     self.duplicates += 1
                     self._receiver.ack(event.server, seq, event.lease)
                     return
-                self._awaiting[seq] = (event, 0.0)
+                self._awaiting[seq, event.token] = (event, 0.0)
                 self._pump()
         elif isinstance(event, Lost):
             with self._lock:
@@ -153,11 +155,11 @@ class LeasedClient(Iterator[Any]):
             done = sorted(self._done)
             for i in range(0, len(done), W.MAX_ITEMS):
                 self._send(W.Kind.DONE, payload=done[i : i + W.MAX_ITEMS])
-        due = [(seq, ev.token) for seq, (ev, sent) in self._awaiting.items() if now - sent > CLAIM_RETRY]
-        for i in range(0, len(due), W.MAX_ITEMS // 2):
-            self._send(W.Kind.CLAIM, payload=due[i : i + W.MAX_ITEMS // 2])
-        for seq, _ in due:
-            self._awaiting[seq] = (self._awaiting[seq][0], now)
+        due = [key for key, (_ev, sent) in self._awaiting.items() if now - sent > CLAIM_RETRY]
+        for i in range(0, len(due), W.MAX_ITEMS):
+            self._send(W.Kind.CLAIM, payload=due[i : i + W.MAX_ITEMS])
+        for key in due:
+            self._awaiting[key] = (self._awaiting[key][0], now)
         for _ in range(100):
             try:
                 frames = P.recv_bounded(self._sock, 2, W.MAX_MESSAGE)
@@ -187,8 +189,8 @@ class LeasedClient(Iterator[Any]):
                     self._servers[address] = self._receiver.add(address)
                     logger.info("connected server %s (announced by the dispatcher)", address)
         elif msg.kind is W.Kind.GRANTS:
-            for seq, ok in msg.payload:
-                entry = self._awaiting.pop(int(seq), None)
+            for seq, lease, ok in msg.payload:
+                entry = self._awaiting.pop((int(seq), int(lease)), None)
                 if entry is None:
                     continue
                 ev = entry[0]
@@ -206,12 +208,13 @@ class LeasedClient(Iterator[Any]):
     def _reset(self) -> None:
         """The dispatcher declared us dead: what it granted us and we did not use went to others."""
         self.resets += 1
-        dropped = list(self._granted) + [ev for ev, _ in self._awaiting.values()]
+        dropped = list(self._granted)
         for ev in dropped:
             self._receiver.ack(ev.server, ev.meta.seq, ev.lease)
             self._seen.discard(ev.meta.seq)
         self._granted.clear()
-        self._awaiting.clear()
+        for key, (ev, _sent) in list(self._awaiting.items()):  # claimed afresh under the new id
+            self._awaiting[key] = (ev, 0.0)
         self._done.clear()  # confirmed or not, the dispatcher decided about them
         self._id = P.new_instance()
         self._confirmed_at = -1.0

@@ -57,7 +57,14 @@ class LeaseBook:
     """Leases of one epoch at a time; `epochs` None: without end."""
 
     def __init__(
-        self, batches: int, *, epochs: int | None, lease_size: int = 4, window: int = 8, timeout: float = 10.0
+        self,
+        batches: int,
+        *,
+        epochs: int | None,
+        lease_size: int = 4,
+        window: int = 8,
+        timeout: float = 10.0,
+        quota: int | None = None,
     ):
         if batches < 1:
             raise ConfigError(f"an epoch needs at least one batch, got {batches}")
@@ -67,6 +74,9 @@ class LeaseBook:
             raise ConfigError(f"need 1 <= lease_size ({lease_size}) <= window ({window})")
         self.batches, self.epochs = batches, epochs
         self.lease_size, self.window, self.timeout = lease_size, window, timeout
+        # lockstep DDP: each trainer uses at most `quota` batches of an epoch (equal counts per rank)
+        self.quota = quota
+        self._claims: dict[int, int] = {}  # batches of this epoch each trainer claimed
         self.epoch = 0
         self.finished = False
         self.state = [PENDING] * batches
@@ -227,9 +237,11 @@ class LeaseBook:
         return b if 0 <= b < self.batches and not self.finished else None
 
     def claim(self, trainer: int, seq: int, lease: int) -> bool:
-        """May `trainer` use batch `seq`, received under `lease`? (see the module docstring)"""
-        if trainer not in self.trainers:
-            return False
+        """May `trainer` use batch `seq`, received under `lease`? (see the module docstring)
+
+        A copy refused although its lease is the batch's current one (an unknown or fenced
+        trainer, or one that has its `quota` of this epoch) is dropped by the trainer, so the
+        batch goes back to PENDING and out again."""
         b = self._local(seq)
         if b is None:
             return False
@@ -237,7 +249,11 @@ class LeaseBook:
             return self.claimer[b] == trainer and self.lease_of[b] == lease
         if self.state[b] != LEASED or self.lease_of[b] != lease:
             return False
+        if trainer not in self.trainers or (self.quota is not None and self._claims.get(trainer, 0) >= self.quota):
+            self._set_pending(b)
+            return False
         self.state[b], self.claimer[b] = CLAIMED, trainer
+        self._claims[trainer] = self._claims.get(trainer, 0) + 1
         self.records.append({"t": "claim", "trainer": trainer, "epoch": self.epoch, "b": b, "lease": lease})
         return True
 
@@ -268,6 +284,7 @@ class LeaseBook:
         self.state = [PENDING] * self.batches
         self.lease_of = [0] * self.batches
         self.claimer = [0] * self.batches
+        self._claims.clear()
         self._cursor = 0
 
     def progress(self) -> dict[str, int]:
@@ -334,7 +351,10 @@ class LeaseBook:
                 self.state[int(r["b"])] = DONE
         self._cursor = 0
         self.leases.clear()
+        self._claims.clear()
         for b in range(self.batches):
+            if self.state[b] in (CLAIMED, DONE):
+                self._claims[self.claimer[b]] = self._claims.get(self.claimer[b], 0) + 1
             if self.state[b] == CLAIMED:
                 self.trainers.setdefault(self.claimer[b], Member(now))
         self.records.clear()

@@ -14,7 +14,7 @@ dispatcher → server: WELCOME(a=batches per epoch; payload = the plan as JSON t
                      under a new id), FINISHED (every epoch is done)
 trainer → dispatcher: BEAT, CLAIM(payload = seq, lease pairs), DONE(payload = seqs), BYE
 dispatcher → trainer: SERVERS(a=finished, b=silence timeout ms; payload = endpoints, text),
-                      GRANTS(payload = seq, granted pairs), DONE_OK(payload = seqs),
+                      GRANTS(payload = seq, lease, granted triples), DONE_OK(payload = seqs),
                       RESET (you were declared dead: drop what you were granted and not used)
 """
 
@@ -35,7 +35,7 @@ _ENVELOPE = struct.Struct("<4sBBHqqqQQ")
 ENVELOPE_SIZE = _ENVELOPE.size
 MAX_ITEMS = 1024  # int64 values in one payload
 MAX_TEXT = 65536  # bytes of text in one payload
-MAX_MESSAGE = ENVELOPE_SIZE + max(MAX_ITEMS * 8, MAX_TEXT)
+MAX_MESSAGE = ENVELOPE_SIZE + max(MAX_ITEMS * 24, MAX_TEXT)
 
 
 class Kind(enum.IntEnum):
@@ -59,7 +59,7 @@ TO_SERVER = frozenset({Kind.WELCOME, Kind.LEASE, Kind.RESET, Kind.FINISHED})
 TO_TRAINER = frozenset({Kind.SERVERS, Kind.GRANTS, Kind.DONE_OK, Kind.RESET})
 _TEXT = frozenset({Kind.HELLO, Kind.WELCOME, Kind.SERVERS})
 _INTS = frozenset({Kind.LEASE, Kind.CLAIM, Kind.DONE, Kind.GRANTS, Kind.DONE_OK})
-_PAIRS = frozenset({Kind.CLAIM, Kind.GRANTS})
+_WIDTH = {Kind.CLAIM: 2, Kind.GRANTS: 3}  # int64s per item (others: 1)
 _KINDS = {int(k): k for k in Kind}
 
 
@@ -112,14 +112,14 @@ def unpack(frames: list, allowed: frozenset[Kind]) -> Message:
             except UnicodeDecodeError as e:
                 raise WireError(f"{k.name} text is not UTF-8: {e}") from e
         else:
-            per = 16 if k in _PAIRS else 8
-            if len(raw) % per or len(raw) > MAX_ITEMS * 8:
+            width = _WIDTH.get(k, 1)
+            if len(raw) % (8 * width) or len(raw) > MAX_ITEMS * 8 * width:
                 raise WireError(
-                    f"{k.name} payload of {len(raw)} bytes is not whole {per}-byte items (<= {MAX_ITEMS * 8})"
+                    f"{k.name} payload of {len(raw)} bytes is not whole {8 * width}-byte items (<= {MAX_ITEMS} items)"
                 )
             payload = np.frombuffer(raw, dtype="<i8")
-            if k in _PAIRS:
-                payload = payload.reshape(-1, 2)
+            if width > 1:
+                payload = payload.reshape(-1, width)
     return Message(k, a, b, c, sender, instance, payload)
 
 
