@@ -51,7 +51,7 @@ def served_by(outs, proc) -> int:
 
 
 @pytest.mark.parametrize("curve", [False, True])
-def test_a_killed_server_and_a_new_one_mid_epoch_every_sample_once(tmp_path, dataset, curve):
+def test_a_killed_a_stopped_and_a_new_server_mid_epoch_every_sample_once(tmp_path, dataset, curve):
     keys_extra, server_extra, trainer_keys = [], [], ""
     if curve:
         from crossfeed.net import keygen
@@ -78,6 +78,10 @@ def test_a_killed_server_and_a_new_one_mid_epoch_every_sample_once(tmp_path, dat
         os.kill(victim.pid, signal.SIGKILL)  # mid-epoch, holding leases
         fourth = start_server(tmp_path, dataset, address, "s3", *server_extra)
         procs.append(fourth)
+        live = [p for p in procs if p is not victim]
+        wait_until(lambda: served_by(outs, fourth), 60, "a batch from the 4th server", live)
+        servers[1].send_signal(signal.SIGTERM)  # leaves: hands its leases back
+        assert servers[1].wait(30) == 0, (tmp_path / "s1.log").read_text()[-3000:]
         for t in trainers:
             assert t.wait(90) == 0, [(tmp_path / f"t{i}.log").read_text()[-3000:] for i in range(2)]
         assert d.wait(30) == 0, (tmp_path / "d.log").read_text()[-3000:]
@@ -87,6 +91,7 @@ def test_a_killed_server_and_a_new_one_mid_epoch_every_sample_once(tmp_path, dat
     assert counts == collections.Counter(range(N)), "a sample was lost or used twice"
     log = (tmp_path / "d.log").read_text()
     assert "declared dead" in log  # the killed server's leases were revoked
+    assert " left: " in log  # the one stopped with SIGTERM handed its leases back
     assert served_by(outs, fourth) > 0, "the 4th server got no work"
     assert served_by(outs, victim) < N // BATCH
 

@@ -161,7 +161,9 @@ class LeaseDispatcher:
             if self._sock.poll(int(min(hb.interval / 2, 0.05) * 1000)):
                 self._receive()
             now = time.monotonic()
-            book.expire(now)
+            gone, _ = book.expire(now)
+            for server in gone:
+                self._routes.pop(server, None)
             leases = book.grant_leases()
             self.journal.append(book.take_records())  # durable before anyone hears of it
             if self.journal.due():
