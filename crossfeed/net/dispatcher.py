@@ -108,6 +108,7 @@ class LeaseDispatcher:
             raise ConfigError(f"cannot bind {options.address}: {e}") from e
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._routes: dict[int, bytes] = {}  # server id -> its routing id
+        self._trainer_routes: dict[int, bytes] = {}  # trainer id -> its routing id (to tell them FINISHED)
         self._out: list[tuple[bytes, list]] = []  # answers, sent once the journal holds the changes
         self._log = P.RateLimitedLog(logger)
         self._stop = threading.Event()
@@ -161,9 +162,11 @@ class LeaseDispatcher:
             if self._sock.poll(int(min(hb.interval / 2, 0.05) * 1000)):
                 self._receive()
             now = time.monotonic()
-            gone, _ = book.expire(now)
+            gone, dead = book.expire(now)
             for server in gone:
                 self._routes.pop(server, None)
+            for trainer in dead:
+                self._trainer_routes.pop(trainer, None)
             leases = book.grant_leases()
             self.journal.append(book.take_records())  # durable before anyone hears of it
             if self.journal.due():
@@ -186,6 +189,9 @@ class LeaseDispatcher:
                 logger.info("every epoch is done; answering FINISHED for %.1fs", self.options.linger)
                 for route in self._routes.values():
                     self._send(route, W.pack(W.Kind.FINISHED, instance=self.instance))
+                timeout_ms = int(self.options.heartbeat.timeout * 1000)
+                for route in self._trainer_routes.values():  # c=0: confirms no BEAT
+                    self._send(route, W.pack(W.Kind.SERVERS, 1, timeout_ms, instance=self.instance, payload=""))
             if finished_at is not None and now - finished_at > self.options.linger:
                 return
 
@@ -235,9 +241,11 @@ class LeaseDispatcher:
         if role != TRAINER:
             raise WireError(f"{msg.kind.name} names role {msg.c}, expected {SERVER} or {TRAINER}")
         if msg.kind is W.Kind.BYE:
+            self._trainer_routes.pop(msg.sender, None)
             if msg.sender in book.trainers:
                 book.remove_trainer(msg.sender, "left")
             return
+        self._trainer_routes[msg.sender] = route
         if not book.trainer_seen(msg.sender, now):
             self._reply(route, W.Kind.RESET)
             return
@@ -261,7 +269,7 @@ class LeaseDispatcher:
             self._reply(route, W.Kind.GRANTS, payload=answers)
         elif msg.kind is W.Kind.DONE:
             confirmed = [int(seq) for seq in msg.payload if book.done(msg.sender, int(seq))]
-            self._reply(route, W.Kind.DONE_OK, payload=confirmed)
+            self._reply(route, W.Kind.DONE_OK, int(book.finished), payload=confirmed)
 
     def _reply(self, route: bytes, kind: W.Kind, a: int = 0, b: int = 0, c: int = 0, payload=None) -> None:
         self._out.append((route, W.pack(kind, a, b, c, instance=self.instance, payload=payload)))

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import zmq
 
@@ -77,6 +78,7 @@ class LeaseSource:
         self._todo: collections.deque[tuple[int, int, int, int]] = collections.deque()  # lease, epoch, b, batches
         self._loader = None
         self._samplers: list[Sampler] = []
+        self._plans: dict[tuple[int, int], Any] = {}  # (rank, epoch) -> Plan
         self._held = None  # a built batch the server's queue had no room for yet
         self._batches = 0
         self._id = P.new_instance()
@@ -125,7 +127,8 @@ class LeaseSource:
                         None if self._welcomed else self._endpoints,
                     )
                 busy = self._held is None and self._todo and self._loader is not None
-                if sock.poll(0 if busy else int(min(self._hb.interval / 2, 0.05) * 1000)):
+                idle = int(min(self._hb.interval / 2, 0.05) * 1000)
+                if sock.poll(0 if busy else 1 if self._held is not None else idle):
                     if self._receive(sock):
                         return
                 if self._held is not None:
@@ -220,7 +223,7 @@ class LeaseSource:
     def _offer(self) -> None:
         """Hand the built batch to the server if its queue has room (never block: heartbeats)."""
         try:
-            self.queue.put(self._held, timeout=0)
+            self.queue.put(self._held, timeout=0.005)
         except queue.Full:
             return
         self._held = None
@@ -231,7 +234,13 @@ class LeaseSource:
         lease, epoch, b, batches = self._todo.popleft()
         loader = self._loader
         world = len(self._samplers)  # batch b is batch b // world of rank b % world
-        indices = self._samplers[b % world].plan(epoch, 0).batch(b // world)
+        key = (b % world, epoch)
+        plan = self._plans.get(key)
+        if plan is None:  # one Plan per rank and epoch: it keeps the order's chunk it last evaluated
+            if len(self._plans) >= 2 * world:
+                self._plans.clear()
+            plan = self._plans[key] = self._samplers[b % world].plan(epoch, 0)
+        indices = plan.batch(b // world)
         batch = loader.builder(indices)
         item = encode_item(batch, epoch=epoch, seq=epoch * batches + b, server_id=self._server_id)
         item.lease = lease

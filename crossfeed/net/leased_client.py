@@ -114,7 +114,13 @@ class LeasedClient(Iterator[Any]):
                     return (event.meta, event.batch) if self.options.with_meta else event.batch
                 if self._finished and not self._done and not self._granted:
                     raise StopIteration
-            event = self._receiver.next_event(timeout=0.02)
+            if self._awaiting and not self._granted:  # a grant is due: wait on the dispatcher
+                event = self._receiver.next_event(timeout=0.0)
+                if event is None:
+                    with self._lock:
+                        self._sock.poll(2)
+            else:
+                event = self._receiver.next_event(timeout=0.02)
             if event is not None:
                 self._on_event(event)
 
@@ -202,6 +208,7 @@ class LeasedClient(Iterator[Any]):
                     self._receiver.ack(ev.server, ev.meta.seq, ev.lease)
         elif msg.kind is W.Kind.DONE_OK:
             self._done.difference_update(int(s) for s in msg.payload)
+            self._finished = self._finished or bool(msg.a)
         elif msg.kind is W.Kind.RESET:
             self._reset()
 

@@ -82,7 +82,10 @@ class LeaseBook:
         self.state = [PENDING] * batches
         self.lease_of = [0] * batches
         self.claimer = [0] * batches
-        self.leases: dict[int, Lease] = {}
+        self.leases: dict[int, Lease] = {}  # live leases: those with a batch still LEASED under them
+        self._left: dict[int, int] = {}  # lease id -> its batches still LEASED under it
+        self._load: dict[int, int] = {}  # server -> batches LEASED to it (not yet claimed)
+        self._done = 0  # DONE batches of this epoch
         self.servers: dict[int, Member] = {}
         self.trainers: dict[int, Member] = {}
         self.dead_servers: dict[int, None] = {}
@@ -169,20 +172,14 @@ class LeaseBook:
     # ---- leasing ----
     def outstanding(self, server: int) -> int:
         """Batches leased to `server` and not yet claimed by a trainer."""
-        return sum(
-            1
-            for lease in self.leases.values()
-            if lease.server == server
-            for b in lease.batches
-            if self.state[b] == LEASED and self.lease_of[b] == lease.id
-        )
+        return self._load.get(server, 0)
 
     def grant_leases(self) -> list[Lease]:
         """New leases for live servers below their window, least loaded first."""
         out: list[Lease] = []
         if self.finished:
             return out
-        load = {k: self.outstanding(k) for k in self.servers}
+        load = {k: self._load.get(k, 0) for k in self.servers}
         while True:
             room = [k for k in load if load[k] + self.lease_size <= self.window or load[k] == 0]
             if not room:
@@ -195,6 +192,8 @@ class LeaseBook:
             for b in taken:
                 self.state[b], self.lease_of[b] = LEASED, lease.id
             self.leases[lease.id] = lease
+            self._left[lease.id] = len(taken)
+            self._load[server] = self._load.get(server, 0) + len(taken)
             load[server] += len(taken)
             out.append(lease)
 
@@ -218,7 +217,7 @@ class LeaseBook:
         return lid
 
     def _revoke(self, lid: int) -> int:
-        lease = self.leases.pop(lid)
+        lease = self.leases[lid]
         back = 0
         for b in lease.batches:
             if self.state[b] == LEASED and self.lease_of[b] == lid:
@@ -226,7 +225,20 @@ class LeaseBook:
                 back += 1
         return back
 
+    def _unlease(self, b: int) -> None:
+        """Batch `b` (LEASED) leaves its lease: claimed, or back to PENDING."""
+        lid = self.lease_of[b]
+        lease = self.leases[lid]
+        self._load[lease.server] -= 1
+        self._left[lid] -= 1
+        if not self._left[lid]:
+            del self._left[lid], self.leases[lid]
+        if not self._load[lease.server]:
+            del self._load[lease.server]
+
     def _set_pending(self, b: int) -> None:
+        if self.state[b] == LEASED:
+            self._unlease(b)
         self.state[b], self.lease_of[b], self.claimer[b] = PENDING, 0, 0
         self._cursor = min(self._cursor, b)
 
@@ -252,6 +264,7 @@ class LeaseBook:
         if trainer not in self.trainers or (self.quota is not None and self._claims.get(trainer, 0) >= self.quota):
             self._set_pending(b)
             return False
+        self._unlease(b)
         self.state[b], self.claimer[b] = CLAIMED, trainer
         self._claims[trainer] = self._claims.get(trainer, 0) + 1
         self.records.append({"t": "claim", "trainer": trainer, "epoch": self.epoch, "b": b, "lease": lease})
@@ -267,15 +280,19 @@ class LeaseBook:
         if self.state[b] != CLAIMED or self.claimer[b] != trainer:
             return False
         self.state[b] = DONE
+        self._done += 1
         self.records.append({"t": "done", "epoch": self.epoch, "b": b})
         self._maybe_advance()
         return True
 
     def _maybe_advance(self) -> None:
-        if any(s != DONE for s in self.state):
+        if self._done < self.batches:
             return
         logger.info("epoch %d done: %d batches, each consumed once", self.epoch, self.batches)
         self.leases.clear()
+        self._left.clear()
+        self._load.clear()
+        self._done = 0
         self.epoch += 1
         self.records.append({"t": "epoch", "epoch": self.epoch})
         if self.epochs is not None and self.epoch >= self.epochs:
@@ -351,13 +368,18 @@ class LeaseBook:
                 self.state[int(r["b"])] = DONE
         self._cursor = 0
         self.leases.clear()
+        self._left.clear()
+        self._load.clear()
         self._claims.clear()
+        self._done = sum(1 for x in self.state if x == DONE)
         for b in range(self.batches):
             if self.state[b] in (CLAIMED, DONE):
                 self._claims[self.claimer[b]] = self._claims.get(self.claimer[b], 0) + 1
             if self.state[b] == CLAIMED:
                 self.trainers.setdefault(self.claimer[b], Member(now))
         self.records.clear()
+        if not self.finished:
+            self._maybe_advance()  # the last DONE made it to the journal, the epoch's end did not
 
 
 def _remember(dead: dict[int, None], key: int) -> None:

@@ -14,7 +14,8 @@ dispatcher → server: WELCOME(a=batches per epoch; payload = the plan as JSON t
                      under a new id), FINISHED (every epoch is done)
 trainer → dispatcher: BEAT, CLAIM(payload = seq, lease pairs), DONE(payload = seqs), BYE
 dispatcher → trainer: SERVERS(a=finished, b=silence timeout ms; payload = endpoints, text),
-                      GRANTS(payload = seq, lease, granted triples), DONE_OK(payload = seqs),
+                      GRANTS(payload = seq, lease, granted triples),
+                      DONE_OK(a=finished; payload = seqs),
                       RESET (you were declared dead: drop what you were granted and not used)
 """
 
