@@ -56,25 +56,6 @@ def trainer(dispatcher: str, out_file: str, pace: float = 0.0, keys: str = "") -
             connect_timeout=10.0,
         ) as c,
     ):
-        import faulthandler
-        import signal
-
-        faulthandler.register(signal.SIGUSR1)
-
-        def state(*_):
-            print(
-                "STATE",
-                sorted(c._awaiting),
-                len(c._granted),
-                sorted(c._done),
-                c._finished,
-                time.monotonic() - c._confirmed_at,
-                c._receiver._events,
-                file=sys.stderr,
-                flush=True,
-            )
-
-        signal.signal(signal.SIGUSR2, state)
         for meta, _batch in c:
             out.write(json.dumps([meta.sample_ids.tolist(), meta.server_id]) + "\n")
             out.flush()
@@ -107,37 +88,3 @@ def stop(*procs: subprocess.Popen) -> None:
         if p.poll() is None:
             p.kill()
         p.wait(10)
-
-
-def debug_cli(*argv: str) -> None:  # pragma: no cover - manual debugging aid
-    import gc
-    import signal
-
-    def dump(*_):
-        from crossfeed.net.distribute import Distribution
-        from crossfeed.net.lease_source import LeaseSource
-
-        for o in gc.get_objects():
-            if isinstance(o, Distribution):
-                d = o._disp
-                print(
-                    "DIST pending",
-                    [i.seq for i in d.pending],
-                    {k.hex()[:6]: (p.credit, sorted(p.unacked), p.reachable) for k, p in d.peers.items()},
-                    file=sys.stderr,
-                    flush=True,
-                )
-            if isinstance(o, LeaseSource):
-                print(
-                    "SRC todo",
-                    list(o._todo),
-                    "held",
-                    o._held and o._held.seq,
-                    "queue",
-                    len(o.queue._items),
-                    file=sys.stderr,
-                    flush=True,
-                )
-
-    signal.signal(signal.SIGUSR2, dump)
-    cli(*argv)

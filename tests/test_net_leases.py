@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from crossfeed.errors import ConfigError
+from crossfeed.errors import ConfigError, WireError
+from crossfeed.net import leasewire as W
 from crossfeed.net.journal import Journal
 from crossfeed.net.leases import LeaseBook
 
@@ -170,3 +171,29 @@ def test_a_copy_refused_to_an_unknown_trainer_goes_out_again():
     (lease,) = book.grant_leases()
     assert not book.claim(T1, 0, lease.id)  # T1 never beat: unknown
     assert book.progress()["pending"] == 1
+
+
+def test_leasewire_round_trips_and_refuses_what_is_malformed():
+    frames = W.pack(W.Kind.CLAIM, sender=5, payload=[(1, 2), (3, 4)])
+    msg = W.unpack(frames, W.TRAINER_KINDS)
+    assert msg.kind is W.Kind.CLAIM and msg.sender == 5 and msg.payload.tolist() == [[1, 2], [3, 4]]
+    hello = W.unpack(W.pack(W.Kind.HELLO, sender=1, payload="tcp://h:1 ipc:///x"), W.SERVER_KINDS)
+    assert W.endpoints(hello.payload) == ["tcp://h:1", "ipc:///x"]
+    env = frames[0]
+    bad = [
+        [],
+        [b"short"],
+        [b"XXXX" + env[4:]],
+        [env[:4] + b"\x09" + env[5:], frames[1]],  # another version
+        [env],  # CLAIM without its payload
+        [env, b"1234567"],  # not whole pairs
+        [env, b"\0" * (16 * (W.MAX_ITEMS + 1))],  # too many
+        W.pack(W.Kind.LEASE, payload=[1]),  # a dispatcher's kind, from a trainer
+        [W.pack(W.Kind.HELLO, sender=1)[0], b"\xff"],  # not UTF-8
+    ]
+    for frames in bad:
+        with pytest.raises(WireError):
+            W.unpack(frames, W.TRAINER_KINDS | W.SERVER_KINDS)
+    for text in ["", "http://x", "tcp://" + "a" * 300, " ".join(["ipc:///a"] * 17), "tcp://a\x00"]:
+        with pytest.raises(WireError):
+            W.endpoints(text)
