@@ -192,7 +192,10 @@ class LeasedClient(Iterator[Any]):
             for address in msg.payload.split() if msg.payload else ():
                 if address not in self._servers:
                     W.endpoints(address)
-                    self._servers[address] = self._receiver.add(address)
+                    try:
+                        self._servers[address] = self._receiver.add(address)
+                    except zmq.ZMQError as e:
+                        raise WireError(f"the dispatcher announced {address!r}, which cannot be connected: {e}") from e
                     logger.info("connected server %s (announced by the dispatcher)", address)
         elif msg.kind is W.Kind.GRANTS:
             for seq, lease, ok in msg.payload:

@@ -103,8 +103,9 @@ class Receiver:
     def add(self, address: str) -> int:
         """Connect one more server (a dispatcher announced it); returns its index."""
         with self._lock:
+            link = self._open(address, time.monotonic())
             self.addresses.append(address)
-            self._links.append(self._open(address, time.monotonic()))
+            self._links.append(link)
             self._buffer = self._credits * len(self._links) + 1
             return len(self._links) - 1
 
