@@ -181,3 +181,33 @@ def test_lockstep_ranks_get_equal_batch_counts_each_sample_once(tmp_path, datase
         stop(*procs)
     assert [len(read_batches(out)) for out in outs] == [35, 35]
     assert used(outs) == collections.Counter(range(N))
+
+
+def test_a_stalled_server_that_wakes_up_is_fenced(tmp_path, dataset):
+    """SIGSTOP a server past the heartbeat timeout (its leases go to the other), SIGCONT it: what
+    it still sends under its revoked leases is refused at the trainers, never used twice."""
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0")
+    procs = [d]
+    try:
+        servers = [start_server(tmp_path, dataset, address, f"s{i}") for i in range(2)]
+        procs += servers
+        outs = [tmp_path / f"t{i}.out" for i in range(2)]
+        trainers = [spawn("trainer", address, str(out), 0.05, log=tmp_path / f"t{i}.log") for i, out in enumerate(outs)]
+        procs += trainers
+        stalled = servers[0]
+        wait_until(lambda: served_by(outs, stalled), 60, "a batch from the server to stall", procs)
+        stalled.send_signal(signal.SIGSTOP)
+        wait_until(
+            lambda: "declared dead" in (tmp_path / "d.log").read_text(), 30, "the stalled server's leases revoked"
+        )
+        stalled.send_signal(signal.SIGCONT)
+        for t in trainers:
+            assert t.wait(90) == 0, [(tmp_path / f"t{i}.log").read_text()[-3000:] for i in range(2)]
+        assert d.wait(30) == 0, (tmp_path / "d.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+        stop(*procs)
+    assert used(outs) == collections.Counter(range(N)), "a sample was lost or used twice"
+    assert "does not know us" in (tmp_path / "s0.log").read_text()  # it was told to rejoin
