@@ -74,7 +74,7 @@ def run(mode: str, ds: str, work: Path, args) -> tuple[float, collections.Counte
             ep.unlink(missing_ok=True)
             journal = work / f"journal{time.monotonic_ns()}"
             argv = ["dispatch", ds, "tcp://127.0.0.1:0", *common, "--journal", str(journal), "--endpoint-file", str(ep)]
-            procs.append(cli(*argv, "--window", "128", "--lease-size", "16", log=work / "d.log"))
+            procs.append(cli(*argv, log=work / "d.log"))
             address = endpoint(ep, procs)
             for r in range(args.servers):
                 procs.append(cli("serve", ds, "tcp://127.0.0.1:0", "--dispatcher", address, log=work / f"s{r}.log"))

@@ -294,8 +294,8 @@ def dispatch(
     journal: Annotated[
         Path, typer.Option(help="Journal file: a restarted dispatcher continues the epoch from it.")
     ] = Path("crossfeed-dispatch.journal"),
-    lease_size: Annotated[int, typer.Option("--lease-size", min=1, help="Batches per lease.")] = 4,
-    window: Annotated[int, typer.Option(min=1, help="Batches leased to one server and not yet claimed.")] = 16,
+    lease_size: Annotated[int, typer.Option("--lease-size", min=1, help="Batches per lease.")] = 8,
+    window: Annotated[int, typer.Option(min=1, help="Batches leased to one server and not yet claimed.")] = 64,
     auth_keys: Annotated[
         Path | None, typer.Option("--auth-keys", help="Dir of accepted *.key (servers and trainers); enables CURVE.")
     ] = None,

@@ -46,8 +46,8 @@ class DispatcherOptions:
     address: str
     journal: Path
     epochs: int | None = 1
-    lease_size: int = 4  # batches per lease
-    window: int = 16  # batches leased to one server and not yet claimed, at most
+    lease_size: int = 8  # batches per lease
+    window: int = 64  # batches leased to one server and not yet claimed, at most
     heartbeat: P.Heartbeat = P.Heartbeat()
     linger: float = 5.0  # after the last epoch, how long to keep answering (FINISHED)
     insecure: bool = False
