@@ -31,7 +31,7 @@ def start_dispatcher(tmp_path, dataset, address, *extra, name="d", batch=BATCH):
     ep = tmp_path / f"{name}.ep"
     ep.unlink(missing_ok=True)
     argv = ["dispatch", dataset, address, "--batch-size", str(batch), "--journal", str(tmp_path / "journal")]
-    argv += [*HB, "--lease-size", "2", "--window", "4", "--endpoint-file", str(ep), *extra]
+    argv += [*HB, "--lease-size", "2", "--window", "4", "--linger", "1", "--endpoint-file", str(ep), *extra]
     proc = spawn("cli", *argv, log=tmp_path / f"{name}.log")
     return proc, wait_until(lambda: ep.exists() and ep.read_text(), 30, "the dispatcher's endpoint", [proc])
 
@@ -39,6 +39,16 @@ def start_dispatcher(tmp_path, dataset, address, *extra, name="d", batch=BATCH):
 def start_server(tmp_path, dataset, dispatcher, name, *extra):
     argv = ["serve", dataset, "tcp://127.0.0.1:0", "--dispatcher", dispatcher, *HB, *extra]
     return spawn("cli", *argv, log=tmp_path / f"{name}.log")
+
+
+def curve_keys(tmp_path):
+    """CURVE everywhere: one key directory serves the dispatcher, the servers and the trainers."""
+    from crossfeed.net import keygen
+
+    keys = tmp_path / "keys"
+    keygen(keys, "server")
+    keygen(keys, "client")
+    return ["--auth-keys", str(keys)], ["--auth-keys", str(keys), "--dispatcher-keys", str(keys)], str(keys)
 
 
 def used(outs) -> collections.Counter:
@@ -52,16 +62,7 @@ def served_by(outs, proc) -> int:
 
 @pytest.mark.parametrize("curve", [False, True])
 def test_a_killed_a_stopped_and_a_new_server_mid_epoch_every_sample_once(tmp_path, dataset, curve):
-    keys_extra, server_extra, trainer_keys = [], [], ""
-    if curve:
-        from crossfeed.net import keygen
-
-        keys = tmp_path / "keys"
-        keygen(keys, "server")
-        keygen(keys, "client")
-        keys_extra = ["--auth-keys", str(keys)]
-        server_extra = ["--auth-keys", str(keys), "--dispatcher-keys", str(keys)]
-        trainer_keys = str(keys)
+    keys_extra, server_extra, trainer_keys = curve_keys(tmp_path) if curve else ([], [], "")
     d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0", *keys_extra)
     procs = [d]
     try:
@@ -96,20 +97,25 @@ def test_a_killed_a_stopped_and_a_new_server_mid_epoch_every_sample_once(tmp_pat
     assert served_by(outs, victim) < N // BATCH
 
 
-def test_a_restarted_dispatcher_continues_the_epoch_exactly_once(tmp_path, dataset):
+@pytest.mark.parametrize("curve", [False, True])
+def test_a_restarted_dispatcher_continues_the_epoch_exactly_once(tmp_path, dataset, curve):
+    keys_extra, server_extra, trainer_keys = curve_keys(tmp_path) if curve else ([], [], "")
     address = f"ipc://{tmp_path}/dispatch.sock"
-    d, _ = start_dispatcher(tmp_path, dataset, address)
+    d, _ = start_dispatcher(tmp_path, dataset, address, *keys_extra)
     procs = [d]
     try:
-        procs += [start_server(tmp_path, dataset, address, f"s{i}") for i in range(2)]
+        procs += [start_server(tmp_path, dataset, address, f"s{i}", *server_extra) for i in range(2)]
         outs = [tmp_path / f"t{i}.out" for i in range(2)]
-        trainers = [spawn("trainer", address, str(out), 0.05, log=tmp_path / f"t{i}.log") for i, out in enumerate(outs)]
+        trainers = [
+            spawn("trainer", address, str(out), 0.05, trainer_keys, log=tmp_path / f"t{i}.log")
+            for i, out in enumerate(outs)
+        ]
         procs += trainers
         wait_until(lambda: sum(used(outs).values()) >= 40, 60, "40 samples used", procs)
         os.kill(d.pid, signal.SIGKILL)
         d.wait(10)
         before = sum(used(outs).values())
-        d2, _ = start_dispatcher(tmp_path, dataset, address, name="d2")
+        d2, _ = start_dispatcher(tmp_path, dataset, address, *keys_extra, name="d2")
         procs.append(d2)
         for t in trainers:
             assert t.wait(90) == 0, [(tmp_path / f"t{i}.log").read_text()[-3000:] for i in range(2)]

@@ -308,6 +308,9 @@ def dispatch(
     ] = 10.0,
     insecure: Annotated[bool, typer.Option("--insecure", help="Bind a reachable address without --auth-keys.")] = False,
     endpoint_file: Annotated[Path | None, typer.Option(help="Write the bound address here (for scripts).")] = None,
+    linger: Annotated[
+        float, typer.Option(min=0, help="After the last epoch, seconds to keep telling latecomers it is done.")
+    ] = 5.0,
 ) -> None:
     """Own the epoch plan and lease its batches to `serve --dispatcher` servers; every batch is
     used once across the trainers (`crossfeed.connect(dispatcher=...)`), whoever joins or dies."""
@@ -333,6 +336,7 @@ def dispatch(
         window=max(window, lease_size),
         heartbeat=Heartbeat(heartbeat_interval, heartbeat_timeout),
         insecure=insecure,
+        linger=linger,
         quota=per_rank if world_size > 1 else None,
     )
     stop = threading.Event()
