@@ -18,7 +18,7 @@ import typer
 from crossfeed.cli.common import CacheDirOpt, CacheLimitOpt
 from crossfeed.errors import ConfigError
 from crossfeed.read.options import LoaderOptions
-from crossfeed.read.plan import Shuffle
+from crossfeed.read.plan import Remainder, Shuffle
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,14 @@ def serve(
         ),
     ] = False,
     endpoint_file: Annotated[Path | None, typer.Option(help="Write the bound addresses here (for scripts).")] = None,
+    dispatcher: Annotated[
+        str | None,
+        typer.Option(help="Build the batches a `crossfeed dispatch` at this address leases (its plan rules)."),
+    ] = None,
+    dispatcher_keys: Annotated[
+        Path | None,
+        typer.Option("--dispatcher-keys", help="Dir with client.key_secret and the dispatcher's server.key (CURVE)."),
+    ] = None,
     cache_dir: CacheDirOpt = None,
     cache_limit: CacheLimitOpt = None,
 ) -> None:
@@ -158,14 +166,63 @@ def serve(
         cache_dir=cache_dir,
         cache_limit=cache_limit,
     )
-    factory = LoaderEpochs(dataset, loader_options, transform=resolve_function(transform) if transform else None)
+    fn = resolve_function(transform) if transform else None
+    if dispatcher is not None:
+        if rank is not None or epochs is not None or start_epoch:
+            raise ConfigError(
+                "with --dispatcher the dispatcher owns the plan: drop --rank/--world-size/--epochs/--start-epoch"
+            )
+        source = dispatched_source(dataset, dispatcher, loader_options, options, fn, dispatcher_keys)
+        run_server(None, options, keys, endpoint_file, source=source)
+        return
+    factory = LoaderEpochs(dataset, loader_options, transform=fn)
     try:
         run_server(factory, options, keys, endpoint_file)
     finally:
         factory.close()
 
 
-def run_server(factory, options, keys, endpoint_file: Path | None) -> None:
+def dispatched_source(dataset, dispatcher, loader_options, options, transform, dispatcher_keys):
+    """Server(source=...) building the leases of `dispatcher` from a Loader over `dataset` whose
+    plan options (split, batch size, shuffle, seed) are the dispatcher's."""
+    from crossfeed.net.keys import ClientKeys
+    from crossfeed.net.lease_source import LeaseSource
+    from crossfeed.read.loader import Loader
+
+    keys = ClientKeys.from_dir(dispatcher_keys) if dispatcher_keys else None
+
+    def make_loader(plan: dict):
+        return Loader(
+            dataset,
+            LoaderOptions.of(
+                split=plan["split"],
+                batch_size=int(plan["batch_size"]),
+                shuffle=plan["shuffle"],
+                seed=int(plan["seed"]),
+                remainder=plan.get("remainder", "pad"),
+                num_threads=loader_options.read.num_threads,
+                cache_dir=loader_options.read.cache_dir,
+                cache_limit=loader_options.read.cache_limit,
+                return_index=True,
+            ),
+            transform=transform,
+        )
+
+    def source(endpoints, wake):
+        return LeaseSource(
+            dispatcher,
+            make_loader,
+            endpoints,
+            server_id=options.server_id,
+            keys=keys,
+            heartbeat=options.heartbeat,
+            on_put=wake,
+        ).start()
+
+    return source
+
+
+def run_server(factory, options, keys, endpoint_file: Path | None, source=None) -> None:
     """Serve until the stream ends or SIGINT/SIGTERM; raises CrossfeedError if the server failed."""
     from crossfeed.net.server import Mode, Server
 
@@ -175,7 +232,7 @@ def run_server(factory, options, keys, endpoint_file: Path | None) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
-        with Server(factory, options, keys=keys) as server:
+        with Server(factory, options, keys=keys, source=source) as server:
             bound = " ".join(server.endpoints + server.broadcast_endpoints)
             how = (
                 "broadcast (PUB: mon/stat/show and evaluation; lossy)"
@@ -211,4 +268,93 @@ def keygen(
 
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
+    app.command("dispatch")(dispatch)
     app.command("keygen")(keygen)
+
+
+def dispatch(
+    dataset: Annotated[str, typer.Argument(help="Dataset path or remote URL (its manifest sizes the plan).")],
+    address: Annotated[str, typer.Argument(help="Address to bind, e.g. tcp://0.0.0.0:7870.")],
+    split: Annotated[str, typer.Option(help="Split to serve.")] = "train",
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per batch.")] = 32,
+    shuffle: Annotated[Shuffle, typer.Option(help="Shuffle mode.")] = Shuffle.GLOBAL,
+    seed: Annotated[int, typer.Option(help="Shuffle seed.")] = 0,
+    epochs: Annotated[int, typer.Option(min=1, help="Epochs to hand out.")] = 1,
+    world_size: Annotated[
+        int,
+        typer.Option(
+            "--world-size",
+            min=1,
+            help="Trainers in lockstep DDP: each uses the same number of batches per epoch (the Loader's per-rank count).",
+        ),
+    ] = 1,
+    remainder: Annotated[
+        Remainder, typer.Option(help="With --world-size: pad the epoch's tail from its start, or drop it.")
+    ] = Remainder.PAD,
+    journal: Annotated[
+        Path, typer.Option(help="Journal file: a restarted dispatcher continues the epoch from it.")
+    ] = Path("crossfeed-dispatch.journal"),
+    lease_size: Annotated[int, typer.Option("--lease-size", min=1, help="Batches per lease.")] = 8,
+    window: Annotated[int, typer.Option(min=1, help="Batches leased to one server and not yet claimed.")] = 64,
+    auth_keys: Annotated[
+        Path | None, typer.Option("--auth-keys", help="Dir of accepted *.key (servers and trainers); enables CURVE.")
+    ] = None,
+    server_key: Annotated[
+        Path | None, typer.Option("--server-key", help="Dispatcher .key_secret (default AUTH_KEYS/server.key_secret).")
+    ] = None,
+    heartbeat_interval: Annotated[float, typer.Option(min=0.01, help="Seconds between liveness messages.")] = 1.0,
+    heartbeat_timeout: Annotated[
+        float, typer.Option(min=0.05, help="Seconds of silence after which a server or trainer is declared dead.")
+    ] = 10.0,
+    insecure: Annotated[bool, typer.Option("--insecure", help="Bind a reachable address without --auth-keys.")] = False,
+    endpoint_file: Annotated[Path | None, typer.Option(help="Write the bound address here (for scripts).")] = None,
+    linger: Annotated[
+        float, typer.Option(min=0, help="After the last epoch, seconds to keep telling latecomers it is done.")
+    ] = 5.0,
+) -> None:
+    """Own the epoch plan and lease its batches to `serve --dispatcher` servers; every batch is
+    used once across the trainers (`crossfeed.connect(dispatcher=...)`), whoever joins or dies."""
+    from crossfeed.net.dispatcher import DispatcherOptions, LeaseDispatcher
+    from crossfeed.net.keys import ServerKeys
+    from crossfeed.net.protocol import Heartbeat
+    from crossfeed.read.loader import Loader
+
+    plan = {"split": split, "batch_size": batch_size, "shuffle": shuffle.value, "seed": seed}
+    plan |= {"world_size": world_size, "remainder": remainder.value}
+    opts = LoaderOptions.of(
+        split=split, batch_size=batch_size, shuffle=shuffle.value, seed=seed, remainder=remainder.value, num_threads=1
+    )
+    with Loader(dataset, opts.replace(rank=0, world_size=world_size)) as loader:
+        per_rank = loader.batch_count()
+    batches = per_rank * world_size
+    keys = ServerKeys.from_dir(auth_keys, server_key) if auth_keys else None
+    options = DispatcherOptions(
+        address,
+        journal,
+        epochs=epochs,
+        lease_size=lease_size,
+        window=max(window, lease_size),
+        heartbeat=Heartbeat(heartbeat_interval, heartbeat_timeout),
+        insecure=insecure,
+        linger=linger,
+        quota=per_rank if world_size > 1 else None,
+    )
+    stop = threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        with LeaseDispatcher(plan, batches, options, keys=keys) as d:
+            typer.echo(f"dispatching {batches} batches per epoch, {epochs} epochs, on {d.endpoint}", err=True)
+            if endpoint_file is not None:
+                tmp = endpoint_file.with_name(endpoint_file.name + ".tmp")
+                tmp.write_text(d.endpoint)
+                tmp.replace(endpoint_file)
+            while not stop.is_set() and not d.wait(0.2):
+                pass
+        if d.error is not None:
+            raise ConfigError(f"the dispatcher failed: {d.error}") from d.error
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

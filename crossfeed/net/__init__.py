@@ -4,7 +4,9 @@ Modules: `protocol` (control envelopes), `dispatch` (credit/ack bookkeeping), `p
 (batch source thread), `server` (options, lifecycle, PUB side), `distribute` (the ROUTER loop),
 `receiver` (client I/O loop), `link` (one server's connection), `events` (what the receiver
 reports), `client`, `addresses` (brace expansion), `keys` (CURVE), `observe` (statistics for
-mon/stat/show).
+mon/stat/show). With a dispatcher (`crossfeed dispatch`): `leases` (lease and claim bookkeeping),
+`journal` (its fsync'ed journal), `leasewire` (its messages), `dispatcher` (its process),
+`lease_source` (a server's side: `serve --dispatcher`), `leased_client` (`connect(dispatcher=)`).
 """
 
 from crossfeed.net.client import Client, ClientOptions, OnLoss, connect

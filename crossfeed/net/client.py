@@ -165,8 +165,9 @@ class Client(Iterator[Any]):
 
 
 def connect(
-    addresses: str | Iterable[str],
+    addresses: str | Iterable[str] | None = None,
     *,
+    dispatcher: str | None = None,
     keys: ClientKeys | str | os.PathLike | None = None,
     credits: int = DEFAULT_CREDITS,
     credit_bytes: int = DEFAULT_CREDIT_BYTES,
@@ -177,7 +178,7 @@ def connect(
     limits: wire.WireLimits = wire.DEFAULT_LIMITS,
     with_meta: bool = False,
     on_loss: OnLoss | str = OnLoss.RAISE,
-) -> Client:
+) -> Client | Any:
     """A `Client` reading from every server in `addresses` (brace patterns expand).
 
     `keys`: a `ClientKeys` or a directory holding `client.key_secret` and `server.key`.
@@ -185,7 +186,12 @@ def connect(
     client (received, not yet consumed); the server sends the next batch while both allow it.
     `on_loss`: "raise" (default): a server that never answers, goes silent, restarts or fails
     raises `ServerLostError`; "continue": read on from the others, `client.lost` lists it.
+    `dispatcher`: instead of `addresses`, a `crossfeed dispatch` address: the servers it leases
+    work to are found through it, and every batch is used exactly once across its trainers
+    (`crossfeed.net.leased_client`; `keys` serve for the dispatcher and the servers alike).
     """
+    if (addresses is None) == (dispatcher is None):
+        raise ConfigError("pass server addresses or dispatcher=, not both (nor neither)")
     options = ClientOptions(
         credits=credits,
         credit_bytes=credit_bytes,
@@ -196,4 +202,8 @@ def connect(
         with_meta=with_meta,
         on_loss=on_loss,
     )
+    if dispatcher is not None:
+        from crossfeed.net.leased_client import LeasedClient
+
+        return LeasedClient(dispatcher, keys=as_client_keys(keys), options=options)
     return Client(addresses, keys=keys, options=options)

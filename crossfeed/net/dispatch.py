@@ -34,6 +34,7 @@ class Item:
     frames: list[Any]
     num_samples: int
     nbytes: int = 0
+    lease: int = 0  # the dispatcher's lease it was built under (0: no dispatcher)
 
 
 @dataclasses.dataclass

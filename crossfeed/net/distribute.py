@@ -129,7 +129,8 @@ class Distribution:
                     ending_at = now + self._linger
             while (assigned := disp.assign(now)) is not None:
                 peer, item = assigned
-                if self._to_peer(peer, [self._pack(P.Kind.BATCH, item.seq, item.epoch), *item.frames], item):
+                batch = self._pack(P.Kind.BATCH, item.seq, item.epoch, token=item.lease)
+                if self._to_peer(peer, [batch, *item.frames], item):
                     self._stats["sent"] += 1
             if epoch_end is not None and disp.in_flight() == 0:
                 self._end_epoch(epoch_end)

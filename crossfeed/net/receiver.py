@@ -87,6 +87,7 @@ class Receiver:
         self._done_signalled = False
         self._failed = False
         self._closed = False
+        self.open_ended = False  # True: no AllDone (servers are added as a dispatcher announces them)
         self._thread = threading.Thread(target=self._keep_alive, name="crossfeed-client", daemon=True)
 
     def start(self) -> Receiver:
@@ -98,6 +99,15 @@ class Receiver:
             self._fail(e)
         self._thread.start()
         return self
+
+    def add(self, address: str) -> int:
+        """Connect one more server (a dispatcher announced it); returns its index."""
+        with self._lock:
+            link = self._open(address, time.monotonic())
+            self.addresses.append(address)
+            self._links.append(link)
+            self._buffer = self._credits * len(self._links) + 1
+            return len(self._links) - 1
 
     @property
     def alive(self) -> bool:
@@ -260,6 +270,8 @@ class Receiver:
                 reason = link.silence(now, self._hb.timeout, self._connect_timeout)
                 if reason is not None:
                     self._lose(link, reason)
+        if self.open_ended:  # more servers may come (a dispatcher's): never all done
+            return
         if not self._done_signalled and all(link.state in ("ended", "lost") for link in self._links):
             self._done_signalled = True
             self._events.append(AllDone())
@@ -338,7 +350,7 @@ class Receiver:
         link.last_seen, link.heard = now, True
         if env.kind is P.Kind.BATCH:
             link.received_batch(meta, track=not self._broadcast, now=now)
-            self._events.append(Delivery(index, meta, batch, link.lease))
+            self._events.append(Delivery(index, meta, batch, link.lease, env.token))
         elif env.kind is P.Kind.HEARTBEAT:
             link.heartbeat(env)
         elif env.kind is P.Kind.FENCED:

@@ -24,6 +24,8 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -109,7 +111,17 @@ class ServerOptions:
 class Server:
     """`with Server(factory, options) as s: s.wait()`; `s.endpoints` are the bound addresses."""
 
-    def __init__(self, factory: BatchFactory, options: ServerOptions, *, keys: ServerKeys | None = None):
+    def __init__(
+        self,
+        factory: BatchFactory | None,
+        options: ServerOptions,
+        *,
+        keys: ServerKeys | None = None,
+        source: Callable[[list[str], Callable[[], None] | None], Any] | None = None,
+    ):
+        """`source(endpoints, wake)`, instead of `factory`: a started producer-like object (its
+        `queue` yields Items and a StreamEnd; `stop()`) that is told the bound endpoints, e.g.
+        `crossfeed.net.lease_source.LeaseSource` for `serve --dispatcher`."""
         if keys is None and not options.insecure:
             exposed = [a for a in (*options.addresses, *options.broadcast) if not is_local(a)]
             if exposed:
@@ -123,6 +135,7 @@ class Server:
         self.options = options
         self.instance = P.new_instance()  # in every message: clients notice a restarted server
         self._factory = factory
+        self._source = source
         self._keys = keys
         self._ctx = zmq.Context()
         self._auth = None
@@ -161,18 +174,25 @@ class Server:
                 instance=self.instance,
                 progress_timeout=self.options.progress_timeout,
             )
-        self._producer = Producer(
+        wake = self._distribution.wake if self._distribution is not None else None
+        if self._source is not None:
+            self._producer = self._source(list(self.endpoints), wake)
+        else:
+            self._producer = self._start_producer(wake)
+        self._thread = threading.Thread(target=self._loop, name="crossfeed-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def _start_producer(self, wake) -> Producer:
+        return Producer(
             self._factory,
             server_id=self.options.server_id,
             epochs=self.options.epochs,
             start_epoch=self.options.start_epoch,
             prefetch=self.options.prefetch,
             prefetch_bytes=self.options.prefetch_bytes,
-            on_put=self._distribution.wake if self._distribution is not None else None,
+            on_put=wake,
         ).start()
-        self._thread = threading.Thread(target=self._loop, name="crossfeed-server", daemon=True)
-        self._thread.start()
-        return self
 
     def _bind(self, kind: int, addresses: tuple[str, ...], out: list[str]) -> zmq.Socket:
         if kind == zmq.ROUTER:

@@ -1,0 +1,258 @@
+"""The producing side of `serve --dispatcher`: batches built from the dispatcher's leases.
+
+A thread holds one DEALER to the dispatcher: it says HELLO (this server's data endpoints),
+learns the plan (WELCOME: split, batch size, shuffle, seed and the epoch's batch count, which
+must match what the local dataset gives), beats every heartbeat interval, and builds the batch
+numbers of each LEASE with a Loader over the local copy of the dataset (batch `b` of epoch `e`
+is batch `b // W` of rank `b % W` in the Loader's plan for `W` ranks, W = the plan's world_size,
+1 unless the trainers are lockstep DDP ranks; fetched, decoded and transformed as the Loader
+does). Each batch goes to the server's queue as an `Item` with seq `e * batches + b` and the
+lease id, which the trainer quotes when it claims the batch. Yields, like `Producer`:
+    Item(seq, epoch, frames, n, lease)   one encoded batch
+    StreamEnd(epochs)                    the dispatcher said FINISHED
+    ProducerFailed(message)              building failed; nothing follows
+
+RESET (the dispatcher declared us dead, or restarted without knowing us): the leases not yet
+built are dropped and we say HELLO under a new id; what was already sent is refused to the
+trainers by the dispatcher (their claims quote revoked leases), never used twice.
+`stop()` says BYE first: the dispatcher gives our unclaimed batches to the other servers.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import zmq
+
+from crossfeed.errors import ConfigError, WireError
+from crossfeed.net import leasewire as W
+from crossfeed.net import protocol as P
+from crossfeed.net.keys import ClientKeys, secure_client_socket
+from crossfeed.net.producer import Prefetch, ProducerFailed, StreamEnd, encode_item
+from crossfeed.read.plan import Sampler
+
+logger = logging.getLogger(__name__)
+SERVER = 1
+
+# builds the Loader for the dispatcher's plan: (split, batch_size, shuffle, seed, drop_last) -> Loader
+LoaderFactory = Callable[[dict], object]
+
+
+def advertised(endpoints: list[str]) -> str:
+    """Bound endpoints as other machines reach them (a wildcard host becomes this host's name)."""
+    out = []
+    for e in endpoints:
+        for wild in ("tcp://0.0.0.0:", "tcp://*:"):
+            if e.startswith(wild):
+                e = f"tcp://{socket.getfqdn()}:" + e[len(wild) :]
+        out.append(e)
+    return " ".join(out)
+
+
+class LeaseSource:
+    def __init__(
+        self,
+        dispatcher: str,
+        make_loader: LoaderFactory,
+        endpoints: list[str],
+        *,
+        server_id: str,
+        keys: ClientKeys | None = None,
+        heartbeat: P.Heartbeat = P.Heartbeat(),
+        prefetch: int = 8,
+        on_put: Callable[[], None] | None = None,
+    ):
+        self._dispatcher, self._make_loader, self._keys = dispatcher, make_loader, keys
+        self._endpoints = advertised(endpoints)
+        self._server_id, self._hb, self._on_put = server_id, heartbeat, on_put
+        self.queue = Prefetch(prefetch)
+        self._todo: collections.deque[tuple[int, int, int, int]] = collections.deque()  # lease, epoch, b, batches
+        self._loader = None
+        self._samplers: list[Sampler] = []
+        self._plans: dict[tuple[int, int], Any] = {}  # (rank, epoch) -> Plan
+        self._held = None  # a built batch the server's queue had no room for yet
+        self._batches = 0
+        self._id = P.new_instance()
+        self._instance = 0  # the dispatcher process we talk to
+        self._welcomed = False
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._thread = threading.Thread(target=self._run, name="crossfeed-lease-source", daemon=True)
+        self.stats = {"leases": 0, "built": 0, "resets": 0}
+
+    def start(self) -> LeaseSource:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # ---- the thread ----
+    def _open(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.linger = 500
+        sock.setsockopt(zmq.MAXMSGSIZE, W.MAX_MESSAGE)
+        secure_client_socket(sock, self._keys)
+        sock.connect(self._dispatcher)
+        return sock
+
+    def _send(self, sock: zmq.Socket, kind: W.Kind, payload=None) -> None:
+        try:
+            sock.send_multipart(W.pack(kind, c=SERVER, sender=self._id, payload=payload), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.debug("could not send %s to the dispatcher: %s", kind.name, e)
+
+    def _run(self) -> None:
+        sock = self._open()
+        next_beat = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self._hb.interval
+                    self._send(
+                        sock,
+                        W.Kind.BEAT if self._welcomed else W.Kind.HELLO,
+                        None if self._welcomed else self._endpoints,
+                    )
+                busy = self._held is None and self._todo and self._loader is not None
+                idle = int(min(self._hb.interval / 2, 0.05) * 1000)
+                if sock.poll(0 if busy else 1 if self._held is not None else idle):
+                    if self._receive(sock):
+                        return
+                if self._held is not None:
+                    self._offer()
+                elif busy:
+                    self._held = self._build_one()
+                    self._offer()
+        except Exception as e:  # crosses to the server loop wrapped, never swallowed
+            logger.exception("serving the dispatcher's leases failed")
+            self._put(ProducerFailed(f"{type(e).__name__}: {e}"))
+        finally:
+            if self._welcomed:
+                self._send(sock, W.Kind.BYE)  # hand back what we hold (the server is stopping)
+            sock.close(linger=500)
+            self._ctx.term()
+            if self._loader is not None:
+                self._loader.close()
+
+    def _receive(self, sock: zmq.Socket) -> bool:
+        """Handle what the dispatcher sent; True once it said FINISHED."""
+        for _ in range(100):
+            try:
+                frames = P.recv_bounded(sock, 2, W.MAX_MESSAGE)
+            except zmq.Again:
+                return False
+            except WireError as e:
+                logger.warning("dropped a malformed message from the dispatcher: %s", e)
+                continue
+            try:
+                msg = W.unpack(frames, W.TO_SERVER)
+            except WireError as e:
+                logger.warning("dropped a malformed message from the dispatcher: %s", e)
+                continue
+            if msg.instance != self._instance:
+                if self._instance:
+                    logger.warning("the dispatcher restarted: our leases are void, joining afresh")
+                    self._reset()
+                self._instance = msg.instance
+            if msg.kind is W.Kind.WELCOME:
+                self._welcome(msg)
+            elif msg.kind is W.Kind.LEASE:
+                if not self._welcomed or msg.c != self._batches or msg.b < 0:
+                    logger.warning("dropped a lease that does not fit the plan we were welcomed with")
+                    continue
+                nums = [int(b) for b in msg.payload]
+                if any(not 0 <= b < self._batches for b in nums):
+                    logger.warning("dropped lease %d: batch numbers outside 0..%d", msg.a, self._batches - 1)
+                    continue
+                self.stats["leases"] += 1
+                self._todo.extend((msg.a, msg.b, b, msg.c) for b in nums)
+            elif msg.kind is W.Kind.RESET:
+                logger.warning("the dispatcher does not know us (declared dead, or restarted): joining afresh")
+                self._reset()
+            elif msg.kind is W.Kind.FINISHED:
+                logger.info("the dispatcher says every epoch is done")
+                self._put(StreamEnd(0))
+                return True
+        return False
+
+    def _reset(self) -> None:
+        self.stats["resets"] += 1
+        self._todo.clear()
+        self._held = None
+        self._id = P.new_instance()
+        self._welcomed = False
+
+    def _welcome(self, msg: W.Message) -> None:
+        try:
+            plan = json.loads(msg.payload)
+        except ValueError as e:
+            raise WireError(f"the dispatcher's plan is not JSON: {e}") from e
+        if self._loader is None:
+            self._loader = self._make_loader(plan)
+            world = int(plan.get("world_size", 1))
+            if not 1 <= world <= 1 << 16:
+                raise WireError(f"the dispatcher's plan names world_size {world}")
+            shard = self._loader.options.shard
+            self._samplers = [
+                Sampler(self._loader.split.counts, self._loader.options.plan, replace(shard, rank=r, world_size=world))
+                for r in range(world)
+            ]
+            mine = world * self._samplers[0].rank_batch_count()
+            if mine != msg.a:
+                raise ConfigError(
+                    f"the dispatcher's plan has {msg.a} batches per epoch, this server's dataset gives "
+                    f"{mine} with the same options: serve the same dataset the dispatcher plans"
+                )
+            self._batches = msg.a
+        self._welcomed = True
+        logger.info("joined the dispatcher at %s as %016x", self._dispatcher, self._id)
+
+    def _offer(self) -> None:
+        """Hand the built batch to the server if its queue has room (never block: heartbeats)."""
+        try:
+            self.queue.put(self._held, timeout=0.005)
+        except queue.Full:
+            return
+        self._held = None
+        if self._on_put is not None:
+            self._on_put()
+
+    def _build_one(self):
+        lease, epoch, b, batches = self._todo.popleft()
+        loader = self._loader
+        world = len(self._samplers)  # batch b is batch b // world of rank b % world
+        key = (b % world, epoch)
+        plan = self._plans.get(key)
+        if plan is None:  # one Plan per rank and epoch: it keeps the order's chunk it last evaluated
+            if len(self._plans) >= 2 * world:
+                self._plans.clear()
+            plan = self._plans[key] = self._samplers[b % world].plan(epoch, 0)
+        indices = plan.batch(b // world)
+        batch = loader.builder(indices)
+        item = encode_item(batch, epoch=epoch, seq=epoch * batches + b, server_id=self._server_id)
+        item.lease = lease
+        self.stats["built"] += 1
+        return item
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+            except queue.Full:
+                continue
+            if self._on_put is not None:
+                self._on_put()
+            return

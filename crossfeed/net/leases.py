@@ -1,0 +1,388 @@
+"""Who builds and who may use each batch of an epoch, as pure bookkeeping (no sockets, no clock).
+
+The dispatcher's plan is integers: epoch `e` has `batches` batches numbered 0..batches-1 (the
+Loader's plan with one rank); the global id of batch `b` of epoch `e` is `e * batches + b`, and
+that is the `seq` the batch travels under. Each batch of the current epoch is in one state:
+
+    PENDING   nobody builds it
+    LEASED    lease `lease_of[b]` of a live server builds and sends it
+    CLAIMED   trainer `claimer[b]` received it and was granted it (the commit point)
+    DONE      that trainer consumed it
+
+Exactly once: a trainer uses a batch only after `claim(trainer, seq, lease)` granted it, and a
+claim is granted only for a batch LEASED under that very lease (a revoked lease's batches are
+PENDING or re-leased under a new id, so a stalled server that wakes up is refused: fencing), or
+already CLAIMED by the same trainer (a repeated claim whose answer was lost).
+A server that dies, stalls or leaves has its LEASED batches put back to PENDING; a trainer that
+dies has its CLAIMED (not DONE) batches put back. DONE batches never go out again.
+
+Durability: every change a restarted dispatcher must know (claims, dones, epoch advances, the
+lease-id high-water mark) is appended to `records` before the change is answered; the
+dispatcher writes them to its journal (fsync) before it replies. `LeaseBook.restore` replays
+them: leases do not survive a restart (every LEASED batch is PENDING again, under new lease ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from crossfeed.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+PENDING, LEASED, CLAIMED, DONE = 0, 1, 2, 3
+LEASE_ID_BLOCK = 1 << 16  # lease ids reserved per journal record
+MAX_REMEMBERED = 4096  # dead ids remembered (to fence them)
+
+
+@dataclasses.dataclass
+class Lease:
+    id: int
+    server: int
+    epoch: int
+    batches: list[int]  # batch numbers within the epoch
+
+
+@dataclasses.dataclass
+class Member:
+    """A live server or trainer as the book sees it."""
+
+    last_seen: float
+    address: str = ""  # a server's data endpoints (space separated)
+
+
+class LeaseBook:
+    """Leases of one epoch at a time; `epochs` None: without end."""
+
+    def __init__(
+        self,
+        batches: int,
+        *,
+        epochs: int | None,
+        lease_size: int = 4,
+        window: int = 8,
+        timeout: float = 10.0,
+        quota: int | None = None,
+    ):
+        if batches < 1:
+            raise ConfigError(f"an epoch needs at least one batch, got {batches}")
+        if epochs is not None and epochs < 1:
+            raise ConfigError(f"epochs must be >= 1 or None, got {epochs}")
+        if lease_size < 1 or window < lease_size:
+            raise ConfigError(f"need 1 <= lease_size ({lease_size}) <= window ({window})")
+        self.batches, self.epochs = batches, epochs
+        self.lease_size, self.window, self.timeout = lease_size, window, timeout
+        # lockstep DDP: each trainer uses at most `quota` batches of an epoch (equal counts per rank)
+        self.quota = quota
+        self._claims: dict[int, int] = {}  # batches of this epoch each trainer claimed
+        self.epoch = 0
+        self.finished = False
+        self.state = [PENDING] * batches
+        self.lease_of = [0] * batches
+        self.claimer = [0] * batches
+        self.leases: dict[int, Lease] = {}  # live leases: those with a batch still LEASED under them
+        self._left: dict[int, int] = {}  # lease id -> its batches still LEASED under it
+        self._load: dict[int, int] = {}  # server -> batches LEASED to it (not yet claimed)
+        self._done = 0  # DONE batches of this epoch
+        self.servers: dict[int, Member] = {}
+        self.trainers: dict[int, Member] = {}
+        self.dead_servers: dict[int, None] = {}
+        self.dead_trainers: dict[int, None] = {}
+        self.records: list[dict[str, Any]] = []  # to journal before answering
+        self._next_lease = 1
+        self._lease_limit = 0  # ids below it are reserved in the journal
+        self._cursor = 0  # no PENDING batch below it (a hint for `_take`)
+
+    # ---- members ----
+    def server_seen(self, server: int, now: float, address: str | None = None) -> bool:
+        """A sign of life from `server`; False for one declared dead (it must reset and rejoin
+        under a new id)."""
+        if server in self.dead_servers:
+            return False
+        m = self.servers.get(server)
+        if m is None:
+            if address is None:
+                return False  # unknown: it must say hello first
+            self.servers[server] = Member(now, address)
+            logger.info("server %016x joined at %s", server, address)
+        else:
+            m.last_seen = now
+            if address is not None:
+                m.address = address
+        return True
+
+    def trainer_seen(self, trainer: int, now: float) -> bool:
+        if trainer in self.dead_trainers:
+            return False
+        m = self.trainers.get(trainer)
+        if m is None:
+            self.trainers[trainer] = Member(now)
+        else:
+            m.last_seen = now
+        return True
+
+    def remove_server(self, server: int, reason: str) -> int:
+        """Revoke the server's leases: their unclaimed batches go back to PENDING; returns how many."""
+        self.servers.pop(server, None)
+        _remember(self.dead_servers, server)
+        back = 0
+        for lid in [lid for lid, lease in self.leases.items() if lease.server == server]:
+            back += self._revoke(lid)
+        logger.log(
+            logging.INFO if reason == "left" else logging.WARNING,
+            "server %016x %s: %d leased batches go to the others",
+            server,
+            reason,
+            back,
+        )
+        return back
+
+    def remove_trainer(self, trainer: int, reason: str) -> int:
+        """The trainer's claimed, unconsumed batches go back to PENDING; returns how many."""
+        self.trainers.pop(trainer, None)
+        _remember(self.dead_trainers, trainer)
+        back = 0
+        for b in range(self.batches):
+            if self.state[b] == CLAIMED and self.claimer[b] == trainer:
+                self._set_pending(b)
+                back += 1
+        if back:
+            self.records.append({"t": "unclaim", "trainer": trainer, "epoch": self.epoch})
+        logger.log(
+            logging.INFO if reason == "left" else logging.WARNING,
+            "trainer %016x %s: %d claimed batches go out again",
+            trainer,
+            reason,
+            back,
+        )
+        return back
+
+    def expire(self, now: float) -> tuple[list[int], list[int]]:
+        """Servers and trainers silent for more than `timeout`; removed. Returns (servers, trainers)."""
+        servers = [k for k, m in self.servers.items() if now - m.last_seen > self.timeout]
+        for k in servers:
+            self.remove_server(k, f"silent for more than {self.timeout:g}s, declared dead")
+        trainers = [k for k, m in self.trainers.items() if now - m.last_seen > self.timeout]
+        for k in trainers:
+            self.remove_trainer(k, f"silent for more than {self.timeout:g}s, declared dead")
+        return servers, trainers
+
+    # ---- leasing ----
+    def outstanding(self, server: int) -> int:
+        """Batches leased to `server` and not yet claimed by a trainer."""
+        return self._load.get(server, 0)
+
+    def grant_leases(self) -> list[Lease]:
+        """New leases for live servers below their window, least loaded first."""
+        out: list[Lease] = []
+        if self.finished:
+            return out
+        load = {k: self._load.get(k, 0) for k in self.servers}
+        while True:
+            room = [k for k in load if load[k] + self.lease_size <= self.window or load[k] == 0]
+            if not room:
+                return out
+            server = min(room, key=lambda k: load[k])
+            taken = self._take(self.lease_size)
+            if not taken:
+                return out
+            lease = Lease(self._new_lease_id(), server, self.epoch, taken)
+            for b in taken:
+                self.state[b], self.lease_of[b] = LEASED, lease.id
+            self.leases[lease.id] = lease
+            self._left[lease.id] = len(taken)
+            self._load[server] = self._load.get(server, 0) + len(taken)
+            load[server] += len(taken)
+            out.append(lease)
+
+    def _take(self, n: int) -> list[int]:
+        taken: list[int] = []
+        b = self._cursor
+        while b < self.batches and len(taken) < n:
+            if self.state[b] == PENDING:
+                taken.append(b)
+            elif not taken:
+                self._cursor = b + 1
+            b += 1
+        return taken
+
+    def _new_lease_id(self) -> int:
+        if self._next_lease >= self._lease_limit:
+            self._lease_limit = self._next_lease + LEASE_ID_BLOCK
+            self.records.append({"t": "lease_ids", "below": self._lease_limit})
+        lid = self._next_lease
+        self._next_lease += 1
+        return lid
+
+    def _revoke(self, lid: int) -> int:
+        lease = self.leases[lid]
+        back = 0
+        for b in lease.batches:
+            if self.state[b] == LEASED and self.lease_of[b] == lid:
+                self._set_pending(b)
+                back += 1
+        return back
+
+    def _unlease(self, b: int) -> None:
+        """Batch `b` (LEASED) leaves its lease: claimed, or back to PENDING."""
+        lid = self.lease_of[b]
+        lease = self.leases[lid]
+        self._load[lease.server] -= 1
+        self._left[lid] -= 1
+        if not self._left[lid]:
+            del self._left[lid], self.leases[lid]
+        if not self._load[lease.server]:
+            del self._load[lease.server]
+
+    def _set_pending(self, b: int) -> None:
+        if self.state[b] == LEASED:
+            self._unlease(b)
+        self.state[b], self.lease_of[b], self.claimer[b] = PENDING, 0, 0
+        self._cursor = min(self._cursor, b)
+
+    # ---- trainers ----
+    def _local(self, seq: int) -> int | None:
+        """Batch number within the current epoch of global `seq`, or None if it is not of it."""
+        b = seq - self.epoch * self.batches
+        return b if 0 <= b < self.batches and not self.finished else None
+
+    def claim(self, trainer: int, seq: int, lease: int) -> bool:
+        """May `trainer` use batch `seq`, received under `lease`? (see the module docstring)
+
+        A copy refused although its lease is the batch's current one (an unknown or fenced
+        trainer, or one that has its `quota` of this epoch) is dropped by the trainer, so the
+        batch goes back to PENDING and out again."""
+        b = self._local(seq)
+        if b is None:
+            return False
+        if self.state[b] == CLAIMED:
+            return self.claimer[b] == trainer and self.lease_of[b] == lease
+        if self.state[b] != LEASED or self.lease_of[b] != lease:
+            return False
+        if trainer not in self.trainers or (self.quota is not None and self._claims.get(trainer, 0) >= self.quota):
+            self._set_pending(b)
+            return False
+        self._unlease(b)
+        self.state[b], self.claimer[b] = CLAIMED, trainer
+        self._claims[trainer] = self._claims.get(trainer, 0) + 1
+        self.records.append({"t": "claim", "trainer": trainer, "epoch": self.epoch, "b": b, "lease": lease})
+        return True
+
+    def done(self, trainer: int, seq: int) -> bool:
+        """`trainer` consumed batch `seq`; True if it is (now, or already) DONE by it."""
+        b = self._local(seq)
+        if b is None:
+            return seq < self.epoch * self.batches or self.finished  # an earlier epoch: done
+        if self.state[b] == DONE:
+            return self.claimer[b] == trainer
+        if self.state[b] != CLAIMED or self.claimer[b] != trainer:
+            return False
+        self.state[b] = DONE
+        self._done += 1
+        self.records.append({"t": "done", "epoch": self.epoch, "b": b})
+        self._maybe_advance()
+        return True
+
+    def _maybe_advance(self) -> None:
+        if self._done < self.batches:
+            return
+        logger.info("epoch %d done: %d batches, each consumed once", self.epoch, self.batches)
+        self.leases.clear()
+        self._left.clear()
+        self._load.clear()
+        self._done = 0
+        self.epoch += 1
+        self.records.append({"t": "epoch", "epoch": self.epoch})
+        if self.epochs is not None and self.epoch >= self.epochs:
+            self.finished = True
+            return
+        self.state = [PENDING] * self.batches
+        self.lease_of = [0] * self.batches
+        self.claimer = [0] * self.batches
+        self._claims.clear()
+        self._cursor = 0
+
+    def progress(self) -> dict[str, int]:
+        counts = [0, 0, 0, 0]
+        for s in self.state:
+            counts[s] += 1
+        return {
+            "epoch": self.epoch,
+            "pending": counts[PENDING],
+            "leased": counts[LEASED],
+            "claimed": counts[CLAIMED],
+            "done": counts[DONE] if not self.finished else self.batches,
+        }
+
+    # ---- journal ----
+    def take_records(self) -> list[dict[str, Any]]:
+        out, self.records = self.records, []
+        return out
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The records that rebuild this book's durable state (for compacting the journal)."""
+        out: list[dict[str, Any]] = [
+            {"t": "epoch", "epoch": self.epoch},
+            {"t": "lease_ids", "below": max(self._lease_limit, self._next_lease)},
+        ]
+        out += [{"t": "unclaim", "trainer": k, "epoch": -1} for k in self.dead_trainers]
+        if self.finished:
+            return out
+        for b in range(self.batches):
+            if self.state[b] == CLAIMED:
+                out.append(
+                    {"t": "claim", "trainer": self.claimer[b], "epoch": self.epoch, "b": b, "lease": self.lease_of[b]}
+                )
+            elif self.state[b] == DONE:
+                out.append({"t": "claim", "trainer": self.claimer[b], "epoch": self.epoch, "b": b, "lease": 0})
+                out.append({"t": "done", "epoch": self.epoch, "b": b})
+        return out
+
+    def restore(self, records: list[dict[str, Any]], now: float) -> None:
+        """Replay journal `records` (see `snapshot`); the trainers that hold claims get `timeout`
+        seconds from `now` to come back before their batches go out again."""
+        for r in records:
+            t = r.get("t")
+            if t == "epoch":
+                self.epoch = int(r["epoch"])
+                self.finished = self.epochs is not None and self.epoch >= self.epochs
+                self.state = [PENDING] * self.batches
+                self.lease_of = [0] * self.batches
+                self.claimer = [0] * self.batches
+            elif t == "lease_ids":
+                self._next_lease = self._lease_limit = max(self._lease_limit, int(r["below"]))
+            elif t == "unclaim":  # that trainer was declared dead: fenced, its claims go out again
+                _remember(self.dead_trainers, int(r["trainer"]))
+                if r.get("epoch") == self.epoch:
+                    for b in range(self.batches):
+                        if self.state[b] == CLAIMED and self.claimer[b] == int(r["trainer"]):
+                            self._set_pending(b)
+            elif r.get("epoch") != self.epoch:
+                continue
+            elif t == "claim":
+                b = int(r["b"])
+                self.state[b], self.claimer[b], self.lease_of[b] = CLAIMED, int(r["trainer"]), int(r["lease"])
+            elif t == "done":
+                self.state[int(r["b"])] = DONE
+        self._cursor = 0
+        self.leases.clear()
+        self._left.clear()
+        self._load.clear()
+        self._claims.clear()
+        self._done = sum(1 for x in self.state if x == DONE)
+        for b in range(self.batches):
+            if self.state[b] in (CLAIMED, DONE):
+                self._claims[self.claimer[b]] = self._claims.get(self.claimer[b], 0) + 1
+            if self.state[b] == CLAIMED:
+                self.trainers.setdefault(self.claimer[b], Member(now))
+        self.records.clear()
+        if not self.finished:
+            self._maybe_advance()  # the last DONE made it to the journal, the epoch's end did not
+
+
+def _remember(dead: dict[int, None], key: int) -> None:
+    dead[key] = None
+    while len(dead) > MAX_REMEMBERED:
+        dead.pop(next(iter(dead)))

@@ -1,0 +1,90 @@
+"""Child-process entry points and helpers of the dispatcher tests (`tests/test_net_dispatch.py`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+HB = ["--heartbeat-interval", "0.1", "--heartbeat-timeout", "1.5"]
+
+
+def spawn(entry: str, *args, log: Path) -> subprocess.Popen:
+    """`dispatch_helpers.entry(*args)` in a fresh interpreter; stdout+stderr go to `log`."""
+    code = f"import dispatch_helpers; dispatch_helpers.{entry}(*{list(args)!r})"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def cli(*argv: str) -> None:
+    from crossfeed.cli.main import app
+
+    app(["--verbose", *argv], prog_name="crossfeed")
+
+
+def write_dataset(path: str, n: int) -> None:
+    import numpy as np
+
+    import crossfeed
+
+    samples = [{"x": np.full((4,), i, np.int64), "label": i} for i in range(n)]
+    crossfeed.write_dataset(path, samples, num_shards=3).close()
+
+
+def trainer(dispatcher: str, out_file: str, pace: float = 0.0, keys: str = "") -> None:
+    """One JSON line of sample ids per batch (flushed before the next is asked for), then END."""
+    import logging
+
+    from crossfeed import connect
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    with (
+        open(out_file, "a", buffering=1) as out,
+        connect(
+            dispatcher=dispatcher,
+            keys=keys or None,
+            credits=2,
+            with_meta=True,
+            heartbeat_interval=0.1,
+            heartbeat_timeout=1.5,
+            connect_timeout=10.0,
+        ) as c,
+    ):
+        for meta, _batch in c:
+            out.write(json.dumps([meta.sample_ids.tolist(), meta.server_id]) + "\n")
+            out.flush()
+            if pace:
+                time.sleep(pace)
+        out.write(f"END {c.refused} {c.duplicates}\n")
+
+
+def read_batches(path: Path) -> list[tuple[list[int], str]]:
+    if not path.exists():
+        return []
+    return [tuple(json.loads(line)) for line in path.read_text().splitlines() if line.startswith("[")]
+
+
+def wait_until(predicate, timeout: float, what: str, procs=()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        for p in procs:
+            if p.poll() is not None and p.returncode != 0:
+                raise AssertionError(f"a child exited with {p.returncode} while waiting for {what}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)

@@ -1,0 +1,219 @@
+"""`crossfeed dispatch` with real processes: servers killed, added, a dispatcher restarted,
+hostile messages; every sample is used exactly once across the trainers."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+
+import pytest
+import zmq
+from dispatch_helpers import HB, read_batches, spawn, stop, wait_until
+
+from crossfeed.net import leasewire as W
+
+pytestmark = pytest.mark.timeout(120)
+
+N, BATCH = 480, 4  # 120 batches
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ds") / "ds"
+    from dispatch_helpers import write_dataset
+
+    write_dataset(str(path), N)
+    return str(path)
+
+
+def start_dispatcher(tmp_path, dataset, address, *extra, name="d", batch=BATCH):
+    ep = tmp_path / f"{name}.ep"
+    ep.unlink(missing_ok=True)
+    argv = ["dispatch", dataset, address, "--batch-size", str(batch), "--journal", str(tmp_path / "journal")]
+    argv += [*HB, "--lease-size", "2", "--window", "4", "--linger", "1", "--endpoint-file", str(ep), *extra]
+    proc = spawn("cli", *argv, log=tmp_path / f"{name}.log")
+    return proc, wait_until(lambda: ep.exists() and ep.read_text(), 30, "the dispatcher's endpoint", [proc])
+
+
+def start_server(tmp_path, dataset, dispatcher, name, *extra):
+    argv = ["serve", dataset, "tcp://127.0.0.1:0", "--dispatcher", dispatcher, *HB, *extra]
+    return spawn("cli", *argv, log=tmp_path / f"{name}.log")
+
+
+def curve_keys(tmp_path):
+    """CURVE everywhere: one key directory serves the dispatcher, the servers and the trainers."""
+    from crossfeed.net import keygen
+
+    keys = tmp_path / "keys"
+    keygen(keys, "server")
+    keygen(keys, "client")
+    return ["--auth-keys", str(keys)], ["--auth-keys", str(keys), "--dispatcher-keys", str(keys)], str(keys)
+
+
+def used(outs) -> collections.Counter:
+    return collections.Counter(i for out in outs for ids, _server in read_batches(out) for i in ids)
+
+
+def served_by(outs, proc) -> int:
+    """How many batches the trainers used from the server process `proc`."""
+    return sum(server.endswith(f":{proc.pid}") for out in outs for _ids, server in read_batches(out))
+
+
+@pytest.mark.parametrize("curve", [False, True])
+def test_a_killed_a_stopped_and_a_new_server_mid_epoch_every_sample_once(tmp_path, dataset, curve):
+    keys_extra, server_extra, trainer_keys = curve_keys(tmp_path) if curve else ([], [], "")
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0", *keys_extra)
+    procs = [d]
+    try:
+        servers = [start_server(tmp_path, dataset, address, f"s{i}", *server_extra) for i in range(3)]
+        procs += servers
+        outs = [tmp_path / f"t{i}.out" for i in range(2)]
+        trainers = [
+            spawn("trainer", address, str(out), 0.05, trainer_keys, log=tmp_path / f"t{i}.log")
+            for i, out in enumerate(outs)
+        ]
+        procs += trainers
+        victim = servers[0]
+        wait_until(lambda: served_by(outs, victim), 60, "a batch from the server to kill", procs)
+        os.kill(victim.pid, signal.SIGKILL)  # mid-epoch, holding leases
+        fourth = start_server(tmp_path, dataset, address, "s3", *server_extra)
+        procs.append(fourth)
+        live = [p for p in procs if p is not victim]
+        wait_until(lambda: served_by(outs, fourth), 60, "a batch from the 4th server", live)
+        servers[1].send_signal(signal.SIGTERM)  # leaves: hands its leases back
+        assert servers[1].wait(30) == 0, (tmp_path / "s1.log").read_text()[-3000:]
+        for t in trainers:
+            assert t.wait(90) == 0, [(tmp_path / f"t{i}.log").read_text()[-3000:] for i in range(2)]
+        assert d.wait(30) == 0, (tmp_path / "d.log").read_text()[-3000:]
+    finally:
+        stop(*procs)
+    counts = used(outs)
+    assert counts == collections.Counter(range(N)), "a sample was lost or used twice"
+    log = (tmp_path / "d.log").read_text()
+    assert "declared dead" in log  # the killed server's leases were revoked
+    assert " left: " in log  # the one stopped with SIGTERM handed its leases back
+    assert served_by(outs, fourth) > 0, "the 4th server got no work"
+    assert served_by(outs, victim) < N // BATCH
+
+
+@pytest.mark.parametrize("curve", [False, True])
+def test_a_restarted_dispatcher_continues_the_epoch_exactly_once(tmp_path, dataset, curve):
+    keys_extra, server_extra, trainer_keys = curve_keys(tmp_path) if curve else ([], [], "")
+    address = f"ipc://{tmp_path}/dispatch.sock"
+    d, _ = start_dispatcher(tmp_path, dataset, address, *keys_extra)
+    procs = [d]
+    try:
+        procs += [start_server(tmp_path, dataset, address, f"s{i}", *server_extra) for i in range(2)]
+        outs = [tmp_path / f"t{i}.out" for i in range(2)]
+        trainers = [
+            spawn("trainer", address, str(out), 0.05, trainer_keys, log=tmp_path / f"t{i}.log")
+            for i, out in enumerate(outs)
+        ]
+        procs += trainers
+        wait_until(lambda: sum(used(outs).values()) >= 40, 60, "40 samples used", procs)
+        os.kill(d.pid, signal.SIGKILL)
+        d.wait(10)
+        before = sum(used(outs).values())
+        d2, _ = start_dispatcher(tmp_path, dataset, address, *keys_extra, name="d2")
+        procs.append(d2)
+        for t in trainers:
+            assert t.wait(90) == 0, [(tmp_path / f"t{i}.log").read_text()[-3000:] for i in range(2)]
+        assert d2.wait(30) == 0, (tmp_path / "d2.log").read_text()[-3000:]
+    finally:
+        stop(*procs)
+    assert before < N
+    assert used(outs) == collections.Counter(range(N)), "a sample was lost or used twice"
+    assert "continuing from journal" in (tmp_path / "d2.log").read_text()
+
+
+def test_hostile_messages_are_dropped_and_the_epoch_completes(tmp_path, dataset):
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0")
+    procs = [d]
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(address)
+        env = W.pack(W.Kind.BEAT, c=2, sender=7)[0]
+        hostile = [
+            [b""],
+            [b"x" * 10],
+            [b"XXXX" + env[4:]],  # bad magic
+            [env[:5] + b"\x63" + env[6:]],  # unknown kind
+            [env, b"extra"],  # BEAT with a payload
+            W.pack(W.Kind.BEAT, c=9, sender=7),  # unknown role
+            W.pack(W.Kind.BEAT, c=2, sender=0),  # sender 0
+            [W.pack(W.Kind.CLAIM, sender=7)[0], b"123"],  # not whole pairs
+            W.pack(W.Kind.CLAIM, sender=7, payload=[[-1, -1], [1 << 62, 5], [3, 0]]),
+            W.pack(W.Kind.DONE, sender=7, payload=[-5, 10**15]),
+            W.pack(W.Kind.HELLO, sender=8, payload="not-an-endpoint"),
+            [W.pack(W.Kind.HELLO, sender=8)[0], b"\xff\xfe"],  # not UTF-8
+            W.pack(W.Kind.WELCOME, sender=8, payload="{}"),  # a dispatcher's kind
+            [env, b"a", b"b", b"c"],
+        ]
+        for frames in hostile:
+            sock.send_multipart(frames)
+        procs.append(start_server(tmp_path, dataset, address, "s0"))
+        out = tmp_path / "t0.out"
+        trainer = spawn("trainer", address, str(out), 0.0, log=tmp_path / "t0.log")
+        procs.append(trainer)
+        assert trainer.wait(90) == 0, (tmp_path / "t0.log").read_text()[-3000:]
+        assert d.wait(30) == 0, (tmp_path / "d.log").read_text()[-3000:]
+    finally:
+        ctx.destroy(linger=0)
+        stop(*procs)
+    assert used([out]) == collections.Counter(range(N))
+    assert "dropped a malformed message" in (tmp_path / "d.log").read_text()
+
+
+def test_lockstep_ranks_get_equal_batch_counts_each_sample_once(tmp_path, dataset):
+    """--world-size 2: a fast and a slow trainer each use the Loader's per-rank count (35 batches
+    of 7 of the 240 samples a rank gets, the last one short), every sample exactly once."""
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0", "--world-size", "2", batch=7)
+    procs = [d]
+    try:
+        procs += [start_server(tmp_path, dataset, address, f"s{i}") for i in range(2)]
+        outs = [tmp_path / f"t{i}.out" for i in range(2)]
+        trainers = [
+            spawn("trainer", address, str(out), pace, log=tmp_path / f"t{i}.log")
+            for i, (out, pace) in enumerate(zip(outs, [0.0, 0.03]))
+        ]
+        procs += trainers
+        for t in trainers:
+            assert t.wait(90) == 0, [(tmp_path / f"t{i}.log").read_text()[-3000:] for i in range(2)]
+        assert d.wait(30) == 0, (tmp_path / "d.log").read_text()[-3000:]
+    finally:
+        stop(*procs)
+    assert [len(read_batches(out)) for out in outs] == [35, 35]
+    assert used(outs) == collections.Counter(range(N))
+
+
+def test_a_stalled_server_that_wakes_up_is_fenced(tmp_path, dataset):
+    """SIGSTOP a server past the heartbeat timeout (its leases go to the other), SIGCONT it: what
+    it still sends under its revoked leases is refused at the trainers, never used twice."""
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0")
+    procs = [d]
+    try:
+        servers = [start_server(tmp_path, dataset, address, f"s{i}") for i in range(2)]
+        procs += servers
+        outs = [tmp_path / f"t{i}.out" for i in range(2)]
+        trainers = [spawn("trainer", address, str(out), 0.05, log=tmp_path / f"t{i}.log") for i, out in enumerate(outs)]
+        procs += trainers
+        stalled = servers[0]
+        wait_until(lambda: served_by(outs, stalled), 60, "a batch from the server to stall", procs)
+        stalled.send_signal(signal.SIGSTOP)
+        wait_until(
+            lambda: "declared dead" in (tmp_path / "d.log").read_text(), 30, "the stalled server's leases revoked"
+        )
+        stalled.send_signal(signal.SIGCONT)
+        for t in trainers:
+            assert t.wait(90) == 0, [(tmp_path / f"t{i}.log").read_text()[-3000:] for i in range(2)]
+        assert d.wait(30) == 0, (tmp_path / "d.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+        stop(*procs)
+    assert used(outs) == collections.Counter(range(N)), "a sample was lost or used twice"
+    assert "does not know us" in (tmp_path / "s0.log").read_text()  # it was told to rejoin

@@ -1,0 +1,199 @@
+"""The dispatcher's lease bookkeeping and journal, without sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from crossfeed.errors import ConfigError, WireError
+from crossfeed.net import leasewire as W
+from crossfeed.net.journal import Journal
+from crossfeed.net.leases import LeaseBook
+
+S1, S2, T1, T2 = 11, 12, 21, 22
+
+
+def run_epoch(book: LeaseBook, epochs: int = 1) -> list[int]:
+    """Lease, claim and finish `epochs` epochs with server S1 and trainer T1; the seqs used."""
+    used = []
+    end = book.epoch + epochs
+    while not book.finished and book.epoch < end:
+        leases = book.grant_leases()
+        if not leases:
+            break
+        for lease in leases:
+            for b in lease.batches:
+                seq = lease.epoch * book.batches + b
+                assert book.claim(T1, seq, lease.id)
+                assert book.done(T1, seq)
+                used.append(seq)
+    return used
+
+
+def test_every_batch_once_over_epochs():
+    book = LeaseBook(10, epochs=2, lease_size=3, window=6)
+    book.server_seen(S1, 0.0, "tcp://a:1")
+    book.trainer_seen(T1, 0.0)
+    assert run_epoch(book, 2) == list(range(20))
+    assert book.finished
+
+
+def test_a_dead_servers_unclaimed_batches_go_to_the_other_and_claims_under_its_lease_are_refused():
+    book = LeaseBook(12, epochs=1, lease_size=2, window=4)
+    book.server_seen(S1, 0.0, "a")
+    book.trainer_seen(T1, 0.0)
+    leases = book.grant_leases()
+    assert [lease.server for lease in leases] == [S1, S1]
+    first = leases[0]
+    assert book.claim(T1, first.batches[0], first.id)
+    assert book.done(T1, first.batches[0])
+    assert book.claim(T1, first.batches[1], first.id)  # claimed, not consumed: stays with T1
+    book.server_seen(S2, 1.0, "b")
+    book.trainer_seen(T1, 10.5)
+    book.server_seen(S2, 10.5)
+    servers, trainers = book.expire(10.5)
+    assert servers == [S1] and trainers == []
+    # S1 wakes up and sends its second lease: fenced
+    assert not book.claim(T1, leases[1].batches[0], leases[1].id)
+    assert not book.server_seen(S1, 12.0)
+    again = book.grant_leases()
+    assert {lease.server for lease in again} == {S2}
+    reissued = sorted(b for lease in again for b in lease.batches)
+    assert first.batches[0] not in reissued and first.batches[1] not in reissued
+    assert leases[1].batches[0] in reissued
+    assert book.done(T1, first.batches[1])
+
+
+def test_a_dead_trainers_claims_go_out_again_and_it_is_fenced():
+    book = LeaseBook(4, epochs=1, lease_size=4, window=8, timeout=1.0)
+    book.server_seen(S1, 0.0, "a")
+    book.trainer_seen(T1, 0.0)
+    book.trainer_seen(T2, 0.0)
+    (lease,) = book.grant_leases()
+    assert book.claim(T1, 0, lease.id) and book.claim(T1, 1, lease.id)
+    assert not book.claim(T2, 0, lease.id)  # the same batch again: refused
+    assert book.claim(T1, 0, lease.id)  # a repeated claim (lost answer) by the holder: granted
+    book.server_seen(S1, 2.0)
+    book.trainer_seen(T2, 2.0)
+    assert book.expire(2.5) == ([], [T1])
+    assert not book.trainer_seen(T1, 3.0) and not book.done(T1, 0)
+    assert book.outstanding(S1) == 2
+    (again,) = book.grant_leases()
+    assert again.batches == [0, 1]
+
+
+def test_the_window_bounds_what_one_server_holds_and_a_new_server_gets_work_at_once():
+    book = LeaseBook(100, epochs=1, lease_size=4, window=8)
+    book.server_seen(S1, 0.0, "a")
+    assert sum(len(x.batches) for x in book.grant_leases()) == 8
+    assert book.grant_leases() == []
+    book.server_seen(S2, 0.0, "b")
+    assert sum(len(x.batches) for x in book.grant_leases() if x.server == S2) == 8
+
+
+def test_malformed_claims_are_refused():
+    book = LeaseBook(4, epochs=1)
+    book.server_seen(S1, 0.0, "a")
+    book.trainer_seen(T1, 0.0)
+    (lease,) = book.grant_leases()
+    for seq, lid in [(-1, lease.id), (4, lease.id), (1 << 62, lease.id), (0, 0), (0, lease.id + 1), (0, -5)]:
+        assert not book.claim(T1, seq, lid)
+    assert not book.claim(999, 0, lease.id)  # an unknown trainer
+    assert not book.done(T1, 0)  # never claimed
+
+
+def test_journal_replay_continues_the_epoch(tmp_path):
+    journal = Journal(tmp_path / "j.jsonl")
+    book = LeaseBook(6, epochs=2, lease_size=2, window=6)
+    book.server_seen(S1, 0.0, "a")
+    book.trainer_seen(T1, 0.0)
+    run_epoch(book)  # epoch 0
+    leases = book.grant_leases()
+    assert book.claim(T1, 6 + leases[0].batches[0], leases[0].id)
+    assert book.done(T1, 6 + leases[0].batches[0])
+    assert book.claim(T1, 6 + leases[0].batches[1], leases[0].id)
+    journal.append(book.take_records())
+    with open(journal.path, "ab") as f:
+        f.write(b'{"t": "done", "ep')  # torn by a crash
+    again = LeaseBook(6, epochs=2, lease_size=2, window=6)
+    again.restore(Journal(journal.path).read(), now=100.0)
+    assert again.epoch == 1
+    assert again.progress() == {"epoch": 1, "pending": 4, "leased": 0, "claimed": 1, "done": 1}
+    assert T1 in again.trainers  # it has `timeout` to come back
+    again.server_seen(S2, 100.0, "b")
+    new = again.grant_leases()
+    assert min(x.id for x in new) > max(x.id for x in leases)  # old leases stay revoked
+    assert not again.claim(T1, 6 + leases[1].batches[0], leases[1].id)
+    assert again.done(T1, 6 + leases[0].batches[1])
+    # compaction keeps the same durable state
+    j2 = Journal(tmp_path / "k.jsonl")
+    j2.compact(again.snapshot())
+    third = LeaseBook(6, epochs=2, lease_size=2, window=6)
+    third.restore(j2.read(), now=0.0)
+    assert third.progress() == again.progress() | {"leased": 0, "pending": 4}
+
+
+def test_a_corrupt_journal_line_is_named(tmp_path):
+    path = tmp_path / "j.jsonl"
+    path.write_bytes(b'{"t":"epoch","epoch":1}\nxx\n{"t":"epoch","epoch":2}\n')
+    with pytest.raises(ConfigError, match="line 2"):
+        Journal(path).read()
+
+
+def test_options_are_checked():
+    with pytest.raises(ConfigError):
+        LeaseBook(0, epochs=1)
+    with pytest.raises(ConfigError):
+        LeaseBook(3, epochs=1, lease_size=4, window=2)
+
+
+def test_a_quota_gives_each_trainer_an_equal_count_and_refused_copies_go_out_again():
+    book = LeaseBook(4, epochs=2, lease_size=4, window=8, quota=2)
+    book.server_seen(S1, 0.0, "a")
+    book.trainer_seen(T1, 0.0)
+    book.trainer_seen(T2, 0.0)
+    (lease,) = book.grant_leases()
+    assert book.claim(T1, 0, lease.id) and book.claim(T1, 1, lease.id)
+    assert not book.claim(T1, 2, lease.id)  # T1 has its two: batch 2 goes out again
+    assert book.progress()["pending"] == 1
+    (again,) = book.grant_leases()
+    assert again.batches == [2]
+    assert book.claim(T2, 2, again.id) and book.claim(T2, 3, lease.id)
+    for t, seq in [(T1, 0), (T1, 1), (T2, 2), (T2, 3)]:
+        assert book.done(t, seq)
+    assert book.epoch == 1  # the quota counts per epoch
+    (lease,) = book.grant_leases()
+    assert book.claim(T1, 4, lease.id) and book.claim(T1, 5, lease.id)
+
+
+def test_a_copy_refused_to_an_unknown_trainer_goes_out_again():
+    book = LeaseBook(2, epochs=1, lease_size=2, window=2)
+    book.server_seen(S1, 0.0, "a")
+    (lease,) = book.grant_leases()
+    assert not book.claim(T1, 0, lease.id)  # T1 never beat: unknown
+    assert book.progress()["pending"] == 1
+
+
+def test_leasewire_round_trips_and_refuses_what_is_malformed():
+    frames = W.pack(W.Kind.CLAIM, sender=5, payload=[(1, 2), (3, 4)])
+    msg = W.unpack(frames, W.TRAINER_KINDS)
+    assert msg.kind is W.Kind.CLAIM and msg.sender == 5 and msg.payload.tolist() == [[1, 2], [3, 4]]
+    hello = W.unpack(W.pack(W.Kind.HELLO, sender=1, payload="tcp://h:1 ipc:///x"), W.SERVER_KINDS)
+    assert W.endpoints(hello.payload) == ["tcp://h:1", "ipc:///x"]
+    env = frames[0]
+    bad = [
+        [],
+        [b"short"],
+        [b"XXXX" + env[4:]],
+        [env[:4] + b"\x09" + env[5:], frames[1]],  # another version
+        [env],  # CLAIM without its payload
+        [env, b"1234567"],  # not whole pairs
+        [env, b"\0" * (16 * (W.MAX_ITEMS + 1))],  # too many
+        W.pack(W.Kind.LEASE, payload=[1]),  # a dispatcher's kind, from a trainer
+        [W.pack(W.Kind.HELLO, sender=1)[0], b"\xff"],  # not UTF-8
+    ]
+    for frames in bad:
+        with pytest.raises(WireError):
+            W.unpack(frames, W.TRAINER_KINDS | W.SERVER_KINDS)
+    for text in ["", "http://x", "tcp://" + "a" * 300, " ".join(["ipc:///a"] * 17), "tcp://a\x00"]:
+        with pytest.raises(WireError):
+            W.endpoints(text)
