@@ -7,16 +7,19 @@ and by moto's S3 server, each behind a `benchmarks.link.Link`: a TCP proxy that 
 (``--bandwidth`` in all, ``--per-connection`` per stream, as object stores do) and adds
 ``--latency`` to every request. mosaic streaming reads only object stores (s3://, gs://, …, not
 http://), so it goes through the S3 server; crossfeed is run on both. Printed per reader:
-epoch 1 (cold cache) and epoch 2 (median of epochs 2–4) samples/s, epoch 1 as a share of the link's bandwidth, epoch 2
-as a share of crossfeed on local disk, and peak RSS; then crossfeed / mosaic ratios. Each
-reader runs in a process of its own with an empty cache.
+epoch 1 (cold cache) and epoch 2 (median of epochs 2–6) samples/s, epoch 1 as a share of the
+link's bandwidth, epoch 2 as a share of crossfeed on local disk, and peak anonymous RSS (see
+`PeakRSS`); then crossfeed / mosaic ratios. Each reader runs in a process of its own with an
+empty cache. "… one GET per shard" is crossfeed with the previous download path (a shard in
+one request), for comparison.
 
 mosaic streaming (``mosaicml-streaming``) pulls a CUDA torch, torchvision and transformers as
 dependencies: install it with ``--no-deps`` plus the modules it imports, in the benchmark
 environment only (``make bench-env``; benchmarks/requirements-bench.txt). Its top-level package
 imports torchvision (for its vision datasets); this benchmark imports only ``streaming.base``.
 
-    .venv/bin/python benchmarks/bench_cache.py [--samples 1000] [--bandwidth 64MB] [--per-connection 8MB] [--latency 0.03]
+    .venv/bin/python benchmarks/bench_cache.py [--samples 1000] [--bandwidth 64MB]
+        [--per-connection 8MB] [--latency 0.03]
 """
 
 from __future__ import annotations
@@ -149,7 +152,7 @@ def plain_gets(base: str, files: list[str], streams: int = 8) -> float:
     return total / (time.perf_counter() - t)
 
 
-def _epochs(make_iter, warm: int = 3) -> list[float]:
+def _epochs(make_iter, warm: int = 5) -> list[float]:
     """Samples/s of epoch 1 (cold cache) and the median of the ``warm`` epochs after it (a warm
     epoch of a small dataset is short: one is noise on a shared machine)."""
     rates = []
@@ -195,6 +198,7 @@ def child(who: str, url: str, shuffle: str, endpoint: str) -> None:
         os.environ.update(CREDENTIALS, S3_ENDPOINT_URL=endpoint)  # mosaic's S3 downloader reads this
         fsspec.config.conf["s3"] = {"endpoint_url": endpoint}
     cache = tempfile.mkdtemp(prefix="cf-bench-cache-")
+    rss = PeakRSS()
     try:
         if who == "crossfeed":
             rates = run_crossfeed(url, shuffle, cache)
@@ -211,16 +215,33 @@ def child(who: str, url: str, shuffle: str, endpoint: str) -> None:
             rates = run_wds(url, cache)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    print(json.dumps({"rates": rates, "rss": peak_rss()}))
+    print(json.dumps({"rates": rates, "rss": rss.stop()}))
 
 
-def peak_rss() -> int:
-    """This process's peak resident set (VmHWM; ru_maxrss would count the parent's before exec)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+class PeakRSS:
+    """This process's peak anonymous resident memory (heap, buffers), sampled every 20 ms. Pages
+    of memory-mapped shard files are left out: they are the page cache, shared and reclaimable,
+    and would make any reader that maps its files look as big as the data it has read."""
+
+    def __init__(self):
+        self.peak = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while not self._stop.wait(0.02):
+            self.sample()
+
+    def sample(self) -> None:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    self.peak = max(self.peak, int(line.split()[1]) * 1024)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self.sample()
+        return self.peak
 
 
 def start_s3(root: str):
@@ -305,11 +326,11 @@ def main(argv=None) -> None:
         f"({per / 1e6:,.0f} MB/s per connection), {a.latency * 1e3:.0f} ms per request = {bw / nbytes:,.0f} "
         f"samples/s; plain GETs, 8 at a time, measured {measured / 1e6:,.0f} MB/s"
     )
-    print(f"{'reader':28} {'epoch 1/s':>10} {'of link':>8} {'epoch 2/s':>10} {'of local':>9} {'peak RSS':>9}")
+    print(f"{'reader':28} {'epoch 1/s':>10} {'of link':>8} {'epoch 2/s':>10} {'of local':>9} {'peak anon RSS':>13}")
     for name, r in runs.items():
         e1, e2 = r["rates"]
         share = "-" if "local" in name else f"{e1 * nbytes / bw:.2f}"
-        print(f"{name:28} {e1:10,.0f} {share:>8} {e2:10,.0f} {e2 / local:9.2f} {r['rss'] / 2**20:7.0f} MB")
+        print(f"{name:28} {e1:10,.0f} {share:>8} {e2:10,.0f} {e2 / local:9.2f} {r['rss'] / 2**20:11.0f} MB")
     mosaic = runs.get("mosaic s3, shuffle")
     if mosaic is None:
         print("mosaic streaming: not importable here (see the module docstring)" if not has_mosaic else "")

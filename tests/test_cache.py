@@ -34,6 +34,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
     latency = 0.02
     chunk_delay = 0.0
     ignore_range = False
+    fail = 0  # answer this many more range GETs with 503
 
     def log_message(self, *a):
         pass
@@ -47,6 +48,10 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
             return
         with open(path, "rb") as f:
             data = f.read()
+        if self.headers.get("Range") and type(self).fail > 0:
+            type(self).fail -= 1
+            self.send_error(503)
+            return
         rng = None if self.ignore_range else self.headers.get("Range")
         start, stop = 0, len(data)
         if rng:
@@ -88,7 +93,13 @@ def served(tmp_path):
     handler = type(
         "H",
         (_Handler,),
-        {"counts": collections.Counter(), "sent": collections.Counter(), "latency": 0.02, "chunk_delay": 0.0},
+        {
+            "counts": collections.Counter(),
+            "sent": collections.Counter(),
+            "latency": 0.02,
+            "chunk_delay": 0.0,
+            "fail": 0,
+        },
     )
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
     t = threading.Thread(target=server.serve_forever, daemon=True)
@@ -394,3 +405,52 @@ def test_two_processes_sharing_a_cache_download_each_chunked_shard_once(served, 
     assert outs == ["600", "600"]
     sizes = _shard_sizes(root)
     assert {k: handler.sent[k] for k in sizes} == sizes  # each shard's bytes crossed the link once
+
+
+def test_a_failed_range_request_is_tried_again_and_a_dead_server_is_a_clear_error(served, tmp_path, monkeypatch):
+    url, root, handler = served
+    monkeypatch.setattr("crossfeed.read.cache.CHUNK", 2048)
+    with crossfeed.Loader(root, batch_size=600, shuffle="none") as local:
+        want = _values(local)
+    handler.fail = 3  # three 503s among the first range requests
+    with crossfeed.Loader(url, batch_size=600, shuffle="none", cache_dir=tmp_path / "c") as ld:
+        assert _values_equal(_values(ld), want)
+    handler.fail = 10**6  # every range request fails
+    with pytest.raises(crossfeed.CrossfeedError, match=r"could not be downloaded in 3 tries.*503"):
+        with crossfeed.Loader(url, batch_size=600, shuffle="none", cache_dir=tmp_path / "d") as ld:
+            list(ld)
+    assert ShardCache(tmp_path / "d").entries() == []
+
+
+_FORKED = """
+import hashlib, os, signal, sys
+from crossfeed.read.cache import ShardCache
+from crossfeed.read.storage import Storage
+url, root, cache_dir, rel = sys.argv[1:]
+data = open(os.path.join(root, rel), "rb").read()
+sha, size = hashlib.sha256(data).hexdigest(), len(data)
+cache, storage = ShardCache(cache_dir, chunk_bytes=2048), Storage(url)
+cache.release(cache.fetch(storage, rel, sha, size))  # the range pool now exists in this process
+cache.clear()
+pid = os.fork()
+if pid == 0:  # a forked worker (DataLoader's default): the parent's pool threads are gone
+    signal.alarm(60)  # a pool without threads would wait forever
+    path = cache.fetch(Storage(url), rel, sha, size)
+    os._exit(0 if open(path, "rb").read() == data else 1)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_worker_downloads_with_a_range_pool_of_its_own(served, tmp_path):
+    url, root, handler = served
+    rel = sorted(_shard_sizes(root))[0]
+    out = subprocess.run(
+        [sys.executable, "-c", _FORKED, url, str(root), str(tmp_path / "c"), rel],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0", out.stderr
+    assert handler.sent[rel] == 2 * _shard_sizes(root)[rel]  # once by the parent, once by the child

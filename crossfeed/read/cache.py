@@ -1,7 +1,10 @@
 """A bounded, crash-safe local cache of remote shards, shared by every process on a node.
 
 Remote shards (any fsspec URL) are downloaded whole into ``cache_dir`` and then read exactly like
-local shards (mmap, vectorised checks). Entries are named by the shard's sha256 from the manifest
+local shards (mmap, vectorised checks). A shard larger than `CHUNK` arrives as parallel range
+requests (`WINDOW` per shard, `STREAMS` per process: object stores cap one connection well
+below the link, so a single GET per shard leaves most of it idle), written and hashed in order
+as they land — no second pass over the file; a failed request is tried again. Entries are named by the shard's sha256 from the manifest
 — content addressing — so a dataset changed remotely (new sha256) is never served from a stale
 entry, and two datasets holding the same shard share it.
 
@@ -108,6 +111,7 @@ class ShardCache:
             raise ConfigError(f"chunk_bytes, streams and window must be >= 1, got {chunk_bytes}, {streams}, {window}")
         self.chunk_bytes, self.streams, self.window = chunk_bytes, streams, window
         self._ranges: ThreadPoolExecutor | None = None  # range requests, shared by every download
+        self._ranges_pid = 0
         os.makedirs(self.root, exist_ok=True)
         self._pinned: dict[str, int] = {}  # entries this process has open → open count
         self._verified: set[str] = set()  # entries this process downloaded or hashed
@@ -240,12 +244,13 @@ class ShardCache:
         of ``streams`` shared by every download), written and hashed in order as they land:
         ``(digest, bytes written)``."""
         with self._lock:
-            if self._ranges is None:
+            if self._ranges is None or self._ranges_pid != os.getpid():  # a forked child has no threads
                 self._ranges = ThreadPoolExecutor(self.streams, thread_name_prefix="crossfeed-range")
+                self._ranges_pid = os.getpid()
             pool = self._ranges
         spans = iter([(a, min(size, a + self.chunk_bytes)) for a in range(0, size, self.chunk_bytes)])
         pending: collections.deque = collections.deque(
-            (a, b, pool.submit(storage.read_range, rel, a, b)) for a, b in itertools.islice(spans, self.window)
+            (a, b, pool.submit(_read_range, storage, rel, a, b)) for a, b in itertools.islice(spans, self.window)
         )
         digest, got = hashlib.sha256(), 0
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -255,7 +260,7 @@ class ShardCache:
                 data = fut.result()
                 nxt = next(spans, None)
                 if nxt is not None:
-                    pending.append((*nxt, pool.submit(storage.read_range, rel, *nxt)))
+                    pending.append((*nxt, pool.submit(_read_range, storage, rel, *nxt)))
                 if len(data) != b - a:
                     raise CorruptRecordError(
                         storage.url(rel),
@@ -347,6 +352,26 @@ class ShardCache:
                 os.unlink(e.path)
                 freed += e.size
         return freed
+
+
+def _read_range(storage, rel: str, start: int, stop: int, attempts: int = 3) -> bytes:
+    """Bytes ``start:stop`` of a remote shard. A failed request (a reset connection, a 5xx) is
+    tried again after a short pause — one flaky request out of hundreds should not fail the
+    shard; a missing file is not."""
+    for attempt in range(attempts):
+        try:
+            return storage.read_range(rel, start, stop)
+        except (FileNotFoundError, PermissionError):
+            raise
+        except Exception as e:
+            if attempt == attempts - 1:
+                raise CrossfeedError(
+                    f"{storage.url(rel)}: bytes {start}-{stop - 1} could not be downloaded in {attempts} "
+                    f"tries (last: {type(e).__name__}: {e}); check the server or the network and rerun"
+                ) from e
+            log.info("range %d-%d of %s failed (%s); trying again", start, stop - 1, storage.url(rel), e)
+            time.sleep(0.1 * 2**attempt)
+    return b""  # attempts < 1: nothing asked
 
 
 def _alive(pid: int) -> bool:
