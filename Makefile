@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # the full packages through the extras (crossfeed[tf], crossfeed[torch]).
 DEV_PINS := "tensorflow-cpu==2.21.0" "torch==2.13.0"
 
-.PHONY: install demo test bench mutants lint clean
+.PHONY: install demo test bench bench-env mutants lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: install
 
 bench: install
 	$(PY) -m benchmarks.run_all
+
+# mosaic streaming for benchmarks/bench_cache.py only, without its CUDA/torchvision dependencies
+bench-env: install
+	$(PIP) install -q --no-deps -r benchmarks/requirements-bench.txt
 
 mutants: install  # break each fast path on purpose: a test must fail for every one
 	$(PY) benchmarks/mutate_fast_paths.py

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 import http.server
 import os
 import signal
@@ -29,8 +30,11 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
     """Static files with Range support; ``latency`` seconds per request; every GET counted."""
 
     counts: collections.Counter = collections.Counter()
+    sent: collections.Counter = collections.Counter()  # body bytes per path
     latency = 0.02
     chunk_delay = 0.0
+    ignore_range = False
+    fail = 0  # answer this many more range GETs with 503
 
     def log_message(self, *a):
         pass
@@ -44,23 +48,28 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
             return
         with open(path, "rb") as f:
             data = f.read()
-        rng = self.headers.get("Range")
+        if self.headers.get("Range") and type(self).fail > 0:
+            type(self).fail -= 1
+            self.send_error(503)
+            return
+        rng = None if self.ignore_range else self.headers.get("Range")
         start, stop = 0, len(data)
         if rng:
             a, b = rng.split("=")[1].split("-")
             start, stop = int(a), (int(b) + 1 if b else len(data))
         body = data[start:stop]
+        type(self).sent[self.path.split("?")[0].lstrip("/")] += len(body)
         self.send_response(206 if rng else 200)
         if rng:
             self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        step = 1 << 16
+        step = 1 << 12 if self.chunk_delay else 1 << 16
         for i in range(0, len(body), step):
-            self.wfile.write(body[i : i + step])
-            if self.chunk_delay:
+            if self.chunk_delay:  # the body trickles: a download is in progress for a while
                 time.sleep(self.chunk_delay)
+            self.wfile.write(body[i : i + step])
 
     def do_HEAD(self):
         path = self.translate_path(self.path)
@@ -81,7 +90,17 @@ def served(tmp_path):
     crossfeed.write_dataset(
         root, [{"x": rng.random(16, dtype=np.float32), "id": i} for i in range(600)], num_shards=6
     ).close()
-    handler = type("H", (_Handler,), {"counts": collections.Counter(), "latency": 0.02, "chunk_delay": 0.0})
+    handler = type(
+        "H",
+        (_Handler,),
+        {
+            "counts": collections.Counter(),
+            "sent": collections.Counter(),
+            "latency": 0.02,
+            "chunk_delay": 0.0,
+            "fail": 0,
+        },
+    )
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
@@ -181,7 +200,7 @@ def test_kill_9_mid_download_leaves_nothing_accepted(served, tmp_path):
     while time.time() < deadline and not any(".tmp-" in f for _, _, fs in os.walk(cache_dir) for f in fs):
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
-    proc.wait(30)
+    assert proc.wait(30) == -signal.SIGKILL  # killed mid-download, not finished
     handler.chunk_delay = 0.0
     with crossfeed.Loader(root, batch_size=600, shuffle="none") as local:
         want = _values(local)
@@ -291,3 +310,147 @@ def test_bench_reads_through_the_cache(served, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "samples/s" in out.stdout
     assert len(ShardCache(tmp_path / "c").entries()) == 6
+
+
+# -- large shards: parallel range requests, hashed as they land ---------------------------------
+
+
+def _shard_sizes(root) -> dict[str, int]:
+    return {f: os.path.getsize(root / f) for f in os.listdir(root) if f.endswith(".tfrecord")}
+
+
+@pytest.mark.parametrize("shuffle", ["global", "block"])
+def test_large_shards_arrive_as_parallel_ranges_each_byte_once(served, tmp_path, monkeypatch, shuffle):
+    url, root, handler = served
+    monkeypatch.setattr("crossfeed.read.cache.CHUNK", 2048)  # ~5 range requests per 10 KB shard
+    with crossfeed.Loader(root, batch_size=50, shuffle="none") as local:
+        want = _values(local)
+    with crossfeed.Loader(url, batch_size=50, shuffle=shuffle, cache_dir=tmp_path / "c") as loader:
+        assert loader.cache.chunk_bytes == 2048
+        assert _values_equal(_values(loader), want)
+        sizes = _shard_sizes(root)
+        assert {k: handler.sent[k] for k in sizes} == sizes  # every byte once, none twice
+        assert all(handler.counts[k] >= n // 2048 for k, n in sizes.items())  # in chunks, not one GET
+        before = _shard_requests(handler)
+        assert _values_equal(_values(loader), want)
+        assert _shard_requests(handler) == before
+    for e in ShardCache(tmp_path / "c").entries():  # each entry is the shard, byte for byte
+        assert any(open(root / f, "rb").read() == open(e.path, "rb").read() for f in sizes)
+
+
+def test_a_server_that_ignores_ranges_is_an_error_not_data(served, tmp_path, monkeypatch):
+    url, root, handler = served
+    monkeypatch.setattr("crossfeed.read.cache.CHUNK", 2048)
+    handler.ignore_range = True  # every GET answers the whole file
+    with pytest.raises(crossfeed.CrossfeedError, match="ignored the range"):
+        with crossfeed.Loader(url, batch_size=600, shuffle="none", cache_dir=tmp_path / "c") as ld:
+            list(ld)
+    assert ShardCache(tmp_path / "c").entries() == []
+    assert not [f for _, _, fs in os.walk(tmp_path / "c") for f in fs if ".tmp-" in f]
+
+
+def test_a_remote_shard_changed_since_the_manifest_is_an_error(served, tmp_path, monkeypatch):
+    url, root, handler = served
+    monkeypatch.setattr("crossfeed.read.cache.CHUNK", 2048)
+    shard = sorted(_shard_sizes(root))[0]
+    with open(root / shard, "r+b") as f:  # same size, other bytes
+        f.seek(3000)
+        f.write(b"\xff" * 8)
+    with pytest.raises(crossfeed.CrossfeedError, match="changed or is damaged"):
+        with crossfeed.Loader(url, batch_size=600, shuffle="none", cache_dir=tmp_path / "c") as ld:
+            list(ld)
+    assert len(ShardCache(tmp_path / "c").entries()) < 6  # the changed shard was not accepted
+
+
+_CHUNKED = """
+import sys, crossfeed, crossfeed.read.cache as c
+c.CHUNK = 2048
+with crossfeed.Loader(sys.argv[1], batch_size=100, shuffle=sys.argv[3], cache_dir=sys.argv[2]) as ld:
+    print(sum(len(b["id"]) for b in ld))
+"""
+
+
+def test_kill_9_mid_chunked_download_leaves_nothing_accepted(served, tmp_path):
+    url, root, handler = served
+    handler.chunk_delay = 0.3  # every range request crawls: the kill lands mid-download
+    handler.latency = 0.1
+    cache_dir = tmp_path / "c"
+    proc = subprocess.Popen([sys.executable, "-c", _CHUNKED, url, str(cache_dir), "none"], stdout=subprocess.PIPE)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(".tmp-" in f for _, _, fs in os.walk(cache_dir) for f in fs):
+        time.sleep(0.01)
+    time.sleep(0.5)  # the first chunks written, not all
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL  # killed mid-download, not finished
+    for e in ShardCache(cache_dir).entries():  # an accepted entry is whole: its name is its sha256
+        assert hashlib.sha256(open(e.path, "rb").read()).hexdigest() == e.name
+    handler.chunk_delay, handler.latency = 0.0, 0.0
+    with crossfeed.Loader(root, batch_size=600, shuffle="none") as local:
+        want = _values(local)
+    with crossfeed.Loader(url, batch_size=600, shuffle="none", cache_dir=cache_dir) as ld:
+        assert _values_equal(_values(ld), want)
+    assert not [f for _, _, fs in os.walk(cache_dir) for f in fs if ".tmp-" in f]
+
+
+def test_two_processes_sharing_a_cache_download_each_chunked_shard_once(served, tmp_path):
+    url, root, handler = served
+    handler.chunk_delay = 0.005
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHUNKED, url, str(tmp_path / "c"), "global"], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert outs == ["600", "600"]
+    sizes = _shard_sizes(root)
+    assert {k: handler.sent[k] for k in sizes} == sizes  # each shard's bytes crossed the link once
+
+
+def test_a_failed_range_request_is_tried_again_and_a_dead_server_is_a_clear_error(served, tmp_path, monkeypatch):
+    url, root, handler = served
+    monkeypatch.setattr("crossfeed.read.cache.CHUNK", 2048)
+    with crossfeed.Loader(root, batch_size=600, shuffle="none") as local:
+        want = _values(local)
+    handler.fail = 3  # three 503s among the first range requests
+    with crossfeed.Loader(url, batch_size=600, shuffle="none", cache_dir=tmp_path / "c") as ld:
+        assert _values_equal(_values(ld), want)
+    handler.fail = 10**6  # every range request fails
+    with pytest.raises(crossfeed.CrossfeedError, match=r"could not be downloaded in 3 tries.*503"):
+        with crossfeed.Loader(url, batch_size=600, shuffle="none", cache_dir=tmp_path / "d") as ld:
+            list(ld)
+    assert ShardCache(tmp_path / "d").entries() == []
+
+
+_FORKED = """
+import hashlib, os, signal, sys
+from crossfeed.read.cache import ShardCache
+from crossfeed.read.storage import Storage
+url, root, cache_dir, rel = sys.argv[1:]
+data = open(os.path.join(root, rel), "rb").read()
+sha, size = hashlib.sha256(data).hexdigest(), len(data)
+cache, storage = ShardCache(cache_dir, chunk_bytes=2048), Storage(url)
+cache.release(cache.fetch(storage, rel, sha, size))  # the range pool now exists in this process
+cache.clear()
+pid = os.fork()
+if pid == 0:  # a forked worker (DataLoader's default): the parent's pool threads are gone
+    signal.alarm(60)  # a pool without threads would wait forever
+    path = cache.fetch(Storage(url), rel, sha, size)
+    os._exit(0 if open(path, "rb").read() == data else 1)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_worker_downloads_with_a_range_pool_of_its_own(served, tmp_path):
+    url, root, handler = served
+    rel = sorted(_shard_sizes(root))[0]
+    out = subprocess.run(
+        [sys.executable, "-c", _FORKED, url, str(root), str(tmp_path / "c"), rel],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0", out.stderr
+    assert handler.sent[rel] == 2 * _shard_sizes(root)[rel]  # once by the parent, once by the child

@@ -1,7 +1,10 @@
 """A bounded, crash-safe local cache of remote shards, shared by every process on a node.
 
 Remote shards (any fsspec URL) are downloaded whole into ``cache_dir`` and then read exactly like
-local shards (mmap, vectorised checks). Entries are named by the shard's sha256 from the manifest
+local shards (mmap, vectorised checks). A shard larger than `CHUNK` arrives as parallel range
+requests (`WINDOW` per shard, `STREAMS` per process: object stores cap one connection well
+below the link, so a single GET per shard leaves most of it idle), written and hashed in order
+as they land — no second pass over the file; a failed request is tried again. Entries are named by the shard's sha256 from the manifest
 — content addressing — so a dataset changed remotely (new sha256) is never served from a stale
 entry, and two datasets holding the same shard share it.
 
@@ -25,9 +28,11 @@ concurrency; `crossfeed cache ls|prune|clear` manages the directory.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import hashlib
+import itertools
 import logging
 import os
 import re
@@ -42,6 +47,9 @@ from crossfeed.errors import ConfigError, CorruptRecordError, CrossfeedError
 
 log = logging.getLogger(__name__)
 ENV = "CROSSFEED_CACHE_DIR"
+CHUNK = 4 << 20  # bytes per range request of a large shard
+STREAMS = 32  # range requests in flight per process: object stores cap one stream well below the NIC
+WINDOW = 8  # range requests in flight or queued per shard (memory: downloads × WINDOW × CHUNK at most)
 _TMP = ".tmp-"
 _UNITS = {
     "": 1,
@@ -85,9 +93,25 @@ class Entry:
 class ShardCache:
     """The cache directory ``root``, kept under ``limit`` bytes (see the module docstring)."""
 
-    def __init__(self, root: str | os.PathLike, limit: int | str | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        limit: int | str | None = None,
+        *,
+        chunk_bytes: int | None = None,
+        streams: int | None = None,
+        window: int | None = None,
+    ):
         self.root = os.path.abspath(os.fspath(root))
         self.limit = parse_size(limit) if limit is not None else None
+        chunk_bytes = CHUNK if chunk_bytes is None else chunk_bytes  # module defaults read now: tunable
+        streams = STREAMS if streams is None else streams
+        window = WINDOW if window is None else window
+        if chunk_bytes < 1 or streams < 1 or window < 1:
+            raise ConfigError(f"chunk_bytes, streams and window must be >= 1, got {chunk_bytes}, {streams}, {window}")
+        self.chunk_bytes, self.streams, self.window = chunk_bytes, streams, window
+        self._ranges: ThreadPoolExecutor | None = None  # range requests, shared by every download
+        self._ranges_pid = 0
         os.makedirs(self.root, exist_ok=True)
         self._pinned: dict[str, int] = {}  # entries this process has open → open count
         self._verified: set[str] = set()  # entries this process downloaded or hashed
@@ -190,12 +214,15 @@ class ShardCache:
         tmp = os.path.join(os.path.dirname(path), f"{_TMP}{os.getpid()}-{secrets.token_hex(4)}")
         where = storage.url(rel)
         try:
-            storage.download(rel, tmp)  # one streamed transfer (fsspec get_file)
-            digest, got = hashlib.sha256(), 0
-            with open(tmp, "rb") as f:  # hashed back from the page cache
-                while chunk := f.read(8 << 20):
-                    digest.update(chunk)
-                    got += len(chunk)
+            if storage.remote and size > self.chunk_bytes:
+                digest, got = self._download_ranges(storage, rel, tmp, size)
+            else:
+                storage.download(rel, tmp)  # one streamed transfer (fsspec get_file)
+                digest, got = hashlib.sha256(), 0
+                with open(tmp, "rb") as f:  # a small shard: hashed back from the page cache
+                    while chunk := f.read(8 << 20):
+                        digest.update(chunk)
+                        got += len(chunk)
             if got != size or digest.hexdigest() != sha256:
                 raise CorruptRecordError(
                     where,
@@ -211,6 +238,46 @@ class ShardCache:
             raise
         self.downloads += 1
         log.debug("cached %s (%d bytes) as %s", where, size, path)
+
+    def _download_ranges(self, storage, rel: str, tmp: str, size: int):
+        """A large shard as ``chunk_bytes`` range requests, ``window`` of them in flight (on a pool
+        of ``streams`` shared by every download), written and hashed in order as they land:
+        ``(digest, bytes written)``."""
+        with self._lock:
+            if self._ranges is None or self._ranges_pid != os.getpid():  # a forked child has no threads
+                self._ranges = ThreadPoolExecutor(self.streams, thread_name_prefix="crossfeed-range")
+                self._ranges_pid = os.getpid()
+            pool = self._ranges
+        spans = iter([(a, min(size, a + self.chunk_bytes)) for a in range(0, size, self.chunk_bytes)])
+        pending: collections.deque = collections.deque(
+            (a, b, pool.submit(_read_range, storage, rel, a, b)) for a, b in itertools.islice(spans, self.window)
+        )
+        digest, got = hashlib.sha256(), 0
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        try:
+            while pending:
+                a, b, fut = pending.popleft()
+                data = fut.result()
+                nxt = next(spans, None)
+                if nxt is not None:
+                    pending.append((*nxt, pool.submit(_read_range, storage, rel, *nxt)))
+                if len(data) != b - a:
+                    raise CorruptRecordError(
+                        storage.url(rel),
+                        a,
+                        f"asked for bytes {a}-{b - 1}, got {len(data)} bytes; the server "
+                        f"ignored the range or the remote shard changed",
+                    )
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                digest.update(data)
+                got += len(data)
+        finally:
+            for *_, fut in pending:
+                fut.cancel()
+            os.close(fd)
+        return digest, got
 
     def _clean_temporaries(self, folder: str, older_than: float = 3600.0) -> None:
         """Remove temporary files of downloads whose process is gone (or that are very old)."""
@@ -285,6 +352,26 @@ class ShardCache:
                 os.unlink(e.path)
                 freed += e.size
         return freed
+
+
+def _read_range(storage, rel: str, start: int, stop: int, attempts: int = 3) -> bytes:
+    """Bytes ``start:stop`` of a remote shard. A failed request (a reset connection, a 5xx) is
+    tried again after a short pause — one flaky request out of hundreds should not fail the
+    shard; a missing file is not."""
+    for attempt in range(attempts):
+        try:
+            return storage.read_range(rel, start, stop)
+        except (FileNotFoundError, PermissionError):
+            raise
+        except Exception as e:
+            if attempt == attempts - 1:
+                raise CrossfeedError(
+                    f"{storage.url(rel)}: bytes {start}-{stop - 1} could not be downloaded in {attempts} "
+                    f"tries (last: {type(e).__name__}: {e}); check the server or the network and rerun"
+                ) from e
+            log.info("range %d-%d of %s failed (%s); trying again", start, stop - 1, storage.url(rel), e)
+            time.sleep(0.1 * 2**attempt)
+    return b""  # attempts < 1: nothing asked
 
 
 def _alive(pid: int) -> bool:
