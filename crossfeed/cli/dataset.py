@@ -19,7 +19,9 @@ SplitOpt = Annotated[str | None, typer.Option("--split", "-s", help="Only this s
 
 
 def index(
-    path: Annotated[str, typer.Argument(help="Directory of TFRecord shards (plain or GZIP) written by any tool.")],
+    path: Annotated[
+        str, typer.Argument(help="Directory of TFRecord shards (plain or GZIP) or Parquet files written by any tool.")
+    ],
     split: Annotated[
         str,
         typer.Option(
@@ -47,10 +49,11 @@ def index(
     """Adopt TFRecord shards: check every record, write .idx files and the manifest (crossfeed.json)."""
     import os
 
+    from crossfeed.format.parquet import is_parquet_name
     from crossfeed.write.adopt import index_dataset, is_shard_name
 
     total = (
-        sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if is_shard_name(n))
+        sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if is_shard_name(n) or is_parquet_name(n))
         if os.path.isdir(path)
         else 0
     )
@@ -108,6 +111,7 @@ def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
         total = sum(ds.splits[n].num_bytes for n in names)
         records = sum(ds.splits[n].num_records for n in names)
         shards = sum(len(ds.splits[n].shards) for n in names)
+        parquet = any(ds.splits[n].format == "parquet" for n in names)
     with Progress() as progress:
         bar = progress.phase("verifying", total=total, unit="bytes")
         problems = verify_dataset(dataset, split=split, progress=bar.callback)
@@ -118,6 +122,10 @@ def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
         typer.echo(f"{len(problems)} problems in {bad} of {shards} shards", err=True)
         raise typer.Exit(1)
     typer.echo(f"ok: {records:,} records in {shards} shards ({_size(total)}) verified")
+    if parquet:
+        from crossfeed.read.parquet_reader import VERIFY_NOTE
+
+        typer.echo(f"note: {VERIFY_NOTE}")
 
 
 def head(

@@ -23,6 +23,8 @@ MANIFEST = "crossfeed.json"
 TMP_MANIFEST_PREFIX = ".tmp-manifest-"
 FORMAT = "crossfeed.read.dataset"
 VERSION = 1
+SHARD_FORMATS = ("tfrecord", "parquet")  # Parquet files are read in place (`crossfeed.format.parquet`)
+MAX_ROW_GROUPS = 1 << 20
 # Bounds a manifest must stay within (far above any real dataset; they stop hostile files early).
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_DEPTH = 32
@@ -86,6 +88,12 @@ class ShardInfo:
     num_bytes: int
     sha256: str
     index_sha256: str | None = None  # sha256 of the .idx file; None in manifests of older crossfeed
+    format: str = "tfrecord"  # one of `SHARD_FORMATS`: how the file's records are read
+    row_groups: tuple[int, ...] | None = None  # Parquet: the rows of each row group (from the footer)
+
+    def __post_init__(self):
+        if self.format not in SHARD_FORMATS:
+            raise ManifestError(f"{self.file}: shard format {self.format!r} is not one of {', '.join(SHARD_FORMATS)}")
 
     @property
     def compressed(self) -> bool:
@@ -95,6 +103,10 @@ class ShardInfo:
         d = {"file": self.file, "num_records": self.num_records, "num_bytes": self.num_bytes, "sha256": self.sha256}
         if self.index_sha256 is not None:
             d["index_sha256"] = self.index_sha256
+        if self.format != "tfrecord":  # TFRecord manifests stay as older crossfeed wrote them
+            d["format"] = self.format
+        if self.row_groups is not None:
+            d["row_groups"] = list(self.row_groups)
         return d
 
 
@@ -112,6 +124,11 @@ class SplitInfo:
     def num_bytes(self) -> int:
         return sum(s.num_bytes for s in self.shards)
 
+    @property
+    def format(self) -> str:
+        """The one format of the split's shards (`SHARD_FORMATS`)."""
+        return self.shards[0].format if self.shards else "tfrecord"
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -123,7 +140,12 @@ class Manifest:
     @property
     def files(self) -> set[str]:
         """Every file of the dataset: shards and their index files (plain names)."""
-        return {n for s in self.splits.values() for sh in s.shards for n in (sh.file, sh.file + ".idx")}
+        return {
+            n
+            for s in self.splits.values()
+            for sh in s.shards
+            for n in ((sh.file, sh.file + ".idx") if sh.format == "tfrecord" else (sh.file,))
+        }
 
     def to_json(self) -> dict:
         d = {
@@ -331,6 +353,8 @@ class _Validator:
         if len(items) > MAX_SHARDS:
             self.fail(f"{at}.shards", f"{len(items)} shards, more than {MAX_SHARDS}")
         shards = tuple(self.shard(f"{at}.shards[{i}]", sh, seen) for i, sh in enumerate(items))
+        if len({sh.format for sh in shards}) > 1:
+            self.fail(f"{at}.shards", "mixes shard formats; a split's shards share one format")
         info = SplitInfo(name, shards, self.json_(s.get("statistics", {}), f"{at}.statistics"))
         for key in ("num_records", "num_bytes"):
             if key in s and self.int_(s[key], f"{at}.{key}") != getattr(info, key):
@@ -339,7 +363,7 @@ class _Validator:
 
     def shard(self, at: str, sh, seen: dict) -> ShardInfo:
         self.dict_(sh, at)
-        unknown = set(sh) - {"file", "num_records", "num_bytes", "sha256", "index_sha256"}
+        unknown = set(sh) - {"file", "num_records", "num_bytes", "sha256", "index_sha256", "format", "row_groups"}
         missing = {"file", "num_records", "num_bytes", "sha256"} - set(sh)
         if unknown or missing:
             self.fail(
@@ -353,15 +377,41 @@ class _Validator:
         # A record is at least 16 bytes and deflate inflates at most ~1032:1 (adopted GZIP shards
         # need not end in .gz, so this bound holds for every shard; the index pins plain ones exactly).
         most = (nbytes * 1100) // 16 + 64
-        n = self.int_(sh["num_records"], f"{at}.num_records", 0, most)
+        fmt = sh.get("format", "tfrecord")
+        if fmt not in SHARD_FORMATS:
+            self.fail(f"{at}.format", f"{_short(fmt)} is not one of {', '.join(SHARD_FORMATS)}")
+        # Parquet encodes runs of equal values in a few bytes: its row count has no byte bound (the
+        # Loader checks it against the file's footer)
+        n = self.int_(sh["num_records"], f"{at}.num_records", 0, most if fmt == "tfrecord" else MAX_INT)
         index_sha = sh.get("index_sha256")
+        row_groups = self.row_groups(at, sh, fmt, n)
+        if fmt != "tfrecord" and index_sha is not None:
+            self.fail(f"{at}.index_sha256", f"a {fmt} shard has no index file")
         return ShardInfo(
             name,
             n,
             nbytes,
             self.hex_(sh["sha256"], f"{at}.sha256"),
             None if index_sha is None else self.hex_(index_sha, f"{at}.index_sha256"),
+            fmt,
+            row_groups,
         )
+
+    def row_groups(self, at: str, sh: dict, fmt: str, n: int) -> tuple[int, ...] | None:
+        """A Parquet shard's row counts per row group (they add up to its ``num_records``)."""
+        groups = sh.get("row_groups")
+        if fmt != "parquet":
+            if groups is not None:
+                self.fail(f"{at}.row_groups", f"only a parquet shard has row groups, this one is {fmt}")
+            return None
+        if not isinstance(groups, list) or len(groups) > MAX_ROW_GROUPS:
+            self.fail(
+                f"{at}.row_groups", f"expected a list of at most {MAX_ROW_GROUPS} row counts, got {_kind(groups)}"
+            )
+        out = tuple(self.int_(g, f"{at}.row_groups[{i}]") for i, g in enumerate(groups))
+        if sum(out) != n:
+            self.fail(f"{at}.row_groups", f"add up to {sum(out)} rows, num_records says {n}")
+        return out
 
 
 def _kind(v) -> str:

@@ -31,6 +31,7 @@ from crossfeed.format.schema import Schema, decode_value
 from crossfeed.read.dataset import open_dataset
 from crossfeed.read.decode import RecordDecoder, make_decoder
 from crossfeed.read.frame_reader import Frames
+from crossfeed.read.parquet_reader import check_file
 from crossfeed.read.storage import Storage
 from crossfeed.write.adopt import file_sha256, open_stream
 
@@ -104,6 +105,15 @@ def verify_shard(
     problems = []
     if st.st_size != shard.num_bytes:
         problems.append(Problem(path, None, f"file is {st.st_size} bytes, the manifest says {shard.num_bytes}"))
+    if shard.format == "parquet":  # no index file: the footer, every page and the sha256
+        if file_sha256(path) != shard.sha256:
+            problems.append(
+                Problem(path, None, "sha256 differs from the manifest: the file changed after it was indexed")
+            )
+        problems += [Problem(path, off, why) for off, why in check_file(path, shard, schema)]
+        if progress is not None:
+            progress(shard.num_bytes)
+        return problems
     gz = tfrecord.is_gzip(path)
     entries, index_problems = _load_index(ipath, shard, None if gz else st.st_size)
     if entries is not None and not index_problems.structural:

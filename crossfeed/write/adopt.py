@@ -22,6 +22,7 @@ from crossfeed.format import example as ex
 from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, check_name, loads, write_manifest
+from crossfeed.format.parquet import is_parquet_name
 from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema, decode_value
 from crossfeed.write.writer import dataset_lock
 
@@ -36,7 +37,7 @@ _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n")
 
 def is_shard_name(name: str) -> bool:
     """Whether a file name looks like a TFRecord shard (by extension or ``-SSSSS-of-NNNNN``)."""
-    if name.startswith(".") or name == MANIFEST or name.endswith(".idx"):
+    if name.startswith(".") or name == MANIFEST or name.endswith(".idx") or is_parquet_name(name):
         return False
     base = name[:-3] if name.endswith(".gz") else name
     return base.endswith(_EXTS) or _SHARDED.match(name) is not None
@@ -247,6 +248,10 @@ def index_dataset(
     ``"NAME=ENCODING[:DTYPE[:SHAPE]]"`` (`parse_feature`), or a TensorFlow feature spec dict
     (``tf.io.FixedLenFeature``/``VarLenFeature`` values, read by attribute: TensorFlow is not
     imported). Every record is checked against the declarations (a misfit names shard and offset).
+
+    A directory of Parquet files (``*.parquet``) is adopted in place (`crossfeed.write.adopt_parquet`):
+    with ``features`` (declarations, or bare column names whose feature is inferred) only those
+    columns are indexed.
     """
     root = os.path.abspath(os.fspath(path))
     if not os.path.isdir(root):
@@ -264,10 +269,18 @@ def index_dataset(
             with open(manifest_path, "rb") as f:
                 old = loads(f.read(), manifest_path)
     names = sorted(n for n in os.listdir(root) if is_shard_name(n) and os.path.isfile(os.path.join(root, n)))
+    parquet = sorted(n for n in os.listdir(root) if is_parquet_name(n) and os.path.isfile(os.path.join(root, n)))
+    if names and parquet:
+        raise ConfigError(
+            f"{root}: holds both TFRecord shards and Parquet files ({names[0]}, {parquet[0]}); index them from "
+            f"separate directories"
+        )
+    names = names or parquet
     if not names:
         raise DatasetNotFoundError(
             f"{root}: no TFRecord shards (files named *.tfrecord, *.tfrecords, *.tfrec[.gz] or "
-            f"<split>-SSSSS-of-NNNNN); point `crossfeed index` at the directory that holds them"
+            f"<split>-SSSSS-of-NNNNN) and no Parquet files (*.parquet); point `crossfeed index` at the directory "
+            f"that holds them"
         )
     for n in names:
         check_name(n, root)  # a manifest names plain files only
@@ -275,6 +288,21 @@ def index_dataset(
     for n in names:
         s, i = split_of(n, split) if split_from_name else (split, 0)
         groups.setdefault(s, []).append((i, n))
+    if parquet:  # read in place: row groups from the footers, features from the columns
+        from crossfeed.write.adopt_parquet import index_parquet
+
+        specs = [] if isinstance(features, dict) else list(features or ())
+        picked = [f for f in specs if isinstance(f, str) and "=" not in f]  # a column NAME alone: inferred
+        declared = declared_features(features if isinstance(features, dict) else [f for f in specs if f not in picked])
+        schema, splits = index_parquet(
+            root,
+            {s: [n for _, n in sorted(m)] for s, m in sorted(groups.items())},
+            declared=declared,
+            picked=picked,
+            sha256=file_sha256,
+            progress=progress,
+        )
+        return _commit(root, Manifest(schema, splits, _metadata(old), old.generation + 1 if old else 0))
     inference = _Inference(declared_features(features))
     splits = {}
     for s, members in sorted(groups.items()):
@@ -294,9 +322,17 @@ def index_dataset(
         raise ConfigError(
             f"{root}: the shards hold no records, so there is no schema to infer; write some records first"
         )
+    manifest = Manifest(inference.schema(old), splits, _metadata(old), old.generation + 1 if old else 0)
+    return _commit(root, manifest)
+
+
+def _metadata(old: Manifest | None) -> dict:
     metadata = dict(old.metadata) if old else {}
     metadata.setdefault("source", "crossfeed index")
-    manifest = Manifest(inference.schema(old), splits, metadata, old.generation + 1 if old else 0)
+    return metadata
+
+
+def _commit(root: str, manifest: Manifest) -> Manifest:
     with dataset_lock(root):
         write_manifest(root, manifest)
     return manifest
