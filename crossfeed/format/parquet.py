@@ -139,7 +139,7 @@ def _check_nulls(arr, where: str, name: str) -> None:
         )
 
 
-def column_values(f: Feature, arr, where: str, *, decode_images: bool = True) -> np.ndarray:
+def column_values(f: Feature, arr, where: str) -> np.ndarray:
     """One row group's column (a ``pyarrow.Array``) as the batch form of feature ``f``: ``(n,
     *shape)`` numbers for a fixed shape, else a 1-D object array (``bytes``/``str``/arrays/encoded
     images, one per row). Values that do not fit ``f`` raise `SchemaError` naming ``where``."""
@@ -149,7 +149,7 @@ def column_values(f: Feature, arr, where: str, *, decode_images: bool = True) ->
     if f.encoding in (Encoding.BYTES, Encoding.IMAGE):
         if _is_hf_image(pa, t):
             arr = arr.field("bytes")
-            _check_nulls(arr, where, name + ".bytes")
+            _check_nulls(arr, where, name + ".bytes")  # HF images stored by path only have no bytes
             t = arr.type
         if f.encoding is Encoding.BYTES and f.dtype == "string" and _is_binary(pa, t):
             arr = arr.cast(pa.string())
@@ -189,16 +189,15 @@ def _lists(f: Feature, arr, where: str, n: int) -> np.ndarray:
             lengths = arr.value_lengths().to_numpy(zero_copy_only=False)
             size = int(lengths[0]) if len(lengths) else 0
         want = f.shape[level] if level < len(f.shape) else -1
-        if lengths is not None and len(lengths) and (lengths != size).any():
-            if level == 0 and want is None:
-                outer = lengths  # ragged rows: one array each
-            else:
-                raise SchemaError(
-                    f"{where}: column {f.name!r}: lists at depth {level + 1} have lengths "
-                    f"{sorted(set(np.unique(lengths)[:3].tolist()))}...; feature {f.name!r} expects shape "
-                    f"{list(f.shape)} (only the first dimension may vary)"
-                )
-        elif want is not None and want != size and (level or n):
+        if level == 0 and want is None:  # a first dimension that may vary: one array per row
+            outer = lengths if lengths is not None else np.full(n, size, dtype=np.int64)
+        elif lengths is not None and len(lengths) and (lengths != size).any():
+            raise SchemaError(
+                f"{where}: column {f.name!r}: lists at depth {level + 1} have lengths "
+                f"{sorted(set(np.unique(lengths)[:3].tolist()))}...; feature {f.name!r} expects shape "
+                f"{list(f.shape)} (only the first dimension may vary)"
+            )
+        elif want is not None and want != size and len(arr):
             raise SchemaError(
                 f"{where}: column {f.name!r}: lists at depth {level + 1} hold {size} values, feature "
                 f"{f.name!r} expects shape {list(f.shape)}"
@@ -213,11 +212,9 @@ def _lists(f: Feature, arr, where: str, n: int) -> np.ndarray:
     values = arr.to_numpy(zero_copy_only=False).astype(f.dtype, copy=False)
     if outer is None:
         return values.reshape((n, *dims))
-    inner = dims  # the fixed dimensions under the ragged first one
-    per = math.prod(inner)
-    values = values.reshape((-1, *inner)) if per else values.reshape((-1, *inner))
+    values = values.reshape((int(outer.sum()), *dims))  # dims: the fixed ones under the ragged first
     out = np.empty(n, dtype=object)
-    for i, part in enumerate(np.split(values, np.cumsum(outer)[:-1])):
+    for i, part in enumerate(np.split(values, np.cumsum(outer)[:-1]) if n else ()):
         out[i] = part
     return out
 
@@ -231,10 +228,12 @@ def _raw_tensors(f: Feature, arr, where: str) -> np.ndarray:
     dt = np.dtype(f.dtype).newbyteorder("<")
     size = math.prod(f.shape) * dt.itemsize
     pa, _ = pyarrow_modules()
-    lengths = np.full(len(arr), arr.type.byte_width) if pa.types.is_fixed_size_binary(arr.type) else None
-    if lengths is None:
-        offsets = arr.value_lengths() if hasattr(arr, "value_lengths") else pa.compute.binary_length(arr)
-        lengths = offsets.to_numpy(zero_copy_only=False)
+    import pyarrow.compute as pc
+
+    if pa.types.is_fixed_size_binary(arr.type):
+        lengths = np.full(len(arr), arr.type.byte_width)
+    else:
+        lengths = pc.binary_length(arr).to_numpy(zero_copy_only=False)
     bad = np.flatnonzero(lengths != size)[:1].tolist()
     if bad:
         raise SchemaError(

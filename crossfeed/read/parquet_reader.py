@@ -288,6 +288,7 @@ class ParquetDecoder:
     def __init__(self, features: Sequence[Feature], *, decode_images: bool = True):
         self.features = tuple(features)
         self.decode_images = decode_images
+        self._ragged = [f for f in self.features if f.encoding is Encoding.TENSOR and not f.fixed]
 
     def __call__(
         self,
@@ -298,6 +299,8 @@ class ParquetDecoder:
     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
         batch = dict(frames.columns)
         n = len(frames)
+        for f in self._ragged:  # rows of one shape in this batch: one array, as from TFRecords
+            batch[f.name] = _stack(list(batch[f.name]))
         images = [f for f in self.features if f.encoding is Encoding.IMAGE] if self.decode_images else []
         if not images:
             return batch, np.arange(n)
