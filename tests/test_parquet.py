@@ -187,19 +187,21 @@ def test_declared_features_pick_columns_and_type_bytes(tmp_path):
             "photo": pa.array([png(i) for i in range(24)], pa.binary()),
             "label": pa.array(np.arange(24)),
             "when": pa.array(np.arange(24).astype("datetime64[s]")),
+            "flat": pa.FixedSizeListArray.from_arrays(pa.array(raw.ravel()), 12),
         }
     )
     pq.write_table(t, root / "d.parquet", row_group_size=5)
     with pytest.raises(SchemaError, match=r"d\.parquet: column 'when' of type timestamp.*--feature"):
         index_dataset(root)
-    index_dataset(root, features=["pixels=tensor:uint8:3,4", "photo=image", "label"])
+    index_dataset(root, features=["pixels=tensor:uint8:3,4", "photo=image", "label", "flat=tensor:uint8:2,2,3"])
     ds = open_dataset(root)
-    assert ds.schema.names == ["pixels", "photo", "label"]  # in the file's column order
+    assert ds.schema.names == ["pixels", "photo", "label", "flat"]  # in the file's column order
     with Loader(root, batch_size=24, shuffle="none") as loader:
         (b,) = list(loader)
     np.testing.assert_array_equal(b["pixels"], raw.reshape(24, 3, 4))
     assert b["photo"].shape == (24, 6, 5, 3) and b["photo"][3, 0, 0, 0] == 21
     np.testing.assert_array_equal(b["label"], np.arange(24))
+    np.testing.assert_array_equal(b["flat"], raw.reshape(24, 2, 2, 3))  # a flat list reshaped as declared
     with pytest.raises(SchemaError, match=r"column 'pixels' row 0: 12 bytes do not fit uint8\[5\]"):
         index_dataset(root, features=["pixels=tensor:uint8:5"], force=True)
 

@@ -176,43 +176,42 @@ def _dtype(f: Feature) -> np.dtype:
 
 def _lists(f: Feature, arr, where: str, n: int) -> np.ndarray:
     """A (nested) list column as ``(n, *shape)`` numbers, or one array per row when the first
-    dimension varies (every other dimension must be fixed)."""
+    dimension may vary (``None``; every other dimension must be fixed). Rows whose lists hold as
+    many numbers as ``f.shape`` are reshaped to it (a flat list of 3072 → ``(32, 32, 3)``)."""
     pa, _ = pyarrow_modules()
-    dims: list[int] = []
+    ragged = bool(f.shape) and f.shape[0] is None
+    if None in f.shape[1:]:
+        raise SchemaError(f"{where}: feature {f.name!r} shape {list(f.shape)}: only the first dimension may vary")
+    dims: list[int] = []  # the fixed list lengths (under the first one, when it varies)
     outer = None
     level = 0
     while _is_list(pa, arr.type):
-        if pa.types.is_fixed_size_list(arr.type):
-            lengths = None
-            size = arr.type.list_size
-        else:
-            lengths = arr.value_lengths().to_numpy(zero_copy_only=False)
-            size = int(lengths[0]) if len(lengths) else 0
-        want = f.shape[level] if level < len(f.shape) else -1
-        if level == 0 and want is None:  # a first dimension that may vary: one array per row
+        fixed = pa.types.is_fixed_size_list(arr.type)
+        lengths = None if fixed else arr.value_lengths().to_numpy(zero_copy_only=False)
+        size = arr.type.list_size if fixed else int(lengths[0]) if len(lengths) else 0
+        if level == 0 and ragged:
             outer = lengths if lengths is not None else np.full(n, size, dtype=np.int64)
         elif lengths is not None and len(lengths) and (lengths != size).any():
             raise SchemaError(
                 f"{where}: column {f.name!r}: lists at depth {level + 1} have lengths "
-                f"{sorted(set(np.unique(lengths)[:3].tolist()))}...; feature {f.name!r} expects shape "
-                f"{list(f.shape)} (only the first dimension may vary)"
+                f"{np.unique(lengths)[:3].tolist()}...; feature {f.name!r} expects shape {list(f.shape)} "
+                f"(only the first dimension may vary)"
             )
-        elif want is not None and want != size and len(arr):
-            raise SchemaError(
-                f"{where}: column {f.name!r}: lists at depth {level + 1} hold {size} values, feature "
-                f"{f.name!r} expects shape {list(f.shape)}"
-            )
-        if outer is None or level:
+        else:
             dims.append(size)
         arr = arr.flatten()
         _check_nulls(arr, where, f.name)
         level += 1
-    if level != len(f.shape):
-        raise SchemaError(f"{where}: column {f.name!r} has {level} list levels, feature shape is {list(f.shape)}")
     values = arr.to_numpy(zero_copy_only=False).astype(f.dtype, copy=False)
+    shape = f.shape[1:] if ragged else f.shape
+    if len(values) and math.prod(dims) != math.prod(shape):
+        raise SchemaError(
+            f"{where}: column {f.name!r}: each row holds lists of {dims} numbers, feature {f.name!r} expects shape "
+            f"{list(f.shape)}"
+        )
     if outer is None:
-        return values.reshape((n, *dims))
-    values = values.reshape((int(outer.sum()), *dims))  # dims: the fixed ones under the ragged first
+        return values.reshape((n, *shape))
+    values = values.reshape((int(outer.sum()), *shape))
     out = np.empty(n, dtype=object)
     for i, part in enumerate(np.split(values, np.cumsum(outer)[:-1]) if n else ()):
         out[i] = part
