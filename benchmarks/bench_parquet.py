@@ -10,6 +10,8 @@ Every reader delivers the same numpy batches (``label`` int64 ``(B,)``, ``x`` fl
 ``image`` uint8 ``(B, 3072)``/``(B, 32, 32, 3)``); each epoch's label sum is checked (every row once).
 
 * crossfeed: ``Loader(dir, shuffle="block" | "global")`` after ``crossfeed index dir`` (no rewrite);
+  its row-group LRU is emptied before every epoch, so each timed epoch decodes every row group
+  (like the peers) — within an epoch, a global shuffle of these splits decodes each one once;
 * pyarrow ``ParquetFile.iter_batches`` file by file + numpy (file order: no shuffle, less work);
 * pyarrow ``dataset(dir).to_batches`` + numpy (file order, pyarrow's threaded scanner);
 * HF ``datasets``: ``Dataset.from_parquet`` (an Arrow cache copy, made before the clock starts) with
@@ -83,7 +85,12 @@ def reader(name: str, kind: str, d: str, b: int, shuffle: str):
         from crossfeed.read.loader import Loader
 
         loader = Loader(d, batch_size=b, shuffle=shuffle, seed=0, features=["label", col])
-        return lambda: iter(loader), loader.close
+
+        def epoch():  # every epoch decodes its row groups afresh, as the peers do
+            loader.builder.reader.frames.groups.clear()
+            return iter(loader)
+
+        return epoch, loader.close
     if name == "iter_batches":
         import pyarrow.parquet as pq
 

@@ -36,8 +36,21 @@ from crossfeed.format.schema import Encoding, Feature, decode_image
 if TYPE_CHECKING:
     from crossfeed.read.dataset import Split
 
-ROW_GROUP_CACHE_BYTES = 512 << 20  # decoded row groups a reader keeps (by their uncompressed size) ...
+ROW_GROUP_CACHE_BYTES = 512 << 20  # decoded row groups a reader keeps (by their Arrow size) ...
 ROW_GROUP_CACHE_MIN = 2  # ... and at least this many, however large
+READ_CHUNK_BYTES = 1 << 20  # a row group is decoded this many (uncompressed) bytes at a time
+
+
+def _selected(pf, features: Sequence[Feature], where: str):
+    """The Arrow schema of the ``features`` columns of a file."""
+    pa, _ = pyarrow_modules()
+    try:
+        return pa.schema([pf.schema_arrow.field(f.name) for f in features])
+    except KeyError as e:
+        raise SchemaError(
+            f"{where}: no column {e}; the file has {pf.schema_arrow.names}: it changed after `crossfeed index`; "
+            f"re-index with --force"
+        ) from None
 
 
 class ParquetFiles:
@@ -69,19 +82,23 @@ class ParquetFiles:
         g, k = self.group_of(i)
         return f"{self.paths[self.shard[g]]}: row group {int(self.local[g])}, row {k} (sample {int(i)})"
 
-    def nbytes(self, g: int) -> int:
-        """The uncompressed size of row group ``g`` (its footer says)."""
-        return int(self._open(int(self.shard[g])).metadata.row_group(int(self.local[g])).total_byte_size)
-
-    def read(self, g: int, features: Sequence[Feature]) -> dict[str, np.ndarray]:
-        """Row group ``g``'s columns as the batch form of ``features`` (`column_values`)."""
+    def read(self, g: int, features: Sequence[Feature]) -> tuple[dict[str, np.ndarray], int]:
+        """Row group ``g``'s columns as the batch form of ``features`` (`column_values`), and
+        their decoded size in bytes (Arrow's)."""
         pa, _ = pyarrow_modules()
         s, r = int(self.shard[g]), int(self.local[g])
         pf = self._open(s)
         where = f"{self.paths[s]}: row group {r}"
+        meta = pf.metadata.row_group(r)
+        # in chunks of about READ_CHUNK_BYTES: nested columns (lists) decode faster than in one piece
+        chunk = int(max(64, min(1 << 20, READ_CHUNK_BYTES * max(1, meta.num_rows) // max(1, meta.total_byte_size))))
+        schema = _selected(pf, features, where)
         with self._locks[s]:  # a ParquetFile is not documented thread-safe
             try:
-                table = pf.read_row_group(r, columns=[f.name for f in features], use_threads=False)
+                parts = pf.iter_batches(
+                    batch_size=chunk, row_groups=[r], columns=[f.name for f in features], use_threads=False
+                )
+                table = pa.Table.from_batches(list(parts), schema=schema)
             except (pa.ArrowException, OSError) as e:  # a page CRC mismatch, damaged compression ...
                 raise CorruptRecordError(
                     self.paths[s], self.offset(pf, r), f"row group {r} does not decode: {e}"
@@ -91,7 +108,8 @@ class ParquetFiles:
                 self.paths[s], self.offset(pf, r), f"row group {r} holds {table.num_rows} rows, not {self.counts[g]}"
             )
         try:
-            return {f.name: column_values(f, table.column(f.name).combine_chunks(), where) for f in features}
+            cols = {f.name: column_values(f, table.column(f.name).combine_chunks(), where) for f in features}
+            return cols, int(table.nbytes)
         except (pa.ArrowException, KeyError) as e:
             raise SchemaError(f"{where}: {e}; re-index the files with `crossfeed index --force`") from e
 
@@ -141,7 +159,7 @@ class ParquetFiles:
         """Sample ``k`` of file ``shard`` (what ``split[i]`` returns: values as one record's)."""
         g0 = int(np.searchsorted(self.shard, shard))
         g, j = self.group_of(int(self.starts[g0]) + k)
-        cols = self.read(g, features)
+        cols, _ = self.read(g, features)
         out = {}
         for f in features:
             v = cols[f.name][j]
@@ -227,9 +245,6 @@ class ParquetFrameReader:
     def where(self, i: int) -> str:
         return self.files.where(int(i))
 
-    def _load(self, g: int) -> tuple[dict, int]:
-        return self.files.read(g, self.features), self.files.nbytes(g)
-
     def __call__(self, indices, on_error: Callable[[CrossfeedError], None] | None = None) -> ColumnFrames:
         indices = np.asarray(indices, dtype=np.int64)
         n = len(indices)
@@ -259,7 +274,7 @@ class ParquetFrameReader:
 
     def _group(self, g: int, on_error) -> dict | None:
         try:
-            return self.groups.get(g, self._load)
+            return self.groups.get(g, lambda g: self.files.read(g, self.features))
         except (CorruptRecordError, SchemaError) as e:
             if on_error is None:
                 raise
