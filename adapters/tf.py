@@ -151,6 +151,10 @@ def _resolve(ds: Dataset, opts: TFOptions, *, state, loader_options) -> Engine:
         )
         if on
     ]
+    if ds[opts.split].info.format != "tfrecord":  # Parquet read in place: only the Loader reads it
+        if opts.engine is Engine.NATIVE:
+            raise ConfigError("engine='native' reads TFRecord shards; this split is Parquet: use engine='plan'")
+        return Engine.PLAN
     if opts.engine is Engine.NATIVE:
         if wants_plan:
             raise ConfigError(f"engine='native' cannot honour {', '.join(wants_plan)}; use engine='plan'")
