@@ -246,6 +246,10 @@ def test_cli_info_verify_head(pa_dir):
     out = _cli("verify", root)
     assert out.returncode == 0, out.stderr
     assert "ok: 100 records in 2 shards" in out.stdout and "page CRCs are checked only where" in out.stdout
+    out = _cli("index", root, "--force", "--feature", "text", "--feature", "blob=image")  # pick two columns
+    assert out.returncode == 0, out.stderr
+    assert "100 records in 2 shards; features blob, text" in out.stdout
+    assert [f.encoding for f in open_dataset(root).schema] == [Encoding.IMAGE, Encoding.BYTES]
 
 
 def test_a_damaged_page_and_a_changed_file_are_detected(pa_dir, tmp_path):

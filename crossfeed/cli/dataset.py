@@ -42,11 +42,13 @@ def index(
         typer.Option(
             "--feature",
             help="Declare what a feature's bytes are: NAME=ENCODING[:DTYPE[:SHAPE]], e.g. image=tensor:uint8:224,224,3 "
-            "or jpeg=image (repeatable); checked against every record.",
+            "or jpeg=image (repeatable); checked against every record. Parquet: picks the columns to index "
+            "(a bare NAME: its type inferred).",
         ),
     ] = None,
 ) -> None:
-    """Adopt TFRecord shards: check every record, write .idx files and the manifest (crossfeed.json)."""
+    """Adopt TFRecord shards (check every record, write .idx files) or Parquet files (row groups from the
+    footers, read in place), then write the manifest (crossfeed.json)."""
     import os
 
     from crossfeed.format.parquet import is_parquet_name
