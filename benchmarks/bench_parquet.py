@@ -87,7 +87,7 @@ def reader(name: str, kind: str, d: str, b: int, shuffle: str):
         loader = Loader(d, batch_size=b, shuffle=shuffle, seed=0, features=["label", col])
 
         def epoch():  # every epoch decodes its row groups afresh, as the peers do
-            loader.builder.reader.frames.groups.clear()
+            loader.builder.reader.frames.clear()
             return iter(loader)
 
         return epoch, loader.close

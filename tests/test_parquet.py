@@ -102,17 +102,24 @@ def test_unshuffled_loader_equals_pyarrow_row_for_row(pa_dir):
 
 @pytest.mark.parametrize("shuffle", ["global", "block"])
 @pytest.mark.parametrize("batch_size", [1, 16])
-def test_shuffles_are_permutations_with_pyarrow_values(pa_dir, shuffle, batch_size):
+@pytest.mark.parametrize("lru", ["fits", "two"])
+def test_shuffles_are_permutations_with_pyarrow_values(pa_dir, shuffle, batch_size, lru):
+    """Both gather paths: row groups from the LRU (a batch gathered group by group), and, once the
+    LRU holds the whole split, whole-split columns (one take per column)."""
     root, paths = pa_dir
     expected = oracle(paths)
     with Loader(root, batch_size=batch_size, shuffle=shuffle, seed=3, return_index=True) as loader:
-        batches = list(loader)
         groups = loader.builder.reader.frames.groups
+        if lru == "two":
+            groups.max_bytes = 0  # the LRU keeps its minimum of two row groups: never the whole split
+        batches = list(loader)
         ids = np.concatenate([b[INDEX_KEY] for b in batches])
         assert sorted(ids.tolist()) == list(range(N)) and ids.tolist() != list(range(N))
         assert _check_rows(batches, expected, list(expected)) == N
-        # the split's 11 row groups fit the LRU: each decoded once, whatever the order
-        assert groups.loads == 11
+        if lru == "fits":  # the split's 11 row groups fit the LRU: each decoded once, whatever the order
+            assert groups.loads == 11 and loader.builder.reader.frames.split_columns is not None  # ... then one take
+        else:
+            assert groups.loads >= 11 and len(groups) == 2
         second = np.concatenate([b[INDEX_KEY] for b in loader])
     assert sorted(second.tolist()) == list(range(N)) and second.tolist() != ids.tolist()  # epoch 1 differs
 

@@ -10,7 +10,10 @@
 A sample index is a global row number: the rows of the split's files in manifest order. The plan
 is the TFRecord one (`crossfeed.read.plan`); its block shuffle windows over row groups (the
 split's `block_counts`), so a window of row groups is decoded once and served from the LRU, and a
-global shuffle of a split whose decoded row groups fit the LRU decodes each one once.
+global shuffle of a split whose decoded row groups fit the LRU decodes each one once — once all
+of them are decoded they become whole-split columns, and a batch is one numpy take per column.
+A global shuffle of a split larger than the LRU decodes a row group for every few rows it takes
+from it: use the block shuffle there.
 
 Each file is checked when opened: its byte size and its footer's row groups must be what the
 manifest says (a file rewritten after ``crossfeed index`` is refused; ``crossfeed verify`` also
@@ -212,6 +215,21 @@ class RowGroupCache:
                 self._loading.pop(g, None)
         return cols
 
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def replace(self, items: dict[int, dict]) -> None:
+        """Hold ``items`` (``{g: columns}`` of row groups held now) instead of their columns."""
+        with self._lock:
+            for g, cols in items.items():
+                if g in self._items:
+                    self._items[g] = (cols, self._items[g][1])
+
+    def snapshot(self) -> dict[int, dict]:
+        """``{g: columns}`` of the row groups held now."""
+        with self._lock:
+            return {g: cols for g, (cols, _) in self._items.items()}
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
@@ -241,12 +259,42 @@ class ParquetFrameReader:
         self.features = tuple(features)
         self.files = ParquetFiles(split)
         self.groups = cache or RowGroupCache()
+        self._whole: dict[str, np.ndarray] | None = None  # the split's columns, once every row group is decoded
+        self._lock = threading.Lock()
+
+    def _split_columns(self) -> dict[str, np.ndarray] | None:
+        """The whole split's columns, once the LRU holds every row group (a small split): then a
+        batch is one take per column, whatever the shuffle. The LRU then holds views of them."""
+        if self._whole is None and len(self.groups) == len(self.files.counts):
+            with self._lock:
+                parts = self.groups.snapshot()
+                if self._whole is None and len(parts) == len(self.files.counts):
+                    cols = [parts[g] for g in range(len(parts))]
+                    whole = {f.name: np.concatenate([c[f.name] for c in cols]) for f in self.features}
+                    st = self.files.starts
+                    self.groups.replace({g: {k: v[st[g] : st[g + 1]] for k, v in whole.items()} for g in parts})
+                    self._whole = whole
+        return self._whole
+
+    @property
+    def split_columns(self) -> dict[str, np.ndarray] | None:
+        """The whole split's decoded columns, once built (see `_split_columns`), else None."""
+        return self._whole
+
+    def clear(self) -> None:
+        """Drop every decoded row group (the next batches decode afresh)."""
+        with self._lock:
+            self._whole = None
+            self.groups.clear()
 
     def where(self, i: int) -> str:
         return self.files.where(int(i))
 
     def __call__(self, indices, on_error: Callable[[CrossfeedError], None] | None = None) -> ColumnFrames:
         indices = np.asarray(indices, dtype=np.int64)
+        whole = self._whole if self._whole is not None else self._split_columns()
+        if whole is not None:
+            return ColumnFrames(indices, {k: v[indices] for k, v in whole.items()})
         n = len(indices)
         g = np.searchsorted(self.files.starts, indices, side="right") - 1
         local = indices - self.files.starts[g]
@@ -289,7 +337,7 @@ class ParquetFrameReader:
         return np.empty(n, dtype=object)
 
     def close(self) -> None:
-        self.groups.clear()
+        self.clear()
         self.files.close()
 
 
