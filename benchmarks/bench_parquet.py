@@ -11,7 +11,9 @@ Every reader delivers the same numpy batches (``label`` int64 ``(B,)``, ``x`` fl
 
 * crossfeed: ``Loader(dir, shuffle="block" | "global")`` after ``crossfeed index dir`` (no rewrite);
   its row-group LRU is emptied before every epoch, so each timed epoch decodes every row group
-  (like the peers) — within an epoch, a global shuffle of these splits decodes each one once;
+  (like the peers) — within an epoch, a global shuffle of these splits decodes each one once.
+  ``global-warm`` is a Loader running epochs as it does in training: these splits fit its row-group
+  LRU (512 MiB), so after the first epoch their decoded columns are kept and batches are numpy takes;
 * pyarrow ``ParquetFile.iter_batches`` file by file + numpy (file order: no shuffle, less work);
 * pyarrow ``dataset(dir).to_batches`` + numpy (file order, pyarrow's threaded scanner);
 * HF ``datasets``: ``Dataset.from_parquet`` (an Arrow cache copy, made before the clock starts) with
@@ -84,10 +86,12 @@ def reader(name: str, kind: str, d: str, b: int, shuffle: str):
     if name == "crossfeed":
         from crossfeed.read.loader import Loader
 
-        loader = Loader(d, batch_size=b, shuffle=shuffle, seed=0, features=["label", col])
+        warm = shuffle.endswith("-warm")
+        loader = Loader(d, batch_size=b, shuffle=shuffle.removesuffix("-warm"), seed=0, features=["label", col])
 
-        def epoch():  # every epoch decodes its row groups afresh, as the peers do
-            loader.builder.reader.frames.clear()
+        def epoch():  # every epoch decodes its row groups afresh, as the peers do (unless -warm)
+            if not warm:
+                loader.builder.reader.frames.clear()
             return iter(loader)
 
         return epoch, loader.close
@@ -172,7 +176,11 @@ def main(argv=None) -> None:
             res = {}
             for name in readers:
                 for shuffle in (
-                    ("block", "global") if name == "crossfeed" else ("none", "global") if name == "hf" else ("none",)
+                    ("block", "global", "global-warm")
+                    if name == "crossfeed"
+                    else ("none", "global")
+                    if name == "hf"
+                    else ("none",)
                 ):
                     res[(name, shuffle)] = run_cell(name, kind, d, b, shuffle, args.epochs, label_sum, n)
             peers = {k: v for k, v in res.items() if k[0] != "crossfeed"}
@@ -180,9 +188,9 @@ def main(argv=None) -> None:
                 if name != "crossfeed":
                     continue
                 vs = "  ".join(f"{v / pv:5.2f}× {pn}/{ps}" for (pn, ps), pv in peers.items())
-                print(f"  b={b:<5} crossfeed {shuffle:<6} {v:>12,.0f}/s   vs  {vs}")
+                print(f"  b={b:<5} crossfeed {shuffle:<11} {v:>12,.0f}/s   vs  {vs}")
             for (name, shuffle), v in peers.items():
-                print(f"  b={b:<5} {name:<12} {shuffle:<6} {v:>10,.0f}/s")
+                print(f"  b={b:<5} {name:<12} {shuffle:<11} {v:>10,.0f}/s")
 
 
 if __name__ == "__main__":
