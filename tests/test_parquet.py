@@ -295,3 +295,33 @@ def test_mixed_directories_and_mixtures_are_refused(pa_dir, tmp_path):
 
     with pytest.raises(ConfigError, match="Parquet sources"):
         Loader([Source(root), Source(root)], batch_size=4, samples_per_epoch=8)
+
+
+def test_serve_streams_parquet_batches(pa_dir, tmp_path):
+    """`crossfeed serve`'s own factory over Parquet, to a client on ipc://: every row once per
+    epoch, with pyarrow's values."""
+    from crossfeed.cli.net import LoaderEpochs
+    from crossfeed.net import Server, ServerOptions, connect
+    from crossfeed.read.options import LoaderOptions
+
+    root, paths = pa_dir
+    expected = oracle(paths)
+    factory = LoaderEpochs(str(root), LoaderOptions.of(batch_size=16, seed=1, features=["id", "vec", "text"]))
+    opts = ServerOptions((f"ipc://{tmp_path}/pq.sock",), epochs=2, server_id="pq")
+    got: dict[int, list] = {0: [], 1: []}
+    try:
+        with Server(factory, opts) as server:
+            with connect(server.endpoints, with_meta=True) as client:
+                for meta, batch in client:
+                    ids = meta.sample_ids.tolist()
+                    got[meta.epoch] += ids
+                    np.testing.assert_array_equal(batch["id"], ids)
+                    for j, i in enumerate(ids):
+                        assert_row_equal(batch["vec"][j], expected["vec"][i], "vec", f"row {i}")
+                        assert batch["text"][j] == expected["text"][i]
+            assert server.wait(10)
+            server.raise_if_failed()
+    finally:
+        factory.close()
+    assert {e: sorted(v) for e, v in got.items()} == {0: list(range(N)), 1: list(range(N))}
+    assert got[0] != got[1]  # each epoch its own global shuffle

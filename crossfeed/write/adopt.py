@@ -24,6 +24,7 @@ from crossfeed.format import tfrecord
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, check_name, loads, write_manifest
 from crossfeed.format.parquet import is_parquet_name
 from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema, decode_value
+from crossfeed.write.adopt_parquet import index_parquet
 from crossfeed.write.writer import dataset_lock
 
 log = logging.getLogger(__name__)
@@ -289,8 +290,6 @@ def index_dataset(
         s, i = split_of(n, split) if split_from_name else (split, 0)
         groups.setdefault(s, []).append((i, n))
     if parquet:  # read in place: row groups from the footers, features from the columns
-        from crossfeed.write.adopt_parquet import index_parquet
-
         specs = [] if isinstance(features, dict) else list(features or ())
         picked = [f for f in specs if isinstance(f, str) and "=" not in f]  # a column NAME alone: inferred
         declared = declared_features(features if isinstance(features, dict) else [f for f in specs if f not in picked])
