@@ -99,7 +99,7 @@ class ParquetFiles:
         with self._locks[s]:  # a ParquetFile is not documented thread-safe
             try:
                 parts = pf.iter_batches(
-                    batch_size=chunk, row_groups=[r], columns=[f.name for f in features], use_threads=False
+                    batch_size=chunk, row_groups=[r], columns=[f.name for f in features], use_threads=True
                 )
                 table = pa.Table.from_batches(list(parts), schema=schema)
             except (pa.ArrowException, OSError) as e:  # a page CRC mismatch, damaged compression ...
