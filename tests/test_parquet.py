@@ -325,3 +325,15 @@ def test_serve_streams_parquet_batches(pa_dir, tmp_path):
         factory.close()
     assert {e: sorted(v) for e, v in got.items()} == {0: list(range(N)), 1: list(range(N))}
     assert got[0] != got[1]  # each epoch its own global shuffle
+
+
+def test_split_indexing_and_iteration_equal_pyarrow(pa_dir):
+    root, paths = pa_dir
+    expected = oracle(paths)
+    with open_dataset(root) as ds:
+        split = ds["train"]
+        rows = list(split)
+        assert len(rows) == N and isinstance(split[N - 1]["text"], str) and split[-1]["id"] == N - 1
+    for i, row in enumerate(rows):
+        for name, value in row.items():
+            assert_row_equal(value, expected[name][i], name, f"row {i}")

@@ -56,6 +56,19 @@ def _selected(pf, features: Sequence[Feature], where: str):
         ) from None
 
 
+def footer_mismatch(pf, info) -> str | None:
+    """Why an open file's footer is not the one indexed (its row groups' rows differ from the
+    manifest's ``info.row_groups``), or None."""
+    md = pf.metadata
+    rows = tuple(md.row_group(r).num_rows for r in range(md.num_row_groups))
+    if rows == tuple(info.row_groups or ()):
+        return None
+    return (
+        f"its footer has row groups of {list(rows)[:8]} rows, the manifest says {list(info.row_groups or ())[:8]}: "
+        f"it changed after `crossfeed index`; re-index with `crossfeed index --force`"
+    )
+
+
 class ParquetFiles:
     """The Parquet files of a split, each opened once (thread-safe) and checked against the
     manifest; row groups are numbered across the split (``g``), in manifest order."""
@@ -75,6 +88,7 @@ class ParquetFiles:
         self.local = np.concatenate([np.arange(len(g)) for g in groups]) if groups else np.zeros(0, np.int64)
         self._files: list = [None] * len(self.paths)
         self._locks = [threading.Lock() for _ in self.paths]
+        self._last: tuple | None = None  # ((g, feature names), columns) of `row`'s last row group
 
     def group_of(self, i: int) -> tuple[int, int]:
         """``(g, row within it)`` of global row ``i``."""
@@ -145,16 +159,10 @@ class ParquetFiles:
                     pf = pq.ParquetFile(path, page_checksum_verification=True)
                 except (pa.ArrowException, OSError) as e:
                     raise CorruptRecordError(path, 0, f"not a readable Parquet file ({e})") from e
-                md = pf.metadata
-                rows = tuple(md.row_group(r).num_rows for r in range(md.num_row_groups))
-                if rows != tuple(info.row_groups or ()):
+                changed = footer_mismatch(pf, info)
+                if changed:
                     pf.close()
-                    raise CorruptRecordError(
-                        path,
-                        0,
-                        f"its footer has row groups of {list(rows)[:8]} rows, the manifest says "
-                        f"{list(info.row_groups or ())[:8]}: it changed after `crossfeed index`; re-index with --force",
-                    )
+                    raise CorruptRecordError(path, 0, changed)
                 self._files[s] = pf
         return self._files[s]
 
@@ -162,7 +170,11 @@ class ParquetFiles:
         """Sample ``k`` of file ``shard`` (what ``split[i]`` returns: values as one record's)."""
         g0 = int(np.searchsorted(self.shard, shard))
         g, j = self.group_of(int(self.starts[g0]) + k)
-        cols, _ = self.read(g, features)
+        key = (g, tuple(f.name for f in features))
+        last = self._last  # the row group read last: iterating a split reads each once
+        if last is None or last[0] != key:
+            last = self._last = (key, self.read(g, features)[0])
+        cols = last[1]
         out = {}
         for f in features:
             v = cols[f.name][j]
@@ -174,6 +186,7 @@ class ParquetFiles:
         return out
 
     def close(self) -> None:
+        self._last = None
         for s, pf in enumerate(self._files):
             if pf is not None:
                 pf.close()
@@ -417,17 +430,10 @@ def check_file(path: str, info, features: Sequence[Feature]) -> list[tuple[int |
         return [(0, f"not a readable Parquet file ({e})")]
     problems: list[tuple[int | None, str]] = []
     with pf:
-        md = pf.metadata
-        rows = tuple(md.row_group(r).num_rows for r in range(md.num_row_groups))
-        if rows != tuple(info.row_groups or ()):
-            return [
-                (
-                    None,
-                    f"its footer has row groups of {list(rows)[:8]} rows, the manifest says "
-                    f"{list(info.row_groups or ())[:8]}: it changed after `crossfeed index`; re-index with --force",
-                )
-            ]
-        for r in range(md.num_row_groups):
+        changed = footer_mismatch(pf, info)
+        if changed:
+            return [(None, changed)]
+        for r in range(pf.metadata.num_row_groups):
             offset = ParquetFiles.offset(pf, r)
             try:
                 table = pf.read_row_group(r, columns=[f.name for f in features], use_threads=False)
