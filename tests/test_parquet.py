@@ -337,3 +337,14 @@ def test_split_indexing_and_iteration_equal_pyarrow(pa_dir):
     for i, row in enumerate(rows):
         for name, value in row.items():
             assert_row_equal(value, expected[name][i], name, f"row {i}")
+
+
+def test_pyarrow_is_imported_only_when_parquet_is_read():
+    from conftest import run_python
+
+    out = run_python("""
+        import sys
+        import crossfeed, crossfeed.read.loader, crossfeed.read.verify, crossfeed.write.adopt, crossfeed.cli.main
+        print("pyarrow" in sys.modules)
+    """)
+    assert out.stdout.strip() == "False"
