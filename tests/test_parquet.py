@@ -348,3 +348,30 @@ def test_pyarrow_is_imported_only_when_parquet_is_read():
         print("pyarrow" in sys.modules)
     """)
     assert out.stdout.strip() == "False"
+
+
+def test_pandas_written_file(tmp_path):
+    import pandas as pd
+
+    root = tmp_path / "pd"
+    os.makedirs(root)
+    df = pd.DataFrame(
+        {
+            "n": np.arange(30, dtype=np.int16),
+            "f": np.linspace(0, 1, 30),
+            "s": [f"s{i}" for i in range(30)],
+            "v": [np.full(3, i, dtype=np.float64) for i in range(30)],
+        }
+    )
+    df.to_parquet(root / "frame.parquet", row_group_size=8)
+    index_dataset(root)
+    s = {f.name: (f.encoding, f.dtype, f.shape) for f in open_dataset(root).schema}
+    assert s == {
+        "n": (Encoding.INT64, "int64", ()),
+        "f": (Encoding.FLOAT, "float32", ()),
+        "s": (Encoding.BYTES, "string", ()),
+        "v": (Encoding.TENSOR, "float64", (3,)),
+    }
+    expected = oracle([root / "frame.parquet"])
+    with Loader(root, batch_size=7, shuffle="global", seed=0, return_index=True) as loader:
+        assert _check_rows(list(loader), expected, list(expected)) == 30
