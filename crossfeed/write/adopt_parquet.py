@@ -61,7 +61,11 @@ def index_parquet(
                     )
                 md = pf.metadata
                 _check_null_stats(path, md, set(feats))
-                lists = [k for k, f in feats.items() if k not in declared and None in f.shape]
+                lists = [
+                    k
+                    for k, f in feats.items()
+                    if k not in declared and f.encoding is Encoding.TENSOR and None in f.shape
+                ]
                 for r in range(md.num_row_groups):
                     where = f"{path}: row group {r}"
                     if lists:
