@@ -24,6 +24,7 @@ on first use.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -38,6 +39,8 @@ from crossfeed.format.schema import Encoding, Feature, decode_image
 
 if TYPE_CHECKING:
     from crossfeed.read.dataset import Split
+
+log = logging.getLogger(__name__)
 
 ROW_GROUP_CACHE_BYTES = 512 << 20  # decoded row groups a reader keeps (by their Arrow size) ...
 ROW_GROUP_CACHE_MIN = 2  # ... and at least this many, however large
@@ -274,6 +277,8 @@ class ParquetFrameReader:
         self.groups = cache or RowGroupCache()
         self._whole: dict[str, np.ndarray] | None = None  # the split's columns, once every row group is decoded
         self._lock = threading.Lock()
+        self._served = 0  # rows gathered from decoded row groups (to notice a cache that thrashes)
+        self._warned = False
 
     def _split_columns(self) -> dict[str, np.ndarray] | None:
         """The whole split's columns, once the LRU holds every row group (a small split): then a
@@ -309,6 +314,7 @@ class ParquetFrameReader:
         if whole is not None:
             return ColumnFrames(indices, {k: v[indices] for k, v in whole.items()})
         n = len(indices)
+        self._served += n
         g = np.searchsorted(self.files.starts, indices, side="right") - 1
         local = indices - self.files.starts[g]
         present = np.unique(g).tolist()
@@ -329,9 +335,29 @@ class ParquetFrameReader:
                 continue
             for k, v in cols.items():
                 out[k][m] = v[local[m]]
+        if not self._warned and self.groups.loads >= 16:
+            self._check_thrash()
         if not keep.all():
             return ColumnFrames(indices[keep], {k: v[keep] for k, v in out.items()})
         return ColumnFrames(indices, out)
+
+    def _check_thrash(self) -> None:
+        """Warn once when decoded row groups serve a small part of their rows before they are
+        evicted: a global shuffle of a split larger than the row-group cache."""
+        per_group = len(self.split) / max(1, len(self.files.counts))
+        if self._served < 0.25 * self.groups.loads * per_group:
+            self._warned = True
+            log.warning(
+                "%s split %r: each decoded Parquet row group served %.1f of its %.0f rows on average before the "
+                "row-group cache (%d MiB) dropped it, so most of the decoding is wasted: a global shuffle of a split "
+                "larger than the cache decodes a row group for every few rows. Use shuffle='block' (each row group "
+                "decoded once per epoch) or write smaller row groups.",
+                self.split.dataset.path,
+                self.split.name,
+                self._served / self.groups.loads,
+                per_group,
+                self.groups.max_bytes >> 20,
+            )
 
     def _group(self, g: int, on_error) -> dict | None:
         try:
