@@ -317,27 +317,32 @@ class ParquetFrameReader:
         self._served += n
         g = np.searchsorted(self.files.starts, indices, side="right") - 1
         local = indices - self.files.starts[g]
-        present = np.unique(g).tolist()
-        if len(present) == 1:  # one row group (block shuffle, unshuffled reads): one take per column
-            cols = self._group(present[0], on_error)
+        if n == 0 or g[0] == g[-1] and (g == g[0]).all():  # one row group (block shuffle, file order): one take
+            cols = self._group(int(g[0]), on_error) if n else {}
             if cols is None:
                 return ColumnFrames(indices[:0], {f.name: self._empty(f, 0) for f in self.features})
-            return ColumnFrames(indices, {k: v[local] for k, v in cols.items()})
+            return ColumnFrames(
+                indices, {f.name: cols[f.name][local] if n else self._empty(f, 0) for f in self.features}
+            )
         out = {f.name: self._empty(f, n) for f in self.features}
         order = np.argsort(g, kind="stable")
-        bounds = np.searchsorted(g[order], present + [present[-1] + 1] if present else [0])
-        keep = np.ones(n, dtype=bool)
-        for u, lo, hi in zip(present, bounds[:-1].tolist(), bounds[1:].tolist()):
+        sorted_g = g[order]
+        cuts = (np.flatnonzero(sorted_g[1:] != sorted_g[:-1]) + 1).tolist()  # where each row group's rows start
+        dropped = []
+        for lo, hi in zip([0, *cuts], [*cuts, n]):
             m = order[lo:hi]
-            cols = self._group(u, on_error)
+            cols = self._group(int(sorted_g[lo]), on_error)
             if cols is None:
-                keep[m] = False
+                dropped.append(m)
                 continue
+            lm = local[m]
             for k, v in cols.items():
-                out[k][m] = v[local[m]]
+                out[k][m] = v[lm]
         if not self._warned and self.groups.loads >= 16:
             self._check_thrash()
-        if not keep.all():
+        if dropped:
+            keep = np.ones(n, dtype=bool)
+            keep[np.concatenate(dropped)] = False
             return ColumnFrames(indices[keep], {k: v[keep] for k, v in out.items()})
         return ColumnFrames(indices, out)
 
