@@ -206,7 +206,8 @@ class RowGroupCache:
         self._bytes = 0
         self._lock = threading.Lock()
         self._loading: dict[int, threading.Lock] = {}
-        self.loads = 0  # how many row groups were decoded (a test and the benchmark read it)
+        self.loads = 0  # how many row groups were decoded (a test and the benchmark read it) ...
+        self.evictions = 0  # ... and dropped to make room
 
     def get(self, g: int, load: Callable[[int], tuple[dict, int]]) -> dict:
         with self._lock:
@@ -228,6 +229,7 @@ class RowGroupCache:
                 while len(self._items) > self.min_groups and self._bytes > self.max_bytes:
                     _, (_, old) = self._items.popitem(last=False)
                     self._bytes -= old
+                    self.evictions += 1
                 self._loading.pop(g, None)
         return cols
 
@@ -310,11 +312,11 @@ class ParquetFrameReader:
 
     def __call__(self, indices, on_error: Callable[[CrossfeedError], None] | None = None) -> ColumnFrames:
         indices = np.asarray(indices, dtype=np.int64)
+        self._served += len(indices)
         whole = self._whole if self._whole is not None else self._split_columns()
         if whole is not None:
             return ColumnFrames(indices, {k: v[indices] for k, v in whole.items()})
         n = len(indices)
-        self._served += n
         g = np.searchsorted(self.files.starts, indices, side="right") - 1
         local = indices - self.files.starts[g]
         if n == 0 or g[0] == g[-1] and (g == g[0]).all():  # one row group (block shuffle, file order): one take
@@ -338,7 +340,7 @@ class ParquetFrameReader:
             lm = local[m]
             for k, v in cols.items():
                 out[k][m] = v[lm]
-        if not self._warned and self.groups.loads >= 16:
+        if not self._warned and self.groups.evictions >= 16:
             self._check_thrash()
         if dropped:
             keep = np.ones(n, dtype=bool)
