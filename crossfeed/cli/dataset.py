@@ -22,7 +22,8 @@ def index(
     path: Annotated[
         str,
         typer.Argument(
-            help="Directory of TFRecord shards (plain or GZIP) or WebDataset .tar shards, written by any tool."
+            help="Directory of TFRecord shards (plain or GZIP), a TFDS data directory, WebDataset .tar shards or "
+            "Parquet files, written by any tool."
         ),
     ],
     split: Annotated[
@@ -45,7 +46,8 @@ def index(
         typer.Option(
             "--feature",
             help="Declare what a feature's bytes are: NAME=ENCODING[:DTYPE[:SHAPE]], e.g. image=tensor:uint8:224,224,3 "
-            "or jpeg=image (repeatable); checked against every record.",
+            "or jpeg=image (repeatable); checked against every record. Parquet: picks the columns to index "
+            "(a bare NAME: its type inferred).",
         ),
     ] = None,
     index_dir: Annotated[
@@ -57,14 +59,20 @@ def index(
         ),
     ] = None,
 ) -> None:
-    """Adopt TFRecord shards or a TFDS prepared dataset: check every record, write .idx files and the manifest
+    """Adopt data in place: TFRecord shards or a TFDS prepared dataset (check every record, write .idx files),
+    WebDataset tars (index the samples) or Parquet files (row groups from the footers), then write the manifest
     (crossfeed.json)."""
     import os
 
+    from crossfeed.format.parquet import is_parquet_name
     from crossfeed.write.adopt import index_dataset, is_shard_name
 
     total = (
-        sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if is_shard_name(n) or n.endswith(".tar"))
+        sum(
+            os.path.getsize(os.path.join(path, n))
+            for n in os.listdir(path)
+            if is_shard_name(n) or n.endswith(".tar") or is_parquet_name(n)
+        )
         if os.path.isdir(path)
         else 0
     )
@@ -132,6 +140,7 @@ def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
         records = sum(ds.splits[n].num_records for n in names)
         shards = sum(len(ds.splits[n].shards) for n in names)
         tar_splits = [n for n in names if ds.splits[n].format == "tar"]
+        parquet = any(ds.splits[n].format == "parquet" for n in names)
     with Progress() as progress:
         bar = progress.phase("verifying", total=total, unit="bytes")
         problems = verify_dataset(dataset, split=split, progress=bar.callback)
@@ -146,6 +155,10 @@ def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
         from crossfeed.read.verify_tar import CANNOT
 
         typer.echo(f"note: {CANNOT} (tar headers checked)", err=True)
+    if parquet:
+        from crossfeed.read.parquet_reader import VERIFY_NOTE
+
+        typer.echo(f"note: {VERIFY_NOTE}")
 
 
 def head(

@@ -24,6 +24,7 @@ MANIFEST = "crossfeed.json"
 TMP_MANIFEST_PREFIX = ".tmp-manifest-"
 FORMAT = "crossfeed.read.dataset"
 VERSION = 1
+MAX_ROW_GROUPS = 1 << 20
 # Bounds a manifest must stay within (far above any real dataset; they stop hostile files early).
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_DEPTH = 32
@@ -35,7 +36,10 @@ MAX_RANK = 32
 MAX_DIM = 1 << 40
 MAX_BYTES = 1 << 50
 MAX_INT = 1 << 62
-SPLIT_FORMATS = ("tfrecord", "tar")  # how a split's shards are laid out; "tfrecord" unless the manifest says
+# How a split's shards are laid out ("tfrecord" unless the manifest says): crossfeed's own TFRecord
+# shards (and adopted ones), WebDataset tars read in place (`crossfeed.format.tar`), Parquet files read
+# in place (`crossfeed.format.parquet`: row groups from the footers, no index files).
+SPLIT_FORMATS = ("tfrecord", "tar", "parquet")
 MAX_DATA_ROOT = 4096
 _SHARD_RE = re.compile(r"^(?P<split>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})(?:\.g\d+)?\.tfrecord(?P<gz>\.gz)?$")
 
@@ -89,6 +93,7 @@ class ShardInfo:
     num_bytes: int
     sha256: str
     index_sha256: str | None = None  # sha256 of the .idx file; None in manifests of older crossfeed
+    row_groups: tuple[int, ...] | None = None  # Parquet: the rows of each row group (from the footer)
 
     @property
     def compressed(self) -> bool:
@@ -98,6 +103,8 @@ class ShardInfo:
         d = {"file": self.file, "num_records": self.num_records, "num_bytes": self.num_bytes, "sha256": self.sha256}
         if self.index_sha256 is not None:
             d["index_sha256"] = self.index_sha256
+        if self.row_groups is not None:
+            d["row_groups"] = list(self.row_groups)
         return d
 
 
@@ -106,7 +113,11 @@ class SplitInfo:
     name: str
     shards: tuple[ShardInfo, ...]
     statistics: dict = field(default_factory=dict)
-    format: str = "tfrecord"  # one of SPLIT_FORMATS: TFRecord shards, or tar shards read in place
+    format: str = "tfrecord"  # one of SPLIT_FORMATS
+
+    def __post_init__(self):
+        if self.format not in SPLIT_FORMATS:
+            raise ManifestError(f"split {self.name!r}: format {self.format!r} is not one of {', '.join(SPLIT_FORMATS)}")
 
     @property
     def num_records(self) -> int:
@@ -130,7 +141,12 @@ class Manifest:
     @property
     def files(self) -> set[str]:
         """Every file of the dataset: shards and their index files (plain names)."""
-        return {n for s in self.splits.values() for sh in s.shards for n in (sh.file, sh.file + ".idx")}
+        return {
+            n
+            for s in self.splits.values()
+            for sh in s.shards
+            for n in ((sh.file,) if s.format == "parquet" else (sh.file, sh.file + ".idx"))
+        }
 
     def to_json(self) -> dict:
         d = {
@@ -353,19 +369,19 @@ class _Validator:
             self.fail(f"{at}.shards", f"expected a list of shards, got {_kind(items)}")
         if len(items) > MAX_SHARDS:
             self.fail(f"{at}.shards", f"{len(items)} shards, more than {MAX_SHARDS}")
-        shards = tuple(self.shard(f"{at}.shards[{i}]", sh, seen) for i, sh in enumerate(items))
         fmt = s.get("format", "tfrecord")
         if fmt not in SPLIT_FORMATS:
             self.fail(f"{at}.format", f"unknown shard format {_short(fmt)}; expected one of {list(SPLIT_FORMATS)}")
+        shards = tuple(self.shard(f"{at}.shards[{i}]", sh, seen, fmt) for i, sh in enumerate(items))
         info = SplitInfo(name, shards, self.json_(s.get("statistics", {}), f"{at}.statistics"), fmt)
         for key in ("num_records", "num_bytes"):
             if key in s and self.int_(s[key], f"{at}.{key}") != getattr(info, key):
                 self.fail(f"{at}.{key}", f"says {s[key]}, its shards add up to {getattr(info, key)}")
         return info
 
-    def shard(self, at: str, sh, seen: dict) -> ShardInfo:
+    def shard(self, at: str, sh, seen: dict, fmt: str) -> ShardInfo:
         self.dict_(sh, at)
-        unknown = set(sh) - {"file", "num_records", "num_bytes", "sha256", "index_sha256"}
+        unknown = set(sh) - {"file", "num_records", "num_bytes", "sha256", "index_sha256", "row_groups"}
         missing = {"file", "num_records", "num_bytes", "sha256"} - set(sh)
         if unknown or missing:
             self.fail(
@@ -379,15 +395,37 @@ class _Validator:
         # A record is at least 16 bytes and deflate inflates at most ~1032:1 (adopted GZIP shards
         # need not end in .gz, so this bound holds for every shard; the index pins plain ones exactly).
         most = (nbytes * 1100) // 16 + 64
-        n = self.int_(sh["num_records"], f"{at}.num_records", 0, most)
+        # Parquet encodes runs of equal values in a few bytes: its row count has no byte bound (the
+        # Loader checks it against the file's footer)
+        n = self.int_(sh["num_records"], f"{at}.num_records", 0, MAX_INT if fmt == "parquet" else most)
         index_sha = sh.get("index_sha256")
+        row_groups = self.row_groups(at, sh, fmt, n)
+        if fmt == "parquet" and index_sha is not None:
+            self.fail(f"{at}.index_sha256", "a parquet shard has no index file")
         return ShardInfo(
             name,
             n,
             nbytes,
             self.hex_(sh["sha256"], f"{at}.sha256"),
             None if index_sha is None else self.hex_(index_sha, f"{at}.index_sha256"),
+            row_groups,
         )
+
+    def row_groups(self, at: str, sh: dict, fmt: str, n: int) -> tuple[int, ...] | None:
+        """A Parquet shard's row counts per row group (they add up to its ``num_records``)."""
+        groups = sh.get("row_groups")
+        if fmt != "parquet":
+            if groups is not None:
+                self.fail(f"{at}.row_groups", f"only a parquet shard has row groups, this one is {fmt}")
+            return None
+        if not isinstance(groups, list) or len(groups) > MAX_ROW_GROUPS:
+            self.fail(
+                f"{at}.row_groups", f"expected a list of at most {MAX_ROW_GROUPS} row counts, got {_kind(groups)}"
+            )
+        out = tuple(self.int_(g, f"{at}.row_groups[{i}]") for i, g in enumerate(groups))
+        if sum(out) != n:
+            self.fail(f"{at}.row_groups", f"add up to {sum(out)} rows, num_records says {n}")
+        return out
 
 
 def _kind(v) -> str:

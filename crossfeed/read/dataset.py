@@ -24,6 +24,7 @@ from crossfeed.format import index as idx
 from crossfeed.format import tar, tfrecord
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads
 from crossfeed.format.schema import Schema, SchemaError, decode_value
+from crossfeed.read.parquet_reader import ParquetFiles
 from crossfeed.read.storage import ShardFile, Storage
 
 
@@ -108,6 +109,15 @@ class Split:
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
         self._files = [dataset.storage.shard(s.file) for s in info.shards]
         self._index: list[np.ndarray | None] = [None] * len(info.shards)
+        self._parquet: ParquetFiles | None = None
+
+    @property
+    def block_counts(self) -> np.ndarray:
+        """The record counts of the units a block shuffle windows over: the shards, or the row
+        groups of Parquet files (global sample numbers are the same either way)."""
+        if self.info.format == "parquet":
+            return np.asarray([n for s in self.shards for n in s.row_groups], dtype=np.int64)
+        return self.counts
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -193,6 +203,10 @@ class Split:
             sf = self._files[shard]
             buf, base = sf.raw(off, length)
             return tar.decode_sample(buf, off - base, length, sf.path, feats, decode_images=decode_images, base=base)
+        if self.info.format == "parquet":
+            if self._parquet is None:
+                self._parquet = ParquetFiles(self)
+            return self._parquet.row(shard, k, feats, decode_images=decode_images)
         parsed = self.parse(shard, k)
         try:
             return {f.name: decode_value(f, parsed, decode_images=decode_images) for f in feats}
@@ -211,3 +225,5 @@ class Split:
     def close(self) -> None:
         for f in self._files:
             f.close()
+        if self._parquet is not None:
+            self._parquet.close()

@@ -28,6 +28,7 @@ from crossfeed.read.decode import collate, make_decoder
 from crossfeed.read.executor import ThreadExecutor
 from crossfeed.read.frame_reader import FrameReader, Frames
 from crossfeed.read.options import LoaderOptions, ReadOptions, Source
+from crossfeed.read.parquet_reader import ParquetDecoder, ParquetFrameReader
 from crossfeed.read.plan import Plan, Remainder, Sampler, Shuffle
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,10 @@ class SourceReader:
         keep_loaded: int | None,
         cache: ShardCache | None = None,
     ):
+        if split.info.format == "parquet":  # row groups read in place (crossfeed.read.parquet_reader)
+            self.decoder = ParquetDecoder(features, decode_images=read.decode_images)
+            self.frames = ParquetFrameReader(split, features)
+            return
         # batch arrays the consumer has dropped are reused: at most this many are in flight
         self.decoder = make_decoder(
             features,
@@ -239,6 +244,8 @@ class Loader:
                 raise ConfigError("a mixture needs at least one Source")
             self.datasets = [open_dataset(s.path) for s in self.sources]
             splits = [ds[s.split] for ds, s in zip(self.datasets, self.sources)]
+            if any(sp.info.format == "parquet" for sp in splits):
+                raise ConfigError("a mixture reads TFRecord or tar sources; mixing Parquet sources is not supported yet")
             self.dataset, self.split = self.datasets[0], None
         feats = _features(options.features, self.datasets, self.sources)
         self.cache = ShardCache(read.cache_dir, read.cache_limit) if read.cache_dir is not None else None
@@ -253,7 +260,7 @@ class Loader:
         self._readers = readers
         self.prefetcher = Prefetcher(self.cache) if any(r.frames.cache for r in readers) else None
         if self.sources is None:
-            self.sampler = Sampler(self.split.counts, plan, options.shard)
+            self.sampler = Sampler(self.split.block_counts, plan, options.shard)
             reader = readers[0]
             rows = reader.frames.rows
         else:
@@ -431,7 +438,7 @@ class Loader:
         if self.prefetcher is not None:
             self.prefetcher.close()
         for r in self._readers:
-            if r.frames.cache is not None:
+            if r.frames.cache is not None or isinstance(r.frames, ParquetFrameReader):
                 r.frames.close()
         for ds in self.datasets:
             ds.close()

@@ -169,7 +169,7 @@ def _batch_len(batch: dict) -> int:
 
 def _record_bytes(loader: Loader, indices: np.ndarray) -> int:
     split, total = loader.split, 0
-    if split is None:  # a mixture: ids span sources (not counted)
+    if split is None or split.info.format != "tfrecord":  # a mixture (ids span sources), Parquet: not counted
         return 0
     shard = np.searchsorted(split.starts, indices, side="right") - 1
     for s in np.unique(shard).tolist():

@@ -31,6 +31,7 @@ from crossfeed.format.schema import Schema, decode_value
 from crossfeed.read.dataset import open_dataset
 from crossfeed.read.decode import RecordDecoder, make_decoder
 from crossfeed.read.frame_reader import Frames
+from crossfeed.read.parquet_reader import check_file
 from crossfeed.read.storage import Storage
 from crossfeed.write.placement import file_sha256, open_stream
 
@@ -65,18 +66,24 @@ def verify_dataset(path, split: str | None = None, progress: Callable[[int, int]
         decoder = make_decoder(ds.schema, decode_images=False, recycle=0)
         problems: list[Problem] = []
         done = 0
-        tars = {sh.file for s in ds.splits.values() if s.format == "tar" for sh in s.shards}
+        formats = {sh.file: s.format for s in ds.splits.values() for sh in s.shards}
         for shard in shards:
             report = (
                 None if progress is None else (lambda n, base=done: progress(base + min(n, shard.num_bytes), total))
             )
-            if shard.file in tars:  # WebDataset tar shards: header checksums, sha256, the index, the schema
+            if formats[shard.file] == "tar":  # WebDataset tar shards: header checksums, sha256, the index, the schema
                 from crossfeed.read.verify_tar import verify_tar_shard
 
                 problems += verify_tar_shard(ds.storage, shard, ds.schema, progress=report)
                 continue
             problems += verify_shard(
-                ds.storage, shard, ds.schema, decoder=decoder, progress=report, index_storage=ds.index_storage
+                ds.storage,
+                shard,
+                ds.schema,
+                decoder=decoder,
+                progress=report,
+                index_storage=ds.index_storage,
+                shard_format=formats[shard.file],
             )
             done += shard.num_bytes
             if progress is not None:
@@ -92,8 +99,10 @@ def verify_shard(
     decoder: RecordDecoder | None = None,
     progress: Callable[[int], None] | None = None,
     index_storage: Storage | None = None,
+    shard_format: str = "tfrecord",
 ) -> list[Problem]:
-    """The problems of one shard and its index (in ``index_storage``, default beside the shard).
+    """The problems of one shard and its index (in ``index_storage``, default beside the shard);
+    a Parquet shard (``shard_format``) has no index: its footer, pages and sha256 are checked.
     ``progress(bytes_read)`` follows the file.
 
     Fast path, for a shard whose index tiles it (the usual case): one sequential pass reads the
@@ -115,6 +124,15 @@ def verify_shard(
     problems = []
     if st.st_size != shard.num_bytes:
         problems.append(Problem(path, None, f"file is {st.st_size} bytes, the manifest says {shard.num_bytes}"))
+    if shard_format == "parquet":  # no index file: the footer, every page and the sha256
+        if file_sha256(path) != shard.sha256:
+            problems.append(
+                Problem(path, None, "sha256 differs from the manifest: the file changed after it was indexed")
+            )
+        problems += [Problem(path, off, why) for off, why in check_file(path, shard, schema)]
+        if progress is not None:
+            progress(shard.num_bytes)
+        return problems
     gz = tfrecord.is_gzip(path)
     entries, index_problems = _load_index(ipath, shard, None if gz else st.st_size)
     if entries is not None and not index_problems.structural:

@@ -22,10 +22,12 @@ from crossfeed.format import example as ex
 from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, check_name, loads, write_manifest
+from crossfeed.format.parquet import is_parquet_name
 from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema, decode_value
 from crossfeed.format.tar import is_tar_name
 from crossfeed.write import tfds
-from crossfeed.write.placement import Placement, placement
+from crossfeed.write.adopt_parquet import index_parquet
+from crossfeed.write.placement import Placement, file_sha256, placement
 from crossfeed.write.writer import dataset_lock
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n")
 
 def is_shard_name(name: str) -> bool:
     """Whether a file name looks like a TFRecord shard (by extension or ``-SSSSS-of-NNNNN``)."""
-    if name.startswith(".") or name == MANIFEST or name.endswith(".idx"):
+    if name.startswith(".") or name == MANIFEST or name.endswith(".idx") or is_parquet_name(name):
         return False
     base = name[:-3] if name.endswith(".gz") else name
     return base.endswith(_EXTS) or _SHARDED.match(name) is not None
@@ -234,6 +236,10 @@ def index_dataset(
 
     ``index_dir``: write the manifest and index files there instead of beside the data, which
     is then only read (a read-only directory, or an fsspec URL); see `placement`.
+
+    A directory of Parquet files (``*.parquet``) is adopted in place (`crossfeed.write.adopt_parquet`):
+    with ``features`` (declarations, or bare column names whose feature is inferred) only those
+    columns are indexed.
     """
     if not split:
         raise ConfigError("split must be a non-empty name, e.g. --split train")
@@ -251,13 +257,23 @@ def index_dataset(
                 old = loads(f.read(), manifest_path)
     listing = place.listdir()
     layout = tfds.read_layout(place) if tfds.is_tfds(listing) else None
-    declared = declared_features(features)
     if layout is not None:
+        declared = declared_features(features)
         groups = {s: list(enumerate(files)) for s, files in layout.splits.items()}
         declared = {f.name: f for f in layout.features} | declared
     else:
         names = [n for n in listing if is_shard_name(n) and not is_tar_name(n)]
         tars = [n for n in listing if is_tar_name(n)]
+        parquet = [n for n in listing if is_parquet_name(n)]
+        if names and parquet:
+            raise ConfigError(
+                f"{root}: holds both TFRecord shards and Parquet files ({names[0]}, {parquet[0]}); index them from "
+                f"separate directories"
+            )
+        if parquet:  # read in place: row groups from the footers, features from the columns
+            if index_dir is not None:
+                raise ConfigError(f"{root}: --index-dir is not supported for Parquet files yet; index them in place")
+            return _index_parquet(root, parquet, split, split_from_name, features, old, progress)
         if tars and not names:  # WebDataset tar shards, read in place (`crossfeed.write.adopt_tar`)
             from crossfeed.write.adopt_tar import index_tars
 
@@ -267,16 +283,17 @@ def index_dataset(
             for n in tars:
                 s, i = split_of(n, split) if split_from_name else (split, 0)
                 groups.setdefault(s, []).append((i, n))
-            return index_tars(root, groups, old=old, declared=declared, progress=progress)
+            return index_tars(root, groups, old=old, declared=declared_features(features), progress=progress)
         if not names:
             raise DatasetNotFoundError(
                 f"{root}: no TFRecord shards (files named *.tfrecord, *.tfrecords, *.tfrec[.gz] or "
-                f"<split>-SSSSS-of-NNNNN) and no .tar shards; point `crossfeed index` at the directory that holds them"
+                f"<split>-SSSSS-of-NNNNN) and no .tar or Parquet files; point `crossfeed index` at the directory that holds them"
             )
         groups = {}
         for n in names:
             s, i = split_of(n, split) if split_from_name else (split, 0)
             groups.setdefault(s, []).append((i, n))
+        declared = declared_features(features)
     for members in groups.values():
         for _, n in members:
             check_name(n, root)  # a manifest names plain files only
@@ -305,13 +322,44 @@ def index_dataset(
         )
     if layout is not None:
         tfds.check_lengths(layout, splits, place)
-    metadata = dict(old.metadata) if old else {}
+    metadata = _metadata(old)
     metadata.update(layout.metadata if layout is not None else {})
-    metadata.setdefault("source", "crossfeed index")
     schema = inference.schema(old if layout is None else None)
     manifest = Manifest(schema, splits, metadata, old.generation + 1 if old else 0, place.data_root)
-    with dataset_lock(place.root):
-        write_manifest(place.root, manifest)
+    return _commit(place.root, manifest)
+
+
+def _index_parquet(root, parquet, split, split_from_name, features, old, progress) -> Manifest:
+    """Parquet files adopted in place (`crossfeed.write.adopt_parquet`): with ``features``
+    (declarations, or bare column names whose feature is inferred) only those columns are indexed."""
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for n in parquet:
+        check_name(n, root)  # a manifest names plain files only
+        s, i = split_of(n, split) if split_from_name else (split, 0)
+        groups.setdefault(s, []).append((i, n))
+    specs = [] if isinstance(features, dict) else list(features or ())
+    picked = [f for f in specs if isinstance(f, str) and "=" not in f]  # a column NAME alone: inferred
+    declared = declared_features(features if isinstance(features, dict) else [f for f in specs if f not in picked])
+    schema, splits = index_parquet(
+        root,
+        {s: [n for _, n in sorted(m)] for s, m in sorted(groups.items())},
+        declared=declared,
+        picked=picked,
+        sha256=file_sha256,
+        progress=progress,
+    )
+    return _commit(root, Manifest(schema, splits, _metadata(old), old.generation + 1 if old else 0))
+
+
+def _metadata(old: Manifest | None) -> dict:
+    metadata = dict(old.metadata) if old else {}
+    metadata.setdefault("source", "crossfeed index")
+    return metadata
+
+
+def _commit(root: str, manifest: Manifest) -> Manifest:
+    with dataset_lock(root):
+        write_manifest(root, manifest)
     return manifest
 
 

@@ -1,0 +1,249 @@
+"""Parquet columns as crossfeed features: which Arrow types map to which `Feature`, and one row
+group's column → numpy values of that feature. Shared by adoption (`crossfeed index`), the
+Loader's Parquet reader and ``crossfeed verify``.
+
+pyarrow is imported lazily (`pyarrow_modules`): ``import crossfeed`` stays light.
+
+=============================================  =============================================
+Arrow column type                              feature (read back as)
+=============================================  =============================================
+int*/uint*                                     int64 scalar (``int64`` encoding)
+float16/32/64                                  float32 scalar (``float`` encoding)
+bool                                           ``tensor`` bool scalar
+fixed_size_list (nested) of numbers            ``tensor`` of the leaf dtype, shape the sizes
+list of numbers, every row the same length     ``tensor`` of that shape (else ``(None, ...)``:
+                                               one array per row)
+binary / fixed_size_binary                     ``bytes`` (``image`` or ``tensor`` by declaration)
+string                                         ``bytes`` with dtype ``string`` (``str`` values)
+struct<bytes: binary, path: string>            ``image`` (what HF ``datasets.Image`` writes)
+=============================================  =============================================
+
+Other types (timestamps, decimals, maps, other structs) are not features: indexing names the
+file and column and says how to pick the columns to read. A null is never a value: a column
+with nulls is reported, naming the file, row group and column.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from crossfeed.errors import ConfigError, SchemaError
+from crossfeed.format.schema import Encoding, Feature
+
+PARQUET_EXTS = (".parquet", ".pq", ".parq")
+FORMAT = "parquet"  # the shard ``format`` of a Parquet file in the manifest
+
+
+def is_parquet_name(name: str) -> bool:
+    return not name.startswith(".") and name.lower().endswith(PARQUET_EXTS)
+
+
+def pyarrow_modules():
+    """``(pyarrow, pyarrow.parquet)``, imported on first use; a clear error when missing."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:  # pragma: no cover - pyarrow is installed wherever Parquet is read
+        raise ConfigError("reading Parquet needs pyarrow: pip install pyarrow") from e
+    return pa, pq
+
+
+def _is_list(pa, t) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def _is_number(pa, t) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def _is_binary(pa, t) -> bool:
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t)
+
+
+def _is_string(pa, t) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_hf_image(pa, t) -> bool:
+    return pa.types.is_struct(t) and "bytes" in {t.field(i).name for i in range(t.num_fields)}
+
+
+def _leaf(pa, t):
+    """``(leaf type, list depth)`` of a (nested) list type."""
+    depth = 0
+    while _is_list(pa, t):
+        t, depth = t.value_type, depth + 1
+    return t, depth
+
+
+def _numpy_dtype(t) -> str:
+    return "bool" if str(t) == "bool" else np.dtype(t.to_pandas_dtype()).name
+
+
+def infer_feature(name: str, t, where: str) -> Feature | None:
+    """The feature a column of Arrow type ``t`` is read as, with the list dimensions that the type
+    fixes (a plain list's length is None until `list_lengths` proves it constant); None if the
+    type is not supported."""
+    pa, _ = pyarrow_modules()
+    if pa.types.is_integer(t):
+        return Feature(name, "int64", (), Encoding.INT64)
+    if pa.types.is_floating(t):
+        return Feature(name, "float32", (), Encoding.FLOAT)
+    if pa.types.is_boolean(t):
+        return Feature(name, "bool", (), Encoding.TENSOR)
+    if _is_binary(pa, t):
+        return Feature(name, "bytes", (), Encoding.BYTES)
+    if _is_string(pa, t):
+        return Feature(name, "string", (), Encoding.BYTES)
+    if _is_hf_image(pa, t):
+        return Feature(name, "uint8", (None, None, None), Encoding.IMAGE)
+    if _is_list(pa, t):
+        leaf, _ = _leaf(pa, t)
+        if not _is_number(pa, leaf):
+            return None
+        dims = []
+        while _is_list(pa, t):
+            dims.append(t.list_size if pa.types.is_fixed_size_list(t) else None)
+            t = t.value_type
+        return Feature(name, _numpy_dtype(leaf), tuple(dims), Encoding.TENSOR)
+    return None
+
+
+def list_dims(arr) -> list[int | None]:
+    """The length at each list level of a column chunk (a ``pyarrow.Array``): the one length every
+    row has there, None where rows differ, -1 where the chunk has no rows to tell."""
+    pa, _ = pyarrow_modules()
+    dims: list[int | None] = []
+    while _is_list(pa, arr.type):
+        if pa.types.is_fixed_size_list(arr.type):
+            dims.append(arr.type.list_size)
+        else:
+            lengths = arr.value_lengths().to_numpy(zero_copy_only=False)
+            dims.append(-1 if not len(lengths) else int(lengths[0]) if (lengths == lengths[0]).all() else None)
+        arr = arr.flatten()
+    return dims
+
+
+def merge_dims(a: list[int | None], b: list[int | None]) -> list[int | None]:
+    """`list_dims` of two chunks of one column combined."""
+    return [y if x == -1 else x if y == -1 else x if x == y else None for x, y in zip(a, b)]
+
+
+def _check_nulls(arr, where: str, name: str) -> None:
+    if arr.null_count:
+        raise SchemaError(
+            f"{where}: column {name!r} holds {arr.null_count} null(s); crossfeed features have a value in every "
+            f"row: fill them (e.g. pandas fillna) or leave the column out (crossfeed index --feature picks columns)"
+        )
+
+
+def column_values(f: Feature, arr, where: str) -> np.ndarray:
+    """One row group's column (a ``pyarrow.Array``) as the batch form of feature ``f``: ``(n,
+    *shape)`` numbers for a fixed shape, else a 1-D object array (``bytes``/``str``/arrays/encoded
+    images, one per row). Values that do not fit ``f`` raise `SchemaError` naming ``where``."""
+    pa, _ = pyarrow_modules()
+    name, t, n = f.name, arr.type, len(arr)
+    _check_nulls(arr, where, name)
+    if f.encoding in (Encoding.BYTES, Encoding.IMAGE):
+        if _is_hf_image(pa, t):
+            arr = arr.field("bytes")
+            _check_nulls(arr, where, name + ".bytes")  # HF images stored by path only have no bytes
+            t = arr.type
+        if f.encoding is Encoding.BYTES and f.dtype == "string" and _is_binary(pa, t):
+            arr = arr.cast(pa.string())
+        elif (f.encoding is Encoding.IMAGE or f.dtype == "bytes") and _is_string(pa, t):
+            arr = arr.cast(pa.binary())
+        elif not (_is_binary(pa, t) or _is_string(pa, t)):
+            raise SchemaError(f"{where}: column {name!r} is {t}, feature {name!r} expects binary or string values")
+        return arr.to_numpy(zero_copy_only=False)
+    if f.encoding in (Encoding.INT64, Encoding.FLOAT) or (f.encoding is Encoding.TENSOR and f.shape == ()):
+        if _is_number(pa, t) and f.shape == ():
+            return arr.to_numpy(zero_copy_only=False).astype(_dtype(f), copy=False)
+        if f.encoding is not Encoding.TENSOR and not _is_list(pa, t):
+            raise SchemaError(f"{where}: column {name!r} is {t}, feature {name!r} expects numbers")
+    if f.encoding is Encoding.TENSOR and _is_binary(pa, t):
+        return _raw_tensors(f, arr, where)
+    if not _is_list(pa, t) or not _is_number(pa, _leaf(pa, t)[0]):
+        raise SchemaError(f"{where}: column {name!r} is {t}, feature {name!r} expects a (nested) list of numbers")
+    return _lists(f, arr, where, n)
+
+
+def _dtype(f: Feature) -> np.dtype:
+    return np.dtype("int64" if f.encoding is Encoding.INT64 else "float32" if f.encoding is Encoding.FLOAT else f.dtype)
+
+
+def _lists(f: Feature, arr, where: str, n: int) -> np.ndarray:
+    """A (nested) list column as ``(n, *shape)`` numbers, or one array per row when the first
+    dimension may vary (``None``; every other dimension must be fixed). Rows whose lists hold as
+    many numbers as ``f.shape`` are reshaped to it (a flat list of 3072 → ``(32, 32, 3)``)."""
+    pa, _ = pyarrow_modules()
+    ragged = bool(f.shape) and f.shape[0] is None
+    if None in f.shape[1:]:
+        raise SchemaError(f"{where}: feature {f.name!r} shape {list(f.shape)}: only the first dimension may vary")
+    dims: list[int] = []  # the fixed list lengths (under the first one, when it varies)
+    outer = None
+    level = 0
+    while _is_list(pa, arr.type):
+        fixed = pa.types.is_fixed_size_list(arr.type)
+        lengths = None if fixed else arr.value_lengths().to_numpy(zero_copy_only=False)
+        size = arr.type.list_size if fixed else int(lengths[0]) if len(lengths) else 0
+        if level == 0 and ragged:
+            outer = lengths if lengths is not None else np.full(n, size, dtype=np.int64)
+        elif lengths is not None and len(lengths) and (lengths != size).any():
+            raise SchemaError(
+                f"{where}: column {f.name!r}: lists at depth {level + 1} have lengths "
+                f"{np.unique(lengths)[:3].tolist()}...; feature {f.name!r} expects shape {list(f.shape)} "
+                f"(only the first dimension may vary)"
+            )
+        else:
+            dims.append(size)
+        arr = arr.flatten()
+        _check_nulls(arr, where, f.name)
+        level += 1
+    values = arr.to_numpy(zero_copy_only=False).astype(f.dtype, copy=False)
+    shape = f.shape[1:] if ragged else f.shape
+    if len(values) and math.prod(dims) != math.prod(shape):
+        raise SchemaError(
+            f"{where}: column {f.name!r}: each row holds lists of {dims} numbers, feature {f.name!r} expects shape "
+            f"{list(f.shape)}"
+        )
+    if outer is None:
+        return values.reshape((n, *shape))
+    values = values.reshape((int(outer.sum()), *shape))
+    out = np.empty(n, dtype=object)
+    for i, part in enumerate(np.split(values, np.cumsum(outer)[:-1]) if n else ()):
+        out[i] = part
+    return out
+
+
+def _raw_tensors(f: Feature, arr, where: str) -> np.ndarray:
+    """A binary column of raw little-endian tensors (``tobytes()``) as ``(n, *shape)``."""
+    if not f.fixed:
+        raise SchemaError(
+            f"{where}: column {f.name!r} holds raw bytes; declare its full shape, e.g. tensor:uint8:28,28"
+        )
+    dt = np.dtype(f.dtype).newbyteorder("<")
+    size = math.prod(f.shape) * dt.itemsize
+    pa, _ = pyarrow_modules()
+    import pyarrow.compute as pc
+
+    if pa.types.is_fixed_size_binary(arr.type):
+        lengths = np.full(len(arr), arr.type.byte_width)
+    else:
+        lengths = pc.binary_length(arr).to_numpy(zero_copy_only=False)
+    bad = np.flatnonzero(lengths != size)[:1].tolist()
+    if bad:
+        raise SchemaError(
+            f"{where}: column {f.name!r} row {bad[0]}: {int(lengths[bad[0]])} bytes do not fit "
+            f"{f.dtype}{list(f.shape)} ({size} bytes)"
+        )
+    if pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type):  # one view of the data buffer
+        off_t = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
+        _, offs, data = arr.buffers()
+        first = int(np.frombuffer(offs, dtype=off_t, count=1, offset=arr.offset * np.dtype(off_t).itemsize)[0])
+        flat = np.frombuffer(data, dtype=np.uint8, count=size * len(arr), offset=first)
+    else:
+        flat = np.frombuffer(b"".join(arr.to_numpy(zero_copy_only=False)), dtype=np.uint8)
+    return flat.view(dt).reshape((len(arr), *f.shape)).astype(f.dtype, copy=False)

@@ -1,0 +1,34 @@
+"""Parquet files read in place through the PyTorch adapter: a DataLoader with 2 worker processes
+yields the Loader's batches, with pyarrow's values."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from parquet_data import ROWS, assert_row_equal, oracle, write_pyarrow_files
+from torch.utils.data import DataLoader
+
+from crossfeed.adapters.torch import TorchDataset
+from crossfeed.read.loader import INDEX_KEY, Loader
+from crossfeed.write.adopt import index_dataset
+
+
+def test_two_workers_yield_the_loaders_batches_with_pyarrow_values(tmp_path):
+    paths = write_pyarrow_files(tmp_path)
+    index_dataset(tmp_path)
+    expected = oracle(paths)
+    kw = dict(batch_size=8, seed=4, shuffle="global", features=["id", "vec", "text"], return_index=True)
+    with Loader(tmp_path, **kw) as loader:
+        want = [b[INDEX_KEY].tolist() for b in loader]
+    ds = TorchDataset(tmp_path, rank=0, world_size=1, **kw)
+    got = []
+    for b in DataLoader(ds, batch_size=None, num_workers=2):
+        assert isinstance(b["vec"], torch.Tensor) and b["vec"].shape[1:] == (3,)
+        ids = b[INDEX_KEY].tolist()
+        for j, i in enumerate(ids):
+            assert_row_equal(b["vec"][j].numpy(), expected["vec"][i], "vec", f"row {i}")
+            assert b["text"][j] == expected["text"][i]
+        np.testing.assert_array_equal(b["id"].numpy(), ids)  # the id column is the row number
+        got.append(ids)
+    ds.close()
+    assert got == want and sorted(i for b in got for i in b) == list(range(sum(ROWS)))
