@@ -245,7 +245,9 @@ class Loader:
             self.datasets = [open_dataset(s.path) for s in self.sources]
             splits = [ds[s.split] for ds, s in zip(self.datasets, self.sources)]
             if any(sp.info.format == "parquet" for sp in splits):
-                raise ConfigError("a mixture reads TFRecord or tar sources; mixing Parquet sources is not supported yet")
+                raise ConfigError(
+                    "a mixture reads TFRecord or tar sources; mixing Parquet sources is not supported yet"
+                )
             self.dataset, self.split = self.datasets[0], None
         feats = _features(options.features, self.datasets, self.sources)
         self.cache = ShardCache(read.cache_dir, read.cache_limit) if read.cache_dir is not None else None
