@@ -54,6 +54,11 @@ class IndexFileError(CrossfeedError):
     """An index file is malformed or points outside its shard."""
 
 
+class WorkerError(CrossfeedError):
+    """A worker process of the process executor raised (its traceback is in the message) or died
+    (its exit signal is); the message names the batch it was building."""
+
+
 class WireError(CrossfeedError):
     """A network message is malformed, truncated, oversized or of an unknown version."""
 

@@ -1,0 +1,89 @@
+"""A worker process of the process executor (`crossfeed.read.procs`):
+``python -m crossfeed.read.proc_worker FD``, FD its end of a Unix socket to the parent.
+
+It receives the pickled `WorkerRecipe`, builds its own Loader from it (threads off: this process
+is the parallelism), answers ``("ready", pid)``, then for each ``("build", gen, seq, slot, ids)``
+builds the batch, copies it into the slot (`crossfeed.read.slots.write_batch`) and answers with
+its layout — or with the exception's traceback. It exits when the parent closes the socket, when
+the parent dies (its pid changes: reparented), or on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+
+
+def _watch_parent(ppid: int) -> None:
+    """Exit as soon as the parent is gone, even in the middle of a batch (no orphans)."""
+    while os.getppid() == ppid:
+        time.sleep(0.2)
+    os._exit(1)
+
+
+def _builder(recipe):
+    from crossfeed.read.executor import ExecutorKind
+    from crossfeed.read.loader import Loader
+    from crossfeed.read.procs import resolve_callable
+
+    calls = {}
+    for name in ("transform", "batch_transform"):
+        fn = getattr(recipe, name)
+        calls[name] = resolve_callable(fn) if isinstance(fn, str) else fn
+    options = recipe.options.replace(executor=ExecutorKind.THREAD, num_threads=0)
+    return Loader(recipe.source, options, **calls).builder
+
+
+def _pickled(e: BaseException) -> bytes | None:
+    try:
+        return pickle.dumps(e)
+    except Exception:
+        return None
+
+
+def main(fd: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    from crossfeed.read.procs import Channel
+    from crossfeed.read.slots import Slot, write_batch
+
+    channel = Channel(socket.socket(fileno=fd))
+    try:
+        _, path, _index, recipe = channel.recv()
+        sys.path[:] = path
+        build = _builder(pickle.loads(recipe))
+    except EOFError:
+        return
+    except BaseException as e:
+        channel.send(("error", 0, -1, traceback.format_exc(), _pickled(e)))
+        return
+    channel.send(("ready", os.getpid()))
+    slots: dict[int, Slot] = {}
+    while True:
+        try:
+            msg = channel.recv()
+        except EOFError:
+            return
+        _, gen, seq, slot_id, ids = msg
+        if slot_id not in slots:
+            slots[slot_id] = Slot(channel.fds.popleft(), slot_id)
+        try:
+            layout, nbytes = write_batch(slots[slot_id], build(ids))
+        except Exception as e:
+            reply = ("error", gen, seq, traceback.format_exc(), _pickled(e))
+        else:
+            reply = ("done", gen, seq, slot_id, layout, nbytes)
+        try:
+            channel.send(reply)
+        except OSError:
+            return
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
