@@ -216,7 +216,7 @@ class ProcessExecutor:
         except BaseException:
             self._teardown()
             raise
-        log.debug("%s: %d worker processes started: %s", self._name, len(self._workers), self.pids)
+        log.info("%s: %d worker processes started: %s", self._name, len(self._workers), self.pids)
 
     def _recv(self, w: _Worker, what: str, timeout: float | None = None):
         try:
