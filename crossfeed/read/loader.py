@@ -153,6 +153,7 @@ class BatchBuilder:
         self.transform, self.batch_transform = transform, batch_transform
         self.return_index = return_index
         self.budget = budget
+        self.alloc = None  # collate's allocator (None: np.empty); a worker process's puts batches in shared memory
 
     def __call__(self, indices: np.ndarray, timings: dict[str, float] | None = None) -> dict[str, np.ndarray]:
         tick = _Ticker(timings) if timings is not None else None
@@ -163,7 +164,7 @@ class BatchBuilder:
             if tick:
                 tick("transform")
             if samples:
-                batch = {k: collate([s[k] for s in samples]) for k in samples[0]}
+                batch = {k: collate([s[k] for s in samples], alloc=self.alloc or np.empty) for k in samples[0]}
             if tick:
                 tick("batch")
         if self.return_index:

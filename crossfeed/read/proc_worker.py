@@ -51,7 +51,7 @@ def main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     from crossfeed.read.procs import Channel
-    from crossfeed.read.slots import Slot, write_batch
+    from crossfeed.read.slots import Slot, SlotWriter
 
     channel = Channel(socket.socket(fileno=fd))
     try:
@@ -73,12 +73,16 @@ def main(fd: int) -> None:
         _, gen, seq, slot_id, ids = msg
         if slot_id not in slots:
             slots[slot_id] = Slot(channel.fds.popleft(), slot_id)
+        writer = SlotWriter(slots[slot_id])
+        build.alloc = writer.alloc  # the transform's samples are stacked straight into the slot
         try:
-            layout, nbytes = write_batch(slots[slot_id], build(ids))
+            layout, nbytes = writer.finish(build(ids))
         except Exception as e:
             reply = ("error", gen, seq, traceback.format_exc(), _pickled(e))
         else:
             reply = ("done", gen, seq, slot_id, layout, nbytes)
+        finally:
+            build.alloc = None
         try:
             channel.send(reply)
         except OSError:

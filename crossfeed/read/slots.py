@@ -66,24 +66,52 @@ class Slot:
         self._map = None
 
 
+class SlotWriter:
+    """Builds one batch in ``slot``: `alloc` (``collate``'s allocator) places arrays in the slot
+    as they are stacked, so the batch is written once, where the parent will read it; `finish`
+    lays the batch out, copying in only the arrays `alloc` did not make (the decoder's, or a
+    batch transform's)."""
+
+    def __init__(self, slot: Slot):
+        self.slot, self.used = slot, 0
+        self._placed: dict[int, tuple[np.ndarray, int]] = {}
+
+    def _place(self, nbytes: int) -> tuple[mmap.mmap, int]:
+        off = _round_up(self.used, ALIGN)
+        self.used = off + nbytes
+        # growing keeps what is written: the old mapping and the new one share the file's pages
+        return self.slot.mapping(max(self.used, 1), grow=True), off
+
+    def alloc(self, shape: tuple, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        if dtype.hasobject:
+            return np.empty(shape, dtype)
+        m, off = self._place(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        a = np.ndarray(shape, dtype, buffer=m, offset=off)
+        self._placed[id(a)] = (a, off)
+        return a
+
+    def finish(self, batch: dict) -> tuple[Layout, int]:
+        """The layout of ``batch`` in the slot and the bytes it spans."""
+        layout = []
+        for k, v in batch.items():
+            if not isinstance(v, np.ndarray) or v.dtype.hasobject:
+                layout.append((k, None, v, -1))
+                continue
+            placed = self._placed.get(id(v))
+            if placed is not None and placed[0] is v:
+                off = placed[1]
+            else:  # the one copy of an array made elsewhere
+                m, off = self._place(v.nbytes)
+                np.copyto(np.ndarray(v.shape, v.dtype, buffer=m, offset=off), v, casting="no")
+            layout.append((k, v.dtype, v.shape, off))
+        self._placed.clear()
+        return layout, self.used
+
+
 def write_batch(slot: Slot, batch: dict) -> tuple[Layout, int]:
-    """Copy ``batch``'s arrays into ``slot`` (the one copy of the process executor); returns the
-    layout and the bytes used."""
-    arrays, layout, off = [], [], 0
-    for k, v in batch.items():
-        a = v if isinstance(v, np.ndarray) else None
-        if a is None or a.dtype.hasobject:
-            layout.append((k, None, v, -1))
-            continue
-        off = _round_up(off, ALIGN)
-        arrays.append((off, a))
-        layout.append((k, a.dtype, a.shape, off))
-        off += a.nbytes
-    if off:
-        m = slot.mapping(off, grow=True)
-        for o, a in arrays:
-            np.copyto(np.ndarray(a.shape, a.dtype, buffer=m, offset=o), a, casting="no")
-    return layout, off
+    """Copy ``batch``'s arrays into ``slot``; returns the layout and the bytes used."""
+    return SlotWriter(slot).finish(batch)
 
 
 def read_batch(slot: Slot, layout: Layout, nbytes: int, release: Callable[[], None]) -> dict:
