@@ -88,9 +88,14 @@ def test_kept_batches_stay_valid_and_slots_are_reused(mixed_dataset):
         kept = next(iter(loader))  # the rest of that pass is abandoned mid-way
         copy = {k: v.copy() for k, v in kept.items()}
         kept_image = kept["image"][1:, ::2]  # a view outlives the batch dict
+        rest = []
         for _ in range(3):
             for batch in loader:
+                rest.append(batch["__index__"].tolist())
                 batch["image"][...] = 255  # the consumer owns its batch: writes go to its slot only
+        # the abandoned pass's batches still in flight were dropped: the Loader went on after batch 0
+        want = epoch_batches(path, batch_size=4, seed=1)
+        assert rest[: len(want) - 1] == [b.tolist() for b in want[1:]]
         slots = loader.executor.slots
         assert slots <= 2 * (2 + 2) + 1, slots
         _same([kept], [copy])
@@ -132,6 +137,12 @@ def test_corrupt_data_is_the_same_crossfeed_error(mixed_dataset):
         _all(path, batch_size=4, shuffle="none", **PROC)
     assert type(procs.value) is type(threads.value) and str(procs.value) == str(threads.value)
     assert any("worker process" in n for n in getattr(procs.value, "__notes__", []))
+    with Loader(path, batch_size=4, seed=2, on_error="skip", return_index=True) as threads:
+        want = [dict(b) for b in threads]
+        assert threads.skipped == 1
+    with Loader(path, batch_size=4, seed=2, on_error="skip", return_index=True, **PROC) as procs:
+        _same(want, [dict(b) for b in procs])
+        assert procs.skipped == 1
 
 
 def test_killed_worker_is_an_error_not_a_hang(mixed_dataset):

@@ -313,7 +313,7 @@ class Loader:
 
     @property
     def skipped(self) -> int:
-        return self._budget.count if self._budget else 0
+        return (self._budget.count if self._budget else 0) + getattr(self.executor, "skipped", 0)
 
     def start_at(self, epoch: int, position: int = 0) -> None:
         """Begin the next iteration at sample ``position`` of epoch ``epoch`` (positions count

@@ -80,7 +80,8 @@ def main(fd: int) -> None:
         except Exception as e:
             reply = ("error", gen, seq, traceback.format_exc(), _pickled(e))
         else:
-            reply = ("done", gen, seq, slot_id, layout, nbytes)
+            skipped = build.budget.count if build.budget is not None else 0
+            reply = ("done", gen, seq, slot_id, layout, nbytes, skipped)
         finally:
             build.alloc = None
         try:

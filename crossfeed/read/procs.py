@@ -171,6 +171,7 @@ class ProcessExecutor:
         self._workers: list[_Worker] = []
         self._pools = [SlotPool()]  # the current one last; torn-down ones close as their batches go
         self._gen = 0
+        self._skipped = [0, 0]  # on_error="skip": records skipped by stopped workers, and by these
         self._closed = False
         weakref.finalize(self, _stop_workers, self._workers, self._pools)  # if never closed
 
@@ -178,6 +179,11 @@ class ProcessExecutor:
     def pids(self) -> list[int]:
         """The worker processes' ids (empty before the first `map`)."""
         return [w.proc.pid for w in self._workers]
+
+    @property
+    def skipped(self) -> int:
+        """Bad records the workers skipped (``on_error="skip"``; each worker has its own budget)."""
+        return self._skipped[0] + sum(self._skipped[1:])
 
     @property
     def slots(self) -> int:
@@ -195,6 +201,7 @@ class ProcessExecutor:
         return self._run(self._gen, iter(items))
 
     def _start(self) -> None:
+        self._skipped = [self._skipped[0]] + [0] * self.processes
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
             for i in range(self.processes):
@@ -270,7 +277,7 @@ class ProcessExecutor:
                 msg = self._recv(w, what)
             if msg[0] == "error":
                 raise _worker_exception(w, what, msg[3], msg[4])
-            _, _, _, slot_id, layout, nbytes = msg
+            _, _, _, slot_id, layout, nbytes, self._skipped[1 + w.index] = msg
             batch = pool.batch(slot_id, layout, nbytes)
             got += 1
             firsts.popleft()
@@ -283,6 +290,7 @@ class ProcessExecutor:
         self._teardown()
 
     def _teardown(self) -> None:
+        self._skipped = [self.skipped]
         _stop_workers(self._workers, self._pools)
         if not self._closed:
             self._pools.append(SlotPool())
