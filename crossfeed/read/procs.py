@@ -173,7 +173,7 @@ class ProcessExecutor:
         self._gen = 0
         self._skipped = [0, 0]  # on_error="skip": records skipped by stopped workers, and by these
         self._closed = False
-        weakref.finalize(self, _stop_workers, self._workers, self._pools)  # if never closed
+        weakref.finalize(self, _stop_workers, self._workers, self._pools, os.getpid())  # if never closed
 
     @property
     def pids(self) -> list[int]:
@@ -296,8 +296,11 @@ class ProcessExecutor:
             self._pools.append(SlotPool())
 
 
-def _stop_workers(workers: list[_Worker], pools: list[SlotPool]) -> None:
-    """Stop the workers at once (they hold nothing to flush) and close the pools."""
+def _stop_workers(workers: list[_Worker], pools: list[SlotPool], owner: int | None = None) -> None:
+    """Stop the workers at once (they hold nothing to flush) and close the pools — only in the
+    process that started them (a forked child exiting must not stop its parent's workers)."""
+    if owner is not None and os.getpid() != owner:
+        return
     for w in workers:
         w.channel.close()
         if w.proc.poll() is None:
