@@ -213,3 +213,31 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_batches_are_made_in_the_slot_not_copied_into_it(mixed_dataset):
+    """What a worker does, in this process: the decoder (no transform) or the transform's stack
+    writes the batch's arrays straight into the slot; `finish` copies nothing of those."""
+    import mmap
+
+    from procs_helpers import flip_and_scale
+
+    from crossfeed.read.slots import SlotPool, SlotWriter
+
+    path, _ = mixed_dataset
+    pool = SlotPool()
+    for transform in (None, flip_and_scale):
+        with Loader(path, batch_size=4, seed=0, num_threads=0, transform=transform) as loader:
+            build, ids = loader.builder, loader.plan().batch(0)
+            writer = SlotWriter(pool.take())
+            build.alloc = writer.alloc
+            if transform is None:
+                build.reader.decoder.alloc = writer.alloc
+            batch = build(ids)
+            assert isinstance(batch["image"].base, mmap.mmap) and isinstance(batch["label"].base, mmap.mmap)
+            used = writer.used
+            layout, nbytes = writer.finish(batch)
+            assert nbytes == used  # nothing was copied in
+            got = pool.batch(writer.slot.id, layout, nbytes)
+            np.testing.assert_array_equal(got["image"], batch["image"])
+    pool.close()

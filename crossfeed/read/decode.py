@@ -90,6 +90,10 @@ class RecordDecoder:
         self.features = tuple(features)
         self._recycler = _Recycler(recycle)
         self.decode_images = decode_images
+        self.alloc: Callable | None = None  # where batch arrays go (None: recycled heap arrays)
+
+    def _empty(self, shape: tuple, dtype) -> np.ndarray:
+        return (self.alloc or self._recycler.empty)(shape, dtype)
 
     def __call__(
         self,
@@ -138,7 +142,7 @@ class RecordDecoder:
                 if whole is not None:  # every image was decoded straight into its row
                     batch[f.name] = whole
                     continue
-            batch[f.name] = collate(vals, alloc=self._recycler.empty)
+            batch[f.name] = collate(vals, alloc=self._empty)
         return batch, kept_arr
 
     def _images(self, datas, f, where, on_error):
@@ -172,7 +176,7 @@ class RecordDecoder:
         header = jpeg_header(datas[0]) if datas else None
         if header is None or header[2] != 3:
             return None
-        return self._recycler.empty((len(datas), *header), np.uint8)
+        return self._empty((len(datas), *header), np.uint8)
 
     @staticmethod
     def _jpeg_into(data, out: np.ndarray) -> bool:
@@ -204,7 +208,7 @@ class ColumnarDecoder(RecordDecoder):
         on_error: Callable[[CrossfeedError], None] | None = None,
     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
         n = len(frames)
-        out = {f.name: self._recycler.empty((n, *f.shape), fixed_dtype(f)) for f in self.features}
+        out = {f.name: self._empty((n, *f.shape), fixed_dtype(f)) for f in self.features}
         bad: list[int] = []
         for pos, group in self._groups(frames):
             if not self._cut(group, out, pos, frames.rows is not None):

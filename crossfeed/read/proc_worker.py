@@ -74,7 +74,11 @@ def main(fd: int) -> None:
         if slot_id not in slots:
             slots[slot_id] = Slot(channel.fds.popleft(), slot_id)
         writer = SlotWriter(slots[slot_id])
-        build.alloc = writer.alloc  # the transform's samples are stacked straight into the slot
+        # the batch is made once, in the slot: stacked from the transform's samples, or else
+        # decoded straight into it
+        build.alloc = writer.alloc
+        if build.transform is None:
+            build.reader.decoder.alloc = writer.alloc
         try:
             layout, nbytes = writer.finish(build(ids))
         except Exception as e:
@@ -83,7 +87,7 @@ def main(fd: int) -> None:
             skipped = build.budget.count if build.budget is not None else 0
             reply = ("done", gen, seq, slot_id, layout, nbytes, skipped)
         finally:
-            build.alloc = None
+            build.alloc = build.reader.decoder.alloc = None
         try:
             channel.send(reply)
         except OSError:
