@@ -16,6 +16,11 @@ Readers, each in a fresh interpreter, one after the other (``--rounds`` times, b
 * ``tf-2``: crossfeed's native tf.data engine (TFRecordDataset + parse, JPEG decoded by TF) then
   ``map(tf.py_function(transform each sample), num_parallel_calls=2)``.
 
+On a shared machine with ``sched_autogroup`` (Linux's default on desktops and many VMs), the
+CPU is divided between sessions, not processes: a reader's processes then share one session's
+slice and wall-clock ratios undercount what more cores give; the CPU time per sample of all its
+processes (printed) shows the scaling, and the projection uses it.
+
 Each reader's warm-up epoch (worker start-up included, reported apart) checks the sample count and
 the sum of labels; then ``--epochs`` timed epochs, best kept. Printed: samples/s, ratios to
 ``procs-1``, the parent's CPU time per batch under ``procs-2`` (the hand-over: receiving a batch
@@ -244,6 +249,14 @@ def handover(pipeline: str, reps: int = 20) -> dict:
 # ---- the driver -----------------------------------------------------------------------------------
 
 
+def _autogroup() -> bool:
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
 def _child(reader: str, pipeline: str, epochs: int) -> dict:
     cmd = [
         sys.executable,
@@ -277,7 +290,15 @@ def main(argv=None) -> None:
         print(json.dumps(run_one(a.one, a.pipelines, a.epochs)))
         return
     readers = a.readers.split(",")
-    print(f"bench_procs: batch {BATCH}, {os.cpu_count()} cores (shared: a loaded machine), best of {a.rounds} rounds")
+    print(
+        f"bench_procs: batch {BATCH}, {os.cpu_count()} cores, best of {a.rounds} rounds, load {os.getloadavg()[0]:.1f}"
+    )
+    if _autogroup():
+        print(
+            "  sched_autogroup is on: the CPU is shared fairly between sessions, so when other sessions are busy "
+            "this run's processes share ONE session's share and wall ratios undercount the scaling; "
+            "CPU ms/sample (all of this reader's processes) is what shows it"
+        )
     for pipeline in a.pipelines.split(","):
         kind, n, fn = PIPELINES[pipeline]
         workloads.ensure(kind, n)
