@@ -166,6 +166,10 @@ class ProcessExecutor:
     def __init__(self, recipe: WorkerRecipe, processes: int, window: int, *, name: str = "crossfeed-loader"):
         if processes < 1 or window < 1:
             raise ConfigError(f"a process executor needs processes >= 1 and window >= 1, got {processes}, {window}")
+        if not hasattr(os, "memfd_create") or not hasattr(socket, "send_fds"):
+            raise ConfigError(
+                "executor='process' needs Linux (anonymous shared memory: memfd_create); use threads here"
+            )
         self.processes, self.window, self._name = processes, max(window, processes), name
         self._recipe = recipe.dumps()  # fails here, in the caller's code, if it cannot be sent
         self._workers: list[_Worker] = []
