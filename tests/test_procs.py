@@ -20,6 +20,7 @@ from crossfeed.errors import ConfigError, WorkerError
 from crossfeed.read.loader import Loader
 from crossfeed.read.options import ReadOptions
 
+pytestmark = pytest.mark.timeout(120)  # a hang is a failure, never a stuck run
 PROC = dict(executor="process", processes=2)
 TESTS = os.path.dirname(__file__)
 

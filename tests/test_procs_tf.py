@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
+pytestmark = pytest.mark.timeout(120)
 
 import crossfeed  # noqa: E402
 import crossfeed.adapters.tf as cftf  # noqa: E402
