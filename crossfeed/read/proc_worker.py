@@ -3,15 +3,17 @@
 
 It receives the pickled `WorkerRecipe`, builds its own Loader from it (threads off: this process
 is the parallelism), answers ``("ready", pid)``, then for each ``("build", gen, seq, slot, ids)``
-builds the batch, copies it into the slot (`crossfeed.read.slots.write_batch`) and answers with
-its layout — or with the exception's traceback. It exits when the parent closes the socket, when
-the parent dies (its pid changes: reparented), or on SIGTERM.
+builds the batch in the slot (`crossfeed.read.slots.SlotWriter`) and answers with its layout —
+or with the exception's traceback. A thread reads the parent's messages as they come, so the
+parent's sends never wait on a busy worker. It exits when the parent closes the socket, when the
+parent dies (its pid changes: reparented), or on SIGTERM.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import queue
 import signal
 import socket
 import sys
@@ -25,6 +27,21 @@ def _watch_parent(ppid: int) -> None:
     while os.getppid() == ppid:
         time.sleep(0.2)
     os._exit(1)
+
+
+def _read_tasks(channel, tasks: queue.SimpleQueue) -> None:
+    """Read the parent's messages as they come, each with its slot's fd when it brings one, so
+    the parent's sends never wait on this worker's build (nor the two on each other's sends)."""
+    known: set[int] = set()
+    while True:
+        try:
+            msg = channel.recv()
+        except (EOFError, OSError):
+            tasks.put(None)
+            return
+        slot_id = msg[3]
+        tasks.put((msg, None if slot_id in known else channel.fds.popleft()))
+        known.add(slot_id)
 
 
 def _builder(recipe):
@@ -64,15 +81,16 @@ def main(fd: int) -> None:
         channel.send(("error", 0, -1, traceback.format_exc(), _pickled(e)))
         return
     channel.send(("ready", os.getpid()))
+    tasks: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read_tasks, args=(channel, tasks), daemon=True).start()
     slots: dict[int, Slot] = {}
     while True:
-        try:
-            msg = channel.recv()
-        except EOFError:
+        task = tasks.get()
+        if task is None:
             return
-        _, gen, seq, slot_id, ids = msg
-        if slot_id not in slots:
-            slots[slot_id] = Slot(channel.fds.popleft(), slot_id)
+        (_, gen, seq, slot_id, ids), fd = task
+        if fd is not None:
+            slots[slot_id] = Slot(fd, slot_id)
         writer = SlotWriter(slots[slot_id])
         # the batch is made once, in the slot: stacked from the transform's samples, or else
         # decoded straight into it
