@@ -312,7 +312,9 @@ def main(argv=None) -> None:
                     best[r] = res
         base = best.get("procs-1", {}).get("samples_per_s")
         print(f"\n{pipeline}: {fn} over {kind} ({n} samples)")
-        print(f"  {'reader':<10} {'samples/s':>10} {'vs procs-1':>10} {'warm-up s':>10} {'CPU ms/sample':>14}")
+        print(
+            f"  {'reader':<10} {'samples/s':>10} {'vs procs-1':>10} {'warm-up s':>10} {'CPU ms/sample':>14} {'cores used':>10}"
+        )
         for r in readers:
             res = best[r]
             if "error" in res:
@@ -320,7 +322,10 @@ def main(argv=None) -> None:
                 continue
             ratio = f"{res['samples_per_s'] / base:.2f}x" if base else "-"
             cpu = res["cpu_per_sample_s"] * 1e3
-            print(f"  {r:<10} {res['samples_per_s']:>10.0f} {ratio:>10} {res['warmup_s']:>10.2f} {cpu:>14.3f}")
+            used = res["cpu_per_sample_s"] * res["samples_per_s"]  # CPU seconds per second: the cores it got
+            print(
+                f"  {r:<10} {res['samples_per_s']:>10.0f} {ratio:>10} {res['warmup_s']:>10.2f} {cpu:>14.3f} {used:>10.2f}"
+            )
         p1, p2, t1 = best.get("procs-1", {}), best.get("procs-2", {}), best.get("threads-1", {})
         if "samples_per_s" in p1 and "samples_per_s" in p2:
             scale = p2["samples_per_s"] / p1["samples_per_s"]
