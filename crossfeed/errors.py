@@ -40,6 +40,9 @@ class CorruptRecordError(CrossfeedError):
         self.reason = reason
         super().__init__(f"{self.path}: corrupt record at byte offset {self.offset}: {reason}")
 
+    def __reduce__(self):  # picklable, to cross from a worker process as itself
+        return type(self), (self.path, self.offset, self.reason)
+
 
 class SampleSchemaError(SchemaError):
     """A `SchemaError` of one sample of a batch: ``index`` is its position, ``reason`` what
@@ -49,9 +52,17 @@ class SampleSchemaError(SchemaError):
         super().__init__(message)
         self.index, self.reason = index, reason or message
 
+    def __reduce__(self):
+        return type(self), (self.args[0], self.index, self.reason)
+
 
 class IndexFileError(CrossfeedError):
     """An index file is malformed or points outside its shard."""
+
+
+class WorkerError(CrossfeedError):
+    """A worker process of the process executor raised (its traceback is in the message) or died
+    (its exit signal is); the message names the batch it was building."""
 
 
 class WireError(CrossfeedError):

@@ -86,6 +86,14 @@ def serve(
     ] = 0,
     transform: Annotated[str | None, typer.Option(help="module:function applied to each sample.")] = None,
     workers: Annotated[int, typer.Option(min=1, help="Loader threads building batches in parallel.")] = 2,
+    procs: Annotated[
+        int | None,
+        typer.Option(
+            "--procs",
+            min=1,
+            help="Build batches in N worker processes (shared memory) instead of --workers threads: for Python transforms.",
+        ),
+    ] = None,
     rank: Annotated[int | None, typer.Option(min=0, help="This server's share: rank R of --world-size M.")] = None,
     world_size: Annotated[
         int | None, typer.Option("--world-size", min=1, help="How many servers share the dataset.")
@@ -161,6 +169,8 @@ def serve(
         shuffle=shuffle.value,
         seed=seed,
         num_threads=workers,
+        executor="thread" if procs is None else "process",
+        processes=procs or 1,
         rank=0 if rank is None else rank,
         world_size=1 if world_size is None else world_size,
         cache_dir=cache_dir,

@@ -99,6 +99,10 @@ class RecordDecoder:
         self.decode_images = decode_images
         # images this decoder decodes are taken as views into the record (no copy of the bytes)
         self._views = {f.name for f in self.features if f.encoding is Encoding.IMAGE and decode_images}
+        self.alloc: Callable | None = None  # where batch arrays go (None: recycled heap arrays)
+
+    def _empty(self, shape: tuple, dtype) -> np.ndarray:
+        return (self.alloc or self._recycler.empty)(shape, dtype)
 
     def __call__(
         self,
@@ -154,9 +158,10 @@ class RecordDecoder:
                     batch[f.name] = whole
                     continue
             if f.shape == () and f.encoding in (Encoding.INT64, Encoding.FLOAT):  # numpy scalars
-                batch[f.name] = np.array(vals, dtype=fixed_dtype(f))
+                batch[f.name] = self._empty((len(vals),), fixed_dtype(f))
+                batch[f.name][:] = vals
             else:
-                batch[f.name] = collate(vals, alloc=self._recycler.empty)
+                batch[f.name] = collate(vals, alloc=self._empty)
         return batch, kept_arr
 
     def _images(self, datas, f, where, on_error):
@@ -190,7 +195,7 @@ class RecordDecoder:
         header = jpeg_header(datas[0]) if datas else None
         if header is None or header[2] != 3:
             return None
-        return self._recycler.empty((len(datas), *header), np.uint8)
+        return self._empty((len(datas), *header), np.uint8)
 
     @staticmethod
     def _jpeg_into(data, out: np.ndarray) -> bool:
@@ -222,7 +227,7 @@ class ColumnarDecoder(RecordDecoder):
         on_error: Callable[[CrossfeedError], None] | None = None,
     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
         n = len(frames)
-        out = {f.name: self._recycler.empty((n, *f.shape), fixed_dtype(f)) for f in self.features}
+        out = {f.name: self._empty((n, *f.shape), fixed_dtype(f)) for f in self.features}
         bad: list[int] = []
         for pos, group in self._groups(frames):
             if not self._cut(group, out, pos, frames.rows is not None):

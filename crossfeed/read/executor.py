@@ -1,6 +1,7 @@
 """Stage 5 of the read pipeline, the executor: builds batches in parallel, in order, with bounded
 memory. It is the seam where the work goes — threads today (numpy, CRC and JPEG decoding release
-the GIL); worker processes that fill shared-memory batches plug in here with the same contract.
+the GIL); worker processes that fill shared-memory batches (`crossfeed.read.procs`) plug in
+here with the same contract, chosen by `ExecutorKind`.
 
 ``executor.map(build, items)`` yields ``build(item)`` for each item, in the order of ``items``,
 with at most ``window`` results built or being built ahead of the consumer.
@@ -8,6 +9,7 @@ with at most ``window`` results built or being built ahead of the consumer.
 
 from __future__ import annotations
 
+import enum
 import queue
 import threading
 from collections import deque
@@ -19,6 +21,14 @@ from crossfeed.errors import ConfigError
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+class ExecutorKind(str, enum.Enum):
+    """Where a Loader builds its batches: ``"thread"`` (``num_threads`` threads of this process)
+    or ``"process"`` (``processes`` worker processes, batches in shared memory)."""
+
+    THREAD = "thread"
+    PROCESS = "process"
 
 
 class ThreadExecutor:

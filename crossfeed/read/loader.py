@@ -13,6 +13,7 @@ are thin layers over it and take the same options object.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -25,11 +26,12 @@ from crossfeed.policy import ErrorBudget, OnError
 from crossfeed.read.cache import Prefetcher, ShardCache
 from crossfeed.read.dataset import Dataset, Split, open_dataset
 from crossfeed.read.decode import collate, make_decoder
-from crossfeed.read.executor import ThreadExecutor
+from crossfeed.read.executor import ExecutorKind, ThreadExecutor
 from crossfeed.read.frame_reader import FrameReader, Frames
 from crossfeed.read.options import LoaderOptions, ReadOptions, Source
 from crossfeed.read.parquet_reader import ParquetDecoder, ParquetFrameReader
 from crossfeed.read.plan import Plan, Remainder, Sampler, Shuffle
+from crossfeed.read.procs import ProcessExecutor, WorkerRecipe, resolve_callable
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
@@ -162,6 +164,7 @@ class BatchBuilder:
         self.transform, self.batch_transform = transform, batch_transform
         self.return_index = return_index
         self.budget = budget
+        self.alloc = None  # collate's allocator (None: np.empty); a worker process's puts batches in shared memory
 
     def __call__(self, indices: np.ndarray, timings: dict[str, float] | None = None) -> dict[str, np.ndarray]:
         tick = _Ticker(timings) if timings is not None else None
@@ -172,7 +175,7 @@ class BatchBuilder:
             if tick:
                 tick("transform")
             if samples:
-                batch = {k: collate([s[k] for s in samples]) for k in samples[0]}
+                batch = {k: collate([s[k] for s in samples], alloc=self.alloc or np.empty) for k in samples[0]}
             if tick:
                 tick("batch")
         if self.return_index:
@@ -211,7 +214,8 @@ class Loader:
     "global"/"block"/"none", ``seed``, ``drop_last``, ``remainder`` "pad"/"drop", ``rank``,
     ``world_size``, ``worker``, ``num_workers``, ``block_shards``, ``read=ReadOptions(...)``,
     ``on_error``, ``max_skips``, ``split``, ``features``, ``return_index``). ``transform`` maps
-    each sample dict and ``batch_transform`` each batch, in the loader's threads. ``start``:
+    each sample dict and ``batch_transform`` each batch, in the loader's threads (or its worker
+    processes, with ``executor="process"``; either may be a ``"module:function"`` string). ``start``:
     ``(epoch, position)`` to begin at (``epoch=`` alone: that epoch's start).
     """
 
@@ -227,6 +231,10 @@ class Loader:
         **fields,
     ):
         options = LoaderOptions.given(options, fields)
+        recipe = WorkerRecipe(source, options, transform, batch_transform)
+        transform, batch_transform = (
+            resolve_callable(f) if isinstance(f, str) else f for f in (transform, batch_transform)
+        )
         if start is not None and epoch is not None:
             raise ConfigError("pass start=(epoch, position) or epoch=, not both")
         self.options = options
@@ -283,7 +291,12 @@ class Loader:
         # contends for it, and handing a batch over costs more than building it (measured: 1.65M vs
         # 1.2M samples/s at batch 256), so they are built in the consumer's thread when it asks.
         threads = 0 if rows and transform is None else read.num_threads
-        self.executor = ThreadExecutor(threads, max(1, read.num_threads + read.prefetch))
+        if read.executor is ExecutorKind.PROCESS:
+            if isinstance(source, Dataset):  # workers open it again, by path
+                recipe = dataclasses.replace(recipe, source=source.path)
+            self.executor = ProcessExecutor(recipe, read.processes, read.processes + read.prefetch)
+        else:
+            self.executor = ThreadExecutor(threads, max(1, read.num_threads + read.prefetch))
         epoch, position = start if start is not None else (epoch or 0, 0)
         self.start_at(epoch, position)
 
@@ -315,7 +328,7 @@ class Loader:
 
     @property
     def skipped(self) -> int:
-        return self._budget.count if self._budget else 0
+        return (self._budget.count if self._budget else 0) + getattr(self.executor, "skipped", 0)
 
     def start_at(self, epoch: int, position: int = 0) -> None:
         """Begin the next iteration at sample ``position`` of epoch ``epoch`` (positions count

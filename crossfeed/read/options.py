@@ -22,6 +22,7 @@ from crossfeed.policy import OnError
 from crossfeed.read.cache import ENV as CACHE_ENV
 from crossfeed.read.cache import parse_size
 from crossfeed.read.env import rank_and_world
+from crossfeed.read.executor import ExecutorKind
 from crossfeed.read.plan import Remainder, Shuffle
 
 
@@ -101,7 +102,11 @@ class ReadOptions:
     ``num_threads=0`` builds each batch in the consumer's thread when it asks (no prefetch) —
     what the Loader does anyway for small fixed-layout records without a per-sample transform,
     whose building holds the GIL and costs less than a hand-over to a thread.
-    ``on_error="skip"`` drops bad records, counted and logged, up to ``max_skips``."""
+    ``on_error="skip"`` drops bad records, counted and logged, up to ``max_skips``.
+    ``executor="process"``: ``processes`` worker processes build whole batches (read, decode,
+    transform) into shared memory instead — for Python transforms, which threads run one at a
+    time; at most ``processes + prefetch`` batches are in flight (see `crossfeed.read.procs`).
+    The transforms must then pickle (module-level functions) or be ``"module:function"``."""
 
     num_threads: int = 2
     prefetch: int = 2
@@ -110,9 +115,13 @@ class ReadOptions:
     max_skips: int = 1000
     cache_dir: str | None = None  # remote shards are cached here (default: $CROSSFEED_CACHE_DIR when set)
     cache_limit: int | str | None = None  # bytes, or a size such as "50GB" (None: unbounded)
+    executor: ExecutorKind = ExecutorKind.THREAD
+    processes: int = 2  # worker processes of executor="process" (not DataLoader's num_workers)
 
     def __post_init__(self):
         object.__setattr__(self, "num_threads", _int(self.num_threads, "num_threads", 0))
+        object.__setattr__(self, "executor", choice(ExecutorKind, self.executor, "executor"))
+        object.__setattr__(self, "processes", _int(self.processes, "processes", 1))
         object.__setattr__(self, "prefetch", _int(self.prefetch, "prefetch", 0))
         object.__setattr__(self, "on_error", choice(OnError, self.on_error, "on_error"))
         object.__setattr__(self, "max_skips", _int(self.max_skips, "max_skips", 0))

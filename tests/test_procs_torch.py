@@ -1,0 +1,29 @@
+"""TorchDataset over the process executor: the same tensors as with threads, sharing the slots'
+memory, and a tensor kept across the epoch is never overwritten by a recycled slot."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import crossfeed
+from crossfeed.adapters.torch import TorchDataset
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_torch_dataset_reads_through_worker_processes(tmp_path):
+    root = tmp_path / "ids"
+    crossfeed.write_dataset(root, [{"id": i, "x": np.full(3, i, np.float32)} for i in range(53)], num_shards=3).close()
+    want = [b["id"].tolist() for b in DataLoader(TorchDataset(root, batch_size=4, seed=1), batch_size=None)]
+    ds = TorchDataset(root, batch_size=4, seed=1, executor="process", processes=2)
+    got, kept = [], []
+    for b in DataLoader(ds, batch_size=None):
+        assert isinstance(b["x"], torch.Tensor)
+        got.append(b["id"].tolist())
+        kept.append(b["x"][:, 0])  # a view of the slot, held past its batch
+    assert got == want
+    for ids, x in zip(got, kept):
+        assert x.tolist() == [float(i) for i in ids]  # no slot was reused under a live tensor
