@@ -16,6 +16,7 @@ from crossfeed.errors import (
     ServerLostError,
     SplitNotFoundError,
     WireError,
+    WorkerError,
 )
 from crossfeed.format.schema import Encoding, Feature, Schema
 from crossfeed.read.dataset import Dataset, Split, open_dataset
@@ -71,6 +72,7 @@ __all__ = [
     "Split",
     "SplitNotFoundError",
     "WireError",
+    "WorkerError",
     "connect",
     "open_dataset",
     "write_dataset",
