@@ -106,19 +106,29 @@ class FrameReader:
         self._ready: dict[int, tuple] = {}  # the same, for local shards whose index fits their stream
         self._sizes = np.zeros(len(split.counts), dtype=np.int64)  # shard → its stream's size, once loaded
         self._lock = threading.Lock()
+        # a large split's indexes are read in place, entry by entry (`Split.lazy_index`): opening
+        # it and its first batch cost O(shards), not O(records)
+        self._large = len(split) > ALL_INDEX_MAX
+
+    def _entries(self, s: int, k: np.ndarray) -> np.ndarray:
+        """``(offset, length)`` of records ``k`` of shard ``s``."""
+        return self.split.entries(s, k) if self._large else self.split.index(s)[k]
 
     def small_records(self) -> bool:
         """Whether the split's records are local and small enough for rows (judged by the
         first shard's index)."""
         if not len(self.split.counts) or self.split.file(0).storage.remote:
             return False
-        index = self.split.index(0)
+        if self._large:  # judged by its first entries
+            index = self.split.entries(0, np.arange(min(int(self.split.counts[0]), 4096), dtype=np.int64))
+        else:
+            index = self.split.index(0)
         return bool(len(index)) and int(index[:, 1].max()) <= ROWS_MAX
 
     def where(self, i: int) -> str:
         """Names global record ``i``: its shard file and byte offset."""
         s, k = self.split.locate(int(i))
-        return f"{self.split.file(s).path}: record at byte offset {int(self.split.index(s)[k][0])}"
+        return f"{self.split.file(s).path}: record at byte offset {int(self._entries(s, np.array([k]))[0, 0])}"
 
     def __call__(self, indices, on_error: Callable[[CorruptRecordError], None] | None = None) -> Frames:
         indices = np.asarray(indices, dtype=np.int64)
@@ -148,13 +158,13 @@ class FrameReader:
         if parts is None and (len(self.split) > ALL_INDEX_MAX or not self.rows):
             parts = np.split(order, bounds[1:-1])
         if len(present) == 1:
-            index = self.split.index(s0)[indices - self.split.starts[s0]]
+            index = self._entries(s0, indices - self.split.starts[s0])
         elif len(self.split) <= ALL_INDEX_MAX:  # one gather from the split's whole index
             index = self._all_index()[indices]
         else:  # a large split: only the shards the batch touches are loaded
             index = np.empty((len(indices), 2), dtype=np.int64)
             for s, m in zip(present, parts):
-                index[m] = self.split.index(s)[indices[m] - self.split.starts[s]]
+                index[m] = self.split.entries(s, indices[m] - self.split.starts[s])
         offs, lens = index[:, 0], index[:, 1]
         u8s = [e[1] for e in entries]
         if all(s in self._fits for s in present):
@@ -299,8 +309,12 @@ class FrameReader:
         if f.storage.remote and self.keep_loaded:
             self._evict(s)
         if s not in self._fits:
-            index = self.split.index(s)
-            if not len(index) or not out_of_bounds(index[:, 0], index[:, 1], len(memoryview(buf))).any():
+            index = self.split.lazy_index(s) if self._large else self.split.index(s)
+            if isinstance(index, np.ndarray):
+                fits = not len(index) or not out_of_bounds(index[:, 0], index[:, 1], len(memoryview(buf))).any()
+            else:  # a lazy index: every entry it gives lies before its last entry's end
+                fits = index.end <= len(memoryview(buf))
+            if fits:
                 self._fits.add(s)
         return buf
 

@@ -44,6 +44,14 @@ class UnionSplit:
         i, k = self._at[shard]
         return self.splits[i].index(k)
 
+    def entries(self, shard: int, k: np.ndarray) -> np.ndarray:
+        i, j = self._at[shard]
+        return self.splits[i].entries(j, k)
+
+    def lazy_index(self, shard: int):
+        i, j = self._at[shard]
+        return self.splits[i].lazy_index(j)
+
     def source_of(self, shard: int) -> int:
         return self._at[shard][0]
 
