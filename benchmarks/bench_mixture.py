@@ -59,7 +59,7 @@ def run_crossfeed(paths, batches: int, batch: int, shuffle: str, rounds: int) ->
     loaders = {
         "mixture": mixture(),
         "per_source": mixture(),
-        "single": crossfeed.Loader(paths[0], batch_size=batch, seed=0, shuffle=shuffle),
+        "single": crossfeed.Loader(paths[0], batch_size=batch, seed=0, shuffle=shuffle, return_index=True),
     }
     _per_source(loaders["per_source"])
     its = {k: ld.epochs(None) for k, ld in loaders.items()}
@@ -122,10 +122,16 @@ def _error(r: dict) -> float:
 def run_mosaic(paths, batches: int, batch: int, shuffle: str, root: str) -> dict:
     """mosaic streaming over the same samples written once as MDS shards (one stream per source,
     ``Stream(proportion=w/Σw)``), iterated in-process without a DataLoader, batched here."""
+    import importlib.util
     import shutil
-    import tempfile
+    import types
 
-    from streaming import MDSWriter, Stream, StreamingDataset
+    if "streaming" not in sys.modules:  # its __init__ imports every integration (vision: torchvision);
+        spec = importlib.util.find_spec("streaming")  # only streaming.base is needed
+        pkg = types.ModuleType("streaming")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        sys.modules["streaming"] = pkg
+    from streaming.base import MDSWriter, Stream, StreamingDataset
 
     import crossfeed
 
@@ -149,7 +155,6 @@ def run_mosaic(paths, batches: int, batch: int, shuffle: str, root: str) -> dict
         epoch_size=batches * batch + batch,
         cache_limit=None,
     )
-    del tempfile
     it = iter(ds)
     t, n, counts, seen = None, 0, np.zeros(3, np.int64), 0
     for sample in it:
