@@ -171,6 +171,7 @@ class LazyIndex:
         self._checked = np.zeros(blocks, dtype=bool)
         self._span: dict[int, tuple[int, int]] = {}  # checked block → (its first start, its last end)
         self._done: list[int] = []  # the checked blocks, in order
+        self._all_checked = False
         self._lock = threading.Lock()
         first = self._parse(self._lines(0, 1), 0)[0]
         if first[0] != 0:
@@ -271,15 +272,26 @@ class LazyIndex:
 
     def __getitem__(self, k) -> np.ndarray:
         k = np.asarray(k, dtype=np.int64)
-        blocks = k // BLOCK
-        todo = blocks[~self._checked[blocks]]
-        if todo.size:
-            self._check_blocks(np.unique(todo).tolist())
+        if not self._all_checked:
+            blocks = k // BLOCK
+            todo = blocks[~self._checked[blocks]]
+            if todo.size:
+                self._check_blocks(np.unique(todo).tolist())
+                self._all_checked = len(self._done) == len(self._checked)
         w, read = self._width, self._read
-        data = b"".join([read(x * w, w) for x in k.tolist()])  # one positioned read per entry
+        if len(k) <= SMALL_READ:  # a few entries (a batch spread over many shards): no numpy per entry
+            lines = [read(x * w, w) for x in k.tolist()]  # one positioned read per entry
+            if any(len(x) != w for x in lines):
+                raise IndexFileError(f"{self.where}: the file is shorter than its entries; {_FIX}")
+            sp = self._space  # checked lines: digits, one space, a newline
+            return np.array([(int(x[:sp]), int(x[sp + 1 : w - 1])) for x in lines], dtype=np.int64).reshape(-1, 2)
+        data = b"".join([read(x * w, w) for x in k.tolist()])
         if len(data) != len(k) * w:
             raise IndexFileError(f"{self.where}: the file is shorter than its entries; {_FIX}")
         return self._parse(np.frombuffer(data, dtype=np.uint8).reshape(len(k), w))
+
+
+SMALL_READ = 16  # up to this many entries are parsed one by one
 
 
 _FIX = "rebuild it with `crossfeed index --force`"
