@@ -155,7 +155,7 @@ class FrameReader:
             entries = [self._entry(s, b) for s, b in zip(present, bufs)]
         else:
             bufs = [e[0] for e in entries]
-        if parts is None and (len(self.split) > ALL_INDEX_MAX or not self.rows):
+        if parts is None and not self.rows:
             parts = np.split(order, bounds[1:-1])
         if len(present) == 1:
             index = self._entries(s0, indices - self.split.starts[s0])
@@ -163,8 +163,10 @@ class FrameReader:
             index = self._all_index()[indices]
         else:  # a large split: only the shards the batch touches are loaded
             index = np.empty((len(indices), 2), dtype=np.int64)
-            for s, m in zip(present, parts):
-                index[m] = self.split.entries(s, indices[m] - self.split.starts[s])
+            starts, entries_of = self.split.starts, self.split.entries
+            for s, a, b in zip(present, bounds, bounds[1:]):
+                m = order[a:b]
+                index[m] = entries_of(s, indices[m] - starts[s])
         offs, lens = index[:, 0], index[:, 1]
         u8s = [e[1] for e in entries]
         if all(s in self._fits for s in present):
