@@ -156,6 +156,9 @@ def test_killed_worker_is_an_error_not_a_hang(mixed_dataset):
         with pytest.raises(WorkerError, match=r"killed by SIGKILL while building batch \d+"):
             for _ in it:
                 pass
+        deadline = time.monotonic() + 10  # its socket closes a moment before it is a zombie
+        while _alive(victim) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not _alive(victim)
         rest = len(loader)  # the Loader resumes after the last batch it gave
         assert 0 < rest < 15 and len(list(loader)) == rest  # from fresh workers

@@ -59,8 +59,13 @@ class LoaderEpochs:
 
     def __init__(self, dataset: str, options: LoaderOptions, *, transform=None):
         from crossfeed.read.loader import Loader
+        from crossfeed.read.mixture_spec import is_mixture_spec, load_mixture_spec
 
-        self.loader = Loader(dataset, options.replace(return_index=True), transform=transform)
+        source, more = dataset, {}
+        if is_mixture_spec(dataset):  # a mixture: batches also carry "__source__"
+            source, n = load_mixture_spec(dataset)
+            more = {"samples_per_epoch": n}
+        self.loader = Loader(source, options.replace(return_index=True, **more), transform=transform)
 
     def __call__(self, epoch: int):
         self.loader.set_epoch(epoch)
@@ -71,7 +76,7 @@ class LoaderEpochs:
 
 
 def serve(
-    dataset: Annotated[str, typer.Argument(help="Dataset path or remote URL.")],
+    dataset: Annotated[str, typer.Argument(help="Dataset path or remote URL, or a mixture spec .json file.")],
     addresses: Annotated[list[str], typer.Argument(help="Addresses to bind; brace patterns expand.")],
     split: Annotated[str, typer.Option(help="Split to serve.")] = "train",
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per batch sent.")] = 32,

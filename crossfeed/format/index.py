@@ -4,12 +4,16 @@ For GZIP shards the offsets are positions in the uncompressed stream.
 
 An index is trusted only once checked (`checked_index`): against the manifest's ``index_sha256``
 where it has one, and always for tiling its shard, so that no edited entry can make a reader
-return one record twice and another never."""
+return one record twice and another never. Indexes of fixed-width lines (what crossfeed writes)
+can also be read lazily (`LazyIndex`): entries parsed where a batch needs them, each block of
+entries checked for tiling the first time it is touched — opening a split is O(shards)."""
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -23,8 +27,20 @@ def index_path(shard_path: str | os.PathLike) -> str:
     return str(shard_path) + ".idx"
 
 
+FIXED_MIN = 1024  # indexes of at least this many entries are written with lines of one width
+
+
 def format_index(offsets) -> bytes:
-    return "".join(f"{o} {n}\n" for o, n in offsets).encode()
+    """The index file's bytes. An index of `FIXED_MIN` entries or more has lines of one width
+    (numbers padded with leading zeros, which every reader of the format accepts): entry ``k`` is
+    at byte ``k × width``, so a reader can take the entries a batch needs without reading the
+    file (`LazyIndex`); a smaller one is written as ``tfrecord2idx`` writes it."""
+    offsets = list(offsets)
+    if len(offsets) < FIXED_MIN:
+        return "".join(f"{o} {n}\n" for o, n in offsets).encode()
+    wo = len(str(max(o for o, _ in offsets)))
+    wn = len(str(max(n for _, n in offsets)))
+    return "".join(f"{o:0{wo}d} {n:0{wn}d}\n" for o, n in offsets).encode()
 
 
 def write_index(path: str | os.PathLike, offsets) -> str:
@@ -120,3 +136,162 @@ def _check_tiling(arr: np.ndarray, where: str, num_bytes: int, gzip: Callable[[]
             f"{where}: the last entry (entry {len(arr) - 1}) ends at byte {ends[-1]}, the shard is "
             f"{num_bytes} bytes; {fix}"
         )
+
+
+BLOCK = 1 << 10  # a `LazyIndex` checks its entries this many at a time
+
+
+class LazyIndex:
+    """An index file of fixed-width lines (`format_index`) read in place by positioned reads
+    (``read(offset, size) → bytes``; not an mmap, whose faults may map megabytes of page cache
+    around each line): ``index[k]`` (an int64 array ``k``) → ``(len(k), 2)`` ``(offset, length)``, parsed from those
+    lines only. The checks of `checked_index` are kept, but lazily: at opening, the entry count
+    and the first and last entries (O(1)); the first time an entry is read, its block of `BLOCK`
+    entries — that each is a well-formed line, starts where the one before ends (the block's last
+    ends where the next block starts) and that the block lies after the blocks checked before it
+    and before those after it. So no two entries ever read make records overlap, or leave bytes
+    out between them. (The file's sha256 is checked where the whole index is read: small splits,
+    `crossfeed verify`.) `open` returns None where the lines are not of one width.
+    """
+
+    def __init__(self, read, where: str, num_records: int, num_bytes: int | None, width: int, space: int):
+        self.where, self.n, self._read = where, int(num_records), read
+        self._space, self._width = space, width
+        # a line minus `_zero` is its digits (≤ 9) and zeros at the space and newline (≤ `_most`);
+        # its digits times `_powers` are the entry (in float64, exact below 2**53, where it can)
+        self._zero = np.full(width, 48, dtype=np.uint8)
+        self._zero[space], self._zero[-1] = 32, 10
+        self._most = np.full(width, 9, dtype=np.uint8)
+        self._most[space] = self._most[-1] = 0
+        exact = space <= 15 and width - space - 2 <= 15
+        self._powers = np.zeros((width, 2), dtype=np.float64 if exact else np.int64)
+        self._powers[:space, 0] = 10 ** np.arange(space - 1, -1, -1, dtype=np.int64)
+        self._powers[space + 1 : width - 1, 1] = 10 ** np.arange(width - space - 3, -1, -1, dtype=np.int64)
+        blocks = (self.n + BLOCK - 1) // BLOCK
+        self._checked = np.zeros(blocks, dtype=bool)
+        self._span: dict[int, tuple[int, int]] = {}  # checked block → (its first start, its last end)
+        self._done: list[int] = []  # the checked blocks, in order
+        self._all_checked = False
+        self._lock = threading.Lock()
+        first = self._parse(self._lines(0, 1), 0)[0]
+        if first[0] != 0:
+            raise IndexFileError(f"{where}: entry 0 starts at byte {first[0]}, not 0; {_FIX}")
+        last = self._parse(self._lines(self.n - 1, self.n), self.n - 1)[0]
+        self.end = int(last[0] + last[1])
+        if num_bytes is not None and self.end != num_bytes:
+            raise IndexFileError(
+                f"{where}: the last entry (entry {self.n - 1}) ends at byte {self.end}, the shard is "
+                f"{num_bytes} bytes; {_FIX}"
+            )
+
+    @classmethod
+    def open(cls, read, size: int, where: str, num_records: int, num_bytes: int | None) -> LazyIndex | None:
+        """The lazy form of the index file of ``size`` bytes that ``read(offset, size)`` reads,
+        or None where its lines are not of one width (then it is read whole, `checked_index`).
+        ``num_bytes``: the stream's size (None: unknown, a GZIP shard)."""
+        if not num_records or not size:
+            return None
+        head = read(0, 64)
+        width = head.find(b"\n") + 1
+        space = head.find(b" ")
+        if width < 4 or not 0 < space < width - 2 or size != width * num_records:
+            return None
+        return cls(read, where, num_records, num_bytes, width, space)
+
+    def _lines(self, lo: int, hi: int) -> np.ndarray:
+        """Lines ``lo`` to ``hi`` as a ``(hi - lo, width)`` uint8 matrix (one read)."""
+        w = self._width
+        data = self._read(lo * w, (hi - lo) * w)
+        if len(data) != (hi - lo) * w:
+            raise IndexFileError(f"{self.where}: the file ends before entry {hi - 1}; {_FIX}")
+        return np.frombuffer(data, dtype=np.uint8).reshape(hi - lo, w)
+
+    def _parse(self, rows: np.ndarray, first: int | None = None) -> np.ndarray:
+        """``rows`` (lines of the file) as ``(offset, length)``; with ``first`` (the entry
+        number of the first row) each line is checked to be well formed."""
+        d = rows - self._zero
+        if first is not None:
+            self._check_lines(d, lambda j: first + j)
+        return (d.astype(self._powers.dtype) @ self._powers).astype(np.int64)
+
+    def _check_lines(self, d: np.ndarray, entry) -> None:
+        if (d > self._most).any():
+            j = int(np.flatnonzero((d > self._most).any(axis=1))[0])
+            raise IndexFileError(
+                f"{self.where}: entry {entry(j)} is not an 'offset length' line {self._width} bytes long like "
+                f"the first; {_FIX}"
+            )
+
+    def _check_blocks(self, blocks: list[int]) -> None:
+        """Check these blocks (sorted, unchecked) in one pass: each read with the next block's first
+        entry, the lines well formed, each tiling, and each between its checked neighbours."""
+        w = self._width
+        spans = [(b * BLOCK, min((b + 1) * BLOCK + 1, self.n)) for b in blocks]
+        data = b"".join([self._read(lo * w, (hi - lo) * w) for lo, hi in spans])
+        sizes = np.array([hi - lo for lo, hi in spans], dtype=np.int64)
+        if len(data) != int(sizes.sum()) * w:
+            raise IndexFileError(f"{self.where}: the file is shorter than its entries; {_FIX}")
+        seg = np.concatenate([[0], np.cumsum(sizes)])
+        entry = np.repeat(np.array([lo for lo, _ in spans], dtype=np.int64) - seg[:-1], sizes) + np.arange(seg[-1])
+        d = np.frombuffer(data, dtype=np.uint8).reshape(-1, w) - self._zero
+        self._check_lines(d, lambda j: int(entry[j]))
+        arr = (d.astype(self._powers.dtype) @ self._powers).astype(np.int64)
+        short = np.flatnonzero(arr[:, 1] < 16)
+        if short.size:
+            raise IndexFileError(f"{self.where}: entry {int(entry[short[0]])} is shorter than 16 bytes; {_FIX}")
+        ends = arr[:, 0] + arr[:, 1]
+        gap = arr[1:, 0] != ends[:-1]
+        gap[seg[1:-1] - 1] = False  # a block's lines and the next read block's are not neighbours
+        if gap.any():
+            k = int(entry[int(np.flatnonzero(gap)[0]) + 1])
+            raise IndexFileError(f"{self.where}: entry {k} does not start where entry {k - 1} ends; {_FIX}")
+        starts = arr[seg[:-1], 0]
+        last = np.minimum(seg[:-1] + BLOCK, seg[1:]) - 1  # each block's own last entry
+        with self._lock:
+            done, span = self._done, self._span
+            for b, start, end in zip(blocks, starts.tolist(), ends[last].tolist()):
+                at = bisect.bisect_left(done, b)
+                below = done[at - 1] if at else None
+                above = done[at] if at < len(done) else None
+                # blocks of BLOCK entries of ≥ 16 bytes each lie between this one and its checked neighbours
+                if (
+                    (below is not None and start < span[below][1] + 16 * BLOCK * (b - 1 - below))
+                    or (above is not None and end + 16 * BLOCK * (above - b - 1) > span[above][0])
+                    or end > self.end
+                ):
+                    raise IndexFileError(
+                        f"{self.where}: entries {b * BLOCK}–{min((b + 1) * BLOCK, self.n) - 1} overlap the "
+                        f"entries before or after them; {_FIX}"
+                    )
+                span[b] = (start, end)
+                done.insert(at, b)
+                self._checked[b] = True
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, k) -> np.ndarray:
+        k = np.asarray(k, dtype=np.int64)
+        if not self._all_checked:
+            blocks = k // BLOCK
+            todo = blocks[~self._checked[blocks]]
+            if todo.size:
+                self._check_blocks(np.unique(todo).tolist())
+                self._all_checked = len(self._done) == len(self._checked)
+        w, read = self._width, self._read
+        if len(k) <= SMALL_READ:  # a few entries (a batch spread over many shards): no numpy per entry
+            lines = [read(x * w, w) for x in k.tolist()]  # one positioned read per entry
+            if any(len(x) != w for x in lines):
+                raise IndexFileError(f"{self.where}: the file is shorter than its entries; {_FIX}")
+            sp = self._space  # checked lines: digits, one space, a newline
+            return np.array([(int(x[:sp]), int(x[sp + 1 : w - 1])) for x in lines], dtype=np.int64).reshape(-1, 2)
+        data = b"".join([read(x * w, w) for x in k.tolist()])
+        if len(data) != len(k) * w:
+            raise IndexFileError(f"{self.where}: the file is shorter than its entries; {_FIX}")
+        return self._parse(np.frombuffer(data, dtype=np.uint8).reshape(len(k), w))
+
+
+SMALL_READ = 16  # up to this many entries are parsed one by one
+
+
+_FIX = "rebuild it with `crossfeed index --force`"

@@ -110,6 +110,8 @@ class Split:
         self._files = [dataset.storage.shard(s.file) for s in info.shards]
         self._index: list[np.ndarray | None] = [None] * len(info.shards)
         self._parquet: ParquetFiles | None = None
+        self._lazy: list = [None] * len(info.shards)  # shard → its `LazyIndex`, or False: read whole
+        self._fds: list[int] = []  # the lazy indexes' open files
 
     @property
     def block_counts(self) -> np.ndarray:
@@ -141,6 +143,39 @@ class Split:
             arr = idx.checked_index(data, where, info, gzip=lambda: self._is_gzip(shard))
             self._index[shard] = arr
         return arr
+
+    def entries(self, shard: int, k: np.ndarray) -> np.ndarray:
+        """``index(shard)[k]``, without reading the whole index where it need not be: a local
+        index of fixed-width lines is read in place (`crossfeed.format.index.LazyIndex`)."""
+        return self.lazy_index(shard)[k]
+
+    def lazy_index(self, shard: int):
+        """Shard ``shard``'s index as a `LazyIndex` (local, fixed-width lines, not loaded whole
+        yet), or else the whole checked index."""
+        lazy = self._lazy[shard]
+        if lazy is None:
+            lazy = self._lazy[shard] = self._open_lazy(shard) or False
+        return lazy if lazy is not False else self.index(shard)
+
+    def _open_lazy(self, shard: int):
+        if self.dataset.storage.remote or self._index[shard] is not None:
+            return None
+        info = self.shards[shard]
+        where = self.dataset.storage.url(idx.index_path(info.file))
+        self._check_regular(shard, where)
+        try:
+            fd = os.open(where, os.O_RDONLY)
+        except OSError:
+            return None  # reported by `index`, which names the problem
+        self._fds.append(fd)
+        gz = self._files[shard].rel.endswith(".gz") or self._is_gzip(shard)
+        return idx.LazyIndex.open(
+            lambda off, n: os.pread(fd, n, off),
+            os.fstat(fd).st_size,
+            where,
+            info.num_records,
+            None if gz else info.num_bytes,
+        )
 
     def _check_regular(self, shard: int, index_where: str) -> None:
         """A local shard and its index must be regular files (symlinks to them are followed): a
@@ -227,3 +262,6 @@ class Split:
             f.close()
         if self._parquet is not None:
             self._parquet.close()
+        fds, self._fds, self._lazy = self._fds, [], [None] * len(self._lazy)
+        for fd in fds:
+            os.close(fd)

@@ -103,20 +103,32 @@ class FrameReader:
         self._index: np.ndarray | None = None  # see `_all_index`
         self._fits: set[int] = set()  # shards whose every index entry lies inside the loaded stream
         self._u8: dict[int, tuple] = {}  # shard → (buffer, its uint8 array, {width: window view})
+        self._ready: dict[int, tuple] = {}  # the same, for local shards whose index fits their stream
+        self._sizes = np.zeros(len(split.counts), dtype=np.int64)  # shard → its stream's size, once loaded
         self._lock = threading.Lock()
+        # a large split's indexes are read in place, entry by entry (`Split.lazy_index`): opening
+        # it and its first batch cost O(shards), not O(records)
+        self._large = len(split) > ALL_INDEX_MAX
+
+    def _entries(self, s: int, k: np.ndarray) -> np.ndarray:
+        """``(offset, length)`` of records ``k`` of shard ``s``."""
+        return self.split.entries(s, k) if self._large else self.split.index(s)[k]
 
     def small_records(self) -> bool:
         """Whether the split's records are local and small enough for rows (judged by the
         first shard's index)."""
         if not len(self.split.counts) or self.split.file(0).storage.remote:
             return False
-        index = self.split.index(0)
+        if self._large:  # judged by its first entries
+            index = self.split.entries(0, np.arange(min(int(self.split.counts[0]), 4096), dtype=np.int64))
+        else:
+            index = self.split.index(0)
         return bool(len(index)) and int(index[:, 1].max()) <= ROWS_MAX
 
     def where(self, i: int) -> str:
         """Names global record ``i``: its shard file and byte offset."""
         s, k = self.split.locate(int(i))
-        return f"{self.split.file(s).path}: record at byte offset {int(self.split.index(s)[k][0])}"
+        return f"{self.split.file(s).path}: record at byte offset {int(self._entries(s, np.array([k]))[0, 0])}"
 
     def __call__(self, indices, on_error: Callable[[CorruptRecordError], None] | None = None) -> Frames:
         indices = np.asarray(indices, dtype=np.int64)
@@ -127,31 +139,45 @@ class FrameReader:
         shard = np.searchsorted(self.split.starts, indices, side="right") - 1
         s0 = int(shard[0])
         if shard[-1] == s0 and (shard == s0).all():
-            present, parts = [s0], [None]
+            present, parts, order, bounds = [s0], [None], None, [0, len(indices)]
         else:
             per = np.bincount(shard, minlength=len(self.split.counts))
             present = np.flatnonzero(per).tolist()
-            # the batch positions of each shard's records (one sort, not one comparison per shard)
-            parts = np.split(np.argsort(shard, kind="stable"), np.cumsum(per[present])[:-1])
-        bufs = [self._buffer(s) for s in present]
-        if any(b is None for b in bufs):  # remote range reads: checked record by record as they arrive
-            return self._by_record(indices, shard, on_error)
+            # the batch positions of each shard's records (one sort, not one comparison per shard):
+            # shard j's are order[bounds[j]:bounds[j + 1]]
+            order = np.argsort(shard, kind="stable")
+            bounds = [0, *np.cumsum(per[present]).tolist()]
+            parts = None  # the same as a list of arrays, made only where needed
+        ready = self._ready
+        entries = [ready.get(s) for s in present]
+        if None in entries:  # a shard not loaded (or not local, or not yet checked) yet
+            bufs = [self._buffer(s) for s in present]
+            if any(b is None for b in bufs):  # remote range reads: checked record by record as they arrive
+                return self._by_record(indices, shard, on_error)
+            entries = [self._entry(s, b) for s, b in zip(present, bufs)]
+        else:
+            bufs = [e[0] for e in entries]
+        if parts is None and not self.rows:
+            parts = np.split(order, bounds[1:-1])
         if len(present) == 1:
-            index = self.split.index(s0)[indices - self.split.starts[s0]]
+            index = self._entries(s0, indices - self.split.starts[s0])
         elif len(self.split) <= ALL_INDEX_MAX:  # one gather from the split's whole index
             index = self._all_index()[indices]
         else:  # a large split: only the shards the batch touches are loaded
             index = np.empty((len(indices), 2), dtype=np.int64)
-            for s, m in zip(present, parts):
-                index[m] = self.split.index(s)[indices[m] - self.split.starts[s]]
+            starts, entries_of = self.split.starts, self.split.entries
+            for s, a, b in zip(present, bounds, bounds[1:]):
+                m = order[a:b]
+                index[m] = entries_of(s, indices[m] - starts[s])
         offs, lens = index[:, 0], index[:, 1]
-        entries = [self._entry(s, b) for s, b in zip(present, bufs)]
         u8s = [e[1] for e in entries]
         if all(s in self._fits for s in present):
             lo, hi = int(lens.min()), int(lens.max())
             if self.rows and hi <= ROWS_MAX and hi - lo <= ROWS_SPREAD:
-                got = self._rows(indices, offs, lens, parts, entries, lo, hi)
+                got = self._rows(indices, offs, lens, shard, order, bounds, entries, lo, hi)
             else:
+                if parts is None:
+                    parts = np.split(order, bounds[1:-1])
                 got = self._views(indices, offs, lens, parts, u8s, bufs, present, shard)
             if got is not None:
                 return got
@@ -187,30 +213,33 @@ class FrameReader:
             return None
         return Frames(indices, payloads=payloads)
 
-    def _rows(self, indices, offs, lens, parts, entries, lo, hi) -> Frames | None:
+    def _rows(self, indices, offs, lens, shard, order, bounds, entries, lo, hi) -> Frames | None:
+        """Each shard's rows are one row-take from a window view of its mmap into a slice of
+        one matrix (records grouped by shard, ``order``), put back in batch order at the end;
+        the end-of-shard clamp is checked for the whole batch at once."""
         n = len(indices)
-        if lo <= FRAMING:
+        limit = self._sizes[shard] - hi  # the last offset a whole row of width hi starts at
+        if lo <= FRAMING or int(limit.min()) < 0:  # (a shard shorter than a row)
             return None
-        rows = np.empty((n, hi), dtype=np.uint8) if len(parts) > 1 else None
-        for m, (_, u8, wins) in zip(parts, entries):
+        near = np.flatnonzero(offs > limit)
+        o = offs if not len(near) else np.minimum(offs, limit)
+        if order is not None:
+            o = o[order]
+        grouped = np.empty((n, hi), dtype=np.uint8)
+        for a, b, (_, u8, wins) in zip(bounds, bounds[1:], entries):
             win = wins.get(hi)
             if win is None:
                 win = wins[hi] = window(u8, hi)
-            o = offs if m is None else offs[m]
-            size = len(u8)
-            if size < hi:
-                return None
-            if int(o.max()) > size - hi:  # records near the end of the shard: clamp, then fix up
-                got = win[np.minimum(o, size - hi)]
-                for j in np.flatnonzero(o > size - hi).tolist():
-                    got[j] = 0
-                    got[j, : size - int(o[j])] = u8[int(o[j]) :]
-            else:
-                got = win[o]
-            if m is None:
-                rows = got
-            else:
-                rows[m] = got
+            grouped[a:b] = win[o[a:b]]
+        if order is None:
+            rows = grouped
+        else:
+            rows = np.empty_like(grouped)
+            rows[order] = grouped
+        for j in near.tolist():  # records near the end of their shard: the clamped row, fixed up
+            u8, at = self._u8[int(shard[j])][1], int(offs[j])
+            rows[j] = 0
+            rows[j, : len(u8) - at] = u8[at:]
         if bad_headers(rows[:, :HEADER], lens).any():
             return None
         if lo == hi:
@@ -299,8 +328,12 @@ class FrameReader:
         if f.storage.remote and self.keep_loaded:
             self._evict(s)
         if s not in self._fits:
-            index = self.split.index(s)
-            if not len(index) or not out_of_bounds(index[:, 0], index[:, 1], len(memoryview(buf))).any():
+            index = self.split.lazy_index(s) if self._large else self.split.index(s)
+            if isinstance(index, np.ndarray):
+                fits = not len(index) or not out_of_bounds(index[:, 0], index[:, 1], len(memoryview(buf))).any()
+            else:  # a lazy index: every entry it gives lies before its last entry's end
+                fits = index.end <= len(memoryview(buf))
+            if fits:
                 self._fits.add(s)
         return buf
 
@@ -341,6 +374,9 @@ class FrameReader:
         got = self._u8.get(s)
         if got is None or got[0] is not buf:
             got = self._u8[s] = (buf, np.frombuffer(buf, dtype=np.uint8), {})
+            self._sizes[s] = len(got[1])
+            if not self.split.file(s).storage.remote and s in self._fits:
+                self._ready[s] = got  # local: mapped for good, checked; later batches skip `_buffer`
         return got
 
     def _all_index(self) -> np.ndarray:

@@ -32,6 +32,7 @@ from crossfeed.read.options import LoaderOptions, ReadOptions, Source
 from crossfeed.read.parquet_reader import ParquetDecoder, ParquetFrameReader
 from crossfeed.read.plan import Plan, Remainder, Sampler, Shuffle
 from crossfeed.read.procs import ProcessExecutor, WorkerRecipe, resolve_callable
+from crossfeed.read.union import UnionSplit
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
@@ -98,19 +99,22 @@ class MixtureReader:
     merged back into batch order (rows of one length from several sources become one matrix) and
     decoded once — the sources agree on every feature's definition, so one decoder serves all."""
 
-    def __init__(self, readers: list[SourceReader], starts: np.ndarray):
-        formats = [r.frames.split.info.format for r in readers]
-        if len(set(formats)) > 1:  # one decoder serves all: tar samples and TFRecords parse differently
-            raise ConfigError(f"a mixture's sources must share one shard format, got {formats}; mix like with like")
-        self.readers, self.starts = readers, starts
-        self.decoder = readers[0].decoder
-        self.rows = all(r.frames.rows for r in readers)
+    def __init__(self, readers: list[SourceReader], starts: np.ndarray, *, union: SourceReader | None = None):
+        """``union``: one reader over every source's shards (a `UnionSplit`; local sources),
+        which reads a mixture batch in one pass — then ``readers`` may be empty."""
+        self.readers, self.starts, self.union = readers, starts, union
+        self.decoder = (union or readers[0]).decoder
+        self.rows = union.frames.rows if union is not None else all(r.frames.rows for r in readers)
 
     def where(self, i: int) -> str:
         s = int(np.searchsorted(self.starts, i, side="right") - 1)
+        if self.union is not None:
+            return f"source {s}: {self.union.frames.where(int(i))}"
         return f"source {s}: {self.readers[s].frames.where(int(i - self.starts[s]))}"
 
     def __call__(self, ids: np.ndarray, budget=None, tick=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        if self.union is not None:  # ids are the union's record ids: one read, one decode
+            return self.union(ids, budget, tick)
         src = np.searchsorted(self.starts, ids, side="right") - 1
         parts = []
         for s in np.unique(src).tolist():
@@ -256,11 +260,20 @@ class Loader:
                 raise ConfigError(
                     "a mixture reads TFRecord or tar sources; mixing Parquet sources is not supported yet"
                 )
+            formats = [sp.info.format for sp in splits]
+            if len(set(formats)) > 1:  # one decoder serves all: tar samples and TFRecords parse differently
+                raise ConfigError(f"a mixture's sources must share one shard format, got {formats}; mix like with like")
             self.dataset, self.split = self.datasets[0], None
         feats = _features(options.features, self.datasets, self.sources)
         self.cache = ShardCache(read.cache_dir, read.cache_limit) if read.cache_dir is not None else None
         readers = []
-        for ds, sp in zip(self.datasets, splits):
+        # a local mixture reads its sources' shards as one split (one pass per batch, not one per source)
+        union = (  # one pass over every source's shards: local TFRecord sources
+            self.sources is not None
+            and not any(ds.storage.remote for ds in self.datasets)
+            and all(sp.info.format == "tfrecord" for sp in splits)
+        )
+        for ds, sp in [(self.datasets[0], UnionSplit(splits))] if union else zip(self.datasets, splits):
             cache, whole, keep = _remote_mode(ds, sp, plan, self.cache)
             readers.append(
                 SourceReader(
@@ -278,7 +291,8 @@ class Loader:
                 [sp.counts for sp in splits], plan, options.shard, weights=[s.weight for s in self.sources]
             )
             sizes = [len(sp) for sp in splits]
-            reader = MixtureReader(readers, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+            starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            reader = MixtureReader([], starts, union=readers[0]) if union else MixtureReader(readers, starts)
             rows = reader.rows
         self.builder = BatchBuilder(
             reader,

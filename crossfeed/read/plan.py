@@ -241,8 +241,6 @@ class MixtureOrder:
     ``starts[s] + i``. Everything is O(sources) to build and O(positions) to evaluate.
     """
 
-    materialised = False
-
     def __init__(
         self,
         counts: list,
@@ -275,6 +273,14 @@ class MixtureOrder:
         self._shuffle, self._block = Shuffle(shuffle), block_shards
         self._orders: dict[tuple[int, int], EpochOrder] = {}
         self._lock = threading.Lock()
+        self._table: np.ndarray | None = None  # the whole epoch, for small epochs (as `EpochOrder`)
+        if self.n <= TABLE_MAX:
+            self._table = self._eval(np.arange(self.n, dtype=np.int64))
+            self._orders.clear()
+
+    @property
+    def materialised(self) -> bool:
+        return self._table is not None
 
     def draws(self, positions: np.ndarray, source: np.ndarray) -> np.ndarray:
         """Draws of ``source`` at positions before ``positions`` of one epoch."""
@@ -298,6 +304,11 @@ class MixtureOrder:
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)
+        if self._table is not None:
+            return self._table[positions]
+        return self._eval(positions)
+
+    def _eval(self, positions: np.ndarray) -> np.ndarray:
         src = self.source_of(positions)
         out = np.empty(len(positions), dtype=np.int64)
         for s in np.unique(src).tolist():
