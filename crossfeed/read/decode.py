@@ -22,9 +22,11 @@ value (``str``/``bytes``/``np.ndarray``) per sample.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -69,6 +71,25 @@ class _Recycler:
             if len(self._arrays) > self.keep:
                 del self._arrays[0]
             return a
+
+
+SPLIT_IMAGES = 512  # a batch of at least this many images is decoded by several threads at once
+_pool_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _image_pool() -> ThreadPoolExecutor | None:
+    """One thread per core for decoding the images of big batches (so the first batch of 4096
+    JPEGs does not wait on one core); per process — a forked DataLoader worker makes its own.
+    None on a single core."""
+    global _pool
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        return None
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(min(cores, 16), thread_name_prefix="crossfeed-images"))
+        return _pool[1]
 
 
 def make_decoder(
@@ -178,7 +199,16 @@ class RecordDecoder:
             except SchemaError as e:
                 return SchemaError(f"{where(j)}: {e}")
 
-        results = list(map(one, enumerate(datas)))
+        items = list(enumerate(datas))
+        pool = _image_pool() if len(items) >= SPLIT_IMAGES else None
+        if pool is None:
+            results = list(map(one, items))
+        else:  # a big batch: its images decoded by every core at once (libjpeg-turbo releases the GIL)
+            step = -(-len(items) // pool._max_workers)
+            parts = pool.map(
+                lambda part: [one(x) for x in part], [items[i : i + step] for i in range(0, len(items), step)]
+            )
+            results = [r for part in parts for r in part]
         bad = set()
         for j, r in enumerate(results):
             if isinstance(r, SchemaError):

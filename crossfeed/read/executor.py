@@ -60,6 +60,8 @@ class ThreadExecutor:
         try:
             for item in it:
                 pending.append(pool.submit(build, item))
+                if len(pending) == 1:  # the first batch alone: it gets every core (time to first batch)
+                    pending[0].exception()
                 if len(pending) >= self.window:
                     break
             while pending:
