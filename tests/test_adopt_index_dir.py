@@ -2,7 +2,7 @@
 directory is left exactly as it was (names, sizes, mtimes, modes, sha256; indexing runs under an
 audit hook, since tests run as root), and what the Loader, ``info``, ``verify`` and ``head`` give
 through the index directory equals what they give on a copy indexed in place. A remote data
-directory (fsspec's ``memory://`` standing in for a bucket) is read where it lies."""
+directory (fsspec's ``memory://``, and an S3 bucket served by moto) is read where it lies."""
 
 from __future__ import annotations
 
@@ -256,7 +256,8 @@ def test_parquet_index_notes_the_pyarrow_dataset_clash_and_file_urls_work(parque
     out = _cli("index", f"file://{data}", "--index-dir", tmp_path / "index")
     assert out.returncode == 0, out.stderr
     assert "pyarrow.dataset" not in out.stderr and _data_files(data) == _data_files(parquet_files)
-    assert open_dataset(tmp_path / "index").manifest.data_root == str(data)
+    with open_dataset(tmp_path / "index") as ds:
+        assert ds.manifest.data_root == str(data)
 
 
 def test_a_changed_parquet_file_is_caught_through_the_index_dir(parquet_files, tmp_path):
@@ -304,3 +305,47 @@ def test_remote_parquet_is_read_where_it_lies(parquet_files, tmp_path, bucket):
     fs.rm(src)
     with pytest.raises(CorruptRecordError, match=r"part-0\.parquet.*missing"):
         _rows(idx_dir, shuffle="none")
+
+
+# ---- S3 (moto's server, through s3fs): real range requests; the CLI in processes of its own ----
+
+
+def test_s3_tars_and_parquet_through_moto(tars, parquet_files, tmp_path, monkeypatch):
+    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    import boto3
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        env = {
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "FSSPEC_S3_ENDPOINT_URL": f"http://{host}:{port}",  # fsspec's config, read by the CLI processes
+        }
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": env["FSSPEC_S3_ENDPOINT_URL"]})
+        s3 = boto3.client("s3", endpoint_url=env["FSSPEC_S3_ENDPOINT_URL"])
+        s3.create_bucket(Bucket="data")
+        for prefix, src in (("wds", tars), ("pq", parquet_files)):
+            for p in src.iterdir():
+                s3.upload_file(str(p), "data", f"{prefix}/{p.name}")
+        for prefix, src in (("wds", tars), ("pq", parquet_files)):
+            idx_dir = tmp_path / f"{prefix}-index"
+            out = _cli("index", f"s3://data/{prefix}", "--index-dir", idx_dir)
+            assert out.returncode == 0, out.stderr
+            beside = _indexed_in_place(src, tmp_path / f"{prefix}-beside")
+            with open_dataset(idx_dir) as ds:
+                assert ds.manifest.data_root == f"s3://data/{prefix}" and ds.storage.remote
+            for shuffle in ("global", "block"):
+                _assert_same_rows(_rows(idx_dir, shuffle=shuffle), _rows(beside, shuffle=shuffle))
+            head = _cli("head", idx_dir, "-n", "2")
+            assert head.returncode == 0, head.stderr
+            assert head.stdout == _cli("head", beside, "-n", "2").stdout
+            listed = s3.list_objects_v2(Bucket="data", Prefix=f"{prefix}/")["Contents"]
+            assert sorted(o["Key"].split("/")[1] for o in listed) == _data_files(src)  # nothing written there
+    finally:
+        server.stop()
