@@ -349,3 +349,26 @@ def test_s3_tars_and_parquet_through_moto(tars, parquet_files, tmp_path, monkeyp
             assert sorted(o["Key"].split("/")[1] for o in listed) == _data_files(src)  # nothing written there
     finally:
         server.stop()
+
+
+def test_a_large_index_in_the_index_dir_is_read_in_place(tmp_path):
+    """An index of fixed-width lines is read entry by entry (`LazyIndex`) from the index
+    directory — not from a stale ``.idx`` left beside the shards by an earlier in-place index."""
+    import crossfeed
+    from crossfeed.format.index import FIXED_MIN, LazyIndex
+
+    data = tmp_path / "data"
+    crossfeed.write_dataset(data, [{"id": i} for i in range(FIXED_MIN + 100)], num_shards=1).close()
+    shard = next(n for n in _data_files(data) if n.endswith(".tfrecord"))
+    (data / MANIFEST).unlink()
+    stale = data / (shard + ".idx")
+    stale.write_text("".join(f"{8 * k:06d} 000008\n" for k in range(FIXED_MIN + 100)))  # wrong, same width class
+    index_dataset(data, index_dir=tmp_path / "index")
+    with open_dataset(tmp_path / "index") as ds:
+        split = ds["train"]
+        lazy = split.lazy_index(0)
+        assert isinstance(lazy, LazyIndex) and lazy.where == str(tmp_path / "index" / (shard + ".idx"))
+        k = np.array([0, 5, FIXED_MIN + 99])
+        np.testing.assert_array_equal(lazy[k], split.index(0)[k])
+    with Loader(tmp_path / "index", batch_size=256, shuffle="global", seed=1, features=["id"]) as loader:
+        assert sorted(i for b in loader for i in b["id"].tolist()) == list(range(FIXED_MIN + 100))
