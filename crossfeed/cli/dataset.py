@@ -90,6 +90,13 @@ def index(
     counts = ", ".join(f"{k}: {v.num_records} records in {len(v.shards)} shards" for k, v in manifest.splits.items())
     where = f" (manifest and indexes in {index_dir})" if index_dir else ""
     typer.echo(f"indexed {path}{where}: {counts}; features {', '.join(manifest.schema.names)}")
+    if index_dir is None and any(s.format == "parquet" for s in manifest.splits.values()):
+        typer.echo(
+            f"note: crossfeed.json now sits beside the Parquet files, and pyarrow.dataset({path!r}) fails on it (it "
+            f"opens every file of a directory): give pyarrow the *.parquet files, or index with --index-dir DIR to "
+            f"leave {path} Parquet-only",
+            err=True,
+        )
 
 
 def info(

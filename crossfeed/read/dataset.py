@@ -158,10 +158,10 @@ class Split:
         return lazy if lazy is not False else self.index(shard)
 
     def _open_lazy(self, shard: int):
-        if self.dataset.storage.remote or self._index[shard] is not None:
+        if self.dataset.index_storage.remote or self._index[shard] is not None:
             return None
         info = self.shards[shard]
-        where = self.dataset.storage.url(idx.index_path(info.file))
+        where = self.dataset.index_storage.url(idx.index_path(info.file))
         self._check_regular(shard, where)
         try:
             fd = os.open(where, os.O_RDONLY)

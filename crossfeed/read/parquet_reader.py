@@ -18,14 +18,15 @@ from it: use the block shuffle there.
 Each file is checked when opened: its byte size and its footer's row groups must be what the
 manifest says (a file rewritten after ``crossfeed index`` is refused; ``crossfeed verify`` also
 compares its sha256). Page CRCs are checked wherever the writer stored them. pyarrow is imported
-on first use.
+on first use. Files adopted with ``--index-dir`` are read where they lie (the manifest's
+``data_root``): a local directory, or an fsspec URL whose files pyarrow reads through fsspec's
+file objects (range requests: the footer, then each row group's column chunks).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from crossfeed.errors import ConfigError, CorruptRecordError, CrossfeedError, SchemaError
+from crossfeed.errors import CorruptRecordError, CrossfeedError, DatasetNotFoundError, SchemaError
 from crossfeed.format.parquet import column_values, pyarrow_modules
 from crossfeed.format.schema import Encoding, Feature, decode_image
 
@@ -77,12 +78,8 @@ class ParquetFiles:
     manifest; row groups are numbered across the split (``g``), in manifest order."""
 
     def __init__(self, split: Split):
-        if split.dataset.storage.remote:
-            raise ConfigError(
-                f"{split.dataset.path}: Parquet files are read in place from a local directory; copy the files "
-                f"to local disk (remote Parquet is not supported yet)"
-            )
         self.split = split
+        self.storage = split.dataset.storage  # where the files lie: local, or an fsspec URL (range reads)
         self.paths = [split.file(s).path for s in range(len(split.shards))]
         groups = [np.asarray(sh.row_groups or (), dtype=np.int64) for sh in split.shards]
         self.counts = np.concatenate(groups) if groups else np.zeros(0, np.int64)  # rows of each row group
@@ -90,6 +87,7 @@ class ParquetFiles:
         self.shard = np.repeat(np.arange(len(groups)), [len(g) for g in groups])  # file of each row group
         self.local = np.concatenate([np.arange(len(g)) for g in groups]) if groups else np.zeros(0, np.int64)
         self._files: list = [None] * len(self.paths)
+        self._sources: list = [None] * len(self.paths)  # the fsspec file objects of remote files
         self._locks = [threading.Lock() for _ in self.paths]
         self._last: tuple | None = None  # ((g, feature names), columns) of `row`'s last row group
 
@@ -148,8 +146,8 @@ class ParquetFiles:
             if self._files[s] is None:
                 path, info = self.paths[s], self.split.shards[s]
                 try:
-                    size = os.stat(path).st_size
-                except FileNotFoundError as e:
+                    size = self.storage.size(info.file)
+                except DatasetNotFoundError as e:
                     raise CorruptRecordError(path, 0, "Parquet file is missing; restore it or re-index") from e
                 if size != info.num_bytes:
                     raise CorruptRecordError(
@@ -158,15 +156,19 @@ class ParquetFiles:
                         f"file is {size} bytes, the manifest says {info.num_bytes}: it changed after "
                         f"`crossfeed index`; re-index with `crossfeed index --force`",
                     )
+                # a local file by its path (pyarrow reads it itself); a remote one through fsspec
+                source = self.storage.open(info.file) if self.storage.remote else path
                 try:
-                    pf = pq.ParquetFile(path, page_checksum_verification=True)
+                    pf = pq.ParquetFile(source, page_checksum_verification=True)
+                    changed = footer_mismatch(pf, info)
                 except (pa.ArrowException, OSError) as e:
+                    _close(source)
                     raise CorruptRecordError(path, 0, f"not a readable Parquet file ({e})") from e
-                changed = footer_mismatch(pf, info)
                 if changed:
                     pf.close()
+                    _close(source)
                     raise CorruptRecordError(path, 0, changed)
-                self._files[s] = pf
+                self._files[s], self._sources[s] = pf, source
         return self._files[s]
 
     def row(self, shard: int, k: int, features: Sequence[Feature], *, decode_images: bool = True) -> dict:
@@ -193,7 +195,14 @@ class ParquetFiles:
         for s, pf in enumerate(self._files):
             if pf is not None:
                 pf.close()
-                self._files[s] = None
+                _close(self._sources[s])
+                self._files[s] = self._sources[s] = None
+
+
+def _close(source) -> None:
+    """Close what `ParquetFiles` opened itself (a remote file object; a local path is pyarrow's)."""
+    if not isinstance(source, str):
+        source.close()
 
 
 class RowGroupCache:
@@ -270,7 +279,7 @@ class ParquetFrameReader:
     """Stage 2 for Parquet: global rows → `ColumnFrames`. Thread-safe."""
 
     rows = False  # the frame reader's small-record form does not apply: batches are built in threads
-    cache = None  # no shard cache: the files are local
+    cache = None  # no shard cache: local files are read in place, remote ones by range (fsspec)
 
     def __init__(self, split: Split, features: Sequence[Feature], *, cache: RowGroupCache | None = None):
         self.split = split

@@ -59,6 +59,15 @@ class Storage:
                 f"{where}: shard file is missing; restore it or rebuild with `crossfeed index`"
             ) from e
 
+    def open(self, rel: str):
+        """A binary file object of ``rel``, read only (local, or fsspec's for a URL: reads are
+        range requests): what a Parquet reader takes."""
+        where = self.url(rel)
+        try:
+            return self._fs.open(where, "rb") if self.remote else open(where, "rb")
+        except FileNotFoundError as e:
+            raise DatasetNotFoundError(f"{where}: no such file") from e
+
     def read_range(self, rel: str, start: int, stop: int) -> bytes:
         return self._fs.cat_file(self.url(rel), start=start, end=stop)
 

@@ -74,7 +74,9 @@ def verify_dataset(path, split: str | None = None, progress: Callable[[int, int]
             if formats[shard.file] == "tar":  # WebDataset tar shards: header checksums, sha256, the index, the schema
                 from crossfeed.read.verify_tar import verify_tar_shard
 
-                problems += verify_tar_shard(ds.storage, shard, ds.schema, progress=report)
+                problems += verify_tar_shard(
+                    ds.storage, shard, ds.schema, progress=report, index_storage=ds.index_storage
+                )
                 continue
             problems += verify_shard(
                 ds.storage,

@@ -20,17 +20,23 @@ from crossfeed.format.manifest import ShardInfo
 from crossfeed.format.schema import Schema
 from crossfeed.read.storage import Storage
 from crossfeed.read.verify import Problem
-from crossfeed.write.placement import file_sha256, open_stream
+from crossfeed.write.placement import file_sha256, map_file
 
 CANNOT = "tar has no payload checksums: member data is checked only by each shard's sha256"
 
 
 def verify_tar_shard(
-    storage: Storage, shard: ShardInfo, schema: Schema, *, progress: Callable[[int], None] | None = None
+    storage: Storage,
+    shard: ShardInfo,
+    schema: Schema,
+    *,
+    progress: Callable[[int], None] | None = None,
+    index_storage: Storage | None = None,
 ) -> list[Problem]:
-    """The problems of one tar shard and its index (see the module docstring)."""
+    """The problems of one tar shard and its index (in ``index_storage``, default beside the
+    tar; see the module docstring)."""
     path = storage.url(shard.file)
-    ipath = idx.index_path(path)
+    ipath = (index_storage or storage).url(idx.index_path(shard.file))
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -50,7 +56,7 @@ def verify_tar_shard(
         problems.append(Problem(ipath, None, "index file is missing; rebuild it with `crossfeed index --force`"))
     except IndexFileError as e:
         problems.append(Problem(ipath, None, str(e).removeprefix(f"{ipath}: ")))
-    with open_stream(path) as buf:
+    with map_file(path) as buf:  # as indexed: the bytes as stored
         try:
             ranges = tar.sample_ranges(buf, path, lambda key, group: None)
         except CorruptRecordError as e:

@@ -27,7 +27,7 @@ from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema, dec
 from crossfeed.format.tar import is_tar_name
 from crossfeed.write import tfds
 from crossfeed.write.adopt_parquet import index_parquet
-from crossfeed.write.placement import Placement, file_sha256, placement
+from crossfeed.write.placement import Placement, placement
 from crossfeed.write.writer import dataset_lock
 
 log = logging.getLogger(__name__)
@@ -271,19 +271,15 @@ def index_dataset(
                 f"separate directories"
             )
         if parquet:  # read in place: row groups from the footers, features from the columns
-            if index_dir is not None:
-                raise ConfigError(f"{root}: --index-dir is not supported for Parquet files yet; index them in place")
-            return _index_parquet(root, parquet, split, split_from_name, features, old, progress)
+            return _index_parquet(place, parquet, split, split_from_name, features, old, progress)
         if tars and not names:  # WebDataset tar shards, read in place (`crossfeed.write.adopt_tar`)
             from crossfeed.write.adopt_tar import index_tars
 
-            if index_dir is not None:
-                raise ConfigError(f"{root}: --index-dir is not supported for tar shards yet; index them in place")
             groups = {}
             for n in tars:
                 s, i = split_of(n, split) if split_from_name else (split, 0)
                 groups.setdefault(s, []).append((i, n))
-            return index_tars(root, groups, old=old, declared=declared_features(features), progress=progress)
+            return index_tars(place, groups, old=old, declared=declared_features(features), progress=progress)
         if not names:
             raise DatasetNotFoundError(
                 f"{root}: no TFRecord shards (files named *.tfrecord, *.tfrecords, *.tfrec[.gz] or "
@@ -329,26 +325,27 @@ def index_dataset(
     return _commit(place.root, manifest)
 
 
-def _index_parquet(root, parquet, split, split_from_name, features, old, progress) -> Manifest:
+def _index_parquet(place: Placement, parquet, split, split_from_name, features, old, progress) -> Manifest:
     """Parquet files adopted in place (`crossfeed.write.adopt_parquet`): with ``features``
-    (declarations, or bare column names whose feature is inferred) only those columns are indexed."""
+    (declarations, or bare column names whose feature is inferred) only those columns are indexed.
+    No index file is written: the manifest alone, beside the files or in the index directory."""
     groups: dict[str, list[tuple[int, str]]] = {}
     for n in parquet:
-        check_name(n, root)  # a manifest names plain files only
+        check_name(n, place.data)  # a manifest names plain files only
         s, i = split_of(n, split) if split_from_name else (split, 0)
         groups.setdefault(s, []).append((i, n))
     specs = [] if isinstance(features, dict) else list(features or ())
     picked = [f for f in specs if isinstance(f, str) and "=" not in f]  # a column NAME alone: inferred
     declared = declared_features(features if isinstance(features, dict) else [f for f in specs if f not in picked])
     schema, splits = index_parquet(
-        root,
+        place,
         {s: [n for _, n in sorted(m)] for s, m in sorted(groups.items())},
         declared=declared,
         picked=picked,
-        sha256=file_sha256,
         progress=progress,
     )
-    return _commit(root, Manifest(schema, splits, _metadata(old), old.generation + 1 if old else 0))
+    manifest = Manifest(schema, splits, _metadata(old), old.generation + 1 if old else 0, place.data_root)
+    return _commit(place.root, manifest)
 
 
 def _metadata(old: Manifest | None) -> dict:

@@ -6,33 +6,40 @@ columns (`crossfeed.format.parquet`); nothing is rewritten and no index file is 
 columns are read once to learn whether every row has the same length (then they are tensors of
 that shape); declared columns (``--feature``) are read and checked in full; other columns are
 known from the footer alone.
+
+The manifest goes beside the files or, with ``--index-dir``, into a directory of its own
+(`crossfeed.write.placement`; the files are then read where they lie: a read-only directory or
+an fsspec URL, fetched whole once to be hashed and indexed). Beside the files, ``crossfeed.json``
+is one more file in the directory: ``pyarrow.dataset(DIR)`` then fails on it (it is no Parquet
+file); pass ``pyarrow.dataset`` the Parquet files themselves, or keep the directory Parquet-only
+with ``--index-dir``.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from crossfeed.errors import CorruptRecordError, SchemaError
 from crossfeed.format.manifest import ShardInfo, SplitInfo
 from crossfeed.format.parquet import FORMAT, column_values, infer_feature, list_dims, merge_dims, pyarrow_modules
 from crossfeed.format.schema import Encoding, Feature, Schema
+from crossfeed.write.placement import Placement
 
 
 def index_parquet(
-    root: str,
+    place: Placement,
     groups: dict[str, list[str]],
     *,
     declared: dict[str, Feature],
     picked: list[str],
-    sha256: Callable[[str], str],
     progress: Callable[[int], None] | None = None,
 ) -> tuple[Schema, dict[str, SplitInfo]]:
-    """``(schema, splits)`` of the Parquet files ``groups`` (split → file names in ``root``).
+    """``(schema, splits)`` of the Parquet files ``groups`` (split → file names in ``place``'s
+    data directory, which is only read).
 
     ``declared`` features are read as declared and checked against every row; ``picked`` names
     columns whose feature is inferred. With either given only those columns are indexed (a way
-    round columns crossfeed cannot read); without, every column is. ``sha256(path)`` hashes a file.
+    round columns crossfeed cannot read); without, every column is.
     """
     pa, pq = pyarrow_modules()
     wanted = list(dict.fromkeys([*picked, *declared])) or None
@@ -43,43 +50,43 @@ def index_parquet(
     for split, names in groups.items():
         shards = []
         for n in names:
-            path = os.path.join(root, n)
-            try:
-                pf = pq.ParquetFile(path)
-            except (pa.ArrowException, OSError) as e:
-                raise CorruptRecordError(path, 0, f"not a readable Parquet file ({e})") from e
-            with pf:
-                feats = _file_features(path, pf.schema_arrow, wanted, declared)
-                if first is None:
-                    first, inferred = path, feats
-                elif feats != inferred:
-                    diff = sorted(k for k in set(feats) | set(inferred) if feats.get(k) != inferred.get(k))[:1]
-                    k = diff[0]
-                    raise SchemaError(
-                        f"{path}: column {k!r} is {_show(feats.get(k))}, in {first} it is {_show(inferred.get(k))}; "
-                        f"the files of a dataset share one schema (pick the common columns with --feature NAME)"
-                    )
-                md = pf.metadata
-                _check_null_stats(path, md, set(feats))
-                lists = [
-                    k
-                    for k, f in feats.items()
-                    if k not in declared and f.encoding is Encoding.TENSOR and None in f.shape
-                ]
-                for r in range(md.num_row_groups):
-                    where = f"{path}: row group {r}"
-                    if lists:
-                        table = _read(pa, pf, path, r, lists)
-                        for k in lists:
-                            got = list_dims(table.column(k).combine_chunks())
-                            dims[k] = merge_dims(dims[k], got) if k in dims else got
-                    if declared:
-                        table = _read(pa, pf, path, r, list(declared))
-                        for k, f in declared.items():
-                            column_values(f, table.column(k).combine_chunks(), where)
-                counts = tuple(md.row_group(r).num_rows for r in range(md.num_row_groups))
-            size = os.path.getsize(path)
-            shards.append(ShardInfo(n, sum(counts), size, sha256(path), None, counts))
+            path = place.data_url(n)
+            with place.open_bytes(n) as (buf, size, sha):
+                try:  # a local file by its path (pyarrow reads it), a remote one from the fetched bytes
+                    pf = pq.ParquetFile(pa.BufferReader(buf) if place.remote else path)
+                except (pa.ArrowException, OSError) as e:
+                    raise CorruptRecordError(path, 0, f"not a readable Parquet file ({e})") from e
+                with pf:
+                    feats = _file_features(path, pf.schema_arrow, wanted, declared)
+                    if first is None:
+                        first, inferred = path, feats
+                    elif feats != inferred:
+                        diff = sorted(k for k in set(feats) | set(inferred) if feats.get(k) != inferred.get(k))[:1]
+                        k = diff[0]
+                        raise SchemaError(
+                            f"{path}: column {k!r} is {_show(feats.get(k))}, in {first} it is {_show(inferred.get(k))}; "
+                            f"the files of a dataset share one schema (pick the common columns with --feature NAME)"
+                        )
+                    md = pf.metadata
+                    _check_null_stats(path, md, set(feats))
+                    lists = [
+                        k
+                        for k, f in feats.items()
+                        if k not in declared and f.encoding is Encoding.TENSOR and None in f.shape
+                    ]
+                    for r in range(md.num_row_groups):
+                        where = f"{path}: row group {r}"
+                        if lists:
+                            table = _read(pa, pf, path, r, lists)
+                            for k in lists:
+                                got = list_dims(table.column(k).combine_chunks())
+                                dims[k] = merge_dims(dims[k], got) if k in dims else got
+                        if declared:
+                            table = _read(pa, pf, path, r, list(declared))
+                            for k, f in declared.items():
+                                column_values(f, table.column(k).combine_chunks(), where)
+                    counts = tuple(md.row_group(r).num_rows for r in range(md.num_row_groups))
+            shards.append(ShardInfo(n, sum(counts), size, sha, None, counts))
             if progress is not None:
                 progress(size)
         splits[split] = SplitInfo(split, tuple(shards), format=FORMAT)

@@ -1,8 +1,10 @@
 """Adopting WebDataset tar shards in place (``crossfeed index DIR`` on a directory of ``.tar``
 files, written by ``webdataset.ShardWriter``/``TarWriter``, GNU ``tar``, ``tarp`` or Python's
 ``tarfile``): every header's checksum is checked, members are grouped into samples by
-webdataset's key rule, an ``.idx`` of each sample's byte range is written beside each tar and
-the manifest (split ``format: "tar"``) last. The tars are never modified.
+webdataset's key rule, an ``.idx`` of each sample's byte range is written beside each tar (or
+into the ``--index-dir``, the tars then read where they lie: a read-only directory or an fsspec
+URL; `crossfeed.write.placement`) and the manifest (split ``format: "tar"``) last. The tars are
+never modified.
 
 The features are the samples' extensions (`crossfeed.format.tar.infer_feature`); every sample
 must carry the same ones. ``features`` declarations (``jpg=bytes``, say) replace inference and
@@ -11,7 +13,6 @@ are checked against every sample.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from crossfeed.errors import ConfigError, SchemaError
@@ -19,7 +20,7 @@ from crossfeed.format import index as idx
 from crossfeed.format import tar
 from crossfeed.format.manifest import Manifest, ShardInfo, SplitInfo, check_name, write_manifest
 from crossfeed.format.schema import Encoding, Feature, Schema
-from crossfeed.write.placement import file_sha256, open_stream
+from crossfeed.write.placement import Placement
 from crossfeed.write.writer import dataset_lock
 
 
@@ -64,31 +65,35 @@ class _Inference:
         return Schema(self.declared.get(e) or self.feats[e] for e in self.exts or ())
 
 
-def index_tar_shard(path: str, inference: _Inference) -> ShardInfo:
-    """Index one tar: write ``path.idx`` and return its `ShardInfo` (the file name left empty)."""
-    with open_stream(path) as buf:
-        ranges = tar.sample_ranges(buf, path, lambda key, group: inference.add(path, key, group, buf))
-    index_sha = idx.write_index(idx.index_path(path), ranges)
-    return ShardInfo("", len(ranges), os.path.getsize(path), file_sha256(path), index_sha)
+def index_tar_shard(place: Placement, name: str, inference: _Inference) -> ShardInfo:
+    """Index the tar ``name`` of ``place``'s data directory: write its ``.idx`` where the placement
+    puts indexes and return its `ShardInfo`."""
+    where = place.data_url(name)
+    with place.open_bytes(name) as (buf, size, sha):
+        ranges = tar.sample_ranges(buf, where, lambda key, group: inference.add(where, key, group, buf))
+    index_sha = idx.write_index(place.index_path(name), ranges)
+    return ShardInfo(name, len(ranges), size, sha, index_sha)
 
 
 def index_tars(
-    root: str,
+    place: Placement,
     groups: dict[str, list[tuple[int, str]]],
     *,
     old: Manifest | None,
     declared: dict[str, Feature],
     progress: Callable[[int], None] | None = None,
 ) -> Manifest:
-    """Index the tar shards of ``root`` (``{split: [(number, file name)]}``) and write the manifest."""
+    """Index the tar shards (``{split: [(number, file name)]}``) of ``place``'s data directory and
+    write the manifest (with its ``data_root`` when the indexes sit apart from the tars)."""
+    root = place.data
     inference = _Inference(declared)
     splits = {}
     for s, found in sorted(groups.items()):
         shards = []
         for _, n in sorted(found):
             check_name(n, root)
-            info = index_tar_shard(os.path.join(root, n), inference)
-            shards.append(ShardInfo(n, info.num_records, info.num_bytes, info.sha256, info.index_sha256))
+            info = index_tar_shard(place, n, inference)
+            shards.append(info)
             if progress is not None:
                 progress(info.num_bytes)
         splits[s] = SplitInfo(s, tuple(shards), format=tar.FORMAT)
@@ -99,7 +104,7 @@ def index_tars(
         raise SchemaError(f"{root}: declared features {missing} are not extensions of the samples ({inference.exts})")
     metadata = dict(old.metadata) if old else {}
     metadata.setdefault("source", "crossfeed index (webdataset tar)")
-    manifest = Manifest(inference.schema(), splits, metadata, old.generation + 1 if old else 0)
-    with dataset_lock(root):
-        write_manifest(root, manifest)
+    manifest = Manifest(inference.schema(), splits, metadata, old.generation + 1 if old else 0, place.data_root)
+    with dataset_lock(place.root):
+        write_manifest(place.root, manifest)
     return manifest

@@ -4,8 +4,8 @@ directory when the data directory is read-only or remote (``crossfeed index --in
 
 A manifest written into an index directory records the data directory in its ``data_root``
 (an absolute path or URL); readers open the shards there and the index files beside the
-manifest (`crossfeed.read.dataset.Dataset`). Every adopter (TFRecord, TFDS, and other formats)
-places its outputs through `placement`::
+manifest (`crossfeed.read.dataset.Dataset`). Every adopter (TFRecord, TFDS, WebDataset tars,
+Parquet — which writes no index files, only the manifest) places its outputs through `placement`::
 
     place = placement(path, index_dir)           # validated; index_dir created
     for name in place.listdir():                 # the data files, plain names
@@ -114,10 +114,7 @@ class Placement:
             with open_stream(where) as buf:
                 yield buf, os.path.getsize(where), file_sha256(where)
             return
-        try:
-            raw = self._fs().cat_file(where)
-        except FileNotFoundError as e:
-            raise DatasetNotFoundError(f"{where}: no such file") from e
+        raw = self._fetch(where)
         data = raw
         if tfrecord.looks_gzip(raw[: tfrecord.HEADER]):
             try:
@@ -125,6 +122,29 @@ class Placement:
             except tfrecord.GZIP_ERRORS as e:
                 raise CorruptRecordError(where, 0, f"not a readable GZIP stream ({type(e).__name__}: {e})") from e
         yield data, len(raw), hashlib.sha256(raw).hexdigest()
+
+    @contextlib.contextmanager
+    def open_bytes(self, name: str) -> Iterator[tuple[object, int, str]]:
+        """``(file bytes, file size, file sha256)`` of data file ``name`` as stored, nothing
+        inflated (a tar or Parquet file indexed in place): a local file memory-mapped, a remote
+        one fetched whole, once."""
+        where = self.data_url(name)
+        if not self.remote:
+            try:
+                sha = file_sha256(where)
+            except FileNotFoundError as e:
+                raise DatasetNotFoundError(f"{where}: no such file") from e
+            with map_file(where) as buf:
+                yield buf, len(buf), sha
+            return
+        raw = self._fetch(where)
+        yield raw, len(raw), hashlib.sha256(raw).hexdigest()
+
+    def _fetch(self, where: str) -> bytes:
+        try:
+            return self._fs().cat_file(where)
+        except FileNotFoundError as e:
+            raise DatasetNotFoundError(f"{where}: no such file") from e
 
 
 @contextlib.contextmanager
@@ -134,6 +154,13 @@ def open_stream(path: str) -> Iterator:
     if tfrecord.is_gzip(path):
         yield tfrecord.read_bytes(path)
         return
+    with map_file(path) as buf:
+        yield buf
+
+
+@contextlib.contextmanager
+def map_file(path: str) -> Iterator:
+    """A local file's bytes as stored: a read-only mmap (``b""`` for an empty file)."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             yield b""
