@@ -77,16 +77,16 @@ def verify_dataset(path, split: str | None = None, progress: Callable[[int, int]
                 problems += verify_tar_shard(
                     ds.storage, shard, ds.schema, progress=report, index_storage=ds.index_storage
                 )
-                continue
-            problems += verify_shard(
-                ds.storage,
-                shard,
-                ds.schema,
-                decoder=decoder,
-                progress=report,
-                index_storage=ds.index_storage,
-                shard_format=formats[shard.file],
-            )
+            else:
+                problems += verify_shard(
+                    ds.storage,
+                    shard,
+                    ds.schema,
+                    decoder=decoder,
+                    progress=report,
+                    index_storage=ds.index_storage,
+                    shard_format=formats[shard.file],
+                )
             done += shard.num_bytes
             if progress is not None:
                 progress(done, total)
