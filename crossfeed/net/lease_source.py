@@ -97,7 +97,7 @@ class LeaseSource:
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._thread = threading.Thread(target=self._run, name="crossfeed-lease-source", daemon=True)
-        self.stats = {"leases": 0, "built": 0, "resets": 0, "dropped": 0}
+        self.stats = {"leases": 0, "built": 0, "resets": 0, "dropped": 0, "passes": 0}
 
     def start(self) -> LeaseSource:
         self._thread.start()
@@ -153,6 +153,7 @@ class LeaseSource:
             self._halt_builder()
             if self._loader is not None:
                 self._loader.close()
+            logger.info("lease source done: %s", self.stats)
 
     def _halt_builder(self) -> None:
         self._halt.set()
@@ -251,6 +252,7 @@ class LeaseSource:
                 if not self._todo:
                     continue
                 taken: collections.deque = collections.deque()  # the tasks in the executor, in order
+                self.stats["passes"] += 1
                 for batch in loader.executor.map(loader.builder, self._indices(taken)):
                     task = taken.popleft()
                     if self._halt.is_set():
