@@ -259,3 +259,21 @@ def test_leased_batches_are_built_by_the_servers_executor(tmp_path, dataset, exe
     if executor[0] == "--procs":
         pids = {p for _ids, _s, fields in lines for p in fields["pid"]}
         assert len(pids) >= 2, "one worker process built every batch"
+
+
+def test_a_transform_that_raises_in_a_worker_process_stops_the_server_with_its_error(tmp_path, dataset):
+    """`--procs 2` and a transform that raises at one sample: the server exits non-zero naming the
+    transform's error (crossed from the worker process), having handed its leases back."""
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0")
+    procs = [d]
+    try:
+        server = start_server(
+            tmp_path, dataset, address, "s0", "--procs", "2", "--transform", "procs_helpers:fail_at_label"
+        )
+        procs.append(server)
+        procs.append(spawn("trainer", address, str(tmp_path / "t0.out"), log=tmp_path / "t0.log"))
+        assert server.wait(60) != 0
+    finally:
+        stop(*procs)
+    log = (tmp_path / "s0.log").read_text()
+    assert "transform refuses label 13" in log and "worker process" in log and "of epoch 0, lease" in log, log[-3000:]

@@ -245,13 +245,14 @@ class LeaseSource:
         """Build the leased batches through the Loader's executor, one pass per run of leases
         already received (a pass ends when none is left), and hand them to the server in order."""
         loader = self._loader
+        taken: collections.deque = collections.deque()  # the tasks in the executor, in order
         try:
             while not self._halt.is_set():
                 self._work.wait(0.1)
                 self._work.clear()
                 if not self._todo:
                     continue
-                taken: collections.deque = collections.deque()  # the tasks in the executor, in order
+                taken.clear()
                 self.stats["passes"] += 1
                 for batch in loader.executor.map(loader.builder, self._indices(taken)):
                     task = taken.popleft()
@@ -261,8 +262,12 @@ class LeaseSource:
         except Exception as e:  # crosses to the server loop wrapped, never swallowed
             if self._halt.is_set():  # the Loader was closed under a batch: we are stopping
                 return
-            logger.exception("building the dispatcher's leases failed")
-            self._put(ProducerFailed(f"{type(e).__name__}: {e}"))
+            where = ""
+            if taken:  # the batch whose result was awaited
+                _, lease, epoch, b, _ = taken[0]
+                where = f" (building batch {b} of epoch {epoch}, lease {lease})"
+            logger.exception("building the dispatcher's leases failed%s", where)
+            self._put(ProducerFailed(f"{type(e).__name__}{where}: {e}"))
 
     def _indices(self, taken: collections.deque):
         """The sample ids of each leased batch still to build (of the current join), until none
