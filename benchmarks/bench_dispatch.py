@@ -1,18 +1,22 @@
 """Dispatched serving (leases, claims, journal) beside static shares (--rank/--world-size), one run.
 
     python benchmarks/bench_dispatch.py [--samples 20000] [--batch-size 64] [--servers 2] [--rounds 2]
+        [--serve-args "--procs 2 --transform benchmarks.bench_dispatch:busy"]
 
 Writes a dataset of 32x32x3 uint8 images + labels in a temporary folder, then per round and
 mode starts the servers as `crossfeed serve` processes (static: `--rank r --world-size M`;
 dispatched: one `crossfeed dispatch` and M `serve --dispatcher`) and reads one epoch with one
 trainer in this process over loopback tcp. Prints samples/s from the first batch to the end of
 the epoch (start-up excluded), the dispatched/static ratio, and checks that every sample came once.
+``--serve-args`` go to every `serve` of both modes (e.g. ``--procs N`` or ``--workers N`` with
+``--transform benchmarks.bench_dispatch:busy``, a per-sample Python transform).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -23,6 +27,15 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def busy(sample: dict) -> dict:
+    """A per-sample Python transform (module-level: worker processes import it): a flip and a
+    little pure-Python work, holding the GIL as augmentation code does."""
+    acc = 0
+    for v in sample["image"][:, :, 0].ravel().tolist():
+        acc = (acc * 31 + v) % 1000003
+    return {**sample, "image": np.ascontiguousarray(sample["image"][:, ::-1]), "check": np.int64(acc)}
 
 
 def cli(*argv: str, log: Path) -> subprocess.Popen:
@@ -66,6 +79,7 @@ def run(mode: str, ds: str, work: Path, args) -> tuple[float, collections.Counte
                 ep.unlink(missing_ok=True)
                 argv = ["serve", ds, "tcp://127.0.0.1:0", *common, "--epochs", "1"]
                 argv += ["--rank", str(r), "--world-size", str(args.servers), "--endpoint-file", str(ep)]
+                argv += shlex.split(args.serve_args)
                 procs.append(cli(*argv, log=work / f"{mode}{r}.log"))
                 addrs.append(endpoint(ep, procs))
             batches = crossfeed.connect(addrs, with_meta=True)
@@ -77,7 +91,8 @@ def run(mode: str, ds: str, work: Path, args) -> tuple[float, collections.Counte
             procs.append(cli(*argv, log=work / "d.log"))
             address = endpoint(ep, procs)
             for r in range(args.servers):
-                procs.append(cli("serve", ds, "tcp://127.0.0.1:0", "--dispatcher", address, log=work / f"s{r}.log"))
+                argv = ["serve", ds, "tcp://127.0.0.1:0", "--dispatcher", address, *shlex.split(args.serve_args)]
+                procs.append(cli(*argv, log=work / f"s{r}.log"))
             batches = crossfeed.connect(dispatcher=address, with_meta=True)
         return consume(batches)
     finally:
@@ -97,6 +112,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--serve-args", default="", help="extra `serve` arguments for both modes, e.g. '--procs 2'")
     args = ap.parse_args(argv)
     import crossfeed
 
@@ -119,6 +135,7 @@ def main(argv=None) -> None:
             f"{args.servers} servers -> 1 trainer, {args.samples} samples, batch {args.batch_size}: "
             f"static {best['static']:.0f}/s, dispatched {best['dispatched']:.0f}/s, "
             f"ratio dispatched/static {best['dispatched'] / best['static']:.2f} (best of {args.rounds})"
+            + (f", serve {args.serve_args}" if args.serve_args else "")
         )
 
 

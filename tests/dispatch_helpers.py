@@ -37,8 +37,20 @@ def write_dataset(path: str, n: int) -> None:
     crossfeed.write_dataset(path, samples, num_shards=3).close()
 
 
-def trainer(dispatcher: str, out_file: str, pace: float = 0.0, keys: str = "") -> None:
-    """One JSON line of sample ids per batch (flushed before the next is asked for), then END."""
+def tag_sample(sample: dict) -> dict:
+    """A module-level transform (`--transform dispatch_helpers:tag_sample`): the label + 1000,
+    and where it ran: the process id, and 1 in a Loader pool thread ("crossfeed-loader_N")."""
+    import threading
+
+    import numpy as np
+
+    pooled = threading.current_thread().name.startswith("crossfeed-loader")
+    return {**sample, "label": sample["label"] + 1000, "pid": np.int64(os.getpid()), "pooled": np.int64(pooled)}
+
+
+def trainer(dispatcher: str, out_file: str, pace: float = 0.0, keys: str = "", fields: bool = False) -> None:
+    """One JSON line of sample ids per batch (flushed before the next is asked for), then END;
+    `fields`: each line also has the batch's label, pid and pooled columns (see `tag_sample`)."""
     import logging
 
     from crossfeed import connect
@@ -56,8 +68,11 @@ def trainer(dispatcher: str, out_file: str, pace: float = 0.0, keys: str = "") -
             connect_timeout=10.0,
         ) as c,
     ):
-        for meta, _batch in c:
-            out.write(json.dumps([meta.sample_ids.tolist(), meta.server_id]) + "\n")
+        for meta, batch in c:
+            line = [meta.sample_ids.tolist(), meta.server_id]
+            if fields:
+                line.append({k: batch[k].tolist() for k in ("label", "pid", "pooled")})
+            out.write(json.dumps(line) + "\n")
             out.flush()
             if pace:
                 time.sleep(pace)
@@ -67,6 +82,11 @@ def trainer(dispatcher: str, out_file: str, pace: float = 0.0, keys: str = "") -
 def read_batches(path: Path) -> list[tuple[list[int], str]]:
     if not path.exists():
         return []
+    return [tuple(json.loads(line)[:2]) for line in path.read_text().splitlines() if line.startswith("[")]
+
+
+def read_fields(path: Path) -> list[tuple[list[int], str, dict]]:
+    """The lines of a `trainer(..., fields=True)`: (sample ids, server id, columns)."""
     return [tuple(json.loads(line)) for line in path.read_text().splitlines() if line.startswith("[")]
 
 

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 import zmq
-from dispatch_helpers import HB, read_batches, spawn, stop, wait_until
+from dispatch_helpers import HB, read_batches, read_fields, spawn, stop, wait_until
 
 from crossfeed.net import leasewire as W
 
@@ -217,3 +217,63 @@ def test_a_stalled_server_that_wakes_up_is_fenced(tmp_path, dataset):
         stop(*procs)
     assert used(outs) == collections.Counter(range(N)), "a sample was lost or used twice"
     assert "does not know us" in (tmp_path / "s0.log").read_text()  # it was told to rejoin
+
+
+def labels_by_index(dataset: str) -> dict[int, int]:
+    """Sample index -> label, read here without a transform."""
+    import crossfeed
+
+    with crossfeed.Loader(dataset, batch_size=64, shuffle="none", return_index=True) as loader:
+        return {int(i): int(v) for b in loader for i, v in zip(b["__index__"], b["label"])}
+
+
+@pytest.mark.parametrize("executor", [["--procs", "2"], ["--workers", "2"]], ids=["procs", "workers"])
+def test_leased_batches_are_built_by_the_servers_executor(tmp_path, dataset, executor):
+    """`serve --dispatcher --procs 2 / --workers 2 --transform mod:fn`: the leased batches are built
+    in the Loader's worker processes (other pids than the server's) or pool threads, the
+    transform applied, every sample exactly once."""
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0")
+    procs = [d]
+    try:
+        extra = [*executor, "--transform", "dispatch_helpers:tag_sample"]
+        servers = [start_server(tmp_path, dataset, address, f"s{i}", *extra) for i in range(2)]
+        procs += servers
+        out = tmp_path / "t0.out"
+        trainer = spawn("trainer", address, str(out), 0.0, "", True, log=tmp_path / "t0.log")
+        procs.append(trainer)
+        assert trainer.wait(90) == 0, (tmp_path / "t0.log").read_text()[-3000:]
+        assert d.wait(30) == 0, (tmp_path / "d.log").read_text()[-3000:]
+    finally:
+        stop(*procs)
+    lines = read_fields(out)
+    assert collections.Counter(i for ids, _s, _f in lines for i in ids) == collections.Counter(range(N))
+    label = labels_by_index(dataset)
+    for ids, server, fields in lines:
+        assert fields["label"] == [label[i] + 1000 for i in ids], "the transform was not applied"
+        server_pid = int(server.rsplit(":", 1)[1])
+        assert server_pid in {s.pid for s in servers}
+        if executor[0] == "--procs":
+            assert server_pid not in fields["pid"], "a batch was built in the server, not its worker processes"
+        else:
+            assert fields["pid"] == [server_pid] * len(ids) and fields["pooled"] == [1] * len(ids)
+    if executor[0] == "--procs":
+        pids = {p for _ids, _s, fields in lines for p in fields["pid"]}
+        assert len(pids) >= 2, "one worker process built every batch"
+
+
+def test_a_transform_that_raises_in_a_worker_process_stops_the_server_with_its_error(tmp_path, dataset):
+    """`--procs 2` and a transform that raises at one sample: the server exits non-zero naming the
+    transform's error (crossed from the worker process), having handed its leases back."""
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0")
+    procs = [d]
+    try:
+        server = start_server(
+            tmp_path, dataset, address, "s0", "--procs", "2", "--transform", "procs_helpers:fail_at_label"
+        )
+        procs.append(server)
+        procs.append(spawn("trainer", address, str(tmp_path / "t0.out"), log=tmp_path / "t0.log"))
+        assert server.wait(60) != 0
+    finally:
+        stop(*procs)
+    log = (tmp_path / "s0.log").read_text()
+    assert "transform refuses label 13" in log and "worker process" in log and "of epoch 0, lease" in log, log[-3000:]

@@ -199,7 +199,8 @@ def serve(
 
 def dispatched_source(dataset, dispatcher, loader_options, options, transform, dispatcher_keys):
     """Server(source=...) building the leases of `dispatcher` from a Loader over `dataset` whose
-    plan options (split, batch size, shuffle, seed) are the dispatcher's."""
+    plan options (split, batch size, shuffle, seed) are the dispatcher's, and whose executor
+    (--workers threads or --procs processes) is this server's."""
     from crossfeed.net.keys import ClientKeys
     from crossfeed.net.lease_source import LeaseSource
     from crossfeed.read.loader import Loader
@@ -216,6 +217,8 @@ def dispatched_source(dataset, dispatcher, loader_options, options, transform, d
                 seed=int(plan["seed"]),
                 remainder=plan.get("remainder", "pad"),
                 num_threads=loader_options.read.num_threads,
+                executor=loader_options.read.executor,
+                processes=loader_options.read.processes,
                 cache_dir=loader_options.read.cache_dir,
                 cache_limit=loader_options.read.cache_limit,
                 return_index=True,

@@ -12,9 +12,15 @@ lease id, which the trainer quotes when it claims the batch. Yields, like `Produ
     StreamEnd(epochs)                    the dispatcher said FINISHED
     ProducerFailed(message)              building failed; nothing follows
 
+The batches are built by the Loader's executor (`--workers` threads or `--procs` worker
+processes), in a second thread that feeds it the batches of the leases already received, in
+order (look-ahead bounded by the executor's window and the server's queue), while this thread
+keeps beating and reading the dispatcher.
+
 RESET (the dispatcher declared us dead, or restarted without knowing us): the leases not yet
-built are dropped and we say HELLO under a new id; what was already sent is refused to the
-trainers by the dispatcher (their claims quote revoked leases), never used twice.
+built are dropped and we say HELLO under a new id; a batch of a void lease that the executor
+was already building is dropped when it is done, never offered; what was already sent is
+refused to the trainers by the dispatcher (their claims quote revoked leases), never used twice.
 `stop()` says BYE first: the dispatcher gives our unclaimed batches to the other servers.
 """
 
@@ -75,11 +81,15 @@ class LeaseSource:
         self._endpoints = advertised(endpoints)
         self._server_id, self._hb, self._on_put = server_id, heartbeat, on_put
         self.queue = Prefetch(prefetch)
-        self._todo: collections.deque[tuple[int, int, int, int]] = collections.deque()  # lease, epoch, b, batches
+        # (join, lease, epoch, b, batches), join: the `_joins` count when the lease came
+        self._todo: collections.deque[tuple[int, int, int, int, int]] = collections.deque()
+        self._joins = 0  # bumped by each RESET: tasks of an earlier join are void
+        self._work = threading.Event()  # set when leases arrive
         self._loader = None
         self._samplers: list[Sampler] = []
-        self._plans: dict[tuple[int, int], Any] = {}  # (rank, epoch) -> Plan
-        self._held = None  # a built batch the server's queue had no room for yet
+        self._plans: dict[tuple[int, int], Any] = {}  # (rank, epoch) -> Plan (builder thread only)
+        self._builder: threading.Thread | None = None
+        self._halt = threading.Event()  # stops the builder thread
         self._batches = 0
         self._id = P.new_instance()
         self._instance = 0  # the dispatcher process we talk to
@@ -87,7 +97,7 @@ class LeaseSource:
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._thread = threading.Thread(target=self._run, name="crossfeed-lease-source", daemon=True)
-        self.stats = {"leases": 0, "built": 0, "resets": 0}
+        self.stats = {"leases": 0, "built": 0, "resets": 0, "dropped": 0, "passes": 0}
 
     def start(self) -> LeaseSource:
         self._thread.start()
@@ -126,26 +136,32 @@ class LeaseSource:
                         W.Kind.BEAT if self._welcomed else W.Kind.HELLO,
                         None if self._welcomed else self._endpoints,
                     )
-                busy = self._held is None and self._todo and self._loader is not None
-                idle = int(min(self._hb.interval / 2, 0.05) * 1000)
-                if sock.poll(0 if busy else 1 if self._held is not None else idle):
+                if self._builder is not None and not self._builder.is_alive():
+                    return  # building failed: ProducerFailed is queued, nothing follows
+                if sock.poll(int(min(self._hb.interval / 2, 0.05) * 1000)):
                     if self._receive(sock):
                         return
-                if self._held is not None:
-                    self._offer()
-                elif busy:
-                    self._held = self._build_one()
-                    self._offer()
         except Exception as e:  # crosses to the server loop wrapped, never swallowed
             logger.exception("serving the dispatcher's leases failed")
+            self._halt_builder()
             self._put(ProducerFailed(f"{type(e).__name__}: {e}"))
         finally:
             if self._welcomed:
                 self._send(sock, W.Kind.BYE)  # hand back what we hold (the server is stopping)
             sock.close(linger=500)
             self._ctx.term()
+            self._halt_builder()
             if self._loader is not None:
                 self._loader.close()
+            logger.info("lease source done: %s", self.stats)
+
+    def _halt_builder(self) -> None:
+        self._halt.set()
+        self._work.set()
+        if self._builder is not None and self._builder is not threading.current_thread():
+            self._builder.join(30)
+            if self._builder.is_alive():
+                logger.warning("the batch builder did not stop in 30 s; closing the Loader under it")
 
     def _receive(self, sock: zmq.Socket) -> bool:
         """Handle what the dispatcher sent; True once it said FINISHED."""
@@ -178,20 +194,22 @@ class LeaseSource:
                     logger.warning("dropped lease %d: batch numbers outside 0..%d", msg.a, self._batches - 1)
                     continue
                 self.stats["leases"] += 1
-                self._todo.extend((msg.a, msg.b, b, msg.c) for b in nums)
+                self._todo.extend((self._joins, msg.a, msg.b, b, msg.c) for b in nums)
+                self._work.set()
             elif msg.kind is W.Kind.RESET:
                 logger.warning("the dispatcher does not know us (declared dead, or restarted): joining afresh")
                 self._reset()
             elif msg.kind is W.Kind.FINISHED:
                 logger.info("the dispatcher says every epoch is done")
+                self._halt_builder()  # nothing may follow the end
                 self._put(StreamEnd(0))
                 return True
         return False
 
     def _reset(self) -> None:
         self.stats["resets"] += 1
+        self._joins += 1  # before the clear: the builder drops what it still takes of the old join
         self._todo.clear()
-        self._held = None
         self._id = P.new_instance()
         self._welcomed = False
 
@@ -217,35 +235,79 @@ class LeaseSource:
                     f"{mine} with the same options: serve the same dataset the dispatcher plans"
                 )
             self._batches = msg.a
+            self._builder = threading.Thread(target=self._build, name="crossfeed-lease-builder", daemon=True)
+            self._builder.start()
         self._welcomed = True
         logger.info("joined the dispatcher at %s as %016x", self._dispatcher, self._id)
 
-    def _offer(self) -> None:
-        """Hand the built batch to the server if its queue has room (never block: heartbeats)."""
-        try:
-            self.queue.put(self._held, timeout=0.005)
-        except queue.Full:
-            return
-        self._held = None
-        if self._on_put is not None:
-            self._on_put()
-
-    def _build_one(self):
-        lease, epoch, b, batches = self._todo.popleft()
+    # ---- the builder thread ----
+    def _build(self) -> None:
+        """Build the leased batches through the Loader's executor, one pass per run of leases
+        already received (a pass ends when none is left), and hand them to the server in order."""
         loader = self._loader
+        taken: collections.deque = collections.deque()  # the tasks in the executor, in order
+        try:
+            while not self._halt.is_set():
+                self._work.wait(0.1)
+                self._work.clear()
+                if not self._todo:
+                    continue
+                taken.clear()
+                self.stats["passes"] += 1
+                for batch in loader.executor.map(loader.builder, self._indices(taken)):
+                    task = taken.popleft()
+                    if self._halt.is_set():
+                        return
+                    self._offer(task, batch)
+        except Exception as e:  # crosses to the server loop wrapped, never swallowed
+            if self._halt.is_set():  # the Loader was closed under a batch: we are stopping
+                return
+            where = ""
+            if taken:  # the batch whose result was awaited
+                _, lease, epoch, b, _ = taken[0]
+                where = f" (building batch {b} of epoch {epoch}, lease {lease})"
+            logger.exception("building the dispatcher's leases failed%s", where)
+            self._put(ProducerFailed(f"{type(e).__name__}{where}: {e}"))
+
+    def _indices(self, taken: collections.deque):
+        """The sample ids of each leased batch still to build (of the current join), until none
+        is left: only leases already received are built ahead."""
         world = len(self._samplers)  # batch b is batch b // world of rank b % world
-        key = (b % world, epoch)
-        plan = self._plans.get(key)
-        if plan is None:  # one Plan per rank and epoch: it keeps the order's chunk it last evaluated
-            if len(self._plans) >= 2 * world:
-                self._plans.clear()
-            plan = self._plans[key] = self._samplers[b % world].plan(epoch, 0)
-        indices = plan.batch(b // world)
-        batch = loader.builder(indices)
+        while not self._halt.is_set():
+            try:
+                task = self._todo.popleft()
+            except IndexError:
+                return
+            if task[0] != self._joins:
+                continue
+            _, _, epoch, b, _ = task
+            key = (b % world, epoch)
+            plan = self._plans.get(key)
+            if plan is None:  # one Plan per rank and epoch: it keeps the order's chunk it last evaluated
+                if len(self._plans) >= 2 * world:
+                    self._plans.clear()
+                plan = self._plans[key] = self._samplers[b % world].plan(epoch, 0)
+            taken.append(task)
+            yield plan.batch(b // world)
+
+    def _offer(self, task: tuple[int, int, int, int, int], batch) -> None:
+        """Hand a built batch to the server, unless its lease went void meanwhile (RESET)."""
+        join, lease, epoch, b, batches = task
         item = encode_item(batch, epoch=epoch, seq=epoch * batches + b, server_id=self._server_id)
         item.lease = lease
         self.stats["built"] += 1
-        return item
+        while not self._halt.is_set():
+            if join != self._joins:
+                self.stats["dropped"] += 1
+                logger.debug("dropped batch %d of void lease %d", b, lease)
+                return
+            try:
+                self.queue.put(item, timeout=0.1)
+            except queue.Full:
+                continue
+            if self._on_put is not None:
+                self._on_put()
+            return
 
     def _put(self, item) -> None:
         while not self._stop.is_set():
