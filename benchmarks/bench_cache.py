@@ -161,6 +161,8 @@ def _epochs(make_iter, warm: int = 5) -> list[float]:
         for count in make_iter():
             n += count
         rates.append(n / (time.perf_counter() - t))
+        if PeakRSS.current is not None and len(rates) == 1:
+            PeakRSS.current.epoch1 = PeakRSS.current.stop(keep=True)
     return [rates[0], float(np.median(rates[1:]))]
 
 
@@ -215,7 +217,7 @@ def child(who: str, url: str, shuffle: str, endpoint: str) -> None:
             rates = run_wds(url, cache)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    print(json.dumps({"rates": rates, "rss": rss.stop()}))
+    print(json.dumps({"rates": rates, "rss": rss.stop(), "rss1": rss.epoch1}))
 
 
 class PeakRSS:
@@ -223,8 +225,11 @@ class PeakRSS:
     of memory-mapped shard files are left out: they are the page cache, shared and reclaimable,
     and would make any reader that maps its files look as big as the data it has read."""
 
+    current: PeakRSS | None = None  # the child's sampler: `_epochs` notes the peak of epoch 1
+
     def __init__(self):
-        self.peak = 0
+        self.peak = self.epoch1 = 0
+        PeakRSS.current = self
         self._stop = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
 
@@ -238,8 +243,9 @@ class PeakRSS:
                 if line.startswith("RssAnon:"):
                     self.peak = max(self.peak, int(line.split()[1]) * 1024)
 
-    def stop(self) -> int:
-        self._stop.set()
+    def stop(self, keep: bool = False) -> int:
+        if not keep:
+            self._stop.set()
         self.sample()
         return self.peak
 
@@ -274,6 +280,12 @@ def main(argv=None) -> None:
     ap.add_argument("--bandwidth", default="64MB", help="the link's bandwidth, bytes/s (e.g. 64MB)")
     ap.add_argument("--per-connection", default="8MB", help="one connection's bandwidth, bytes/s")
     ap.add_argument("--data", default=os.path.join(HERE, "_data", "cache"))
+    ap.add_argument(
+        "--readers",
+        default="",
+        help="run only the readers whose name contains one of these |-separated strings "
+        "(e.g. 'http, block|s3, block'); crossfeed on local disk always runs (the epoch-2 reference)",
+    )
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -307,6 +319,8 @@ def main(argv=None) -> None:
             ]
             if has_mosaic:
                 plan.append(("mosaic s3, shuffle", "mosaic", f"s3://{BUCKET}/mds", "global", s3_link.url))
+        words = [w.strip() for w in a.readers.split("|") if w.strip()]
+        plan = [p for p in plan if not words or p[1] == "local" or any(w in p[0] for w in words)]
         for name, who, url, shuffle, endpoint in plan:
             cmd = [sys.executable, __file__, "--child", who, url, shuffle, endpoint]
             out = subprocess.run(cmd, capture_output=True, text=True)
@@ -326,11 +340,16 @@ def main(argv=None) -> None:
         f"({per / 1e6:,.0f} MB/s per connection), {a.latency * 1e3:.0f} ms per request = {bw / nbytes:,.0f} "
         f"samples/s; plain GETs, 8 at a time, measured {measured / 1e6:,.0f} MB/s"
     )
-    print(f"{'reader':28} {'epoch 1/s':>10} {'of link':>8} {'epoch 2/s':>10} {'of local':>9} {'peak anon RSS':>13}")
+    print(
+        f"{'reader':28} {'epoch 1/s':>10} {'of link':>8} {'epoch 2/s':>10} {'of local':>9} {'peak anon RSS':>13}"
+        f" {'(epoch 1)':>9}"
+    )
     for name, r in runs.items():
         e1, e2 = r["rates"]
         share = "-" if "local" in name else f"{e1 * nbytes / bw:.2f}"
-        print(f"{name:28} {e1:10,.0f} {share:>8} {e2:10,.0f} {e2 / local:9.2f} {r['rss'] / 2**20:11.0f} MB")
+        print(
+            f"{name:28} {e1:10,.0f} {share:>8} {e2:10,.0f} {e2 / local:9.2f} {r['rss'] / 2**20:11.0f} MB {r['rss1'] / 2**20:6.0f} MB"
+        )
     mosaic = runs.get("mosaic s3, shuffle")
     if mosaic is None:
         print("mosaic streaming: not importable here (see the module docstring)" if not has_mosaic else "")

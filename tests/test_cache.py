@@ -20,6 +20,7 @@ import pytest
 
 import crossfeed
 from crossfeed.read.cache import ShardCache, parse_size
+from crossfeed.read.storage import Storage
 
 pytest.importorskip("aiohttp")
 
@@ -35,6 +36,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
     chunk_delay = 0.0
     ignore_range = False
     fail = 0  # answer this many more range GETs with 503
+    before_first_range = None  # called before answering a range that starts at byte 0
 
     def log_message(self, *a):
         pass
@@ -57,6 +59,8 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         if rng:
             a, b = rng.split("=")[1].split("-")
             start, stop = int(a), (int(b) + 1 if b else len(data))
+            if start == 0 and self.before_first_range is not None:
+                type(self).before_first_range()
         body = data[start:stop]
         type(self).sent[self.path.split("?")[0].lstrip("/")] += len(body)
         self.send_response(206 if rng else 200)
@@ -99,6 +103,7 @@ def served(tmp_path):
             "latency": 0.02,
             "chunk_delay": 0.0,
             "fail": 0,
+            "before_first_range": None,
         },
     )
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
@@ -454,3 +459,28 @@ def test_a_forked_worker_downloads_with_a_range_pool_of_its_own(served, tmp_path
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "0", out.stderr
     assert handler.sent[rel] == 2 * _shard_sizes(root)[rel]  # once by the parent, once by the child
+
+
+def test_a_finished_range_is_written_at_once_not_held_for_an_earlier_one(served, tmp_path):
+    """Memory holds only the requests in flight: while the shard's first range is still on its
+    way, the ranges after it are already in the temporary file (not buffered until it lands)."""
+    url, root, handler = served
+    rel = sorted(f for f in os.listdir(root) if f.endswith(".tfrecord"))[0]
+    want = (root / rel).read_bytes()
+    cache = ShardCache(tmp_path / "c", chunk_bytes=1024, streams=4, window=4)
+    seen = []
+
+    def wait_for_later_ranges():  # on the server's thread, before answering bytes 0-1023
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            tmps = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "c") for f in fs if ".tmp-" in f]
+            if tmps and open(tmps[0], "rb").read()[1024:4096] == want[1024:4096]:
+                seen.append(True)
+                return
+            time.sleep(0.01)
+        seen.append(False)
+
+    handler.before_first_range = staticmethod(wait_for_later_ranges)
+    path = cache.fetch(Storage(url), rel, hashlib.sha256(want).hexdigest(), len(want))
+    assert seen == [True]
+    assert open(path, "rb").read() == want

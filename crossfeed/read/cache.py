@@ -3,8 +3,10 @@
 Remote shards (any fsspec URL) are downloaded whole into ``cache_dir`` and then read exactly like
 local shards (mmap, vectorised checks). A shard larger than `CHUNK` arrives as parallel range
 requests (`WINDOW` per shard, `STREAMS` per process: object stores cap one connection well
-below the link, so a single GET per shard leaves most of it idle), written and hashed in order
-as they land — no second pass over the file; a failed request is tried again. Entries are named by the shard's sha256 from the manifest
+below the link, so a single GET per shard leaves most of it idle), each written into the
+temporary file at its offset as it arrives — over HTTP(S) in 1 MiB pieces, so memory holds a
+piece per request in flight, not chunks — and hashed in order from the page cache as the file
+fills; a failed request is tried again. Entries are named by the shard's sha256 from the manifest
 — content addressing — so a dataset changed remotely (new sha256) is never served from a stale
 entry, and two datasets holding the same shard share it.
 
@@ -49,7 +51,7 @@ log = logging.getLogger(__name__)
 ENV = "CROSSFEED_CACHE_DIR"
 CHUNK = 4 << 20  # bytes per range request of a large shard
 STREAMS = 32  # range requests in flight per process: object stores cap one stream well below the NIC
-WINDOW = 8  # range requests in flight or queued per shard (memory: downloads × WINDOW × CHUNK at most)
+WINDOW = 8  # range requests in flight or queued per shard (memory: the requests in flight, up to STREAMS)
 _TMP = ".tmp-"
 _UNITS = {
     "": 1,
@@ -241,7 +243,10 @@ class ShardCache:
 
     def _download_ranges(self, storage, rel: str, tmp: str, size: int):
         """A large shard as ``chunk_bytes`` range requests, ``window`` of them in flight (on a pool
-        of ``streams`` shared by every download), written and hashed in order as they land:
+        of ``streams`` shared by every download): each request writes its bytes into the temporary
+        file at their offset as soon as they land and lets them go, so memory holds only the
+        requests in flight, never finished chunks waiting for an earlier one; the file is hashed in
+        order as it fills, read back from the page cache into one reused buffer:
         ``(digest, bytes written)``."""
         with self._lock:
             if self._ranges is None or self._ranges_pid != os.getpid():  # a forked child has no threads
@@ -249,33 +254,31 @@ class ShardCache:
                 self._ranges_pid = os.getpid()
             pool = self._ranges
         spans = iter([(a, min(size, a + self.chunk_bytes)) for a in range(0, size, self.chunk_bytes)])
-        pending: collections.deque = collections.deque(
-            (a, b, pool.submit(_read_range, storage, rel, a, b)) for a, b in itertools.islice(spans, self.window)
-        )
         digest, got = hashlib.sha256(), 0
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        pending: collections.deque = collections.deque()
         try:
+            for a, b in itertools.islice(spans, self.window):
+                pending.append((a, b, pool.submit(_write_range, storage, rel, a, b, fd)))
+            buf = bytearray(min(self.chunk_bytes, size))
             while pending:
                 a, b, fut = pending.popleft()
-                data = fut.result()
+                fut.result()
                 nxt = next(spans, None)
                 if nxt is not None:
-                    pending.append((*nxt, pool.submit(_read_range, storage, rel, *nxt)))
-                if len(data) != b - a:
-                    raise CorruptRecordError(
-                        storage.url(rel),
-                        a,
-                        f"asked for bytes {a}-{b - 1}, got {len(data)} bytes; the server "
-                        f"ignored the range or the remote shard changed",
-                    )
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                digest.update(data)
-                got += len(data)
+                    pending.append((*nxt, pool.submit(_write_range, storage, rel, *nxt, fd)))
+                view = memoryview(buf)[: b - a]
+                n = os.preadv(fd, [view], a)
+                if n != b - a:
+                    raise CorruptRecordError(storage.url(rel), a, f"wrote bytes {a}-{b - 1} but read back {n}")
+                digest.update(view)
+                got += n
         finally:
             for *_, fut in pending:
                 fut.cancel()
+            for *_, fut in pending:  # a running request still writes into fd: wait for it
+                with contextlib.suppress(BaseException):
+                    fut.result()
             os.close(fd)
         return digest, got
 
@@ -354,13 +357,15 @@ class ShardCache:
         return freed
 
 
-def _read_range(storage, rel: str, start: int, stop: int, attempts: int = 3) -> bytes:
-    """Bytes ``start:stop`` of a remote shard. A failed request (a reset connection, a 5xx) is
-    tried again after a short pause — one flaky request out of hundreds should not fail the
-    shard; a missing file is not."""
+def _write_range(storage, rel: str, start: int, stop: int, fd: int, attempts: int = 3) -> int:
+    """Bytes ``start:stop`` of a remote shard written into ``fd`` at ``start`` as they arrive
+    (`Storage.write_range`): a finished chunk is never held in memory waiting for an earlier one.
+    A failed request (a reset connection, a 5xx) is tried again after a short pause — one flaky
+    request out of hundreds should not fail the shard; a missing file is not."""
     for attempt in range(attempts):
         try:
-            return storage.read_range(rel, start, stop)
+            got = storage.write_range(rel, start, stop, fd)
+            break
         except (FileNotFoundError, PermissionError):
             raise
         except Exception as e:
@@ -371,7 +376,16 @@ def _read_range(storage, rel: str, start: int, stop: int, attempts: int = 3) -> 
                 ) from e
             log.info("range %d-%d of %s failed (%s); trying again", start, stop - 1, storage.url(rel), e)
             time.sleep(0.1 * 2**attempt)
-    return b""  # attempts < 1: nothing asked
+    else:
+        return 0  # attempts < 1: nothing asked
+    if got != stop - start:
+        raise CorruptRecordError(
+            storage.url(rel),
+            start,
+            f"asked for bytes {start}-{stop - 1}, got {got} bytes; the server "
+            f"ignored the range or the remote shard changed",
+        )
+    return got
 
 
 def _alive(pid: int) -> bool:

@@ -71,6 +71,24 @@ class Storage:
     def read_range(self, rel: str, start: int, stop: int) -> bytes:
         return self._fs.cat_file(self.url(rel), start=start, end=stop)
 
+    def write_range(self, rel: str, start: int, stop: int, fd: int, piece: int = 1 << 20) -> int:
+        """Bytes ``start:stop`` of a remote file written into the file descriptor ``fd`` at
+        ``start``; returns how many bytes the server sent (``stop - start``, more where it ignored
+        the range: nothing past ``stop`` is written). HTTP(S) streams the response to the file in
+        ``piece``-sized reads, so a request in flight holds a piece, not the whole range; other
+        filesystems read the range whole first."""
+        if not any(p in ("http", "https") for p in _protocols(self._fs)):
+            return _pwrite_all(fd, self.read_range(rel, start, stop), start)
+        headers = {**self._fs.kwargs.get("headers", {}), "Range": f"bytes={start}-{stop - 1}"}
+        at = start
+        with self._fs.open(self.url(rel), "rb", block_size=0, size=stop - start, headers=headers) as f:
+            while at < stop:
+                data = f.read(min(piece, stop - at))
+                if not data:
+                    return at - start
+                at += _pwrite_all(fd, data, at)
+            return stop - start + len(f.read(1))  # one byte more: the server ignored the range
+
     def size(self, rel: str) -> int:
         where = self.url(rel)
         try:
@@ -82,6 +100,19 @@ class Storage:
 
     def shard(self, rel: str) -> ShardFile:
         return ShardFile(self, rel)
+
+
+def _protocols(fs) -> tuple:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
+
+
+def _pwrite_all(fd: int, data, at: int) -> int:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, at)
+        view, at = view[n:], at + n
+    return len(data)
 
 
 class ShardFile:
