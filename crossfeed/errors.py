@@ -40,7 +40,7 @@ class CorruptRecordError(CrossfeedError):
         self.reason = reason
         super().__init__(f"{self.path}: corrupt record at byte offset {self.offset}: {reason}")
 
-    def __reduce__(self):  # picklable, to cross from a worker process as itself
+    def __reduce__(self):  # its constructor's arguments: it crosses from a worker process as data
         return type(self), (self.path, self.offset, self.reason)
 
 

@@ -3,6 +3,7 @@ and order, from worker processes through shared memory; crashes reported, nothin
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -245,3 +246,49 @@ def test_batches_are_made_in_the_slot_not_copied_into_it(mixed_dataset):
             got = pool.batch(writer.slot.id, layout, nbytes)
             np.testing.assert_array_equal(got["image"], batch["image"])
     pool.close()
+
+
+def test_nothing_from_a_worker_is_unpickled(tmp_path):
+    """A message is JSON plus blobs: a pickle sent down the socket is a malformed message, never
+    run; crossfeed errors cross as data (type and arguments), other types do not cross at all."""
+    import pickle
+    import socket
+
+    from crossfeed.errors import CorruptRecordError
+    from crossfeed.read.procs import Channel, exception_from_json, exception_to_json
+
+    flag = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(flag), "w"))
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours, theirs = Channel(a), Channel(b)
+    payload = pickle.dumps(Evil())
+    import struct
+
+    a.sendall(struct.pack("<QQI", len(payload), len(payload), 0) + payload)
+    with pytest.raises(WorkerError, match="malformed message"):
+        theirs.recv(timeout=5)
+    assert not flag.exists()
+    ours.send(["done", 1, [2, None]], [b"\x00\x01", b""])
+    assert theirs.recv(timeout=5) == (["done", 1, [2, None]], [b"\x00\x01", b""])
+    ours.close(), theirs.close()
+
+    e = exception_from_json(exception_to_json(CorruptRecordError("s.tfrecord", 12, "bad crc")))
+    assert isinstance(e, CorruptRecordError) and (e.path, e.offset, e.reason) == ("s.tfrecord", 12, "bad crc")
+    assert exception_to_json(ValueError("x")) is None
+    assert exception_from_json({"type": "Evil", "args": []}) is None
+    assert exception_from_json({"type": "__class__", "args": []}) is None
+
+
+def test_options_cross_as_plain_values():
+    from crossfeed.read.options import LoaderOptions
+
+    opts = LoaderOptions.of(
+        batch_size=7, shuffle="block", seed=3, on_error="skip", executor="process", processes=3, features=["a"]
+    )
+    flat = opts.flat()
+    assert json.loads(json.dumps(flat)) == flat
+    assert LoaderOptions.of(**flat) == opts

@@ -106,7 +106,8 @@ class ReadOptions:
     ``executor="process"``: ``processes`` worker processes build whole batches (read, decode,
     transform) into shared memory instead — for Python transforms, which threads run one at a
     time; at most ``processes + prefetch`` batches are in flight (see `crossfeed.read.procs`).
-    The transforms must then pickle (module-level functions) or be ``"module:function"``."""
+    The transforms must then be module-level functions or ``"module:function"`` strings (workers
+    import them by reference)."""
 
     num_threads: int = 2
     prefetch: int = 2
@@ -220,6 +221,17 @@ class LoaderOptions:
             return dataclasses.replace(self, **top)
         except TypeError as e:
             raise ConfigError(f"unknown loader option in {sorted(changes)}: {e}") from None
+
+    def flat(self) -> dict:
+        """Every field by name as plain JSON values (choices by their value, paths as strings):
+        ``LoaderOptions.of(**options.flat()) == options``."""
+        out = {}
+        for group in _GROUPS:
+            for f in dataclasses.fields(getattr(self, group)):
+                v = getattr(getattr(self, group), f.name)
+                out[f.name] = v.value if isinstance(v, enum.Enum) else os.fspath(v) if isinstance(v, os.PathLike) else v
+        features = None if self.features is None else list(self.features)
+        return {**out, "split": self.split, "features": features, "return_index": self.return_index}
 
     # the most used fields, flat
     @property

@@ -1,18 +1,17 @@
 """A worker process of the process executor (`crossfeed.read.procs`):
 ``python -m crossfeed.read.proc_worker FD``, FD its end of a Unix socket to the parent.
 
-It receives the pickled `WorkerRecipe`, builds its own Loader from it (threads off: this process
-is the parallelism), answers ``("ready", pid)``, then for each ``("build", gen, seq, slot, ids)``
-builds the batch in the slot (`crossfeed.read.slots.SlotWriter`) and answers with its layout —
-or with the exception's traceback. A thread reads the parent's messages as they come, so the
-parent's sends never wait on a busy worker. It exits when the parent closes the socket, when the
+It receives the `WorkerRecipe` (JSON), builds its own Loader from it (threads off: this process
+is the parallelism), answers ``["ready", pid]``, then for each ``["build", gen, seq, slot]`` (the
+sample ids in a blob) builds the batch in the slot (`crossfeed.read.slots.SlotWriter`) and
+answers with its layout — or with the exception's traceback. Nothing is pickled either way. A
+thread reads the parent's messages as they come, so the parent's sends never wait on a busy worker. It exits when the parent closes the socket, when the
 parent dies (its pid changes: reparented), or on SIGTERM.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import queue
 import signal
 import socket
@@ -20,6 +19,8 @@ import sys
 import threading
 import time
 import traceback
+
+import numpy as np
 
 
 def _watch_parent(ppid: int) -> None:
@@ -35,52 +36,41 @@ def _read_tasks(channel, tasks: queue.SimpleQueue) -> None:
     known: set[int] = set()
     while True:
         try:
-            msg = channel.recv()
+            msg, blobs = channel.recv()
         except (EOFError, OSError):
             tasks.put(None)
             return
         slot_id = msg[3]
-        tasks.put((msg, None if slot_id in known else channel.fds.popleft()))
+        ids = np.frombuffer(blobs[0], dtype="<i8")
+        tasks.put((msg, ids, None if slot_id in known else channel.fds.popleft()))
         known.add(slot_id)
 
 
 def _builder(recipe):
     from crossfeed.read.executor import ExecutorKind
     from crossfeed.read.loader import Loader
-    from crossfeed.read.procs import resolve_callable
 
-    calls = {}
-    for name in ("transform", "batch_transform"):
-        fn = getattr(recipe, name)
-        calls[name] = resolve_callable(fn) if isinstance(fn, str) else fn
     options = recipe.options.replace(executor=ExecutorKind.THREAD, num_threads=0)
-    return Loader(recipe.source, options, **calls).builder
-
-
-def _pickled(e: BaseException) -> bytes | None:
-    try:
-        return pickle.dumps(e)
-    except Exception:
-        return None
+    return Loader(recipe.source, options, transform=recipe.transform, batch_transform=recipe.batch_transform).builder
 
 
 def main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    from crossfeed.read.procs import Channel
+    from crossfeed.read.procs import Channel, WorkerRecipe, exception_to_json, layout_to_json
     from crossfeed.read.slots import Slot, SlotWriter
 
     channel = Channel(socket.socket(fileno=fd))
     try:
-        _, path, _index, recipe = channel.recv()
+        (_, path, _index, recipe), _ = channel.recv()
         sys.path[:] = path
-        build = _builder(pickle.loads(recipe))
+        build = _builder(WorkerRecipe.from_json(recipe))
     except EOFError:
         return
     except BaseException as e:
-        channel.send(("error", 0, -1, traceback.format_exc(), _pickled(e)))
+        channel.send(["error", 0, -1, traceback.format_exc(), exception_to_json(e)])
         return
-    channel.send(("ready", os.getpid()))
+    channel.send(["ready", os.getpid()])
     tasks: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read_tasks, args=(channel, tasks), daemon=True).start()
     slots: dict[int, Slot] = {}
@@ -88,7 +78,7 @@ def main(fd: int) -> None:
         task = tasks.get()
         if task is None:
             return
-        (_, gen, seq, slot_id, ids), fd = task
+        (_, gen, seq, slot_id), ids, fd = task
         if fd is not None:
             slots[slot_id] = Slot(fd, slot_id)
         writer = SlotWriter(slots[slot_id])
@@ -97,17 +87,19 @@ def main(fd: int) -> None:
         build.alloc = writer.alloc
         if build.transform is None:
             build.reader.decoder.alloc = writer.alloc
+        blobs = []
         try:
             layout, nbytes = writer.finish(build(ids))
+            rows, blobs = layout_to_json(layout)
         except Exception as e:
-            reply = ("error", gen, seq, traceback.format_exc(), _pickled(e))
+            reply = ["error", gen, seq, traceback.format_exc(), exception_to_json(e)]
         else:
             skipped = build.budget.count if build.budget is not None else 0
-            reply = ("done", gen, seq, slot_id, layout, nbytes, skipped)
+            reply = ["done", gen, seq, slot_id, rows, nbytes, skipped]
         finally:
             build.alloc = build.reader.decoder.alloc = None
         try:
-            channel.send(reply)
+            channel.send(reply, blobs)
         except OSError:
             return
 

@@ -9,8 +9,12 @@ Worker w builds batches w, w+K, … of each pass, in order; the parent reads wor
 next reply for batch ``seq``, so the order (and thus `Loader.state_dict`) is the plan's. At most
 ``window`` batches are being built or wait unread. Workers are fresh interpreters
 (``python -m crossfeed.read.proc_worker``: nothing of the parent's threads, TensorFlow or torch
-state is inherited) that get the pickled `WorkerRecipe` — the source, the options, the transform
-as a picklable callable or a ``"module:function"`` string — and build their own Loader from it.
+state is inherited) that get the `WorkerRecipe` — the source, the options, the transforms as
+``"module:function"`` references — and build their own Loader from it.
+
+Nothing crosses the socket pickled (a message is JSON plus binary blobs: sample ids as int64
+bytes, object-valued features in `crossfeed.net.wire` frames): what a worker sends is parsed,
+never executed.
 
 Failures: an exception in a worker reaches the consumer at the batch that raised (a crossfeed
 error as itself, with a note naming the worker; anything else as `WorkerError` with the worker's
@@ -23,9 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import logging
 import os
-import pickle
 import signal
 import socket
 import struct
@@ -35,11 +39,16 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
+import numpy as np
+
+from crossfeed import errors
 from crossfeed.errors import ConfigError, CrossfeedError, WorkerError
-from crossfeed.read.slots import SlotPool
+from crossfeed.read.options import LoaderOptions, Source
+from crossfeed.read.slots import Layout, SlotPool
 
 log = logging.getLogger(__name__)
-_HEADER = struct.Struct("<Q")
+_HEADER = struct.Struct("<QQI")  # body bytes, JSON bytes, blob count
+_BLOB = struct.Struct("<Q")
 _START_TIMEOUT = 120.0  # seconds for a worker to import and open the dataset
 
 
@@ -62,33 +71,39 @@ def resolve_callable(spec: str) -> Callable:
 
 
 class Channel:
-    """Length-prefixed pickled messages over a Unix stream socket, with file descriptors passed
-    beside them (``SCM_RIGHTS``): a message sent with fds has them in `fds` once it is received."""
+    """Length-prefixed messages over a Unix stream socket: a JSON value plus binary blobs, with
+    file descriptors passed beside them (``SCM_RIGHTS``): a message sent with fds has them in
+    `fds` once it is received. `recv` returns ``(value, blobs)``; nothing is unpickled."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self._buf = bytearray()
         self.fds: deque[int] = deque()
 
-    def send(self, obj, fds: tuple[int, ...] = ()) -> None:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        msg = _HEADER.pack(len(data)) + data
+    def send(self, obj, blobs=(), fds: tuple[int, ...] = ()) -> None:
+        head = json.dumps(obj).encode()
+        parts = [head]
+        for b in blobs:
+            b = memoryview(b).cast("B")
+            parts += [_BLOB.pack(len(b)), b]
+        msg = b"".join([_HEADER.pack(sum(map(len, parts)), len(head), len(blobs)), *parts])
         if fds:
             sent = socket.send_fds(self.sock, [msg], list(fds))
             msg = msg[sent:]
         if msg:
             self.sock.sendall(msg)
 
-    def recv(self, timeout: float | None = None):
+    def recv(self, timeout: float | None = None) -> tuple[object, list[bytes]]:
         """The next message; EOFError when the other side is gone, TimeoutError after ``timeout``."""
         self.sock.settimeout(timeout)
         while True:
             if len(self._buf) >= _HEADER.size:
-                (n,) = _HEADER.unpack_from(self._buf)
-                if len(self._buf) >= _HEADER.size + n:
-                    obj = pickle.loads(memoryview(self._buf)[_HEADER.size : _HEADER.size + n])
-                    del self._buf[: _HEADER.size + n]
-                    return obj
+                n, text, count = _HEADER.unpack_from(self._buf)
+                end = _HEADER.size + n
+                if len(self._buf) >= end:
+                    body = bytes(memoryview(self._buf)[_HEADER.size : end])
+                    del self._buf[:end]
+                    return _parse(body, text, count)
             try:
                 data, fds, _, _ = socket.recv_fds(self.sock, 1 << 18, 16)
             except TimeoutError:
@@ -106,33 +121,135 @@ class Channel:
         self.sock.close()
 
 
+def _parse(body: bytes, text: int, count: int) -> tuple[object, list[bytes]]:
+    """``(value, blobs)`` of a message body: ``text`` bytes of JSON, then ``count`` blobs, each
+    length-prefixed."""
+    bad = "a malformed message between the process executor's processes"
+    try:
+        obj = json.loads(body[:text])
+    except ValueError as e:
+        raise WorkerError(f"{bad}: {e}") from None
+    blobs, pos = [], text
+    for _ in range(count):
+        if pos + _BLOB.size > len(body):
+            raise WorkerError(f"{bad}: truncated")
+        (size,) = _BLOB.unpack_from(body, pos)
+        pos += _BLOB.size
+        if pos + size > len(body):
+            raise WorkerError(f"{bad}: truncated")
+        blobs.append(body[pos : pos + size])
+        pos += size
+    return obj, blobs
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerRecipe:
-    """What a worker process needs to build the Loader's batches: pickled once, sent to each.
+    """What a worker process needs to build the Loader's batches, sent to each as JSON.
     ``source``: a dataset path or URL, or a list of `crossfeed.Source`; ``transform`` and
-    ``batch_transform``: picklable callables (module-level functions) or ``"module:function"``."""
+    ``batch_transform``: module-level functions or ``"module:function"`` strings (sent as the
+    latter: a worker imports them)."""
 
     source: object
-    options: object  # LoaderOptions
+    options: LoaderOptions
     transform: object = None
     batch_transform: object = None
 
-    def dumps(self) -> bytes:
-        for name in ("transform", "batch_transform"):
-            fn = getattr(self, name)
-            if fn is not None and not isinstance(fn, str) and getattr(fn, "__module__", None) == "__main__":
-                raise ConfigError(
-                    f"executor='process': the {name} {getattr(fn, '__qualname__', fn)!r} is defined in __main__, "
-                    f"which worker processes cannot import; move it to a module or pass 'module:function'"
-                )
-        try:
-            return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:
-            raise ConfigError(
-                f"executor='process' sends the source, options and transforms to worker processes, and they do not "
-                f"pickle: {e}. Pass module-level functions (not lambdas or closures) or 'module:function' strings, "
-                f"and a dataset path rather than an open object"
-            ) from e
+    def to_json(self) -> dict:
+        """The recipe as plain JSON values; a ConfigError, here in the caller's code, for what a
+        worker could not rebuild (a lambda, a closure, a function defined in ``__main__``)."""
+        sources = _sources(self.source)
+        return {
+            "source": os.fspath(self.source) if sources is None else sources,
+            "options": self.options.flat(),
+            "transform": _reference("transform", self.transform),
+            "batch_transform": _reference("batch_transform", self.batch_transform),
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> WorkerRecipe:
+        src = d["source"]
+        source = src if isinstance(src, str) else [Source(s["path"], split=s["split"], weight=s["weight"]) for s in src]
+        return WorkerRecipe(source, LoaderOptions.of(**d["options"]), d["transform"], d["batch_transform"])
+
+
+def _sources(source) -> list[dict] | None:
+    if isinstance(source, Source):
+        source = [source]
+    if isinstance(source, (list, tuple)):
+        return [{"path": os.fspath(s.path), "split": s.split, "weight": s.weight} for s in source]
+    return None
+
+
+def _reference(name: str, fn) -> str | None:
+    """``"module:qualname"`` of a transform, checked to import back to the very function."""
+    if fn is None or isinstance(fn, str):
+        return fn
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module == "__main__":
+        raise ConfigError(
+            f"executor='process': the {name} {qualname or fn!r} is defined in __main__, which worker processes "
+            f"cannot import; move it to a module or pass 'module:function'"
+        )
+    spec = f"{module}:{qualname}"
+    try:
+        same = module is not None and "<" not in qualname and resolve_callable(spec) is fn
+    except ConfigError:
+        same = False
+    if not same:
+        raise ConfigError(
+            f"executor='process' sends transforms to worker processes by reference (nothing is pickled), and the "
+            f"{name} {fn!r} has none. Pass module-level functions (not lambdas or closures) or 'module:function' "
+            f"strings"
+        )
+    return spec
+
+
+def exception_to_json(e: BaseException) -> dict | None:
+    """A crossfeed error as ``{"type", "args"}`` for `exception_from_json` (None for anything
+    else, or for arguments that are not plain values): it crosses as itself, as data."""
+    if not isinstance(e, CrossfeedError) or getattr(errors, type(e).__name__, None) is not type(e):
+        return None
+    args = e.__reduce__()[1]
+    if not all(isinstance(a, (str, int, float, bool)) or a is None for a in args):
+        return None
+    return {"type": type(e).__name__, "args": list(args)}
+
+
+def exception_from_json(d) -> CrossfeedError | None:
+    """The crossfeed error `exception_to_json` described, or None: only classes of
+    `crossfeed.errors` are made, from plain values."""
+    if not isinstance(d, dict):
+        return None
+    cls = getattr(errors, str(d.get("type")), None)
+    if not (isinstance(cls, type) and issubclass(cls, CrossfeedError)) or not isinstance(d.get("args"), list):
+        return None
+    try:
+        return cls(*d["args"])
+    except Exception:
+        return None
+
+
+def layout_to_json(layout: Layout) -> tuple[list, list]:
+    """A slot layout as JSON plus blobs: arrays by ``(key, dtype, shape, offset)``; object-valued
+    features (strings, ragged lists) encoded in `crossfeed.net.wire` frames."""
+    from crossfeed.net import wire
+
+    objects = {k: v for k, dtype, v, _ in layout if dtype is None}
+    rows = [
+        [k, None if dtype is None else dtype.str, None if dtype is None else list(shape), off]
+        for k, dtype, shape, off in layout
+    ]
+    return rows, (wire.encode(objects) if objects else [])
+
+
+def layout_from_json(rows, blobs: list[bytes]) -> Layout:
+    from crossfeed.net import wire
+
+    objects = wire.decode(blobs)[1] if blobs else {}
+    return [
+        (k, None, objects[k], -1) if dtype is None else (k, np.dtype(dtype), tuple(shape), off)
+        for k, dtype, shape, off in rows
+    ]
 
 
 class _Worker:
@@ -171,7 +288,7 @@ class ProcessExecutor:
                 "executor='process' needs Linux (anonymous shared memory: memfd_create); use threads here"
             )
         self.processes, self.window, self._name = processes, max(window, processes), name
-        self._recipe = recipe.dumps()  # fails here, in the caller's code, if it cannot be sent
+        self._recipe = recipe.to_json()  # fails here, in the caller's code, if it cannot be sent
         self._workers: list[_Worker] = []
         self._pools = [SlotPool()]  # the current one last; torn-down ones close as their batches go
         self._gen = 0
@@ -219,9 +336,9 @@ class ProcessExecutor:
                     )
                 worker = _Worker(i, proc, Channel(ours))
                 self._workers.append(worker)
-                worker.channel.send(("init", list(sys.path), i, self._recipe))
+                worker.channel.send(["init", list(sys.path), i, self._recipe])
             for w in self._workers:
-                msg = self._recv(w, "starting (importing and opening the dataset)", timeout=_START_TIMEOUT)
+                msg, _ = self._recv(w, "starting (importing and opening the dataset)", timeout=_START_TIMEOUT)
                 if msg[0] == "error":
                     raise WorkerError(f"worker process {w.index} (pid {w.proc.pid}) could not start:\n{msg[3]}")
         except BaseException:
@@ -254,10 +371,12 @@ class ProcessExecutor:
             w, slot = workers[sent % k], pool.take()
             new = slot.id not in w.known
             try:
-                w.channel.send(("build", gen, sent, slot.id, item), (slot.fd,) if new else ())
-            except OSError:
+                ids = np.ascontiguousarray(item, dtype="<i8")
+                w.channel.send(["build", gen, sent, slot.id], [ids], (slot.fd,) if new else ())
+            except OSError:  # it died: name the batch it was building, if it held one
                 pool.release(slot.id)
-                err = w.died(f"receiving batch {sent}")
+                held = [q for q in range(got, sent) if q % k == w.index]
+                err = w.died(f"building batch {held[0]} of this pass" if held else f"receiving batch {sent}")
                 self._teardown()
                 raise err from None
             w.known.add(slot.id)
@@ -274,15 +393,15 @@ class ProcessExecutor:
                 raise ConfigError("the executor began another pass or was closed; this earlier iterator cannot go on")
             w = workers[got % k]
             what = f"building batch {got} of this pass (first sample id {firsts[0]})"
-            msg = self._recv(w, what)
+            msg, blobs = self._recv(w, what)
             while msg[1] != gen:  # a reply to an abandoned pass: its slot is free again
                 if msg[0] == "done":
                     pool.release(msg[3])
-                msg = self._recv(w, what)
+                msg, blobs = self._recv(w, what)
             if msg[0] == "error":
                 raise _worker_exception(w, what, msg[3], msg[4])
-            _, _, _, slot_id, layout, nbytes, self._skipped[1 + w.index] = msg
-            batch = pool.batch(slot_id, layout, nbytes)
+            _, _, _, slot_id, rows, nbytes, self._skipped[1 + w.index] = msg
+            batch = pool.batch(slot_id, layout_from_json(rows, blobs), nbytes)
             got += 1
             firsts.popleft()
             submit()
@@ -321,18 +440,14 @@ def _stop_workers(workers: list[_Worker], pools: list[SlotPool], owner: int | No
     del pools[:-1]  # closed pools close their remaining slots as those batches are dropped
 
 
-def _worker_exception(w: _Worker, what: str, text: str, exc: bytes | None) -> BaseException:
+def _worker_exception(w: _Worker, what: str, text: str, exc) -> BaseException:
     """The error to raise for a worker's exception: a crossfeed error as itself (with a note),
     anything else as a `WorkerError` carrying the worker's traceback."""
     where = f"in worker process {w.index} (pid {w.proc.pid}) while {what}"
-    if exc is not None:
-        try:
-            e = pickle.loads(exc)
-        except Exception:
-            e = None
-        if isinstance(e, CrossfeedError):
-            e.add_note(f"raised {where}")
-            return e
+    e = exception_from_json(exc)
+    if e is not None:
+        e.add_note(f"raised {where}")
+        return e
     return WorkerError(f"an exception was raised {where}:\n{text}")
 
 

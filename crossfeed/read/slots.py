@@ -9,7 +9,8 @@ socket (``SCM_RIGHTS``); a worker grows a slot (``ftruncate``) when a batch need
 
 Layout of a batch in a slot: each array at a 64-byte aligned offset, described by
 ``(key, dtype, shape, offset)``; values that cannot live in flat memory (object arrays: strings,
-ragged lists) travel pickled beside the layout, ``(key, None, value, -1)``.
+ragged lists) travel beside the layout, ``(key, None, value, -1)`` (over the socket in
+`crossfeed.net.wire` frames: `crossfeed.read.procs.layout_to_json`).
 
 Lifetime (`read_batch`): the arrays of a batch are views onto one per-batch base array over the
 slot's mapping; the slot goes back to the pool only when that base is freed, i.e. when no array
