@@ -6,7 +6,6 @@ value for value."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from adopt_helpers import INDEX_AUDITED, read_only, snapshot
 from conftest import run_python
 
 import crossfeed
@@ -67,15 +67,6 @@ def _cli(*args, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-def _snapshot(root: Path) -> dict:
-    """Everything about a directory a write could change: names, sizes, mtimes, modes, contents."""
-    out = {".": (os.stat(root).st_mtime_ns, os.stat(root).st_mode)}
-    for p in sorted(root.iterdir()):
-        st = p.stat()
-        out[p.name] = (st.st_size, st.st_mtime_ns, st.st_mode, hashlib.sha256(p.read_bytes()).hexdigest())
-    return out
-
-
 def _assert_same(got: dict, want: dict, where: str) -> None:
     """A crossfeed sample against the TFDS one, value for value (crossfeed's dtype is the stored one)."""
     assert sorted(got) == sorted(want), where
@@ -113,43 +104,17 @@ with open(out, "wb") as f:
     pickle.dump({"whole": whole, "shuffled": shuffled, "torch": torch_batches}, f)
 """
 
-# Indexing under an audit hook that fails any write, rename, removal or mode change inside the
-# data directory: proof that adoption never touches it, even where chmod cannot stop root.
-_INDEX_AUDITED = """
-import os, runpy, sys
-data = os.path.realpath(sys.argv[1])
-def inside(p):
-    try:
-        return isinstance(p, (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(p)).startswith(data)
-    except (TypeError, ValueError):
-        return False
-def hook(event, args):
-    if event == "open" and inside(args[0]):
-        mode, flags = args[1], args[2]
-        writes = any(c in (mode or "") for c in "wax+") or (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
-        if writes:
-            raise PermissionError(f"adoption opened {args[0]} for writing")
-    elif event in ("os.rename", "os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.utime", "os.truncate",
-                   "os.link", "os.symlink", "shutil.rmtree") and any(inside(a) for a in args[:2]):
-        raise PermissionError(f"adoption did {event} on {args[:2]}")
-sys.addaudithook(hook)
-sys.argv = ["crossfeed", "index", *sys.argv[1:]]
-runpy.run_module("crossfeed.cli.main", run_name="__main__")
-"""
-
 
 def test_read_only_tfds_dir_is_adopted_untouched_and_read_without_tensorflow(prepared, tmp_path):
     data = _copy(prepared, tmp_path)
     index_dir = tmp_path / "index"
-    for p in [*data.iterdir(), data]:
-        p.chmod(0o555 if p.is_dir() else 0o444)
-    before = _snapshot(data)
-    try:
+    with read_only(data):
+        before = snapshot(data)
         if os.geteuid() != 0:  # root writes through any mode; the audit hook below covers it
             refused = _cli("index", data, check=False)
             assert refused.returncode != 0 and "--index-dir" in refused.stderr
-        run_python(_INDEX_AUDITED, str(data), "--index-dir", str(index_dir))
-        assert _snapshot(data) == before
+        run_python(INDEX_AUDITED, str(data), "--index-dir", str(index_dir))
+        assert snapshot(data) == before
         assert sorted(os.listdir(index_dir)) == sorted(
             ["crossfeed.json"] + [n + ".idx" for n in os.listdir(data) if ".tfrecord-" in n]
         )
@@ -161,10 +126,7 @@ def test_read_only_tfds_dir_is_adopted_untouched_and_read_without_tensorflow(pre
 
         out = tmp_path / "read.pkl"
         run_python(_READ_WITHOUT_TF, str(index_dir), str(out), timeout=300)
-        assert _snapshot(data) == before
-    finally:
-        for p in [data, *data.iterdir()]:
-            p.chmod(0o755 if p.is_dir() else 0o644)
+        assert snapshot(data) == before
     with open(out, "rb") as f:
         got = pickle.load(f)
     expected = prepared[1]
@@ -405,12 +367,12 @@ def test_tf_written_shards_plain_and_gzip_go_through_an_index_dir(tmp_path):
                         }
                     )
                 )
-    before = _snapshot(data)
+    before = snapshot(data)
     args = ("index", data, "--index-dir", tmp_path / "idx", "--feature", "image=tensor:uint8:4,4,3")
     _cli(*args)
     assert _cli(*args, check=False).returncode != 0  # indexed already
     _cli(*args, "--force")
-    assert _snapshot(data) == before
+    assert snapshot(data) == before
     assert sorted(os.listdir(tmp_path / "idx")) == [
         "crossfeed.json",
         "train-00000-of-00002.tfrecord.idx",
