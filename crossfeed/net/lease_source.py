@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import queue
 import socket
 import threading
 import time
@@ -43,7 +42,7 @@ from crossfeed.errors import ConfigError, WireError
 from crossfeed.net import leasewire as W
 from crossfeed.net import protocol as P
 from crossfeed.net.keys import ClientKeys, secure_client_socket
-from crossfeed.net.producer import Prefetch, ProducerFailed, StreamEnd, encode_item
+from crossfeed.net.producer import Prefetch, ProducerFailed, StreamEnd, encode_item, put_until
 from crossfeed.read.plan import Sampler
 
 logger = logging.getLogger(__name__)
@@ -296,25 +295,10 @@ class LeaseSource:
         item = encode_item(batch, epoch=epoch, seq=epoch * batches + b, server_id=self._server_id)
         item.lease = lease
         self.stats["built"] += 1
-        while not self._halt.is_set():
+        if not put_until(self.queue, item, self._halt, self._on_put, void=lambda: join != self._joins):
             if join != self._joins:
                 self.stats["dropped"] += 1
                 logger.debug("dropped batch %d of void lease %d", b, lease)
-                return
-            try:
-                self.queue.put(item, timeout=0.1)
-            except queue.Full:
-                continue
-            if self._on_put is not None:
-                self._on_put()
-            return
 
     def _put(self, item) -> None:
-        while not self._stop.is_set():
-            try:
-                self.queue.put(item, timeout=0.1)
-            except queue.Full:
-                continue
-            if self._on_put is not None:
-                self._on_put()
-            return
+        put_until(self.queue, item, self._stop, self._on_put)

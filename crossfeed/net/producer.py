@@ -132,6 +132,23 @@ class Prefetch:
         return self.get_nowait()
 
 
+def put_until(q: queue.Queue, item: Any, stop, on_put=None, void=None) -> bool:
+    """Put ``item`` on the server's queue, waiting for room in short steps so ``stop`` (an Event)
+    is heard; ``on_put()`` wakes the server. False, and nothing put, once ``stop`` is set or
+    ``void()`` turns true (the item is no longer wanted)."""
+    while not stop.is_set():
+        if void is not None and void():
+            return False
+        try:
+            q.put(item, timeout=0.1)
+        except queue.Full:
+            continue
+        if on_put is not None:
+            on_put()
+        return True
+    return False
+
+
 class Producer:
     """Runs epochs `start, start+1, ...` (`epochs` of them, or until stopped) on a thread."""
 
@@ -160,15 +177,7 @@ class Producer:
         return self
 
     def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self.queue.put(item, timeout=0.1)
-            except queue.Full:
-                continue
-            if self._on_put is not None:
-                self._on_put()
-            return True
-        return False
+        return put_until(self.queue, item, self._stop, self._on_put)
 
     def _run(self) -> None:
         seq = 0
