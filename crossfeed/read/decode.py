@@ -75,21 +75,22 @@ class _Recycler:
 
 SPLIT_IMAGES = 512  # a batch of at least this many images is decoded by several threads at once
 _pool_lock = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool: tuple[int, ThreadPoolExecutor, int] | None = None  # (pid, pool, threads)
 
 
-def _image_pool() -> ThreadPoolExecutor | None:
+def _image_pool() -> tuple[ThreadPoolExecutor, int] | None:
     """One thread per core for decoding the images of big batches (so the first batch of 4096
     JPEGs does not wait on one core); per process — a forked DataLoader worker makes its own.
-    None on a single core."""
+    ``(pool, threads)``; None on a single core."""
     global _pool
     cores = os.cpu_count() or 1
     if cores < 2:
         return None
     with _pool_lock:
         if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(min(cores, 16), thread_name_prefix="crossfeed-images"))
-        return _pool[1]
+            threads = min(cores, 16)
+            _pool = (os.getpid(), ThreadPoolExecutor(threads, thread_name_prefix="crossfeed-images"), threads)
+        return _pool[1], _pool[2]
 
 
 def make_decoder(
@@ -204,7 +205,8 @@ class RecordDecoder:
         if pool is None:
             results = list(map(one, items))
         else:  # a big batch: its images decoded by every core at once (libjpeg-turbo releases the GIL)
-            step = -(-len(items) // pool._max_workers)
+            pool, threads = pool
+            step = -(-len(items) // threads)
             parts = pool.map(
                 lambda part: [one(x) for x in part], [items[i : i + step] for i in range(0, len(items), step)]
             )
