@@ -251,6 +251,22 @@ def test_columnar_path_batch_spanning_every_shard(small):
     check_epochs(root, ref, batch_size=600, shuffle="global")
 
 
+@pytest.mark.parametrize("shuffle", SHUFFLES)
+def test_clean_small_records_never_leave_the_rows_form(small, monkeypatch, shuffle):
+    """The rows form is the path that runs, not a fallback that happens to agree: on clean data no
+    batch is handed to the exact per-record path (`FrameReader._diagnose`), and batches spanning
+    every shard come out of the one-array gather (`Span`) in batch order."""
+    from crossfeed.read.frame_reader import FrameReader
+
+    def fail(*a, **k):
+        raise AssertionError("a clean batch fell back to the per-record path")
+
+    monkeypatch.setattr(FrameReader, "_diagnose", fail)
+    root, ref = small
+    check_epochs(root, ref, batch_size=64, shuffle=shuffle, epochs=2)
+    check_epochs(root, ref, batch_size=600, shuffle=shuffle)
+
+
 def test_feature_subset_matches_oracle(small):
     """(Today a subset makes the fixed-layout path step aside: the values of the features left out
     count as layout bytes, which differ between records. The values must be right either way.)"""

@@ -6,8 +6,8 @@ batch at once with the one checker, `crossfeed.format.frames`. Two forms of the 
 
 * **views** — one zero-copy ``memoryview`` per record (big records, images, mixed layouts);
 * **rows** — small records of similar length gathered as the rows of uint8 matrices, one matrix
-  per payload length, for the decoder's columnar path (one numpy row-take per shard from a
-  sliding-window view of the mmap; no per-record Python).
+  per payload length, for the decoder's columnar path (one numpy row-take for the whole batch
+  from a sliding-window view of the shards' bytes, `Span`; no per-record Python).
 
 The form is chosen once per Loader (`rows=True` when the decoder is columnar and the records are
 small); a batch whose lengths vary too much for rows comes as views. Remote shards read by range
@@ -17,6 +17,7 @@ offset — or, with an ``on_error`` callback, is reported to it and dropped from
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import threading
@@ -32,10 +33,8 @@ from crossfeed.format.frames import (
     bad_payload_rows,
     bad_payloads,
     first_error,
-    gather,
     out_of_bounds,
     payload_views,
-    stored_crcs,
     window,
 )
 from crossfeed.format.tfrecord import FOOTER, HEADER
@@ -76,6 +75,40 @@ class Frames:
         return payloads
 
 
+class Span:
+    """The bytes of several loaded shards addressed as one uint8 array, so that rows from any of
+    them come out of one numpy take, in batch order (no grouping by shard, no per-shard call).
+
+    The array covers the process's address range from the lowest shard's first byte to the
+    highest shard's last, gaps included: only offsets inside a shard — ``base[s] + o`` with
+    ``0 <= o <= size(s) - width``, which `FrameReader._rows` establishes for every batch before
+    it takes — may be read. The shards' own arrays are held here, so their buffers (and the
+    mmaps under them, which refuse to close while exported) live as long as the span.
+    """
+
+    def __init__(self, arrays: dict[int, np.ndarray], shards: int):
+        self.arrays = {s: a for s, a in arrays.items() if len(a)}
+        self.base = np.full(shards, -1, dtype=np.int64)  # shard → its first byte in `u8`; -1: not in the span
+        self.wins: dict[int, np.ndarray] = {}
+        if not self.arrays:
+            self.u8 = np.zeros(0, dtype=np.uint8)
+            return
+        addr = {s: a.ctypes.data for s, a in self.arrays.items()}
+        lo = min(addr.values())
+        end = max(addr[s] + len(a) for s, a in self.arrays.items())
+        for s, at in addr.items():
+            self.base[s] = at - lo
+        self.u8 = np.frombuffer((ctypes.c_char * (end - lo)).from_address(lo), dtype=np.uint8)
+
+    def rows(self, shard: np.ndarray, offsets: np.ndarray, width: int) -> np.ndarray:
+        """``(n, width)`` copy of the bytes at ``offsets`` of shards ``shard`` (see the class
+        docstring for the offsets allowed)."""
+        win = self.wins.get(width)
+        if win is None:
+            win = self.wins[width] = window(self.u8, width)
+        return win[self.base[shard] + offsets]
+
+
 class FrameReader:
     """Reads the records of a split by global index. Thread-safe: shards open once.
 
@@ -102,9 +135,13 @@ class FrameReader:
         self._loaded: list[int] = []
         self._index: np.ndarray | None = None  # see `_all_index`
         self._fits: set[int] = set()  # shards whose every index entry lies inside the loaded stream
-        self._u8: dict[int, tuple] = {}  # shard → (buffer, its uint8 array, {width: window view})
+        self._u8: dict[int, tuple] = {}  # shard → (buffer, its uint8 array)
         self._ready: dict[int, tuple] = {}  # the same, for local shards whose index fits their stream
         self._sizes = np.zeros(len(split.counts), dtype=np.int64)  # shard → its stream's size, once loaded
+        self._span = Span({}, len(split.counts))  # the ready shards as one array (`Span`), grown as shards get ready
+        # the span, once it holds every (non-empty) shard of a small split read as rows: then a
+        # batch needs no per-shard bookkeeping at all
+        self._whole: Span | None = None
         self._lock = threading.Lock()
         # a large split's indexes are read in place, entry by entry (`Split.lazy_index`): opening
         # it and its first batch cost O(shards), not O(records)
@@ -137,17 +174,20 @@ class FrameReader:
         if self.split.info.format == tar.FORMAT:
             return self._tar_samples(indices, on_error)
         shard = np.searchsorted(self.split.starts, indices, side="right") - 1
+        if self._whole is not None:  # the common case, in short: every shard mapped, checked, in one span
+            index = self._all_index()[indices]
+            offs, lens = index[:, 0], index[:, 1]
+            lo, hi = int(lens.min()), int(lens.max())
+            if hi <= ROWS_MAX and hi - lo <= ROWS_SPREAD:
+                got = self._rows(indices, offs, lens, shard, self._whole, lo, hi)
+                if got is not None:
+                    return got
         s0 = int(shard[0])
         if shard[-1] == s0 and (shard == s0).all():
-            present, parts, order, bounds = [s0], [None], None, [0, len(indices)]
+            present, per = [s0], None
         else:
             per = np.bincount(shard, minlength=len(self.split.counts))
             present = np.flatnonzero(per).tolist()
-            # the batch positions of each shard's records (one sort, not one comparison per shard):
-            # shard j's are order[bounds[j]:bounds[j + 1]]
-            order = np.argsort(shard, kind="stable")
-            bounds = [0, *np.cumsum(per[present]).tolist()]
-            parts = None  # the same as a list of arrays, made only where needed
         ready = self._ready
         entries = [ready.get(s) for s in present]
         if None in entries:  # a shard not loaded (or not local, or not yet checked) yet
@@ -157,49 +197,56 @@ class FrameReader:
             entries = [self._entry(s, b) for s, b in zip(present, bufs)]
         else:
             bufs = [e[0] for e in entries]
-        if parts is None and not self.rows:
-            parts = np.split(order, bounds[1:-1])
-        if len(present) == 1:
+        if per is None:
             index = self._entries(s0, indices - self.split.starts[s0])
         elif len(self.split) <= ALL_INDEX_MAX:  # one gather from the split's whole index
             index = self._all_index()[indices]
-        else:  # a large split: only the shards the batch touches are loaded
+        else:  # a large split: only the index entries of the shards the batch touches are read
             index = np.empty((len(indices), 2), dtype=np.int64)
-            starts, entries_of = self.split.starts, self.split.entries
+            order = np.argsort(shard, kind="stable")  # shard j's batch positions: one sort, then slices
+            bounds = [0, *np.cumsum(per[present]).tolist()]
             for s, a, b in zip(present, bounds, bounds[1:]):
                 m = order[a:b]
-                index[m] = entries_of(s, indices[m] - starts[s])
+                index[m] = self.split.entries(s, indices[m] - self.split.starts[s])
         offs, lens = index[:, 0], index[:, 1]
-        u8s = [e[1] for e in entries]
         if all(s in self._fits for s in present):
+            span = self._span_of(present, entries)
             lo, hi = int(lens.min()), int(lens.max())
             if self.rows and hi <= ROWS_MAX and hi - lo <= ROWS_SPREAD:
-                got = self._rows(indices, offs, lens, shard, order, bounds, entries, lo, hi)
+                got = self._rows(indices, offs, lens, shard, span, lo, hi)
             else:
-                if parts is None:
-                    parts = np.split(order, bounds[1:-1])
-                got = self._views(indices, offs, lens, parts, u8s, bufs, present, shard)
+                got = self._views(indices, offs, lens, span, bufs, present, shard)
             if got is not None:
                 return got
         return self._diagnose(indices, offs, lens, shard, present, bufs, on_error)
 
+    def _span_of(self, present: list[int], entries: list[tuple]) -> Span:
+        """A `Span` holding every shard of the batch: the reader's span of its ready (local,
+        mapped for good) shards, grown when a batch first touches one; or, for a batch with
+        remote shards loaded whole (which may be evicted), a span of this batch's shards."""
+        span = self._span
+        if (span.base[present] >= 0).all():
+            return span
+        if all(s in self._ready for s in present):
+            with self._lock:
+                span = self._span = Span({s: e[1] for s, e in self._ready.items()}, len(self.split.counts))
+                every = len(self._ready) == int(np.count_nonzero(self.split.counts))
+                if every and self.rows and len(self.split) <= ALL_INDEX_MAX:
+                    self._whole = span
+            return span
+        return Span({s: e[1] for s, e in zip(present, entries)}, len(self.split.counts))
+
     # -- the fast forms -------------------------------------------------------------------------
-    def _views(self, indices, offs, lens, parts, u8s, bufs, present, shard) -> Frames | None:
+    def _views(self, indices, offs, lens, span, bufs, present, shard) -> Frames | None:
+        if (offs < 0).any() or (offs + lens > self._sizes[shard]).any() or (lens < FRAMING).any():
+            return None  # (`_diagnose` names the entry)
+        head = span.rows(shard, offs, HEADER)
+        foot = span.rows(shard, offs + lens - FOOTER, FOOTER).view("<u4").ravel()
+        if bad_headers(head, lens).any():
+            return None
         if len(present) == 1:
-            head = gather(u8s[0], offs, HEADER)
-            foot = stored_crcs(u8s[0], offs, lens)
-            if bad_headers(head, lens).any():
-                return None
             payloads = payload_views(bufs[0], offs, lens)
-        else:
-            head = np.empty((len(offs), HEADER), dtype=np.uint8)
-            foot = np.empty(len(offs), dtype=np.uint32)
-            for m, u8 in zip(parts, u8s):
-                head[m] = gather(u8, offs[m], HEADER)
-                foot[m] = stored_crcs(u8, offs[m], lens[m])
-            if bad_headers(head, lens).any():
-                return None
-            # one view per record, by shard: map over C callables, no Python bytecode per record
+        else:  # one view per record, by shard: map over C callables, no Python bytecode per record
             views = [memoryview(b) for b in bufs]
             which = np.searchsorted(np.asarray(present), shard).tolist()
             payloads = list(
@@ -213,31 +260,17 @@ class FrameReader:
             return None
         return Frames(indices, payloads=payloads)
 
-    def _rows(self, indices, offs, lens, shard, order, bounds, entries, lo, hi) -> Frames | None:
-        """Each shard's rows are one row-take from a window view of its mmap into a slice of
-        one matrix (records grouped by shard, ``order``), put back in batch order at the end;
-        the end-of-shard clamp is checked for the whole batch at once."""
-        n = len(indices)
+    def _rows(self, indices, offs, lens, shard, span, lo, hi) -> Frames | None:
+        """The batch's framed records as rows of width ``hi``: one take from the span, in batch
+        order. A row that would run past its shard's end starts earlier (clamped) and is fixed
+        up after; offsets are checked non-negative and clamped for the whole batch at once."""
         limit = self._sizes[shard] - hi  # the last offset a whole row of width hi starts at
-        if lo <= FRAMING or int(limit.min()) < 0:  # (a shard shorter than a row)
+        if lo <= FRAMING or int(limit.min()) < 0 or int(offs.min()) < 0:  # (a shard shorter than a row)
             return None
         near = np.flatnonzero(offs > limit)
-        o = offs if not len(near) else np.minimum(offs, limit)
-        if order is not None:
-            o = o[order]
-        grouped = np.empty((n, hi), dtype=np.uint8)
-        for a, b, (_, u8, wins) in zip(bounds, bounds[1:], entries):
-            win = wins.get(hi)
-            if win is None:
-                win = wins[hi] = window(u8, hi)
-            grouped[a:b] = win[o[a:b]]
-        if order is None:
-            rows = grouped
-        else:
-            rows = np.empty_like(grouped)
-            rows[order] = grouped
+        rows = span.rows(shard, offs if not len(near) else np.minimum(offs, limit), hi)
         for j in near.tolist():  # records near the end of their shard: the clamped row, fixed up
-            u8, at = self._u8[int(shard[j])][1], int(offs[j])
+            u8, at = span.arrays[int(shard[j])], int(offs[j])
             rows[j] = 0
             rows[j, : len(u8) - at] = u8[at:]
         if bad_headers(rows[:, :HEADER], lens).any():
@@ -362,18 +395,20 @@ class FrameReader:
         return out
 
     def close(self) -> None:
+        self._u8.clear()  # first: arrays that view a mapping keep it from closing
+        self._ready.clear()
+        self._span, self._whole = Span({}, len(self.split.counts)), None
         for _s, f in list(self._cached.items()):
             f.close()
             self.cache.release(f.path)
         self._cached.clear()
-        self._u8.clear()
 
     def _entry(self, s: int, buf) -> tuple:
-        """``(buffer, uint8 array, {width: window view})`` of shard ``s``, made once per loaded
+        """``(buffer, uint8 array)`` of shard ``s``, made once per loaded
         buffer (numpy's per-call cost would otherwise be paid per batch and shard)."""
         got = self._u8.get(s)
         if got is None or got[0] is not buf:
-            got = self._u8[s] = (buf, np.frombuffer(buf, dtype=np.uint8), {})
+            got = self._u8[s] = (buf, np.frombuffer(buf, dtype=np.uint8))
             self._sizes[s] = len(got[1])
             if not self.split.file(s).storage.remote and s in self._fits:
                 self._ready[s] = got  # local: mapped for good, checked; later batches skip `_buffer`

@@ -184,9 +184,10 @@ class BatchBuilder:
                 tick("batch")
         if self.return_index:
             if isinstance(self.reader, MixtureReader):
-                src = np.searchsorted(self.reader.starts, indices, side="right") - 1
+                starts = self.reader.starts
+                src = starts[1:-1].searchsorted(indices, side="right")
                 batch[SOURCE_KEY] = src
-                batch[INDEX_KEY] = indices - self.reader.starts[src]
+                batch[INDEX_KEY] = indices - starts.take(src)
             else:
                 batch[INDEX_KEY] = indices
         if self.batch_transform is not None:
