@@ -13,6 +13,7 @@ sizes where its path switches on: framed records ≤ 4096 bytes for the columnar
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import struct
 
@@ -415,6 +416,32 @@ def test_a_payload_byte_flipped_is_reported(request, tmp_path, which, shuffle):
     _corrupt(root, bad, shard=1, record=3, at=12 + at + 10, new=None)
     with pytest.raises(crossfeed.CorruptRecordError):
         _read_all(bad, shuffle, 64)
+
+
+@pytest.mark.parametrize("shuffle", ["none", "global"])
+def test_a_big_record_whose_crc_is_checked_at_the_copy_is_named_or_skipped(big, tmp_path, shuffle):
+    """Big records' payload CRCs are taken as the decoder copies them (`Frames.unchecked`): a
+    flipped byte there is still a `CorruptRecordError` naming the shard and the record's offset,
+    and with ``on_error="skip"`` exactly that record is dropped, every other value intact."""
+    from crossfeed.read.frame_reader import FrameReader
+
+    root, ref = big
+    bad = tmp_path / "bad"
+    _corrupt(root, bad, shard=2, record=5, at=12 + 3000, new=None)
+    with crossfeed.open_dataset(bad) as ds:
+        sp = ds["train"]
+        off, gid = int(sp.index(2)[5][0]), int(sp.starts[2]) + 5
+        frames = FrameReader(sp)(np.arange(len(sp)), defer_crc=True)
+        assert frames.unchecked is not None  # the big records' CRCs really are left to the decoder
+    with pytest.raises(crossfeed.CorruptRecordError) as e:
+        _read_all(bad, shuffle, 32)
+    assert e.value.offset == off and e.value.path.endswith(os.path.basename(sp.file(2).path))
+    seen = []
+    with crossfeed.Loader(bad, batch_size=32, shuffle=shuffle, seed=0, return_index=True, on_error="skip") as ld:
+        for b in ld:
+            assert_batch(b, ref, ld.dataset.schema.names)
+            seen += b["__index__"].tolist()
+    assert sorted(seen) == [i for i in range(len(ref)) if i != gid]
 
 
 @pytest.mark.parametrize("shuffle", ["none", "global"])

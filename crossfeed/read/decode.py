@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import crc32c
 import numpy as np
 
 from crossfeed.errors import CrossfeedError, ExampleError, SchemaError
@@ -133,6 +134,7 @@ class RecordDecoder:
         where: Callable[[int], str] = str,
         on_error: Callable[[CrossfeedError], None] | None = None,
     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        frames.verify()
         payloads = frames.as_payloads()
         return self._generic(payloads, where, on_error)
 
@@ -261,9 +263,14 @@ class ColumnarDecoder(RecordDecoder):
         n = len(frames)
         out = {f.name: self._empty((n, *f.shape), fixed_dtype(f)) for f in self.features}
         bad: list[int] = []
+        # deferred payload CRCs (big records, `Frames.unchecked`) are taken as each record is copied
+        crcs = np.empty(n, dtype=np.uint32) if frames.unchecked is not None else None
         for pos, group in self._groups(frames):
-            if not self._cut(group, out, pos, frames.rows is not None):
+            if not self._cut(group, out, pos, frames.rows is not None, crcs):
+                frames.verify()  # every CRC, before any record is parsed (then no more to take)
+                crcs = None
                 self._parse_into(group, out, np.arange(n) if pos is None else pos, where, on_error, bad)
+        frames.verify(crcs)
         kept = np.arange(n)
         if bad:
             kept = np.setdiff1d(kept, bad)
@@ -286,9 +293,11 @@ class ColumnarDecoder(RecordDecoder):
             for pos in (np.flatnonzero(lengths == k) for k in np.unique(lengths).tolist())
         ]
 
-    def _cut(self, group, out: dict[str, np.ndarray], pos, rows: bool) -> bool:
+    def _cut(self, group, out: dict[str, np.ndarray], pos, rows: bool, crcs=None) -> bool:
         """Cut a group of equal-length payloads with its layout into ``out``; False if the layout
-        does not fit (nothing written then that a record-by-record parse does not overwrite)."""
+        does not fit (nothing written then that a record-by-record parse does not overwrite).
+        ``crcs`` (batch order): where cut, each payload's CRC32C goes there, taken as its big
+        values are copied."""
         first = group[0]
         layout = self._layout(first.tobytes() if rows else first, len(first))
         if layout is None:
@@ -304,7 +313,9 @@ class ColumnarDecoder(RecordDecoder):
         if rows:
             layout.copy_big_rows(group, out, slice(None) if pos is None else pos)
         else:
-            layout.copy_big(group, out, np.arange(len(group)) if pos is None else pos)
+            layout.copy_big(group, out, np.arange(len(group)) if pos is None else pos, crcs)
+            if crcs is not None and not layout.big:  # (nothing copied to take them with)
+                crcs[slice(None) if pos is None else pos] = [crc32c.crc32c(p) for p in group]
         return True
 
     def _parse_into(self, group, out, pos: np.ndarray, where, on_error, bad: list[int]) -> None:

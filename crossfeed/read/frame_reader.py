@@ -37,7 +37,7 @@ from crossfeed.format.frames import (
     payload_views,
     window,
 )
-from crossfeed.format.tfrecord import FOOTER, HEADER
+from crossfeed.format.tfrecord import FOOTER, HEADER, mask
 from crossfeed.read.cache import ShardCache
 from crossfeed.read.dataset import Split
 from crossfeed.read.storage import ShardFile, Storage
@@ -45,6 +45,15 @@ from crossfeed.read.storage import ShardFile, Storage
 ROWS_MAX = 4096  # framed records at most this long may come as rows
 ROWS_SPREAD = 64  # ... when the lengths in one batch differ by at most this many bytes
 ALL_INDEX_MAX = 1 << 21  # splits up to this many records gather batches from one split-wide index table (32 MiB)
+
+
+DEFER_MIN = 16 * 1024  # views of payloads this long on average may have their CRC checked where they are copied
+
+
+class DeferredCrcError(Exception):
+    """A payload CRC checked after the frame stage (`Frames.verify`) did not match: the batch is
+    read again on the exact path, which names the record (not a `CrossfeedError`: never a
+    bad-record budget's to swallow)."""
 
 
 @dataclasses.dataclass
@@ -60,6 +69,23 @@ class Frames:
     indices: np.ndarray
     payloads: list | None = None
     rows: list[tuple[np.ndarray | None, np.ndarray]] | None = None
+    # the stored masked CRCs of ``payloads`` whose payload CRC is not checked yet (big records read
+    # with ``defer_crc``): the decoder checks each while copying it (`verify`); None: all checked
+    unchecked: np.ndarray | None = None
+
+    def verify(self, crcs: np.ndarray | None = None) -> None:
+        """Check the payloads' deferred CRCs — ``crcs``, computed by the caller in batch order
+        while the bytes were in cache, or else computed here; raise `DeferredCrcError` on a
+        mismatch. A no-op once checked."""
+        if self.unchecked is None:
+            return
+        stored, self.unchecked = self.unchecked, None
+        if crcs is None:
+            bad = bad_payloads(self.payloads, stored)
+        else:
+            bad = mask(crcs) != stored
+        if bad.any():
+            raise DeferredCrcError(f"payload CRC mismatch at batch position {int(np.flatnonzero(bad)[0])}")
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -167,7 +193,12 @@ class FrameReader:
         s, k = self.split.locate(int(i))
         return f"{self.split.file(s).path}: record at byte offset {int(self._entries(s, np.array([k]))[0, 0])}"
 
-    def __call__(self, indices, on_error: Callable[[CorruptRecordError], None] | None = None) -> Frames:
+    def __call__(
+        self, indices, on_error: Callable[[CorruptRecordError], None] | None = None, *, defer_crc: bool = False
+    ) -> Frames:
+        """The checked frames of records ``indices``. ``defer_crc``: views of big records may come
+        with their payload CRCs unchecked (`Frames.unchecked`) for the caller to check while it
+        copies them (read once from memory, not twice); it must `Frames.verify` before any other use."""
         indices = np.asarray(indices, dtype=np.int64)
         if not len(indices):
             return Frames(indices, payloads=[])
@@ -215,7 +246,7 @@ class FrameReader:
             if self.rows and hi <= ROWS_MAX and hi - lo <= ROWS_SPREAD:
                 got = self._rows(indices, offs, lens, shard, span, lo, hi)
             else:
-                got = self._views(indices, offs, lens, span, bufs, present, shard)
+                got = self._views(indices, offs, lens, span, bufs, present, shard, defer_crc)
             if got is not None:
                 return got
         return self._diagnose(indices, offs, lens, shard, present, bufs, on_error)
@@ -237,7 +268,7 @@ class FrameReader:
         return Span({s: e[1] for s, e in zip(present, entries)}, len(self.split.counts))
 
     # -- the fast forms -------------------------------------------------------------------------
-    def _views(self, indices, offs, lens, span, bufs, present, shard) -> Frames | None:
+    def _views(self, indices, offs, lens, span, bufs, present, shard, defer_crc=False) -> Frames | None:
         if (offs < 0).any() or (offs + lens > self._sizes[shard]).any() or (lens < FRAMING).any():
             return None  # (`_diagnose` names the entry)
         head = span.rows(shard, offs, HEADER)
@@ -256,6 +287,8 @@ class FrameReader:
                     map(slice, (offs + HEADER).tolist(), (offs + lens - FOOTER).tolist()),
                 )
             )
+        if defer_crc and int(lens.sum()) >= DEFER_MIN * len(lens):
+            return Frames(indices, payloads=payloads, unchecked=foot)
         if bad_payloads(payloads, foot).any():
             return None
         return Frames(indices, payloads=payloads)

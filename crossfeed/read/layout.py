@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import crc32c
 import numpy as np
 
 from crossfeed.errors import ExampleError
@@ -129,13 +130,18 @@ class Layout:
             dst = out[sl.feature.name]
             dst.reshape(len(dst), -1).view(np.uint8)[pos] = rows[:, sl.start : sl.stop]
 
-    def copy_big(self, payloads: Sequence, out: dict[str, np.ndarray], pos: np.ndarray) -> None:
-        """Copy each record's big values straight into its row of the batch arrays (no other copy)."""
-        for sl in self.big:
+    def copy_big(self, payloads: Sequence, out: dict[str, np.ndarray], pos: np.ndarray, crcs=None) -> None:
+        """Copy each record's big values straight into its row of the batch arrays (no other copy).
+        ``crcs`` (a uint32 array): also the CRC32C of each whole payload, taken just before its
+        values are copied, so that the copy reads bytes the CRC has just brought into cache."""
+        for n, sl in enumerate(self.big):
             dst = out[sl.feature.name]
             rows = dst.reshape(len(dst), -1).view(np.uint8)  # native = little-endian here (see _LITTLE)
             width = sl.stop - sl.start
+            take = crcs is not None and n == 0  # ``crcs`` in batch order, like ``pos``
             for i, p in zip(pos.tolist(), payloads):
+                if take:
+                    crcs[i] = crc32c.crc32c(p)
                 rows[i] = np.frombuffer(p, np.uint8, width, sl.start)
 
     def cut(self, rows: np.ndarray) -> dict[str, np.ndarray] | None:

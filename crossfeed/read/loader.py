@@ -27,7 +27,7 @@ from crossfeed.read.cache import Prefetcher, ShardCache
 from crossfeed.read.dataset import Dataset, Split, open_dataset
 from crossfeed.read.decode import collate, make_decoder
 from crossfeed.read.executor import ExecutorKind, ThreadExecutor
-from crossfeed.read.frame_reader import FrameReader, Frames
+from crossfeed.read.frame_reader import DeferredCrcError, FrameReader, Frames
 from crossfeed.read.options import LoaderOptions, ReadOptions, Source
 from crossfeed.read.parquet_reader import ParquetDecoder, ParquetFrameReader
 from crossfeed.read.plan import Plan, Remainder, Sampler, Shuffle
@@ -55,6 +55,7 @@ class SourceReader:
         keep_loaded: int | None,
         cache: ShardCache | None = None,
     ):
+        self._defer = False
         if split.info.format == "parquet":  # row groups read in place (crossfeed.read.parquet_reader)
             self.decoder = ParquetDecoder(features, decode_images=read.decode_images)
             self.frames = ParquetFrameReader(split, features)
@@ -68,12 +69,18 @@ class SourceReader:
         )
         self.frames = FrameReader(split, whole_shards=whole_shards, keep_loaded=keep_loaded, cache=cache)
         self.frames.rows = self.decoder.columnar and self.frames.small_records()
+        # big records' payload CRCs are checked by the columnar decoder as it copies them
+        self._defer = self.decoder.columnar and not self.frames.rows
 
     def __call__(self, indices: np.ndarray, budget=None, tick=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        frames = self.frames(indices, on_error=budget)
+        frames = self.frames(indices, on_error=budget, defer_crc=True) if self._defer else self.frames(indices, budget)
         if tick:
             tick("read")
-        batch, kept = self.decoder(frames, where=lambda j: self.frames.where(frames.indices[j]), on_error=budget)
+        try:
+            batch, kept = self.decoder(frames, where=lambda j: self.frames.where(frames.indices[j]), on_error=budget)
+        except DeferredCrcError:  # a corrupt record: the exact path names it (or drops it into the budget)
+            frames = self.frames(indices, on_error=budget)
+            batch, kept = self.decoder(frames, where=lambda j: self.frames.where(frames.indices[j]), on_error=budget)
         if tick:
             tick("decode")
         if len(frames.indices) == len(indices):
