@@ -77,15 +77,18 @@ class SourceReader:
         if tick:
             tick("read")
         try:
-            batch, kept = self.decoder(frames, where=lambda j: self.frames.where(frames.indices[j]), on_error=budget)
+            batch, kept = self._decode(frames, budget)
         except DeferredCrcError:  # a corrupt record: the exact path names it (or drops it into the budget)
             frames = self.frames(indices, on_error=budget)
-            batch, kept = self.decoder(frames, where=lambda j: self.frames.where(frames.indices[j]), on_error=budget)
+            batch, kept = self._decode(frames, budget)
         if tick:
             tick("decode")
         if len(frames.indices) == len(indices):
             return batch, kept
         return batch, _positions(indices, frames.indices[kept])  # bad records were skipped (rare)
+
+    def _decode(self, frames: Frames, budget):
+        return self.decoder(frames, where=lambda j: self.frames.where(frames.indices[j]), on_error=budget)
 
 
 def _positions(indices: np.ndarray, kept_values: np.ndarray) -> np.ndarray:
