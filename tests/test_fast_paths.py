@@ -268,6 +268,37 @@ def test_clean_small_records_never_leave_the_rows_form(small, monkeypatch, shuff
     check_epochs(root, ref, batch_size=600, shuffle=shuffle)
 
 
+def test_a_split_held_whole_is_read_without_shard_lookups(small, monkeypatch):
+    """Once every shard is mapped, a batch's entries are one gather from `Whole`'s table (span
+    offset, length, room left in the shard): from then on every batch is served there — one with
+    a record too near its shard's end for the batch's row width through the fix-up path (`_rows`)
+    — and every batch equals the oracle's."""
+    from crossfeed.read.frame_reader import FrameReader
+
+    served, near, inside = [], [], []
+    whole_rows, rows = FrameReader._whole_rows, FrameReader._rows
+
+    def spy_whole(self, indices, whole):
+        inside.append(True)
+        try:
+            got = whole_rows(self, indices, whole)
+        finally:
+            inside.pop()
+        served.append(got is not None)
+        return got
+
+    def spy_rows(self, *a, **k):
+        near.append(bool(inside))
+        return rows(self, *a, **k)
+
+    monkeypatch.setattr(FrameReader, "_whole_rows", spy_whole)
+    monkeypatch.setattr(FrameReader, "_rows", spy_rows)
+    root, ref = small
+    check_epochs(root, ref, batch_size=64, shuffle="global", epochs=2)
+    assert len(served) >= 600 // 64 and all(served), served
+    assert any(near), "no batch had a record near its shard's end (the fixture's last records are the shortest)"
+
+
 def test_feature_subset_matches_oracle(small):
     """(Today a subset makes the fixed-layout path step aside: the values of the features left out
     count as layout bytes, which differ between records. The values must be right either way.)"""

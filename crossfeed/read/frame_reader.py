@@ -129,10 +129,44 @@ class Span:
     def rows(self, shard: np.ndarray, offsets: np.ndarray, width: int) -> np.ndarray:
         """``(n, width)`` copy of the bytes at ``offsets`` of shards ``shard`` (see the class
         docstring for the offsets allowed)."""
+        return self.at(self.base[shard] + offsets, width)
+
+    def at(self, starts: np.ndarray, width: int) -> np.ndarray:
+        """``(n, width)`` copy of the bytes at span offsets ``starts`` (each inside a shard, with
+        ``width`` bytes of it left)."""
         win = self.wins.get(width)
         if win is None:
             win = self.wins[width] = window(self.u8, width)
-        return win[self.base[shard] + offsets]
+        return win[starts]
+
+
+class Whole:
+    """A split's index in `Span` terms, for a split whose every shard the span holds: per
+    record one 16-byte row — its framed record's offset in the span, and its length and the bytes
+    left in its shard from its start (``room``, capped at 2**31 - 1) packed in one int64 — so that a
+    batch's entries are one gather, with no shard lookup."""
+
+    ROOM_CAP = (1 << 31) - 1
+
+    def __init__(self, span: Span, table: np.ndarray):
+        self.span, self.table = span, table
+
+    @classmethod
+    def of(cls, span: Span, index: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> Whole:
+        """From the split's ``(N, 2)`` ``(offset, length)`` index, shard ``s`` holding records
+        ``starts[s]:starts[s + 1]`` of ``sizes[s]`` bytes."""
+        shard = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+        offs, lens = index[:, 0], index[:, 1]
+        room = np.minimum(sizes[shard] - offs, cls.ROOM_CAP)
+        table = np.empty((len(index), 2), dtype=np.int64)
+        table[:, 0] = span.base[shard] + offs
+        table[:, 1] = lens | (room << 32)
+        return cls(span, table)
+
+    def __call__(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(span offsets, framed lengths, room)`` of records ``indices``."""
+        t = self.table[indices]
+        return t[:, 0], t[:, 1] & 0xFFFFFFFF, t[:, 1] >> 32
 
 
 class FrameReader:
@@ -165,9 +199,9 @@ class FrameReader:
         self._ready: dict[int, tuple] = {}  # the same, for local shards whose index fits their stream
         self._sizes = np.zeros(len(split.counts), dtype=np.int64)  # shard → its stream's size, once loaded
         self._span = Span({}, len(split.counts))  # the ready shards as one array (`Span`), grown as shards get ready
-        # the span, once it holds every (non-empty) shard of a small split read as rows: then a
-        # batch needs no per-shard bookkeeping at all
-        self._whole: Span | None = None
+        # once the span holds every (non-empty) shard of a small split read as rows, the span and
+        # `Whole`, the split's index in span terms: then a batch needs no per-shard bookkeeping
+        self._whole: Whole | None = None
         self._lock = threading.Lock()
         # a large split's indexes are read in place, entry by entry (`Split.lazy_index`): opening
         # it and its first batch cost O(shards), not O(records)
@@ -204,15 +238,12 @@ class FrameReader:
             return Frames(indices, payloads=[])
         if self.split.info.format == tar.FORMAT:
             return self._tar_samples(indices, on_error)
+        whole = self._whole
+        if whole is not None:  # the common case, in short: every shard mapped, checked, in one span
+            got = self._whole_rows(indices, whole)
+            if got is not None:
+                return got
         shard = np.searchsorted(self.split.starts, indices, side="right") - 1
-        if self._whole is not None:  # the common case, in short: every shard mapped, checked, in one span
-            index = self._all_index()[indices]
-            offs, lens = index[:, 0], index[:, 1]
-            lo, hi = int(lens.min()), int(lens.max())
-            if hi <= ROWS_MAX and hi - lo <= ROWS_SPREAD:
-                got = self._rows(indices, offs, lens, shard, self._whole, lo, hi)
-                if got is not None:
-                    return got
         s0 = int(shard[0])
         if shard[-1] == s0 and (shard == s0).all():
             present, per = [s0], None
@@ -262,12 +293,27 @@ class FrameReader:
             with self._lock:
                 span = self._span = Span({s: e[1] for s, e in self._ready.items()}, len(self.split.counts))
                 every = len(self._ready) == int(np.count_nonzero(self.split.counts))
-                if every and self.rows and len(self.split) <= ALL_INDEX_MAX:
-                    self._whole = span
+                if every and self.rows and len(self.split) <= ALL_INDEX_MAX and self._whole is None:
+                    index = self._index if self._index is not None else self._concat_index()
+                    self._whole = Whole.of(span, index, self.split.starts, self._sizes)
+                    self._index = None  # (`Whole` holds the same entries; rebuilt if a fallback needs it)
             return span
         return Span({s: e[1] for s, e in zip(present, entries)}, len(self.split.counts))
 
     # -- the fast forms -------------------------------------------------------------------------
+    def _whole_rows(self, indices, whole: Whole) -> Frames | None:
+        """`_rows` for a split held whole: a record's span offset, length and room left in its
+        shard come from one gather of `Whole`'s table; a batch with a record too near its shard's
+        end for a row of the batch's width goes the long way (`_rows`, which fixes such rows up)."""
+        at, lens, room = whole(indices)
+        lo, hi = int(lens.min()), int(lens.max())
+        if hi > ROWS_MAX or hi - lo > ROWS_SPREAD:
+            return None
+        if lo > FRAMING and int(room.min()) >= hi:
+            return self._checked_rows(indices, whole.span.at(at, hi), lens, lo, hi)
+        shard = np.searchsorted(self.split.starts, indices, side="right") - 1
+        return self._rows(indices, at - whole.span.base[shard], lens, shard, whole.span, lo, hi)
+
     def _views(self, indices, offs, lens, span, bufs, present, shard, defer_crc=False) -> Frames | None:
         if (offs < 0).any() or (offs + lens > self._sizes[shard]).any() or (lens < FRAMING).any():
             return None  # (`_diagnose` names the entry)
@@ -306,6 +352,12 @@ class FrameReader:
             u8, at = span.arrays[int(shard[j])], int(offs[j])
             rows[j] = 0
             rows[j, : len(u8) - at] = u8[at:]
+        return self._checked_rows(indices, rows, lens, lo, hi)
+
+    @staticmethod
+    def _checked_rows(indices, rows, lens, lo, hi) -> Frames | None:
+        """`Frames` of framed ``rows`` (width ``hi``), every header and payload CRC checked;
+        None if one fails (`_diagnose` names it)."""
         if bad_headers(rows[:, :HEADER], lens).any():
             return None
         if lo == hi:
@@ -450,11 +502,16 @@ class FrameReader:
     def _all_index(self) -> np.ndarray:
         """``(N, 2)`` ``(offset, length)`` of every record of the split, by global index (built
         once, on the first batch that spans shards)."""
-        if self._index is None:
+        index = self._index
+        if index is None:
             with self._lock:
-                if self._index is None:
-                    self._index = np.concatenate([self.split.index(s) for s in range(len(self.split.counts))])
-        return self._index
+                index = self._index
+                if index is None:
+                    index = self._index = self._concat_index()
+        return index
+
+    def _concat_index(self) -> np.ndarray:
+        return np.concatenate([self.split.index(s) for s in range(len(self.split.counts))])
 
     def _evict(self, s: int) -> None:
         """Keep at most ``keep_loaded`` remote shards in memory (the oldest go first)."""
