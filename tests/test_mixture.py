@@ -11,7 +11,8 @@ from loader_helpers import assert_resumes_identically, ids_of
 
 import crossfeed
 from crossfeed.errors import ConfigError
-from crossfeed.read.plan import integer_weights, smooth_schedule
+from crossfeed.read import plan as plan_mod
+from crossfeed.read.plan import MixtureOrder, PassOrders, Shuffle, integer_weights, smooth_schedule
 
 
 @settings(max_examples=200, deadline=None)
@@ -23,6 +24,38 @@ def test_every_prefix_keeps_the_proportions_within_one_sample(weights):
     counts = np.cumsum(seq[:, None] == np.arange(len(weights))[None, :], axis=0)
     prefix = np.arange(1, len(seq) + 1)[:, None]
     assert np.abs(counts - prefix * np.asarray(weights) / sum(weights)).max() < 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=4).filter(any), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_an_epoch_drawn_whole_equals_it_evaluated_position_by_position(sizes, data):
+    """A small epoch is drawn whole, source by source (consecutive draws, slices of the passes'
+    orders); a large one is evaluated on any positions. Both must give the same order, and the
+    passes shared by the epochs of one plan must give what fresh ones give."""
+    weights = data.draw(st.lists(st.integers(1, 9), min_size=len(sizes), max_size=len(sizes)))
+    n = data.draw(st.integers(1, 300))
+    shuffle = data.draw(st.sampled_from(list(Shuffle)))
+    shared = PassOrders([np.asarray(c) for c in sizes], 7, shuffle)
+    for epoch in (0, 1, 4):
+        whole = MixtureOrder(sizes, weights, n=n, seed=7, epoch=epoch, shuffle=shuffle, passes=shared)
+        assert whole.materialised
+        positions = np.arange(n)
+        old, plan_mod.TABLE_MAX = plan_mod.TABLE_MAX, 0
+        try:
+            evaluated = MixtureOrder(sizes, weights, n=n, seed=7, epoch=epoch, shuffle=shuffle)
+        finally:
+            plan_mod.TABLE_MAX = old
+        assert not evaluated.materialised
+        np.testing.assert_array_equal(whole(positions), evaluated(positions))
+        picked = np.random.default_rng(epoch).permutation(n)[: max(1, n // 3)]
+        np.testing.assert_array_equal(whole(picked), evaluated(picked))
+        # each source's draws of the epoch are its own ids, and a pass is a permutation of them
+        got = whole(positions)
+        starts = np.concatenate([[0], np.cumsum([sum(c) for c in sizes])])
+        assert ((got >= 0) & (got < starts[-1])).all()
 
 
 def test_weights_become_small_integers():

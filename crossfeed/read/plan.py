@@ -151,6 +151,12 @@ class EpochOrder:
             return self._table[positions]
         return self._eval(positions)
 
+    def run(self, lo: int, hi: int) -> np.ndarray:
+        """The samples at positions ``lo..hi-1`` (``self(np.arange(lo, hi))``, a slice of a table)."""
+        if self._table is not None:
+            return self._table[lo:hi]
+        return self._eval(np.arange(lo, hi, dtype=np.int64))
+
     def _eval(self, k: np.ndarray) -> np.ndarray:
         if self.shuffle is Shuffle.GLOBAL:
             return self._perm(k)
@@ -251,7 +257,10 @@ class MixtureOrder:
         epoch: int,
         shuffle: Shuffle,
         block_shards: int = 4,
+        passes: PassOrders | None = None,
     ):
+        """``passes``: the sources' per-pass orders, shared by the epochs of one `Sampler` (a
+        source's pass usually straddles two epochs: its order is drawn once)."""
         self.counts = [np.asarray(c, dtype=np.int64) for c in counts]
         self.sizes = np.array([int(c.sum()) for c in self.counts], dtype=np.int64)
         if (self.sizes == 0).any():
@@ -266,17 +275,10 @@ class MixtureOrder:
             [np.zeros((1, len(weights)), np.int64), np.cumsum(onehot, axis=0)]
         )  # (period+1, k)
         self.per_epoch = self.draws(np.full(len(weights), self.n, dtype=np.int64), np.arange(len(weights)))
-        self._seeds = [
-            int(np.random.SeedSequence([int(seed), s, 0x6D6978]).generate_state(1, np.uint64)[0] >> 2)
-            for s in range(len(weights))
-        ]
-        self._shuffle, self._block = Shuffle(shuffle), block_shards
-        self._orders: dict[tuple[int, int], EpochOrder] = {}
-        self._lock = threading.Lock()
+        self._passes = passes if passes is not None else PassOrders(self.counts, seed, shuffle, block_shards)
         self._table: np.ndarray | None = None  # the whole epoch, for small epochs (as `EpochOrder`)
         if self.n <= TABLE_MAX:
-            self._table = self._eval(np.arange(self.n, dtype=np.int64))
-            self._orders.clear()
+            self._table = self._whole_epoch()
 
     @property
     def materialised(self) -> bool:
@@ -290,18 +292,6 @@ class MixtureOrder:
     def source_of(self, positions: np.ndarray) -> np.ndarray:
         return self.schedule[positions % self.period]
 
-    def _order(self, s: int, pass_: int) -> EpochOrder:
-        key = (s, pass_)
-        with self._lock:
-            got = self._orders.get(key)
-            if got is None:
-                if len(self._orders) > 4 * len(self.sizes):
-                    self._orders.clear()
-                got = self._orders[key] = EpochOrder(
-                    self.counts[s], seed=self._seeds[s], epoch=pass_, shuffle=self._shuffle, block_shards=self._block
-                )
-        return got
-
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)
         if self._table is not None:
@@ -311,16 +301,84 @@ class MixtureOrder:
     def _eval(self, positions: np.ndarray) -> np.ndarray:
         src = self.source_of(positions)
         out = np.empty(len(positions), dtype=np.int64)
-        for s in np.unique(src).tolist():
+        for s in range(len(self.sizes)):
             m = src == s
+            if not m.any():
+                continue
             c = self.epoch * self.per_epoch[s] + self.draws(positions[m], np.full(int(m.sum()), s))
             passes, within = np.divmod(c, self.sizes[s])
-            got = np.empty(len(c), dtype=np.int64)
-            for p in np.unique(passes).tolist():
-                q = passes == p
-                got[q] = self._order(s, p)(within[q])
+            lo, hi = int(passes.min()), int(passes.max())
+            if lo == hi:
+                got = self._passes(s, lo)(within)
+            else:
+                got = np.empty(len(c), dtype=np.int64)
+                for p in range(lo, hi + 1):
+                    q = passes == p
+                    if q.any():
+                        got[q] = self._passes(s, p)(within[q])
             out[m] = self.starts[s] + got
         return out
+
+    def _whole_epoch(self) -> np.ndarray:
+        """`_eval` of every position of the epoch, by source, laid out as rows of one period:
+        source ``s`` holds the columns ``j`` with ``schedule[j] == s``, read row by row, and its
+        ``i``-th position is its draw ``epoch·per_epoch[s] + i`` — consecutive draws, so slices
+        of its passes' orders."""
+        rows, tail = divmod(self.n, self.period)
+        out = np.empty((rows + 1) * self.period, dtype=np.int64)
+        grid = out.reshape(rows + 1, self.period)
+        for s in range(len(self.sizes)):
+            cols = np.flatnonzero(self.schedule == s)
+            count = int(self.per_epoch[s])
+            got = self._draws(s, self.epoch * count, count)
+            body = rows * len(cols)
+            if len(cols) <= 16:  # a column at a time: strided copies, no fancy indexing
+                block = got[:body].reshape(rows, len(cols))
+                for k, j in enumerate(cols.tolist()):
+                    grid[:rows, j] = block[:, k]
+            else:
+                grid[:rows, cols] = got[:body].reshape(rows, len(cols))
+            grid[rows, cols[cols < tail]] = got[body:]
+        return out[: self.n]
+
+    def _draws(self, s: int, first: int, count: int) -> np.ndarray:
+        """Source ``s``'s samples (global ids) at its draws ``first .. first + count - 1``."""
+        size, out = int(self.sizes[s]), np.empty(count, dtype=np.int64)
+        c, end = int(first), int(first) + count
+        while c < end:
+            p, w = divmod(c, size)
+            take = min(size - w, end - c)
+            np.add(self._passes(s, p).run(w, w + take), self.starts[s], out=out[c - first : c - first + take])
+            c += take
+        return out
+
+
+class PassOrders:
+    """``passes(s, p)``: the order (an `EpochOrder`) of pass ``p`` over mixture source ``s``,
+    drawn with the source's own seed stream. The last ``keep`` passes of each source are kept: a
+    pass usually straddles two epochs, and the `MixtureOrder`s of one `Sampler` share these."""
+
+    def __init__(self, counts: list, seed: int, shuffle: Shuffle, block_shards: int = 4, keep: int = 3):
+        self.counts, self.keep = counts, keep
+        self._seeds = [
+            int(np.random.SeedSequence([int(seed), s, 0x6D6978]).generate_state(1, np.uint64)[0] >> 2)
+            for s in range(len(counts))
+        ]
+        self._shuffle, self._block = Shuffle(shuffle), block_shards
+        self._orders: list[dict[int, EpochOrder]] = [{} for _ in counts]
+        self._lock = threading.Lock()
+
+    def __call__(self, s: int, p: int) -> EpochOrder:
+        kept = self._orders[s]
+        with self._lock:
+            got = kept.get(p)
+            if got is None:
+                while len(kept) >= self.keep:
+                    del kept[next(iter(kept))]  # the oldest first
+                got = kept[p] = EpochOrder(
+                    self.counts[s], seed=self._seeds[s], epoch=p, shuffle=self._shuffle, block_shards=self._block
+                )
+        return got
 
 
 def per_rank(remaining: int, world_size: int, remainder: Remainder) -> int:
@@ -422,6 +480,9 @@ class Sampler:
             sizes = sum(int(c.sum()) for c in self.counts)
             self.total = int(plan.samples_per_epoch) if plan.samples_per_epoch is not None else sizes
         self._order: tuple[int, EpochOrder | MixtureOrder] | None = None
+        self._passes = (
+            PassOrders(self.counts, plan.seed, plan.shuffle, plan.block_shards) if self.weights is not None else None
+        )
         self._lock = threading.Lock()
 
     def _make_order(self, epoch: int):
@@ -436,6 +497,7 @@ class Sampler:
             epoch=epoch,
             shuffle=o.shuffle,
             block_shards=o.block_shards,
+            passes=self._passes,
         )
 
     def plan(self, epoch: int, position: int = 0) -> Plan:
