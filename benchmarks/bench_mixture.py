@@ -5,7 +5,8 @@ Three tabular sources (sizes 4:2:1, weights 5:3:2) written by crossfeed; each re
 proportion error after those batches — the largest ``|count_i − w_i/Σw × delivered|`` over the
 sources, in samples (crossfeed's schedule keeps it under one sample over every prefix; tf.data
 draws each element at random). Also crossfeed's mixing overhead: the same Loader settings on the
-largest source alone. Each reader runs in a process of its own.
+largest source alone, both timed over whole epochs (an epoch's start, where its order is drawn,
+included). Each reader runs in a process of its own.
 
     .venv/bin/python benchmarks/bench_mixture.py [--batches 1000] [--batch 256] [--shuffle global]
 """
@@ -48,8 +49,9 @@ def _per_source(loader) -> None:
 
 def run_crossfeed(paths, batches: int, batch: int, shuffle: str, rounds: int) -> dict:
     """The mixture (one read per batch, and per source as before), and the largest source alone,
-    timed in alternating rounds of ``batches`` batches in one process (best round each: the box
-    may be loaded); the proportions are counted over the mixture's first round."""
+    each timed over whole epochs — so an epoch's start (drawing its order) counts — in
+    alternating rounds in one process (best round each: the box may be loaded); the proportions
+    are counted over the mixture's first ``batches`` batches."""
     import crossfeed
 
     def mixture():
@@ -62,25 +64,26 @@ def run_crossfeed(paths, batches: int, batch: int, shuffle: str, rounds: int) ->
         "single": crossfeed.Loader(paths[0], batch_size=batch, seed=0, shuffle=shuffle, return_index=True),
     }
     _per_source(loaders["per_source"])
-    its = {k: ld.epochs(None) for k, ld in loaders.items()}
-    for it in its.values():
-        next(it)
-    best = dict.fromkeys(loaders, float("inf"))
-    cpu = dict.fromkeys(loaders, float("inf"))
     counts = np.zeros(3, np.int64)
-    for r in range(rounds):
-        for k, it in its.items():
-            t, c = time.perf_counter(), time.process_time()
-            for _ in range(batches):
-                b = next(it)
-                if k == "mixture" and r == 0:
-                    counts += np.bincount(b["__source__"], minlength=3)
-            best[k] = min(best[k], time.perf_counter() - t)
-            cpu[k] = min(cpu[k], time.process_time() - c)
+    it = loaders["mixture"].epochs(None)
+    for _ in range(batches):
+        counts += np.bincount(next(it)["__source__"], minlength=3)
+    for ld in loaders.values():  # warm: every shard mapped and checked once
+        for _ in ld:
+            pass
+    best = dict.fromkeys(loaders, 0.0)
+    cpu = dict.fromkeys(loaders, 0.0)
+    for _ in range(rounds):
+        for k, ld in loaders.items():
+            n, t, c = 0, time.perf_counter(), time.process_time()
+            for b in ld:  # one whole epoch
+                n += len(b["__index__"])
+            best[k] = max(best[k], n / (time.perf_counter() - t))
+            cpu[k] = max(cpu[k], n / (time.process_time() - c))
     for ld in loaders.values():
         ld.close()
     # small records are built in the consumer's thread: CPU seconds are the work, even on a busy box
-    out = {k: {"rate": batches * batch / v, "cpu_rate": batches * batch / cpu[k]} for k, v in best.items()}
+    out = {k: {"rate": best[k], "cpu_rate": cpu[k]} for k in loaders}
     out["mixture"].update(counts=counts.tolist(), n=batches * batch)
     return out
 
@@ -178,7 +181,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--shuffle", default="global", choices=["global", "block", "none"])
     ap.add_argument("--data", default=os.path.join(HERE, "_data"))
-    ap.add_argument("--rounds", type=int, default=5, help="alternating timed rounds of crossfeed's readers")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating timed epochs of crossfeed's readers")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     paths = _paths(a.data)
@@ -215,7 +218,7 @@ def main(argv=None) -> None:
         single = cf["single"][key]
         print(
             f"mixing overhead vs the largest source alone ({what}): {single / cf['mixture'][key] - 1:+.1%} "
-            f"(before: {single / cf['per_source'][key] - 1:+.1%}); best of {a.rounds} alternating rounds"
+            f"(before: {single / cf['per_source'][key] - 1:+.1%}); best of {a.rounds} alternating whole epochs"
         )
     for who in ("tf", "mosaic"):
         if who in out:
