@@ -49,23 +49,29 @@ def _per_source(loader) -> None:
 
 def run_crossfeed(paths, batches: int, batch: int, shuffle: str, rounds: int) -> dict:
     """The mixture (one read per batch, and per source as before), and the largest source alone,
-    each timed over whole epochs — so an epoch's start (drawing its order) counts — in
-    alternating rounds in one process (best round each: the box may be loaded); the proportions
-    are counted over the mixture's first ``batches`` batches."""
+    with the Loader's defaults and with ``return_index=True`` (which adds ``__source__`` and
+    ``__index__``), each timed over whole epochs — so an epoch's start (drawing its order) counts
+    — in alternating rounds in one process (best round each: the box may be loaded); the
+    proportions are counted over the mixture's first ``batches`` batches."""
     import crossfeed
 
-    def mixture():
+    def mixture(return_index: bool):
         src = [crossfeed.Source(p, weight=w) for p, w in zip(paths, WEIGHTS)]
-        return crossfeed.Loader(src, batch_size=batch, seed=0, shuffle=shuffle, return_index=True)
+        return crossfeed.Loader(src, batch_size=batch, seed=0, shuffle=shuffle, return_index=return_index)
+
+    def single(return_index: bool):
+        return crossfeed.Loader(paths[0], batch_size=batch, seed=0, shuffle=shuffle, return_index=return_index)
 
     loaders = {
-        "mixture": mixture(),
-        "per_source": mixture(),
-        "single": crossfeed.Loader(paths[0], batch_size=batch, seed=0, shuffle=shuffle, return_index=True),
+        "mixture": mixture(False),
+        "mixture_ri": mixture(True),
+        "per_source": mixture(False),
+        "single": single(False),
+        "single_ri": single(True),
     }
     _per_source(loaders["per_source"])
     counts = np.zeros(3, np.int64)
-    it = loaders["mixture"].epochs(None)
+    it = loaders["mixture_ri"].epochs(None)
     for _ in range(batches):
         counts += np.bincount(next(it)["__source__"], minlength=3)
     for ld in loaders.values():  # warm: every shard mapped and checked once
@@ -77,7 +83,7 @@ def run_crossfeed(paths, batches: int, batch: int, shuffle: str, rounds: int) ->
         for k, ld in loaders.items():
             n, t, c = 0, time.perf_counter(), time.process_time()
             for b in ld:  # one whole epoch
-                n += len(b["__index__"])
+                n += len(b["label"])
             best[k] = max(best[k], n / (time.perf_counter() - t))
             cpu[k] = max(cpu[k], n / (time.process_time() - c))
     for ld in loaders.values():
@@ -209,8 +215,10 @@ def main(argv=None) -> None:
     print(f"3 tabular sources {SIZES}, weights {WEIGHTS}, batch {a.batch}, {a.batches} batches, shuffle {a.shuffle}")
     print(f"{'reader':44} {'samples/s':>12} {'proportion error (samples)':>28}")
     print(f"{'crossfeed mixture':44} {cf['mixture']['rate']:12,.0f} {_error(cf['mixture']):28.2f}")
+    print(f"{'crossfeed mixture, return_index=True':44} {cf['mixture_ri']['rate']:12,.0f}")
     print(f"{'crossfeed mixture, a read per source (before)':44} {cf['per_source']['rate']:12,.0f}")
     print(f"{'crossfeed, largest source alone':44} {cf['single']['rate']:12,.0f}")
+    print(f"{'crossfeed, largest source alone, return_index':44} {cf['single_ri']['rate']:12,.0f}")
     for who, name in (("tf", "tf.data sample_from_datasets"), ("mosaic", "mosaic streaming Stream(proportion=)")):
         if who in out:
             print(f"{name:44} {out[who]['rate']:12,.0f} {_error(out[who]):28.2f}")
@@ -218,7 +226,8 @@ def main(argv=None) -> None:
         single = cf["single"][key]
         print(
             f"mixing overhead vs the largest source alone ({what}): {single / cf['mixture'][key] - 1:+.1%} "
-            f"(before: {single / cf['per_source'][key] - 1:+.1%}); best of {a.rounds} alternating whole epochs"
+            f"(both with return_index=True: {cf['single_ri'][key] / cf['mixture_ri'][key] - 1:+.1%}; "
+            f"before: {single / cf['per_source'][key] - 1:+.1%}); best of {a.rounds} alternating whole epochs"
         )
     for who in ("tf", "mosaic"):
         if who in out:
