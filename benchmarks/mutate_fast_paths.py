@@ -101,8 +101,8 @@ MUTATIONS = [
     Mutation(
         "whole split: span offsets without their shard's base",
         "crossfeed/read/frame_reader.py",
-        "table[:, 0] = span.base[shard] + offs",
-        "table[:, 0] = offs",
+        'table["at"] = span.base[shard] + offs',
+        'table["at"] = offs',
         (FAST,),
     ),
     Mutation(
