@@ -203,6 +203,8 @@ def reader_crossfeed(kind: str, sd: str, b: int, config: str):
 
     threads = os.environ.get("CROSSFEED_BENCH_THREADS")  # crossfeed's num_threads (default: the Loader's)
     extra = {} if threads is None else {"num_threads": int(threads)}
+    if os.environ.get("CROSSFEED_BENCH_EXECUTOR"):  # "process": worker processes (default: threads)
+        extra["executor"] = os.environ["CROSSFEED_BENCH_EXECUTOR"]
     loader = Loader(sd, batch_size=b, shuffle=config, seed=0, **extra)
     return loader, loader.close
 
