@@ -358,7 +358,7 @@ class PassOrders:
     drawn with the source's own seed stream. The last ``keep`` passes of each source are kept: a
     pass usually straddles two epochs, and the `MixtureOrder`s of one `Sampler` share these."""
 
-    def __init__(self, counts: list, seed: int, shuffle: Shuffle, block_shards: int = 4, keep: int = 3):
+    def __init__(self, counts: list, seed: int, shuffle: Shuffle, block_shards: int = 4, keep: int = 2):
         self.counts, self.keep = counts, keep
         self._seeds = [
             int(np.random.SeedSequence([int(seed), s, 0x6D6978]).generate_state(1, np.uint64)[0] >> 2)
