@@ -88,23 +88,3 @@ def read_batches(path: Path) -> list[tuple[list[int], str]]:
 def read_fields(path: Path) -> list[tuple[list[int], str, dict]]:
     """The lines of a `trainer(..., fields=True)`: (sample ids, server id, columns)."""
     return [tuple(json.loads(line)) for line in path.read_text().splitlines() if line.startswith("[")]
-
-
-def wait_until(predicate, timeout: float, what: str, procs=()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        for p in procs:
-            if p.poll() is not None and p.returncode != 0:
-                raise AssertionError(f"a child exited with {p.returncode} while waiting for {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def stop(*procs: subprocess.Popen) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait(10)

@@ -80,6 +80,47 @@ def read_endpoint(path: Path, timeout: float = 20.0, procs=()) -> str:
     return wait_until(lambda: path.exists() and path.read_text().strip(), timeout, f"endpoint in {path}", procs)
 
 
+def serve_child(tmp_path: Path, dataset: str, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """A `crossfeed serve DATASET tcp://127.0.0.1:0 --batch-size 6 …extra` child (fast heartbeats),
+    logging to ``tmp_path/serve.log``; ``(process, the file its endpoint is written to)``."""
+    ep = tmp_path / "ep"
+    proc = child(
+        "cli",
+        "serve",
+        dataset,
+        "tcp://127.0.0.1:0",
+        "--batch-size",
+        "6",
+        "--heartbeat-interval",
+        "0.1",
+        "--heartbeat-timeout",
+        "2",
+        "--endpoint-file",
+        str(ep),
+        *extra,
+        log=tmp_path / "serve.log",
+    )
+    return proc, ep
+
+
+def served_batches(proc: subprocess.Popen, endpoint_file: Path, log: Path) -> list[tuple]:
+    """``(epoch, sample ids, labels, first pixel of each image)`` of every batch a `crossfeed serve`
+    child streams (read through `crossfeed.net.connect`), after the child has exited cleanly."""
+    from crossfeed.net import connect
+
+    try:
+        address = read_endpoint(endpoint_file, procs=[proc])
+        with connect(address, with_meta=True, **FAST_HB) as client:
+            got = [
+                (m.epoch, m.sample_ids.tolist(), b["label"].tolist(), b["image"][:, 0, 0, 0].tolist())
+                for m, b in client
+            ]
+        assert proc.wait(30) == 0, log.read_text()
+    finally:
+        stop(proc)
+    return got
+
+
 def read_lines(path: Path) -> list[str]:
     if not path.exists():
         return []

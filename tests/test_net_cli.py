@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from net_helpers import FAST_HB, child, read_endpoint, stop, write_image_dataset
+from net_helpers import read_endpoint, serve_child, served_batches, stop, write_image_dataset
 from PIL import Image
 from typer.testing import CliRunner
-
-from crossfeed.net import connect
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -28,41 +26,11 @@ def dataset(tmp_path):
     return str(path)
 
 
-def _serve(tmp_path, dataset, *extra):
-    ep = tmp_path / "ep"
-    proc = child(
-        "cli",
-        "serve",
-        dataset,
-        "tcp://127.0.0.1:0",
-        "--batch-size",
-        "6",
-        "--heartbeat-interval",
-        "0.1",
-        "--heartbeat-timeout",
-        "2",
-        "--endpoint-file",
-        str(ep),
-        *extra,
-        log=tmp_path / "serve.log",
-    )
-    return proc, ep
-
-
 def test_serve_streams_the_loaders_batches_with_provenance(tmp_path, dataset):
-    proc, ep = _serve(
+    proc, ep = serve_child(
         tmp_path, dataset, "--epochs", "2", "--seed", "3", "--transform", "net_helpers:add_hundred", "--workers", "2"
     )
-    try:
-        address = read_endpoint(ep, procs=[proc])
-        with connect(address, with_meta=True, **FAST_HB) as client:
-            got = [
-                (m.epoch, m.sample_ids.tolist(), b["label"].tolist(), b["image"][:, 0, 0, 0].tolist())
-                for m, b in client
-            ]
-        assert proc.wait(30) == 0, (tmp_path / "serve.log").read_text()
-    finally:
-        stop(proc)
+    got = served_batches(proc, ep, tmp_path / "serve.log")
     for epoch in (0, 1):
         ids = [i for e, b, _, _ in got if e == epoch for i in b]
         assert sorted(ids) == list(range(20))
@@ -93,7 +61,7 @@ def test_keygen_writes_key_pairs_and_refuses_to_overwrite(tmp_path, app):
 
 
 def test_mon_stat_show_watch_a_broadcast_stream(tmp_path, dataset, app):
-    proc, ep = _serve(tmp_path, dataset, "--mode", "broadcast")  # endless until killed
+    proc, ep = serve_child(tmp_path, dataset, "--mode", "broadcast")  # endless until killed
     try:
         address = read_endpoint(ep, procs=[proc])
         runner = CliRunner()

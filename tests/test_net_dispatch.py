@@ -9,7 +9,8 @@ import signal
 
 import pytest
 import zmq
-from dispatch_helpers import HB, read_batches, read_fields, spawn, stop, wait_until
+from dispatch_helpers import HB, read_batches, read_fields, spawn
+from net_helpers import stop, wait_until
 
 from crossfeed.net import leasewire as W
 

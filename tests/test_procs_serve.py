@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from net_helpers import FAST_HB, child, read_endpoint, stop, write_image_dataset
+from net_helpers import serve_child, served_batches, write_image_dataset
 
-from crossfeed.net import connect
 from crossfeed.read.loader import Loader
 
 pytestmark = pytest.mark.timeout(90)
@@ -14,38 +13,10 @@ pytestmark = pytest.mark.timeout(90)
 def test_serve_procs_streams_the_loaders_batches(tmp_path):
     dataset = str(tmp_path / "ds")
     write_image_dataset(dataset, 20)
-    ep = tmp_path / "ep"
-    proc = child(
-        "cli",
-        "serve",
-        dataset,
-        "tcp://127.0.0.1:0",
-        "--batch-size",
-        "6",
-        "--epochs",
-        "2",
-        "--seed",
-        "3",
-        "--transform",
-        "net_helpers:add_hundred",
-        "--procs",
-        "2",
-        "--heartbeat-interval",
-        "0.1",
-        "--endpoint-file",
-        str(ep),
-        log=tmp_path / "serve.log",
+    proc, ep = serve_child(
+        tmp_path, dataset, "--epochs", "2", "--seed", "3", "--transform", "net_helpers:add_hundred", "--procs", "2"
     )
-    try:
-        address = read_endpoint(ep, procs=[proc])
-        with connect(address, with_meta=True, **FAST_HB) as client:
-            got = [
-                (m.epoch, m.sample_ids.tolist(), b["label"].tolist(), b["image"][:, 0, 0, 0].tolist())
-                for m, b in client
-            ]
-        assert proc.wait(30) == 0, (tmp_path / "serve.log").read_text()
-    finally:
-        stop(proc)
+    got = served_batches(proc, ep, tmp_path / "serve.log")
     assert "worker processes started" in (tmp_path / "serve.log").read_text()
     for epoch in (0, 1):
         with Loader(dataset, batch_size=6, seed=3, epoch=epoch, return_index=True, rank=0, world_size=1) as loader:

@@ -332,12 +332,7 @@ class MixtureOrder:
             count = int(self.per_epoch[s])
             got = self._draws(s, self.epoch * count, count)
             body = rows * len(cols)
-            if len(cols) <= 16:  # a column at a time: strided copies, no fancy indexing
-                block = got[:body].reshape(rows, len(cols))
-                for k, j in enumerate(cols.tolist()):
-                    grid[:rows, j] = block[:, k]
-            else:
-                grid[:rows, cols] = got[:body].reshape(rows, len(cols))
+            grid[:rows, cols] = got[:body].reshape(rows, len(cols))
             grid[rows, cols[cols < tail]] = got[body:]
         return out[: self.n]
 
