@@ -68,19 +68,18 @@ engine with MultiWorkerMirroredStrategy (``input_fn`` shards by input pipeline),
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable
 
 import tensorflow as tf
 
 from crossfeed.adapters import tf_native, tf_plan, tf_spec
-from crossfeed.adapters.tf_options import Engine, Shuffle, TFOptions
+from crossfeed.adapters.tf_options import Engine, TFOptions
 from crossfeed.errors import ConfigError
-from crossfeed.read.dataset import Dataset, open_dataset
-from crossfeed.read.options import LoaderOptions, Source
+from crossfeed.read.options import LoaderOptions, Shuffle, Source
+from crossfeed.read.sources.dataset import Dataset, open_dataset
 
-__all__ = ["Engine", "Shuffle", "dataset", "element_spec", "feature_spec", "input_fn", "plan_state", "train_keras_demo"]
+__all__ = ["Engine", "Shuffle", "dataset", "element_spec", "feature_spec", "input_fn", "plan_state"]
 
 
 def _open(source, split: str | None = None) -> Dataset:
@@ -101,32 +100,15 @@ def feature_spec(source, *, features=None) -> dict:
     return tf_spec.feature_spec(tf_spec.select(_open(source).schema, features))
 
 
-def element_spec(
-    source,
-    *,
-    split: str = "train",
-    batch_size: int | None = None,
-    drop_last: bool = False,
-    features=None,
-    return_index: bool = False,
-) -> dict:
-    """The ``element_spec`` that `dataset` yields for these options, read off the manifest."""
-    ds = _open(source, split)
-    feats = tf_spec.select(ds.schema, features, ds.splits[split].statistics)
-    return tf_spec.element_spec(feats, batch_size=batch_size, drop_last=drop_last, return_index=return_index)
-
-
-_DATASET_DEFAULTS = dict(
-    split="train",
-    batch_size=None,
-    shuffle="global",
-    seed=0,
-    drop_last=False,
-    features=None,
-    rank=0,
-    world_size=1,
-    return_index=False,
-)
+def element_spec(source, options: LoaderOptions | None = None, **fields) -> dict:
+    """The ``element_spec`` that `dataset` yields for these options (as `dataset` takes them),
+    read off the manifest."""
+    opts = TFOptions.make(options, fields)
+    ds = _open(source, opts.split)
+    feats = tf_spec.select(ds.schema, opts.features, ds.splits[opts.split].statistics)
+    return tf_spec.element_spec(
+        feats, batch_size=opts.batch_size, drop_last=opts.drop_last, return_index=opts.return_index
+    )
 
 
 def _is_mixture(source) -> bool:
@@ -166,69 +148,48 @@ def _resolve(ds: Dataset, opts: TFOptions, *, state, loader_options) -> Engine:
 
 def dataset(
     source,
+    options: LoaderOptions | None = None,
     *,
-    split: str = "train",
-    batch_size: int | None = None,
-    shuffle: str | bool = "global",
-    seed: int | None = 0,
-    epoch: int = 0,
-    drop_last: bool = False,
-    features=None,
     engine: str = "auto",
-    rank: int = 0,
-    world_size: int = 1,
+    epoch: int = 0,
     shuffle_buffer: int = 4096,
     repeat: bool = False,
-    return_index: bool = False,
     num_parallel_calls: int | None = None,
-    prefetch: int | None = None,
+    tf_prefetch: int | None = None,
     state: dict | None = None,
     loader_options: dict | None = None,
     element_spec: dict | None = None,
-    options: LoaderOptions | None = None,
+    **fields,
 ) -> tf.data.Dataset:
-    """A ``tf.data.Dataset`` of ``dict`` elements (batches of ``batch_size``, or records when None).
+    """A ``tf.data.Dataset`` of ``dict`` elements (batches of ``batch_size``, or records when it is
+    left out).
 
-    ``options``: a `crossfeed.LoaderOptions`, passed whole to the plan engine's Loader (then the
-    keywords it covers — split, batch_size, shuffle, seed, drop_last, features, rank, world_size,
-    return_index — are taken from it and must be left at their defaults). ``source`` may also be a
-    mixture, a list of `crossfeed.Source` (plan engine).
+    ``options``: a `crossfeed.LoaderOptions`, passed whole to the plan engine's Loader; or its
+    fields as keywords (``split``, ``batch_size``, ``shuffle``, ``seed``, ``drop_last``,
+    ``features``, ``rank``, ``world_size``, ``return_index``, ``num_threads`` …), with the
+    Loader's defaults and validation — not both. TensorFlow's own: ``batch_size`` left out (or
+    None) reads records; ``seed=None`` shuffles differently on every worker (native engine);
+    ``tf_prefetch`` is tf.data's prefetch (None: AUTOTUNE), ``prefetch`` the Loader's. ``source`` may
+    also be a mixture, a list of `crossfeed.Source` (plan engine).
 
     ``source``: a dataset path/URL or an open `crossfeed.Dataset`; or a stream — any iterable of
     dict batches such as ``crossfeed.connect(...)`` — whose spec is ``element_spec`` or read off
     its first batch. ``rank``/``world_size`` read one equal share (for tf.distribute use
     `input_fn`). ``state``: a ``Loader.state_dict()`` to resume from (plan engine).
-    ``loader_options``: extra ``crossfeed.Loader`` keywords (plan engine); when a transform
-    changes the batch, pass its ``element_spec``. See the module docstring for the engines.
+    ``loader_options``: extra ``crossfeed.Loader`` keywords for the plan engine (``transform``,
+    ``batch_transform``, or option fields); when a transform changes the batch, pass its
+    ``element_spec``. See the module docstring for the engines.
     """
-    tf_only = dict(
+    opts = TFOptions.make(
+        options,
+        fields,
         epoch=epoch,
         engine=engine,
         shuffle_buffer=shuffle_buffer,
         repeat=repeat,
         num_parallel_calls=num_parallel_calls,
-        prefetch=prefetch,
+        tf_prefetch=tf_prefetch,
     )
-    shared = dict(
-        split=split,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-        features=features,
-        rank=rank,
-        world_size=world_size,
-        return_index=return_index,
-    )
-    if options is not None:
-        given = sorted(k for k, v in shared.items() if v != _DATASET_DEFAULTS[k])
-        if given:
-            raise ConfigError(f"options= carries {given}; pass them in the LoaderOptions, not both")
-        if not isinstance(options, LoaderOptions):
-            raise ConfigError(f"options must be a crossfeed.LoaderOptions, got {type(options).__name__}")
-        opts = TFOptions.from_loader(options, **tf_only)
-    else:
-        opts = TFOptions(**shared, **tf_only)
     if _is_mixture(source):
         if opts.engine is Engine.NATIVE:
             raise ConfigError("a mixture is read by the plan engine; use engine='plan' or 'auto'")
@@ -245,8 +206,8 @@ def dataset(
             )
         return tf_plan.build_stream(source, opts, element_spec=element_spec)
     ds = _open(source, opts.split)
-    if opts.loader is not None and opts.engine is Engine.AUTO:  # options passed whole: the Loader reads them
-        opts = dataclasses.replace(opts, engine=Engine.PLAN)
+    if opts.whole and opts.engine is Engine.AUTO:  # options passed whole: the Loader reads them
+        opts = opts.replace(engine=Engine.PLAN)
     if _resolve(ds, opts, state=state, loader_options=loader_options) is Engine.NATIVE:
         if element_spec is not None:
             raise ConfigError(
@@ -259,18 +220,15 @@ def dataset(
 def input_fn(
     source,
     *,
-    split: str = "train",
     global_batch_size: int,
-    shuffle: str | bool = "global",
-    seed: int | None = 0,
-    epoch: int = 0,
-    features=None,
     engine: str = "auto",
+    epoch: int = 0,
     shuffle_buffer: int = 4096,
     repeat: bool = False,
     num_parallel_calls: int | None = None,
-    prefetch: int | None = None,
+    tf_prefetch: int | None = None,
     loader_options: dict | None = None,
+    **fields,
 ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
     """A function of ``tf.distribute.InputContext`` for ``strategy.distribute_datasets_from_function``.
 
@@ -279,25 +237,29 @@ def input_fn(
     per-replica batch size, and yields exactly ``steps × replicas-per-pipeline`` batches, with
     ``steps`` the same for every replica (so no replica waits for a batch that never comes): the
     smallest share's full global batches. With ``repeat=True`` that epoch repeats forever.
+    ``fields``: Loader options (``split``, ``shuffle``, ``seed``, ``features`` …) as for `dataset`;
+    the batch size, rank and world size are the input context's.
     """
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise ConfigError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
-    ds = _open(source, split)
-    common = dict(
-        split=split,
-        shuffle=shuffle,
-        seed=seed,
+    taken = sorted(k for k in ("batch_size", "rank", "world_size", "drop_last") if k in fields)
+    if taken:
+        raise ConfigError(f"input_fn sets {taken} from the input context and global_batch_size; leave them out")
+    tf_fields = dict(
         epoch=epoch,
-        drop_last=True,
-        features=features,
         shuffle_buffer=shuffle_buffer,
         repeat=repeat,
         num_parallel_calls=num_parallel_calls,
-        prefetch=prefetch,
+        tf_prefetch=tf_prefetch,
     )
-    engine_ = _resolve(
-        ds, TFOptions(batch_size=global_batch_size, engine=engine, **common), state=None, loader_options=loader_options
+    base = TFOptions.make(
+        None,
+        {**fields, "batch_size": global_batch_size, "drop_last": True, "rank": 0, "world_size": 1},
+        engine=engine,
+        **tf_fields,
     )
+    ds = _open(source, base.split)
+    engine_ = _resolve(ds, base, state=None, loader_options=loader_options)
 
     def fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         n, replicas = ctx.num_input_pipelines, ctx.num_replicas_in_sync
@@ -308,16 +270,16 @@ def input_fn(
             )
         per = global_batch_size // replicas
         local = max(1, replicas // n)  # replicas fed by this pipeline, one batch each per step
-        opts = TFOptions(batch_size=per, engine=engine_, rank=ctx.input_pipeline_id, world_size=n, **common)
+        opts = base.replace(batch_size=per, engine=engine_, rank=ctx.input_pipeline_id, world_size=n)
         if engine_ is Engine.NATIVE:
-            batches = min(tf_native.shares(ds[split].counts, n)[1]) // per
+            batches = min(tf_native.shares(ds[opts.split].counts, n)[1]) // per
         else:
             with tf_plan.loader(ds, opts, loader_options) as ld:  # the Loader that will deliver
                 batches = len(ld)
         steps = batches // local
         if steps == 0:
             raise ConfigError(
-                f"split {split!r} has too few records for one step of global batch {global_batch_size} "
+                f"split {opts.split!r} has too few records for one step of global batch {global_batch_size} "
                 f"over {n} input pipeline(s); use a smaller batch"
             )
         if engine_ is Engine.NATIVE:
@@ -327,41 +289,21 @@ def input_fn(
     return fn
 
 
-def plan_state(
-    source,
-    *,
-    split: str = "train",
-    batch_size: int,
-    seed: int = 0,
-    epoch: int = 0,
-    steps: int,
-    shuffle: str = "global",
-    world_size: int = 1,
-    drop_last: bool = False,
-) -> dict:
+def plan_state(source, options: LoaderOptions | None = None, *, steps: int, epoch: int = 0, **fields) -> dict:
     """The ``Loader.state_dict()`` after ``steps`` batches of ``epoch`` were consumed on every rank:
     pass it as ``dataset(..., state=...)`` to resume exactly there (with the PyTorch adapter too).
-    Keras users take ``steps`` from ``optimizer.iterations`` modulo the steps per epoch."""
-    if not isinstance(steps, int) or steps < 0:
+    ``options``/``fields``: the Loader options of the run (``batch_size``, ``seed``, ``shuffle``,
+    ``world_size`` …). Keras users take ``steps`` from ``optimizer.iterations`` modulo the steps
+    per epoch."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ConfigError(f"steps must be an int >= 0, got {steps!r}")
-    opts = TFOptions(
-        split=split,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        epoch=epoch,
-        drop_last=drop_last,
-        engine=Engine.PLAN,
-        world_size=world_size,
-    )
-    with tf_plan.loader(_open(source, split), opts) as ld:
+    if options is None:
+        if "world_size" in fields:
+            fields.setdefault("rank", 0)  # the state is the plan's: every rank's is the same
+        if fields.get("batch_size") is None:
+            raise ConfigError("plan_state needs batch_size= (or a LoaderOptions)")
+    opts = TFOptions.make(options, fields, epoch=epoch, engine=Engine.PLAN)
+    with tf_plan.loader(_open(source, opts.split), opts) as ld:
         state = ld.state_dict()
         state["position"] = ld.sampler.position_after(0, steps)
     return state
-
-
-def train_keras_demo(dataset_path, *, steps: int = 100, batch_size: int = 64, **kwargs) -> dict:
-    """Train a tiny Keras model on a dataset under MirroredStrategy; see `crossfeed.adapters.tf_demo`."""
-    from crossfeed.adapters.tf_demo import train_keras_demo as run
-
-    return run(dataset_path, steps=steps, batch_size=batch_size, **kwargs)

@@ -19,7 +19,7 @@ from crossfeed.adapters import tf as cftf
 from crossfeed.adapters import tf_spec
 from crossfeed.errors import ConfigError
 from crossfeed.format.schema import Encoding
-from crossfeed.read.dataset import open_dataset
+from crossfeed.read.sources.dataset import open_dataset
 
 
 def logical_cpus(n: int) -> list[str]:

@@ -19,7 +19,7 @@ import tensorflow as tf
 from crossfeed.adapters import tf_spec
 from crossfeed.adapters.tf_options import Shuffle, TFOptions
 from crossfeed.errors import ConfigError, DatasetNotFoundError
-from crossfeed.read.dataset import Dataset
+from crossfeed.read.sources.dataset import Dataset
 
 _CYCLE = 16  # files read at once when shuffling
 

@@ -200,6 +200,6 @@ def finish(out: tf.data.Dataset, opts, take_batches: int | None, cardinality: in
         out = out.take(take_batches)
     if opts.repeat:
         out = out.repeat()
-    if opts.prefetch != 0:
-        out = out.prefetch(tf.data.AUTOTUNE if opts.prefetch is None else opts.prefetch)
+    if opts.tf_prefetch != 0:
+        out = out.prefetch(tf.data.AUTOTUNE if opts.tf_prefetch is None else opts.tf_prefetch)
     return out

@@ -41,10 +41,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from crossfeed.adapters.torch_convert import to_torch
 from crossfeed.adapters.torch_cursor import Cursor
 from crossfeed.errors import ConfigError
-from crossfeed.read.dataset import Dataset
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.loader import Loader
 from crossfeed.read.options import LoaderOptions, Source
+from crossfeed.read.sources.dataset import Dataset
 
 __all__ = ["StatefulLoader", "TorchDataset", "to_torch"]
 

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from crossfeed.adapters.torch import TorchDataset, is_stream
 from crossfeed.errors import ConfigError
-from crossfeed.read.dataset import open_dataset
+from crossfeed.read.sources.dataset import open_dataset
 
 log = logging.getLogger(__name__)
 EVAL_SPLITS = ("test", "validation", "val", "eval")

@@ -1,4 +1,4 @@
-"""The last step of a job: `crossfeed.write.writer.commit_splits` publishes every split's staged
+"""The last step of a job: `crossfeed.write.commit.commit_splits` publishes every split's staged
 shards with one atomic rename of the manifest (journal, shards under fresh names, manifest, old
 files removed). A job killed at any point leaves the old dataset or the new one, whole.
 Temporary files are named ``.tmp-<token>-…``; `remove_temporaries` clears one job's (on failure)
@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
-from crossfeed.write.writer import TMP_PREFIX, commit_splits, dataset_lock, remove_entry, remove_stale
+from crossfeed.write.commit import commit_splits, dataset_lock, remove_entry, remove_stale
+from crossfeed.write.staging import TMP_PREFIX
 
 __all__ = ["TMP_PREFIX", "commit_splits", "remove_temporaries"]
 

@@ -1,19 +1,12 @@
 """``convert(source, out, ...)``: read a source and write a dataset with one Beam pipeline, on the
-offline in-process runner unless told otherwise (runner.py); what ``crossfeed convert`` runs.
-
-``run(argv)`` is the same as a plain Beam entry point: crossfeed's flags are parsed with
-``parse_known_args`` and everything else is handed to Beam, e.g.::
-
-    python -m crossfeed.beam_jobs.job csv data.csv out/ --splits train=0.9,validation=0.1 --shards 8 \\
-        --runner DaskRunner --dask_client_address tcp://scheduler:8786
+offline in-process runner unless told otherwise (runner.py); what ``crossfeed convert`` runs
+(its command line is the one front end: ``crossfeed convert csv data.csv out/ --runner DaskRunner``).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import re
 import secrets
 import threading
 import time
@@ -21,16 +14,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from crossfeed.beam_jobs.commit import remove_temporaries
-from crossfeed.beam_jobs.policy import ErrorPolicy
 from crossfeed.beam_jobs.runner import run_pipeline
 from crossfeed.beam_jobs.sources import ReadSource, Source
 from crossfeed.beam_jobs.splits import SplitSpec
 from crossfeed.beam_jobs.write import WriteDataset
+from crossfeed.config import parse_size
 from crossfeed.errors import ConfigError
-from crossfeed.write.writer import DEFAULT_SHARD_SIZE, check_target, read_manifest
+from crossfeed.write.commit import check_target, read_manifest
+from crossfeed.write.writer import DEFAULT_SHARD_SIZE
 
 log = logging.getLogger(__name__)
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.I)
 
 
 @dataclass(frozen=True)
@@ -49,19 +42,6 @@ class ConvertResult:
     @property
     def samples_per_second(self) -> float:
         return self.total_samples / self.seconds if self.seconds > 0 else float("inf")
-
-
-def parse_size(text: str | int) -> int:
-    """``"256MB"``/``"256M"``/``"1.5GiB"``/``"4096"`` → bytes (K, M, G, T are powers of 1024)."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ConfigError(f"shard size {text!r} is not a size like 256MB, 1G or 4096")
-    value = float(m[1]) * 1024 ** " kmgt".index((m[2] or " ").lower())
-    if value < 1:
-        raise ConfigError(f"shard size {text!r} must be at least one byte")
-    return int(value)
 
 
 def convert(
@@ -96,7 +76,7 @@ def convert(
         split=split,
         splits=splits,
         num_shards=num_shards,
-        shard_size=parse_size(shard_size),
+        shard_size=parse_size(shard_size, "shard size"),
         schema=source.schema,
         compress=compress,
         metadata=source.metadata,
@@ -191,49 +171,3 @@ def make_source(kind: str, src, **options) -> Source:
 
         return NumpySource.scan(src, **options)
     raise ConfigError(f"unknown source kind {kind!r}; use images, csv, parquet or numpy")
-
-
-def run(argv: Sequence[str] | None = None) -> ConvertResult:
-    """Command-line entry point (see the module doc); unknown flags go to Beam."""
-    parser = argparse.ArgumentParser(prog="python -m crossfeed.beam_jobs.job")
-    parser.add_argument("kind", choices=["images", "csv", "parquet", "numpy"])
-    parser.add_argument("src")
-    parser.add_argument("out")
-    parser.add_argument("--split", default="train")
-    parser.add_argument("--splits", default=None)
-    parser.add_argument("--shards", type=int, default=None)
-    parser.add_argument("--shard-size", default=str(DEFAULT_SHARD_SIZE))
-    parser.add_argument("--compress", choices=["none", "gzip"], default="none")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--on-error", choices=["raise", "skip"], default="raise")
-    parser.add_argument("--max-skips", type=int, default=None)
-    parser.add_argument("--label", default=None)
-    parser.add_argument("--runner", default=None)
-    known, beam_args = parser.parse_known_args(list(argv) if argv is not None else None)
-    options: dict = {}
-    if known.kind != "numpy":
-        options["on_error"] = ErrorPolicy(known.on_error, known.max_skips)
-    if known.label is not None and known.kind != "images":
-        options["label"] = known.label
-    source = make_source(known.kind, known.src, **options)
-    return convert(
-        source,
-        known.out,
-        split=known.split,
-        splits=known.splits,
-        num_shards=known.shards,
-        shard_size=known.shard_size,
-        compress=known.compress == "gzip",
-        seed=known.seed,
-        max_skips=known.max_skips,
-        runner=known.runner,
-        beam_args=beam_args,
-    )
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    r = run()
-    log.info(
-        "%d samples in %d shards, %d bytes, %.1f s", r.total_samples, sum(r.shards.values()), r.num_bytes, r.seconds
-    )

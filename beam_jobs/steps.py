@@ -28,7 +28,7 @@ from crossfeed.beam_jobs.splits import SplitSpec
 from crossfeed.errors import ConfigError, CrossfeedError, SchemaError
 from crossfeed.format.schema import Schema, widen
 from crossfeed.format.stats import FeatureStats
-from crossfeed.write.writer import ShardSink, StagedShard
+from crossfeed.write.staging import ShardSink, StagedShard
 
 log = logging.getLogger(__name__)
 

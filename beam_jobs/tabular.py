@@ -69,21 +69,6 @@ def parse_types(text: str | dict | None) -> dict[str, ColumnType]:
     return out
 
 
-def infer_type(values: list[str]) -> ColumnType:
-    """The narrowest type all non-empty ``values`` parse as."""
-    present = [v for v in values if v.strip()]
-    if not present:
-        return ColumnType.STRING
-    for typ, conv in ((ColumnType.INT64, int), (ColumnType.FLOAT, float)):
-        try:
-            for v in present:
-                conv(v)
-            return typ
-        except ValueError:
-            continue
-    return ColumnType.STRING
-
-
 _SHOW = 3  # cells named in a report
 
 

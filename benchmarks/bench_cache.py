@@ -205,9 +205,9 @@ def child(who: str, url: str, shuffle: str, endpoint: str) -> None:
         if who == "crossfeed":
             rates = run_crossfeed(url, shuffle, cache)
         elif who == "whole-get":  # the previous download path, for comparison: one GET per shard
-            import crossfeed.read.cache
+            import crossfeed.io.cache
 
-            crossfeed.read.cache.CHUNK = 1 << 40
+            crossfeed.io.cache.CHUNK = 1 << 40
             rates = run_crossfeed(url, shuffle, cache)
         elif who == "local":
             rates = run_crossfeed(url, shuffle, None)
@@ -272,7 +272,7 @@ def start_s3(root: str):
 
 
 def main(argv=None) -> None:
-    from crossfeed.read.cache import parse_size
+    from crossfeed.config import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=1000)

@@ -8,7 +8,7 @@ mode starts the servers as `crossfeed serve` processes (static: `--rank r --worl
 dispatched: one `crossfeed dispatch` and M `serve --dispatcher`) and reads one epoch with one
 trainer in this process over loopback tcp. Prints samples/s from the first batch to the end of
 the epoch (start-up excluded), the dispatched/static ratio, and checks that every sample came once.
-``--serve-args`` go to every `serve` of both modes (e.g. ``--procs N`` or ``--workers N`` with
+``--serve-args`` go to every `serve` of both modes (e.g. ``--procs N`` or ``--threads N`` with
 ``--transform benchmarks.bench_dispatch:busy``, a per-sample Python transform).
 """
 

@@ -37,7 +37,7 @@ def _paths(root: str) -> list[str]:
 def _per_source(loader) -> None:
     """Give a mixture Loader the reader it had before one read over every source's shards
     (`UnionSplit`): a read per source, frames merged back into batch order — the "before"."""
-    from crossfeed.read.loader import MixtureReader, SourceReader
+    from crossfeed.read.stages.fetch import MixtureReader, SourceReader
 
     union = loader.builder.reader.union
     readers = [

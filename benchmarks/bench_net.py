@@ -127,7 +127,7 @@ def ours(addresses: list[str], shape, seconds: float, credits: int | None = None
 
 
 def main(argv=None) -> None:
-    from crossfeed.net.client import DEFAULT_CREDITS
+    from crossfeed.net.stream.client import DEFAULT_CREDITS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)

@@ -47,7 +47,7 @@ def prepare(kind: str, n: int, root: str, row_group: int, files: int = 4) -> str
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from crossfeed.write.adopt import index_dataset
+    from crossfeed.write.adopt.index import index_dataset
 
     out = os.path.join(root, f"{kind}-{n}-{row_group}")
     if os.path.exists(os.path.join(out, "crossfeed.json")):

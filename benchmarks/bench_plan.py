@@ -17,8 +17,8 @@ import tracemalloc
 
 import numpy as np
 
-from crossfeed.read.options import PlanOptions, ShardOptions
-from crossfeed.read.plan import Sampler, Shuffle
+from crossfeed.read.options import PlanOptions, ShardOptions, Shuffle
+from crossfeed.read.stages.sampler import Sampler
 
 
 def measure(n: int, shuffle: Shuffle, batch: int = 256, batches: int = 200) -> tuple[float, float, float]:

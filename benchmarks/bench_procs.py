@@ -201,9 +201,9 @@ def handover(pipeline: str, reps: int = 20) -> dict:
     the reply over a Unix socket (layout pickled), and the parent's views onto the slot."""
     import socket
 
-    from crossfeed.read.decode import collate
-    from crossfeed.read.procs import Channel
-    from crossfeed.read.slots import SlotPool, SlotWriter
+    from crossfeed.read.executors.processes import Channel
+    from crossfeed.read.executors.slots import SlotPool, SlotWriter
+    from crossfeed.read.stages.decode import collate
 
     kind, n, fn = PIPELINES[pipeline]
     rng = np.random.default_rng(0)

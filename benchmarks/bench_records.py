@@ -68,7 +68,7 @@ print(json.dumps({"seconds": best[2], "records": n, "bytes": nbytes, "parallel":
 
 
 def shard_files(path: str) -> list[str]:
-    from crossfeed.read.dataset import open_dataset
+    from crossfeed.read.sources.dataset import open_dataset
 
     with open_dataset(path) as ds:
         return [os.path.join(ds.path, s.file) for name in sorted(ds.splits) for s in ds.splits[name].shards]

@@ -58,7 +58,7 @@ def prepare(kind: str, n: int, root: str) -> tuple[str, int]:
     import webdataset as wds
     from PIL import Image
 
-    from crossfeed.write.adopt import index_dataset
+    from crossfeed.write.adopt.index import index_dataset
 
     path = os.path.join(root, f"wds-{kind}-{n}")
     label_sum = sum(i % 10 for i in range(n))

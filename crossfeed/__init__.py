@@ -19,20 +19,26 @@ from crossfeed.errors import (
     WorkerError,
 )
 from crossfeed.format.schema import Encoding, Feature, Schema
-from crossfeed.read.dataset import Dataset, Split, open_dataset
 from crossfeed.read.loader import Loader
-from crossfeed.read.options import LoaderOptions, PlanOptions, ReadOptions, ShardOptions, Source
-from crossfeed.read.plan import Remainder, Shuffle
-from crossfeed.write.writer import write_dataset
+from crossfeed.read.options import LoaderOptions, PlanOptions, ReadOptions, Remainder, ShardOptions, Shuffle, Source
+from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
+from crossfeed.write import writer as _writer
 
 __version__ = "0.1.0"
 
+
+def write_dataset(path, samples, **options) -> Dataset:
+    """Write ``samples`` as a split of the dataset at ``path`` and return it opened: the options
+    and the atomic commit are `crossfeed.write.writer.write_dataset`'s."""
+    return open_dataset(_writer.write_dataset(path, samples, **options))
+
+
 # The network plane pulls in pyzmq: imported on first use, so `import crossfeed` stays light.
 _LAZY = {
-    "connect": "crossfeed.net.client",
-    "Client": "crossfeed.net.client",
+    "connect": "crossfeed.net.connect",
+    "Client": "crossfeed.net.stream.client",
     "ClientKeys": "crossfeed.net.keys",
-    "BatchMeta": "crossfeed.net.wire",
+    "BatchMeta": "crossfeed.format.wire",
 }
 
 

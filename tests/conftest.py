@@ -45,3 +45,11 @@ def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.Comple
     if proc.returncode != 0:
         pytest.fail(f"subprocess exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     return proc
+
+
+@pytest.fixture
+def options_data(tmp_path):
+    """The two-split dataset of the options-path tests (`options_helpers`)."""
+    from options_helpers import write
+
+    return write(tmp_path / "options-data")

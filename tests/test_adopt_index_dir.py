@@ -29,10 +29,10 @@ from skimage import data as skdata
 
 from crossfeed.errors import ConfigError, CorruptRecordError
 from crossfeed.format.manifest import MANIFEST
-from crossfeed.read.dataset import open_dataset
 from crossfeed.read.loader import INDEX_KEY, Loader
-from crossfeed.read.verify import verify_dataset
-from crossfeed.write.adopt import index_dataset
+from crossfeed.read.sources.dataset import open_dataset
+from crossfeed.read.tools.verify import verify_dataset
+from crossfeed.write.adopt.index import index_dataset
 
 N_TAR = 11  # samples; 4 per tar → 3 tars
 

@@ -24,9 +24,9 @@ from conftest import run_python
 import crossfeed
 from crossfeed.errors import ConfigError, CorruptRecordError, ManifestError, SchemaError
 from crossfeed.format.manifest import loads
-from crossfeed.read.verify import verify_dataset
-from crossfeed.write.adopt import index_dataset
-from crossfeed.write.placement import placement
+from crossfeed.read.tools.verify import verify_dataset
+from crossfeed.write.adopt.index import index_dataset
+from crossfeed.write.adopt.placement import placement
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("tensorflow_datasets") is None, reason="needs tensorflow-datasets to build the data"
@@ -298,7 +298,7 @@ def test_non_tfrecord_tfds_and_bad_data_roots_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="lies inside the data directory"):
         index_dataset(d, index_dir=d / "sub")
     doc = {
-        "format": "crossfeed.read.dataset",
+        "format": "crossfeed.read.sources.dataset",
         "version": 1,
         "schema": [{"name": "a", "dtype": "int64", "shape": [], "encoding": "int64"}],
         "splits": {

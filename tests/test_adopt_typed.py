@@ -14,7 +14,7 @@ import crossfeed
 from crossfeed.errors import ConfigError
 from crossfeed.format import example as ex
 from crossfeed.format import tfrecord
-from crossfeed.write.adopt import index_dataset, parse_feature
+from crossfeed.write.adopt.index import index_dataset, parse_feature
 
 
 def _raw_shards(root, n=20, side=8):

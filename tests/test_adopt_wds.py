@@ -27,7 +27,7 @@ from crossfeed.errors import CorruptRecordError, ManifestError, SchemaError
 from crossfeed.format.manifest import MANIFEST
 from crossfeed.net import connect
 from crossfeed.read.loader import INDEX_KEY, Loader
-from crossfeed.write.adopt import index_dataset
+from crossfeed.write.adopt.index import index_dataset
 
 N = 23  # samples; 4 per shard → 6 shards, the last one short
 

@@ -11,7 +11,7 @@ import pytest
 
 import crossfeed
 from crossfeed.read.loader import Loader
-from crossfeed.write.adopt import index_dataset
+from crossfeed.write.adopt.index import index_dataset
 
 tf = pytest.importorskip("tensorflow")
 cftf = pytest.importorskip("crossfeed.adapters.tf")

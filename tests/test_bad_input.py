@@ -15,7 +15,7 @@ from crossfeed.cli.main import app
 from crossfeed.errors import CorruptRecordError, CrossfeedError, DatasetNotFoundError, IndexFileError
 from crossfeed.format import index as idx
 from crossfeed.format.manifest import MANIFEST
-from crossfeed.read.verify import verify_dataset
+from crossfeed.read.tools.verify import verify_dataset
 
 N_SHARDS = 8
 

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 pytest.importorskip("apache_beam")
 
 from crossfeed.beam_jobs import plan as planning  # noqa: E402
-from crossfeed.beam_jobs.job import parse_size  # noqa: E402
 from crossfeed.beam_jobs.policy import DuplicateKeyError  # noqa: E402
 from crossfeed.beam_jobs.records import BUCKET_BITS, NUM_BUCKETS, Part, key_hashes  # noqa: E402
 from crossfeed.beam_jobs.splits import SplitSpec  # noqa: E402
+from crossfeed.config import parse_size  # noqa: E402
 from crossfeed.errors import ConfigError  # noqa: E402
 
 

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 import crossfeed
-from crossfeed.read.cache import ShardCache, parse_size
-from crossfeed.read.storage import Storage
+from crossfeed.config import parse_size
+from crossfeed.io.cache import ShardCache
+from crossfeed.io.storage import Storage
 
 pytest.importorskip("aiohttp")
 
@@ -327,7 +328,7 @@ def _shard_sizes(root) -> dict[str, int]:
 @pytest.mark.parametrize("shuffle", ["global", "block"])
 def test_large_shards_arrive_as_parallel_ranges_each_byte_once(served, tmp_path, monkeypatch, shuffle):
     url, root, handler = served
-    monkeypatch.setattr("crossfeed.read.cache.CHUNK", 2048)  # ~5 range requests per 10 KB shard
+    monkeypatch.setattr("crossfeed.io.cache.CHUNK", 2048)  # ~5 range requests per 10 KB shard
     with crossfeed.Loader(root, batch_size=50, shuffle="none") as local:
         want = _values(local)
     with crossfeed.Loader(url, batch_size=50, shuffle=shuffle, cache_dir=tmp_path / "c") as loader:
@@ -345,7 +346,7 @@ def test_large_shards_arrive_as_parallel_ranges_each_byte_once(served, tmp_path,
 
 def test_a_server_that_ignores_ranges_is_an_error_not_data(served, tmp_path, monkeypatch):
     url, root, handler = served
-    monkeypatch.setattr("crossfeed.read.cache.CHUNK", 2048)
+    monkeypatch.setattr("crossfeed.io.cache.CHUNK", 2048)
     handler.ignore_range = True  # every GET answers the whole file
     with pytest.raises(crossfeed.CrossfeedError, match="ignored the range"):
         with crossfeed.Loader(url, batch_size=600, shuffle="none", cache_dir=tmp_path / "c") as ld:
@@ -356,7 +357,7 @@ def test_a_server_that_ignores_ranges_is_an_error_not_data(served, tmp_path, mon
 
 def test_a_remote_shard_changed_since_the_manifest_is_an_error(served, tmp_path, monkeypatch):
     url, root, handler = served
-    monkeypatch.setattr("crossfeed.read.cache.CHUNK", 2048)
+    monkeypatch.setattr("crossfeed.io.cache.CHUNK", 2048)
     shard = sorted(_shard_sizes(root))[0]
     with open(root / shard, "r+b") as f:  # same size, other bytes
         f.seek(3000)
@@ -368,7 +369,7 @@ def test_a_remote_shard_changed_since_the_manifest_is_an_error(served, tmp_path,
 
 
 _CHUNKED = """
-import sys, crossfeed, crossfeed.read.cache as c
+import sys, crossfeed, crossfeed.io.cache as c
 c.CHUNK = 2048
 with crossfeed.Loader(sys.argv[1], batch_size=100, shuffle=sys.argv[3], cache_dir=sys.argv[2]) as ld:
     print(sum(len(b["id"]) for b in ld))
@@ -414,7 +415,7 @@ def test_two_processes_sharing_a_cache_download_each_chunked_shard_once(served, 
 
 def test_a_failed_range_request_is_tried_again_and_a_dead_server_is_a_clear_error(served, tmp_path, monkeypatch):
     url, root, handler = served
-    monkeypatch.setattr("crossfeed.read.cache.CHUNK", 2048)
+    monkeypatch.setattr("crossfeed.io.cache.CHUNK", 2048)
     with crossfeed.Loader(root, batch_size=600, shuffle="none") as local:
         want = _values(local)
     handler.fail = 3  # three 503s among the first range requests
@@ -429,8 +430,8 @@ def test_a_failed_range_request_is_tried_again_and_a_dead_server_is_a_clear_erro
 
 _FORKED = """
 import hashlib, os, signal, sys
-from crossfeed.read.cache import ShardCache
-from crossfeed.read.storage import Storage
+from crossfeed.io.cache import ShardCache
+from crossfeed.io.storage import Storage
 url, root, cache_dir, rel = sys.argv[1:]
 data = open(os.path.join(root, rel), "rb").read()
 sha, size = hashlib.sha256(data).hexdigest(), len(data)

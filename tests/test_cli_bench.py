@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import crossfeed
 from crossfeed.read.options import LoaderOptions
-from crossfeed.read.profile import STAGES, bench_loader
+from crossfeed.read.tools.profile import STAGES, bench_loader
 
 
 @pytest.fixture
@@ -126,18 +126,14 @@ def test_bench_rejects_bad_options(app, tensors):
 def test_bench_times_the_stages_the_loader_runs(tmp_path, monkeypatch):
     """Small fixed-layout records go through the rows form and the columnar decoder in the
     Loader; the stage breakdown must time exactly those, not a look-alike path."""
-    from crossfeed.read import decode, frame_reader
-
     rng = np.random.default_rng(0)
     crossfeed.write_dataset(
         tmp_path / "t", [{"x": rng.random(8, dtype=np.float32), "y": i} for i in range(64)], num_shards=2
     ).close()
-    seen = []
-    real_cut = decode.ColumnarDecoder._cut
-    real_rows = frame_reader.FrameReader._rows
-    monkeypatch.setattr(decode.ColumnarDecoder, "_cut", lambda self, *a: seen.append("cut") or real_cut(self, *a))
-    monkeypatch.setattr(frame_reader.FrameReader, "_rows", lambda self, *a: seen.append("rows") or real_rows(self, *a))
     rep = bench_loader(tmp_path / "t", LoaderOptions.of(batch_size=16, shuffle="none"), batches=2, stage_batches=2)
     assert rep.stages.batches == 2
     # every batch built (end to end, prefetched, and the 2 timed ones) took the rows form and the cut
-    assert seen.count("rows") == seen.count("cut") >= 4 and set(seen) == {"rows", "cut"}
+    frames, decode = rep.paths["frames"], rep.paths["decode"]
+    assert set(frames) <= {"rows", "whole", "whole_fixup"} and set(decode) == {"cut"}, rep.paths
+    assert sum(frames.values()) == decode["cut"] >= 4
+    assert any(line.startswith("frames paths") for line in rep.lines())

@@ -52,7 +52,7 @@ def test_unknown_split_is_one_line_everywhere(mixed_dataset):
 
 
 def test_interrupt_is_130_and_a_bug_keeps_its_traceback(mixed_dataset, monkeypatch):
-    import crossfeed.read.dataset as dataset_module
+    import crossfeed.read.sources.dataset as dataset_module
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -111,15 +111,15 @@ def test_info_shows_statistics_and_head_defaults_as_documented(tmp_path, mixed_d
 
 
 def test_transform_modules_are_found_in_the_current_directory(tmp_path, monkeypatch):
-    from crossfeed.cli.net import resolve_function
+    from crossfeed.config import resolve_callable
     from crossfeed.errors import ConfigError
 
     (tmp_path / "myaug.py").write_text("def flip(s):\n    return s\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    assert resolve_function("myaug:flip")({"a": 1}) == {"a": 1}
+    assert resolve_callable("myaug:flip", search_cwd=True)({"a": 1}) == {"a": 1}
     with pytest.raises(ConfigError, match="PYTHONPATH"):
-        resolve_function("notthere:f")
+        resolve_callable("notthere:f", search_cwd=True)
 
 
 # -- convert -----------------------------------------------------------------------------------------

@@ -127,7 +127,8 @@ def test_a_first_write_killed_at_any_step_leaves_nothing_or_the_dataset(tmp_path
 
 
 def test_stale_temporaries_of_a_dead_writer_go_but_a_live_writers_stay(tmp_path):
-    from crossfeed.write.writer import TMP_PREFIX, dataset_lock, remove_stale, writer_lock
+    from crossfeed.write.commit import dataset_lock, remove_stale, writer_lock
+    from crossfeed.write.staging import TMP_PREFIX
 
     root = tmp_path / "d"
     crossfeed.write_dataset(root, [{"v": i} for i in range(4)]).close()

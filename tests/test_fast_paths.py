@@ -139,9 +139,12 @@ def assert_batch(batch: dict, ref: list[dict], names) -> None:
         np.testing.assert_array_equal(got, want, err_msg=f"feature {k!r}, samples {idx.tolist()[:8]}…")
 
 
-def check_epochs(root, ref, *, batch_size: int, shuffle: str, epochs: int = 1, features=None, **kw) -> list[dict]:
+def check_epochs(
+    root, ref, *, batch_size: int, shuffle: str, epochs: int = 1, features=None, paths=None, **kw
+) -> list[dict]:
     """Read ``epochs`` epochs, compare every batch with the oracle, check each sample comes once
-    per epoch; returns the batches (kept alive throughout: the recycler must not reuse them)."""
+    per epoch; returns the batches (kept alive throughout: the recycler must not reuse them).
+    ``paths``: a dict that receives the Loader's `paths()` (which fast paths served)."""
     kept = []
     with crossfeed.Loader(
         root, batch_size=batch_size, shuffle=shuffle, seed=3, return_index=True, features=features, **kw
@@ -154,6 +157,8 @@ def check_epochs(root, ref, *, batch_size: int, shuffle: str, epochs: int = 1, f
                 seen.append(b["__index__"])
                 kept.append(b)
             assert sorted(np.concatenate(seen).tolist()) == list(range(len(ref)))
+        if paths is not None:
+            paths.update(loader.paths())
     return kept
 
 
@@ -253,50 +258,32 @@ def test_columnar_path_batch_spanning_every_shard(small):
 
 
 @pytest.mark.parametrize("shuffle", SHUFFLES)
-def test_clean_small_records_never_leave_the_rows_form(small, monkeypatch, shuffle):
+def test_clean_small_records_never_leave_the_rows_form(small, shuffle):
     """The rows form is the path that runs, not a fallback that happens to agree: on clean data no
-    batch is handed to the exact per-record path (`FrameReader._diagnose`), and batches spanning
-    every shard come out of the one-array gather (`Span`) in batch order."""
-    from crossfeed.read.frame_reader import FrameReader
-
-    def fail(*a, **k):
-        raise AssertionError("a clean batch fell back to the per-record path")
-
-    monkeypatch.setattr(FrameReader, "_diagnose", fail)
+    batch is handed to the exact per-record path, and batches spanning every shard come out of
+    the one-array gather (`Span`) in batch order."""
     root, ref = small
-    check_epochs(root, ref, batch_size=64, shuffle=shuffle, epochs=2)
-    check_epochs(root, ref, batch_size=600, shuffle=shuffle)
+    for batch_size, epochs in ((64, 2), (600, 1)):
+        paths: dict = {}
+        check_epochs(root, ref, batch_size=batch_size, shuffle=shuffle, epochs=epochs, paths=paths)
+        assert "exact" not in paths["frames"] and "parsed" not in paths["decode"], paths
+        assert set(paths["frames"]) <= {"rows", "whole", "whole_fixup"}, paths
 
 
-def test_a_split_held_whole_is_read_without_shard_lookups(small, monkeypatch):
+def test_a_split_held_whole_is_read_without_shard_lookups(small):
     """Once every shard is mapped, a batch's entries are one gather from `Whole`'s table (span
     offset, length, room left in the shard): from then on every batch is served there — one with
-    a record too near its shard's end for the batch's row width through the fix-up path (`_rows`)
-    — and every batch equals the oracle's."""
-    from crossfeed.read.frame_reader import FrameReader
-
-    served, near, inside = [], [], []
-    whole_rows, rows = FrameReader._whole_rows, FrameReader._rows
-
-    def spy_whole(self, indices, whole):
-        inside.append(True)
-        try:
-            got = whole_rows(self, indices, whole)
-        finally:
-            inside.pop()
-        served.append(got is not None)
-        return got
-
-    def spy_rows(self, *a, **k):
-        near.append(bool(inside))
-        return rows(self, *a, **k)
-
-    monkeypatch.setattr(FrameReader, "_whole_rows", spy_whole)
-    monkeypatch.setattr(FrameReader, "_rows", spy_rows)
+    a record too near its shard's end for the batch's row width through the fix-up path — and
+    every batch equals the oracle's."""
     root, ref = small
-    check_epochs(root, ref, batch_size=64, shuffle="global", epochs=2)
-    assert len(served) >= 600 // 64 and all(served), served
-    assert any(near), "no batch had a record near its shard's end (the fixture's last records are the shortest)"
+    paths: dict = {}
+    check_epochs(root, ref, batch_size=64, shuffle="global", epochs=2, paths=paths)
+    frames = paths["frames"]
+    assert "whole_declined" not in frames and "exact" not in frames, frames
+    assert frames.get("whole", 0) + frames.get("whole_fixup", 0) >= 600 // 64, frames
+    assert frames.get("whole_fixup", 0) > 0, (
+        "no batch had a record near its shard's end (the last records are shortest)"
+    )
 
 
 def test_feature_subset_matches_oracle(small):
@@ -454,7 +441,7 @@ def test_a_big_record_whose_crc_is_checked_at_the_copy_is_named_or_skipped(big, 
     """Big records' payload CRCs are taken as the decoder copies them (`Frames.unchecked`): a
     flipped byte there is still a `CorruptRecordError` naming the shard and the record's offset,
     and with ``on_error="skip"`` exactly that record is dropped, every other value intact."""
-    from crossfeed.read.frame_reader import FrameReader
+    from crossfeed.read.stages.frames import FrameReader
 
     root, ref = big
     bad = tmp_path / "bad"

@@ -11,7 +11,7 @@ import pytest
 import crossfeed
 from crossfeed.errors import IndexFileError
 from crossfeed.format import index as idx
-from crossfeed.read import frame_reader
+from crossfeed.read.stages import frames as frame_reader
 
 
 def _entries(n: int, seed: int = 0) -> list[tuple[int, int]]:

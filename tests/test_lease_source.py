@@ -13,10 +13,10 @@ import pytest
 import zmq
 
 import crossfeed
-from crossfeed.net import leasewire as W
-from crossfeed.net.lease_source import LeaseSource
-from crossfeed.net.producer import StreamEnd
+from crossfeed.net.lease import messages as W
+from crossfeed.net.lease.source import LeaseSource
 from crossfeed.net.protocol import Heartbeat
+from crossfeed.net.stream.producer import StreamEnd
 from crossfeed.read.loader import Loader
 from crossfeed.read.options import LoaderOptions
 
@@ -58,8 +58,8 @@ class Dispatcher:
                     return route, msg.sender
         raise AssertionError("no HELLO from the lease source")
 
-    def send(self, route: bytes, kind: W.Kind, a=0, b=0, c=0, payload=None) -> None:
-        self.sock.send_multipart([route, *W.pack(kind, a, b, c, instance=INSTANCE, payload=payload)])
+    def send(self, route: bytes, kind: W.Kind, payload=None, **slots) -> None:
+        self.sock.send_multipart([route, *W.pack(kind, instance=INSTANCE, payload=payload, **slots)])
 
 
 def take(source: LeaseSource):
@@ -89,14 +89,14 @@ def test_a_batch_of_a_lease_voided_while_it_is_built_is_dropped(tmp_path):
     try:
         batches = N // BATCH
         route, first = d.hello()
-        d.send(route, W.Kind.WELCOME, batches, payload=json.dumps(plan))
-        d.send(route, W.Kind.LEASE, 1, 0, batches, payload=[0])  # lease 1: batch 0 (labels 0..3)
+        d.send(route, W.Kind.WELCOME, batches=batches, payload=json.dumps(plan))
+        d.send(route, W.Kind.LEASE, lease=1, epoch=0, batches=batches, payload=[0])  # lease 1: batch 0 (labels 0..3)
         assert gate.entered.wait(20), "batch 0 was never built"
         d.send(route, W.Kind.RESET)  # lease 1 is void while batch 0 is in the executor
         route, _second = d.hello(not_from=first)  # it rejoined under a new id
         gate.release.set()
-        d.send(route, W.Kind.WELCOME, batches, payload=json.dumps(plan))
-        d.send(route, W.Kind.LEASE, 2, 0, batches, payload=[2, 1])
+        d.send(route, W.Kind.WELCOME, batches=batches, payload=json.dumps(plan))
+        d.send(route, W.Kind.LEASE, lease=2, epoch=0, batches=batches, payload=[2, 1])
         items = [take(source), take(source)]
         assert [(it.lease, it.seq) for it in items] == [(2, 2), (2, 1)], "a batch of the void lease was offered"
         assert source.stats["dropped"] == 1 and source.stats["resets"] == 1

@@ -19,7 +19,7 @@ from crossfeed.errors import CrossfeedError
 from crossfeed.format import index as idx
 from crossfeed.format.manifest import MANIFEST
 from crossfeed.read.loader import Loader
-from crossfeed.read.verify import verify_dataset
+from crossfeed.read.tools.verify import verify_dataset
 
 FUZZ = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]

@@ -11,8 +11,9 @@ from loader_helpers import assert_resumes_identically, ids_of
 
 import crossfeed
 from crossfeed.errors import ConfigError
-from crossfeed.read import plan as plan_mod
-from crossfeed.read.plan import MixtureOrder, PassOrders, Shuffle, integer_weights, smooth_schedule
+from crossfeed.read.options import Shuffle
+from crossfeed.read.stages import sampler as plan_mod
+from crossfeed.read.stages.sampler import MixtureOrder, PassOrders, integer_weights, smooth_schedule
 
 
 @settings(max_examples=200, deadline=None)

@@ -28,7 +28,7 @@ def dataset(tmp_path):
 
 def test_serve_streams_the_loaders_batches_with_provenance(tmp_path, dataset):
     proc, ep = serve_child(
-        tmp_path, dataset, "--epochs", "2", "--seed", "3", "--transform", "net_helpers:add_hundred", "--workers", "2"
+        tmp_path, dataset, "--epochs", "2", "--seed", "3", "--transform", "net_helpers:add_hundred", "--threads", "2"
     )
     got = served_batches(proc, ep, tmp_path / "serve.log")
     for epoch in (0, 1):

@@ -12,7 +12,7 @@ import zmq
 from dispatch_helpers import HB, read_batches, read_fields, spawn
 from net_helpers import stop, wait_until
 
-from crossfeed.net import leasewire as W
+from crossfeed.net.lease import messages as W
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -136,15 +136,15 @@ def test_hostile_messages_are_dropped_and_the_epoch_completes(tmp_path, dataset)
         sock = ctx.socket(zmq.DEALER)
         sock.linger = 0
         sock.connect(address)
-        env = W.pack(W.Kind.BEAT, c=2, sender=7)[0]
+        env = W.pack(W.Kind.BEAT, role=2, sender=7)[0]
         hostile = [
             [b""],
             [b"x" * 10],
             [b"XXXX" + env[4:]],  # bad magic
             [env[:5] + b"\x63" + env[6:]],  # unknown kind
             [env, b"extra"],  # BEAT with a payload
-            W.pack(W.Kind.BEAT, c=9, sender=7),  # unknown role
-            W.pack(W.Kind.BEAT, c=2, sender=0),  # sender 0
+            W.pack(W.Kind.BEAT, role=9, sender=7),  # unknown role
+            W.pack(W.Kind.BEAT, role=2, sender=0),  # sender 0
             [W.pack(W.Kind.CLAIM, sender=7)[0], b"123"],  # not whole pairs
             W.pack(W.Kind.CLAIM, sender=7, payload=[[-1, -1], [1 << 62, 5], [3, 0]]),
             W.pack(W.Kind.DONE, sender=7, payload=[-5, 10**15]),
@@ -228,9 +228,9 @@ def labels_by_index(dataset: str) -> dict[int, int]:
         return {int(i): int(v) for b in loader for i, v in zip(b["__index__"], b["label"])}
 
 
-@pytest.mark.parametrize("executor", [["--procs", "2"], ["--workers", "2"]], ids=["procs", "workers"])
+@pytest.mark.parametrize("executor", [["--procs", "2"], ["--threads", "2"]], ids=["procs", "threads"])
 def test_leased_batches_are_built_by_the_servers_executor(tmp_path, dataset, executor):
-    """`serve --dispatcher --procs 2 / --workers 2 --transform mod:fn`: the leased batches are built
+    """`serve --dispatcher --procs 2 / --threads 2 --transform mod:fn`: the leased batches are built
     in the Loader's worker processes (other pids than the server's) or pool threads, the
     transform applied, every sample exactly once."""
     d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0")

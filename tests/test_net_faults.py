@@ -13,9 +13,10 @@ import pytest
 import zmq
 from net_helpers import FAST_HB, Synthetic, batches_in, child, read_endpoint, read_lines, stop, wait_until
 
-from crossfeed.net import Heartbeat, Server, ServerOptions, connect, wire
+from crossfeed.format import wire
+from crossfeed.net import Heartbeat, Server, ServerOptions, connect
 from crossfeed.net import protocol as P
-from crossfeed.net.producer import encode_item
+from crossfeed.net.stream.producer import encode_item
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -73,7 +74,7 @@ def test_a_killed_server_is_dropped_and_the_client_reads_on(tmp_path, caplog):
         first = read_endpoint(tmp_path / "ep1", procs=procs)
         second = read_endpoint(tmp_path / "ep2", procs=procs)
         got = collections.defaultdict(list)
-        with caplog.at_level(logging.WARNING, "crossfeed.net.receiver"):
+        with caplog.at_level(logging.WARNING, "crossfeed.net.stream.receiver"):
             with connect([first, second], with_meta=True, on_loss="continue", **FAST_HB) as client:
                 for meta, _ in client:
                     source = "s1" if meta.sample_ids[0] < 10_000 else "s2"

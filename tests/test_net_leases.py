@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from crossfeed.errors import ConfigError, WireError
-from crossfeed.net import leasewire as W
-from crossfeed.net.journal import Journal
-from crossfeed.net.leases import LeaseBook
+from crossfeed.net.lease import messages as W
+from crossfeed.net.lease.book import LeaseBook
+from crossfeed.net.lease.journal import Journal
 
 S1, S2, T1, T2 = 11, 12, 21, 22
 

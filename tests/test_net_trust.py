@@ -420,7 +420,7 @@ def test_on_loss_is_validated_where_it_is_made():
 
 _FIRST_ANONYMOUS_ID = """
 import zmq
-from crossfeed.net.server import seed_routing_ids
+from crossfeed.net.stream.server import seed_routing_ids
 seed_routing_ids()
 ctx = zmq.Context()
 router = ctx.socket(zmq.ROUTER)

@@ -10,8 +10,8 @@ import zmq
 from crossfeed.errors import ConfigError, WireError
 from crossfeed.net import protocol as P
 from crossfeed.net.addresses import expand, expand_all
-from crossfeed.net.dispatch import Dispatcher, Item
 from crossfeed.net.observe import FieldStats, Rates, field_stats, image_grid
+from crossfeed.net.stream.credits import CreditBook, Item
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -78,7 +78,7 @@ def _items(n, epoch=0):
 
 
 def test_dispatch_respects_credit_and_round_robins():
-    d = Dispatcher(max_credit=8, timeout=5.0)
+    d = CreditBook(max_credit=8, timeout=5.0)
     d.credit(b"a", 2, now=0.0)
     d.credit(b"b", 1, now=0.0)
     d.pending.extend(_items(5))
@@ -92,7 +92,7 @@ def test_dispatch_respects_credit_and_round_robins():
 
 
 def test_byte_credit_limits_what_is_in_flight_but_always_lets_one_batch_through():
-    d = Dispatcher(max_credit=64, timeout=5.0)
+    d = CreditBook(max_credit=64, timeout=5.0)
     d.credit(b"a", 10, now=0.0, nbytes=100)
     d.pending.extend(Item(seq=i, epoch=0, frames=[], num_samples=1, nbytes=60) for i in range(4))
     assert [d.assign()[1].seq for _ in range(2)] == [0, 1]  # 60 < 100, then 120: full
@@ -106,7 +106,7 @@ def test_byte_credit_limits_what_is_in_flight_but_always_lets_one_batch_through(
 
 
 def test_a_dead_peers_batches_go_back_to_the_front_and_its_late_acks_are_ignored():
-    d = Dispatcher(max_credit=64, timeout=1.0)
+    d = CreditBook(max_credit=64, timeout=1.0)
     d.credit(b"slow", 10**9, now=0.0)  # clamped
     assert d.peers[b"slow"].credit == 64
     d.pending.extend(_items(3))
@@ -121,7 +121,7 @@ def test_a_dead_peers_batches_go_back_to_the_front_and_its_late_acks_are_ignored
 
 
 def test_the_progress_deadline_fences_a_peer_that_holds_batches_and_acknowledges_none():
-    d = Dispatcher(max_credit=64, timeout=100.0, progress_timeout=1.0)
+    d = CreditBook(max_credit=64, timeout=100.0, progress_timeout=1.0)
     d.credit(b"hung", 4, now=0.0)
     d.credit(b"idle", 4, now=0.0)
     d.pending.extend(_items(3))
@@ -135,7 +135,7 @@ def test_the_progress_deadline_fences_a_peer_that_holds_batches_and_acknowledges
 
 
 def test_batches_a_peer_skipped_were_lost_in_transit_and_go_out_again():
-    d = Dispatcher(max_credit=8, timeout=100.0)
+    d = CreditBook(max_credit=8, timeout=100.0)
     d.credit(b"a", 8, now=0.0)
     d.pending.extend(_items(4))
     assert [d.assign()[1].seq for _ in range(4)] == [0, 1, 2, 3]
@@ -146,7 +146,7 @@ def test_batches_a_peer_skipped_were_lost_in_transit_and_go_out_again():
 
 
 def test_a_peer_we_cannot_send_to_gets_nothing_more_until_it_speaks_but_is_not_declared_dead():
-    d = Dispatcher(max_credit=8, timeout=5.0)
+    d = CreditBook(max_credit=8, timeout=5.0)
     d.credit(b"a", 4, now=0.0)
     d.pending.extend(_items(2))
     peer, item = d.assign()

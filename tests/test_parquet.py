@@ -21,10 +21,10 @@ from parquet_data import ROW_GROUP, ROWS, assert_row_equal, oracle, png, write_h
 from crossfeed.errors import ConfigError, CorruptRecordError, ManifestError, SchemaError
 from crossfeed.format.manifest import MANIFEST, loads
 from crossfeed.format.schema import Encoding
-from crossfeed.read.dataset import open_dataset
 from crossfeed.read.loader import INDEX_KEY, Loader
-from crossfeed.read.verify import verify_dataset
-from crossfeed.write.adopt import index_dataset
+from crossfeed.read.sources.dataset import open_dataset
+from crossfeed.read.tools.verify import verify_dataset
+from crossfeed.write.adopt.index import index_dataset
 
 N = sum(ROWS)
 
@@ -346,7 +346,7 @@ def test_pyarrow_is_imported_only_when_parquet_is_read():
 
     out = run_python("""
         import sys
-        import crossfeed, crossfeed.read.loader, crossfeed.read.verify, crossfeed.write.adopt, crossfeed.cli.main
+        import crossfeed, crossfeed.read.loader, crossfeed.read.tools.verify, crossfeed.write.adopt.index, crossfeed.cli.main
         print("pyarrow" in sys.modules)
     """)
     assert out.stdout.strip() == "False"

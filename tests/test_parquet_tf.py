@@ -9,7 +9,7 @@ from parquet_data import ROWS, oracle, write_pyarrow_files
 
 from crossfeed.adapters import tf as cftf
 from crossfeed.errors import ConfigError
-from crossfeed.write.adopt import index_dataset
+from crossfeed.write.adopt.index import index_dataset
 
 
 def test_tf_dataset_reads_parquet_through_the_loader(tmp_path):

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from crossfeed.adapters.torch import TorchDataset
 from crossfeed.read.loader import INDEX_KEY, Loader
-from crossfeed.write.adopt import index_dataset
+from crossfeed.write.adopt.index import index_dataset
 
 
 def test_two_workers_yield_the_loaders_batches_with_pyarrow_values(tmp_path):

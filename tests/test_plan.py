@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crossfeed.errors import ConfigError
-from crossfeed.read.options import LoaderOptions, PlanOptions, ShardOptions
-from crossfeed.read.plan import Remainder, Sampler, Shuffle, epoch_order
+from crossfeed.read.options import LoaderOptions, PlanOptions, Remainder, ShardOptions, Shuffle
+from crossfeed.read.stages.sampler import Sampler, epoch_order
 
 counts_st = st.lists(st.integers(0, 40), min_size=1, max_size=9).filter(lambda c: sum(c) > 0)
 
@@ -156,7 +156,7 @@ def test_options_pass_whole_and_replace_by_name():
 @settings(max_examples=150, deadline=None)
 @given(n=st.integers(1, 5000), seed=st.integers(0, 2**40), epoch=st.integers(0, 50))
 def test_the_bijection_is_a_permutation(n, seed, epoch):
-    from crossfeed.read.plan import Permutation, _keys
+    from crossfeed.read.stages.sampler import Permutation, _keys
 
     got = Permutation(n, _keys(seed, epoch, 1))(np.arange(n))
     assert sorted(got.tolist()) == list(range(n))
@@ -173,7 +173,7 @@ def test_the_bijection_is_a_permutation(n, seed, epoch):
 def test_large_epochs_are_evaluated_per_batch_with_the_same_properties(counts, seed, epoch, shuffle, block):
     """Above TABLE_MAX the order is never materialised: evaluated on any positions it is still a
     permutation, and a plan's batches are exactly its samples in order."""
-    import crossfeed.read.plan as plan_mod
+    import crossfeed.read.stages.sampler as plan_mod
 
     old = plan_mod.TABLE_MAX
     plan_mod.TABLE_MAX = 0  # every epoch takes the large-epoch path

@@ -227,7 +227,7 @@ def test_batches_are_made_in_the_slot_not_copied_into_it(mixed_dataset):
 
     from procs_helpers import flip_and_scale
 
-    from crossfeed.read.slots import SlotPool, SlotWriter
+    from crossfeed.read.executors.slots import SlotPool, SlotWriter
 
     path, _ = mixed_dataset
     pool = SlotPool()
@@ -255,7 +255,7 @@ def test_nothing_from_a_worker_is_unpickled(tmp_path):
     import socket
 
     from crossfeed.errors import CorruptRecordError
-    from crossfeed.read.procs import Channel, exception_from_json, exception_to_json
+    from crossfeed.read.executors.processes import Channel, exception_from_json, exception_to_json
 
     flag = tmp_path / "ran"
 

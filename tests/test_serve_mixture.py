@@ -11,7 +11,7 @@ from net_helpers import FAST_HB, child, read_endpoint, stop
 import crossfeed
 from crossfeed.errors import ConfigError
 from crossfeed.net import connect
-from crossfeed.read.mixture_spec import load_mixture_spec
+from crossfeed.read.sources.mixture_file import load_mixture_spec
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -30,7 +30,7 @@ def test_serve_streams_a_mixture_in_the_loaders_order(tmp_path):
     ep = tmp_path / "ep"
     proc = child(
         "cli", "serve", str(spec), "tcp://127.0.0.1:0", "--batch-size", "4", "--epochs", "2", "--seed", "3",
-        "--workers", "1", "--heartbeat-interval", "0.1", "--heartbeat-timeout", "2", "--endpoint-file", str(ep),
+        "--threads", "1", "--heartbeat-interval", "0.1", "--heartbeat-timeout", "2", "--endpoint-file", str(ep),
         log=tmp_path / "serve.log",
     )  # fmt: skip
     try:

@@ -256,7 +256,7 @@ def test_position_after_matches_what_the_plan_consumed(ids_dataset):
     ranks in lockstep) the plan's remaining samples are exactly the unseen ones."""
     cfg = PlanOptions(batch_size=5, seed=4)
     ds = TorchDataset(ids_dataset, batch_size=5, seed=4, rank=0, world_size=2)
-    assert ds.loader.config == cfg
+    assert ds.loader.options.plan == cfg
     with StatefulLoader(ds, num_workers=2) as loader:
         _run(loader, stop=3)
         assert loader.state_dict()["position"] == ds.loader.sampler.position_after(0, 3) == 30

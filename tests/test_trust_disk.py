@@ -23,7 +23,7 @@ from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
 from crossfeed.format.manifest import MANIFEST
 from crossfeed.read.loader import Loader
-from crossfeed.read.verify import verify_dataset
+from crossfeed.read.tools.verify import verify_dataset
 
 
 def _write(root, n=12, shards=2, **kw):
@@ -99,7 +99,7 @@ def test_verify_reports_a_fifo_or_device_shard_instead_of_hanging(tmp_path):
     index.unlink()
     os.mkfifo(index)  # a FIFO where an index should be
     code = textwrap.dedent(f"""
-        from crossfeed.read.verify import verify_dataset
+        from crossfeed.read.tools.verify import verify_dataset
         for p in verify_dataset({str(root)!r}):
             print(p)
     """)
@@ -172,7 +172,7 @@ def test_an_index_rewritten_consistently_is_caught_by_its_checksum(tmp_path):
 
 
 def test_adopted_datasets_carry_index_checksums(tmp_path):
-    from crossfeed.write.adopt import index_dataset
+    from crossfeed.write.adopt.index import index_dataset
 
     root = tmp_path / "a"
     root.mkdir()
@@ -351,7 +351,7 @@ def test_convert_cli_refuses_an_existing_dataset_without_overwrite(tmp_path):
 
 @pytest.mark.parametrize("compress", [False, True])
 def test_verify_reports_progress_and_catches_a_record_that_breaks_the_schema(tmp_path, compress, monkeypatch):
-    import crossfeed.read.verify as verify_mod
+    import crossfeed.read.tools.verify as verify_mod
 
     monkeypatch.setattr(verify_mod, "CHUNK_BYTES", 200)  # many chunks on tiny data
     root = _write(tmp_path / "d", n=60, shards=3, compress=compress)

@@ -9,8 +9,8 @@ import pytest
 
 import crossfeed
 from crossfeed.errors import CorruptRecordError
-from crossfeed.read.loader import MixtureReader, SourceReader
-from crossfeed.read.union import UnionSplit
+from crossfeed.read.sources.union import UnionSplit
+from crossfeed.read.stages.fetch import MixtureReader, SourceReader
 
 
 def _source(root, name: str, n: int, offset: int, shards: int, text: bool):

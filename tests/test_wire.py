@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from crossfeed.errors import ConfigError, CrossfeedError, WireError
-from crossfeed.net import wire
+from crossfeed.format import wire
 
 pytestmark = pytest.mark.timeout(60)
 

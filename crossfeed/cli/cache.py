@@ -1,6 +1,6 @@
 """``crossfeed cache ls|prune|clear``: look after the local cache of remote shards.
 
-The directory is ``--dir``, else ``$CROSSFEED_CACHE_DIR``; see `crossfeed.read.cache`.
+The directory is ``--dir``, else ``$CROSSFEED_CACHE_DIR``; see `crossfeed.io.cache`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ DirOpt = Annotated[Path | None, typer.Option("--dir", help="Cache directory (def
 
 
 def _cache(directory: Path | None):
-    from crossfeed.read.cache import ENV, ShardCache
+    from crossfeed.io.cache import ENV, ShardCache
 
     root = directory or os.environ.get(ENV)
     if not root:

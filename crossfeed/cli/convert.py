@@ -303,7 +303,7 @@ def _expected_samples(source) -> int | None:
 
 
 def _warn_empty_shards(path: str, splits: list[str]) -> None:
-    from crossfeed.read.dataset import open_dataset
+    from crossfeed.read.sources.dataset import open_dataset
 
     with open_dataset(path) as ds:
         for name in splits:
@@ -318,8 +318,8 @@ def _warn_empty_shards(path: str, splits: list[str]) -> None:
 
 
 def _verify(path: str, splits: list[str], progress: Progress) -> None:
-    from crossfeed.read.dataset import open_dataset
-    from crossfeed.read.verify import verify_dataset
+    from crossfeed.read.sources.dataset import open_dataset
+    from crossfeed.read.tools.verify import verify_dataset
 
     with open_dataset(path) as ds:
         total = sum(ds.splits[s].num_bytes for s in splits)

@@ -1,6 +1,6 @@
 """``crossfeed index | info | verify | head``: look after datasets on disk.
 
-Thin shells over `crossfeed.write.adopt`, `crossfeed.read.verify` and `crossfeed.read.dataset`. Errors
+Thin shells over `crossfeed.write.adopt.index`, `crossfeed.read.tools.verify` and `crossfeed.read.sources.dataset`. Errors
 are raised and turned into one line on stderr by the CLI's one boundary (`crossfeed.cli.main`).
 """
 
@@ -65,7 +65,7 @@ def index(
     import os
 
     from crossfeed.format.parquet import is_parquet_name
-    from crossfeed.write.adopt import index_dataset, is_shard_name
+    from crossfeed.write.adopt.index import index_dataset, is_shard_name
 
     total = (
         sum(
@@ -103,7 +103,7 @@ def info(
     dataset: DatasetArg, as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False
 ) -> None:
     """Show a dataset's splits, record counts, sizes, schema and metadata."""
-    from crossfeed.read.dataset import open_dataset
+    from crossfeed.read.sources.dataset import open_dataset
 
     with open_dataset(dataset) as ds:
         if as_json:
@@ -138,8 +138,8 @@ def info(
 def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
     """Check every record's CRC, every index entry, counts and sha256 against the manifest.
     Lists every problem found; exits 1 if there is any."""
-    from crossfeed.read.dataset import open_dataset
-    from crossfeed.read.verify import verify_dataset
+    from crossfeed.read.sources.dataset import open_dataset
+    from crossfeed.read.tools.verify import verify_dataset
 
     with open_dataset(dataset) as ds:
         names = [ds[split].name] if split is not None else list(ds.splits)  # an unknown split raises here
@@ -159,11 +159,11 @@ def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
         raise typer.Exit(1)
     typer.echo(f"ok: {records:,} records in {shards} shards ({_size(total)}) verified")
     if tar_splits:
-        from crossfeed.read.verify_tar import CANNOT
+        from crossfeed.read.tools.verify_tar import CANNOT
 
         typer.echo(f"note: {CANNOT} (tar headers checked)", err=True)
     if parquet:
-        from crossfeed.read.parquet_reader import VERIFY_NOTE
+        from crossfeed.read.sources.parquet import VERIFY_NOTE
 
         typer.echo(f"note: {VERIFY_NOTE}")
 
@@ -179,7 +179,7 @@ def head(
     ] = None,
 ) -> None:
     """Show the first samples of a split: shape, dtype and small values; bytes truncated."""
-    from crossfeed.read.dataset import open_dataset
+    from crossfeed.read.sources.dataset import open_dataset
 
     with open_dataset(dataset) as ds:
         name = split or ("train" if "train" in ds.splits else sorted(ds.splits)[0])

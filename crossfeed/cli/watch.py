@@ -23,7 +23,7 @@ Timeout = Annotated[float, typer.Option("--timeout", min=0.1, help="Give up on a
 
 
 def _subscribe(addresses: list[str], keys: Path | None, timeout: float):
-    from crossfeed.net.client import connect
+    from crossfeed.net.connect import connect
 
     return connect(
         addresses,
@@ -49,7 +49,7 @@ def _class_names(dataset: str | None) -> list[str] | None:
     """The class names in a dataset's manifest metadata (``class_names``), or None without --dataset."""
     if dataset is None:
         return None
-    from crossfeed.read.dataset import open_dataset
+    from crossfeed.read.sources.dataset import open_dataset
 
     with open_dataset(dataset) as ds:
         names = ds.metadata.get("class_names")

@@ -12,7 +12,7 @@ import numpy as np
 
 from crossfeed.errors import SchemaError
 from crossfeed.format import example as ex
-from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, shape_fits
+from crossfeed.format.schema import INT_TYPES, SHAPE_SUFFIX, Encoding, Feature, shape_fits
 
 
 def reference_feature(f: Feature, v, out: dict) -> None:
@@ -53,9 +53,9 @@ def reference_feature(f: Feature, v, out: dict) -> None:
 
 
 _LITTLE = sys.byteorder == "little"
-_NP_INTS = frozenset((np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64))
-_FLOAT_SCALARS = {float: np.float64, np.float64: np.float64, np.float32: np.float32}
-_INT_SCALARS = {int: np.int64, **{t: t for t in _NP_INTS}}
+_NP_INTS = frozenset(INT_TYPES)
+FLOAT_SCALARS = {float: np.float64, np.float64: np.float64, np.float32: np.float32}
+INT_SCALARS = {int: np.int64, **{t: t for t in _NP_INTS}}
 _pack_f32 = struct.Struct("<f").pack
 
 
@@ -160,7 +160,7 @@ class FeatureCodec:
             self.one = one
 
         def column(col, n):
-            arr = self._numeric_column(col, n, "fiub", _FLOAT_SCALARS)
+            arr = self._numeric_column(col, n, "fiub", FLOAT_SCALARS)
             if arr is None:
                 return None
             k = arr.shape[1]
@@ -192,7 +192,7 @@ class FeatureCodec:
             self.one = one
 
         def column(col, n):
-            arr = self._numeric_column(col, n, "iub", _INT_SCALARS)
+            arr = self._numeric_column(col, n, "iub", INT_SCALARS)
             if arr is None or arr.shape[1] != 1:
                 return None
             arr = arr[:, 0]

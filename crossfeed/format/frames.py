@@ -5,7 +5,7 @@ headers (length + its masked CRC) and 4-byte footers (the payload's masked CRC) 
 small matrices and compared with numpy for the whole batch; each payload CRC is one C ``crc32c``
 call. The result is a mask of bad records; `first_error` re-checks one of them record by record
 (`crossfeed.format.tfrecord.unframe`) for an error that names the file, the byte offset and the
-reason. `crossfeed.read.frame_reader` (the Loader's frame stage) and `crossfeed.read.verify` are
+reason. `crossfeed.read.stages.frames` (the Loader's frame stage) and `crossfeed.read.tools.verify` are
 built on these functions.
 """
 

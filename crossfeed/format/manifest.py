@@ -18,11 +18,11 @@ import secrets
 from dataclasses import dataclass, field
 
 from crossfeed.errors import ManifestError, SchemaError
-from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema
+from crossfeed.format.schema import NUMERIC_DTYPES, SHAPE_SUFFIX, Encoding, Feature, Schema
 
 MANIFEST = "crossfeed.json"
 TMP_MANIFEST_PREFIX = ".tmp-manifest-"
-FORMAT = "crossfeed.read.dataset"
+FORMAT = "crossfeed.read.sources.dataset"
 VERSION = 1
 MAX_ROW_GROUPS = 1 << 20
 # Bounds a manifest must stay within (far above any real dataset; they stop hostile files early).
@@ -41,7 +41,6 @@ MAX_INT = 1 << 62
 # in place (`crossfeed.format.parquet`: row groups from the footers, no index files).
 SPLIT_FORMATS = ("tfrecord", "tar", "parquet")
 MAX_DATA_ROOT = 4096
-_SHARD_RE = re.compile(r"^(?P<split>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})(?:\.g\d+)?\.tfrecord(?P<gz>\.gz)?$")
 
 
 def shard_name(split: str, i: int, n: int, *, compress: bool = False, generation: int = 0) -> str:
@@ -50,12 +49,6 @@ def shard_name(split: str, i: int, n: int, *, compress: bool = False, generation
     is taken by the version it replaces."""
     gen = f".g{generation}" if generation else ""
     return f"{split}-{i:05d}-of-{n:05d}{gen}.tfrecord" + (".gz" if compress else "")
-
-
-def parse_shard_name(name: str):
-    """``(split, i, n, gzip)`` for a conventionally named shard, else None."""
-    m = _SHARD_RE.match(os.path.basename(name))
-    return (m["split"], int(m["i"]), int(m["n"]), bool(m["gz"])) if m else None
 
 
 def check_name(name, where: str) -> str:
@@ -447,24 +440,8 @@ def _short(v) -> str:
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ENCODINGS = {e.value for e in Encoding}
-_NUMERIC = {
-    "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
-}
 _DTYPES = {
-    "tensor": _NUMERIC,
+    "tensor": NUMERIC_DTYPES,
     "image": {"uint8", "uint16"},
     "int64": {"int64"},
     "float": {"float32"},

@@ -28,6 +28,12 @@ from crossfeed.errors import SchemaError
 from crossfeed.format import example as ex
 
 SHAPE_SUFFIX = "/shape"
+# the numeric dtypes a tensor feature may store, by name: the one list (manifest checks, adoption, encoders)
+NUMERIC_DTYPES = frozenset(
+    ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+    + ("float16", "float32", "float64", "complex64", "complex128")
+)
+INT_TYPES = tuple(sorted((np.dtype(n).type for n in NUMERIC_DTYPES if np.dtype(n).kind in "iu"), key=str))
 INDEX_KEY = "__index__"  # a batch key, never a feature: the sample indices of the batch
 SOURCE_KEY = "__source__"  # a batch key of mixtures: the source (position in the list) of each sample
 

@@ -9,11 +9,12 @@ mon/stat/show). With a dispatcher (`crossfeed dispatch`): `leases` (lease and cl
 `lease_source` (a server's side: `serve --dispatcher`), `leased_client` (`connect(dispatcher=)`).
 """
 
-from crossfeed.net.client import Client, ClientOptions, OnLoss, connect
-from crossfeed.net.events import LostServer
+from crossfeed.net.connect import connect
 from crossfeed.net.keys import ClientKeys, ServerKeys, keygen
 from crossfeed.net.protocol import Heartbeat
-from crossfeed.net.server import Mode, Server, ServerOptions
+from crossfeed.net.stream.client import Client, ClientOptions, OnLoss
+from crossfeed.net.stream.events import LostServer
+from crossfeed.net.stream.server import Mode, Server, ServerOptions
 
 __all__ = [
     "Client",

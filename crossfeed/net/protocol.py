@@ -10,7 +10,7 @@ server restarted and never merges the two streams. `token` is a client's lease p
 client → server: CREDIT(a=batches allowed in flight, b=bytes allowed in flight, 0: any),
                  ACK(a=seq), HEARTBEAT(a=credit, b=byte credit, token=probe or 0), BYE,
                  ACKS(a=count; payload = one frame of `count` int64 seqs, at most MAX_ACKS)
-server → client: BATCH(a=seq, b=epoch; payload = `crossfeed.net.wire` frames),
+server → client: BATCH(a=seq, b=epoch; payload = `crossfeed.format.wire` frames),
                  END_OF_EPOCH(a=epoch, b=batches in it), END_OF_STREAM(a=epochs served),
                  HEARTBEAT(a=silence timeout ms, b=progress deadline ms (0: none), token=0), or,
                  answering a probe, token=the probe and b=ms left before that trainer's deadline,

@@ -1,1 +1,1 @@
-"""Reading: storage, datasets and splits, the epoch plan, the staged Loader (plan → frames → decode → batch), verification, benchmarking."""
+"""Reading (layer 3, beside `write`): `options` (the one `LoaderOptions`), `loader` (the pipeline), `stages/` (sampler → frames → decode → batch), `sources/`, `executors/` and `tools/`."""

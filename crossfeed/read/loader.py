@@ -15,211 +15,29 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from crossfeed.config import resolve_callable
 from crossfeed.errors import ConfigError
-from crossfeed.format.schema import INDEX_KEY, SOURCE_KEY
+from crossfeed.format.schema import INDEX_KEY
+from crossfeed.io.cache import Prefetcher, ShardCache
 from crossfeed.policy import ErrorBudget, OnError
-from crossfeed.read.cache import Prefetcher, ShardCache
-from crossfeed.read.dataset import Dataset, Split, open_dataset
-from crossfeed.read.decode import collate, make_decoder
-from crossfeed.read.executor import ExecutorKind, ThreadExecutor
-from crossfeed.read.frame_reader import DeferredCrcError, FrameReader, Frames
-from crossfeed.read.options import LoaderOptions, ReadOptions, Source
-from crossfeed.read.parquet_reader import ParquetDecoder, ParquetFrameReader
-from crossfeed.read.plan import Plan, Remainder, Sampler, Shuffle
-from crossfeed.read.procs import ProcessExecutor, WorkerRecipe, resolve_callable
-from crossfeed.read.union import UnionSplit
+from crossfeed.read.executors.processes import ProcessExecutor, WorkerRecipe
+from crossfeed.read.executors.threads import ExecutorKind, ThreadExecutor
+from crossfeed.read.options import LoaderOptions, ReadOptions, Remainder, Shuffle, Source
+from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
+from crossfeed.read.sources.parquet import ParquetFrameReader
+from crossfeed.read.sources.union import UnionSplit
+from crossfeed.read.stages.batch import BatchBuilder
+from crossfeed.read.stages.fetch import MixtureReader, SourceReader
+from crossfeed.read.stages.sampler import Plan, Sampler
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
-STAGES = ("read", "decode", "transform", "batch")  # what `BatchBuilder` times, in order
 
-__all__ = ["INDEX_KEY", "BatchBuilder", "Loader", "LoaderOptions", "ReadOptions", "Remainder", "Shuffle"]
-
-
-class SourceReader:
-    """Stages 2 and 3 for one split: global sample indices → ``(batch, kept)``, the decoded batch
-    and the positions of the indices that made it into it (all, unless ``on_error`` dropped some)."""
-
-    def __init__(
-        self,
-        split: Split,
-        features,
-        *,
-        read: ReadOptions,
-        whole_shards: bool,
-        keep_loaded: int | None,
-        cache: ShardCache | None = None,
-    ):
-        self._defer = False
-        if split.info.format == "parquet":  # row groups read in place (crossfeed.read.parquet_reader)
-            self.decoder = ParquetDecoder(features, decode_images=read.decode_images)
-            self.frames = ParquetFrameReader(split, features)
-            return
-        # batch arrays the consumer has dropped are reused: at most this many are in flight
-        self.decoder = make_decoder(
-            features,
-            decode_images=read.decode_images,
-            recycle=read.num_threads + read.prefetch + 4,
-            shard_format=split.info.format,
-        )
-        self.frames = FrameReader(split, whole_shards=whole_shards, keep_loaded=keep_loaded, cache=cache)
-        self.frames.rows = self.decoder.columnar and self.frames.small_records()
-        # big records' payload CRCs are checked by the columnar decoder as it copies them
-        self._defer = self.decoder.columnar and not self.frames.rows
-
-    def __call__(self, indices: np.ndarray, budget=None, tick=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        frames = self.frames(indices, on_error=budget, defer_crc=True) if self._defer else self.frames(indices, budget)
-        if tick:
-            tick("read")
-        try:
-            batch, kept = self._decode(frames, budget)
-        except DeferredCrcError:  # a corrupt record: the exact path names it (or drops it into the budget)
-            frames = self.frames(indices, on_error=budget)
-            batch, kept = self._decode(frames, budget)
-        if tick:
-            tick("decode")
-        if len(frames.indices) == len(indices):
-            return batch, kept
-        return batch, _positions(indices, frames.indices[kept])  # bad records were skipped (rare)
-
-    def _decode(self, frames: Frames, budget):
-        return self.decoder(frames, where=lambda j: self.frames.where(frames.indices[j]), on_error=budget)
-
-
-def _positions(indices: np.ndarray, kept_values: np.ndarray) -> np.ndarray:
-    """Positions in ``indices`` of ``kept_values`` (a subsequence of distinct ``indices``; a batch
-    may repeat an index only under padding, where the first occurrences are taken in order)."""
-    out, j = [], 0
-    vals = kept_values.tolist()
-    for i, v in enumerate(indices.tolist()):
-        if j < len(vals) and v == vals[j]:
-            out.append(i)
-            j += 1
-    return np.asarray(out, dtype=np.int64)
-
-
-class MixtureReader:
-    """Stages 2 and 3 for a mixture: the batch's sample ids (global across sources, see
-    `crossfeed.read.plan.MixtureOrder`) are read by their sources' frame readers, the frames
-    merged back into batch order (rows of one length from several sources become one matrix) and
-    decoded once — the sources agree on every feature's definition, so one decoder serves all."""
-
-    def __init__(self, readers: list[SourceReader], starts: np.ndarray, *, union: SourceReader | None = None):
-        """``union``: one reader over every source's shards (a `UnionSplit`; local sources),
-        which reads a mixture batch in one pass — then ``readers`` may be empty."""
-        self.readers, self.starts, self.union = readers, starts, union
-        self.decoder = (union or readers[0]).decoder
-        self.rows = union.frames.rows if union is not None else all(r.frames.rows for r in readers)
-
-    def where(self, i: int) -> str:
-        s = int(np.searchsorted(self.starts, i, side="right") - 1)
-        if self.union is not None:
-            return f"source {s}: {self.union.frames.where(int(i))}"
-        return f"source {s}: {self.readers[s].frames.where(int(i - self.starts[s]))}"
-
-    def __call__(self, ids: np.ndarray, budget=None, tick=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        if self.union is not None:  # ids are the union's record ids: one read, one decode
-            return self.union(ids, budget, tick)
-        src = np.searchsorted(self.starts, ids, side="right") - 1
-        parts = []
-        for s in np.unique(src).tolist():
-            m = np.flatnonzero(src == s)
-            local = ids[m] - self.starts[s]
-            fr = self.readers[s].frames(local, on_error=budget)
-            parts.append((m if len(fr.indices) == len(m) else m[_positions(local, fr.indices)], fr))
-        kept = np.concatenate([p for p, _ in parts]) if parts else np.zeros(0, np.int64)
-        order = np.argsort(kept, kind="stable")
-        slot = np.empty(len(ids), dtype=np.int64)  # batch position → position among the kept records
-        slot[kept[order]] = np.arange(len(kept))
-        if all(fr.rows is not None for _, fr in parts):
-            by_len: dict[int, list] = {}
-            for p, fr in parts:
-                for pos, mat in fr.rows:
-                    by_len.setdefault(mat.shape[1], []).append((slot[p if pos is None else p[pos]], mat))
-            rows = [(np.concatenate([q for q, _ in g]), np.concatenate([mt for _, mt in g])) for g in by_len.values()]
-            merged = Frames(ids[kept[order]], rows=rows)
-        else:
-            payloads: list = [None] * len(kept)
-            for p, fr in parts:
-                for j, v in zip(slot[p].tolist(), fr.as_payloads()):
-                    payloads[j] = v
-            merged = Frames(ids[kept[order]], payloads=payloads)
-        if tick:
-            tick("read")
-        batch, ok = self.decoder(merged, where=lambda j: self.where(merged.indices[j]), on_error=budget)
-        if tick:
-            tick("decode")
-        return batch, kept[order][ok]
-
-
-class BatchBuilder:
-    """One batch from its sample ids: frames → decode (`SourceReader`, or `MixtureReader`) →
-    transform → batch. Runs in an executor thread; shared by the threads.
-
-    With ``timings`` (a dict), the seconds each stage took are added to it under `STAGES`:
-    ``crossfeed bench`` times the very stages the Loader runs.
-    """
-
-    def __init__(
-        self,
-        reader: SourceReader | MixtureReader,
-        *,
-        transform=None,
-        batch_transform=None,
-        return_index: bool = False,
-        budget: ErrorBudget | None = None,
-    ):
-        self.reader = reader
-        self.transform, self.batch_transform = transform, batch_transform
-        self.return_index = return_index
-        self.budget = budget
-        self.alloc = None  # collate's allocator (None: np.empty); a worker process's puts batches in shared memory
-
-    def __call__(self, indices: np.ndarray, timings: dict[str, float] | None = None) -> dict[str, np.ndarray]:
-        tick = _Ticker(timings) if timings is not None else None
-        batch, kept = self.reader(indices, self.budget, tick)
-        indices = indices[kept]
-        if self.transform is not None:
-            samples = [self.transform({k: v[i] for k, v in batch.items()}) for i in range(len(indices))]
-            if tick:
-                tick("transform")
-            if samples:
-                batch = {k: collate([s[k] for s in samples], alloc=self.alloc or np.empty) for k in samples[0]}
-            if tick:
-                tick("batch")
-        if self.return_index:
-            if isinstance(self.reader, MixtureReader):
-                starts = self.reader.starts
-                src = starts[1:-1].searchsorted(indices, side="right")
-                batch[SOURCE_KEY] = src
-                batch[INDEX_KEY] = indices - starts.take(src)
-            else:
-                batch[INDEX_KEY] = indices
-        if self.batch_transform is not None:
-            if tick:
-                tick(None)
-            batch = self.batch_transform(batch)
-            if tick:
-                tick("transform")
-        return batch
-
-
-class _Ticker:
-    """Adds the seconds since the last tick to ``timings[name]`` (None: not counted)."""
-
-    def __init__(self, timings: dict[str, float]):
-        self.timings, self.last = timings, time.perf_counter()
-
-    def __call__(self, name: str | None) -> None:
-        now = time.perf_counter()
-        if name is not None:
-            self.timings[name] = self.timings.get(name, 0.0) + now - self.last
-        self.last = now
+__all__ = ["INDEX_KEY", "Loader", "LoaderOptions", "ReadOptions", "Remainder", "Shuffle"]
 
 
 class Loader:
@@ -326,10 +144,18 @@ class Loader:
         self.start_at(epoch, position)
 
     # -- plan & state -------------------------------------------------------------------------
-    @property
-    def config(self):
-        """The plan options (`crossfeed.read.options.PlanOptions`)."""
-        return self.options.plan
+    def paths(self) -> dict[str, dict[str, int]]:
+        """Which path of each stage served this process's batches so far:
+        ``{"frames": {"rows": n, "whole": n, ...}, "decode": {"cut": n, "parsed": n}}`` (see
+        `FrameReader.served`, `ColumnarDecoder.served`), summed over a mixture's sources. Worker
+        processes (``executor="process"``) count in their own processes."""
+        out: dict[str, dict[str, int]] = {"frames": {}, "decode": {}}
+        for reader in self._readers:
+            for stage, part in (("frames", reader.frames), ("decode", reader.decoder)):
+                served = getattr(part, "served", None)
+                for path, n in (served.snapshot() if served is not None else {}).items():
+                    out[stage][path] = out[stage].get(path, 0) + n
+        return out
 
     @property
     def rank(self) -> int:
@@ -357,7 +183,7 @@ class Loader:
 
     def start_at(self, epoch: int, position: int = 0) -> None:
         """Begin the next iteration at sample ``position`` of epoch ``epoch`` (positions count
-        the samples every rank together consumed; see `crossfeed.read.plan`)."""
+        the samples every rank together consumed; see `crossfeed.read.stages.sampler`)."""
         if int(epoch) < 0:
             raise ConfigError(f"epoch must be >= 0, got {epoch}")
         if not 0 <= int(position) <= self.sampler.total:
@@ -394,11 +220,11 @@ class Loader:
         """Small and framework-free: resume with `load_state_dict` in any process, any world size."""
         state = {
             "version": STATE_VERSION,
-            "seed": self.config.seed,
+            "seed": self.options.plan.seed,
             "epoch": self._epoch,
             "position": self.position,
             "num_samples": self.sampler.total,
-            "batch_size": self.config.batch_size,
+            "batch_size": self.options.plan.batch_size,
         }
         if self.sources is not None:  # for people: where each source stands (derived from the above)
             order = self.sampler.plan(self._epoch, self.position).order
@@ -423,10 +249,10 @@ class Loader:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"loader state is missing or has a bad field: {e}") from None
-        if seed != self.config.seed or num != self.sampler.total:
+        if seed != self.options.plan.seed or num != self.sampler.total:
             raise ConfigError(
                 f"state was saved with seed {seed} over {num} samples; this loader has seed "
-                f"{self.config.seed} over {self.sampler.total}: resume with the same seed and dataset"
+                f"{self.options.plan.seed} over {self.sampler.total}: resume with the same seed and dataset"
             )
         self.start_at(epoch, position)
 

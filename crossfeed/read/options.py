@@ -17,13 +17,23 @@ import enum
 import os
 from collections.abc import Sequence
 
+from crossfeed.config import parse_size
 from crossfeed.errors import ConfigError
+from crossfeed.io.cache import ENV as CACHE_ENV
 from crossfeed.policy import OnError
-from crossfeed.read.cache import ENV as CACHE_ENV
-from crossfeed.read.cache import parse_size
 from crossfeed.read.env import rank_and_world
-from crossfeed.read.executor import ExecutorKind
-from crossfeed.read.plan import Remainder, Shuffle
+from crossfeed.read.executors.threads import ExecutorKind
+
+
+class Shuffle(str, enum.Enum):
+    GLOBAL = "global"  # an exact permutation of the split (random access through the index)
+    BLOCK = "block"  # windows of shards, each shard read once and sequentially (remote data)
+    NONE = "none"  # file order
+
+
+class Remainder(str, enum.Enum):
+    PAD = "pad"  # repeat samples from the start of the epoch so every rank gets as many
+    DROP = "drop"  # drop the tail; the tail moves with the epoch, so no sample is skipped forever
 
 
 def choice(cls: type[enum.Enum], value, name: str):
@@ -46,7 +56,7 @@ def _int(value, name: str, lo: int) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanOptions:
-    """Which samples, in which order: the pure inputs of the epoch plan (`crossfeed.read.plan`)."""
+    """Which samples, in which order: the pure inputs of the epoch plan (`crossfeed.read.stages.sampler`)."""
 
     batch_size: int
     shuffle: Shuffle = Shuffle.GLOBAL
@@ -57,6 +67,8 @@ class PlanOptions:
     samples_per_epoch: int | None = None  # a mixture's epoch length (None: the sum of its sources' sizes)
 
     def __post_init__(self):
+        if isinstance(self.shuffle, bool):  # shuffle=True/False reads naturally (DataLoader's spelling)
+            object.__setattr__(self, "shuffle", Shuffle.GLOBAL if self.shuffle else Shuffle.NONE)
         object.__setattr__(self, "shuffle", choice(Shuffle, self.shuffle, "shuffle"))
         object.__setattr__(self, "remainder", choice(Remainder, self.remainder, "remainder"))
         object.__setattr__(self, "batch_size", _int(self.batch_size, "batch_size", 1))
@@ -105,7 +117,7 @@ class ReadOptions:
     ``on_error="skip"`` drops bad records, counted and logged, up to ``max_skips``.
     ``executor="process"``: ``processes`` worker processes build whole batches (read, decode,
     transform) into shared memory instead — for Python transforms, which threads run one at a
-    time; at most ``processes + prefetch`` batches are in flight (see `crossfeed.read.procs`).
+    time; at most ``processes + prefetch`` batches are in flight (see `crossfeed.read.executors.processes`).
     The transforms must then be module-level functions or ``"module:function"`` strings (workers
     import them by reference)."""
 
@@ -131,7 +143,7 @@ class ReadOptions:
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
         if self.cache_limit is not None:
-            object.__setattr__(self, "cache_limit", parse_size(self.cache_limit))
+            object.__setattr__(self, "cache_limit", parse_size(self.cache_limit, "cache_limit"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +163,10 @@ class Source:
 
 
 _GROUPS = {"plan": PlanOptions, "shard": ShardOptions, "read": ReadOptions}
+# How hard a process works and where it caches: its own, whoever planned the epoch (the servers of
+# a dispatcher keep theirs). With its rank and worker, what is not part of a plan shipped to others.
+LOCAL_FIELDS = ("num_threads", "prefetch", "executor", "processes", "cache_dir", "cache_limit")
+_PER_PROCESS = ("rank", "worker", "num_workers")
 _FIELDS = {f.name: group for group, cls in _GROUPS.items() for f in dataclasses.fields(cls)}
 
 
@@ -232,6 +248,25 @@ class LoaderOptions:
                 out[f.name] = v.value if isinstance(v, enum.Enum) else os.fspath(v) if isinstance(v, os.PathLike) else v
         features = None if self.features is None else list(self.features)
         return {**out, "split": self.split, "features": features, "return_index": self.return_index}
+
+    def plan_fields(self) -> dict:
+        """`flat` less what each process decides for itself (`LOCAL_FIELDS`, its rank and worker):
+        the plan a dispatcher ships to every server, as JSON values."""
+        return {k: v for k, v in self.flat().items() if k not in LOCAL_FIELDS and k not in _PER_PROCESS}
+
+    @classmethod
+    def from_plan(cls, plan, local: LoaderOptions) -> LoaderOptions:
+        """The options a server builds a shipped ``plan`` (`plan_fields`) with: the plan's fields,
+        validated as any options are, and ``local``'s `LOCAL_FIELDS`; rank 0 of the plan's
+        world size (a dispatcher picks each batch's rank)."""
+        if not isinstance(plan, dict) or not all(isinstance(k, str) for k in plan):
+            raise ConfigError(f"a plan is an object of option fields, got {type(plan).__name__}")
+        mine = sorted(set(plan) & {*LOCAL_FIELDS, *_PER_PROCESS})
+        if mine:
+            raise ConfigError(f"a plan does not carry {mine}: each process sets those itself")
+        if "batch_size" not in plan:
+            raise ConfigError("a plan must carry batch_size")
+        return cls.of(**plan, rank=0, **{k: getattr(local.read, k) for k in LOCAL_FIELDS})
 
     # the most used fields, flat
     @property

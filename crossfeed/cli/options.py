@@ -1,0 +1,187 @@
+"""Options that several commands share, declared once, and the decorator that gives them to a
+command.
+
+A `Group` is a set of typer options and how their values become what the command receives:
+`LOADER` (``serve``, ``dispatch``, ``bench``) becomes one `crossfeed.LoaderOptions` — the same
+object, defaults and validation as ``crossfeed.Loader`` — and `CONVERT` (the four ``convert``
+commands) a dict of the conversion's common settings. ``@with_options(LOADER)`` adds the group's
+options to a command's signature (typer reads it) and hands the command ``options=...``::
+
+    @with_options(LOADER)
+    def bench(dataset: str, *, options: LoaderOptions) -> None: ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+
+from crossfeed.policy import OnError
+from crossfeed.read.options import LoaderOptions, PlanOptions, ReadOptions, Remainder, Shuffle
+
+
+def _default(cls, name: str):
+    """A field's default, read off its dataclass: the CLI never re-states the library's."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Typer options (``name: (Annotated type, default)``) delivered to a command as one value,
+    under the keyword ``into``, made by ``build`` from their values."""
+
+    into: str
+    params: dict[str, tuple[Any, Any]]
+    build: Callable[[dict], Any]
+
+
+def with_options(*groups: Group):
+    """Add the groups' options to a typer command; it receives each group's value by keyword."""
+
+    def wrap(fn):
+        sig = inspect.signature(fn, eval_str=True)
+        taken = {g.into for g in groups}
+        own = [p for p in sig.parameters.values() if p.name not in taken]
+        added = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+            for g in groups
+            for name, (annotation, default) in g.params.items()
+        ]
+
+        @functools.wraps(fn)
+        def command(*args, **values):
+            for g in groups:
+                values[g.into] = g.build({name: values.pop(name) for name in g.params})
+            return fn(*args, **values)
+
+        params = own + added
+        command.__signature__ = sig.replace(parameters=params)
+        command.__annotations__ = {p.name: p.annotation for p in params if p.annotation is not p.empty}
+        del command.__wrapped__  # typer must read the signature above, not fn's
+        return command
+
+    return wrap
+
+
+def _value(v):
+    return v.value if isinstance(v, enum.Enum) else v
+
+
+def _loader_options(v: dict) -> LoaderOptions:
+    """The CLI's loader values as one `LoaderOptions`. A command-line process is not a trainer:
+    RANK/WORLD_SIZE are not its share (rank 0 of 1 unless a command says otherwise)."""
+    return LoaderOptions.of(
+        split=v["split"],
+        batch_size=v["batch_size"],
+        shuffle=_value(v["shuffle"]),
+        seed=v["seed"],
+        drop_last=v["drop_last"],
+        remainder=_value(v["remainder"]),
+        block_shards=v["block_shards"],
+        num_threads=v["threads"],
+        prefetch=v["prefetch"],
+        executor="thread" if v["procs"] is None else "process",
+        processes=v["procs"] or _default(ReadOptions, "processes"),
+        decode_images=v["decode_images"],
+        on_error=_value(v["on_error"]),
+        max_skips=v["max_skips"],
+        cache_dir=v["cache_dir"],
+        cache_limit=v["cache_limit"],
+        rank=0,
+        world_size=1,
+    )
+
+
+BATCH_SIZE = 32  # the command line's batch size unless --batch-size says otherwise (the library requires one)
+
+LOADER = Group(
+    "options",
+    {
+        "split": (
+            Annotated[str, typer.Option("--split", "-s", help="Split to read.")],
+            _default(LoaderOptions, "split"),
+        ),
+        "batch_size": (
+            Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Samples per batch.")],
+            BATCH_SIZE,
+        ),
+        "shuffle": (
+            Annotated[
+                Shuffle, typer.Option("--shuffle", help="Order: exact global permutation, shard blocks, or file order.")
+            ],
+            _default(PlanOptions, "shuffle"),
+        ),
+        "seed": (
+            Annotated[int, typer.Option("--seed", min=0, help="Shuffle seed (the same seed gives the same order).")],
+            _default(PlanOptions, "seed"),
+        ),
+        "drop_last": (
+            Annotated[bool, typer.Option("--drop-last/--keep-last", help="Drop a last partial batch.")],
+            _default(PlanOptions, "drop_last"),
+        ),
+        "remainder": (
+            Annotated[
+                Remainder,
+                typer.Option(
+                    "--remainder", help="Over several ranks: pad the epoch's tail from its start, or drop it."
+                ),
+            ],
+            _default(PlanOptions, "remainder"),
+        ),
+        "block_shards": (
+            Annotated[int, typer.Option("--block-shards", min=1, help="With --shuffle block: shards read together.")],
+            _default(PlanOptions, "block_shards"),
+        ),
+        "threads": (
+            Annotated[int, typer.Option("--threads", "-t", min=0, help="Loader threads building batches in parallel.")],
+            _default(ReadOptions, "num_threads"),
+        ),
+        "prefetch": (
+            Annotated[int, typer.Option("--prefetch", min=0, help="Batches kept ready beyond the ones being built.")],
+            _default(ReadOptions, "prefetch"),
+        ),
+        "procs": (
+            Annotated[
+                int | None,
+                typer.Option(
+                    "--procs",
+                    min=1,
+                    help="Build batches in N worker processes (shared memory) instead of threads: for Python transforms.",
+                ),
+            ],
+            None,
+        ),
+        "decode_images": (
+            Annotated[
+                bool, typer.Option("--decode-images/--no-decode-images", help="Decode JPEG/PNG features to arrays.")
+            ],
+            _default(ReadOptions, "decode_images"),
+        ),
+        "on_error": (
+            Annotated[OnError, typer.Option("--on-error", help="A bad record stops the reader (raise) or is skipped.")],
+            _default(ReadOptions, "on_error"),
+        ),
+        "max_skips": (
+            Annotated[int, typer.Option("--max-skips", min=0, help="With --on-error skip: most records to skip.")],
+            _default(ReadOptions, "max_skips"),
+        ),
+        "cache_dir": (
+            Annotated[
+                str | None,
+                typer.Option("--cache-dir", help="Cache remote shards here (default: $CROSSFEED_CACHE_DIR)."),
+            ],
+            None,
+        ),
+        "cache_limit": (
+            Annotated[str | None, typer.Option("--cache-limit", help="Keep the cache under this size, e.g. 50GB.")],
+            None,
+        ),
+    },
+    _loader_options,
+)

@@ -1,0 +1,1 @@
+"""Leasing (`crossfeed dispatch`): the lease book (`book`), its journal (`journal`), its messages (`messages`), the dispatcher process (`dispatcher`), a server's side (`source`: `serve --dispatcher`) and a trainer's (`client`: `connect(dispatcher=)`). Built on `crossfeed.net.stream`."""

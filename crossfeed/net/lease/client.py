@@ -1,0 +1,270 @@
+"""`crossfeed.connect(dispatcher=...)`: batches from whichever servers a dispatcher leases work to.
+
+    with crossfeed.connect(dispatcher="tcp://10.0.0.1:7870", keys="keys/") as batches:
+        for batch in batches:
+            train_step(batch)
+
+The client beats the dispatcher (`leasewire`) and connects every server it announces, as they
+join (a server that dies is simply dropped: the dispatcher gives its work to the others).
+Every batch that arrives is CLAIMed at the dispatcher, quoting the lease it was built under,
+and reaches the training loop only once granted: a batch of a revoked lease (its server was
+declared dead, left, or the dispatcher restarted) or one another trainer holds is refused and
+dropped here (acknowledged to its server, never yielded), and so is a second copy of a batch
+this client already used. A used batch is reported DONE (again until confirmed) when the next
+one is asked for. Grants are used only while this client's own standing with the dispatcher is
+recent (a BEAT answered within half its silence timeout): a client that stalled longer asks
+first, and one the dispatcher declared dead in the meantime drops what it was granted.
+Iteration ends when the dispatcher says every epoch is done.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from crossfeed.errors import CrossfeedError, WireError
+from crossfeed.format import wire
+from crossfeed.net import protocol as P
+from crossfeed.net.keys import ClientKeys
+from crossfeed.net.lease import messages as W
+from crossfeed.net.stream.events import Delivery, Lost, ReceiverFailed
+from crossfeed.net.stream.receiver import Receiver
+
+logger = logging.getLogger(__name__)
+TRAINER = 2
+CLAIM_RETRY = 1.0  # seconds before an unanswered claim is sent again
+
+
+class LeasedClient(Iterator[Any]):
+    def __init__(self, dispatcher: str, *, keys: ClientKeys | None, options):
+        self.dispatcher, self.options = dispatcher, options
+        self._hb: P.Heartbeat = options.heartbeat
+        self._receiver = Receiver(
+            [],
+            keys=keys,
+            credits=options.credits,
+            credit_bytes=options.credit_bytes,
+            broadcast=False,
+            heartbeat=options.heartbeat,
+            connect_timeout=options.connect_timeout,
+            limits=options.limits,
+        )
+        self._receiver.open_ended = True
+        self._receiver.start()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.linger = 500
+        self._sock.setsockopt(zmq.MAXMSGSIZE, W.MAX_MESSAGE)
+        from crossfeed.net.keys import secure_client_socket
+
+        secure_client_socket(self._sock, keys)
+        self._sock.connect(dispatcher)
+        self._lock = threading.Lock()  # the dispatcher socket and the state below
+        self._id = P.new_instance()
+        self._servers: dict[str, int] = {}  # address -> receiver index of its live link
+        # (seq, lease) -> (delivery, when its claim was sent): copies of one batch under two leases
+        # (one revoked) are two entries; the dispatcher grants at most one of them
+        self._awaiting: dict[tuple[int, int], tuple[Delivery, float]] = {}
+        self._granted: collections.deque[Delivery] = collections.deque()
+        self._seen: set[int] = set()  # seqs granted to (and so used by) this client
+        self._done: set[int] = set()  # used, DONE not yet confirmed
+        self._held: Delivery | None = None
+        self._confirmed_at = -1.0  # send time of the last BEAT the dispatcher answered
+        self._timeout = self._hb.timeout  # the dispatcher's silence timeout, once it tells us
+        self._next_beat = 0.0
+        self._finished = False
+        self._closed = False
+        self.last_meta: wire.BatchMeta | None = None
+        self.batches = 0
+        self.refused = 0  # deliveries the dispatcher refused (revoked lease, or another's)
+        self.duplicates = 0  # second copies of batches this client already used
+        self.resets = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._keep_alive, name="crossfeed-leased-client", daemon=True)
+        self._thread.start()
+
+    # ---- iteration ----
+    def __iter__(self) -> LeasedClient:
+        return self
+
+    def __next__(self) -> Any:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._receiver.ack(held.server, held.meta.seq, held.lease)
+            with self._lock:
+                self._done.add(held.meta.seq)
+                self._pump(force_done=True)
+        while True:
+            if not self._receiver.alive:
+                raise CrossfeedError("the client's I/O thread stopped")
+            with self._lock:
+                self._pump()
+                now = time.monotonic()
+                if self._granted and now - self._confirmed_at < self._timeout / 2:
+                    event = self._granted.popleft()
+                    self._held = event
+                    self.last_meta = event.meta
+                    self.batches += 1
+                    return (event.meta, event.batch) if self.options.with_meta else event.batch
+                if self._finished and not self._done and not self._granted:
+                    raise StopIteration
+            if self._awaiting and not self._granted:  # a grant is due: wait on the dispatcher
+                event = self._receiver.next_event(timeout=0.0)
+                if event is None:
+                    with self._lock:
+                        self._sock.poll(2)
+            else:
+                event = self._receiver.next_event(timeout=0.02)
+            if event is not None:
+                self._on_event(event)
+
+    def _on_event(self, event: Any) -> None:
+        if isinstance(event, Delivery):
+            seq = event.meta.seq
+            with self._lock:
+                if seq in self._seen or (seq, event.token) in self._awaiting:
+                    self.duplicates += 1
+                    self._receiver.ack(event.server, seq, event.lease)
+                    return
+                self._awaiting[seq, event.token] = (event, 0.0)
+                self._pump()
+        elif isinstance(event, Lost):
+            with self._lock:
+                for address, index in list(self._servers.items()):
+                    if index == event.server:
+                        del self._servers[address]  # connected afresh if it is announced again
+        elif isinstance(event, ReceiverFailed):
+            raise CrossfeedError(f"client I/O failed: {event.message}")
+
+    # ---- the dispatcher (with the lock held) ----
+    def _send(self, kind: W.Kind, payload=None, **slots: int) -> None:
+        try:
+            self._sock.send_multipart(
+                W.pack(kind, role=TRAINER, sender=self._id, payload=payload, **slots), zmq.NOBLOCK
+            )
+        except zmq.ZMQError as e:
+            logger.debug("could not send %s to the dispatcher: %s", kind.name, e)
+
+    def _pump(self, force_done: bool = False) -> None:
+        if self._closed:
+            return
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self._next_beat = now + self._hb.interval
+            self._send(W.Kind.BEAT, sent_ms=int(now * 1000))
+            force_done = True
+        if force_done and self._done:
+            done = sorted(self._done)
+            for i in range(0, len(done), W.MAX_ITEMS):
+                self._send(W.Kind.DONE, payload=done[i : i + W.MAX_ITEMS])
+        due = [key for key, (_ev, sent) in self._awaiting.items() if now - sent > CLAIM_RETRY]
+        for i in range(0, len(due), W.MAX_ITEMS):
+            self._send(W.Kind.CLAIM, payload=due[i : i + W.MAX_ITEMS])
+        for key in due:
+            self._awaiting[key] = (self._awaiting[key][0], now)
+        for _ in range(100):
+            try:
+                frames = P.recv_bounded(self._sock, 2, W.MAX_MESSAGE)
+            except zmq.Again:
+                return
+            except WireError as e:
+                logger.warning("dropped a malformed message from the dispatcher: %s", e)
+                continue
+            try:
+                self._handle(W.unpack(frames, W.TO_TRAINER))
+            except WireError as e:
+                logger.warning("dropped a malformed message from the dispatcher: %s", e)
+
+    def _handle(self, msg: W.Message) -> None:
+        if msg.kind is W.Kind.SERVERS:
+            self._confirmed_at = max(self._confirmed_at, msg.sent_ms / 1000)
+            if msg.timeout_ms > 0:
+                self._timeout = msg.timeout_ms / 1000
+            self._finished = bool(msg.finished)
+            if self._finished:
+                for ev, _ in self._awaiting.values():  # every batch is done: these are copies
+                    self._receiver.ack(ev.server, ev.meta.seq, ev.lease)
+                self._awaiting.clear()
+            for address in msg.payload.split() if msg.payload else ():
+                if address not in self._servers:
+                    W.endpoints(address)
+                    try:
+                        self._servers[address] = self._receiver.add(address)
+                    except zmq.ZMQError as e:
+                        raise WireError(f"the dispatcher announced {address!r}, which cannot be connected: {e}") from e
+                    logger.info("connected server %s (announced by the dispatcher)", address)
+        elif msg.kind is W.Kind.GRANTS:
+            for seq, lease, ok in msg.payload:
+                entry = self._awaiting.pop((int(seq), int(lease)), None)
+                if entry is None:
+                    continue
+                ev = entry[0]
+                if ok and int(seq) not in self._seen:
+                    self._seen.add(int(seq))
+                    self._granted.append(ev)
+                else:
+                    self.refused += 1
+                    self._receiver.ack(ev.server, ev.meta.seq, ev.lease)
+        elif msg.kind is W.Kind.DONE_OK:
+            self._done.difference_update(int(s) for s in msg.payload)
+            self._finished = self._finished or bool(msg.finished)
+        elif msg.kind is W.Kind.RESET:
+            self._reset()
+
+    def _reset(self) -> None:
+        """The dispatcher declared us dead: what it granted us and we did not use went to others."""
+        self.resets += 1
+        dropped = list(self._granted)
+        for ev in dropped:
+            self._receiver.ack(ev.server, ev.meta.seq, ev.lease)
+            self._seen.discard(ev.meta.seq)
+        self._granted.clear()
+        for key, (ev, _sent) in list(self._awaiting.items()):  # claimed afresh under the new id
+            self._awaiting[key] = (ev, 0.0)
+        self._done.clear()  # confirmed or not, the dispatcher decided about them
+        self._id = P.new_instance()
+        self._confirmed_at = -1.0
+        self._next_beat = 0.0
+        logger.warning(
+            "the dispatcher declared this client dead: %d batches granted and not used were dropped; rejoined",
+            len(dropped),
+        )
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(min(self._hb.interval / 2, 0.1)):
+            with self._lock:
+                self._pump()
+
+    # ---- closing ----
+    @property
+    def lost(self) -> list:
+        return list(self._receiver.lost)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._stop.set()
+        self._thread.join(5)
+        with self._lock:
+            if self._held is not None:
+                self._receiver.ack(self._held.server, self._held.meta.seq, self._held.lease)
+                self._done.add(self._held.meta.seq)
+                self._held = None
+                self._pump(force_done=True)
+            self._send(W.Kind.BYE)
+            self._closed = True
+            self._sock.close(linger=500)
+        self._ctx.term()
+        self._receiver.close()
+
+    def __enter__(self) -> LeasedClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

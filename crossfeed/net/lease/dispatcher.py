@@ -1,0 +1,294 @@
+"""`crossfeed dispatch`: the process that owns the epoch plan and leases its batches to servers.
+
+One ROUTER socket (CURVE like `serve` when keys are given) speaks `leasewire` with both sides:
+servers say HELLO (their data endpoints) and BEAT, and get LEASEs of batch numbers to build and
+stream; trainers BEAT (and learn the live servers' endpoints), CLAIM each batch they receive and
+report it DONE once used. The bookkeeping is `leases.LeaseBook`'s; every change it makes is
+journaled (append + fsync) before any answer leaves, so a restarted dispatcher continues the
+epoch: DONE batches are never served again, CLAIMED ones stay with their trainer, and every
+lease of the previous process is revoked (its unclaimed batches are leased again, under new ids).
+
+While the dispatcher is down nothing is lost or repeated, but nothing new is claimed either:
+trainers use only the batches already granted to them, servers finish what they hold (trainers
+then wait), and no server or trainer can be declared dead. A journal on a disk that loses
+fsync'ed data (or a journal deleted between runs) voids the guarantee for the epoch in progress.
+
+Every message is validated (`leasewire.unpack`, `LeaseBook` refuses unknown ids, foreign
+leases and out-of-range batch numbers); a malformed one is counted and dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+from crossfeed.errors import ConfigError, WireError
+from crossfeed.net import protocol as P
+from crossfeed.net.addresses import is_local
+from crossfeed.net.keys import ServerKeys, secure_server_socket, start_authenticator
+from crossfeed.net.lease import messages as W
+from crossfeed.net.lease.book import LeaseBook
+from crossfeed.net.lease.journal import Journal
+
+logger = logging.getLogger(__name__)
+
+SERVER, TRAINER = 1, 2  # the `c` of BEAT and BYE: who speaks
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatcherOptions:
+    address: str
+    journal: Path
+    epochs: int | None = 1
+    lease_size: int = 8  # batches per lease
+    window: int = 64  # batches leased to one server and not yet claimed, at most
+    heartbeat: P.Heartbeat = P.Heartbeat()
+    linger: float = 5.0  # after the last epoch, how long to keep answering (FINISHED)
+    insecure: bool = False
+    quota: int | None = None  # lockstep DDP: batches each trainer uses per epoch
+
+    def __post_init__(self) -> None:
+        if self.epochs is not None and self.epochs < 1:
+            raise ConfigError(f"epochs must be >= 1 or None, got {self.epochs}")
+        if not 1 <= self.lease_size <= self.window:
+            raise ConfigError(f"need 1 <= lease_size ({self.lease_size}) <= window ({self.window})")
+
+
+class LeaseDispatcher:
+    """`with LeaseDispatcher(plan, batches, options) as d: d.wait()`; `d.endpoint` is bound."""
+
+    def __init__(self, plan: dict, batches: int, options: DispatcherOptions, *, keys: ServerKeys | None = None):
+        if keys is None and not options.insecure and not is_local(options.address):
+            raise ConfigError(
+                f"refusing to dispatch on {options.address} without authentication: pass CURVE keys "
+                "(--auth-keys), bind ipc:// or loopback, or --insecure on a trusted network"
+            )
+        self.options, self.plan, self.batches = options, plan, batches
+        self.instance = P.new_instance()
+        self.book = LeaseBook(
+            batches,
+            epochs=options.epochs,
+            lease_size=options.lease_size,
+            window=options.window,
+            timeout=options.heartbeat.timeout,
+            quota=options.quota,
+        )
+        self.journal = Journal(options.journal)
+        records = self.journal.read()
+        mine = {"t": "plan", "batches": batches, "epochs": options.epochs, **plan}
+        if records and records[0] != mine:
+            raise ConfigError(
+                f"journal {options.journal} belongs to another plan ({records[0]}, this one is {mine}): "
+                "pass another --journal, or move it away to start afresh"
+            )
+        self.book.restore(records, time.monotonic())
+        self._plan_record = mine
+        self.journal.compact([mine, *self.book.snapshot()])
+        if records:
+            logger.info("continuing from journal %s: %s", options.journal, self.book.progress())
+        self.stats = {"dropped_messages": 0, "leases": 0, "granted": 0, "refused": 0}
+        self._keys = keys
+        self._ctx = zmq.Context()
+        self._auth = start_authenticator(self._ctx, keys) if keys is not None else None
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.linger = 0
+        secure_server_socket(self._sock, keys)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, W.MAX_MESSAGE)
+        try:
+            self._sock.bind(P.bind_address(options.address))
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise ConfigError(f"cannot bind {options.address}: {e}") from e
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._routes: dict[int, bytes] = {}  # server id -> its routing id
+        self._trainer_routes: dict[int, bytes] = {}  # trainer id -> its routing id (to tell them FINISHED)
+        self._out: list[tuple[bytes, list]] = []  # answers, sent once the journal holds the changes
+        self._log = P.RateLimitedLog(logger)
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="crossfeed-dispatcher", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> LeaseDispatcher:
+        self._thread.start()
+        return self
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+        else:
+            self._close_sockets()
+
+    def __enter__(self) -> LeaseDispatcher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _close_sockets(self) -> None:
+        self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.term()
+        self.journal.close()
+
+    # ---- the loop ----
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # reported through `error`, never swallowed
+            self.error = e
+            logger.exception("dispatcher failed")
+        finally:
+            self._close_sockets()
+            self._done.set()
+
+    def _loop(self) -> None:
+        hb, book = self.options.heartbeat, self.book
+        finished_at: float | None = None
+        next_report, last_report = 0.0, None
+        while not self._stop.is_set():
+            if self._sock.poll(int(min(hb.interval / 2, 0.05) * 1000)):
+                self._receive()
+            now = time.monotonic()
+            gone, dead = book.expire(now)
+            for server in gone:
+                self._routes.pop(server, None)
+            for trainer in dead:
+                self._trainer_routes.pop(trainer, None)
+            leases = book.grant_leases()
+            self.journal.append(book.take_records())  # durable before anyone hears of it
+            if self.journal.due():
+                self.journal.compact(book.snapshot())
+            for lease in leases:
+                self.stats["leases"] += 1
+                msg = W.pack(
+                    W.Kind.LEASE,
+                    lease=lease.id,
+                    epoch=lease.epoch,
+                    batches=self.batches,
+                    payload=lease.batches,
+                    instance=self.instance,
+                )
+                self._out.append((self._routes[lease.server], msg))
+            self._flush()
+            if now >= next_report:
+                next_report = now + 2.0
+                report = (book.progress(), len(book.servers), len(book.trainers))
+                if report != last_report:
+                    last_report = report
+                    logger.info("progress %s; %d servers, %d trainers live", *report)
+            if book.finished and finished_at is None:
+                finished_at = now
+                logger.info("every epoch is done; answering FINISHED for %.1fs", self.options.linger)
+                for route in self._routes.values():
+                    self._send(route, W.pack(W.Kind.FINISHED, instance=self.instance))
+                timeout_ms = int(self.options.heartbeat.timeout * 1000)
+                for route in self._trainer_routes.values():  # c=0: confirms no BEAT
+                    self._send(
+                        route,
+                        W.pack(W.Kind.SERVERS, finished=1, timeout_ms=timeout_ms, instance=self.instance, payload=""),
+                    )
+            if finished_at is not None and now - finished_at > self.options.linger:
+                return
+
+    def _receive(self) -> None:
+        for _ in range(1000):
+            try:
+                frames = P.recv_bounded(self._sock, 3, W.MAX_MESSAGE)
+            except zmq.Again:
+                return
+            except WireError as e:
+                self._bad(e)
+                continue
+            try:
+                if len(frames) < 2:
+                    raise WireError("message without an envelope")
+                self._handle(frames[0].bytes, frames[1:])
+            except WireError as e:
+                self._bad(e)
+
+    def _bad(self, error: Exception) -> None:
+        self.stats["dropped_messages"] += 1
+        self._log.warning("bad", "dropped a malformed message: %s", error)
+
+    def _handle(self, route: bytes, frames: list) -> None:
+        msg = W.unpack(frames, W.SERVER_KINDS | W.TRAINER_KINDS)
+        if msg.sender == 0:
+            raise WireError("sender id 0")
+        now, book = time.monotonic(), self.book
+        role = SERVER if msg.kind is W.Kind.HELLO else TRAINER if msg.kind in (W.Kind.CLAIM, W.Kind.DONE) else msg.role
+        if role == SERVER:
+            if msg.kind is W.Kind.HELLO:
+                address = " ".join(W.endpoints(msg.payload))
+                if not book.server_seen(msg.sender, now, address):
+                    self._reply(route, W.Kind.RESET)
+                    return
+                self._routes[msg.sender] = route
+                self._reply(route, W.Kind.WELCOME, batches=self.batches, payload=json.dumps(self.plan))
+            elif msg.kind is W.Kind.BYE:
+                if msg.sender in book.servers:
+                    book.remove_server(msg.sender, "left")
+                self._routes.pop(msg.sender, None)
+            elif not book.server_seen(msg.sender, now):
+                self._reply(route, W.Kind.RESET)
+            elif book.finished:
+                self._reply(route, W.Kind.FINISHED)
+            return
+        if role != TRAINER:
+            raise WireError(f"{msg.kind.name} names role {msg.role}, expected {SERVER} or {TRAINER}")
+        if msg.kind is W.Kind.BYE:
+            self._trainer_routes.pop(msg.sender, None)
+            if msg.sender in book.trainers:
+                book.remove_trainer(msg.sender, "left")
+            return
+        self._trainer_routes[msg.sender] = route
+        if not book.trainer_seen(msg.sender, now):
+            self._reply(route, W.Kind.RESET)
+            return
+        if msg.kind is W.Kind.BEAT:
+            servers = " ".join(m.address for m in book.servers.values())
+            self._reply(
+                route,
+                W.Kind.SERVERS,
+                finished=int(book.finished),
+                timeout_ms=int(self.options.heartbeat.timeout * 1000),
+                sent_ms=msg.sent_ms,
+                payload=servers,
+            )
+        elif msg.kind is W.Kind.CLAIM:
+            answers = [
+                (int(seq), int(lease), int(book.claim(msg.sender, int(seq), int(lease)))) for seq, lease in msg.payload
+            ]
+            granted = sum(ok for _, _, ok in answers)
+            self.stats["granted"] += granted
+            self.stats["refused"] += len(answers) - granted
+            self._reply(route, W.Kind.GRANTS, payload=answers)
+        elif msg.kind is W.Kind.DONE:
+            confirmed = [int(seq) for seq in msg.payload if book.done(msg.sender, int(seq))]
+            self._reply(route, W.Kind.DONE_OK, finished=int(book.finished), payload=confirmed)
+
+    def _reply(self, route: bytes, kind: W.Kind, payload=None, **slots: int) -> None:
+        self._out.append((route, W.pack(kind, instance=self.instance, payload=payload, **slots)))
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        for route, frames in out:
+            self._send(route, frames)
+
+    def _send(self, route: bytes, frames: list) -> None:
+        try:
+            self._sock.send_multipart([route, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # gone (or not reading): its silence will tell
+            logger.debug("could not send to %s: %s", route.hex(), e)

@@ -1,0 +1,172 @@
+"""Messages between the dispatcher and its servers and trainers: a fixed envelope, then at most
+one payload frame (an int64 array or UTF-8 text), every field checked on arrival.
+
+    envelope: magic "CXFD" | u8 version | u8 kind | u16 reserved | i64 a | i64 b | i64 c
+              | u64 sender | u64 instance
+
+`sender` is the random id of the server or trainer (0 from the dispatcher), `instance` the
+dispatcher process's random id (0 from others): a new one means the dispatcher restarted.
+
+(`SLOTS` names the integer slots a, b, c of each kind; `role` is SERVER or TRAINER.)
+server → dispatcher: HELLO(role; payload = its data endpoints, text), BEAT(role), BYE(role: hands its
+                     leases back)
+dispatcher → server: WELCOME(batches per epoch; payload = the plan as JSON text),
+                     LEASE(lease id, epoch, batches per epoch; payload = batch numbers),
+                     RESET (you were declared dead or are unknown: drop your leases, say HELLO
+                     under a new id), FINISHED (every epoch is done)
+trainer → dispatcher: BEAT(sent_ms, role), CLAIM(role; payload = seq, lease pairs),
+                      DONE(role; payload = seqs), BYE(role)
+dispatcher → trainer: SERVERS(finished, silence timeout_ms, the BEAT's sent_ms; payload = endpoints),
+                      GRANTS(payload = seq, lease, granted triples),
+                      DONE_OK(finished; payload = seqs),
+                      RESET (you were declared dead: drop what you were granted and not used)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+from typing import Any
+
+import numpy as np
+
+from crossfeed.errors import WireError
+
+MAGIC = b"CXFD"
+VERSION = 1
+_ENVELOPE = struct.Struct("<4sBBHqqqQQ")
+ENVELOPE_SIZE = _ENVELOPE.size
+MAX_ITEMS = 1024  # int64 values in one payload
+MAX_TEXT = 65536  # bytes of text in one payload
+MAX_MESSAGE = ENVELOPE_SIZE + max(MAX_ITEMS * 24, MAX_TEXT)
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1
+    BEAT = 2
+    BYE = 3
+    CLAIM = 4
+    DONE = 5
+    WELCOME = 16
+    LEASE = 17
+    RESET = 18
+    FINISHED = 19
+    SERVERS = 20
+    GRANTS = 21
+    DONE_OK = 22
+
+
+SERVER_KINDS = frozenset({Kind.HELLO, Kind.BEAT, Kind.BYE})
+TRAINER_KINDS = frozenset({Kind.BEAT, Kind.CLAIM, Kind.DONE, Kind.BYE})
+TO_SERVER = frozenset({Kind.WELCOME, Kind.LEASE, Kind.RESET, Kind.FINISHED})
+TO_TRAINER = frozenset({Kind.SERVERS, Kind.GRANTS, Kind.DONE_OK, Kind.RESET})
+_TEXT = frozenset({Kind.HELLO, Kind.WELCOME, Kind.SERVERS})
+_INTS = frozenset({Kind.LEASE, Kind.CLAIM, Kind.DONE, Kind.GRANTS, Kind.DONE_OK})
+_WIDTH = {Kind.CLAIM: 2, Kind.GRANTS: 3}  # int64s per item (others: 1)
+_KINDS = {int(k): k for k in Kind}
+
+
+# What each kind's three integer slots of the envelope mean (unused slots are 0 on the wire).
+# `role` is who speaks (a server or a trainer); `sent_ms` a trainer's clock, echoed back to it.
+SLOTS: dict[Kind, tuple[str | None, str | None, str | None]] = {
+    Kind.HELLO: (None, None, "role"),
+    Kind.BEAT: ("sent_ms", None, "role"),
+    Kind.BYE: (None, None, "role"),
+    Kind.CLAIM: (None, None, "role"),
+    Kind.DONE: (None, None, "role"),
+    Kind.WELCOME: ("batches", None, None),
+    Kind.LEASE: ("lease", "epoch", "batches"),
+    Kind.RESET: (None, None, None),
+    Kind.FINISHED: (None, None, None),
+    Kind.SERVERS: ("finished", "timeout_ms", "sent_ms"),
+    Kind.GRANTS: (None, None, None),
+    Kind.DONE_OK: ("finished", None, None),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """One message, its slots by name (see `SLOTS`: which kind uses which)."""
+
+    kind: Kind
+    role: int = 0
+    sent_ms: int = 0
+    batches: int = 0
+    lease: int = 0
+    epoch: int = 0
+    finished: int = 0
+    timeout_ms: int = 0
+    sender: int = 0
+    instance: int = 0
+    payload: Any = None  # np.ndarray[int64] for integer kinds, str for text kinds, else None
+
+
+def pack(kind: Kind, *, sender: int = 0, instance: int = 0, payload=None, **slots: int) -> list:
+    """The frames of a ``kind`` message; ``slots`` by name, those `SLOTS` gives ``kind``."""
+    names = SLOTS[kind]
+    unknown = sorted(set(slots) - set(names))
+    if unknown:
+        raise TypeError(f"{kind.name} carries {[n for n in names if n]}, not {unknown}")
+    a, b, c = (int(slots.get(n, 0)) if n else 0 for n in names)
+    frames: list = [_ENVELOPE.pack(MAGIC, VERSION, int(kind), 0, a, b, c, sender, instance)]
+    if kind in _TEXT:
+        frames.append((payload or "").encode())
+    elif kind in _INTS:
+        frames.append(np.ascontiguousarray(payload if payload is not None else [], dtype="<i8").tobytes())
+    return frames
+
+
+def unpack(frames: list, allowed: frozenset[Kind]) -> Message:
+    """The message in `frames` (the envelope, then its payload if its kind has one)."""
+    if not frames:
+        raise WireError("empty message")
+    data = getattr(frames[0], "bytes", frames[0])
+    if len(data) != ENVELOPE_SIZE:
+        raise WireError(f"dispatcher envelope has {len(data)} bytes, expected {ENVELOPE_SIZE}")
+    magic, version, kind, _r, a, b, c, sender, instance = _ENVELOPE.unpack(data)
+    if magic != MAGIC:
+        raise WireError(f"bad dispatcher envelope magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise WireError(f"dispatcher protocol version {version} not supported (this side speaks {VERSION})")
+    k = _KINDS.get(kind)
+    if k is None or k not in allowed:
+        raise WireError(f"message kind {kind} not expected here")
+    names = SLOTS[k]
+    if any(v and not n for n, v in zip(names, (a, b, c))):
+        raise WireError(f"{k.name} sets a slot it does not use (it carries {[n for n in names if n]})")
+    want = 2 if k in _TEXT or k in _INTS else 1
+    if len(frames) != want:
+        raise WireError(f"{k.name} has {len(frames)} frames, expected {want}")
+    payload = None
+    if want == 2:
+        raw = getattr(frames[1], "bytes", frames[1])
+        if k in _TEXT:
+            if len(raw) > MAX_TEXT:
+                raise WireError(f"{k.name} text of {len(raw)} bytes (at most {MAX_TEXT})")
+            try:
+                payload = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise WireError(f"{k.name} text is not UTF-8: {e}") from e
+        else:
+            width = _WIDTH.get(k, 1)
+            if len(raw) % (8 * width) or len(raw) > MAX_ITEMS * 8 * width:
+                raise WireError(
+                    f"{k.name} payload of {len(raw)} bytes is not whole {8 * width}-byte items (<= {MAX_ITEMS} items)"
+                )
+            payload = np.frombuffer(raw, dtype="<i8")
+            if width > 1:
+                payload = payload.reshape(-1, width)
+    named = {n: v for n, v in zip(names, (a, b, c)) if n}
+    return Message(k, sender=sender, instance=instance, payload=payload, **named)
+
+
+def endpoints(text: str) -> list[str]:
+    """The data endpoints a server announces: tcp:// or ipc:// addresses, space separated."""
+    out = text.split()
+    if not out or len(out) > 16:
+        raise WireError(f"a server announces 1..16 endpoints, got {len(out)}")
+    for a in out:
+        if not a.startswith(("tcp://", "ipc://")) or len(a) > 256 or not a.isprintable():
+            raise WireError(f"bad endpoint {a[:80]!r} (expected tcp://HOST:PORT or ipc://PATH)")
+    return out

@@ -1,0 +1,1 @@
+"""Streaming: one server's batches to its trainers. Server side: `server` (options, lifecycle), `producer` (the batch thread), `distribute` (the ROUTER loop), `credits` (credit/ack bookkeeping). Client side: `client`, `receiver` (its I/O loop), `link` (one server's connection), `events` (what the receiver reports)."""

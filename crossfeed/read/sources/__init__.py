@@ -1,0 +1,1 @@
+"""What the read pipeline reads: an opened dataset and its splits (`dataset`), Parquet files read in place (`parquet`), several splits numbered as one (`union`), and a mixture written down as JSON (`mixture_file`)."""

@@ -1,0 +1,267 @@
+"""Opening a dataset: ``open_dataset(path)`` → `Dataset`; ``ds["train"]`` → `Split`, a sized,
+randomly accessible sequence of samples (``dict`` of numpy arrays)."""
+
+from __future__ import annotations
+
+import bisect
+import os
+import stat
+from collections.abc import Iterator
+
+import numpy as np
+
+from crossfeed.errors import (
+    CorruptRecordError,
+    CrossfeedError,
+    DatasetNotFoundError,
+    ExampleError,
+    IndexFileError,
+    ManifestError,
+    SplitNotFoundError,
+)
+from crossfeed.format import example as ex
+from crossfeed.format import index as idx
+from crossfeed.format import tar, tfrecord
+from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads
+from crossfeed.format.schema import Schema, SchemaError, decode_value
+from crossfeed.io.storage import ShardFile, Storage
+from crossfeed.read.sources.parquet import ParquetFiles
+
+
+def open_dataset(path) -> Dataset:
+    """Open the dataset at ``path`` (a directory or fsspec URL holding ``crossfeed.json``)."""
+    if isinstance(path, Dataset):
+        return path
+    storage = Storage(path)
+    try:
+        text = storage.read(MANIFEST)
+    except DatasetNotFoundError:
+        raise DatasetNotFoundError(
+            f"{storage.root}: not a crossfeed dataset (no {MANIFEST}); write one with crossfeed.write_dataset, "
+            f"`crossfeed convert`, or adopt existing TFRecord shards with `crossfeed index`"
+        ) from None
+    except OSError as e:  # a directory or unreadable file where the manifest should be
+        raise ManifestError(f"{storage.url(MANIFEST)}: cannot read the manifest ({e.strerror or e})") from e
+    return Dataset(storage, loads(text, storage.url(MANIFEST)))
+
+
+class Dataset:
+    """``index_storage`` holds the manifest and index files; ``storage`` the shards — the same
+    place unless the manifest names a ``data_root`` (data adopted in place with ``--index-dir``)."""
+
+    def __init__(self, storage: Storage, manifest: Manifest):
+        self.index_storage = storage
+        self.storage = storage if manifest.data_root is None else Storage(manifest.data_root)
+        self.manifest = manifest
+        self._splits: dict[str, Split] = {}
+
+    @property
+    def path(self) -> str:
+        return self.index_storage.root
+
+    @property
+    def schema(self) -> Schema:
+        return self.manifest.schema
+
+    @property
+    def splits(self) -> dict[str, SplitInfo]:
+        return self.manifest.splits
+
+    @property
+    def metadata(self) -> dict:
+        return self.manifest.metadata
+
+    def __getitem__(self, split: str) -> Split:
+        if split not in self.manifest.splits:
+            raise SplitNotFoundError(f"{self.path}: no split {split!r}; it has {sorted(self.manifest.splits)}")
+        if split not in self._splits:
+            self._splits[split] = Split(self, self.manifest.splits[split])
+        return self._splits[split]
+
+    def __contains__(self, split: str) -> bool:
+        return split in self.manifest.splits
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{k}={v.num_records}" for k, v in self.splits.items())
+        return f"Dataset({self.path!r}, {counts}, features={self.schema.names})"
+
+    def close(self) -> None:
+        for s in self._splits.values():
+            s.close()
+
+    def __enter__(self) -> Dataset:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Split:
+    """The records of one split. ``split[i]`` decodes sample ``i`` (global index, shard order)."""
+
+    def __init__(self, dataset: Dataset, info: SplitInfo):
+        self.dataset = dataset
+        self.info = info
+        self.name = info.name
+        self.schema = dataset.schema
+        self.shards: tuple[ShardInfo, ...] = info.shards
+        self.counts = np.array([s.num_records for s in info.shards], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+        self._files = [dataset.storage.shard(s.file) for s in info.shards]
+        self._index: list[np.ndarray | None] = [None] * len(info.shards)
+        self._parquet: ParquetFiles | None = None
+        self._lazy: list = [None] * len(info.shards)  # shard → its `LazyIndex`, or False: read whole
+        self._fds: list[int] = []  # the lazy indexes' open files
+
+    @property
+    def block_counts(self) -> np.ndarray:
+        """The record counts of the units a block shuffle windows over: the shards, or the row
+        groups of Parquet files (global sample numbers are the same either way)."""
+        if self.info.format == "parquet":
+            return np.asarray([n for s in self.shards for n in s.row_groups], dtype=np.int64)
+        return self.counts
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def file(self, shard: int) -> ShardFile:
+        return self._files[shard]
+
+    def index(self, shard: int) -> np.ndarray:
+        """``(n, 2)`` int64 ``(offset, length)`` of each record of a shard, checked against the manifest."""
+        arr = self._index[shard]
+        if arr is None:
+            info = self.shards[shard]
+            where = self.dataset.index_storage.url(idx.index_path(info.file))
+            self._check_regular(shard, where)
+            try:
+                data = self.dataset.index_storage.read(idx.index_path(info.file))
+            except DatasetNotFoundError as e:
+                raise IndexFileError(f"{where}: index file is missing; rebuild it with `crossfeed index`") from e
+            except OSError as e:
+                raise IndexFileError(f"{where}: cannot read the index file ({e.strerror or e})") from e
+            arr = idx.checked_index(data, where, info, gzip=lambda: self._is_gzip(shard))
+            self._index[shard] = arr
+        return arr
+
+    def entries(self, shard: int, k: np.ndarray) -> np.ndarray:
+        """``index(shard)[k]``, without reading the whole index where it need not be: a local
+        index of fixed-width lines is read in place (`crossfeed.format.index.LazyIndex`)."""
+        return self.lazy_index(shard)[k]
+
+    def lazy_index(self, shard: int):
+        """Shard ``shard``'s index as a `LazyIndex` (local, fixed-width lines, not loaded whole
+        yet), or else the whole checked index."""
+        lazy = self._lazy[shard]
+        if lazy is None:
+            lazy = self._lazy[shard] = self._open_lazy(shard) or False
+        return lazy if lazy is not False else self.index(shard)
+
+    def _open_lazy(self, shard: int):
+        if self.dataset.index_storage.remote or self._index[shard] is not None:
+            return None
+        info = self.shards[shard]
+        where = self.dataset.index_storage.url(idx.index_path(info.file))
+        self._check_regular(shard, where)
+        try:
+            fd = os.open(where, os.O_RDONLY)
+        except OSError:
+            return None  # reported by `index`, which names the problem
+        self._fds.append(fd)
+        gz = self._files[shard].rel.endswith(".gz") or self._is_gzip(shard)
+        return idx.LazyIndex.open(
+            lambda off, n: os.pread(fd, n, off),
+            os.fstat(fd).st_size,
+            where,
+            info.num_records,
+            None if gz else info.num_bytes,
+        )
+
+    def _check_regular(self, shard: int, index_where: str) -> None:
+        """A local shard and its index must be regular files (symlinks to them are followed): a
+        FIFO would block the reader forever, a device never end."""
+        checks = (
+            (self.dataset.storage, self._files[shard].path, None),
+            (self.dataset.index_storage, index_where, True),
+        )
+        for storage, where, error in checks:
+            if storage.remote:
+                continue
+            try:
+                mode = os.stat(where).st_mode
+            except OSError:
+                continue  # missing: reported where it is read
+            if not stat.S_ISREG(mode):
+                reason = "not a regular file (a directory, FIFO or device); shards and index files are plain files"
+                raise IndexFileError(f"{where}: {reason}") if error else CorruptRecordError(where, 0, reason)
+
+    def _is_gzip(self, shard: int) -> bool:
+        f = self._files[shard]
+        if f.rel.endswith(".gz"):
+            return True
+        storage = f.storage
+        if not storage.remote:
+            return tfrecord.is_gzip(f.path)
+        try:
+            return tfrecord.looks_gzip(storage.read_range(f.rel, 0, tfrecord.HEADER))
+        except (OSError, ValueError):
+            return False
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """``(shard, record_within_shard)`` of global index ``i``."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} out of range for split {self.name!r} of {n} samples")
+        i %= n
+        s = bisect.bisect_right(self.starts, i) - 1
+        return s, i - int(self.starts[s])
+
+    def payload(self, shard: int, k: int) -> memoryview:
+        off, length = self.index(shard)[k]
+        return self._files[shard].record(int(off), int(length))
+
+    def parse(self, shard: int, k: int) -> dict:
+        """``example.decode`` of a record; a malformed Example names shard and offset."""
+        data = self.payload(shard, k)
+        try:
+            return ex.decode(data)
+        except ExampleError as e:
+            off = int(self.index(shard)[k][0])
+            raise CrossfeedError(
+                f"{self._files[shard].path}: record at byte offset {off} is not a tf.train.Example: {e}"
+            ) from e
+
+    def decode(self, shard: int, k: int, *, features=None, decode_images: bool = True) -> dict:
+        feats = self.schema if features is None else [self.schema[n] for n in features]
+        if self.info.format == tar.FORMAT:  # WebDataset tar shards, read in place
+            off, length = (int(x) for x in self.index(shard)[k])
+            sf = self._files[shard]
+            buf, base = sf.raw(off, length)
+            return tar.decode_sample(buf, off - base, length, sf.path, feats, decode_images=decode_images, base=base)
+        if self.info.format == "parquet":
+            if self._parquet is None:
+                self._parquet = ParquetFiles(self)
+            return self._parquet.row(shard, k, feats, decode_images=decode_images)
+        parsed = self.parse(shard, k)
+        try:
+            return {f.name: decode_value(f, parsed, decode_images=decode_images) for f in feats}
+        except (SchemaError, ExampleError) as e:
+            off = int(self.index(shard)[k][0])
+            raise type(e)(f"{self._files[shard].path}: record at byte offset {off}: {e}") from e
+
+    def __getitem__(self, i: int) -> dict:
+        return self.decode(*self.locate(int(i)))
+
+    def __iter__(self) -> Iterator[dict]:
+        for s, n in enumerate(self.counts):
+            for k in range(int(n)):
+                yield self.decode(s, k)
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
+        if self._parquet is not None:
+            self._parquet.close()
+        fds, self._fds, self._lazy = self._fds, [], [None] * len(self._lazy)
+        for fd in fds:
+            os.close(fd)

@@ -1,0 +1,1 @@
+"""The read pipeline's stages, in order: `sampler` (the epoch plan, integers only) → `frames` (indices → checked payloads) → `decode` (payloads → a batch; `layout` is its fixed-layout fast path) → `batch` (transform and batch, timed) ; `fetch` composes frames and decode for one source or a mixture."""

@@ -1,0 +1,132 @@
+"""Stages 2 and 3 composed for one source or a mixture: global sample ids → ``(batch, kept)``,
+the decoded batch (``dict[str, np.ndarray]``) and the positions of the ids that made it into it.
+
+    ids ──► FrameReader / ParquetFrameReader ──► Frames ──► decoder ──► (batch, kept)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from crossfeed.io.cache import ShardCache
+from crossfeed.read.options import ReadOptions
+from crossfeed.read.sources.dataset import Split
+from crossfeed.read.sources.parquet import ParquetDecoder, ParquetFrameReader
+from crossfeed.read.stages.decode import make_decoder
+from crossfeed.read.stages.frames import DeferredCrcError, FrameReader, Frames
+
+
+class SourceReader:
+    """Stages 2 and 3 for one split: global sample indices → ``(batch, kept)``, the decoded batch
+    and the positions of the indices that made it into it (all, unless ``on_error`` dropped some)."""
+
+    def __init__(
+        self,
+        split: Split,
+        features,
+        *,
+        read: ReadOptions,
+        whole_shards: bool,
+        keep_loaded: int | None,
+        cache: ShardCache | None = None,
+    ):
+        self._defer = False
+        if split.info.format == "parquet":  # row groups read in place (crossfeed.read.sources.parquet)
+            self.decoder = ParquetDecoder(features, decode_images=read.decode_images)
+            self.frames = ParquetFrameReader(split, features)
+            return
+        # batch arrays the consumer has dropped are reused: at most this many are in flight
+        self.decoder = make_decoder(
+            features,
+            decode_images=read.decode_images,
+            recycle=read.num_threads + read.prefetch + 4,
+            shard_format=split.info.format,
+        )
+        self.frames = FrameReader(split, whole_shards=whole_shards, keep_loaded=keep_loaded, cache=cache)
+        self.frames.rows = self.decoder.columnar and self.frames.small_records()
+        # big records' payload CRCs are checked by the columnar decoder as it copies them
+        self._defer = self.decoder.columnar and not self.frames.rows
+
+    def __call__(self, indices: np.ndarray, budget=None, tick=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        frames = self.frames(indices, on_error=budget, defer_crc=True) if self._defer else self.frames(indices, budget)
+        if tick:
+            tick("read")
+        try:
+            batch, kept = self._decode(frames, budget)
+        except DeferredCrcError:  # a corrupt record: the exact path names it (or drops it into the budget)
+            frames = self.frames(indices, on_error=budget)
+            batch, kept = self._decode(frames, budget)
+        if tick:
+            tick("decode")
+        if len(frames.indices) == len(indices):
+            return batch, kept
+        return batch, _positions(indices, frames.indices[kept])  # bad records were skipped (rare)
+
+    def _decode(self, frames: Frames, budget):
+        return self.decoder(frames, where=lambda j: self.frames.where(frames.indices[j]), on_error=budget)
+
+
+def _positions(indices: np.ndarray, kept_values: np.ndarray) -> np.ndarray:
+    """Positions in ``indices`` of ``kept_values`` (a subsequence of distinct ``indices``; a batch
+    may repeat an index only under padding, where the first occurrences are taken in order)."""
+    out, j = [], 0
+    vals = kept_values.tolist()
+    for i, v in enumerate(indices.tolist()):
+        if j < len(vals) and v == vals[j]:
+            out.append(i)
+            j += 1
+    return np.asarray(out, dtype=np.int64)
+
+
+class MixtureReader:
+    """Stages 2 and 3 for a mixture: the batch's sample ids (global across sources, see
+    `crossfeed.read.stages.sampler.MixtureOrder`) are read by their sources' frame readers, the frames
+    merged back into batch order (rows of one length from several sources become one matrix) and
+    decoded once — the sources agree on every feature's definition, so one decoder serves all."""
+
+    def __init__(self, readers: list[SourceReader], starts: np.ndarray, *, union: SourceReader | None = None):
+        """``union``: one reader over every source's shards (a `UnionSplit`; local sources),
+        which reads a mixture batch in one pass — then ``readers`` may be empty."""
+        self.readers, self.starts, self.union = readers, starts, union
+        self.decoder = (union or readers[0]).decoder
+        self.rows = union.frames.rows if union is not None else all(r.frames.rows for r in readers)
+
+    def where(self, i: int) -> str:
+        s = int(np.searchsorted(self.starts, i, side="right") - 1)
+        if self.union is not None:
+            return f"source {s}: {self.union.frames.where(int(i))}"
+        return f"source {s}: {self.readers[s].frames.where(int(i - self.starts[s]))}"
+
+    def __call__(self, ids: np.ndarray, budget=None, tick=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        if self.union is not None:  # ids are the union's record ids: one read, one decode
+            return self.union(ids, budget, tick)
+        src = np.searchsorted(self.starts, ids, side="right") - 1
+        parts = []
+        for s in np.unique(src).tolist():
+            m = np.flatnonzero(src == s)
+            local = ids[m] - self.starts[s]
+            fr = self.readers[s].frames(local, on_error=budget)
+            parts.append((m if len(fr.indices) == len(m) else m[_positions(local, fr.indices)], fr))
+        kept = np.concatenate([p for p, _ in parts]) if parts else np.zeros(0, np.int64)
+        order = np.argsort(kept, kind="stable")
+        slot = np.empty(len(ids), dtype=np.int64)  # batch position → position among the kept records
+        slot[kept[order]] = np.arange(len(kept))
+        if all(fr.rows is not None for _, fr in parts):
+            by_len: dict[int, list] = {}
+            for p, fr in parts:
+                for pos, mat in fr.rows:
+                    by_len.setdefault(mat.shape[1], []).append((slot[p if pos is None else p[pos]], mat))
+            rows = [(np.concatenate([q for q, _ in g]), np.concatenate([mt for _, mt in g])) for g in by_len.values()]
+            merged = Frames(ids[kept[order]], rows=rows)
+        else:
+            payloads: list = [None] * len(kept)
+            for p, fr in parts:
+                for j, v in zip(slot[p].tolist(), fr.as_payloads()):
+                    payloads[j] = v
+            merged = Frames(ids[kept[order]], payloads=payloads)
+        if tick:
+            tick("read")
+        batch, ok = self.decoder(merged, where=lambda j: self.where(merged.indices[j]), on_error=budget)
+        if tick:
+            tick("decode")
+        return batch, kept[order][ok]

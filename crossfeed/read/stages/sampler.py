@@ -1,0 +1,504 @@
+"""The epoch plan: which samples each rank and worker delivers, in which order.
+
+Everything here is a pure function of integers — (record counts, seed, epoch, shuffle mode,
+world size, rank, worker, position) — computed before any byte is read. That gives, by
+construction: equal batch counts on every rank (no DDP hang), every sample once per epoch
+across ranks and workers (up to the documented remainder policy), the same order in every
+framework, and O(1) exact and elastic resumption from ``(seed, epoch, position)``.
+
+Layout of one epoch::
+
+    order(k)  = the k-th sample of the epoch, for k in [0, N)   # a seeded bijection, never an array
+    remaining = order[position:]                               # what is left of the epoch
+    remaining = equalise(remaining, world_size, remainder)     # drop or pad to a multiple of W
+    rank r    = remaining[r::W]                                # strided: lockstep-friendly
+    batches   = consecutive runs of batch_size of that; worker w takes batches w, w+K, w+2K …
+
+Because ranks take strided samples, after every rank delivered ``k`` batches the samples
+consumed are exactly ``remaining[:k*B*W]``: the new position is ``position + k*B*W`` whatever
+the world size was, which is what makes elastic resumption exact.
+
+Nothing here grows with the dataset: the global order is a keyed Feistel network over
+``[0, N)`` with cycle walking (`Permutation`), the block order permutes shards (O(shards)) and,
+within each window of shards, evaluates a permutation of the window; a batch's indices are
+computed from its position in the epoch, O(batch size). Small epochs (≤ `TABLE_MAX` samples)
+draw their order once into a table instead (one C shuffle): faster per batch; the order is
+still a pure function of the plan's inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import numpy as np
+
+from crossfeed.errors import ConfigError
+from crossfeed.read.options import PlanOptions, Remainder, ShardOptions, Shuffle
+
+TABLE_MAX = 1 << 21  # epochs up to this many samples draw their order as a table (16 MiB at most)
+CHUNK_SAMPLES = 1 << 14  # larger epochs evaluate their order this many positions at a time
+_CHUNK_LOCK = threading.Lock()
+
+
+def _keys(seed: int, epoch: int, stream: int, *more: int, count: int = 8) -> np.ndarray:
+    words = [int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch), stream, *more]
+    return np.random.SeedSequence(words).generate_state(count, np.uint64)
+
+
+class Permutation:
+    """A seeded bijection on ``[0, n)``, evaluated on any array of positions in O(its size).
+
+    Four rounds of ``x = (x * m + c) mod 2**b`` (``m`` odd: a bijection) then ``x ^= x >> s``
+    (also a bijection) on the ``b = bit_length(n - 1)`` bits, keyed by ``(m, c)`` per round, with
+    cycle walking: an output ``>= n`` goes round again until it lands in range (a permutation's
+    cycles guarantee it does; ``2**b < 2n``, so under two rounds on average)."""
+
+    ROUNDS = 4
+
+    def __init__(self, n: int, keys: np.ndarray):
+        self.n = int(n)
+        bits = max(1, (self.n - 1).bit_length())
+        self._mask = np.uint64((1 << bits) - 1)
+        self._shift = np.uint64(max(1, (bits + 1) // 2))
+        keys = np.asarray(keys, dtype=np.uint64)
+        self._rounds = [(np.uint64(keys[2 * r] | np.uint64(1)), np.uint64(keys[2 * r + 1])) for r in range(self.ROUNDS)]
+
+    def _step(self, x: np.ndarray) -> np.ndarray:
+        mask, shift = self._mask, self._shift
+        for m, c in self._rounds:
+            x = (x * m + c) & mask
+            x ^= x >> shift
+        return x
+
+    def __call__(self, k: np.ndarray) -> np.ndarray:
+        y = self._step(np.asarray(k, dtype=np.uint64))
+        out = np.flatnonzero(y >= self.n)
+        while len(out):
+            y[out] = self._step(y[out])
+            out = out[y[out] >= self.n]
+        return y.astype(np.int64)
+
+
+class EpochOrder:
+    """``order(positions)``: the samples at those positions of one epoch's order (global,
+    shard-major indices). Built in O(shards); evaluated in O(len(positions))."""
+
+    def __init__(self, counts, *, seed: int, epoch: int, shuffle: Shuffle, block_shards: int = 4):
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.n = int(self.counts.sum())
+        self.shuffle = Shuffle(shuffle)
+        self._table: np.ndarray | None = None  # the whole order, for small epochs
+        if self.shuffle is Shuffle.GLOBAL:
+            self._perm = Permutation(self.n, _keys(seed, epoch, 1))
+            if self.n <= TABLE_MAX:  # small: one C shuffle beats evaluating the bijection
+                self._table = np.random.default_rng(_keys(seed, epoch, 1, count=4)).permutation(self.n)
+        elif self.shuffle is Shuffle.NONE:
+            # rotate with the epoch so that a dropped remainder is not always the same samples
+            self._shift = (epoch * 2654435761) % self.n if self.n else 0
+        else:
+            starts = np.concatenate([[0], np.cumsum(self.counts)])
+            rng = np.random.default_rng(
+                np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch), 2])
+            )
+            shard_order = rng.permutation(len(self.counts))
+            self._windows = [
+                shard_order[w : w + block_shards] for w in range(0, len(shard_order), max(1, block_shards))
+            ]
+            sizes = np.array([int(self.counts[ws].sum()) for ws in self._windows], dtype=np.int64)
+            self._wstarts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            self._starts = starts
+            self._wkeys = (seed, epoch)
+        if self.n <= TABLE_MAX and self.shuffle is Shuffle.BLOCK:  # small: one C shuffle per window
+            rng = np.random.default_rng(_keys(seed, epoch, 2, count=4))
+            self._table = np.concatenate(
+                [
+                    np.concatenate([np.arange(starts[s], starts[s + 1]) for s in ws])[
+                        rng.permutation(int(self.counts[ws].sum()))
+                    ]
+                    for ws in self._windows
+                ]
+                or [np.zeros(0, np.int64)]
+            ).astype(np.int64)
+
+    @property
+    def materialised(self) -> bool:
+        """Whether the whole order is a table (small epochs) or evaluated on demand."""
+        return self._table is not None or self.shuffle is Shuffle.NONE
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        if self._table is not None:
+            return self._table[positions]
+        return self._eval(positions)
+
+    def run(self, lo: int, hi: int) -> np.ndarray:
+        """The samples at positions ``lo..hi-1`` (``self(np.arange(lo, hi))``, a slice of a table)."""
+        if self._table is not None:
+            return self._table[lo:hi]
+        return self._eval(np.arange(lo, hi, dtype=np.int64))
+
+    def _eval(self, k: np.ndarray) -> np.ndarray:
+        if self.shuffle is Shuffle.GLOBAL:
+            return self._perm(k)
+        if self.shuffle is Shuffle.NONE:
+            return (k + self._shift) % self.n
+        out = np.empty(len(k), dtype=np.int64)
+        w = np.searchsorted(self._wstarts, k, side="right") - 1
+        for win in np.unique(w).tolist():
+            m = w == win
+            shards = self._windows[win]
+            size = int(self._wstarts[win + 1] - self._wstarts[win])
+            inner = Permutation(size, _keys(*self._wkeys, 2, win))(k[m] - self._wstarts[win])
+            cum = np.cumsum(self.counts[shards])
+            j = np.searchsorted(cum, inner, side="right")
+            before = np.concatenate([[0], cum])[j]
+            out[m] = self._starts[shards[j]] + inner - before
+        return out
+
+
+def epoch_order(counts, *, seed: int, epoch: int, shuffle: Shuffle, block_shards: int = 4) -> np.ndarray:
+    """All sample indices of the split (shard-major numbering) in this epoch's order, as one
+    array (for tests and small tools; the Loader never builds it for large epochs)."""
+    order = EpochOrder(counts, seed=seed, epoch=epoch, shuffle=shuffle, block_shards=block_shards)
+    return order(np.arange(order.n, dtype=np.int64))
+
+
+MAX_PERIOD = 1 << 14  # a mixture's weights, as integers, may sum to at most this
+
+
+def integer_weights(weights) -> list[int]:
+    """Weights as the smallest integers in the same proportions (floats to 1/1000 precision)."""
+    fr = [Fraction(w).limit_denominator(1000) for w in weights]
+    if not fr or any(f <= 0 for f in fr):
+        raise ConfigError(f"mixture weights must be positive numbers, got {list(weights)}")
+    scale = math.lcm(*(f.denominator for f in fr))
+    ints = [int(f * scale) for f in fr]
+    g = math.gcd(*ints)
+    ints = [i // g for i in ints]
+    if sum(ints) > MAX_PERIOD:
+        raise ConfigError(
+            f"mixture weights {list(weights)} are too fine-grained (as integers {ints} they sum to "
+            f"{sum(ints)} > {MAX_PERIOD}); round them"
+        )
+    return ints
+
+
+def smooth_schedule(weights: list[int]) -> np.ndarray:
+    """One period (``sum(weights)`` positions) of a schedule of sources in which, over every
+    prefix, each source's count differs from ``weight / total × prefix`` by less than one.
+
+    Tijdeman's chairman assignment (1980), with ``δ = 1/(2(k−1))``: at step ``t`` a source is
+    eligible when its deficit ``t·w/W − count`` is at least ``δ`` (choosing it keeps it under
+    its upper bound), and the eligible source whose lower bound would be violated first — the
+    smallest deadline ``(count + 1 − δ)·W/w`` — is chosen (the first on ties). Its discrepancy is
+    at most ``1 − δ``. After ``W`` steps every source was chosen exactly ``w`` times, so the
+    schedule repeats with period ``W``. Integer arithmetic throughout (scaled by ``D = 2(k−1)``).
+    """
+    k, total = len(weights), sum(weights)
+    if k == 1:
+        return np.zeros(total, dtype=np.int64)
+    d = 2 * (k - 1)  # δ = 1 / d
+    count = [0] * k
+    out = np.empty(total, dtype=np.int64)
+    for t in range(1, total + 1):
+        best, best_key = -1, None
+        for i, w in enumerate(weights):
+            if d * (t * w - count[i] * total) >= total:  # eligible: deficit ≥ δ
+                key = Fraction((count[i] + 1) * d - 1, w)  # the deadline, up to the common factor W/d
+                if best_key is None or key < best_key:
+                    best, best_key = i, key
+        if best < 0:  # cannot happen (Tijdeman's theorem); never fail silently if it did
+            raise AssertionError(f"no eligible source at step {t} for weights {weights}")
+        count[best] += 1
+        out[t - 1] = best
+    return out
+
+
+class MixtureOrder:
+    """The order of one epoch of a weighted mixture of sources, as an `EpochOrder` is for one.
+
+    Position ``p`` of the epoch goes to source ``schedule[p % period]``; it is that source's
+    ``c``-th draw since training began, where ``c`` counts its earlier draws (in earlier epochs
+    too: each epoch of ``n`` positions takes the same number from each source). Draw ``c`` of a
+    source of ``N`` samples is position ``c % N`` of the source's own pass ``c // N`` — a
+    permutation of the source drawn with the source's own seed stream and the plan's shuffle —
+    so a small source repeats, pass after pass, and a large one is subsampled, exactly as the
+    weights say. Sample ids are global across sources: source ``s``'s sample ``i`` is
+    ``starts[s] + i``. Everything is O(sources) to build and O(positions) to evaluate.
+    """
+
+    def __init__(
+        self,
+        counts: list,
+        weights: list[int],
+        *,
+        n: int,
+        seed: int,
+        epoch: int,
+        shuffle: Shuffle,
+        block_shards: int = 4,
+        passes: PassOrders | None = None,
+    ):
+        """``passes``: the sources' per-pass orders, shared by the epochs of one `Sampler` (a
+        source's pass usually straddles two epochs: its order is drawn once)."""
+        self.counts = [np.asarray(c, dtype=np.int64) for c in counts]
+        self.sizes = np.array([int(c.sum()) for c in self.counts], dtype=np.int64)
+        if (self.sizes == 0).any():
+            raise ConfigError(f"mixture source {int(np.flatnonzero(self.sizes == 0)[0])} has no samples")
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.n, self.epoch = int(n), int(epoch)
+        self.weights = np.asarray(weights, dtype=np.int64)
+        self.schedule = smooth_schedule(list(weights))
+        self.period = len(self.schedule)
+        onehot = self.schedule[:, None] == np.arange(len(weights))[None, :]
+        self._before = np.concatenate(
+            [np.zeros((1, len(weights)), np.int64), np.cumsum(onehot, axis=0)]
+        )  # (period+1, k)
+        self.per_epoch = self.draws(np.full(len(weights), self.n, dtype=np.int64), np.arange(len(weights)))
+        self._passes = passes if passes is not None else PassOrders(self.counts, seed, shuffle, block_shards)
+        self._table: np.ndarray | None = None  # the whole epoch, for small epochs (as `EpochOrder`)
+        if self.n <= TABLE_MAX:
+            self._table = self._whole_epoch()
+
+    @property
+    def materialised(self) -> bool:
+        return self._table is not None
+
+    def draws(self, positions: np.ndarray, source: np.ndarray) -> np.ndarray:
+        """Draws of ``source`` at positions before ``positions`` of one epoch."""
+        whole, part = np.divmod(positions, self.period)
+        return whole * self.weights[source] + self._before[part, source]
+
+    def source_of(self, positions: np.ndarray) -> np.ndarray:
+        return self.schedule[positions % self.period]
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        if self._table is not None:
+            return self._table[positions]
+        return self._eval(positions)
+
+    def _eval(self, positions: np.ndarray) -> np.ndarray:
+        src = self.source_of(positions)
+        out = np.empty(len(positions), dtype=np.int64)
+        for s in range(len(self.sizes)):
+            m = src == s
+            if not m.any():
+                continue
+            c = self.epoch * self.per_epoch[s] + self.draws(positions[m], np.full(int(m.sum()), s))
+            passes, within = np.divmod(c, self.sizes[s])
+            lo, hi = int(passes.min()), int(passes.max())
+            if lo == hi:
+                got = self._passes(s, lo)(within)
+            else:
+                got = np.empty(len(c), dtype=np.int64)
+                for p in range(lo, hi + 1):
+                    q = passes == p
+                    if q.any():
+                        got[q] = self._passes(s, p)(within[q])
+            out[m] = self.starts[s] + got
+        return out
+
+    def _whole_epoch(self) -> np.ndarray:
+        """`_eval` of every position of the epoch, by source, laid out as rows of one period:
+        source ``s`` holds the columns ``j`` with ``schedule[j] == s``, read row by row, and its
+        ``i``-th position is its draw ``epoch·per_epoch[s] + i`` — consecutive draws, so slices
+        of its passes' orders."""
+        rows, tail = divmod(self.n, self.period)
+        out = np.empty((rows + 1) * self.period, dtype=np.int64)
+        grid = out.reshape(rows + 1, self.period)
+        for s in range(len(self.sizes)):
+            cols = np.flatnonzero(self.schedule == s)
+            count = int(self.per_epoch[s])
+            got = self._draws(s, self.epoch * count, count)
+            body = rows * len(cols)
+            grid[:rows, cols] = got[:body].reshape(rows, len(cols))
+            grid[rows, cols[cols < tail]] = got[body:]
+        return out[: self.n]
+
+    def _draws(self, s: int, first: int, count: int) -> np.ndarray:
+        """Source ``s``'s samples (global ids) at its draws ``first .. first + count - 1``."""
+        size, out = int(self.sizes[s]), np.empty(count, dtype=np.int64)
+        c, end = int(first), int(first) + count
+        while c < end:
+            p, w = divmod(c, size)
+            take = min(size - w, end - c)
+            np.add(self._passes(s, p).run(w, w + take), self.starts[s], out=out[c - first : c - first + take])
+            c += take
+        return out
+
+
+class PassOrders:
+    """``passes(s, p)``: the order (an `EpochOrder`) of pass ``p`` over mixture source ``s``,
+    drawn with the source's own seed stream. The last ``keep`` passes of each source are kept: a
+    pass usually straddles two epochs, and the `MixtureOrder`s of one `Sampler` share these."""
+
+    def __init__(self, counts: list, seed: int, shuffle: Shuffle, block_shards: int = 4, keep: int = 2):
+        self.counts, self.keep = counts, keep
+        self._seeds = [
+            int(np.random.SeedSequence([int(seed), s, 0x6D6978]).generate_state(1, np.uint64)[0] >> 2)
+            for s in range(len(counts))
+        ]
+        self._shuffle, self._block = Shuffle(shuffle), block_shards
+        self._orders: list[dict[int, EpochOrder]] = [{} for _ in counts]
+        self._lock = threading.Lock()
+
+    def __call__(self, s: int, p: int) -> EpochOrder:
+        kept = self._orders[s]
+        with self._lock:
+            got = kept.get(p)
+            if got is None:
+                while len(kept) >= self.keep:
+                    del kept[next(iter(kept))]  # the oldest first
+                got = kept[p] = EpochOrder(
+                    self.counts[s], seed=self._seeds[s], epoch=p, shuffle=self._shuffle, block_shards=self._block
+                )
+        return got
+
+
+def per_rank(remaining: int, world_size: int, remainder: Remainder) -> int:
+    """Samples each rank gets from ``remaining`` samples (the same for every rank)."""
+    if Remainder(remainder) is Remainder.DROP:
+        return remaining // world_size
+    return math.ceil(remaining / world_size)
+
+
+def num_batches(n: int, batch_size: int, drop_last: bool) -> int:
+    return n // batch_size if drop_last else math.ceil(n / batch_size)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One rank's (and worker's) batches for the rest of an epoch, computed batch by batch."""
+
+    order: EpochOrder
+    position: int  # samples of the epoch all ranks consumed before this plan
+    per_rank: int  # samples this rank delivers (all its workers together)
+    rank: int
+    world_size: int
+    batch_size: int
+    drop_last: bool
+    worker: int = 0
+    num_workers: int = 1
+    _chunk: dict = field(default_factory=dict, compare=False, repr=False)  # {chunk: indices}, see `batch`
+
+    @property
+    def rank_batches(self) -> int:
+        """Batches this rank delivers (all its workers together)."""
+        return num_batches(self.per_rank, self.batch_size, self.drop_last)
+
+    def batch_ids(self) -> range:
+        """Rank-level batch numbers this worker produces."""
+        return range(self.worker, self.rank_batches, self.num_workers)
+
+    def batch(self, b: int) -> np.ndarray:
+        """The global sample indices of rank batch ``b``. Large epochs evaluate the order for a
+        chunk of consecutive batches at once (the per-call cost of numpy dominates a single
+        batch) and keep the last chunk; the indices are the same either way."""
+        if self.order.materialised:
+            return self._at(
+                np.arange(b * self.batch_size, min((b + 1) * self.batch_size, self.per_rank), dtype=np.int64)
+            )
+        per = max(1, CHUNK_SAMPLES // self.batch_size)
+        c = b // per
+        with _CHUNK_LOCK:
+            cached = self._chunk.get(c)
+        if cached is None:
+            lo = c * per * self.batch_size
+            cached = self._at(np.arange(lo, min(lo + per * self.batch_size, self.per_rank), dtype=np.int64))
+            with _CHUNK_LOCK:
+                self._chunk.clear()
+                self._chunk[c] = cached
+        start = (b - c * per) * self.batch_size
+        return cached[start : start + self.batch_size]
+
+    @property
+    def samples(self) -> np.ndarray:
+        """All of this rank's samples in order (O(per_rank): for tests and small tools)."""
+        return self._at(np.arange(self.per_rank, dtype=np.int64))
+
+    def _at(self, j: np.ndarray) -> np.ndarray:
+        """Rank sample ``j`` is ``remaining[rank + j * W]``; past the end of the epoch the
+        remainder pads from the start of the epoch's order."""
+        k = self.rank + j * self.world_size
+        left = self.order.n - self.position
+        pos = np.where(k < left, self.position + k, (k - left) % max(self.order.n, 1))
+        return self.order(pos)
+
+    def __len__(self) -> int:
+        return len(self.batch_ids())
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        """This worker's batches of global sample indices, in order."""
+        return map(self.batch, self.batch_ids())
+
+
+class Sampler:
+    """Stage 1 of the read pipeline: the plan, on integers only (it knows nothing of bytes).
+
+    ``plan(epoch, position)`` gives this rank's and worker's `Plan` for the rest of an epoch;
+    iterating it yields ``np.ndarray[int64]`` batches of global sample indices.
+    """
+
+    def __init__(self, counts, plan: PlanOptions, shard: ShardOptions, *, weights=None):
+        """``counts``: the record counts of the split's shards; for a mixture (``weights`` given,
+        one per source), a list of such arrays, one per source."""
+        self.options, self.shard = plan, shard
+        self.weights = integer_weights(weights) if weights is not None else None
+        if self.weights is None:
+            self.counts = np.asarray(counts, dtype=np.int64)
+            self.total = int(self.counts.sum())
+        else:
+            if len(counts) != len(self.weights):
+                raise ConfigError(f"{len(counts)} sources but {len(self.weights)} weights")
+            self.counts = [np.asarray(c, dtype=np.int64) for c in counts]
+            sizes = sum(int(c.sum()) for c in self.counts)
+            self.total = int(plan.samples_per_epoch) if plan.samples_per_epoch is not None else sizes
+        self._order: tuple[int, EpochOrder | MixtureOrder] | None = None
+        self._passes = (
+            PassOrders(self.counts, plan.seed, plan.shuffle, plan.block_shards) if self.weights is not None else None
+        )
+        self._lock = threading.Lock()
+
+    def _make_order(self, epoch: int):
+        o = self.options
+        if self.weights is None:
+            return EpochOrder(self.counts, seed=o.seed, epoch=epoch, shuffle=o.shuffle, block_shards=o.block_shards)
+        return MixtureOrder(
+            self.counts,
+            self.weights,
+            n=self.total,
+            seed=o.seed,
+            epoch=epoch,
+            shuffle=o.shuffle,
+            block_shards=o.block_shards,
+            passes=self._passes,
+        )
+
+    def plan(self, epoch: int, position: int = 0) -> Plan:
+        o, sh = self.options, self.shard
+        if not 0 <= position <= self.total:
+            raise ConfigError(
+                f"position {position} is outside the epoch of {self.total} samples; was the state saved for another dataset?"
+            )
+        with self._lock:
+            if self._order is None or self._order[0] != epoch:  # the order of one epoch is kept
+                self._order = (epoch, self._make_order(epoch))
+            order = self._order[1]
+        n = per_rank(self.total - position, sh.world_size, o.remainder)
+        return Plan(order, position, n, sh.rank, sh.world_size, o.batch_size, o.drop_last, sh.worker, sh.num_workers)
+
+    def rank_batch_count(self, position: int = 0) -> int:
+        """Batches each rank delivers from ``position`` to the end of an epoch (all its workers
+        together), computed without building the epoch's order."""
+        o = self.options
+        n = per_rank(self.total - position, self.shard.world_size, o.remainder)
+        return num_batches(n, o.batch_size, o.drop_last)
+
+    def position_after(self, position: int, rank_batches_done: int) -> int:
+        """The epoch position after every rank delivered ``rank_batches_done`` batches from ``position``."""
+        return min(self.total, position + rank_batches_done * self.options.batch_size * self.shard.world_size)

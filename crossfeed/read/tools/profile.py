@@ -1,0 +1,196 @@
+"""Is the input pipeline the bottleneck? Measure a `Loader` the way a trainer reads it.
+
+`bench_loader` makes two passes over the same split, with the caller's `LoaderOptions`:
+
+1. **End to end**: the Loader delivers ``batches`` batches; gives samples/s, MB/s of records
+   read, time to first batch (from opening the dataset) and the peak RSS of the process.
+2. **Stage by stage**: the same batches built again on one thread by the Loader's own
+   `BatchBuilder` — the very stages the Loader runs — each stage timed on its own: ``read``
+   (locate records, mmap / range reads, every header and payload CRC), ``decode`` (payloads →
+   arrays, images included), ``transform`` (the per-sample ``transform`` and
+   ``batch_transform``) and ``batch`` (re-stacking samples after a per-sample transform).
+   Their sum is the CPU cost of a batch on one core.
+
+No timing here is asserted anywhere; the numbers are for people.
+"""
+
+from __future__ import annotations
+
+import itertools
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from crossfeed.errors import ConfigError
+from crossfeed.read.loader import Loader
+from crossfeed.read.options import LoaderOptions
+from crossfeed.read.stages.batch import STAGES
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Seconds spent per stage over ``batches`` batches of ``samples`` samples, on one thread."""
+
+    seconds: dict[str, float]
+    batches: int
+    samples: int
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.total if self.total > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    """What `bench_loader` measured."""
+
+    split: str
+    batch_size: int
+    shuffle: str
+    threads: int
+    batches: int
+    samples: int
+    seconds: float  # end to end, first batch to last (time to first batch excluded)
+    first_batch_s: float  # from opening the dataset to the first batch
+    record_bytes: int  # framed record bytes of the delivered samples
+    peak_rss: int  # bytes, of the whole process
+    stages: StageTimes
+    notes: list[str] = field(default_factory=list)
+    paths: dict = field(default_factory=dict)  # `Loader.paths()`: which fast paths served the batches
+
+    @property
+    def samples_per_s(self) -> float:
+        # the first batch's samples are not in ``seconds``
+        timed = self.samples - self.samples / max(self.batches, 1)
+        return timed / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.record_bytes / 1e6 * self.samples_per_s / max(self.samples, 1)
+
+    def lines(self) -> list[str]:
+        """The report as text lines (what ``crossfeed bench`` prints)."""
+        st = self.stages
+        out = [
+            f"split {self.split}: {self.batches} batches of {self.batch_size} ({self.samples:,} samples), "
+            f"shuffle {self.shuffle}, {self.threads} threads",
+            f"throughput      {self.samples_per_s:>12,.0f} samples/s   {self.mb_per_s:>9,.1f} MB/s of records",
+            f"first batch     {self.first_batch_s:>12.3f} s (opening the dataset included)",
+            f"peak RSS        {self.peak_rss / 2**20:>12,.0f} MiB (process; mmap'd shard pages count while touched)",
+            f"where the time goes (one thread, {st.batches} batches, {st.samples_per_s:,.0f} samples/s):",
+        ]
+        for name in STAGES:
+            s = st.seconds.get(name, 0.0)
+            share = s / st.total if st.total > 0 else 0.0
+            per = s / max(st.samples, 1) * 1e6
+            out.append(
+                f"  {name:10s} {s * 1e3 / max(st.batches, 1):>10.2f} ms/batch {per:>10.2f} µs/sample {share:>7.1%}"
+            )
+        out.append(
+            f"the pipeline keeps up with a trainer that needs up to {self.samples_per_s:,.0f} samples/s "
+            f"({self.samples_per_s / self.batch_size:,.1f} steps/s at batch {self.batch_size}); a faster "
+            f"trainer waits on input"
+        )
+        for stage, served in self.paths.items():
+            if served:
+                out.append(f"{stage} paths     " + ", ".join(f"{k} ×{v}" for k, v in sorted(served.items())))
+        out += self.notes
+        return out
+
+
+def _peak_rss() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def bench_loader(
+    source,
+    options: LoaderOptions,
+    *,
+    batches: int = 50,
+    transform: Callable[[dict], dict] | None = None,
+    batch_transform: Callable[[dict], dict] | None = None,
+    stage_batches: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> BenchReport:
+    """Measure reading ``batches`` batches (see the module docstring); ``stage_batches``
+    (default: ``min(batches, 20)``) batches are built again one stage at a time. ``progress(done,
+    total)`` is called after each batch read end to end."""
+    if batches < 1:
+        raise ConfigError(f"batches must be >= 1, got {batches}")
+    t0 = time.perf_counter()
+    with Loader(source, options, transform=transform, batch_transform=batch_transform) as loader:
+        plan = loader.plan()  # the iteration below does not finish the epoch: the same plan
+        first_s, done, samples, t1 = None, 0, 0, t0
+        for batch in loader:
+            if first_s is None:
+                t1 = time.perf_counter()
+                first_s = t1 - t0
+            samples += _batch_len(batch)
+            done += 1
+            if progress is not None:
+                progress(done, batches)
+            if done >= batches:
+                break
+        seconds = time.perf_counter() - t1
+        delivered = np.concatenate([plan.batch(b) for b in plan.batch_ids()[:done]]) if done else np.zeros(0, np.int64)
+        nbytes = _record_bytes(loader, delivered)
+        stages = _stage_times(loader, plan, stage_batches or min(batches, 20))
+        paths = loader.paths()
+        notes = []
+        if done < batches:
+            notes.append(f"note: the split has only {done} batches; asked for {batches}")
+        if loader.dataset.storage.remote:
+            notes.append("note: remote data — 'read' includes network transfers")
+    read = options.read
+    return BenchReport(
+        options.split,
+        options.batch_size,
+        options.plan.shuffle.value,
+        read.num_threads,
+        done,
+        samples,
+        seconds,
+        first_s or 0.0,
+        nbytes,
+        _peak_rss(),
+        stages,
+        notes,
+        paths,
+    )
+
+
+def _batch_len(batch: dict) -> int:
+    for v in batch.values():
+        return len(v)
+    return 0
+
+
+def _record_bytes(loader: Loader, indices: np.ndarray) -> int:
+    split, total = loader.split, 0
+    if split is None or split.info.format != "tfrecord":  # a mixture (ids span sources), Parquet: not counted
+        return 0
+    shard = np.searchsorted(split.starts, indices, side="right") - 1
+    for s in np.unique(shard).tolist():
+        local = indices[shard == s] - split.starts[s]
+        total += int(split.index(s)[local, 1].sum())
+    return total
+
+
+def _stage_times(loader: Loader, plan, n: int) -> StageTimes:
+    """Build ``n`` of the plan's batches on this thread with the Loader's own builder, timing each stage."""
+    secs = dict.fromkeys(STAGES, 0.0)
+    done = samples = 0
+    for indices in itertools.islice(plan, n):
+        batch = loader.builder(indices, timings=secs)
+        done += 1
+        samples += _batch_len(batch)
+    return StageTimes(secs, done, samples)

@@ -1,0 +1,404 @@
+"""Checking a dataset against its manifest: every record's CRCs, every index entry, record counts,
+byte sizes and sha256 of every shard, and that each record decodes per the schema.
+
+``verify_dataset(path)`` is what ``crossfeed verify`` runs. It keeps going after a problem, so one
+run lists every bad shard; a problem that stops a shard's scan (a bad record) still leaves the
+other shards checked. For GZIP shards offsets are positions in the uncompressed stream.
+
+It runs at about read speed in bounded memory: each shard is read once, in chunks of
+`CHUNK_BYTES`, hashed as it is read, its frames checked a chunk at a time (`check_frames`) and
+each chunk decoded by the Loader's own decoder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from crossfeed.errors import ConfigError, CorruptRecordError, ExampleError, IndexFileError, SchemaError
+from crossfeed.format import example as ex
+from crossfeed.format import index as idx
+from crossfeed.format import tfrecord
+from crossfeed.format.frames import check_frames
+from crossfeed.format.manifest import ShardInfo
+from crossfeed.format.schema import Schema, decode_value
+from crossfeed.io.files import file_sha256, open_stream
+from crossfeed.io.storage import Storage
+from crossfeed.read.sources.dataset import open_dataset
+from crossfeed.read.sources.parquet import check_file
+from crossfeed.read.stages.decode import RecordDecoder, make_decoder
+from crossfeed.read.stages.frames import Frames
+from crossfeed.read.tools.problem import Problem
+from crossfeed.read.tools.verify_tar import verify_tar_shard
+
+CHUNK_BYTES = 8 << 20  # bytes of records checked at once: memory stays bounded by a few chunks
+
+
+def verify_dataset(path, split: str | None = None, progress: Callable[[int, int], None] | None = None) -> list[Problem]:
+    """All problems of the dataset at ``path`` (one split, or all); an empty list when it is sound.
+    ``progress(done_bytes, total_bytes)`` is called as the shards' bytes are checked."""
+    with open_dataset(path) as ds:
+        if ds.storage.remote or ds.index_storage.remote:
+            where = ds.storage.root if ds.storage.remote else ds.path
+            raise ConfigError(f"{where}: verify reads local datasets; copy it to a local directory first")
+        if split is not None and split not in ds.splits:
+            raise ConfigError(f"{ds.path}: no split {split!r}; it has {sorted(ds.splits)}")
+        shards = [sh for name in ([split] if split is not None else sorted(ds.splits)) for sh in ds.splits[name].shards]
+        total = sum(sh.num_bytes for sh in shards)
+        decoder = make_decoder(ds.schema, decode_images=False, recycle=0)
+        problems: list[Problem] = []
+        done = 0
+        formats = {sh.file: s.format for s in ds.splits.values() for sh in s.shards}
+        for shard in shards:
+            report = (
+                None if progress is None else (lambda n, base=done: progress(base + min(n, shard.num_bytes), total))
+            )
+            if formats[shard.file] == "tar":  # WebDataset tar shards: header checksums, sha256, the index, the schema
+                problems += verify_tar_shard(
+                    ds.storage, shard, ds.schema, progress=report, index_storage=ds.index_storage
+                )
+            else:
+                problems += verify_shard(
+                    ds.storage,
+                    shard,
+                    ds.schema,
+                    decoder=decoder,
+                    progress=report,
+                    index_storage=ds.index_storage,
+                    shard_format=formats[shard.file],
+                )
+            done += shard.num_bytes
+            if progress is not None:
+                progress(done, total)
+        return problems
+
+
+def verify_shard(
+    storage: Storage,
+    shard: ShardInfo,
+    schema: Schema,
+    *,
+    decoder: RecordDecoder | None = None,
+    progress: Callable[[int], None] | None = None,
+    index_storage: Storage | None = None,
+    shard_format: str = "tfrecord",
+) -> list[Problem]:
+    """The problems of one shard and its index (in ``index_storage``, default beside the shard);
+    a Parquet shard (``shard_format``) has no index: its footer, pages and sha256 are checked.
+    ``progress(bytes_read)`` follows the file.
+
+    Fast path, for a shard whose index tiles it (the usual case): one sequential pass reads the
+    file in chunks, hashes it, checks each chunk's frames with `check_frames` and decodes it with
+    the Loader's own decoder (`make_decoder`). Anything wrong sends the shard down the slow path, which walks
+    the records on its own and compares them with the index, to say exactly what is wrong."""
+    path = storage.url(shard.file)
+    ipath = (index_storage or storage).url(idx.index_path(shard.file))
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return [
+            Problem(
+                path, None, "shard file is missing; restore it, or re-index what is left with `crossfeed index --force`"
+            )
+        ]
+    if not stat.S_ISREG(st.st_mode):  # a FIFO or device would hang or never end
+        return [Problem(path, None, "not a regular file (a directory, FIFO or device); a shard is a plain file")]
+    problems = []
+    if st.st_size != shard.num_bytes:
+        problems.append(Problem(path, None, f"file is {st.st_size} bytes, the manifest says {shard.num_bytes}"))
+    if shard_format == "parquet":  # no index file: the footer, every page and the sha256
+        if file_sha256(path) != shard.sha256:
+            problems.append(
+                Problem(path, None, "sha256 differs from the manifest: the file changed after it was indexed")
+            )
+        problems += [Problem(path, off, why) for off, why in check_file(path, shard, schema)]
+        if progress is not None:
+            progress(shard.num_bytes)
+        return problems
+    gz = tfrecord.is_gzip(path)
+    entries, index_problems = _load_index(ipath, shard, None if gz else st.st_size)
+    if entries is not None and not index_problems.structural:
+        fast = _fast(path, gz, entries, decoder or make_decoder(schema, decode_images=False, recycle=0), progress)
+        if fast is not None:
+            sha, record_problems = fast
+            if sha != shard.sha256:
+                problems.append(
+                    Problem(path, None, "sha256 differs from the manifest: the file changed after it was written")
+                )
+            return problems + record_problems + index_problems.problems
+    # slow path: the index does not tile the shard, or a record is damaged
+    if file_sha256(path) != shard.sha256:
+        problems.append(Problem(path, None, "sha256 differs from the manifest: the file changed after it was written"))
+    scanned, stream_len, complete = _scan(path, schema, problems)
+    if complete and len(scanned) != shard.num_records:
+        problems.append(Problem(path, None, f"holds {len(scanned)} records, the manifest says {shard.num_records}"))
+    found = [] if entries is None else _check_index(ipath, entries, scanned, stream_len, shard.num_records)
+    return problems + (found or index_problems.problems)
+
+
+@dataclass
+class _IndexProblems:
+    problems: list[Problem]
+    structural: bool  # the entries cannot be trusted to tile the shard
+
+
+def _load_index(ipath: str, shard: ShardInfo, size: int | None) -> tuple[np.ndarray | None, _IndexProblems]:
+    """The index entries and what is wrong with the index file (`idx.checked_index`'s checks)."""
+    try:
+        st = os.stat(ipath)
+        if not stat.S_ISREG(st.st_mode):
+            return None, _IndexProblems(
+                [Problem(ipath, None, "not a regular file; rebuild it with `crossfeed index --force`")], True
+            )
+        with open(ipath, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None, _IndexProblems(
+            [Problem(ipath, None, "index file is missing; rebuild it with `crossfeed index --force`")], True
+        )
+    try:
+        entries = idx.parse_index(data, ipath)
+    except IndexFileError as e:
+        return None, _IndexProblems([Problem(ipath, None, str(e).removeprefix(f"{ipath}: "))], True)
+    problems = []
+    if len(entries) != shard.num_records:
+        problems.append(Problem(ipath, None, f"{len(entries)} entries, the manifest says {shard.num_records} records"))
+    if shard.index_sha256 is not None and hashlib.sha256(data).hexdigest() != shard.index_sha256:
+        problems.append(
+            Problem(
+                ipath,
+                None,
+                "sha256 differs from the manifest's index_sha256: the index changed after it "
+                "was written; rebuild it with `crossfeed index --force`",
+            )
+        )
+    ends = entries[:, 0] + entries[:, 1]
+    tiles = (
+        not len(entries)
+        or (entries[0, 0] == 0 and bool(np.all(entries[1:, 0] == ends[:-1])) and (size is None or ends[-1] == size))
+    ) and (len(entries) or not size)
+    return entries, _IndexProblems(problems, not tiles)
+
+
+def _fast(
+    path: str, gz: bool, entries: np.ndarray, decoder: RecordDecoder, progress: Callable[[int], None] | None
+) -> tuple[str, list[Problem]] | None:
+    """``(sha256, decode problems)`` from one chunked pass, or None if a frame, the GZIP stream or
+    the stream's length disagrees with the index (then the slow path says what is wrong)."""
+    problems: list[Problem] = []
+    offsets, lengths = entries[:, 0], entries[:, 1]
+    ends = offsets + lengths
+    try:
+        with _Stream(path, gz) as stream:
+            a = 0
+            while a < len(entries):
+                b = max(a + 1, int(np.searchsorted(ends, offsets[a] + CHUNK_BYTES, side="right")))
+                base = int(offsets[a])
+                buf = stream.take(int(ends[b - 1]) - base)
+                if len(buf) != int(ends[b - 1]) - base:
+                    return None  # the stream ends before the index does
+                payloads = check_frames(buf, offsets[a:b] - base, lengths[a:b], path)
+                if not problems:
+                    bad = _decode_check(decoder, payloads)
+                    if bad is not None:
+                        problems.append(Problem(path, int(offsets[a + bad[0]]), bad[1]))
+                del payloads
+                a = b
+                if progress is not None:
+                    progress(stream.raw_bytes)
+            if stream.rest() != 0:
+                return None  # records (or junk) after the last indexed one
+            return stream.sha256(), problems
+    except CorruptRecordError:
+        return None
+    except tfrecord.GZIP_ERRORS:
+        return None
+
+
+def _decode_check(decoder: RecordDecoder, payloads: list) -> tuple[int, str] | None:
+    """The first payload that does not decode per the schema, ``(position, reason)``; the batch
+    decoder checks the chunk at once, the reference decoder finds which record is bad."""
+    if not payloads:
+        return None
+    try:
+        decoder(Frames(np.arange(len(payloads)), payloads=payloads))
+        return None
+    except (ExampleError, SchemaError):
+        pass
+    for i, p in enumerate(payloads):
+        reason = _decode_problem(decoder.features, p)
+        if reason:
+            return i, reason
+    return 0, "records do not match the schema"  # the batch decoder saw what the reference did not
+
+
+class _Stream:
+    """A shard file read front to back once: hashed as it is read, inflated if GZIP; ``take(n)``
+    gives the next ``n`` bytes of the record stream."""
+
+    BLOCK = 4 << 20
+
+    def __init__(self, path: str, gz: bool):
+        self._f = open(path, "rb")
+        self._hash = hashlib.sha256()
+        self._gz = gz
+        self._inflate = zlib.decompressobj(31) if gz else None
+        self._out = bytearray()  # inflated, not yet taken
+        self._tail = b""  # compressed input not yet inflated
+        self._eof = False
+        self.raw_bytes = 0
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+    def _read(self, n: int) -> bytes:
+        data = self._f.read(n)
+        self._hash.update(data)
+        self.raw_bytes += len(data)
+        return data
+
+    def take(self, n: int):
+        if not self._gz:
+            return self._read(n)
+        while len(self._out) < n and self._fill(n - len(self._out)):
+            pass
+        out = bytes(self._out[:n])
+        del self._out[:n]
+        return out
+
+    def _fill(self, want: int) -> bool:
+        """Inflate up to ``want`` more bytes; False at the end of the file."""
+        if not self._tail:
+            if self._eof:
+                return False
+            self._tail = self._read(self.BLOCK)
+            if not self._tail:
+                self._eof = True
+                if not self._inflate.eof:
+                    raise EOFError("compressed file ended before the end-of-stream marker")
+                return False
+        if self._inflate.eof:  # another GZIP member follows (concatenated files)
+            self._tail = self._inflate.unused_data + self._tail
+            self._inflate = zlib.decompressobj(31)
+        self._out += self._inflate.decompress(self._tail, max(want, 1 << 16))
+        self._tail = self._inflate.unconsumed_tail
+        if self._inflate.eof and self._inflate.unused_data:
+            self._tail = self._inflate.unused_data + self._tail
+            self._inflate = zlib.decompressobj(31)
+        return True
+
+    def rest(self) -> int:
+        """Read to the end (for the hash); the number of stream bytes left after what was taken."""
+        left = len(self._out)
+        self._out.clear()
+        if not self._gz:
+            while data := self._read(self.BLOCK):
+                left += len(data)
+            return left
+        while self._fill(self.BLOCK):
+            left += len(self._out)
+            self._out.clear()
+        return left
+
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
+
+
+def _scan(path: str, schema: Schema, problems: list[Problem]) -> tuple[np.ndarray, int, bool]:
+    """Walk the shard's records; returns ``(offsets_and_lengths, stream_length, reached_the_end)``."""
+    found: list[tuple[int, int]] = []
+    bad_sample = False
+    stream_len = 0
+    try:
+        with open_stream(path) as buf:
+            stream_len = len(buf)
+            for offset, payload in tfrecord.records(buf, path):
+                found.append((offset, tfrecord.HEADER + len(payload) + tfrecord.FOOTER))
+                if not bad_sample:
+                    reason = _decode_problem(schema, payload)
+                    if reason:
+                        bad_sample = True
+                        problems.append(Problem(path, offset, reason))
+            payload = None  # release the view before the mmap closes
+        complete = True
+    except CorruptRecordError as e:
+        if e.offset == 0 and "GZIP" in e.reason:
+            data, reason = _inflate_partial(path)
+            problems.append(Problem(path, len(data), reason))
+            try:
+                found = [(o, tfrecord.HEADER + len(p) + tfrecord.FOOTER) for o, p in tfrecord.records(data, path)]
+            except CorruptRecordError:
+                pass  # the damage is already reported
+            stream_len = len(data)
+        else:
+            problems.append(Problem(path, e.offset, e.reason))
+        complete = False
+    return np.array(found, dtype=np.int64).reshape(-1, 2), stream_len, complete
+
+
+def _decode_problem(schema, payload) -> str | None:
+    try:
+        parsed = ex.decode(payload)
+        for f in schema:
+            decode_value(f, parsed, decode_images=False)
+    except (ExampleError, SchemaError) as e:
+        return f"record does not match the schema: {e}"
+    return None
+
+
+def _inflate_partial(path: str) -> tuple[bytes, str]:
+    """What a damaged GZIP shard still yields, and why it stops."""
+    out, d = [], zlib.decompressobj(31)
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        out.append(d.decompress(data))
+    except zlib.error as e:
+        return b"".join(out), f"GZIP stream is damaged ({e}); records after this uncompressed offset are lost"
+    return b"".join(out), "GZIP stream ends early (truncated file); records after this uncompressed offset are lost"
+
+
+def _check_index(ipath: str, entries: np.ndarray, scanned: np.ndarray, stream_len: int, expected: int) -> list[Problem]:
+    """The index entries compared with the records a scan found."""
+    problems = []
+    if len(entries) != expected:
+        problems.append(Problem(ipath, None, f"{len(entries)} entries, the manifest says {expected} records"))
+    past = np.flatnonzero(entries.sum(axis=1) > stream_len)
+    if past.size:
+        o, n = entries[past[0]]
+        problems.append(
+            Problem(
+                ipath,
+                int(o),
+                f"entry {past[0]} ({o} {n}) points past the end of the shard "
+                f"({stream_len} bytes){_more(past.size)}; rebuild it with `crossfeed index --force`",
+            )
+        )
+    k = min(len(entries), len(scanned))
+    wrong = np.flatnonzero(np.any(entries[:k] != scanned[:k], axis=1))
+    wrong = np.setdiff1d(wrong, past)
+    if wrong.size:
+        i = int(wrong[0])
+        problems.append(
+            Problem(
+                ipath,
+                int(entries[i][0]),
+                f"entry {i} says '{entries[i][0]} {entries[i][1]}', the record "
+                f"there is '{scanned[i][0]} {scanned[i][1]}'{_more(wrong.size)}; "
+                f"rebuild it with `crossfeed index --force`",
+            )
+        )
+    return problems
+
+
+def _more(n: int) -> str:
+    return f" (and {n - 1} more such entries)" if n > 1 else ""

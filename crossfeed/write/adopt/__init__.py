@@ -1,0 +1,1 @@
+"""Adoption (`crossfeed index`): data other tools wrote, read in place. `index` (the entry, and TFRecord shards), `tar` (WebDataset), `parquet`, `tfds` (TFDS prepared datasets), `placement` (where an adoption reads and writes)."""

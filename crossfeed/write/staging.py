@@ -1,0 +1,93 @@
+"""The first step of a write: shards staged under temporary names (``.tmp-<tag>.tfrecord`` and
+its index) in the dataset root, each a `StagedShard` that `crossfeed.write.commit` publishes or
+`discard` removes; and the crash points that mark every step of a write (tests kill the writer
+after each one to prove the commit atomic).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from crossfeed.format import index as idx
+from crossfeed.format import tfrecord
+
+log = logging.getLogger(__name__)
+
+TMP_PREFIX = ".tmp-"  # every temporary entry a writer makes in a dataset directory starts with this
+
+
+@dataclass(frozen=True)
+class StagedShard:
+    """A finished shard under a temporary name, waiting for `commit_splits`."""
+
+    tmp_path: str
+    num_records: int
+    num_bytes: int
+    sha256: str
+    index_sha256: str | None = None
+
+
+class ShardSink:
+    """Writes one shard and its index file under temporary names in the dataset root
+    (``.tmp-<tag>.tfrecord``; ``tag`` starts with the writer's token)."""
+
+    def __init__(self, root: str, tag: str, *, compress: bool = False):
+        self.tmp_path = os.path.join(root, f"{TMP_PREFIX}{tag}.tfrecord" + (".gz" if compress else ""))
+        self._writer = tfrecord.RecordWriter(self.tmp_path, compress=compress)
+
+    def write(self, payload: bytes) -> None:
+        self._writer.write(payload)
+
+    @property
+    def num_records(self) -> int:
+        return len(self._writer.offsets)
+
+    @property
+    def num_bytes(self) -> int:
+        return self._writer.num_bytes
+
+    def finish(self) -> StagedShard:
+        self._writer.close()
+        with open(self.tmp_path, "rb") as f:  # durable before any manifest can name it
+            os.fsync(f.fileno())
+        index_sha = idx.write_index(idx.index_path(self.tmp_path), self._writer.offsets)
+        crash_point("shard staged")
+        return StagedShard(
+            self.tmp_path, len(self._writer.offsets), self._writer.num_bytes, self._writer.sha256, index_sha
+        )
+
+    def abort(self) -> None:
+        self._writer.close()
+        for p in (self.tmp_path, idx.index_path(self.tmp_path)):
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+def discard(staged: Iterable[StagedShard]) -> None:
+    for s in staged:
+        for p in (s.tmp_path, idx.index_path(s.tmp_path)):
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+# ---- crash points: a test kills the writer after step k of a commit, for every k ----------------
+
+_CRASH_ENV = "CROSSFEED_TEST_CRASH_AT"
+_crash_steps = 0
+
+
+def crash_point(step: str) -> None:
+    """A step of a write is done. With ``CROSSFEED_TEST_CRASH_AT=k`` in the environment the
+    process SIGKILLs itself after the k-th such step (how tests prove commits atomic)."""
+    global _crash_steps
+    at = os.environ.get(_CRASH_ENV)
+    if not at:
+        return
+    _crash_steps += 1
+    if _crash_steps == int(at):
+        log.debug("crash point %d (%s): killing this process", _crash_steps, step)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,92 @@
+"""One table of Loader options for every front end's options test: values that differ from every
+default, values every front end must refuse, and where each option lands in a built Loader."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import crossfeed
+from crossfeed.read.loader import Loader
+from crossfeed.read.options import LoaderOptions
+
+# every field a front end passes through, each away from its default
+CHANGED = dict(
+    split="val",
+    batch_size=3,
+    shuffle="block",
+    seed=7,
+    drop_last=True,
+    remainder="drop",
+    block_shards=2,
+    num_threads=3,
+    prefetch=1,
+    decode_images=False,
+    on_error="skip",
+    max_skips=5,
+    rank=1,
+    world_size=2,
+    features=["x"],
+    return_index=True,
+)
+
+# (field, value) pairs every front end refuses with the same ConfigError
+BAD = [
+    ("batch_size", 0),
+    ("shuffle", "sideways"),
+    ("seed", -1),
+    ("num_threads", -1),
+    ("prefetch", -1),
+    ("block_shards", 0),
+    ("remainder", "keep"),
+    ("on_error", "maybe"),
+    ("max_skips", -2),
+    ("cache_limit", "lots"),
+    ("rank", 2),
+]
+
+
+def write(root) -> str:
+    """A two-split dataset the options above can read."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 24), ("val", 30)):
+        samples = [{"x": rng.random(4, dtype=np.float32), "y": i} for i in range(n)]
+        crossfeed.write_dataset(root, samples, split=split, num_shards=3, add_split=split != "train").close()
+    return str(root)
+
+
+def landed(loader: Loader) -> dict:
+    """Each option as the stage that uses it holds it: the sampler (plan and share), the split
+    and decoder (what is read), the executor and its window (how hard), the error budget."""
+    reader = loader.builder.reader
+    executor = loader.executor
+    return {
+        "plan": loader.sampler.options,
+        "shard": loader.sampler.shard,
+        "split": loader.split.name if loader.split is not None else None,
+        "features": tuple(f.name for f in reader.decoder.features),
+        "decode_images": reader.decoder.decode_images,
+        "return_index": loader.builder.return_index,
+        "threads": executor.num_threads,
+        "window": executor.window,
+        "skips": None if loader.builder.budget is None else loader.builder.budget.max_skips,
+    }
+
+
+def expected(options: LoaderOptions) -> dict:
+    """What `landed` reads off a Loader built from ``options`` (a transform keeps its threads)."""
+    return {
+        "plan": options.plan,
+        "shard": options.shard,
+        "split": options.split,
+        "features": tuple(options.features or ("x", "y")),
+        "decode_images": options.read.decode_images,
+        "return_index": options.return_index,
+        "threads": options.read.num_threads,
+        "window": max(1, options.read.num_threads + options.read.prefetch),
+        "skips": options.read.max_skips if options.read.on_error.value == "skip" else None,
+    }
+
+
+def keep(sample: dict) -> dict:
+    """A module-level transform: with one, the Loader builds batches in its threads."""
+    return sample

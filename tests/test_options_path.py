@@ -1,0 +1,131 @@
+"""One options path: every front end without a framework — the Loader, the process-worker recipe,
+a dispatcher's plan as a server rebuilds it, ``crossfeed bench``, ``serve`` and ``dispatch`` —
+makes one `LoaderOptions` with the library's defaults and validation, and each option reaches the
+stage that uses it. (The torch and TF adapters: test_options_path_torch.py / _tf.py.)"""
+
+from __future__ import annotations
+
+import pytest
+from options_helpers import BAD, CHANGED, expected, keep, landed
+from typer.testing import CliRunner
+
+from crossfeed.cli.main import app
+from crossfeed.cli.options import BATCH_SIZE
+from crossfeed.errors import ConfigError
+from crossfeed.read.executors.processes import WorkerRecipe
+from crossfeed.read.loader import Loader
+from crossfeed.read.options import LOCAL_FIELDS, LoaderOptions
+
+
+def test_the_loader_puts_each_option_where_its_stage_reads_it(options_data):
+    want = LoaderOptions.of(**CHANGED)
+    with Loader(options_data, transform=keep, **CHANGED) as loader:
+        assert loader.options == want
+        assert landed(loader) == expected(want)
+        batch = next(iter(loader))
+    assert set(batch) == {"x", "__index__"} and len(batch["x"]) == 3
+
+
+def test_defaults_are_the_options_defaults(options_data):
+    with Loader(options_data, batch_size=3, transform=keep) as loader:
+        assert loader.options == LoaderOptions.of(batch_size=3)
+        assert landed(loader) == expected(LoaderOptions.of(batch_size=3))
+
+
+@pytest.mark.parametrize("field, value", BAD)
+def test_the_loader_and_the_options_refuse_the_same_values(options_data, field, value):
+    with pytest.raises(ConfigError) as a:
+        LoaderOptions.of(**{"batch_size": 3, **{field: value}})
+    with pytest.raises(ConfigError) as b:
+        Loader(options_data, **{"batch_size": 3, **{field: value}})
+    assert str(a.value) == str(b.value)
+
+
+def test_shuffle_true_and_false_are_the_global_and_no_shuffle():
+    assert LoaderOptions.of(batch_size=2, shuffle=True).plan.shuffle.value == "global"
+    assert LoaderOptions.of(batch_size=2, shuffle=False).plan.shuffle.value == "none"
+
+
+def test_the_worker_recipe_carries_the_options_whole(options_data):
+    options = LoaderOptions.of(**CHANGED, cache_limit="1.5GiB", executor="process", processes=3)
+    back = WorkerRecipe.from_json(WorkerRecipe(options_data, options, "options_helpers:keep").to_json())
+    assert back.options == options and back.options.read.cache_limit == 3 << 29
+
+
+def test_a_dispatched_plan_carries_every_plan_field_and_the_server_keeps_its_own_work(tmp_path):
+    planner = LoaderOptions.of(**CHANGED, cache_dir=str(tmp_path / "theirs"))
+    local = LoaderOptions.of(batch_size=1, num_threads=5, prefetch=0, cache_dir=str(tmp_path / "mine"))
+    shipped = planner.plan_fields()
+    assert not set(shipped) & {*LOCAL_FIELDS, "rank", "worker", "num_workers"}
+    built = LoaderOptions.from_plan(shipped, local)
+    assert built.plan == planner.plan and built.features == planner.features and built.split == planner.split
+    assert built.read.decode_images is False and built.read.on_error.value == "skip" and built.world_size == 2
+    assert {k: getattr(built.read, k) for k in LOCAL_FIELDS} == {k: getattr(local.read, k) for k in LOCAL_FIELDS}
+    for bad in ([1, 2], {"batch_size": 2, "num_threads": 9}, {"seed": 1}, {"batch_size": 0}):
+        with pytest.raises(ConfigError):
+            LoaderOptions.from_plan(bad, local)
+
+
+FLAGS = [
+    "--split", "val", "--batch-size", "3", "--shuffle", "block", "--seed", "7", "--drop-last",
+    "--remainder", "drop", "--block-shards", "2", "--threads", "3", "--prefetch", "1",
+    "--no-decode-images", "--on-error", "skip", "--max-skips", "5",
+]  # fmt: skip
+CLI_CHANGED = {k: v for k, v in CHANGED.items() if k not in ("rank", "world_size", "features", "return_index")}
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """What each command hands the library: the LoaderOptions (and the dispatcher's plan)."""
+    got = {}
+
+    def bench_loader(dataset, options, **kw):
+        got["bench"] = options
+        raise SystemExit(0)
+
+    class Epochs:
+        def __init__(self, dataset, options, *, transform=None):
+            got["serve"] = options
+            raise SystemExit(0)
+
+    class Dispatcher:
+        def __init__(self, plan, batches, options, *, keys=None):
+            got["dispatch"] = plan
+            raise SystemExit(0)
+
+    monkeypatch.setattr("crossfeed.read.tools.profile.bench_loader", bench_loader)
+    monkeypatch.setattr("crossfeed.cli.net.LoaderEpochs", Epochs)
+    monkeypatch.setattr("crossfeed.net.lease.dispatcher.LeaseDispatcher", Dispatcher)
+    return got
+
+
+def _run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_every_command_builds_the_same_options_from_the_same_flags(options_data, tmp_path, captured):
+    _run("bench", options_data, *FLAGS)
+    _run("serve", options_data, "ipc://" + str(tmp_path / "s"), *FLAGS, "--rank", "1", "--world-size", "2")
+    _run("dispatch", options_data, "ipc://" + str(tmp_path / "d"), *FLAGS, "--world-size", "2")
+    want = LoaderOptions.of(**CLI_CHANGED, rank=0, world_size=1)
+    assert captured["bench"] == want
+    assert captured["serve"] == want.replace(rank=1, world_size=2)
+    assert captured["dispatch"] == want.replace(world_size=2).plan_fields()
+
+
+def test_every_command_defaults_to_the_library_defaults(options_data, tmp_path, captured):
+    _run("bench", options_data)
+    _run("serve", options_data, "ipc://" + str(tmp_path / "s"))
+    _run("dispatch", options_data, "ipc://" + str(tmp_path / "d"))
+    want = LoaderOptions.of(batch_size=BATCH_SIZE, rank=0, world_size=1)
+    assert captured["bench"] == captured["serve"] == want
+    assert captured["dispatch"] == want.plan_fields()
+
+
+@pytest.mark.parametrize("field, value", [b for b in BAD if b[0] not in ("rank",)])
+def test_every_command_refuses_what_the_library_refuses(options_data, tmp_path, captured, field, value):
+    flag = {"num_threads": "--threads"}.get(field, "--" + field.replace("_", "-"))
+    for cmd in (["bench", options_data], ["serve", options_data, "ipc://" + str(tmp_path / "s")]):
+        r = _run(*cmd, flag, value)
+        assert r.exit_code == 2, (cmd, r.output)
+    assert captured == {}

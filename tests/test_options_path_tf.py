@@ -1,0 +1,58 @@
+"""One options path, TensorFlow: `cftf.dataset`/`input_fn`/`plan_state` make the Loader's
+`LoaderOptions` from the same keywords (plus TF's own few), with the same defaults and validation;
+the plan engine's Loaders put each option in its stage."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from options_helpers import BAD, CHANGED, expected, keep, landed  # noqa: E402
+
+import crossfeed.adapters.tf as cftf  # noqa: E402
+from crossfeed.adapters import tf_plan  # noqa: E402
+from crossfeed.adapters.tf_options import TFOptions  # noqa: E402
+from crossfeed.errors import ConfigError  # noqa: E402
+from crossfeed.read.options import LoaderOptions  # noqa: E402
+
+
+def test_tf_options_are_the_loaders_options_plus_tfs_own(options_data):
+    want = LoaderOptions.of(**CHANGED)
+    opts = TFOptions.make(None, CHANGED, engine="plan")
+    assert opts.loader == want and opts.batch_size == 3 and opts.seed == 7
+    with tf_plan.loader(cftf._open(options_data, "val"), opts, {"transform": keep}) as loader:
+        assert landed(loader) == expected(want)
+    whole = TFOptions.make(want)
+    assert whole.loader is want and whole.whole
+
+
+def test_tf_defaults_are_the_options_defaults(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert TFOptions.make(None, {"batch_size": 3}).loader == LoaderOptions.of(batch_size=3)
+    records = TFOptions.make(None, {})  # TF's own: no batch size reads records
+    assert records.batch_size is None and records.loader == LoaderOptions.of(batch_size=1)
+
+
+@pytest.mark.parametrize("field, value", BAD)
+def test_tf_refuses_what_the_loader_refuses(options_data, field, value):
+    with pytest.raises(ConfigError) as a:
+        LoaderOptions.of(**{"batch_size": 3, **{field: value}})
+    with pytest.raises(ConfigError) as b:
+        cftf.dataset(options_data, **{"batch_size": 3, **{field: value}})
+    assert str(a.value) == str(b.value)
+
+
+def test_tf_reads_what_the_loader_reads(options_data):
+    """The plan engine's batches, for the changed options, are the Loader's (same order)."""
+    from crossfeed.read.loader import Loader
+
+    fields = {k: v for k, v in CHANGED.items() if k not in ("rank", "world_size")}
+    got = [
+        b["__index__"].numpy().tolist()
+        for b in cftf.dataset(options_data, engine="plan", rank=1, world_size=2, **fields)
+    ]
+    with Loader(options_data, rank=1, world_size=2, **fields) as loader:
+        assert got == [b["__index__"].tolist() for b in loader]
+    assert len(cftf.dataset(options_data, shuffle=True, batch_size=4, engine="plan").take(1))
