@@ -19,6 +19,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand
 
+from crossfeed.cli.options import Group, with_options
 from crossfeed.cli.progress import Progress
 from crossfeed.errors import ConfigError
 
@@ -84,6 +85,25 @@ OverwriteOpt = Annotated[
     bool, typer.Option("--overwrite", help="Replace the dataset OUT holds, all of it (refused otherwise).")
 ]
 
+# what every convert command takes, declared once (the commands get them as one dict, `common`)
+COMMON = Group(
+    "common",
+    {
+        "split": (SplitOpt, "train"),
+        "splits": (SplitsOpt, None),
+        "shards": (ShardsOpt, None),
+        "shard_size": (SizeOpt, "256MB"),
+        "compress": (CompressOpt, Compress.none),
+        "runner": (RunnerOpt, None),
+        "seed": (SeedOpt, 0),
+        "verify": (VerifyOpt, True),
+        "overwrite": (OverwriteOpt, False),
+    },
+    dict,
+)
+# the bad-record policy of the sources that parse (images, CSV, Parquet)
+BAD_RECORDS = Group("bad_records", {"on_error": (OnErrorOpt, OnError.raise_), "max_skips": (MaxSkipsOpt, None)}, dict)
+
 
 def register(app: typer.Typer) -> None:
     group = typer.Typer(
@@ -94,44 +114,27 @@ def register(app: typer.Typer) -> None:
     app.add_typer(group, name="convert")
 
 
+@with_options(COMMON, BAD_RECORDS)
 def images(
     ctx: typer.Context,
     src: Annotated[Path, typer.Argument(help="Image folder: one subdirectory per class.")],
     out: Out,
-    split: SplitOpt = "train",
-    splits: SplitsOpt = None,
-    shards: ShardsOpt = None,
-    shard_size: SizeOpt = "256MB",
-    compress: CompressOpt = Compress.none,
-    runner: RunnerOpt = None,
-    seed: SeedOpt = 0,
-    on_error: OnErrorOpt = OnError.raise_,
-    max_skips: MaxSkipsOpt = None,
-    verify: VerifyOpt = True,
-    overwrite: OverwriteOpt = False,
     convert: Annotated[
         ConvertTo | None, typer.Option("--convert", help="Re-encode GIF/TIFF/RGBA/… images to this format.")
     ] = None,
+    *,
+    common: dict,
+    bad_records: dict,
 ) -> None:
     """An image folder: one subdirectory per class (labels in sorted class order)."""
-    _run(ctx, "images", [str(src)], out, locals(), convert=convert.value if convert else None)
+    _run(ctx, "images", [str(src)], out, {**common, **bad_records}, convert=convert.value if convert else None)
 
 
+@with_options(COMMON, BAD_RECORDS)
 def csv(
     ctx: typer.Context,
     src: Src,
     out: Out,
-    split: SplitOpt = "train",
-    splits: SplitsOpt = None,
-    shards: ShardsOpt = None,
-    shard_size: SizeOpt = "256MB",
-    compress: CompressOpt = Compress.none,
-    runner: RunnerOpt = None,
-    seed: SeedOpt = 0,
-    on_error: OnErrorOpt = OnError.raise_,
-    max_skips: MaxSkipsOpt = None,
-    verify: VerifyOpt = True,
-    overwrite: OverwriteOpt = False,
     label: LabelOpt = None,
     types: Annotated[str | None, typer.Option("--types", help="Column types, e.g. age:int64,name:string.")] = None,
     names: Annotated[
@@ -147,6 +150,9 @@ def csv(
             help="Store a string --label column as class indices, names in the manifest (class_names).",
         ),
     ] = True,
+    *,
+    common: dict,
+    bad_records: dict,
 ) -> None:
     """CSV files: typed columns (int64, float, string), bad rows reported with file and line."""
     _run(
@@ -154,7 +160,7 @@ def csv(
         "csv",
         src,
         out,
-        locals(),
+        {**common, **bad_records},
         label=label,
         types=types,
         names=names,
@@ -165,21 +171,11 @@ def csv(
     )
 
 
+@with_options(COMMON, BAD_RECORDS)
 def parquet(
     ctx: typer.Context,
     src: Src,
     out: Out,
-    split: SplitOpt = "train",
-    splits: SplitsOpt = None,
-    shards: ShardsOpt = None,
-    shard_size: SizeOpt = "256MB",
-    compress: CompressOpt = Compress.none,
-    runner: RunnerOpt = None,
-    seed: SeedOpt = 0,
-    on_error: OnErrorOpt = OnError.raise_,
-    max_skips: MaxSkipsOpt = None,
-    verify: VerifyOpt = True,
-    overwrite: OverwriteOpt = False,
     label: LabelOpt = None,
     types: Annotated[str | None, typer.Option("--types", help="Column types, e.g. age:int64,name:string.")] = None,
     columns: Annotated[str | None, typer.Option("--columns", help="Columns to keep, comma-separated.")] = None,
@@ -190,28 +186,35 @@ def parquet(
             help="Store a string --label column as class indices, names in the manifest (class_names).",
         ),
     ] = True,
+    *,
+    common: dict,
+    bad_records: dict,
 ) -> None:
     """Parquet files: one work unit per row group."""
-    _run(ctx, "parquet", src, out, locals(), label=label, types=types, columns=columns, label_classes=label_classes)
+    _run(
+        ctx,
+        "parquet",
+        src,
+        out,
+        {**common, **bad_records},
+        label=label,
+        types=types,
+        columns=columns,
+        label_classes=label_classes,
+    )
 
 
+@with_options(COMMON)
 def numpy(
     ctx: typer.Context,
     src: Src,
     out: Out,
-    split: SplitOpt = "train",
-    splits: SplitsOpt = None,
-    shards: ShardsOpt = None,
-    shard_size: SizeOpt = "256MB",
-    compress: CompressOpt = Compress.none,
-    runner: RunnerOpt = None,
-    seed: SeedOpt = 0,
-    verify: VerifyOpt = True,
-    overwrite: OverwriteOpt = False,
     label: LabelOpt = None,
+    *,
+    common: dict,
 ) -> None:
     """.npy/.npz arrays whose first axis is the sample axis (memory-mapped)."""
-    _run(ctx, "numpy", src, out, locals(), label=label)
+    _run(ctx, "numpy", src, out, common, label=label)
 
 
 def _check_paths(inputs: list[str], out: Path) -> None:
