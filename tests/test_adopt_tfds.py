@@ -298,7 +298,7 @@ def test_non_tfrecord_tfds_and_bad_data_roots_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="lies inside the data directory"):
         index_dataset(d, index_dir=d / "sub")
     doc = {
-        "format": "crossfeed.read.sources.dataset",
+        "format": "crossfeed.read.dataset",
         "version": 1,
         "schema": [{"name": "a", "dtype": "int64", "shape": [], "encoding": "int64"}],
         "splits": {

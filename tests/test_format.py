@@ -255,3 +255,11 @@ def test_png_decoding_matches_pillow(mode, interlace):
     np.testing.assert_array_equal(decode_image(memoryview(data)), want)
     with pytest.raises(SchemaError, match="'img'"):
         decode_image(data[:60], Feature("img", "uint8", (None, None, None), Encoding.IMAGE))
+
+
+def test_the_on_disk_format_id_never_moves_with_the_code():
+    """Manifests name their format "crossfeed.read.dataset" (the id datasets were written with);
+    a module move must not change it, or every existing dataset would be refused."""
+    from crossfeed.format.manifest import FORMAT
+
+    assert FORMAT == "crossfeed.read.dataset"

@@ -22,7 +22,7 @@ from crossfeed.format.schema import NUMERIC_DTYPES, SHAPE_SUFFIX, Encoding, Feat
 
 MANIFEST = "crossfeed.json"
 TMP_MANIFEST_PREFIX = ".tmp-manifest-"
-FORMAT = "crossfeed.read.sources.dataset"
+FORMAT = "crossfeed.read.dataset"  # the on-disk format id: fixed, whatever module reads it
 VERSION = 1
 MAX_ROW_GROUPS = 1 << 20
 # Bounds a manifest must stay within (far above any real dataset; they stop hostile files early).
