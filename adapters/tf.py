@@ -82,8 +82,8 @@ from crossfeed.read.sources.dataset import Dataset, open_dataset
 __all__ = ["Engine", "Shuffle", "dataset", "element_spec", "feature_spec", "input_fn", "plan_state"]
 
 
-def _open(source, split: str | None = None) -> Dataset:
-    ds = open_dataset(source)
+def _open(source, split: str | None = None, opts: TFOptions | None = None) -> Dataset:
+    ds = open_dataset(source, allowed_roots=() if opts is None else opts.loader.read.allowed_roots)
     if split is not None and split not in ds:
         raise ConfigError(f"{ds.path}: no split {split!r}; it has {sorted(ds.splits)}")
     return ds
@@ -104,7 +104,7 @@ def element_spec(source, options: LoaderOptions | None = None, **fields) -> dict
     """The ``element_spec`` that `dataset` yields for these options (as `dataset` takes them),
     read off the manifest."""
     opts = TFOptions.make(options, fields)
-    ds = _open(source, opts.split)
+    ds = _open(source, opts.split, opts)
     feats = tf_spec.select(ds.schema, opts.features, ds.splits[opts.split].statistics)
     return tf_spec.element_spec(
         feats, batch_size=opts.batch_size, drop_last=opts.drop_last, return_index=opts.return_index
@@ -205,7 +205,7 @@ def dataset(
                 f"got {type(source).__name__}"
             )
         return tf_plan.build_stream(source, opts, element_spec=element_spec)
-    ds = _open(source, opts.split)
+    ds = _open(source, opts.split, opts)
     if opts.whole and opts.engine is Engine.AUTO:  # options passed whole: the Loader reads them
         opts = opts.replace(engine=Engine.PLAN)
     if _resolve(ds, opts, state=state, loader_options=loader_options) is Engine.NATIVE:
@@ -258,7 +258,7 @@ def input_fn(
         engine=engine,
         **tf_fields,
     )
-    ds = _open(source, base.split)
+    ds = _open(source, base.split, base)
     engine_ = _resolve(ds, base, state=None, loader_options=loader_options)
 
     def fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -303,7 +303,7 @@ def plan_state(source, options: LoaderOptions | None = None, *, steps: int, epoc
         if fields.get("batch_size") is None:
             raise ConfigError("plan_state needs batch_size= (or a LoaderOptions)")
     opts = TFOptions.make(options, fields, epoch=epoch, engine=Engine.PLAN)
-    with tf_plan.loader(_open(source, opts.split), opts) as ld:
+    with tf_plan.loader(_open(source, opts.split, opts), opts) as ld:
         state = ld.state_dict()
         state["position"] = ld.sampler.position_after(0, steps)
     return state

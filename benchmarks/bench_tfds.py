@@ -108,7 +108,7 @@ def _prepare_child(kind: str, n: int, root: str) -> None:
 def reader_crossfeed(index_dir: str, data_dir: str, kind: str, b: int, shuffle: str):
     from crossfeed.read.loader import Loader
 
-    loader = Loader(index_dir, batch_size=b, shuffle=shuffle, seed=0)
+    loader = Loader(index_dir, batch_size=b, shuffle=shuffle, seed=0, allowed_roots=[data_dir])  # our own data
     return loader, loader.close
 
 

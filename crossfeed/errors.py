@@ -16,6 +16,16 @@ class DatasetNotFoundError(CrossfeedError, FileNotFoundError):
     """A path holds no crossfeed dataset (no manifest), or a file of it is missing."""
 
 
+class RootNotAllowedError(CrossfeedError):
+    """A manifest's ``data_root`` lies outside the dataset and under no root the user allowed
+    (`crossfeed.io.roots`); the message names the root and how to allow it."""
+
+
+class DatasetRewrittenError(CrossfeedError):
+    """The dataset was rewritten (a new version committed) while a reader had it open, and a
+    file of the version it read is gone or changed: reopen it to read the new version."""
+
+
 class SplitNotFoundError(CrossfeedError, KeyError):
     """A dataset has no split of that name; the message lists the splits it has."""
 

@@ -1,6 +1,7 @@
 """Proof that adoption leaves a data directory as it was: a snapshot of everything a write could
 change, a context that makes the directory read-only, and an indexing script run under an audit
-hook that fails any write inside it (tests run as root, which writes through any file mode)."""
+hook that fails any write inside it (tests run as root, which writes through any file mode); and
+the roots such tests allow a data_root in (`trusted_roots`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 
 def snapshot(root: Path) -> dict:
@@ -56,3 +59,11 @@ sys.addaudithook(hook)
 sys.argv = ["crossfeed", "index", *sys.argv[1:]]
 runpy.run_module("crossfeed.cli.main", run_name="__main__")
 """
+
+
+@pytest.fixture(autouse=True)
+def trusted_roots(monkeypatch, tmp_path_factory):
+    """Tests that index data in their own temporary directories and buckets allow those roots (a
+    data_root outside its dataset is refused otherwise: test_trust_dataset.py), in the environment
+    so that the CLI and the Python children they start inherit it. Autouse where imported."""
+    monkeypatch.setenv("CROSSFEED_ALLOWED_ROOTS", f"{tmp_path_factory.getbasetemp()},memory://,s3://data")

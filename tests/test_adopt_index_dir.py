@@ -21,7 +21,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
-from adopt_helpers import INDEX_AUDITED, read_only, snapshot
+from adopt_helpers import INDEX_AUDITED, read_only, snapshot, trusted_roots  # noqa: F401 (autouse)
 from conftest import run_python
 from parquet_data import ROWS, assert_row_equal, oracle, write_pyarrow_files
 from PIL import Image

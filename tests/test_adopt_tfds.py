@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from adopt_helpers import INDEX_AUDITED, read_only, snapshot
+from adopt_helpers import INDEX_AUDITED, read_only, snapshot, trusted_roots  # noqa: F401 (autouse)
 from conftest import run_python
 
 import crossfeed

@@ -145,7 +145,7 @@ def test_rerun_adds_a_split_or_replaces_the_whole_dataset(tmp_path):
             p | beam.Create(pairs(n)) | WriteDataset(tmp_path, split=split, num_shards=3, **mode)
     ds = open_dataset(tmp_path)
     assert len(ds["train"]) == 60 and "test" not in ds
-    names = sorted(os.listdir(tmp_path))  # the plain names were the old version's: generation 2
+    names = sorted(os.listdir(tmp_path))  # the third commit: generation 2's names
     assert names == sorted(
         ["crossfeed.json"] + [f"train-{i:05d}-of-00003.g2.tfrecord{x}" for i in range(3) for x in ("", ".idx")]
     )

@@ -62,7 +62,7 @@ def test_verify_ok_and_split(mixed_dataset):
         and result.stdout.strip() == "ok: 34 records in 4 shards (" + result.stdout.split("(")[1].strip()
     )
     assert "ok: 4 records in 1 shards" in invoke("verify", root, "--split", "test").stdout
-    os.unlink(root / "test-00000-of-00001.tfrecord.idx")
+    os.unlink(root / "test-00000-of-00001.g1.tfrecord.idx")  # the second commit: generation 1's names
     assert invoke("verify", root, "--split", "train").exit_code == 0
     bad = invoke("verify", root)
     assert bad.exit_code == 1 and "index file is missing" in bad.stderr

@@ -196,13 +196,13 @@ def test_add_and_replace_splits(tmp_path, mixed_dataset):
     with crossfeed.open_dataset(root) as ds:
         assert {k: len(ds[k]) for k in ds.splits} == {"train": 3}
         assert [r["label"] for r in ds["train"]] == [10, 11, 12]
+    # every commit after the first names its shards with its generation: no name is ever reused
     assert sorted(os.listdir(root)) == sorted(
-        [MANIFEST, "train-00000-of-00001.tfrecord", "train-00000-of-00001.tfrecord.idx"]
+        [MANIFEST, "train-00000-of-00001.g2.tfrecord", "train-00000-of-00001.g2.tfrecord.idx"]
     )
     with pytest.raises(SchemaError, match="other types"):
         crossfeed.write_dataset(root, [{"other": 1.0}], split="test", add_split=True)
     crossfeed.write_dataset(root, [{"other": 1.0}], split="train", overwrite=True).close()
-    # the plain names are the current version's: the new one takes generation 3's names
     assert sorted(os.listdir(root)) == sorted(
         [MANIFEST, "train-00000-of-00001.g3.tfrecord", "train-00000-of-00001.g3.tfrecord.idx"]
     )

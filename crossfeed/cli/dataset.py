@@ -12,6 +12,7 @@ from typing import Annotated
 import numpy as np
 import typer
 
+from crossfeed.cli.options import ALLOW_ROOT
 from crossfeed.cli.progress import Progress
 
 DatasetArg = Annotated[str, typer.Argument(help="Dataset directory (or fsspec URL) holding crossfeed.json.")]
@@ -90,6 +91,14 @@ def index(
     counts = ", ".join(f"{k}: {v.num_records} records in {len(v.shards)} shards" for k, v in manifest.splits.items())
     where = f" (manifest and indexes in {index_dir})" if index_dir else ""
     typer.echo(f"indexed {path}{where}: {counts}; features {', '.join(manifest.schema.names)}")
+    if index_dir is not None and manifest.data_root is not None:
+        from crossfeed.io import roots
+
+        data = roots.resolve(manifest.data_root)
+        if not roots.within(data, os.path.abspath(index_dir)):
+            typer.echo(
+                f"to read it, allow its data directory (it lies outside {index_dir}): {roots.how_to_allow(data)}"
+            )
     if index_dir is None and any(s.format == "parquet" for s in manifest.splits.values()):
         typer.echo(
             f"note: crossfeed.json now sits beside the Parquet files, and pyarrow.dataset({path!r}) fails on it (it "
@@ -100,12 +109,14 @@ def index(
 
 
 def info(
-    dataset: DatasetArg, as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False
+    dataset: DatasetArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
+    allow_root: ALLOW_ROOT = None,
 ) -> None:
     """Show a dataset's splits, record counts, sizes, schema and metadata."""
     from crossfeed.read.sources.dataset import open_dataset
 
-    with open_dataset(dataset) as ds:
+    with open_dataset(dataset, allowed_roots=allow_root or ()) as ds:
         if as_json:
             typer.echo(ds.manifest.dumps().rstrip())
             return
@@ -135,13 +146,14 @@ def info(
                 typer.echo(f"  {k}: {json.dumps(v)}")
 
 
-def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
+def verify(dataset: DatasetArg, split: SplitOpt = None, allow_root: ALLOW_ROOT = None) -> None:
     """Check every record's CRC, every index entry, counts and sha256 against the manifest.
     Lists every problem found; exits 1 if there is any."""
     from crossfeed.read.sources.dataset import open_dataset
     from crossfeed.read.tools.verify import verify_dataset
 
-    with open_dataset(dataset) as ds:
+    allowed = tuple(allow_root or ())
+    with open_dataset(dataset, allowed_roots=allowed) as ds:
         names = [ds[split].name] if split is not None else list(ds.splits)  # an unknown split raises here
         total = sum(ds.splits[n].num_bytes for n in names)
         records = sum(ds.splits[n].num_records for n in names)
@@ -150,7 +162,7 @@ def verify(dataset: DatasetArg, split: SplitOpt = None) -> None:
         parquet = any(ds.splits[n].format == "parquet" for n in names)
     with Progress() as progress:
         bar = progress.phase("verifying", total=total, unit="bytes")
-        problems = verify_dataset(dataset, split=split, progress=bar.callback)
+        problems = verify_dataset(dataset, split=split, progress=bar.callback, allowed_roots=allowed)
     if problems:
         for p in problems:
             typer.echo(f"BAD {p}", err=True)
@@ -177,11 +189,12 @@ def head(
             "--split", "-s", help="Split to show (default: train, or the first split by name when there is no train)."
         ),
     ] = None,
+    allow_root: ALLOW_ROOT = None,
 ) -> None:
     """Show the first samples of a split: shape, dtype and small values; bytes truncated."""
     from crossfeed.read.sources.dataset import open_dataset
 
-    with open_dataset(dataset) as ds:
+    with open_dataset(dataset, allowed_roots=allow_root or ()) as ds:
         name = split or ("train" if "train" in ds.splits else sorted(ds.splits)[0])
         s = ds[name]
         for i in range(min(n, len(s))):

@@ -93,10 +93,21 @@ def _loader_options(v: dict) -> LoaderOptions:
         max_skips=v["max_skips"],
         cache_dir=v["cache_dir"],
         cache_limit=v["cache_limit"],
+        allowed_roots=tuple(v["allow_root"] or ()),
         rank=0,
         world_size=1,
     )
 
+
+# where a dataset's data_root outside it may lie (the library's allowed_roots), for every command that reads one
+ALLOW_ROOT = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--allow-root",
+        help="Read a dataset's data_root (crossfeed index --index-dir) under this directory or URL, though it lies "
+        "outside the dataset (repeatable; also $CROSSFEED_ALLOWED_ROOTS, comma-separated).",
+    ),
+]
 
 BATCH_SIZE = 32  # the command line's batch size unless --batch-size says otherwise (the library requires one)
 
@@ -182,6 +193,7 @@ LOADER = Group(
             Annotated[str | None, typer.Option("--cache-limit", help="Keep the cache under this size, e.g. 50GB.")],
             None,
         ),
+        "allow_root": (ALLOW_ROOT, None),
     },
     _loader_options,
 )

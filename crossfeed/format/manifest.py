@@ -15,6 +15,7 @@ import json
 import os
 import re
 import secrets
+import urllib.parse
 from dataclasses import dataclass, field
 
 from crossfeed.errors import ManifestError, SchemaError
@@ -41,12 +42,13 @@ MAX_INT = 1 << 62
 # in place (`crossfeed.format.parquet`: row groups from the footers, no index files).
 SPLIT_FORMATS = ("tfrecord", "tar", "parquet")
 MAX_DATA_ROOT = 4096
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def shard_name(split: str, i: int, n: int, *, compress: bool = False, generation: int = 0) -> str:
     """``train-00003-of-00008.tfrecord`` (``.tfrecord.gz`` when GZIP); with a ``generation``
-    ``train-00003-of-00008.g2.tfrecord``, the name a commit gives shards when the plain name
-    is taken by the version it replaces."""
+    ``train-00003-of-00008.g2.tfrecord``: every commit after a directory's first names its shards
+    with its own generation, so no name is ever reused for other bytes."""
     gen = f".g{generation}" if generation else ""
     return f"{split}-{i:05d}-of-{n:05d}{gen}.tfrecord" + (".gz" if compress else "")
 
@@ -56,27 +58,58 @@ def check_name(name, where: str) -> str:
 
     Every file a manifest names (shards, and so their ``.idx`` files) must be one: no directory
     part, not ``.``/``..``, no leading dot (temporary files), no control characters, not the
-    manifest or an index file itself. So nothing a manifest says can make crossfeed read, write
+    manifest or an index file itself — and none of these once percent-decoded (``%2e%2e`` is
+    ``..`` in a URL, ``%2f`` a ``/``). So nothing a manifest says can make crossfeed read, write
     or delete a file outside the dataset directory."""
     if not isinstance(name, str):
         raise ManifestError(f"{where}: expected a file name (string), got {type(name).__name__}")
     bad = (
         not name
         or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES
-        or name in (".", "..")
         or name.startswith(".")
-        or "/" in name
-        or "\\" in name
-        or any(ord(c) < 32 or ord(c) == 127 for c in name)
+        or not plain_segment(name)
+        or urllib.parse.unquote(name).startswith(".")
         or name == MANIFEST
         or name.endswith(".idx")
     )
     if bad:
         raise ManifestError(
             f"{where}: {name!r} is not a plain file name inside the dataset directory (no '/', no leading '.', "
-            f"not {MANIFEST} or an .idx file); shards must sit beside {MANIFEST}"
+            f"not even percent-decoded, not {MANIFEST} or an .idx file); shards must sit beside {MANIFEST}"
         )
     return name
+
+
+def plain_segment(name: str) -> bool:
+    """Whether ``name`` is one plain path segment, as itself and percent-decoded (again and
+    again until nothing changes: a remote shard's name is joined into a URL, and ``%2e%2e`` is
+    ``..`` to the server, ``%2f`` a ``/``): not ``.``/``..``, no ``/`` or ``\\``, no control
+    character. Each decoding round shortens the text, so the loop ends."""
+    form = name
+    while True:
+        if form in (".", "..") or "/" in form or "\\" in form or any(ord(c) < 32 or ord(c) == 127 for c in form):
+            return False
+        decoded = urllib.parse.unquote(form, errors="surrogateescape") if "%" in form else form
+        if decoded == form:
+            return True
+        form = decoded
+
+
+def url_problem(url: str) -> str | None:
+    """What makes ``url`` unfit as a root (None when it is fit): a scheme (no chained ``a::b://``),
+    no query or fragment, no ``.``/``..`` segment or backslash, even percent-decoded."""
+    if not _SCHEME.match(url):
+        return "expected scheme://host/path (letters, digits, '+', '.', '-' before '://')"
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as e:
+        return f"not a URL ({e})"
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        return "a root has no query ('?') or fragment ('#')"
+    segments = [s for s in parts.path.split("/") if s]
+    if not all(plain_segment(s) for s in segments) or not plain_segment(parts.netloc or "host"):
+        return "no '.' or '..' segments, backslashes or control characters (percent-encoded ones included)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -126,7 +159,7 @@ class Manifest:
     schema: Schema
     splits: dict[str, SplitInfo]
     metadata: dict = field(default_factory=dict)
-    generation: int = 0  # bumped by every commit; new shards never take a name the previous version uses
+    generation: int = 0  # bumped by every commit, whose shards carry it in their names (`shard_name`)
     # Where the shards lie when not beside the manifest (an adopted read-only or remote directory,
     # `crossfeed index --index-dir`): an absolute path or URL. Index files stay beside the manifest.
     data_root: str | None = None
@@ -309,6 +342,13 @@ class _Validator:
         )
         if not ok:
             self.fail("data_root", f"expected an absolute path or URL of the data directory, got {_short(v)}")
+        local = v[len("file://") :] if v.startswith("file://") else v
+        if "://" in local:
+            problem = url_problem(v)
+            if problem:
+                self.fail("data_root", f"{_short(v)}: {problem}")
+        elif not os.path.isabs(local) or any(s in (".", "..") for s in local.split("/")):
+            self.fail("data_root", f"{_short(v)}: expected an absolute path without '.' or '..' segments")
         return v
 
     def schema(self, items) -> Schema:

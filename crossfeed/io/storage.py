@@ -7,8 +7,9 @@ import mmap
 import os
 import threading
 
-from crossfeed.errors import CorruptRecordError, DatasetNotFoundError
+from crossfeed.errors import CorruptRecordError, DatasetNotFoundError, ManifestError
 from crossfeed.format import tfrecord
+from crossfeed.format.manifest import plain_segment
 
 
 def is_remote(path) -> bool:
@@ -32,7 +33,13 @@ class Storage:
             self._fs, _ = fsspec.core.url_to_fs(self.root)
 
     def url(self, rel: str) -> str:
-        return f"{self.root}/{rel}" if self.remote else os.path.join(self.root, rel)
+        """``rel`` (a plain file name: the manifest's names are checked) inside the root; a name
+        that is not one path segment, even percent-decoded, never joins a URL (``%2e%2e``)."""
+        if not self.remote:
+            return os.path.join(self.root, rel)
+        if not plain_segment(rel):
+            raise ManifestError(f"{self.root}: {rel!r} is not a plain file name; a URL join would leave the root")
+        return f"{self.root}/{rel}"
 
     def read(self, rel: str) -> bytes:
         where = self.url(rel)

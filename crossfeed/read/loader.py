@@ -76,14 +76,14 @@ class Loader:
         self._budget = ErrorBudget(read.max_skips, logger=log) if read.on_error is OnError.SKIP else None
         self.sources: tuple[Source, ...] | None = _as_sources(source)
         if self.sources is None:
-            self.dataset: Dataset = open_dataset(source)
+            self.dataset: Dataset = open_dataset(source, allowed_roots=read.allowed_roots)
             self.datasets = [self.dataset]
             self.split = self.dataset[options.split]
             splits = [self.split]
         else:
             if plan.samples_per_epoch is None and not self.sources:
                 raise ConfigError("a mixture needs at least one Source")
-            self.datasets = [open_dataset(s.path) for s in self.sources]
+            self.datasets = [open_dataset(s.path, allowed_roots=read.allowed_roots) for s in self.sources]
             splits = [ds[s.split] for ds, s in zip(self.datasets, self.sources)]
             if any(sp.info.format == "parquet" for sp in splits):
                 raise ConfigError(
@@ -135,8 +135,10 @@ class Loader:
         # 1.2M samples/s at batch 256), so they are built in the consumer's thread when it asks.
         threads = 0 if rows and transform is None else read.num_threads
         if read.executor is ExecutorKind.PROCESS:
-            if isinstance(source, Dataset):  # workers open it again, by path
-                recipe = dataclasses.replace(recipe, source=source.path)
+            if isinstance(source, Dataset):  # workers open it again, by path, trusting what it was opened with
+                trusted = options.replace(allowed_roots=(*read.allowed_roots, *source.allowed_roots))
+                recipe = dataclasses.replace(recipe, source=source.path, options=trusted)
+            recipe = dataclasses.replace(recipe, manifests=tuple(ds.manifest_sha256 for ds in self.datasets))
             self.executor = ProcessExecutor(recipe, read.processes, read.processes + read.prefetch)
         else:
             self.executor = ThreadExecutor(threads, max(1, read.num_threads + read.prefetch))

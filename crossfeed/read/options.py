@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from crossfeed.config import parse_size
 from crossfeed.errors import ConfigError
+from crossfeed.io import roots
 from crossfeed.io.cache import ENV as CACHE_ENV
 from crossfeed.policy import OnError
 from crossfeed.read.env import rank_and_world
@@ -130,8 +131,11 @@ class ReadOptions:
     cache_limit: int | str | None = None  # bytes, or a size such as "50GB" (None: unbounded)
     executor: ExecutorKind = ExecutorKind.THREAD
     processes: int = 2  # worker processes of executor="process" (not DataLoader's num_workers)
+    # where a manifest's data_root outside its dataset may lie (besides $CROSSFEED_ALLOWED_ROOTS)
+    allowed_roots: tuple[str, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "allowed_roots", roots.normalise_all(self.allowed_roots))
         object.__setattr__(self, "num_threads", _int(self.num_threads, "num_threads", 0))
         object.__setattr__(self, "executor", choice(ExecutorKind, self.executor, "executor"))
         object.__setattr__(self, "processes", _int(self.processes, "processes", 1))
@@ -165,7 +169,8 @@ class Source:
 _GROUPS = {"plan": PlanOptions, "shard": ShardOptions, "read": ReadOptions}
 # How hard a process works and where it caches: its own, whoever planned the epoch (the servers of
 # a dispatcher keep theirs). With its rank and worker, what is not part of a plan shipped to others.
-LOCAL_FIELDS = ("num_threads", "prefetch", "executor", "processes", "cache_dir", "cache_limit")
+# Which roots a server trusts is its own too: a dispatcher's plan never widens them.
+LOCAL_FIELDS = ("num_threads", "prefetch", "executor", "processes", "cache_dir", "cache_limit", "allowed_roots")
 _PER_PROCESS = ("rank", "worker", "num_workers")
 _FIELDS = {f.name: group for group, cls in _GROUPS.items() for f in dataclasses.fields(cls)}
 
@@ -245,7 +250,15 @@ class LoaderOptions:
         for group in _GROUPS:
             for f in dataclasses.fields(getattr(self, group)):
                 v = getattr(getattr(self, group), f.name)
-                out[f.name] = v.value if isinstance(v, enum.Enum) else os.fspath(v) if isinstance(v, os.PathLike) else v
+                out[f.name] = (
+                    v.value
+                    if isinstance(v, enum.Enum)
+                    else os.fspath(v)
+                    if isinstance(v, os.PathLike)
+                    else list(v)
+                    if isinstance(v, tuple)
+                    else v
+                )
         features = None if self.features is None else list(self.features)
         return {**out, "split": self.split, "features": features, "return_index": self.return_index}
 

@@ -285,7 +285,7 @@ def commit_splits(
     """Publish staged shards as the splits of the dataset at ``root``, in one atomic step.
 
     The steps, each durable before the next: a journal lists the final names; the shards move to
-    names no file of the current version has (``.g<N>`` when the plain names are taken); the new
+    names no version ever had (``.g<N>``, `next_generation`); the new
     manifest replaces the old one by one rename — the commit point; the old version's files are
     deleted; the journal goes. A process killed at any step leaves the old version or the new one,
     whole, and the next commit removes what it left. See `check_target` for ``overwrite`` and
@@ -303,17 +303,10 @@ def commit_splits(
                 f"than the splits {sorted(staged)} being written; write to another directory, or overwrite it"
             )
         taken = old.files if old else set()
-        generation = old.generation + 1 if old else 0
-        plain = {
-            name: [shard_name(name, i, len(shards), compress=s.tmp_path.endswith(".gz")) for i, s in enumerate(shards)]
-            for name, shards in staged.items()
-        }
-        clash = any(n in taken or n + ".idx" in taken for names in plain.values() for n in names)
+        generation = next_generation(root, old)
         finals = {
             name: [
-                shard_name(
-                    name, i, len(shards), compress=s.tmp_path.endswith(".gz"), generation=generation if clash else 0
-                )
+                shard_name(name, i, len(shards), compress=s.tmp_path.endswith(".gz"), generation=generation)
                 for i, s in enumerate(shards)
             ]
             for name, shards in staged.items()
@@ -354,6 +347,20 @@ def commit_splits(
         os.unlink(journal)
         crash_point("journal removed")
     return manifest
+
+
+# a shard name `shard_name` gives (any split, any generation), or its index file's
+_GENERATION = re.compile(r".+-\d{5,}-of-\d{5,}(?:\.g(\d{1,18}))?\.tfrecord(?:\.gz)?(?:\.idx)?")
+
+
+def next_generation(root: str, old: Manifest | None) -> int:
+    """The generation of the next commit into ``root``: above the current manifest's and above
+    every generation whose shard names the directory holds (files of a lost or unreadable
+    manifest included). A commit names its shards with it (``.g<N>``, plain only for the first),
+    so no commit ever reuses a name an earlier version had: a reader of an old version finds its
+    files, or none, never another version's bytes under its names."""
+    seen = [int(m.group(1) or 0) for n in dataset_entries(root) if (m := _GENERATION.fullmatch(n)) is not None]
+    return max(old.generation + 1 if old else 0, max(seen) + 1 if seen else 0)
 
 
 def _write_durably(path: str, text: str) -> None:

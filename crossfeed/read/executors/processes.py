@@ -129,12 +129,24 @@ class WorkerRecipe:
     """What a worker process needs to build the Loader's batches, sent to each as JSON.
     ``source``: a dataset path or URL, or a list of `crossfeed.Source`; ``transform`` and
     ``batch_transform``: module-level functions or ``"module:function"`` strings (sent as the
-    latter: a worker imports them)."""
+    latter: a worker imports them). ``manifests``: the sha256 of each source's manifest as the
+    parent opened it; a worker that opens another version refuses (`check_versions`)."""
 
     source: object
     options: LoaderOptions
     transform: object = None
     batch_transform: object = None
+    manifests: tuple = ()
+
+    def check_versions(self, datasets) -> None:
+        """A `DatasetRewrittenError` unless ``datasets`` (a worker's) hold the manifests the parent
+        read: a worker must build the batches of the version the epoch was planned on."""
+        for ds, want in zip(datasets, self.manifests):
+            if want is not None and ds.manifest_sha256 != want:
+                raise errors.DatasetRewrittenError(
+                    f"{ds.path}: the dataset was rewritten while this reader had it open (a worker process "
+                    f"found another manifest than the loader planned on); reopen it"
+                )
 
     def to_json(self) -> dict:
         """The recipe as plain JSON values; a ConfigError, here in the caller's code, for what a
@@ -145,13 +157,15 @@ class WorkerRecipe:
             "options": self.options.flat(),
             "transform": _reference("transform", self.transform),
             "batch_transform": _reference("batch_transform", self.batch_transform),
+            "manifests": list(self.manifests),
         }
 
     @staticmethod
     def from_json(d: dict) -> WorkerRecipe:
         src = d["source"]
         source = src if isinstance(src, str) else [Source(s["path"], split=s["split"], weight=s["weight"]) for s in src]
-        return WorkerRecipe(source, LoaderOptions.of(**d["options"]), d["transform"], d["batch_transform"])
+        manifests = tuple(d.get("manifests", ()))
+        return WorkerRecipe(source, LoaderOptions.of(**d["options"]), d["transform"], d["batch_transform"], manifests)
 
 
 def _sources(source) -> list[dict] | None:
@@ -322,6 +336,8 @@ class ProcessExecutor:
             for w in self._workers:
                 msg, _ = self._recv(w, "starting (importing and opening the dataset)", timeout=_START_TIMEOUT)
                 if msg[0] == "error":
+                    if isinstance(err := exception_from_json(msg[4]), errors.DatasetRewrittenError):
+                        raise err  # what the caller must do (reopen), not a worker's failure
                     raise WorkerError(f"worker process {w.index} (pid {w.proc.pid}) could not start:\n{msg[3]}")
         except BaseException:
             self._teardown()

@@ -51,7 +51,9 @@ def _builder(recipe):
     from crossfeed.read.loader import Loader
 
     options = recipe.options.replace(executor=ExecutorKind.THREAD, num_threads=0)
-    return Loader(recipe.source, options, transform=recipe.transform, batch_transform=recipe.batch_transform).builder
+    loader = Loader(recipe.source, options, transform=recipe.transform, batch_transform=recipe.batch_transform)
+    recipe.check_versions(loader.datasets)
+    return loader.builder
 
 
 def main(fd: int) -> None:

@@ -1,9 +1,16 @@
 """Opening a dataset: ``open_dataset(path)`` → `Dataset`; ``ds["train"]`` → `Split`, a sized,
-randomly accessible sequence of samples (``dict`` of numpy arrays)."""
+randomly accessible sequence of samples (``dict`` of numpy arrays).
+
+A dataset is trusted no further than its own directory: a manifest's ``data_root`` elsewhere is
+read only under a root the user allowed (`crossfeed.io.roots`). A dataset is read as the version
+whose manifest was opened: a file of it that is gone or changed because a writer committed a new
+version meanwhile raises `DatasetRewrittenError` (commits never reuse a shard name, so a name
+never holds another version's bytes)."""
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import os
 import stat
 from collections.abc import Iterator
@@ -14,6 +21,7 @@ from crossfeed.errors import (
     CorruptRecordError,
     CrossfeedError,
     DatasetNotFoundError,
+    DatasetRewrittenError,
     ExampleError,
     IndexFileError,
     ManifestError,
@@ -24,17 +32,26 @@ from crossfeed.format import index as idx
 from crossfeed.format import tar, tfrecord
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads
 from crossfeed.format.schema import Schema, SchemaError, decode_value
+from crossfeed.io import roots
 from crossfeed.io.storage import ShardFile, Storage
 from crossfeed.read.sources.parquet import ParquetFiles
 
 
-def open_dataset(path) -> Dataset:
-    """Open the dataset at ``path`` (a directory or fsspec URL holding ``crossfeed.json``)."""
+def open_dataset(path, *, allowed_roots=()) -> Dataset:
+    """Open the dataset at ``path`` (a directory or fsspec URL holding ``crossfeed.json``).
+    ``allowed_roots``: directories or URLs (besides those ``$CROSSFEED_ALLOWED_ROOTS`` lists) under
+    which a manifest's ``data_root`` outside the dataset may lie (`crossfeed.io.roots`)."""
     if isinstance(path, Dataset):
         return path
+    allowed = roots.normalise_all(allowed_roots)
     storage = Storage(path)
+    text = _read_manifest(storage)
+    return Dataset(storage, loads(text, storage.url(MANIFEST)), allowed_roots=allowed, text=text)
+
+
+def _read_manifest(storage: Storage) -> bytes:
     try:
-        text = storage.read(MANIFEST)
+        return storage.read(MANIFEST)
     except DatasetNotFoundError:
         raise DatasetNotFoundError(
             f"{storage.root}: not a crossfeed dataset (no {MANIFEST}); write one with crossfeed.write_dataset, "
@@ -42,18 +59,42 @@ def open_dataset(path) -> Dataset:
         ) from None
     except OSError as e:  # a directory or unreadable file where the manifest should be
         raise ManifestError(f"{storage.url(MANIFEST)}: cannot read the manifest ({e.strerror or e})") from e
-    return Dataset(storage, loads(text, storage.url(MANIFEST)))
 
 
 class Dataset:
     """``index_storage`` holds the manifest and index files; ``storage`` the shards — the same
-    place unless the manifest names a ``data_root`` (data adopted in place with ``--index-dir``)."""
+    place unless the manifest names a ``data_root`` (data adopted in place with ``--index-dir``),
+    which must lie inside the dataset or under one of ``allowed_roots`` (`crossfeed.io.roots`).
+    ``text``: the manifest's bytes as read, which `rewritten` compares the current one with."""
 
-    def __init__(self, storage: Storage, manifest: Manifest):
+    def __init__(self, storage: Storage, manifest: Manifest, *, allowed_roots=(), text: bytes | None = None):
         self.index_storage = storage
-        self.storage = storage if manifest.data_root is None else Storage(manifest.data_root)
+        self.allowed_roots: tuple[str, ...] = roots.normalise_all(allowed_roots)
+        if manifest.data_root is None:
+            self.storage = storage
+        else:
+            where = storage.url(MANIFEST)
+            self.storage = Storage(roots.check_data_root(manifest.data_root, storage.root, self.allowed_roots, where))
         self.manifest = manifest
+        self.manifest_sha256 = None if text is None else hashlib.sha256(text).hexdigest()
         self._splits: dict[str, Split] = {}
+
+    def rewritten(self, where: str, what: str) -> DatasetRewrittenError | None:
+        """The error to raise when a file of this version (``where``) is gone or changed
+        (``what``): a `DatasetRewrittenError` if the manifest is no longer the one this reader
+        opened (a writer committed meanwhile), else None — the file itself is at fault."""
+        if self.manifest_sha256 is None:
+            return None
+        try:
+            now = hashlib.sha256(self.index_storage.read(MANIFEST)).hexdigest()
+        except OSError:  # DatasetNotFoundError included: the manifest is gone, the dataset with it
+            now = None
+        if now == self.manifest_sha256:
+            return None
+        return DatasetRewrittenError(
+            f"{where}: {what}: the dataset was rewritten while this reader had it open (its manifest "
+            f"{self.index_storage.url(MANIFEST)} changed); reopen it"
+        )
 
     @property
     def path(self) -> str:
@@ -96,6 +137,39 @@ class Dataset:
         self.close()
 
 
+class _VersionShard(ShardFile):
+    """A shard of the version a `Dataset` opened: a file gone when it is first read is reported
+    as a rewrite of the dataset where its manifest changed (`Dataset.rewritten`)."""
+
+    def __init__(self, dataset: Dataset, storage: Storage, rel: str):
+        super().__init__(storage, rel)
+        self.dataset = dataset
+
+    def load(self):
+        try:
+            return super().load()
+        except FileNotFoundError as e:
+            self._gone(e)
+
+    def record(self, offset: int, length: int) -> memoryview:
+        try:
+            return super().record(offset, length)
+        except FileNotFoundError as e:
+            self._gone(e)
+
+    def raw(self, offset: int, length: int) -> tuple:
+        try:
+            return super().raw(offset, length)
+        except FileNotFoundError as e:
+            self._gone(e)
+
+    def _gone(self, e: FileNotFoundError):
+        err = self.dataset.rewritten(self.path, "the shard file is gone")
+        if err is None:
+            raise e
+        raise err from e
+
+
 class Split:
     """The records of one split. ``split[i]`` decodes sample ``i`` (global index, shard order)."""
 
@@ -107,7 +181,7 @@ class Split:
         self.shards: tuple[ShardInfo, ...] = info.shards
         self.counts = np.array([s.num_records for s in info.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
-        self._files = [dataset.storage.shard(s.file) for s in info.shards]
+        self._files = [_VersionShard(dataset, dataset.storage, s.file) for s in info.shards]
         self._index: list[np.ndarray | None] = [None] * len(info.shards)
         self._parquet: ParquetFiles | None = None
         self._lazy: list = [None] * len(info.shards)  # shard → its `LazyIndex`, or False: read whole
@@ -137,10 +211,18 @@ class Split:
             try:
                 data = self.dataset.index_storage.read(idx.index_path(info.file))
             except DatasetNotFoundError as e:
-                raise IndexFileError(f"{where}: index file is missing; rebuild it with `crossfeed index`") from e
+                raise self.dataset.rewritten(where, "the index file is gone") or IndexFileError(
+                    f"{where}: index file is missing; rebuild it with `crossfeed index`"
+                ) from e
             except OSError as e:
                 raise IndexFileError(f"{where}: cannot read the index file ({e.strerror or e})") from e
-            arr = idx.checked_index(data, where, info, gzip=lambda: self._is_gzip(shard))
+            try:
+                arr = idx.checked_index(data, where, info, gzip=lambda: self._is_gzip(shard))
+            except IndexFileError as e:
+                err = self.dataset.rewritten(where, "the index file changed")
+                if err is None:
+                    raise
+                raise err from e
             self._index[shard] = arr
         return arr
 

@@ -489,8 +489,14 @@ class FrameReader:
         the node), checked against the manifest's sha256, then memory-mapped like a local shard."""
         got = self._cached.get(s)
         if got is None:  # no reader lock held while downloading: other shards go on meanwhile
-            info = self.split.shards[s]
-            path = self.cache.fetch(self.split.file(s).storage, info.file, info.sha256, info.num_bytes)
+            info, f = self.split.shards[s], self.split.file(s)
+            try:
+                path = self.cache.fetch(f.storage, info.file, info.sha256, info.num_bytes)
+            except FileNotFoundError as e:  # gone: a rewrite of the dataset, or the file's own fault
+                err = self.split.dataset.rewritten(f.path, "the shard file is gone")
+                if err is None:
+                    raise
+                raise err from e
             with self._lock:
                 got = self._cached.get(s)
                 if got is None:

@@ -40,10 +40,13 @@ from crossfeed.read.tools.verify_tar import verify_tar_shard
 CHUNK_BYTES = 8 << 20  # bytes of records checked at once: memory stays bounded by a few chunks
 
 
-def verify_dataset(path, split: str | None = None, progress: Callable[[int, int], None] | None = None) -> list[Problem]:
+def verify_dataset(
+    path, split: str | None = None, progress: Callable[[int, int], None] | None = None, *, allowed_roots=()
+) -> list[Problem]:
     """All problems of the dataset at ``path`` (one split, or all); an empty list when it is sound.
-    ``progress(done_bytes, total_bytes)`` is called as the shards' bytes are checked."""
-    with open_dataset(path) as ds:
+    ``progress(done_bytes, total_bytes)`` is called as the shards' bytes are checked;
+    ``allowed_roots`` as `crossfeed.open_dataset` takes them."""
+    with open_dataset(path, allowed_roots=allowed_roots) as ds:
         if ds.storage.remote or ds.index_storage.remote:
             where = ds.storage.root if ds.storage.remote else ds.path
             raise ConfigError(f"{where}: verify reads local datasets; copy it to a local directory first")
