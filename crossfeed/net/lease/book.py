@@ -459,7 +459,9 @@ class LeaseBook:
                 continue
             elif t == "claim":
                 b = int(r["b"])
-                self.state[b], self.claimer[b], self.token_of[b] = CLAIMED, int(r["trainer"]), int(r["token"])
+                # a claim journaled by an earlier version has no token: never granted again to a
+                # repeated claim, its batch goes out again at its trainer's claim deadline
+                self.state[b], self.claimer[b], self.token_of[b] = CLAIMED, int(r["trainer"]), int(r.get("token", 0))
             elif t == "done":
                 self.state[int(r["b"])] = DONE
         self._cursor = 0

@@ -4,19 +4,20 @@ One ROUTER socket (CURVE like `serve` when keys are given) speaks `leasewire` wi
 servers say HELLO (their data endpoints) and BEAT, and get LEASEs of batch numbers to build and
 stream, each with its claim token; trainers BEAT (and learn the live servers' endpoints, a page
 per BEAT), CLAIM each batch they receive quoting the token that came with it, and report it DONE
-once used. Progress deadlines (`lease_timeout`, `claim_timeout`, see `LeaseBook`) take work away
-from a server or a trainer that beats but does not deliver or does not use what it holds. The bookkeeping is `leases.LeaseBook`'s; every change it makes is
-journaled (append + fsync) before any answer leaves, so a restarted dispatcher continues the
-epoch: DONE batches are never served again, CLAIMED ones stay with their trainer, and every
-lease of the previous process is revoked (its unclaimed batches are leased again, under new ids).
+once used. Progress deadlines (`lease_timeout`, `claim_timeout`, see `LeaseBook`) take the work
+of a server or a trainer that beats but does not deliver, or does not use what it holds, to
+the others. The bookkeeping is `leases.LeaseBook`'s; every change it makes is journaled
+(append + fsync) before any answer leaves, so a restarted dispatcher continues the epoch: DONE
+batches are never served again, CLAIMED ones stay with their trainer, and every lease of the
+previous process is revoked (its unclaimed batches are leased again, under new ids and tokens).
 
 While the dispatcher is down nothing is lost or repeated, but nothing new is claimed either:
 trainers use only the batches already granted to them, servers finish what they hold (trainers
 then wait), and no server or trainer can be declared dead. A journal on a disk that loses
 fsync'ed data (or a journal deleted between runs) voids the guarantee for the epoch in progress.
 
-Every message is validated (`leasewire.unpack`, `LeaseBook` refuses unknown ids, foreign
-leases and out-of-range batch numbers); a malformed one is counted and dropped.
+Every message is validated (`leasewire.unpack`, `LeaseBook` refuses unknown ids, wrong claim
+tokens and out-of-range batch numbers); a malformed one is counted and dropped.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class DispatcherOptions:
             raise ConfigError(f"epochs must be >= 1 or None, got {self.epochs}")
         if not 1 <= self.lease_size <= self.window:
             raise ConfigError(f"need 1 <= lease_size ({self.lease_size}) <= window ({self.window})")
+        if self.lease_size > W.MAX_ITEMS:
+            raise ConfigError(f"lease_size ({self.lease_size}) must be at most {W.MAX_ITEMS} (batches in one LEASE)")
         for name in ("lease_timeout", "claim_timeout"):
             value = getattr(self, name)
             if value is not None and not value >= self.heartbeat.timeout:
