@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -48,9 +49,20 @@ def tag_sample(sample: dict) -> dict:
     return {**sample, "label": sample["label"] + 1000, "pid": np.int64(os.getpid()), "pooled": np.int64(pooled)}
 
 
-def trainer(dispatcher: str, out_file: str, pace: float = 0.0, keys: str = "", fields: bool = False) -> None:
+def hang(sample: dict) -> dict:
+    """A transform that never returns (`--transform dispatch_helpers:hang`): a server whose
+    batches are never built, while its lease thread beats on (the test kills it)."""
+    time.sleep(600)
+    return sample
+
+
+def trainer(
+    dispatcher: str, out_file: str, pace: float = 0.0, keys: str = "", fields: bool = False, hang_after: int = 0
+) -> None:
     """One JSON line of sample ids per batch (flushed before the next is asked for), then END;
-    `fields`: each line also has the batch's label, pid and pooled columns (see `tag_sample`)."""
+    `fields`: each line also has the batch's label, pid and pooled columns (see `tag_sample`);
+    `hang_after` N: the loop hangs after its N-th batch (its client thread beats on; the test
+    kills it)."""
     import logging
 
     from crossfeed import connect
@@ -74,6 +86,8 @@ def trainer(dispatcher: str, out_file: str, pace: float = 0.0, keys: str = "", f
                 line.append({k: batch[k].tolist() for k in ("label", "pid", "pooled")})
             out.write(json.dumps(line) + "\n")
             out.flush()
+            if hang_after and c.batches >= hang_after:
+                time.sleep(600)
             if pace:
                 time.sleep(pace)
         out.write(f"END {c.refused} {c.duplicates}\n")
@@ -88,3 +102,39 @@ def read_batches(path: Path) -> list[tuple[list[int], str]]:
 def read_fields(path: Path) -> list[tuple[list[int], str, dict]]:
     """The lines of a `trainer(..., fields=True)`: (sample ids, server id, columns)."""
     return [tuple(json.loads(line)) for line in path.read_text().splitlines() if line.startswith("[")]
+
+
+def start_dispatcher(tmp_path, dataset, address, *extra, name="d", batch=4):
+    """`crossfeed dispatch` in a child (fast heartbeats, leases of 2, a window of 4); (process, address)."""
+    from net_helpers import wait_until
+
+    ep = tmp_path / f"{name}.ep"
+    ep.unlink(missing_ok=True)
+    argv = ["dispatch", dataset, address, "--batch-size", str(batch), "--journal", str(tmp_path / "journal")]
+    argv += [*HB, "--lease-size", "2", "--window", "4", "--linger", "1", "--endpoint-file", str(ep), *extra]
+    proc = spawn("cli", *argv, log=tmp_path / f"{name}.log")
+    return proc, wait_until(lambda: ep.exists() and ep.read_text(), 30, "the dispatcher's endpoint", [proc])
+
+
+def start_server(tmp_path, dataset, dispatcher, name, *extra):
+    argv = ["serve", dataset, "tcp://127.0.0.1:0", "--dispatcher", dispatcher, *HB, *extra]
+    return spawn("cli", *argv, log=tmp_path / f"{name}.log")
+
+
+def curve_keys(tmp_path):
+    """CURVE everywhere: one key directory serves the dispatcher, the servers and the trainers."""
+    from crossfeed.net import keygen
+
+    keys = tmp_path / "keys"
+    keygen(keys, "server")
+    keygen(keys, "client")
+    return ["--auth-keys", str(keys)], ["--auth-keys", str(keys), "--dispatcher-keys", str(keys)], str(keys)
+
+
+def used(outs) -> collections.Counter:
+    return collections.Counter(i for out in outs for ids, _server in read_batches(out) for i in ids)
+
+
+def served_by(outs, proc) -> int:
+    """How many batches the trainers used from the server process `proc`."""
+    return sum(server.endswith(f":{proc.pid}") for out in outs for _ids, server in read_batches(out))

@@ -90,15 +90,20 @@ def test_a_batch_of_a_lease_voided_while_it_is_built_is_dropped(tmp_path):
         batches = N // BATCH
         route, first = d.hello()
         d.send(route, W.Kind.WELCOME, batches=batches, payload=json.dumps(plan))
-        d.send(route, W.Kind.LEASE, lease=1, epoch=0, batches=batches, payload=[0])  # lease 1: batch 0 (labels 0..3)
+        d.send(
+            route, W.Kind.LEASE, lease=1, epoch=0, batches=batches, payload=[[0, 101]]
+        )  # lease 1: batch 0 (labels 0..3)
         assert gate.entered.wait(20), "batch 0 was never built"
         d.send(route, W.Kind.RESET)  # lease 1 is void while batch 0 is in the executor
         route, _second = d.hello(not_from=first)  # it rejoined under a new id
         gate.release.set()
         d.send(route, W.Kind.WELCOME, batches=batches, payload=json.dumps(plan))
-        d.send(route, W.Kind.LEASE, lease=2, epoch=0, batches=batches, payload=[2, 1])
+        d.send(
+            route, W.Kind.LEASE, lease=2, epoch=0, batches=batches, payload=[[2, 202], [1, 201]]
+        )  # (batch, claim token) pairs
         items = [take(source), take(source)]
-        assert [(it.lease, it.seq) for it in items] == [(2, 2), (2, 1)], "a batch of the void lease was offered"
+        # each batch goes out with its claim token (Item.lease: the BATCH envelope's token)
+        assert [(it.lease, it.seq) for it in items] == [(202, 2), (201, 1)], "a batch of the void lease was offered"
         assert source.stats["dropped"] == 1 and source.stats["resets"] == 1
         d.send(route, W.Kind.FINISHED)
         assert isinstance(take(source), StreamEnd)

@@ -9,7 +9,16 @@ import signal
 
 import pytest
 import zmq
-from dispatch_helpers import HB, read_batches, read_fields, spawn
+from dispatch_helpers import (
+    curve_keys,
+    read_batches,
+    read_fields,
+    served_by,
+    spawn,
+    start_dispatcher,
+    start_server,
+    used,
+)
 from net_helpers import stop, wait_until
 
 from crossfeed.net.lease import messages as W
@@ -26,39 +35,6 @@ def dataset(tmp_path_factory):
 
     write_dataset(str(path), N)
     return str(path)
-
-
-def start_dispatcher(tmp_path, dataset, address, *extra, name="d", batch=BATCH):
-    ep = tmp_path / f"{name}.ep"
-    ep.unlink(missing_ok=True)
-    argv = ["dispatch", dataset, address, "--batch-size", str(batch), "--journal", str(tmp_path / "journal")]
-    argv += [*HB, "--lease-size", "2", "--window", "4", "--linger", "1", "--endpoint-file", str(ep), *extra]
-    proc = spawn("cli", *argv, log=tmp_path / f"{name}.log")
-    return proc, wait_until(lambda: ep.exists() and ep.read_text(), 30, "the dispatcher's endpoint", [proc])
-
-
-def start_server(tmp_path, dataset, dispatcher, name, *extra):
-    argv = ["serve", dataset, "tcp://127.0.0.1:0", "--dispatcher", dispatcher, *HB, *extra]
-    return spawn("cli", *argv, log=tmp_path / f"{name}.log")
-
-
-def curve_keys(tmp_path):
-    """CURVE everywhere: one key directory serves the dispatcher, the servers and the trainers."""
-    from crossfeed.net import keygen
-
-    keys = tmp_path / "keys"
-    keygen(keys, "server")
-    keygen(keys, "client")
-    return ["--auth-keys", str(keys)], ["--auth-keys", str(keys), "--dispatcher-keys", str(keys)], str(keys)
-
-
-def used(outs) -> collections.Counter:
-    return collections.Counter(i for out in outs for ids, _server in read_batches(out) for i in ids)
-
-
-def served_by(outs, proc) -> int:
-    """How many batches the trainers used from the server process `proc`."""
-    return sum(server.endswith(f":{proc.pid}") for out in outs for _ids, server in read_batches(out))
 
 
 @pytest.mark.parametrize("curve", [False, True])

@@ -12,19 +12,24 @@ from crossfeed.net.lease.journal import Journal
 S1, S2, T1, T2 = 11, 12, 21, 22
 
 
+def tok(lease, b: int) -> int:
+    """The claim token `lease` gave batch number `b` (what its server sends with the batch)."""
+    return lease.tokens[lease.batches.index(b)]
+
+
 def run_epoch(book: LeaseBook, epochs: int = 1) -> list[int]:
     """Lease, claim and finish `epochs` epochs with server S1 and trainer T1; the seqs used."""
     used = []
     end = book.epoch + epochs
     while not book.finished and book.epoch < end:
-        leases = book.grant_leases()
+        leases = book.grant_leases(0.0)
         if not leases:
             break
         for lease in leases:
             for b in lease.batches:
                 seq = lease.epoch * book.batches + b
-                assert book.claim(T1, seq, lease.id)
-                assert book.done(T1, seq)
+                assert book.claim(T1, seq, tok(lease, b), now=0.0)
+                assert book.done(T1, seq, now=0.0)
                 used.append(seq)
     return used
 
@@ -41,26 +46,28 @@ def test_a_dead_servers_unclaimed_batches_go_to_the_other_and_claims_under_its_l
     book = LeaseBook(12, epochs=1, lease_size=2, window=4)
     book.server_seen(S1, 0.0, "a")
     book.trainer_seen(T1, 0.0)
-    leases = book.grant_leases()
+    leases = book.grant_leases(0.0)
     assert [lease.server for lease in leases] == [S1, S1]
     first = leases[0]
-    assert book.claim(T1, first.batches[0], first.id)
-    assert book.done(T1, first.batches[0])
-    assert book.claim(T1, first.batches[1], first.id)  # claimed, not consumed: stays with T1
+    assert book.claim(T1, first.batches[0], tok(first, first.batches[0]), now=0.0)
+    assert book.done(T1, first.batches[0], now=0.0)
+    assert book.claim(
+        T1, first.batches[1], tok(first, first.batches[1]), now=0.0
+    )  # claimed, not consumed: stays with T1
     book.server_seen(S2, 1.0, "b")
     book.trainer_seen(T1, 10.5)
     book.server_seen(S2, 10.5)
     servers, trainers = book.expire(10.5)
     assert servers == [S1] and trainers == []
     # S1 wakes up and sends its second lease: fenced
-    assert not book.claim(T1, leases[1].batches[0], leases[1].id)
+    assert not book.claim(T1, leases[1].batches[0], tok(leases[1], leases[1].batches[0]), now=0.0)
     assert not book.server_seen(S1, 12.0)
-    again = book.grant_leases()
+    again = book.grant_leases(0.0)
     assert {lease.server for lease in again} == {S2}
     reissued = sorted(b for lease in again for b in lease.batches)
     assert first.batches[0] not in reissued and first.batches[1] not in reissued
     assert leases[1].batches[0] in reissued
-    assert book.done(T1, first.batches[1])
+    assert book.done(T1, first.batches[1], now=0.0)
 
 
 def test_a_dead_trainers_claims_go_out_again_and_it_is_fenced():
@@ -68,37 +75,38 @@ def test_a_dead_trainers_claims_go_out_again_and_it_is_fenced():
     book.server_seen(S1, 0.0, "a")
     book.trainer_seen(T1, 0.0)
     book.trainer_seen(T2, 0.0)
-    (lease,) = book.grant_leases()
-    assert book.claim(T1, 0, lease.id) and book.claim(T1, 1, lease.id)
-    assert not book.claim(T2, 0, lease.id)  # the same batch again: refused
-    assert book.claim(T1, 0, lease.id)  # a repeated claim (lost answer) by the holder: granted
+    (lease,) = book.grant_leases(0.0)
+    assert book.claim(T1, 0, tok(lease, 0), now=0.0) and book.claim(T1, 1, tok(lease, 1), now=0.0)
+    assert not book.claim(T2, 0, tok(lease, 0), now=0.0)  # the same batch again: refused
+    assert book.claim(T1, 0, tok(lease, 0), now=0.0)  # a repeated claim (lost answer) by the holder: granted
     book.server_seen(S1, 2.0)
     book.trainer_seen(T2, 2.0)
     assert book.expire(2.5) == ([], [T1])
-    assert not book.trainer_seen(T1, 3.0) and not book.done(T1, 0)
+    assert not book.trainer_seen(T1, 3.0) and not book.done(T1, 0, now=0.0)
     assert book.outstanding(S1) == 2
-    (again,) = book.grant_leases()
+    (again,) = book.grant_leases(0.0)
     assert again.batches == [0, 1]
 
 
 def test_the_window_bounds_what_one_server_holds_and_a_new_server_gets_work_at_once():
     book = LeaseBook(100, epochs=1, lease_size=4, window=8)
     book.server_seen(S1, 0.0, "a")
-    assert sum(len(x.batches) for x in book.grant_leases()) == 8
-    assert book.grant_leases() == []
+    assert sum(len(x.batches) for x in book.grant_leases(0.0)) == 8
+    assert book.grant_leases(0.0) == []
     book.server_seen(S2, 0.0, "b")
-    assert sum(len(x.batches) for x in book.grant_leases() if x.server == S2) == 8
+    assert sum(len(x.batches) for x in book.grant_leases(0.0) if x.server == S2) == 8
 
 
 def test_malformed_claims_are_refused():
     book = LeaseBook(4, epochs=1)
     book.server_seen(S1, 0.0, "a")
     book.trainer_seen(T1, 0.0)
-    (lease,) = book.grant_leases()
-    for seq, lid in [(-1, lease.id), (4, lease.id), (1 << 62, lease.id), (0, 0), (0, lease.id + 1), (0, -5)]:
-        assert not book.claim(T1, seq, lid)
-    assert not book.claim(999, 0, lease.id)  # an unknown trainer
-    assert not book.done(T1, 0)  # never claimed
+    (lease,) = book.grant_leases(0.0)
+    good = tok(lease, 0)
+    for seq, token in [(-1, good), (4, good), (1 << 62, good), (0, 0), (0, good + 1), (0, -5), (0, lease.id)]:
+        assert not book.claim(T1, seq, token, now=0.0)
+    assert not book.claim(999, 0, tok(lease, 0), now=0.0)  # an unknown trainer
+    assert not book.done(T1, 0, now=0.0)  # never claimed
 
 
 def test_journal_replay_continues_the_epoch(tmp_path):
@@ -107,10 +115,10 @@ def test_journal_replay_continues_the_epoch(tmp_path):
     book.server_seen(S1, 0.0, "a")
     book.trainer_seen(T1, 0.0)
     run_epoch(book)  # epoch 0
-    leases = book.grant_leases()
-    assert book.claim(T1, 6 + leases[0].batches[0], leases[0].id)
-    assert book.done(T1, 6 + leases[0].batches[0])
-    assert book.claim(T1, 6 + leases[0].batches[1], leases[0].id)
+    leases = book.grant_leases(0.0)
+    assert book.claim(T1, 6 + leases[0].batches[0], tok(leases[0], leases[0].batches[0]), now=0.0)
+    assert book.done(T1, 6 + leases[0].batches[0], now=0.0)
+    assert book.claim(T1, 6 + leases[0].batches[1], tok(leases[0], leases[0].batches[1]), now=0.0)
     journal.append(book.take_records())
     with open(journal.path, "ab") as f:
         f.write(b'{"t": "done", "ep')  # torn by a crash
@@ -120,10 +128,10 @@ def test_journal_replay_continues_the_epoch(tmp_path):
     assert again.progress() == {"epoch": 1, "pending": 4, "leased": 0, "claimed": 1, "done": 1}
     assert T1 in again.trainers  # it has `timeout` to come back
     again.server_seen(S2, 100.0, "b")
-    new = again.grant_leases()
-    assert min(x.id for x in new) > max(x.id for x in leases)  # old leases stay revoked
-    assert not again.claim(T1, 6 + leases[1].batches[0], leases[1].id)
-    assert again.done(T1, 6 + leases[0].batches[1])
+    new = again.grant_leases(100.0)
+    assert not {t for x in new for t in x.tokens} & {t for x in leases for t in x.tokens}  # old ones stay revoked
+    assert not again.claim(T1, 6 + leases[1].batches[0], tok(leases[1], leases[1].batches[0]), now=0.0)
+    assert again.done(T1, 6 + leases[0].batches[1], now=0.0)
     # compaction keeps the same durable state
     j2 = Journal(tmp_path / "k.jsonl")
     j2.compact(again.snapshot())
@@ -151,25 +159,25 @@ def test_a_quota_gives_each_trainer_an_equal_count_and_refused_copies_go_out_aga
     book.server_seen(S1, 0.0, "a")
     book.trainer_seen(T1, 0.0)
     book.trainer_seen(T2, 0.0)
-    (lease,) = book.grant_leases()
-    assert book.claim(T1, 0, lease.id) and book.claim(T1, 1, lease.id)
-    assert not book.claim(T1, 2, lease.id)  # T1 has its two: batch 2 goes out again
+    (lease,) = book.grant_leases(0.0)
+    assert book.claim(T1, 0, tok(lease, 0), now=0.0) and book.claim(T1, 1, tok(lease, 1), now=0.0)
+    assert not book.claim(T1, 2, tok(lease, 2), now=0.0)  # T1 has its two: batch 2 goes out again
     assert book.progress()["pending"] == 1
-    (again,) = book.grant_leases()
+    (again,) = book.grant_leases(0.0)
     assert again.batches == [2]
-    assert book.claim(T2, 2, again.id) and book.claim(T2, 3, lease.id)
+    assert book.claim(T2, 2, tok(again, 2), now=0.0) and book.claim(T2, 3, tok(lease, 3), now=0.0)
     for t, seq in [(T1, 0), (T1, 1), (T2, 2), (T2, 3)]:
-        assert book.done(t, seq)
+        assert book.done(t, seq, now=0.0)
     assert book.epoch == 1  # the quota counts per epoch
-    (lease,) = book.grant_leases()
-    assert book.claim(T1, 4, lease.id) and book.claim(T1, 5, lease.id)
+    (lease,) = book.grant_leases(0.0)
+    assert book.claim(T1, 4, tok(lease, 0), now=0.0) and book.claim(T1, 5, tok(lease, 1), now=0.0)
 
 
 def test_a_copy_refused_to_an_unknown_trainer_goes_out_again():
     book = LeaseBook(2, epochs=1, lease_size=2, window=2)
     book.server_seen(S1, 0.0, "a")
-    (lease,) = book.grant_leases()
-    assert not book.claim(T1, 0, lease.id)  # T1 never beat: unknown
+    (lease,) = book.grant_leases(0.0)
+    assert not book.claim(T1, 0, tok(lease, 0), now=0.0)  # T1 never beat: unknown
     assert book.progress()["pending"] == 1
 
 
@@ -197,3 +205,66 @@ def test_leasewire_round_trips_and_refuses_what_is_malformed():
     for text in ["", "http://x", "tcp://" + "a" * 300, " ".join(["ipc:///a"] * 17), "tcp://a\x00"]:
         with pytest.raises(WireError):
             W.endpoints(text)
+
+
+def test_a_server_that_beats_but_delivers_nothing_is_stalled_and_fenced():
+    book = LeaseBook(8, epochs=1, lease_size=2, window=4, timeout=100.0, lease_timeout=5.0)
+    book.server_seen(S1, 0.0, "a")
+    book.trainer_seen(T1, 0.0)
+    leases = book.grant_leases(0.0)
+    assert book.claim(T1, leases[0].batches[0], tok(leases[0], leases[0].batches[0]), now=4.0)  # progress at 4
+    assert book.expire(8.9) == ([], [])
+    assert book.expire(9.1) == ([S1], [])  # nothing reached a trainer since 4
+    assert not book.server_seen(S1, 9.2)  # fenced: it must rejoin under a new id
+    b = leases[1].batches[0]
+    assert not book.claim(T1, b, tok(leases[1], b), now=9.2)  # what it still sends is refused
+    book.server_seen(S2, 9.2, "b")
+    again = book.grant_leases(9.2)
+    assert b in {x for lease in again for x in lease.batches}
+
+
+def test_a_lease_overtaken_by_a_later_one_is_leased_again_its_server_kept():
+    """A batch stuck unclaimed (at a trainer whose loop hangs) while its server goes on."""
+    book = LeaseBook(8, epochs=1, lease_size=2, window=4, timeout=100.0, lease_timeout=5.0)
+    book.server_seen(S1, 0.0, "a")
+    book.trainer_seen(T1, 0.0)
+    first, second = book.grant_leases(0.0)
+    assert book.claim(T1, first.batches[0], tok(first, first.batches[0]), now=1.0)
+    assert book.claim(T1, second.batches[0], tok(second, second.batches[0]), now=2.0)  # overtakes `first`
+    book.server_seen(S1, 7.0)
+    book.trainer_seen(T1, 7.0)
+    assert book.claim(T1, second.batches[1], tok(second, second.batches[1]), now=7.0)  # S1 keeps delivering
+    assert book.expire(7.1) == ([], [])
+    stuck = first.batches[1]
+    assert book.state[stuck] == 0 and S1 in book.servers  # PENDING again; S1 not fenced
+    assert not book.claim(T1, stuck, tok(first, stuck), now=7.2)  # the stuck copy is refused
+    (again,) = [x for x in book.grant_leases(7.2) if stuck in x.batches]
+    assert book.claim(T1, stuck, tok(again, stuck), now=7.3)
+
+
+def test_a_trainer_that_holds_claims_and_reports_none_done_is_stalled_and_fenced():
+    book = LeaseBook(4, epochs=1, lease_size=4, window=4, timeout=100.0, claim_timeout=5.0)
+    book.server_seen(S1, 0.0, "a")
+    book.trainer_seen(T1, 0.0)
+    (lease,) = book.grant_leases(0.0)
+    for b in (0, 1, 2):
+        assert book.claim(T1, b, tok(lease, b), now=1.0)
+    assert book.done(T1, 0, now=3.0)  # progress at 3
+    assert book.expire(7.9) == ([], [])
+    assert book.expire(8.1) == ([], [T1])
+    assert book.progress() == {"epoch": 0, "pending": 2, "leased": 1, "claimed": 0, "done": 1}
+    assert not book.trainer_seen(T1, 8.2) and not book.done(T1, 1, now=8.2)
+
+
+def test_lease_ids_and_claim_tokens_are_random_and_a_re_lease_draws_new_tokens():
+    book = LeaseBook(64, epochs=1, lease_size=8, window=64)
+    book.server_seen(S1, 0.0, "a")
+    leases = book.grant_leases(0.0)
+    ids = [x.id for x in leases]
+    tokens = [t for x in leases for t in x.tokens]
+    assert len(set(ids + tokens)) == 8 + 64 and min(ids + tokens) > 0 and max(ids + tokens) < 1 << 63
+    assert sorted(ids) != list(range(min(ids), min(ids) + 8))  # not counted
+    book.remove_server(S1, "left")
+    book.server_seen(S2, 0.0, "b")
+    again = book.grant_leases(0.0)
+    assert not {t for x in again for t in x.tokens} & set(tokens)

@@ -256,11 +256,38 @@ def dispatch(
     linger: Annotated[
         float, typer.Option(min=0, help="After the last epoch, seconds to keep telling latecomers it is done.")
     ] = 5.0,
+    lease_timeout: Annotated[
+        float,
+        typer.Option(
+            "--lease-timeout",
+            min=0,
+            help="Progress deadline of a server: one holding leased batches none of which reaches a trainer for "
+            "S s is declared stalled (its leases go to the others, it rejoins under a new id), and a lease "
+            "overtaken by later ones for S s is leased again (0: never). At least the heartbeat timeout; above "
+            "the longest a server takes to build a batch (its first included).",
+        ),
+    ] = 120.0,
+    claim_timeout: Annotated[
+        float,
+        typer.Option(
+            "--claim-timeout",
+            min=0,
+            help="Progress deadline of a trainer: one holding claimed batches and reporting none used for S s is "
+            "declared stalled (they go to the others, its client rejoins) (0: never). At least the heartbeat "
+            "timeout; above the longest pause of your training loop between two batches.",
+        ),
+    ] = 300.0,
     *,
     options: LoaderOptions,
 ) -> None:
     """Own the epoch plan and lease its batches to `serve --dispatcher` servers; every batch is
-    used once across the trainers (`crossfeed.connect(dispatcher=...)`), whoever joins or dies."""
+    used once across the trainers (`crossfeed.connect(dispatcher=...)`), whoever joins or dies.
+
+    Deadlines: a server or trainer silent for --heartbeat-timeout s is declared dead; one that
+    beats but makes no progress is declared stalled after --lease-timeout s (a server none of
+    whose leased batches reaches a trainer) or --claim-timeout s (a trainer that reports none of
+    its claimed batches used). Either way its work goes to the others and it is fenced: what it
+    sends or claims afterwards under the old lease is refused."""
     from crossfeed.net.keys import ServerKeys
     from crossfeed.net.lease.dispatcher import DispatcherOptions, LeaseDispatcher
     from crossfeed.net.protocol import Heartbeat
@@ -282,6 +309,8 @@ def dispatch(
         insecure=insecure,
         linger=linger,
         quota=per_rank if world_size > 1 else None,
+        lease_timeout=lease_timeout or None,
+        claim_timeout=claim_timeout or None,
     )
     stop = threading.Event()
     previous = {}

@@ -9,23 +9,38 @@ that is the `seq` the batch travels under. Each batch of the current epoch is in
     CLAIMED   trainer `claimer[b]` received it and was granted it (the commit point)
     DONE      that trainer consumed it
 
-Exactly once: a trainer uses a batch only after `claim(trainer, seq, lease)` granted it, and a
-claim is granted only for a batch LEASED under that very lease (a revoked lease's batches are
-PENDING or re-leased under a new id, so a stalled server that wakes up is refused: fencing), or
-already CLAIMED by the same trainer (a repeated claim whose answer was lost).
-A server that dies, stalls or leaves has its LEASED batches put back to PENDING; a trainer that
-dies has its CLAIMED (not DONE) batches put back. DONE batches never go out again.
+Exactly once: a trainer uses a batch only after `claim(trainer, seq, token)` granted it, and a
+claim is granted only for a batch LEASED under that very token, or already CLAIMED by the same
+trainer with it (a repeated claim whose answer was lost). Each leased batch gets its own random
+63-bit claim token (`Lease.tokens`), which only its server learns and sends only with the batch:
+a claim proves the claimant received that batch from that server, and cannot be guessed. A
+revoked lease's batches are PENDING or leased again under new tokens, so a stalled server that
+wakes up is refused (fencing). Lease ids are random 63-bit numbers too.
 
-Durability: every change a restarted dispatcher must know (claims, dones, epoch advances, the
-lease-id high-water mark) is appended to `records` before the change is answered; the
-dispatcher writes them to its journal (fsync) before it replies. `LeaseBook.restore` replays
-them: leases do not survive a restart (every LEASED batch is PENDING again, under new lease ids).
+A server that dies, stalls or leaves has its LEASED batches put back to PENDING; a trainer that
+dies or stalls has its CLAIMED (not DONE) batches put back. DONE batches never go out again.
+Progress deadlines (`lease_timeout`, `claim_timeout`; None: never) catch those that beat but
+do not work:
+    a server holding leased batches none of which is claimed for `lease_timeout` s is stalled
+        (a hung transform, or a hostile server): removed and fenced as if dead;
+    a lease with batches still unclaimed `lease_timeout` s after a later lease of its server
+        had a batch claimed is overtaken (its batches were lost on the way, or wait unclaimed
+        at a trainer whose loop hangs): revoked, its unclaimed batches leased again;
+    a trainer holding claimed batches and reporting none DONE for `claim_timeout` s is
+        stalled (its loop hangs while its client thread beats): removed and fenced as if dead.
+
+Durability: every change a restarted dispatcher must know (claims with their tokens, dones,
+epoch advances) is appended to `records` before the change is answered; the dispatcher writes
+them to its journal (fsync) before it replies. `LeaseBook.restore` replays them: leases do not
+survive a restart (every LEASED batch is PENDING again, under new leases and tokens).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
+from collections.abc import Callable
 from typing import Any
 
 from crossfeed.errors import ConfigError
@@ -33,8 +48,13 @@ from crossfeed.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 PENDING, LEASED, CLAIMED, DONE = 0, 1, 2, 3
-LEASE_ID_BLOCK = 1 << 16  # lease ids reserved per journal record
 MAX_REMEMBERED = 4096  # dead ids remembered (to fence them)
+MAX_SERVERS = 4096  # live servers at once; a HELLO beyond is refused (RESET) until one goes
+
+
+def random_token() -> int:
+    """A random 63-bit number, 1..2**63-1 (lease ids and claim tokens: unguessable, never 0)."""
+    return secrets.randbelow((1 << 63) - 1) + 1
 
 
 @dataclasses.dataclass
@@ -43,6 +63,8 @@ class Lease:
     server: int
     epoch: int
     batches: list[int]  # batch numbers within the epoch
+    tokens: list[int]  # the claim token of each batch (sent to its server only)
+    overtaken: float | None = None  # when a later lease of its server had a batch claimed
 
 
 @dataclasses.dataclass
@@ -65,6 +87,9 @@ class LeaseBook:
         window: int = 8,
         timeout: float = 10.0,
         quota: int | None = None,
+        lease_timeout: float | None = None,
+        claim_timeout: float | None = None,
+        tokens: Callable[[], int] = random_token,
     ):
         if batches < 1:
             raise ConfigError(f"an epoch needs at least one batch, got {batches}")
@@ -74,6 +99,8 @@ class LeaseBook:
             raise ConfigError(f"need 1 <= lease_size ({lease_size}) <= window ({window})")
         self.batches, self.epochs = batches, epochs
         self.lease_size, self.window, self.timeout = lease_size, window, timeout
+        self.lease_timeout, self.claim_timeout = lease_timeout, claim_timeout
+        self._token = tokens  # draws lease ids and claim tokens
         # lockstep DDP: each trainer uses at most `quota` batches of an epoch (equal counts per rank)
         self.quota = quota
         self._claims: dict[int, int] = {}  # batches of this epoch each trainer claimed
@@ -81,18 +108,21 @@ class LeaseBook:
         self.finished = False
         self.state = [PENDING] * batches
         self.lease_of = [0] * batches
+        self.token_of = [0] * batches  # the claim token of a LEASED or CLAIMED batch
         self.claimer = [0] * batches
         self.leases: dict[int, Lease] = {}  # live leases: those with a batch still LEASED under them
         self._left: dict[int, int] = {}  # lease id -> its batches still LEASED under it
         self._load: dict[int, int] = {}  # server -> batches LEASED to it (not yet claimed)
+        self._by_server: dict[int, dict[int, None]] = {}  # server -> its live lease ids, oldest first
+        self._idle_since: dict[int, float] = {}  # server with load -> when one of its batches was last claimed
+        self._holding: dict[int, int] = {}  # trainer -> its CLAIMED (not DONE) batches
+        self._done_since: dict[int, float] = {}  # trainer holding some -> when it last reported one DONE
         self._done = 0  # DONE batches of this epoch
         self.servers: dict[int, Member] = {}
         self.trainers: dict[int, Member] = {}
         self.dead_servers: dict[int, None] = {}
         self.dead_trainers: dict[int, None] = {}
         self.records: list[dict[str, Any]] = []  # to journal before answering
-        self._next_lease = 1
-        self._lease_limit = 0  # ids below it are reserved in the journal
         self._cursor = 0  # no PENDING batch below it (a hint for `_take`)
 
     # ---- members ----
@@ -105,6 +135,9 @@ class LeaseBook:
         if m is None:
             if address is None:
                 return False  # unknown: it must say hello first
+            if len(self.servers) >= MAX_SERVERS:
+                logger.warning("server %016x refused: %d servers are live already", server, MAX_SERVERS)
+                return False
             self.servers[server] = Member(now, address)
             logger.info("server %016x joined at %s", server, address)
         else:
@@ -144,10 +177,12 @@ class LeaseBook:
         self.trainers.pop(trainer, None)
         _remember(self.dead_trainers, trainer)
         back = 0
-        for b in range(self.batches):
-            if self.state[b] == CLAIMED and self.claimer[b] == trainer:
-                self._set_pending(b)
-                back += 1
+        if self._holding.pop(trainer, 0):
+            del self._done_since[trainer]
+            for b in range(self.batches):
+                if self.state[b] == CLAIMED and self.claimer[b] == trainer:
+                    self._set_pending(b)
+                    back += 1
         if back:
             self.records.append({"t": "unclaim", "trainer": trainer, "epoch": self.epoch})
         logger.log(
@@ -160,13 +195,40 @@ class LeaseBook:
         return back
 
     def expire(self, now: float) -> tuple[list[int], list[int]]:
-        """Servers and trainers silent for more than `timeout`; removed. Returns (servers, trainers)."""
+        """Servers and trainers silent for more than `timeout`, or past a progress deadline (see
+        the module docstring); removed. Overtaken leases are revoked. Returns (servers, trainers)."""
         servers = [k for k, m in self.servers.items() if now - m.last_seen > self.timeout]
         for k in servers:
             self.remove_server(k, f"silent for more than {self.timeout:g}s, declared dead")
         trainers = [k for k, m in self.trainers.items() if now - m.last_seen > self.timeout]
         for k in trainers:
             self.remove_trainer(k, f"silent for more than {self.timeout:g}s, declared dead")
+        if self.lease_timeout is not None:
+            limit = self.lease_timeout
+            stalled = [k for k, t in self._idle_since.items() if now - t > limit]
+            for k in stalled:
+                n = self._load.get(k, 0)
+                self.remove_server(k, f"delivered none of its {n} leased batches for more than {limit:g}s: stalled")
+            servers += stalled
+            overtaken = [x for x in self.leases.values() if x.overtaken is not None and now - x.overtaken > limit]
+            for lease in overtaken:
+                back = self._revoke(lease.id)
+                logger.warning(
+                    "server %016x: %d batches of a lease were overtaken by later ones for more than %gs "
+                    "(lost on the way, or unclaimed at a stalled trainer): leased again",
+                    lease.server,
+                    back,
+                    limit,
+                )
+        if self.claim_timeout is not None:
+            limit = self.claim_timeout
+            stalled = [k for k, t in self._done_since.items() if now - t > limit]
+            for k in stalled:
+                n = self._holding[k]
+                self.remove_trainer(
+                    k, f"held {n} claimed batches and reported none done for more than {limit:g}s: stalled"
+                )
+            trainers += stalled
         return servers, trainers
 
     # ---- leasing ----
@@ -174,7 +236,7 @@ class LeaseBook:
         """Batches leased to `server` and not yet claimed by a trainer."""
         return self._load.get(server, 0)
 
-    def grant_leases(self) -> list[Lease]:
+    def grant_leases(self, now: float) -> list[Lease]:
         """New leases for live servers below their window, least loaded first."""
         out: list[Lease] = []
         if self.finished:
@@ -188,11 +250,14 @@ class LeaseBook:
             taken = self._take(self.lease_size)
             if not taken:
                 return out
-            lease = Lease(self._new_lease_id(), server, self.epoch, taken)
-            for b in taken:
-                self.state[b], self.lease_of[b] = LEASED, lease.id
+            lease = Lease(self._new_lease_id(), server, self.epoch, taken, [self._token() for _ in taken])
+            for b, token in zip(taken, lease.tokens):
+                self.state[b], self.lease_of[b], self.token_of[b] = LEASED, lease.id, token
             self.leases[lease.id] = lease
+            self._by_server.setdefault(server, {})[lease.id] = None
             self._left[lease.id] = len(taken)
+            if not self._load.get(server):
+                self._idle_since[server] = now  # its deadline runs from the first batch it holds
             self._load[server] = self._load.get(server, 0) + len(taken)
             load[server] += len(taken)
             out.append(lease)
@@ -209,11 +274,11 @@ class LeaseBook:
         return taken
 
     def _new_lease_id(self) -> int:
-        if self._next_lease >= self._lease_limit:
-            self._lease_limit = self._next_lease + LEASE_ID_BLOCK
-            self.records.append({"t": "lease_ids", "below": self._lease_limit})
-        lid = self._next_lease
-        self._next_lease += 1
+        """A random id no live lease has (a clash, at odds of 2**-63 per live lease, draws again:
+        each draw clashes with those odds, so the loop ends after one or two)."""
+        lid = self._token()
+        while lid in self.leases:
+            lid = self._token()
         return lid
 
     def _revoke(self, lid: int) -> int:
@@ -233,13 +298,28 @@ class LeaseBook:
         self._left[lid] -= 1
         if not self._left[lid]:
             del self._left[lid], self.leases[lid]
+            mine = self._by_server[lease.server]
+            del mine[lid]
+            if not mine:
+                del self._by_server[lease.server]
         if not self._load[lease.server]:
-            del self._load[lease.server]
+            del self._load[lease.server], self._idle_since[lease.server]
+
+    def _delivered(self, lease: Lease, now: float) -> None:
+        """A batch of `lease` reached a trainer: its server made progress, and its older leases
+        with batches still unclaimed were overtaken (their clock starts now, if not already)."""
+        self._idle_since[lease.server] = now
+        for lid in self._by_server[lease.server]:
+            if lid == lease.id:
+                return
+            older = self.leases[lid]
+            if older.overtaken is None:
+                older.overtaken = now
 
     def _set_pending(self, b: int) -> None:
         if self.state[b] == LEASED:
             self._unlease(b)
-        self.state[b], self.lease_of[b], self.claimer[b] = PENDING, 0, 0
+        self.state[b], self.lease_of[b], self.token_of[b], self.claimer[b] = PENDING, 0, 0, 0
         self._cursor = min(self._cursor, b)
 
     # ---- trainers ----
@@ -248,29 +328,33 @@ class LeaseBook:
         b = seq - self.epoch * self.batches
         return b if 0 <= b < self.batches and not self.finished else None
 
-    def claim(self, trainer: int, seq: int, lease: int) -> bool:
-        """May `trainer` use batch `seq`, received under `lease`? (see the module docstring)
+    def claim(self, trainer: int, seq: int, token: int, *, now: float) -> bool:
+        """May `trainer` use batch `seq`, received with claim `token`? (see the module docstring)
 
-        A copy refused although its lease is the batch's current one (an unknown or fenced
+        A copy refused although its token is the batch's current one (an unknown or fenced
         trainer, or one that has its `quota` of this epoch) is dropped by the trainer, so the
         batch goes back to PENDING and out again."""
         b = self._local(seq)
-        if b is None:
+        if b is None or token <= 0:
             return False
         if self.state[b] == CLAIMED:
-            return self.claimer[b] == trainer and self.lease_of[b] == lease
-        if self.state[b] != LEASED or self.lease_of[b] != lease:
+            return self.claimer[b] == trainer and self.token_of[b] == token
+        if self.state[b] != LEASED or self.token_of[b] != token:
             return False
+        self._delivered(self.leases[self.lease_of[b]], now)
         if trainer not in self.trainers or (self.quota is not None and self._claims.get(trainer, 0) >= self.quota):
             self._set_pending(b)
             return False
         self._unlease(b)
         self.state[b], self.claimer[b] = CLAIMED, trainer
         self._claims[trainer] = self._claims.get(trainer, 0) + 1
-        self.records.append({"t": "claim", "trainer": trainer, "epoch": self.epoch, "b": b, "lease": lease})
+        if not self._holding.get(trainer):
+            self._done_since[trainer] = now  # its deadline runs from the first batch it holds
+        self._holding[trainer] = self._holding.get(trainer, 0) + 1
+        self.records.append({"t": "claim", "trainer": trainer, "epoch": self.epoch, "b": b, "token": token})
         return True
 
-    def done(self, trainer: int, seq: int) -> bool:
+    def done(self, trainer: int, seq: int, *, now: float) -> bool:
         """`trainer` consumed batch `seq`; True if it is (now, or already) DONE by it."""
         b = self._local(seq)
         if b is None:
@@ -281,6 +365,11 @@ class LeaseBook:
             return False
         self.state[b] = DONE
         self._done += 1
+        self._holding[trainer] -= 1
+        if self._holding[trainer]:
+            self._done_since[trainer] = now
+        else:
+            del self._holding[trainer], self._done_since[trainer]
         self.records.append({"t": "done", "epoch": self.epoch, "b": b})
         self._maybe_advance()
         return True
@@ -289,9 +378,7 @@ class LeaseBook:
         if self._done < self.batches:
             return
         logger.info("epoch %d done: %d batches, each consumed once", self.epoch, self.batches)
-        self.leases.clear()
-        self._left.clear()
-        self._load.clear()
+        self._clear_leases()
         self._done = 0
         self.epoch += 1
         self.records.append({"t": "epoch", "epoch": self.epoch})
@@ -300,9 +387,18 @@ class LeaseBook:
             return
         self.state = [PENDING] * self.batches
         self.lease_of = [0] * self.batches
+        self.token_of = [0] * self.batches
         self.claimer = [0] * self.batches
         self._claims.clear()
         self._cursor = 0
+
+    def _clear_leases(self) -> None:
+        """Forget every lease (an epoch's end, or a restart); the caller resets the batches."""
+        self.leases.clear()
+        self._left.clear()
+        self._load.clear()
+        self._by_server.clear()
+        self._idle_since.clear()
 
     def progress(self) -> dict[str, int]:
         counts = [0, 0, 0, 0]
@@ -323,26 +419,25 @@ class LeaseBook:
 
     def snapshot(self) -> list[dict[str, Any]]:
         """The records that rebuild this book's durable state (for compacting the journal)."""
-        out: list[dict[str, Any]] = [
-            {"t": "epoch", "epoch": self.epoch},
-            {"t": "lease_ids", "below": max(self._lease_limit, self._next_lease)},
-        ]
+        out: list[dict[str, Any]] = [{"t": "epoch", "epoch": self.epoch}]
         out += [{"t": "unclaim", "trainer": k, "epoch": -1} for k in self.dead_trainers]
         if self.finished:
             return out
         for b in range(self.batches):
             if self.state[b] == CLAIMED:
                 out.append(
-                    {"t": "claim", "trainer": self.claimer[b], "epoch": self.epoch, "b": b, "lease": self.lease_of[b]}
+                    {"t": "claim", "trainer": self.claimer[b], "epoch": self.epoch, "b": b, "token": self.token_of[b]}
                 )
             elif self.state[b] == DONE:
-                out.append({"t": "claim", "trainer": self.claimer[b], "epoch": self.epoch, "b": b, "lease": 0})
+                out.append({"t": "claim", "trainer": self.claimer[b], "epoch": self.epoch, "b": b, "token": 0})
                 out.append({"t": "done", "epoch": self.epoch, "b": b})
         return out
 
     def restore(self, records: list[dict[str, Any]], now: float) -> None:
         """Replay journal `records` (see `snapshot`); the trainers that hold claims get `timeout`
-        seconds from `now` to come back before their batches go out again."""
+        seconds from `now` to come back (and `claim_timeout` to report one DONE) before their
+        batches go out again. A `lease_ids` record (of an earlier version, whose lease ids were
+        counted) is ignored: lease ids are random now."""
         for r in records:
             t = r.get("t")
             if t == "epoch":
@@ -350,9 +445,10 @@ class LeaseBook:
                 self.finished = self.epochs is not None and self.epoch >= self.epochs
                 self.state = [PENDING] * self.batches
                 self.lease_of = [0] * self.batches
+                self.token_of = [0] * self.batches
                 self.claimer = [0] * self.batches
             elif t == "lease_ids":
-                self._next_lease = self._lease_limit = max(self._lease_limit, int(r["below"]))
+                continue
             elif t == "unclaim":  # that trainer was declared dead: fenced, its claims go out again
                 _remember(self.dead_trainers, int(r["trainer"]))
                 if r.get("epoch") == self.epoch:
@@ -363,20 +459,24 @@ class LeaseBook:
                 continue
             elif t == "claim":
                 b = int(r["b"])
-                self.state[b], self.claimer[b], self.lease_of[b] = CLAIMED, int(r["trainer"]), int(r["lease"])
+                # a claim journaled by an earlier version has no token: never granted again to a
+                # repeated claim, its batch goes out again at its trainer's claim deadline
+                self.state[b], self.claimer[b], self.token_of[b] = CLAIMED, int(r["trainer"]), int(r.get("token", 0))
             elif t == "done":
                 self.state[int(r["b"])] = DONE
         self._cursor = 0
-        self.leases.clear()
-        self._left.clear()
-        self._load.clear()
+        self._clear_leases()
         self._claims.clear()
+        self._holding.clear()
+        self._done_since.clear()
         self._done = sum(1 for x in self.state if x == DONE)
         for b in range(self.batches):
             if self.state[b] in (CLAIMED, DONE):
                 self._claims[self.claimer[b]] = self._claims.get(self.claimer[b], 0) + 1
             if self.state[b] == CLAIMED:
                 self.trainers.setdefault(self.claimer[b], Member(now))
+                self._holding[self.claimer[b]] = self._holding.get(self.claimer[b], 0) + 1
+                self._done_since[self.claimer[b]] = now
         self.records.clear()
         if not self.finished:
             self._maybe_advance()  # the last DONE made it to the journal, the epoch's end did not

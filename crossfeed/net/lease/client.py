@@ -6,15 +6,18 @@
 
 The client beats the dispatcher (`leasewire`) and connects every server it announces, as they
 join (a server that dies is simply dropped: the dispatcher gives its work to the others).
-Every batch that arrives is CLAIMed at the dispatcher, quoting the lease it was built under,
-and reaches the training loop only once granted: a batch of a revoked lease (its server was
-declared dead, left, or the dispatcher restarted) or one another trainer holds is refused and
-dropped here (acknowledged to its server, never yielded), and so is a second copy of a batch
-this client already used. A used batch is reported DONE (again until confirmed) when the next
-one is asked for. Grants are used only while this client's own standing with the dispatcher is
-recent (a BEAT answered within half its silence timeout): a client that stalled longer asks
-first, and one the dispatcher declared dead in the meantime drops what it was granted.
-Iteration ends when the dispatcher says every epoch is done.
+Every batch that arrives is CLAIMed at the dispatcher, quoting the claim token its server sent
+with it (proof that this client received it), and reaches the training loop only once granted:
+a batch of a revoked lease (its server was declared dead or stalled, left, or the dispatcher
+restarted) or one another trainer holds is refused and dropped here (acknowledged to its
+server, never yielded), and so is a second copy of a batch this client already used. A used
+batch is reported DONE (again until confirmed) when the next one is asked for. Grants are used
+only while this client's own standing with the dispatcher is recent (a BEAT answered within
+half its silence timeout), and after the training loop was away longer than that only once a
+BEAT sent after it came back is answered (the dispatcher's claim deadline may have declared
+this client stalled meanwhile): one the dispatcher declared dead or stalled drops what it was
+granted. Iteration ends when the dispatcher says every epoch is done (what is still granted
+then is a stale copy, dropped).
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ class LeasedClient(Iterator[Any]):
         self._done: set[int] = set()  # used, DONE not yet confirmed
         self._held: Delivery | None = None
         self._confirmed_at = -1.0  # send time of the last BEAT the dispatcher answered
+        self._returned_at = time.monotonic()  # when the training loop last got a batch
+        self._beat_ms = 0  # the sent_ms of our last BEAT (strictly increasing)
+        self._back_at = -1.0  # the loop came back after a long absence: grants wait for a BEAT from then on
         self._timeout = self._hb.timeout  # the dispatcher's silence timeout, once it tells us
         self._next_beat = 0.0
         self._finished = False
@@ -94,6 +100,11 @@ class LeasedClient(Iterator[Any]):
         return self
 
     def __next__(self) -> Any:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._returned_at > self._timeout / 2:  # away long: ask before using a grant
+                self._back_at = (self._beat_ms + 1) / 1000
+                self._next_beat = 0.0  # a BEAT now (after the DONE below: the same socket, in order)
         if self._held is not None:
             held, self._held = self._held, None
             self._receiver.ack(held.server, held.meta.seq, held.lease)
@@ -106,13 +117,15 @@ class LeasedClient(Iterator[Any]):
             with self._lock:
                 self._pump()
                 now = time.monotonic()
-                if self._granted and now - self._confirmed_at < self._timeout / 2:
+                standing = now - self._confirmed_at < self._timeout / 2 and self._confirmed_at >= self._back_at
+                if self._granted and standing:
                     event = self._granted.popleft()
                     self._held = event
                     self.last_meta = event.meta
                     self.batches += 1
+                    self._returned_at = now
                     return (event.meta, event.batch) if self.options.with_meta else event.batch
-                if self._finished and not self._done and not self._granted:
+                if self._finished and not self._granted:  # every batch is done: no DONE to confirm
                     raise StopIteration
             if self._awaiting and not self._granted:  # a grant is due: wait on the dispatcher
                 event = self._receiver.next_event(timeout=0.0)
@@ -155,14 +168,15 @@ class LeasedClient(Iterator[Any]):
         if self._closed:
             return
         now = time.monotonic()
-        if now >= self._next_beat:
-            self._next_beat = now + self._hb.interval
-            self._send(W.Kind.BEAT, sent_ms=int(now * 1000))
-            force_done = True
-        if force_done and self._done:
+        beat = now >= self._next_beat
+        if (force_done or beat) and self._done:  # before the BEAT: its answer then vouches for them
             done = sorted(self._done)
             for i in range(0, len(done), W.MAX_ITEMS):
                 self._send(W.Kind.DONE, payload=done[i : i + W.MAX_ITEMS])
+        if beat:
+            self._next_beat = now + self._hb.interval
+            self._beat_ms = max(int(now * 1000), self._beat_ms + 1)
+            self._send(W.Kind.BEAT, sent_ms=self._beat_ms)
         due = [key for key, (_ev, sent) in self._awaiting.items() if now - sent > CLAIM_RETRY]
         for i in range(0, len(due), W.MAX_ITEMS):
             self._send(W.Kind.CLAIM, payload=due[i : i + W.MAX_ITEMS])
@@ -187,21 +201,24 @@ class LeasedClient(Iterator[Any]):
             if msg.timeout_ms > 0:
                 self._timeout = msg.timeout_ms / 1000
             self._finished = bool(msg.finished)
-            if self._finished:
-                for ev, _ in self._awaiting.values():  # every batch is done: these are copies
+            if self._finished:  # every batch is done: what we hold or await are copies
+                for ev in [*(ev for ev, _ in self._awaiting.values()), *self._granted]:
                     self._receiver.ack(ev.server, ev.meta.seq, ev.lease)
                 self._awaiting.clear()
+                self._granted.clear()
+                self._done.clear()
             for address in msg.payload.split() if msg.payload else ():
                 if address not in self._servers:
-                    W.endpoints(address)
-                    try:
+                    try:  # one bad address is skipped; the page's others are still connected
+                        W.endpoints(address)
                         self._servers[address] = self._receiver.add(address)
-                    except zmq.ZMQError as e:
-                        raise WireError(f"the dispatcher announced {address!r}, which cannot be connected: {e}") from e
+                    except (WireError, zmq.ZMQError) as e:
+                        logger.warning("skipped server address %r announced by the dispatcher: %s", address[:80], e)
+                        continue
                     logger.info("connected server %s (announced by the dispatcher)", address)
         elif msg.kind is W.Kind.GRANTS:
-            for seq, lease, ok in msg.payload:
-                entry = self._awaiting.pop((int(seq), int(lease)), None)
+            for seq, token, ok in msg.payload:
+                entry = self._awaiting.pop((int(seq), int(token)), None)
                 if entry is None:
                     continue
                 ev = entry[0]
@@ -214,6 +231,8 @@ class LeasedClient(Iterator[Any]):
         elif msg.kind is W.Kind.DONE_OK:
             self._done.difference_update(int(s) for s in msg.payload)
             self._finished = self._finished or bool(msg.finished)
+            if self._finished:
+                self._done.clear()
         elif msg.kind is W.Kind.RESET:
             self._reset()
 

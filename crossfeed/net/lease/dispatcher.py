@@ -2,19 +2,22 @@
 
 One ROUTER socket (CURVE like `serve` when keys are given) speaks `leasewire` with both sides:
 servers say HELLO (their data endpoints) and BEAT, and get LEASEs of batch numbers to build and
-stream; trainers BEAT (and learn the live servers' endpoints), CLAIM each batch they receive and
-report it DONE once used. The bookkeeping is `leases.LeaseBook`'s; every change it makes is
-journaled (append + fsync) before any answer leaves, so a restarted dispatcher continues the
-epoch: DONE batches are never served again, CLAIMED ones stay with their trainer, and every
-lease of the previous process is revoked (its unclaimed batches are leased again, under new ids).
+stream, each with its claim token; trainers BEAT (and learn the live servers' endpoints, a page
+per BEAT), CLAIM each batch they receive quoting the token that came with it, and report it DONE
+once used. Progress deadlines (`lease_timeout`, `claim_timeout`, see `LeaseBook`) take the work
+of a server or a trainer that beats but does not deliver, or does not use what it holds, to
+the others. The bookkeeping is `leases.LeaseBook`'s; every change it makes is journaled
+(append + fsync) before any answer leaves, so a restarted dispatcher continues the epoch: DONE
+batches are never served again, CLAIMED ones stay with their trainer, and every lease of the
+previous process is revoked (its unclaimed batches are leased again, under new ids and tokens).
 
 While the dispatcher is down nothing is lost or repeated, but nothing new is claimed either:
 trainers use only the batches already granted to them, servers finish what they hold (trainers
 then wait), and no server or trainer can be declared dead. A journal on a disk that loses
 fsync'ed data (or a journal deleted between runs) voids the guarantee for the epoch in progress.
 
-Every message is validated (`leasewire.unpack`, `LeaseBook` refuses unknown ids, foreign
-leases and out-of-range batch numbers); a malformed one is counted and dropped.
+Every message is validated (`leasewire.unpack`, `LeaseBook` refuses unknown ids, wrong claim
+tokens and out-of-range batch numbers); a malformed one is counted and dropped.
 """
 
 from __future__ import annotations
@@ -52,12 +55,26 @@ class DispatcherOptions:
     linger: float = 5.0  # after the last epoch, how long to keep answering (FINISHED)
     insecure: bool = False
     quota: int | None = None  # lockstep DDP: batches each trainer uses per epoch
+    # a server holding leased batches none of which reaches a trainer for this long is stalled
+    # (and a lease overtaken by a later one of its server for this long is leased again); None: never
+    lease_timeout: float | None = 120.0
+    # a trainer holding claimed batches and reporting none used for this long is stalled; None: never
+    claim_timeout: float | None = 300.0
 
     def __post_init__(self) -> None:
         if self.epochs is not None and self.epochs < 1:
             raise ConfigError(f"epochs must be >= 1 or None, got {self.epochs}")
         if not 1 <= self.lease_size <= self.window:
             raise ConfigError(f"need 1 <= lease_size ({self.lease_size}) <= window ({self.window})")
+        if self.lease_size > W.MAX_ITEMS:
+            raise ConfigError(f"lease_size ({self.lease_size}) must be at most {W.MAX_ITEMS} (batches in one LEASE)")
+        for name in ("lease_timeout", "claim_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value >= self.heartbeat.timeout:
+                raise ConfigError(
+                    f"{name} ({value}) must be at least the heartbeat timeout ({self.heartbeat.timeout}), "
+                    "or None for no progress deadline"
+                )
 
 
 class LeaseDispatcher:
@@ -78,6 +95,8 @@ class LeaseDispatcher:
             window=options.window,
             timeout=options.heartbeat.timeout,
             quota=options.quota,
+            lease_timeout=options.lease_timeout,
+            claim_timeout=options.claim_timeout,
         )
         self.journal = Journal(options.journal)
         records = self.journal.read()
@@ -109,6 +128,7 @@ class LeaseDispatcher:
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._routes: dict[int, bytes] = {}  # server id -> its routing id
         self._trainer_routes: dict[int, bytes] = {}  # trainer id -> its routing id (to tell them FINISHED)
+        self._pages: dict[int, int] = {}  # trainer id -> where its next SERVERS page starts
         self._out: list[tuple[bytes, list]] = []  # answers, sent once the journal holds the changes
         self._log = P.RateLimitedLog(logger)
         self._stop = threading.Event()
@@ -167,7 +187,8 @@ class LeaseDispatcher:
                 self._routes.pop(server, None)
             for trainer in dead:
                 self._trainer_routes.pop(trainer, None)
-            leases = book.grant_leases()
+                self._pages.pop(trainer, None)
+            leases = book.grant_leases(now)
             self.journal.append(book.take_records())  # durable before anyone hears of it
             if self.journal.due():
                 self.journal.compact(book.snapshot())
@@ -178,7 +199,7 @@ class LeaseDispatcher:
                     lease=lease.id,
                     epoch=lease.epoch,
                     batches=self.batches,
-                    payload=lease.batches,
+                    payload=list(zip(lease.batches, lease.tokens)),
                     instance=self.instance,
                 )
                 self._out.append((self._routes[lease.server], msg))
@@ -250,6 +271,7 @@ class LeaseDispatcher:
             raise WireError(f"{msg.kind.name} names role {msg.role}, expected {SERVER} or {TRAINER}")
         if msg.kind is W.Kind.BYE:
             self._trainer_routes.pop(msg.sender, None)
+            self._pages.pop(msg.sender, None)
             if msg.sender in book.trainers:
                 book.remove_trainer(msg.sender, "left")
             return
@@ -258,7 +280,7 @@ class LeaseDispatcher:
             self._reply(route, W.Kind.RESET)
             return
         if msg.kind is W.Kind.BEAT:
-            servers = " ".join(m.address for m in book.servers.values())
+            servers = self._page(msg.sender)
             self._reply(
                 route,
                 W.Kind.SERVERS,
@@ -269,15 +291,35 @@ class LeaseDispatcher:
             )
         elif msg.kind is W.Kind.CLAIM:
             answers = [
-                (int(seq), int(lease), int(book.claim(msg.sender, int(seq), int(lease)))) for seq, lease in msg.payload
+                (int(seq), int(token), int(book.claim(msg.sender, int(seq), int(token), now=now)))
+                for seq, token in msg.payload
             ]
             granted = sum(ok for _, _, ok in answers)
             self.stats["granted"] += granted
             self.stats["refused"] += len(answers) - granted
             self._reply(route, W.Kind.GRANTS, payload=answers)
         elif msg.kind is W.Kind.DONE:
-            confirmed = [int(seq) for seq in msg.payload if book.done(msg.sender, int(seq))]
+            confirmed = [int(seq) for seq in msg.payload if book.done(msg.sender, int(seq), now=now)]
             self._reply(route, W.Kind.DONE_OK, finished=int(book.finished), payload=confirmed)
+
+    def _page(self, trainer: int) -> str:
+        """The next page of live servers' endpoints for `trainer`: as many servers as fit in one
+        SERVERS message, starting where its last page ended (each server's registration is
+        bounded by `W.endpoints`, so no server can crowd the others out of every page)."""
+        members = list(self.book.servers.values())
+        if not members:
+            return ""
+        start = self._pages.get(trainer, 0) % len(members)
+        page: list[str] = []
+        size = 0
+        for i in range(len(members)):
+            address = members[(start + i) % len(members)].address
+            size += len(address.encode()) + 1
+            if size - 1 > W.MAX_TEXT:
+                break
+            page.append(address)
+        self._pages[trainer] = start + len(page)
+        return " ".join(page)
 
     def _reply(self, route: bytes, kind: W.Kind, payload=None, **slots: int) -> None:
         self._out.append((route, W.pack(kind, instance=self.instance, payload=payload, **slots)))

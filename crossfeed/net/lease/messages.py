@@ -11,13 +11,16 @@ dispatcher process's random id (0 from others): a new one means the dispatcher r
 server → dispatcher: HELLO(role; payload = its data endpoints, text), BEAT(role), BYE(role: hands its
                      leases back)
 dispatcher → server: WELCOME(batches per epoch; payload = the plan as JSON text),
-                     LEASE(lease id, epoch, batches per epoch; payload = batch numbers),
+                     LEASE(lease id, epoch, batches per epoch; payload = batch number, claim token
+                     pairs: the server sends each batch with its token, and only with it),
                      RESET (you were declared dead or are unknown: drop your leases, say HELLO
                      under a new id), FINISHED (every epoch is done)
-trainer → dispatcher: BEAT(sent_ms, role), CLAIM(role; payload = seq, lease pairs),
+trainer → dispatcher: BEAT(sent_ms, role), CLAIM(role; payload = seq, token pairs: the token
+                      came with the batch, which proves the trainer received it from its server),
                       DONE(role; payload = seqs), BYE(role)
-dispatcher → trainer: SERVERS(finished, silence timeout_ms, the BEAT's sent_ms; payload = endpoints),
-                      GRANTS(payload = seq, lease, granted triples),
+dispatcher → trainer: SERVERS(finished, silence timeout_ms, the BEAT's sent_ms; payload = endpoints:
+                      one page of the live servers', at most MAX_TEXT bytes, the next BEAT the next),
+                      GRANTS(payload = seq, token, granted triples),
                       DONE_OK(finished; payload = seqs),
                       RESET (you were declared dead: drop what you were granted and not used)
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import struct
 from typing import Any
 
@@ -63,7 +67,7 @@ TO_SERVER = frozenset({Kind.WELCOME, Kind.LEASE, Kind.RESET, Kind.FINISHED})
 TO_TRAINER = frozenset({Kind.SERVERS, Kind.GRANTS, Kind.DONE_OK, Kind.RESET})
 _TEXT = frozenset({Kind.HELLO, Kind.WELCOME, Kind.SERVERS})
 _INTS = frozenset({Kind.LEASE, Kind.CLAIM, Kind.DONE, Kind.GRANTS, Kind.DONE_OK})
-_WIDTH = {Kind.CLAIM: 2, Kind.GRANTS: 3}  # int64s per item (others: 1)
+_WIDTH = {Kind.LEASE: 2, Kind.CLAIM: 2, Kind.GRANTS: 3}  # int64s per item (others: 1)
 _KINDS = {int(k): k for k in Kind}
 
 
@@ -161,12 +165,25 @@ def unpack(frames: list, allowed: frozenset[Kind]) -> Message:
     return Message(k, sender=sender, instance=instance, payload=payload, **named)
 
 
+MAX_ENDPOINTS = 8  # data endpoints one server may announce
+MAX_ENDPOINT = 256  # bytes of one endpoint
+# tcp://HOST:PORT, HOST a DNS name, an IPv4 address or a bracketed IPv6 one; PORT 1..65535, digits only
+_TCP = re.compile(r"tcp://(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):([0-9]{1,5})")
+_IPC = re.compile(r"ipc://[^\s\x00-\x1f\x7f]+")
+
+
 def endpoints(text: str) -> list[str]:
-    """The data endpoints a server announces: tcp:// or ipc:// addresses, space separated."""
-    out = text.split()
-    if not out or len(out) > 16:
-        raise WireError(f"a server announces 1..16 endpoints, got {len(out)}")
+    """The data endpoints a server announces: 1..MAX_ENDPOINTS distinct tcp://HOST:PORT or
+    ipc://PATH addresses, space separated, each at most MAX_ENDPOINT bytes."""
+    out = text.split(" ")
+    if not 1 <= len(out) <= MAX_ENDPOINTS:
+        raise WireError(f"a server announces 1..{MAX_ENDPOINTS} endpoints, got {len(out)}")
+    if len(set(out)) != len(out):
+        raise WireError(f"a server announces the same endpoint twice: {text[:160]!r}")
     for a in out:
-        if not a.startswith(("tcp://", "ipc://")) or len(a) > 256 or not a.isprintable():
-            raise WireError(f"bad endpoint {a[:80]!r} (expected tcp://HOST:PORT or ipc://PATH)")
+        if len(a.encode()) > MAX_ENDPOINT:
+            raise WireError(f"endpoint {a[:80]!r}... is longer than {MAX_ENDPOINT} bytes")
+        tcp = _TCP.fullmatch(a)
+        if not ((_IPC.fullmatch(a) and a.isprintable()) or (tcp and 1 <= int(tcp.group(1)) <= 65535)):
+            raise WireError(f"bad endpoint {a[:80]!r} (expected tcp://HOST:PORT, PORT 1..65535, or ipc://PATH)")
     return out

@@ -7,7 +7,8 @@ numbers of each LEASE with a Loader over the local copy of the dataset (batch `b
 is batch `b // W` of rank `b % W` in the Loader's plan for `W` ranks, W = the plan's world_size,
 1 unless the trainers are lockstep DDP ranks; fetched, decoded and transformed as the Loader
 does). Each batch goes to the server's queue as an `Item` with seq `e * batches + b` and the
-lease id, which the trainer quotes when it claims the batch. Yields, like `Producer`:
+batch's claim token (from the LEASE; it travels in the BATCH envelope's token, to the one trainer
+the batch goes to, which quotes it when it claims the batch). Yields, like `Producer`:
     Item(seq, epoch, frames, n, lease)   one encoded batch
     StreamEnd(epochs)                    the dispatcher said FINISHED
     ProducerFailed(message)              building failed; nothing follows
@@ -20,7 +21,7 @@ keeps beating and reading the dispatcher.
 RESET (the dispatcher declared us dead, or restarted without knowing us): the leases not yet
 built are dropped and we say HELLO under a new id; a batch of a void lease that the executor
 was already building is dropped when it is done, never offered; what was already sent is
-refused to the trainers by the dispatcher (their claims quote revoked leases), never used twice.
+refused to the trainers by the dispatcher (their claims quote revoked tokens), never used twice.
 `stop()` says BYE first: the dispatcher gives our unclaimed batches to the other servers.
 """
 
@@ -80,8 +81,8 @@ class LeaseSource:
         self._endpoints = advertised(endpoints)
         self._server_id, self._hb, self._on_put = server_id, heartbeat, on_put
         self.queue = Prefetch(prefetch)
-        # (join, lease, epoch, b, batches), join: the `_joins` count when the lease came
-        self._todo: collections.deque[tuple[int, int, int, int, int]] = collections.deque()
+        # (join, lease, epoch, b, batches, token), join: the `_joins` count when the lease came
+        self._todo: collections.deque[tuple[int, int, int, int, int, int]] = collections.deque()
         self._joins = 0  # bumped by each RESET: tasks of an earlier join are void
         self._work = threading.Event()  # set when leases arrive
         self._loader = None
@@ -188,12 +189,16 @@ class LeaseSource:
                 if not self._welcomed or msg.batches != self._batches or msg.epoch < 0:
                     logger.warning("dropped a lease that does not fit the plan we were welcomed with")
                     continue
-                nums = [int(b) for b in msg.payload]
-                if any(not 0 <= b < self._batches for b in nums):
-                    logger.warning("dropped lease %d: batch numbers outside 0..%d", msg.lease, self._batches - 1)
+                pairs = [(int(b), int(token)) for b, token in msg.payload]
+                if any(not 0 <= b < self._batches or token <= 0 for b, token in pairs):
+                    logger.warning(
+                        "dropped lease %d: batch numbers outside 0..%d, or tokens not positive",
+                        msg.lease,
+                        self._batches - 1,
+                    )
                     continue
                 self.stats["leases"] += 1
-                self._todo.extend((self._joins, msg.lease, msg.epoch, b, msg.batches) for b in nums)
+                self._todo.extend((self._joins, msg.lease, msg.epoch, b, msg.batches, t) for b, t in pairs)
                 self._work.set()
             elif msg.kind is W.Kind.RESET:
                 logger.warning("the dispatcher does not know us (declared dead, or restarted): joining afresh")
@@ -265,7 +270,7 @@ class LeaseSource:
                 return
             where = ""
             if taken:  # the batch whose result was awaited
-                _, lease, epoch, b, _ = taken[0]
+                _, lease, epoch, b, _, _ = taken[0]
                 where = f" (building batch {b} of epoch {epoch}, lease {lease})"
             logger.exception("building the dispatcher's leases failed%s", where)
             self._put(ProducerFailed(f"{type(e).__name__}{where}: {e}"))
@@ -281,7 +286,7 @@ class LeaseSource:
                 return
             if task[0] != self._joins:
                 continue
-            _, _, epoch, b, _ = task
+            _, _, epoch, b, _, _ = task
             key = (b % world, epoch)
             plan = self._plans.get(key)
             if plan is None:  # one Plan per rank and epoch: it keeps the order's chunk it last evaluated
@@ -291,11 +296,11 @@ class LeaseSource:
             taken.append(task)
             yield plan.batch(b // world)
 
-    def _offer(self, task: tuple[int, int, int, int, int], batch) -> None:
+    def _offer(self, task: tuple[int, int, int, int, int, int], batch) -> None:
         """Hand a built batch to the server, unless its lease went void meanwhile (RESET)."""
-        join, lease, epoch, b, batches = task
+        join, lease, epoch, b, batches, token = task
         item = encode_item(batch, epoch=epoch, seq=epoch * batches + b, server_id=self._server_id)
-        item.lease = lease
+        item.lease = token  # Item.lease travels as the BATCH envelope's token: the batch's claim token
         self.stats["built"] += 1
         if not put_until(self.queue, item, self._halt, self._on_put, void=lambda: join != self._joins):
             if join != self._joins:

@@ -34,7 +34,7 @@ class Item:
     frames: list[Any]
     num_samples: int
     nbytes: int = 0
-    lease: int = 0  # the dispatcher's lease it was built under (0: no dispatcher)
+    lease: int = 0  # the dispatcher's claim token of this batch, the BATCH envelope's token (0: no dispatcher)
 
 
 @dataclasses.dataclass

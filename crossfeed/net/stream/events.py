@@ -15,7 +15,7 @@ class Delivery:
     meta: wire.BatchMeta
     batch: dict[str, Any]
     lease: int = 0  # the link's lease it came under: stale (and dropped) once that link rejoined
-    token: int = 0  # the BATCH envelope's token: the dispatcher's lease id (0 without a dispatcher)
+    token: int = 0  # the BATCH envelope's token: the dispatcher's claim token (0 without a dispatcher)
 
 
 @dataclasses.dataclass(frozen=True)
