@@ -246,6 +246,11 @@ class LeasedClient(Iterator[Any]):
     def lost(self) -> list:
         return list(self._receiver.lost)
 
+    @property
+    def dropped_messages(self) -> int:
+        """Malformed messages from servers, dropped (see `Receiver`); the dispatcher's are logged."""
+        return self._receiver.dropped_messages
+
     def close(self) -> None:
         if self._closed:
             return
