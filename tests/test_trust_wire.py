@@ -191,6 +191,7 @@ def test_a_fake_server_registered_with_the_dispatcher_does_not_kill_the_trainers
     assert counts == collections.Counter(range(N)), "a sample was lost or used twice"
     logs = "".join((tmp_path / f"t{i}.log").read_text() for i in range(2))
     assert "dropped a malformed message" in logs and "client I/O failed" not in logs
+    assert "is no dispatcher's" in logs  # the well-formed batch under a made-up lease id
 
 
 def spawn_fake(tmp_path, dispatcher: str):
@@ -206,10 +207,10 @@ def spawn_fake(tmp_path, dispatcher: str):
         return subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
-def fake_leased_server(dispatcher: str, folder: str, seconds: float = 4.0) -> None:
-    """(child process) Says HELLO to the dispatcher with a data endpoint, beats it for `seconds`,
-    and answers every trainer that connects with zero-element batches under the leases it got;
-    then says BYE (its leases go to the real servers)."""
+def fake_leased_server(dispatcher: str, folder: str, peers: int = 2, deadline: float = 60.0) -> None:
+    """(child process) Says HELLO to the dispatcher with a data endpoint, beats it, and answers
+    each trainer that connects with zero-element batches under the leases it got; once `peers`
+    trainers had them (or after `deadline` seconds), says BYE (its leases go to the real servers)."""
     import os
     import time
 
@@ -225,9 +226,11 @@ def fake_leased_server(dispatcher: str, folder: str, seconds: float = 4.0) -> No
     open(os.path.join(folder, "fake.ready"), "w").close()
     leases: list[tuple[int, int, int]] = []  # (lease id, epoch, batch)
     answered: set[bytes] = set()
-    end = time.monotonic() + seconds
+    end = time.monotonic() + deadline
     next_beat = 0.0
     while time.monotonic() < end:
+        if len(answered) >= peers:
+            end = min(end, time.monotonic() + 1.0)  # a last second of beats, then BYE
         if time.monotonic() >= next_beat:
             next_beat = time.monotonic() + 0.1
             control.send_multipart(W.pack(W.Kind.BEAT, role=1, sender=me))
@@ -243,6 +246,11 @@ def fake_leased_server(dispatcher: str, folder: str, seconds: float = 4.0) -> No
                     seq = epoch * (N // BATCH) + b
                     env = P.pack(P.Kind.BATCH, seq, epoch, instance=me, token=lease)
                     data.send_multipart([peer, env, *zero_element(wire.ARRAY, dims, seq=seq)])
+                # and a well-formed batch under a lease id no dispatcher can have made
+                lease, epoch, b = leases[-1]
+                meta = wire.BatchMeta(epoch=epoch, seq=epoch * (N // BATCH) + b, sample_ids=np.arange(BATCH))
+                env = P.pack(P.Kind.BATCH, meta.seq, epoch, instance=me, token=2**64 - 1)
+                data.send_multipart([peer, env, *wire.encode({"x": np.zeros((BATCH, 4))}, meta)])
                 with open(os.path.join(folder, "fake.sent"), "a") as f:
                     f.write(peer.hex() + "\n")
     control.send_multipart(W.pack(W.Kind.BYE, role=1, sender=me))

@@ -10,7 +10,8 @@ Every batch that arrives is CLAIMed at the dispatcher, quoting the lease it was 
 and reaches the training loop only once granted: a batch of a revoked lease (its server was
 declared dead, left, or the dispatcher restarted) or one another trainer holds is refused and
 dropped here (acknowledged to its server, never yielded), and so is a second copy of a batch
-this client already used. A used batch is reported DONE (again until confirmed) when the next
+this client already used (and so is one whose lease id no dispatcher can have made: a server's
+message never ends the stream). A used batch is reported DONE (again until confirmed) when the next
 one is asked for. Grants are used only while this client's own standing with the dispatcher is
 recent (a BEAT answered within half its silence timeout): a client that stalled longer asks
 first, and one the dispatcher declared dead in the meantime drops what it was granted.
@@ -38,6 +39,7 @@ from crossfeed.net.stream.receiver import Receiver
 
 logger = logging.getLogger(__name__)
 TRAINER = 2
+LEASE_END = 1 << 63  # lease ids travel in the dispatcher's signed 64-bit slots
 CLAIM_RETRY = 1.0  # seconds before an unanswered claim is sent again
 
 
@@ -85,6 +87,7 @@ class LeasedClient(Iterator[Any]):
         self.refused = 0  # deliveries the dispatcher refused (revoked lease, or another's)
         self.duplicates = 0  # second copies of batches this client already used
         self.resets = 0
+        self._log = P.RateLimitedLog(logger)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keep_alive, name="crossfeed-leased-client", daemon=True)
         self._thread.start()
@@ -127,6 +130,18 @@ class LeasedClient(Iterator[Any]):
     def _on_event(self, event: Any) -> None:
         if isinstance(event, Delivery):
             seq = event.meta.seq
+            if not 0 < event.token < LEASE_END:  # no dispatcher made that lease: never claimable
+                with self._lock:
+                    self.refused += 1
+                    self._receiver.ack(event.server, seq, event.lease)
+                self._log.warning(
+                    "token",
+                    "dropped batch %d from %s: its lease id %d is no dispatcher's",
+                    seq,
+                    self._receiver.addresses[event.server],
+                    event.token,
+                )
+                return
             with self._lock:
                 if seq in self._seen or (seq, event.token) in self._awaiting:
                     self.duplicates += 1
