@@ -75,7 +75,7 @@ def main() -> None:
     for name, maker in WORKLOADS.items():
         root = _write(os.path.join(a.data, f"{name.split()[0]}-{a.samples}"), maker, a.samples)
         for r in range(a.rounds):
-            for which in (("before", "after") if r % 2 == 0 else ("after", "before")):
+            for which in ("before", "after") if r % 2 == 0 else ("after", "before"):
                 env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
                 p = subprocess.run(
                     [sys.executable, "-c", _CHILD, trees[which], root, configs, str(a.epochs)],

@@ -108,3 +108,8 @@ class DuplicateKeyError(CrossfeedError):
 
 class EmptyInputError(CrossfeedError):
     """The input produced no samples (or a split received none)."""
+
+
+class JournalError(CrossfeedError):
+    """A dispatcher journal cannot be trusted: a record failed its checksum or its checks, or the
+    file is a link; the message names the file, the line and its byte offset, and the way out."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from crossfeed.errors import ConfigError, WireError
+from crossfeed.errors import ConfigError, JournalError, WireError
 from crossfeed.net.lease import messages as W
 from crossfeed.net.lease.book import LeaseBook
-from crossfeed.net.lease.journal import Journal
+from crossfeed.net.lease.journal import Journal, encode
 
 S1, S2, T1, T2 = 11, 12, 21, 22
 
@@ -142,8 +142,8 @@ def test_journal_replay_continues_the_epoch(tmp_path):
 
 def test_a_corrupt_journal_line_is_named(tmp_path):
     path = tmp_path / "j.jsonl"
-    path.write_bytes(b'{"t":"epoch","epoch":1}\nxx\n{"t":"epoch","epoch":2}\n')
-    with pytest.raises(ConfigError, match="line 2"):
+    path.write_bytes(encode({"t": "epoch", "epoch": 1}) + b"xx\n" + encode({"t": "epoch", "epoch": 2}))
+    with pytest.raises(JournalError, match="line 2"):
         Journal(path).read()
 
 

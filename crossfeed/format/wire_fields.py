@@ -15,7 +15,9 @@ around them. A field's frames (all integers little-endian):
 Kinds and dtype codes are never renumbered; a decoder refuses a kind it does not know with
 WireError (the RAGGED kind, 5, was added without a version bump: a decoder that predates it
 refuses such a field as an unknown kind, never misreads it, and still reads batches without one).
-Every declared size is checked against the limits and the frames before any array is made.
+Every declared size is checked against the limits and the frames before any array is made: each
+dimension, the product of the nonzero dimensions (a zero-element shape such as `(0, 2**63)` is
+refused, numpy could not make it) and the element count.
 """
 
 from __future__ import annotations
@@ -138,11 +140,18 @@ def _frame(bufs: list[memoryview], index: int, name: str) -> memoryview:
 
 
 def _product(dims: Sequence[int], limit: int, what: str) -> int:
-    total = 1
-    for d in dims:
+    """The element count of `dims`. Each dimension is checked, not only the product: a shape
+    with a zero in it holds no element whatever its other dims, but numpy cannot make an
+    array of one whose nonzero dims multiply past its index range (`(0, 2**63)`), so the
+    product of the nonzero dims is held to `limit` as well."""
+    total = nonzero = 1
+    for axis, d in enumerate(dims):
+        if d > limit:
+            raise WireError(f"{what}: dim {axis} of shape {tuple(dims)} is {d}, above the limit {limit}")
         total *= d
-        if total > limit:
-            raise WireError(f"{what} declares {total}+ elements, above the limit {limit}")
+        nonzero *= d or 1
+        if nonzero > limit:
+            raise WireError(f"{what}: shape {tuple(dims)} spans {nonzero}+ elements, above the limit {limit}")
     return total
 
 
@@ -281,13 +290,22 @@ def _decode_ragged(name, code, dims, bufs, index, limits):
     if count * ndim and int(shapes.max()) > max_dim:
         raise WireError(f"ragged field {name!r}: an item dim of {int(shapes.max())} is above the limit {max_dim}")
     sizes = np.ones(count, dtype=np.uint64)
-    cap = np.uint64(available + 1)
-    for k in range(ndim):  # element counts, saturated at `cap` (never wrapped)
+    spans = np.ones(count, dtype=np.uint64)  # products of the nonzero dims (see `_product`)
+    cap, span_cap = np.uint64(available + 1), np.uint64(max_dim + 1)
+    for k in range(ndim):  # both saturated at their caps (never wrapped)
         col = shapes[:, k]
         wraps = (col != 0) & (sizes > _U64_MAX // np.maximum(col, np.uint64(1)))
         sizes = np.where(wraps, cap, np.minimum(sizes * col, cap))
+        col = np.maximum(col, np.uint64(1))
+        wraps = spans > _U64_MAX // col
+        spans = np.where(wraps, span_cap, np.minimum(spans * col, span_cap))
     if count and int(sizes.max()) > available:
         raise WireError(f"ragged field {name!r}: an item needs more elements than its data frame has ({available})")
+    if count and int(spans.max()) > max_dim:
+        raise WireError(
+            f"ragged field {name!r}: an item's shape spans more than {max_dim} elements (counting "
+            f"its nonzero dims), above the limit"
+        )
     if count * available >= 2**63:
         raise WireError(f"ragged field {name!r}: {count} items over {available} elements is too large to index")
     ends = np.cumsum(sizes, dtype=np.uint64) if count else sizes

@@ -436,8 +436,7 @@ class LeaseBook:
     def restore(self, records: list[dict[str, Any]], now: float) -> None:
         """Replay journal `records` (see `snapshot`); the trainers that hold claims get `timeout`
         seconds from `now` to come back (and `claim_timeout` to report one DONE) before their
-        batches go out again. A `lease_ids` record (of an earlier version, whose lease ids were
-        counted) is ignored: lease ids are random now."""
+        batches go out again (`journal.Replay` has checked every record)."""
         for r in records:
             t = r.get("t")
             if t == "epoch":
@@ -447,8 +446,6 @@ class LeaseBook:
                 self.lease_of = [0] * self.batches
                 self.token_of = [0] * self.batches
                 self.claimer = [0] * self.batches
-            elif t == "lease_ids":
-                continue
             elif t == "unclaim":  # that trainer was declared dead: fenced, its claims go out again
                 _remember(self.dead_trainers, int(r["trainer"]))
                 if r.get("epoch") == self.epoch:
@@ -459,9 +456,7 @@ class LeaseBook:
                 continue
             elif t == "claim":
                 b = int(r["b"])
-                # a claim journaled by an earlier version has no token: never granted again to a
-                # repeated claim, its batch goes out again at its trainer's claim deadline
-                self.state[b], self.claimer[b], self.token_of[b] = CLAIMED, int(r["trainer"]), int(r.get("token", 0))
+                self.state[b], self.claimer[b], self.token_of[b] = CLAIMED, int(r["trainer"]), int(r["token"])
             elif t == "done":
                 self.state[int(r["b"])] = DONE
         self._cursor = 0

@@ -10,7 +10,8 @@ Every batch that arrives is CLAIMed at the dispatcher, quoting the claim token i
 with it (proof that this client received it), and reaches the training loop only once granted:
 a batch of a revoked lease (its server was declared dead or stalled, left, or the dispatcher
 restarted) or one another trainer holds is refused and dropped here (acknowledged to its
-server, never yielded), and so is a second copy of a batch this client already used. A used
+server, never yielded), and so is a second copy of a batch this client already used (and so is
+one whose lease id no dispatcher can have made: a server's message never ends the stream). A used
 batch is reported DONE (again until confirmed) when the next one is asked for. Grants are used
 only while this client's own standing with the dispatcher is recent (a BEAT answered within
 half its silence timeout), and after the training loop was away longer than that only once a
@@ -41,6 +42,7 @@ from crossfeed.net.stream.receiver import Receiver
 
 logger = logging.getLogger(__name__)
 TRAINER = 2
+TOKEN_END = 1 << 63  # claim tokens travel in the dispatcher's signed 64-bit slots
 CLAIM_RETRY = 1.0  # seconds before an unanswered claim is sent again
 
 
@@ -91,6 +93,7 @@ class LeasedClient(Iterator[Any]):
         self.refused = 0  # deliveries the dispatcher refused (revoked lease, or another's)
         self.duplicates = 0  # second copies of batches this client already used
         self.resets = 0
+        self._log = P.RateLimitedLog(logger)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keep_alive, name="crossfeed-leased-client", daemon=True)
         self._thread.start()
@@ -140,6 +143,18 @@ class LeasedClient(Iterator[Any]):
     def _on_event(self, event: Any) -> None:
         if isinstance(event, Delivery):
             seq = event.meta.seq
+            if not 0 < event.token < TOKEN_END:  # no dispatcher made that token: never claimable
+                with self._lock:
+                    self.refused += 1
+                    self._receiver.ack(event.server, seq, event.lease)
+                self._log.warning(
+                    "token",
+                    "dropped batch %d from %s: its claim token %d is no dispatcher's",
+                    seq,
+                    self._receiver.addresses[event.server],
+                    event.token,
+                )
+                return
             with self._lock:
                 if seq in self._seen or (seq, event.token) in self._awaiting:
                     self.duplicates += 1
@@ -264,6 +279,11 @@ class LeasedClient(Iterator[Any]):
     @property
     def lost(self) -> list:
         return list(self._receiver.lost)
+
+    @property
+    def dropped_messages(self) -> int:
+        """Malformed messages from servers, dropped (see `Receiver`); the dispatcher's are logged."""
+        return self._receiver.dropped_messages
 
     def close(self) -> None:
         if self._closed:

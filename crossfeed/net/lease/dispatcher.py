@@ -14,7 +14,9 @@ previous process is revoked (its unclaimed batches are leased again, under new i
 While the dispatcher is down nothing is lost or repeated, but nothing new is claimed either:
 trainers use only the batches already granted to them, servers finish what they hold (trainers
 then wait), and no server or trainer can be declared dead. A journal on a disk that loses
-fsync'ed data (or a journal deleted between runs) voids the guarantee for the epoch in progress.
+fsync'ed data (or a journal deleted between runs) voids the guarantee for the epoch in progress;
+a damaged one (a record that fails its checksum or its checks, see `journal`) stops a starting
+dispatcher with `JournalError` naming the line, rather than serve a used batch again.
 
 Every message is validated (`leasewire.unpack`, `LeaseBook` refuses unknown ids, wrong claim
 tokens and out-of-range batch numbers); a malformed one is counted and dropped.
@@ -77,6 +79,38 @@ class DispatcherOptions:
                 )
 
 
+def recover(plan: dict, batches: int, options: DispatcherOptions, now: float) -> tuple[LeaseBook, Journal]:
+    """The book of this plan as its journal left it (see `replay`), and the journal, compacted
+    to that state (with its plan line: a restart reads the same plan)."""
+    book, journal, records = replay(plan, batches, options, now)
+    journal.compact(book.snapshot())
+    if records:
+        logger.info("continuing from journal %s: %s", options.journal, book.progress())
+    return book, journal
+
+
+def replay(plan: dict, batches: int, options: DispatcherOptions, now: float) -> tuple[LeaseBook, Journal, int]:
+    """The book of this plan as its journal left it, the journal, and how many records it held.
+
+    Every record is checked before it is replayed (`Journal.read`: checksums, fields, order); a
+    damaged one stops the dispatcher with `JournalError` naming its line. Leases do not survive
+    (see `LeaseBook.restore`); the trainers holding claims get a heartbeat timeout from `now`."""
+    book = LeaseBook(
+        batches,
+        epochs=options.epochs,
+        lease_size=options.lease_size,
+        window=options.window,
+        timeout=options.heartbeat.timeout,
+        quota=options.quota,
+        lease_timeout=options.lease_timeout,
+        claim_timeout=options.claim_timeout,
+    )
+    journal = Journal(options.journal, plan={"t": "plan", "batches": batches, "epochs": options.epochs, **plan})
+    records = journal.read()
+    book.restore(records, now)
+    return book, journal, len(records)
+
+
 class LeaseDispatcher:
     """`with LeaseDispatcher(plan, batches, options) as d: d.wait()`; `d.endpoint` is bound."""
 
@@ -88,29 +122,7 @@ class LeaseDispatcher:
             )
         self.options, self.plan, self.batches = options, plan, batches
         self.instance = P.new_instance()
-        self.book = LeaseBook(
-            batches,
-            epochs=options.epochs,
-            lease_size=options.lease_size,
-            window=options.window,
-            timeout=options.heartbeat.timeout,
-            quota=options.quota,
-            lease_timeout=options.lease_timeout,
-            claim_timeout=options.claim_timeout,
-        )
-        self.journal = Journal(options.journal)
-        records = self.journal.read()
-        mine = {"t": "plan", "batches": batches, "epochs": options.epochs, **plan}
-        if records and records[0] != mine:
-            raise ConfigError(
-                f"journal {options.journal} belongs to another plan ({records[0]}, this one is {mine}): "
-                "pass another --journal, or move it away to start afresh"
-            )
-        self.book.restore(records, time.monotonic())
-        self._plan_record = mine
-        self.journal.compact([mine, *self.book.snapshot()])
-        if records:
-            logger.info("continuing from journal %s: %s", options.journal, self.book.progress())
+        self.book, self.journal = recover(plan, batches, options, time.monotonic())
         self.stats = {"dropped_messages": 0, "leases": 0, "granted": 0, "refused": 0}
         self._keys = keys
         self._ctx = zmq.Context()

@@ -23,6 +23,10 @@ in one ACKS message when the user thread runs dry, after every `credits // 2` of
 next keep-alive tick, whichever comes first (so the server holds no batch for long that was
 consumed, and its redelivery after a death covers exactly the unacknowledged ones).
 
+A malformed message (WireError) is dropped and counted (`dropped_messages`), and its server read
+on; a message whose handling raises anything else drops its server (counted, logged with the
+traceback, reported as Lost): what one server sends never ends the stream from the others.
+
 This module holds that polling loop; the events are defined in `crossfeed.net.stream.events`, and one
 server's connection (socket, liveness, what came from it) is `crossfeed.net.stream.link.Link`.
 """
@@ -315,12 +319,22 @@ class Receiver:
                 self._handle(index, link, frames)
             except WireError as e:
                 self._bad(link, e)
+            except Exception as e:  # a bug met on one server's bytes: that server goes, not the client
+                self._broken(link, e)
             if link.state != "live" or len(self._events) >= self._buffer:
                 return
 
     def _bad(self, link: Link, error: WireError) -> None:
         self.dropped_messages += 1
         self._log.warning(link.address, "dropped a malformed message from %s: %s", link.address, error)
+
+    def _broken(self, link: Link, error: Exception) -> None:
+        """A message of `link` raised something other than WireError (a decoder bug met on a
+        peer's bytes): that server is dropped and counted, the client reads on from the others."""
+        self.dropped_messages += 1
+        logger.error("a message from %s could not be handled; dropping that server", link.address, exc_info=error)
+        if link.state == "live":
+            self._lose(link, f"its message could not be handled ({type(error).__name__}: {error})")
 
     def _lose(self, link: Link, reason: str) -> None:
         info = link.lose(reason)
