@@ -38,7 +38,7 @@ def options(path, **kw) -> DispatcherOptions:
 
 
 def grant(book):
-    return {b: lease.id for lease in book.grant_leases() for b in lease.batches}
+    return {b: tok for lease in book.grant_leases(0.0) for b, tok in zip(lease.batches, lease.tokens)}
 
 
 def real_journal(path) -> list[int]:
@@ -56,17 +56,17 @@ def real_journal(path) -> list[int]:
     book.trainer_seen(T1, 0.0)
     book.trainer_seen(T2, 0.0)
     lease = grant(book)
-    assert book.claim(T1, 0, lease[0]) and book.done(T1, 0) and book.claim(T2, 1, lease[1])
+    assert book.claim(T1, 0, lease[0], now=0.0) and book.done(T1, 0, now=0.0) and book.claim(T2, 1, lease[1], now=0.0)
     flush()
     book.remove_trainer(T2, "declared dead")
     flush()
     lease.update(grant(book))  # batch 1 again, under a new lease
     for b in (1, 2, 3):
-        assert book.claim(T1, b, lease[b]) and book.done(T1, b)
+        assert book.claim(T1, b, lease[b], now=0.0) and book.done(T1, b, now=0.0)
     flush()
     assert book.epoch == 1
     lease = grant(book)
-    assert book.claim(T1, 4, lease[0]) and book.done(T1, 4) and book.claim(T1, 5, lease[1])
+    assert book.claim(T1, 4, lease[0], now=0.0) and book.done(T1, 4, now=0.0) and book.claim(T1, 5, lease[1], now=0.0)
     flush()
     journal.close()
     return appends
@@ -143,36 +143,36 @@ def rewrite(path, recs) -> None:
     path.write_bytes(b"".join(encode(r) for r in recs))
 
 
-def _claim(b, lease=1, trainer=T1, epoch=0):
-    return {"t": "claim", "trainer": trainer, "epoch": epoch, "b": b, "lease": lease}
+def _claim(b, token=1, trainer=T1, epoch=0):
+    return {"t": "claim", "trainer": trainer, "epoch": epoch, "b": b, "token": token}
 
 
-HEAD = [{"t": "epoch", "epoch": 0}, {"t": "lease_ids", "below": 100}]
+HEAD = [{"t": "epoch", "epoch": 0}]
 
 
 @pytest.mark.parametrize(
     "body, line, match",
     [
-        ([*HEAD, {"t": "done", "epoch": 0, "b": 0}], 4, "without being claimed"),
-        ([*HEAD, _claim(BATCHES)], 4, "outside"),
-        ([*HEAD, _claim(-1)], 4, "outside"),
-        ([*HEAD, _claim(1, lease=100)], 4, "reserved"),
-        ([*HEAD, _claim(1, trainer=0)], 4, "trainer id"),
-        ([*HEAD, _claim(1, trainer=2**64)], 4, "trainer id"),
-        ([*HEAD, _claim(True)], 4, "not an integer"),
-        ([*HEAD, _claim(1.0)], 4, "not an integer"),
-        ([*HEAD, _claim("1")], 4, "not an integer"),
-        ([*HEAD, _claim(1, epoch=1)], 4, "epoch 1 in epoch 0"),
-        ([*HEAD, _claim(1), _claim(1, trainer=T2)], 5, "claimed again"),
-        ([*HEAD, {"t": "claim", "epoch": 0, "b": 1, "lease": 1}], 4, "fields"),
-        ([*HEAD, {**_claim(1), "extra": 1}], 4, "fields"),
-        ([*HEAD, {"t": "epoch", "epoch": 1}], 4, "0 of 4 batches done"),
-        ([*HEAD, {"t": "epoch", "epoch": 2**70}], 4, "outside"),
-        ([HEAD[0], {"t": "lease_ids", "below": 2**63}], 3, "lease ids"),
-        ([*HEAD, {"t": "lease_ids", "below": 5}], 4, "lease ids"),
-        ([*HEAD, {"t": "unclaim", "trainer": T1, "epoch": 1}], 4, "unclaim of epoch 1"),
-        ([*HEAD, {"t": "bogus"}], 4, "unknown record kind"),
-        ([HEAD[1], HEAD[0]], 2, "start with"),
+        ([*HEAD, {"t": "done", "epoch": 0, "b": 0}], 3, "without being claimed"),
+        ([*HEAD, _claim(BATCHES)], 3, "outside"),
+        ([*HEAD, _claim(-1)], 3, "outside"),
+        ([*HEAD, _claim(1, token=2**63)], 3, "63-bit token"),
+        ([*HEAD, _claim(1, token=-1)], 3, "63-bit token"),
+        ([*HEAD, _claim(1, trainer=0)], 3, "trainer id"),
+        ([*HEAD, _claim(1, trainer=2**64)], 3, "trainer id"),
+        ([*HEAD, _claim(True)], 3, "not an integer"),
+        ([*HEAD, _claim(1.0)], 3, "not an integer"),
+        ([*HEAD, _claim("1")], 3, "not an integer"),
+        ([*HEAD, _claim(1, epoch=1)], 3, "epoch 1 in epoch 0"),
+        ([*HEAD, _claim(1), _claim(1, trainer=T2)], 4, "claimed again"),
+        ([*HEAD, {"t": "claim", "epoch": 0, "b": 1, "token": 1}], 3, "fields"),
+        ([*HEAD, {**_claim(1), "extra": 1}], 3, "fields"),
+        ([*HEAD, {"t": "epoch", "epoch": 1}], 3, "0 of 4 batches done"),
+        ([*HEAD, {"t": "epoch", "epoch": 2**70}], 3, "outside"),
+        ([*HEAD, {"t": "lease_ids", "below": 5}], 3, "unknown record kind"),
+        ([*HEAD, {"t": "unclaim", "trainer": T1, "epoch": 1}], 3, "unclaim of epoch 1"),
+        ([*HEAD, {"t": "bogus"}], 3, "unknown record kind"),
+        ([_claim(1), HEAD[0]], 2, "start with"),
     ],
 )
 def test_records_with_a_good_checksum_and_bad_fields_are_refused_naming_the_line(tmp_path, body, line, match):
@@ -308,7 +308,7 @@ def test_the_dispatch_command_stops_on_a_damaged_journal_and_on_a_planted_link(t
         stop(first)
     journal = tmp_path / "journal"
     good = journal.read_bytes()
-    assert good.count(b"\n") == 3  # plan, epoch, lease ids
+    assert good.count(b"\n") == 2  # plan, epoch
     damaged = bytearray(good)
     damaged[good.index(b"\n") + 20] ^= 0x04  # in line 2
     journal.write_bytes(bytes(damaged))

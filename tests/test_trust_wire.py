@@ -224,7 +224,7 @@ def fake_leased_server(dispatcher: str, folder: str, peers: int = 2, deadline: f
     data, endpoint = _fake_server(ctx)
     control.send_multipart(W.pack(W.Kind.HELLO, role=1, sender=me, payload=endpoint))
     open(os.path.join(folder, "fake.ready"), "w").close()
-    leases: list[tuple[int, int, int]] = []  # (lease id, epoch, batch)
+    leases: list[tuple[int, int, int]] = []  # (claim token, epoch, batch)
     answered: set[bytes] = set()
     end = time.monotonic() + deadline
     next_beat = 0.0
@@ -237,17 +237,17 @@ def fake_leased_server(dispatcher: str, folder: str, peers: int = 2, deadline: f
         while control.poll(0):
             msg = W.unpack(control.recv_multipart(), frozenset(W.Kind))
             if msg.kind is W.Kind.LEASE:
-                leases += [(msg.lease, msg.epoch, int(b)) for b in msg.payload]
+                leases += [(int(token), msg.epoch, int(b)) for b, token in msg.payload]
         if data.poll(20):
             peer = data.recv_multipart()[0]
             if peer not in answered and leases:
                 answered.add(peer)
-                for (lease, epoch, b), dims in zip(leases, [(0, 2**63), (7, 0, 2**62)]):
+                for (token, epoch, b), dims in zip(leases, [(0, 2**63), (7, 0, 2**62)]):
                     seq = epoch * (N // BATCH) + b
-                    env = P.pack(P.Kind.BATCH, seq, epoch, instance=me, token=lease)
+                    env = P.pack(P.Kind.BATCH, seq, epoch, instance=me, token=token)
                     data.send_multipart([peer, env, *zero_element(wire.ARRAY, dims, seq=seq)])
-                # and a well-formed batch under a lease id no dispatcher can have made
-                lease, epoch, b = leases[-1]
+                # and a well-formed batch under a claim token no dispatcher can have made
+                _token, epoch, b = leases[-1]
                 meta = wire.BatchMeta(epoch=epoch, seq=epoch * (N // BATCH) + b, sample_ids=np.arange(BATCH))
                 env = P.pack(P.Kind.BATCH, meta.seq, epoch, instance=me, token=2**64 - 1)
                 data.send_multipart([peer, env, *wire.encode({"x": np.zeros((BATCH, 4))}, meta)])
