@@ -22,19 +22,32 @@ from crossfeed.errors import (
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
 from crossfeed.format import tar, tfrecord
-from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads
+from crossfeed.format.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, ShardInfo, SplitInfo, loads
 from crossfeed.format.schema import Schema, SchemaError, decode_value
 from crossfeed.io.storage import ShardFile, Storage
 from crossfeed.read.sources.parquet import ParquetFiles
 
+# bytes an index file may hold per record: "offset length\n" of two numbers up to 2^56 (17
+# digits each), padded or not; a remote index is never read past this
+INDEX_BYTES_PER_RECORD = 64
 
-def open_dataset(path) -> Dataset:
-    """Open the dataset at ``path`` (a directory or fsspec URL holding ``crossfeed.json``)."""
+
+def open_dataset(path, *, read_timeout: float | None = None) -> Dataset:
+    """Open the dataset at ``path`` (a directory or fsspec URL holding ``crossfeed.json``).
+    ``read_timeout``: the deadline of each remote read, in seconds (default
+    ``$CROSSFEED_READ_TIMEOUT``, else `crossfeed.io.storage.READ_TIMEOUT`)."""
     if isinstance(path, Dataset):
         return path
-    storage = Storage(path)
+    storage = Storage(path, read_timeout=read_timeout)
+
+    def too_long(n: int) -> Exception:
+        return ManifestError(
+            f"{storage.url(MANIFEST)}: {n} bytes or more, more than a manifest may hold "
+            f"({MAX_MANIFEST_BYTES}); this is not a crossfeed manifest"
+        )
+
     try:
-        text = storage.read(MANIFEST)
+        text = storage.read(MANIFEST, limit=MAX_MANIFEST_BYTES, too_long=too_long)
     except DatasetNotFoundError:
         raise DatasetNotFoundError(
             f"{storage.root}: not a crossfeed dataset (no {MANIFEST}); write one with crossfeed.write_dataset, "
@@ -51,7 +64,9 @@ class Dataset:
 
     def __init__(self, storage: Storage, manifest: Manifest):
         self.index_storage = storage
-        self.storage = storage if manifest.data_root is None else Storage(manifest.data_root)
+        self.storage = (
+            storage if manifest.data_root is None else Storage(manifest.data_root, read_timeout=storage.read_timeout)
+        )
         self.manifest = manifest
         self._splits: dict[str, Split] = {}
 
@@ -107,7 +122,7 @@ class Split:
         self.shards: tuple[ShardInfo, ...] = info.shards
         self.counts = np.array([s.num_records for s in info.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
-        self._files = [dataset.storage.shard(s.file) for s in info.shards]
+        self._files = [dataset.storage.shard(s.file, size=s.num_bytes) for s in info.shards]
         self._index: list[np.ndarray | None] = [None] * len(info.shards)
         self._parquet: ParquetFiles | None = None
         self._lazy: list = [None] * len(info.shards)  # shard → its `LazyIndex`, or False: read whole
@@ -134,8 +149,16 @@ class Split:
             info = self.shards[shard]
             where = self.dataset.index_storage.url(idx.index_path(info.file))
             self._check_regular(shard, where)
+            limit = INDEX_BYTES_PER_RECORD * (info.num_records + 1)
+
+            def too_long(n: int) -> Exception:
+                return IndexFileError(
+                    f"{where}: {n} bytes or more, more than an index of {info.num_records} records may "
+                    f"hold ({limit}); rebuild it with `crossfeed index --force`"
+                )
+
             try:
-                data = self.dataset.index_storage.read(idx.index_path(info.file))
+                data = self.dataset.index_storage.read(idx.index_path(info.file), limit=limit, too_long=too_long)
             except DatasetNotFoundError as e:
                 raise IndexFileError(f"{where}: index file is missing; rebuild it with `crossfeed index`") from e
             except OSError as e:
