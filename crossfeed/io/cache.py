@@ -240,13 +240,17 @@ class ShardCache:
             return stat.S_ISREG(st.st_mode) and st.st_size == size
 
     def release(self, name_or_path: str) -> None:
+        """Unpin an entry; the last pin gone, the cache is brought back under its limit (an
+        eviction that ran while the entry was pinned had to pass it by)."""
         name = os.path.basename(name_or_path)
         with self._lock:
             n = self._pinned.get(name, 0) - 1
             if n > 0:
                 self._pinned[name] = n
-            else:
-                self._pinned.pop(name, None)
+                return
+            self._pinned.pop(name, None)
+        with contextlib.suppress(OSError):  # a root gone meanwhile is reported by the next use
+            self._evict()
 
     def _pin(self, name: str) -> None:
         with self._lock:
