@@ -94,6 +94,20 @@ class ServerLostError(CrossfeedError):
         )
 
 
+class RemoteError(CrossfeedError):
+    """A remote file (an fsspec URL) could not be read: the server could not be reached, answered
+    an error, or stalled past the read deadline (``read_timeout``, ``$CROSSFEED_READ_TIMEOUT``).
+    ``url`` names the file, ``reason`` says what happened; ``transient`` is whether trying again
+    may help (the shard cache tries such reads again)."""
+
+    def __init__(self, url: str, reason: str, transient: bool = True):
+        self.url, self.reason, self.transient = str(url), reason, bool(transient)
+        super().__init__(f"{self.url}: {reason}")
+
+    def __reduce__(self):  # its constructor's arguments: it crosses from a worker process as data
+        return type(self), (self.url, self.reason, self.transient)
+
+
 class ExampleError(CrossfeedError):
     """Bytes that are not a well-formed ``tf.train.Example``."""
 

@@ -18,11 +18,21 @@ entry, and two datasets holding the same shard share it.
   workers, ranks, other jobs) download each shard once; no shared memory to leak. A lock dies
   with its process.
 * **Bounded:** after each download, least-recently-used entries are removed until the cache is
-  under ``limit`` bytes; entries this process has open (its window) are never removed. An entry
-  another process has mapped may be removed: POSIX keeps the mapping valid until it is closed.
+  under ``limit`` bytes; entries this process has open (its window) are never removed. A reader
+  gets an entry already open and mapped (`ShardCache.open`), never a path to open later, so an
+  entry removed meanwhile — by another process, whose pins this one cannot see — stays readable
+  through that mapping (POSIX keeps an unlinked file's pages until the last mapping goes).
+* **Only its own files:** the cache removes nothing but what it wrote — entries named by their
+  sha256 in the folder of their first two hex digits, its own temporary files — each checked with
+  ``lstat`` (a regular file, not a link) and removed through a folder opened with ``O_NOFOLLOW``;
+  a symlink anywhere in the cache is never followed. A ``cache_dir`` holding anything else at its
+  top (a folder of someone's files, a planted link) is refused, so pointing it at the wrong folder
+  costs an error, not the folder. A new cache is marked with `MARKER`.
 * **Checked on use:** each process hashes an entry the first time it opens it (an entry it
   downloaded itself was hashed as it arrived); one that does not match its sha256 is removed and
-  downloaded again.
+  downloaded again. The bytes hashed are those of the mapping handed out.
+* **Bounded reads:** a download takes at most the manifest's size of the shard, each piece within
+  the read deadline (`crossfeed.io.storage`); a stall or a reset is tried again (`ATTEMPTS`).
 
 `Prefetcher` downloads the shards the plan will need next, ahead of use, with bounded
 concurrency; `crossfeed cache ls|prune|clear` manages the directory.
@@ -32,13 +42,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import fcntl
+import gzip
 import hashlib
 import itertools
 import logging
+import mmap
 import os
 import re
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -47,13 +61,22 @@ from dataclasses import dataclass
 
 from crossfeed.config import parse_size
 from crossfeed.errors import ConfigError, CorruptRecordError, CrossfeedError
+from crossfeed.format import tfrecord
+from crossfeed.io.storage import ATTEMPTS, retrying
 
 log = logging.getLogger(__name__)
 ENV = "CROSSFEED_CACHE_DIR"
 CHUNK = 4 << 20  # bytes per range request of a large shard
 STREAMS = 32  # range requests in flight per process: object stores cap one stream well below the NIC
 WINDOW = 8  # range requests in flight or queued per shard (memory: the requests in flight, up to STREAMS)
+MARKER = ".crossfeed-cache"  # the file that marks a directory as a crossfeed cache
+OPEN_TRIES = 4  # downloads of one entry that other processes may evict before it is opened
 _TMP = ".tmp-"
+_LOCKS = ".locks"
+_ENTRY = re.compile(r"[0-9a-f]{64}(\.gz)?")  # an entry: the shard's sha256 (and .gz)
+_FOLDER = re.compile(r"[0-9a-f]{2}")  # an entry's folder: its first two hex digits
+_TEMPORARY = re.compile(re.escape(_TMP) + r"([0-9]{1,10})-[0-9a-f]{8}")
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -86,11 +109,72 @@ class ShardCache:
         self.chunk_bytes, self.streams, self.window = chunk_bytes, streams, window
         self._ranges: ThreadPoolExecutor | None = None  # range requests, shared by every download
         self._ranges_pid = 0
-        os.makedirs(self.root, exist_ok=True)
+        self._claim()
         self._pinned: dict[str, int] = {}  # entries this process has open → open count
         self._verified: set[str] = set()  # entries this process downloaded or hashed
         self._lock = threading.Lock()
         self.downloads = 0  # shards this process downloaded (for tests and `bench`)
+
+    # -- the directory: only the cache's own layout, never through a link ----------------------
+    def _claim(self) -> None:
+        """Make ``root`` a cache, or check that it is one: it may hold only `MARKER`, the lock
+        folder and entry folders (real folders, not links); anything else refuses it."""
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            with self._root_fd() as fd:
+                foreign = sorted(n for n in os.listdir(fd) if not _ours(fd, n))
+                if foreign:
+                    shown = ", ".join(foreign[:5]) + (", …" if len(foreign) > 5 else "")
+                    raise ConfigError(
+                        f"{self.root}: not a crossfeed cache: it holds {len(foreign)} name(s) the cache did not "
+                        f"write ({shown}); the cache removes files, so it only takes a directory of its own: "
+                        f"point cache_dir (--cache-dir, --dir, ${ENV}) at a new or empty directory"
+                    )
+                with contextlib.suppress(FileExistsError):
+                    mark = os.open(
+                        MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=fd
+                    )
+                    try:
+                        os.write(mark, b"crossfeed shard cache: entries named by sha256; see crossfeed.io.cache\n")
+                    finally:
+                        os.close(mark)
+        except OSError as e:
+            raise ConfigError(f"{self.root}: cannot use it as the cache directory ({e.strerror or e})") from e
+
+    @contextlib.contextmanager
+    def _root_fd(self) -> Iterator[int]:
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the root itself is the user's choice
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _folder(self, name: str, *, create: bool) -> Iterator[int | None]:
+        """The cache's folder ``name`` opened without following a link (None: it does not exist
+        and ``create`` is false); a link or file in its place is a `ConfigError`."""
+        with self._root_fd() as root:
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=root)
+            try:
+                fd = os.open(name, _DIR, dir_fd=root)
+            except FileNotFoundError:
+                if create:
+                    raise
+                fd = None
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise ConfigError(
+                    f"{os.path.join(self.root, name)}: a link or file where the cache keeps a folder; the cache "
+                    f"never follows links: remove it, or use a cache directory of your own"
+                ) from e
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     # -- naming --------------------------------------------------------------------------------
     def name_of(self, sha256: str, rel: str) -> str:
@@ -105,118 +189,173 @@ class ShardCache:
         return os.path.join(self.root, name[:2], name)
 
     # -- use -------------------------------------------------------------------------------------
-    def fetch(self, storage, rel: str, sha256: str, size: int) -> str:
-        """The local path of the shard ``rel`` of ``storage`` (downloaded now if it is not
-        cached), pinned until `release`."""
+    def open(self, storage, rel: str, sha256: str, size: int) -> tuple[str, object]:
+        """``(path, stream)`` of the shard ``rel`` of ``storage`` (downloaded now if it is not
+        cached), pinned until `release`: ``stream`` is the checked entry already mapped
+        (read-only mmap; ``b""`` when empty; GZIP inflated), valid however long it is held, even
+        if the entry is removed meanwhile."""
         name = self.name_of(sha256, rel)
-        path = self.path_of(name)
         self._pin(name)
         try:
-            if not self._valid(path, size) or not self._checked(name, path, sha256):
-                with self._entry_lock(name):
-                    if not self._valid(path, size) or not self._checked(name, path, sha256):  # fetched meanwhile?
-                        self._download(storage, rel, path, sha256, size)
-                        with self._lock:
-                            self._verified.add(name)
-            with contextlib.suppress(OSError):
-                os.utime(path)  # last use, for LRU
+            for _ in range(OPEN_TRIES):
+                got = self._map(name, sha256, size)
+                if got is None:
+                    with self._entry_lock(name):
+                        got = self._map(name, sha256, size)  # downloaded meanwhile by another process?
+                        if got is None:
+                            self._download(storage, rel, name, sha256, size)
+                            with self._lock:
+                                self._verified.add(name)
+                            got = self._map(name, sha256, size)  # None: another process evicted it already
+                if got is not None:
+                    break
+            else:
+                raise CrossfeedError(
+                    f"{storage.url(rel)}: downloaded into the cache {OPEN_TRIES} times and removed each time "
+                    f"by another process before it could be opened; the processes sharing {self.root} need "
+                    f"more room than cache_limit={self.limit}: raise it"
+                )
         except BaseException:
             self.release(name)
             raise
         self._evict()
+        return self.path_of(name), got
+
+    def fetch(self, storage, rel: str, sha256: str, size: int) -> str:
+        """The local path of the shard (see `open`), pinned until `release`."""
+        path, stream = self.open(storage, rel, sha256, size)
+        if isinstance(stream, mmap.mmap):
+            stream.close()
         return path
 
     def has(self, sha256: str, rel: str, size: int) -> bool:
-        return self._valid(self.path_of(self.name_of(sha256, rel)), size)
+        name = self.name_of(sha256, rel)
+        with self._folder(name[:2], create=False) as fd:
+            if fd is None:
+                return False
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                return False
+            return stat.S_ISREG(st.st_mode) and st.st_size == size
 
     def release(self, name_or_path: str) -> None:
+        """Unpin an entry; the last pin gone, the cache is brought back under its limit (an
+        eviction that ran while the entry was pinned had to pass it by)."""
         name = os.path.basename(name_or_path)
         with self._lock:
             n = self._pinned.get(name, 0) - 1
             if n > 0:
                 self._pinned[name] = n
-            else:
-                self._pinned.pop(name, None)
+                return
+            self._pinned.pop(name, None)
+        with contextlib.suppress(OSError):  # a root gone meanwhile is reported by the next use
+            self._evict()
 
     def _pin(self, name: str) -> None:
         with self._lock:
             self._pinned[name] = self._pinned.get(name, 0) + 1
 
-    def _checked(self, name: str, path: str, sha256: str) -> bool:
-        """Whether the entry holds the shard: hashed once per process (bit rot, a damaged disk or
-        a hand-edited file are caught here and the shard is downloaded again)."""
-        with self._lock:
-            if name in self._verified:
-                return True
-        digest = hashlib.sha256()
-        try:
-            with open(path, "rb") as f:
-                while chunk := f.read(8 << 20):
-                    digest.update(chunk)
-        except OSError:
-            return False
-        if digest.hexdigest() != sha256:
-            log.warning("cache entry %s does not match its sha256; downloading it again", path)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            return False
-        with self._lock:
-            self._verified.add(name)
-        return True
+    def _map(self, name: str, sha256: str, size: int):
+        """The entry's stream, opened with ``O_NOFOLLOW`` and checked (a regular file of
+        ``size`` bytes whose bytes hash to ``sha256``: hashed once per process — bit rot, a
+        damaged disk or a hand-edited file are caught here), or None where it is missing or
+        wrong (a wrong one is removed)."""
+        with self._folder(name[:2], create=False) as folder:
+            if folder is None:
+                return None
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
+            except OSError:  # missing, or a link (ELOOP): replaced by the download
+                return None
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                    return None
+                buf = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else b""
+                with self._lock:
+                    verified = name in self._verified
+                if not verified:
+                    if hashlib.sha256(buf).hexdigest() != sha256:
+                        log.warning(
+                            "cache entry %s does not match its sha256; downloading it again", self.path_of(name)
+                        )
+                        self._remove(folder, name, st.st_ino)
+                        return None
+                    with self._lock:
+                        self._verified.add(name)
+                with contextlib.suppress(OSError):
+                    os.utime(fd)  # last use, for LRU
+            finally:
+                os.close(fd)
+        if name.endswith(".gz") or tfrecord.looks_gzip(bytes(buf[: tfrecord.HEADER])):
+            try:
+                return gzip.decompress(buf)
+            except tfrecord.GZIP_ERRORS as e:
+                raise CorruptRecordError(
+                    self.path_of(name), 0, f"not a readable GZIP stream ({type(e).__name__}: {e})"
+                ) from e
+        return buf
 
     @staticmethod
-    def _valid(path: str, size: int) -> bool:
+    def _remove(folder: int, name: str, ino: int | None = None) -> int:
+        """Remove the entry or temporary ``name`` of the folder ``folder`` (an fd): only a
+        regular file (a link is never followed), only the inode ``ino`` when given; returns
+        the bytes freed (0: nothing removed)."""
         try:
-            return os.path.getsize(path) == size
+            st = os.stat(name, dir_fd=folder, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
+                return 0
+            os.unlink(name, dir_fd=folder)
         except OSError:
-            return False
+            return 0
+        return st.st_size
 
     @contextlib.contextmanager
     def _entry_lock(self, name: str) -> Iterator[None]:
-        locks = os.path.join(self.root, ".locks")
-        os.makedirs(locks, exist_ok=True)
-        fd = os.open(os.path.join(locks, name + ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+        with self._folder(_LOCKS, create=True) as locks:
+            fd = os.open(name + ".lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=locks)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)  # releases the lock
 
-    def _download(self, storage, rel: str, path: str, sha256: str, size: int) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._clean_temporaries(os.path.dirname(path))
-        tmp = os.path.join(os.path.dirname(path), f"{_TMP}{os.getpid()}-{secrets.token_hex(4)}")
+    def _download(self, storage, rel: str, name: str, sha256: str, size: int) -> None:
         where = storage.url(rel)
-        try:
-            if storage.remote and size > self.chunk_bytes:
-                digest, got = self._download_ranges(storage, rel, tmp, size)
-            else:
-                storage.download(rel, tmp)  # one streamed transfer (fsspec get_file)
-                digest, got = hashlib.sha256(), 0
-                with open(tmp, "rb") as f:  # a small shard: hashed back from the page cache
-                    while chunk := f.read(8 << 20):
-                        digest.update(chunk)
-                        got += len(chunk)
-            if got != size or digest.hexdigest() != sha256:
-                raise CorruptRecordError(
-                    where,
-                    0,
-                    f"downloaded {got} bytes with sha256 {digest.hexdigest()[:16]}…, the "
-                    f"manifest says {size} bytes and {sha256[:16]}…; the remote shard "
-                    f"changed or is damaged",
-                )
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        with self._folder(name[:2], create=True) as folder:
+            self._clean_temporaries(folder)
+            tmp = f"{_TMP}{os.getpid()}-{secrets.token_hex(4)}"
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder)
+            try:
+                try:
+                    if storage.remote and size > self.chunk_bytes:
+                        digest, got = self._download_ranges(storage, rel, fd, size)
+                    else:
+                        got = retrying(lambda: _download_whole(storage, rel, fd, size), where)
+                        digest = _hash_fd(fd, got)  # a small shard: hashed back from the page cache
+                finally:
+                    os.close(fd)
+                if got != size or digest.hexdigest() != sha256:
+                    raise CorruptRecordError(
+                        where,
+                        0,
+                        f"downloaded {got} bytes with sha256 {digest.hexdigest()[:16]}…, the "
+                        f"manifest says {size} bytes and {sha256[:16]}…; the remote shard "
+                        f"changed or is damaged",
+                    )
+                os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=folder)
+                raise
         self.downloads += 1
-        log.debug("cached %s (%d bytes) as %s", where, size, path)
+        log.debug("cached %s (%d bytes) as %s", where, size, self.path_of(name))
 
-    def _download_ranges(self, storage, rel: str, tmp: str, size: int):
+    def _download_ranges(self, storage, rel: str, fd: int, size: int):
         """A large shard as ``chunk_bytes`` range requests, ``window`` of them in flight (on a pool
         of ``streams`` shared by every download): each request writes its bytes into the temporary
-        file at their offset as soon as they land and lets them go, so memory holds only the
+        file ``fd`` at their offset as soon as they land and lets them go, so memory holds only the
         requests in flight, never finished chunks waiting for an earlier one; the file is hashed in
         order as it fills, read back from the page cache into one reused buffer:
         ``(digest, bytes written)``."""
@@ -227,7 +366,6 @@ class ShardCache:
             pool = self._ranges
         spans = iter([(a, min(size, a + self.chunk_bytes)) for a in range(0, size, self.chunk_bytes)])
         digest, got = hashlib.sha256(), 0
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
         pending: collections.deque = collections.deque()
         try:
             for a, b in itertools.islice(spans, self.window):
@@ -251,37 +389,47 @@ class ShardCache:
             for *_, fut in pending:  # a running request still writes into fd: wait for it
                 with contextlib.suppress(BaseException):
                     fut.result()
-            os.close(fd)
         return digest, got
 
-    def _clean_temporaries(self, folder: str, older_than: float = 3600.0) -> None:
-        """Remove temporary files of downloads whose process is gone (or that are very old)."""
+    def _clean_temporaries(self, folder: int, older_than: float = 3600.0) -> None:
+        """Remove temporary files (of the cache's own naming) of downloads whose process is gone
+        (or that are very old) from the entry folder ``folder`` (an fd)."""
         now = time.time()
         with contextlib.suppress(OSError):
             for f in os.listdir(folder):
-                if not f.startswith(_TMP):
+                m = _TEMPORARY.fullmatch(f)
+                if m is None:
                     continue
-                p = os.path.join(folder, f)
-                pid = f[len(_TMP) :].split("-")[0]
-                alive = pid.isdigit() and _alive(int(pid))
                 with contextlib.suppress(OSError):
-                    if not alive or now - os.path.getmtime(p) > older_than:
-                        os.unlink(p)
+                    st = os.stat(f, dir_fd=folder, follow_symlinks=False)
+                    if not _alive(int(m.group(1))) or now - st.st_mtime > older_than:
+                        self._remove(folder, f, st.st_ino)
 
     # -- size ------------------------------------------------------------------------------------
+    def _folders(self) -> Iterator[tuple[str, int]]:
+        """``(name, fd)`` of each entry folder (links and anything else are skipped, and said)."""
+        with self._root_fd() as root:
+            names = sorted(n for n in os.listdir(root) if _FOLDER.fullmatch(n))
+        for sub in names:
+            try:
+                with self._folder(sub, create=False) as fd:
+                    if fd is not None:
+                        yield sub, fd
+            except ConfigError as e:
+                log.warning("%s; skipped", e)
+
     def entries(self) -> list[Entry]:
+        """The cache's entries: regular files named by a sha256 in their folder (nothing else
+        under the root is an entry, and no link is followed)."""
         out = []
-        for sub in sorted(os.listdir(self.root)):
-            d = os.path.join(self.root, sub)
-            if sub.startswith(".") or not os.path.isdir(d):
-                continue
-            for f in os.listdir(d):
-                if f.startswith(_TMP):
+        for sub, fd in self._folders():
+            for f in os.listdir(fd):
+                if not _ENTRY.fullmatch(f) or f[:2] != sub:
                     continue
-                p = os.path.join(d, f)
                 with contextlib.suppress(OSError):
-                    st = os.stat(p)
-                    out.append(Entry(f, p, st.st_size, st.st_mtime))
+                    st = os.stat(f, dir_fd=fd, follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        out.append(Entry(f, os.path.join(self.root, sub, f), st.st_size, st.st_mtime))
         return out
 
     def size(self) -> int:
@@ -301,9 +449,11 @@ class ShardCache:
                 break
             if e.name in pinned:
                 continue
-            with contextlib.suppress(OSError):
-                os.unlink(e.path)
-                total -= e.size
+            total -= self._unlink(e.name)
+
+    def _unlink(self, name: str) -> int:
+        with self._folder(name[:2], create=False) as fd:
+            return 0 if fd is None else self._remove(fd, name)
 
     def prune(self, limit: int | str | None = None) -> int:
         """Remove least-recently-used entries until under ``limit`` (default: this cache's);
@@ -312,47 +462,59 @@ class ShardCache:
         saved, self.limit = self.limit, parse_size(limit, "cache_limit") if limit is not None else self.limit
         try:
             self._evict()
-            for sub in os.listdir(self.root):
-                if not sub.startswith(".") and os.path.isdir(os.path.join(self.root, sub)):
-                    self._clean_temporaries(os.path.join(self.root, sub), older_than=0 if limit == 0 else 3600.0)
+            for _, fd in self._folders():
+                self._clean_temporaries(fd, older_than=0 if limit == 0 else 3600.0)
         finally:
             self.limit = saved
         return before - self.size()
 
     def clear(self) -> int:
-        """Remove every entry (and temporary file); returns the bytes freed."""
-        freed = 0
-        for e in self.entries():
-            with contextlib.suppress(OSError):
-                os.unlink(e.path)
-                freed += e.size
+        """Remove every entry (and the temporary files of finished downloads); returns the
+        bytes freed."""
+        freed = sum(self._unlink(e.name) for e in self.entries())
+        for _, fd in self._folders():
+            self._clean_temporaries(fd)
         return freed
 
 
-def _write_range(storage, rel: str, start: int, stop: int, fd: int, attempts: int = 3) -> int:
+def _ours(root: int, name: str) -> bool:
+    """Whether ``name`` at the top of a cache directory is of the cache's own layout."""
+    try:
+        st = os.stat(name, dir_fd=root, follow_symlinks=False)
+    except OSError:
+        return True  # gone meanwhile
+    if name == MARKER:
+        return stat.S_ISREG(st.st_mode)
+    return (name == _LOCKS or _FOLDER.fullmatch(name) is not None) and stat.S_ISDIR(st.st_mode)
+
+
+def _download_whole(storage, rel: str, fd: int, size: int) -> int:
+    os.ftruncate(fd, 0)  # a try before may have written part of it
+    return storage.download_into(rel, fd, size)
+
+
+def _hash_fd(fd: int, size: int):
+    digest, at = hashlib.sha256(), 0
+    while at < size:
+        chunk = os.pread(fd, min(8 << 20, size - at), at)
+        if not chunk:
+            break
+        digest.update(chunk)
+        at += len(chunk)
+    return digest
+
+
+def _write_range(storage, rel: str, start: int, stop: int, fd: int, attempts: int = ATTEMPTS) -> int:
     """Bytes ``start:stop`` of a remote shard written into ``fd`` at ``start`` as they arrive
     (`Storage.write_range`): a finished chunk is never held in memory waiting for an earlier one.
-    A failed request (a reset connection, a 5xx) is tried again after a short pause — one flaky
-    request out of hundreds should not fail the shard; a missing file is not."""
-    for attempt in range(attempts):
-        try:
-            got = storage.write_range(rel, start, stop, fd)
-            break
-        except (FileNotFoundError, PermissionError):
-            raise
-        except Exception as e:
-            if attempt == attempts - 1:
-                raise CrossfeedError(
-                    f"{storage.url(rel)}: bytes {start}-{stop - 1} could not be downloaded in {attempts} "
-                    f"tries (last: {type(e).__name__}: {e}); check the server or the network and rerun"
-                ) from e
-            log.info("range %d-%d of %s failed (%s); trying again", start, stop - 1, storage.url(rel), e)
-            time.sleep(0.1 * 2**attempt)
-    else:
-        return 0  # attempts < 1: nothing asked
+    A request that failed transiently (a stall, a reset connection, a 5xx) is tried again after a
+    short pause — one flaky request out of hundreds should not fail the shard; a missing file or
+    wrong data is not."""
+    where = storage.url(rel)
+    got = retrying(lambda: storage.write_range(rel, start, stop, fd), where, attempts, what=f"bytes {start}-{stop - 1}")
     if got != stop - start:
         raise CorruptRecordError(
-            storage.url(rel),
+            where,
             start,
             f"asked for bytes {start}-{stop - 1}, got {got} bytes; the server "
             f"ignored the range or the remote shard changed",

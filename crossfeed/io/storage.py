@@ -1,15 +1,44 @@
 """Where a dataset's bytes live: a local directory (mmap) or any fsspec URL (range reads, or
-whole shards when reading sequentially). Readers see one interface: `ShardFile`."""
+whole shards when reading sequentially). Readers see one interface: `ShardFile`.
+
+Every remote read is bounded twice. In size: a caller says how many bytes it expects at most (the
+manifest's size of a shard, the range asked for, what a manifest or index may hold) and no more
+are ever read — a server that sends more, or declares more in ``Content-Length``, is an error,
+not a buffer that grows. In time: the bytes arrive in pieces of `PIECE` and each piece (and the
+request's headers) must come within the read deadline, ``read_timeout`` seconds (default
+`READ_TIMEOUT`, or ``$CROSSFEED_READ_TIMEOUT``); a stall cancels the request and raises
+`RemoteError` naming the URL. Backends that are not asynchronous (fsspec's sync filesystems) are
+bounded in size only. Whatever a backend raises (botocore, aiohttp, …) leaves here as a
+`CrossfeedError`: `RemoteError`, or `FileNotFoundError` for a missing file.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import math
 import mmap
 import os
+import re
 import threading
+import time
+from collections.abc import Callable, Iterator
 
-from crossfeed.errors import CorruptRecordError, DatasetNotFoundError, ManifestError
+from crossfeed.errors import (
+    ConfigError,
+    CorruptRecordError,
+    CrossfeedError,
+    DatasetNotFoundError,
+    ManifestError,
+    RemoteError,
+)
 from crossfeed.format import tfrecord
 from crossfeed.format.manifest import plain_segment
+
+TIMEOUT_ENV = "CROSSFEED_READ_TIMEOUT"
+READ_TIMEOUT = 60.0  # seconds a remote request may take to answer, and each piece of its body to arrive
+PIECE = 1 << 20  # bytes: the unit of progress a remote read must make within the deadline
+ATTEMPTS = 3  # tries of a remote read that failed transiently (a stall, a reset, a 5xx)
 
 
 def is_remote(path) -> bool:
@@ -17,20 +46,48 @@ def is_remote(path) -> bool:
     return "://" in s and not s.startswith("file://")
 
 
-class Storage:
-    """A dataset root. ``root`` is a local path, ``file://`` path or an fsspec URL."""
+def read_deadline(value: float | int | str | None = None) -> float:
+    """The read deadline in seconds: ``value``, else ``$CROSSFEED_READ_TIMEOUT``, else
+    `READ_TIMEOUT`; a positive number of seconds up to a day, written in plain digits."""
+    where = "read_timeout"
+    if value is None:
+        value = os.environ.get(TIMEOUT_ENV) or None
+        where = f"${TIMEOUT_ENV}"
+        if value is None:
+            return READ_TIMEOUT
+    if isinstance(value, str):
+        if not re.fullmatch(r"[0-9]{1,6}(\.[0-9]{1,6})?", value):
+            raise ConfigError(f"{where}: {value!r} is not a number of seconds; use e.g. 60 or 2.5")
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{where}: {value!r} is not a number of seconds; use e.g. 60 or 2.5")
+    if not 0 < value <= 86400:
+        raise ConfigError(f"{where}: {value:g} s is out of range; use a deadline above 0 and at most 86400 s")
+    return float(value)
 
-    def __init__(self, root):
+
+class Storage:
+    """A dataset root. ``root`` is a local path, ``file://`` path or an fsspec URL; remote reads
+    have the deadline ``read_timeout`` (see the module docstring)."""
+
+    def __init__(self, root, *, read_timeout: float | int | str | None = None):
         root = os.fspath(root)
         if root.startswith("file://"):
             root = root[len("file://") :]
         self.root = root.rstrip("/") if is_remote(root) else os.path.abspath(root)
         self.remote = is_remote(root)
+        self.read_timeout = read_deadline(read_timeout)
         self._fs = None
         if self.remote:
             import fsspec
 
-            self._fs, _ = fsspec.core.url_to_fs(self.root)
+            try:
+                self._fs, _ = fsspec.core.url_to_fs(self.root)
+            except (ImportError, ValueError) as e:  # an unknown protocol, or its package not installed
+                raise ConfigError(
+                    f"{self.root}: cannot open this URL ({type(e).__name__}: {e}); install the fsspec "
+                    f"backend for its protocol (s3fs, gcsfs, adlfs, aiohttp) or check the URL"
+                ) from e
 
     def url(self, rel: str) -> str:
         """``rel`` (a plain file name: the manifest's names are checked) inside the root; a name
@@ -41,26 +98,37 @@ class Storage:
             raise ManifestError(f"{self.root}: {rel!r} is not a plain file name; a URL join would leave the root")
         return f"{self.root}/{rel}"
 
-    def read(self, rel: str) -> bytes:
+    def read(self, rel: str, *, limit: int, too_long: Callable[[int], Exception] | None = None) -> bytes:
+        """The whole file ``rel``, at most ``limit`` bytes: a longer one raises ``too_long(n)``
+        (``n`` the size seen or declared; default a `RemoteError`) without being read past it."""
         where = self.url(rel)
+        too_long = too_long or _too_long(where, limit)
         try:
             if self.remote:
-                return self._fs.cat_file(where)
-            with open(where, "rb") as f:
-                return f.read()
+                data = b"".join(self._pieces(rel, 0, None, limit=limit, too_long=too_long))
+            else:
+                with open(where, "rb") as f:
+                    data = f.read(limit + 1)
+                if len(data) > limit:
+                    raise too_long(len(data))
+            return data
         except FileNotFoundError as e:
             raise DatasetNotFoundError(f"{where}: no such file") from e
 
-    def download(self, rel: str, dest: str) -> None:
-        """Copy the file to the local path ``dest`` (remote: one streamed transfer)."""
+    def download_into(self, rel: str, fd: int, size: int) -> int:
+        """The file ``rel`` written into ``fd`` from byte 0, one streamed transfer; returns the
+        bytes written. More than ``size`` bytes is a `CorruptRecordError` (nothing past ``size``
+        is written)."""
         where = self.url(rel)
-        try:
-            if self.remote:
-                self._fs.get_file(where, dest)
-            else:
-                import shutil
 
-                shutil.copyfile(where, dest)
+        def too_long(n: int) -> Exception:
+            return CorruptRecordError(where, 0, f"the server sent or declared {n} bytes, the manifest says {size}")
+
+        try:
+            if not self.remote:
+                with open(where, "rb") as f:
+                    return _pwrite_pieces(fd, iter(lambda: f.read(PIECE), b""), 0, size, too_long)
+            return _pwrite_pieces(fd, self._pieces(rel, 0, None, limit=size, too_long=too_long), 0, size, too_long)
         except FileNotFoundError as e:
             raise DatasetNotFoundError(
                 f"{where}: shard file is missing; restore it or rebuild with `crossfeed index`"
@@ -76,42 +144,207 @@ class Storage:
             raise DatasetNotFoundError(f"{where}: no such file") from e
 
     def read_range(self, rel: str, start: int, stop: int) -> bytes:
-        return self._fs.cat_file(self.url(rel), start=start, end=stop)
+        """Bytes ``start:stop`` of ``rel`` (fewer where the file ends first); a server that sends
+        more (it ignored the range) is a `CorruptRecordError`."""
+        if not self.remote:
+            with open(self.url(rel), "rb") as f:
+                f.seek(start)
+                return f.read(stop - start)
+        return b"".join(self._pieces(rel, start, stop, limit=stop - start, too_long=self._ignored(rel, start, stop)))
 
-    def write_range(self, rel: str, start: int, stop: int, fd: int, piece: int = 1 << 20) -> int:
+    def write_range(self, rel: str, start: int, stop: int, fd: int) -> int:
         """Bytes ``start:stop`` of a remote file written into the file descriptor ``fd`` at
-        ``start``; returns how many bytes the server sent (``stop - start``, more where it ignored
-        the range: nothing past ``stop`` is written). HTTP(S) streams the response to the file in
-        ``piece``-sized reads, so a request in flight holds a piece, not the whole range; other
-        filesystems read the range whole first."""
-        if not any(p in ("http", "https") for p in _protocols(self._fs)):
-            return _pwrite_all(fd, self.read_range(rel, start, stop), start)
-        headers = {**self._fs.kwargs.get("headers", {}), "Range": f"bytes={start}-{stop - 1}"}
-        at = start
-        with self._fs.open(self.url(rel), "rb", block_size=0, size=stop - start, headers=headers) as f:
-            while at < stop:
-                data = f.read(min(piece, stop - at))
-                if not data:
-                    return at - start
-                at += _pwrite_all(fd, data, at)
-            return stop - start + len(f.read(1))  # one byte more: the server ignored the range
+        ``start`` as they arrive (a request in flight holds a `PIECE`, not the whole range);
+        returns how many bytes the server sent. More than asked (it ignored the range) is a
+        `CorruptRecordError`, and nothing past ``stop`` is written."""
+        too_long = self._ignored(rel, start, stop)
+        return _pwrite_pieces(
+            fd, self._pieces(rel, start, stop, limit=stop - start, too_long=too_long), start, stop - start, too_long
+        )
 
     def size(self, rel: str) -> int:
         where = self.url(rel)
         try:
-            return int(self._fs.size(where)) if self.remote else os.path.getsize(where)
+            if not self.remote:
+                return os.path.getsize(where)
+            if getattr(self._fs, "async_impl", False):
+                return int(self._call(self._fs._size(where), where))
+            return int(self._fs.size(where))
         except FileNotFoundError as e:
             raise DatasetNotFoundError(
                 f"{where}: shard file is missing; restore it or rebuild with `crossfeed index`"
             ) from e
 
-    def shard(self, rel: str) -> ShardFile:
-        return ShardFile(self, rel)
+    def shard(self, rel: str, *, size: int | None = None, buffer=None) -> ShardFile:
+        return ShardFile(self, rel, size=size, buffer=buffer)
+
+    # -- remote reads, bounded in size and time ------------------------------------------------
+    def _ignored(self, rel: str, start: int, stop: int) -> Callable[[int], Exception]:
+        where = self.url(rel)
+
+        def too_long(n: int) -> Exception:
+            return CorruptRecordError(
+                where,
+                start,
+                f"asked for bytes {start}-{stop - 1}, the server sent or declared {n} bytes; the "
+                f"server ignored the range or the remote file changed",
+            )
+
+        return too_long
+
+    def _pieces(
+        self, rel: str, start: int, stop: int | None, *, limit: int, too_long: Callable[[int], Exception]
+    ) -> Iterator[bytes]:
+        """The bytes ``start:stop`` of remote ``rel`` (``stop`` None: to its end, fetched without
+        a range) in pieces of at most `PIECE`, each within the read deadline; past ``limit``
+        bytes (or a larger ``Content-Length``) raises ``too_long(n)`` before yielding them."""
+        where = self.url(rel)
+        if any(p in ("http", "https") for p in _protocols(self._fs)):
+            yield from self._http_pieces(where, start, stop, limit, too_long)
+            return
+        if stop is None:  # whole file: its size first, checked against the limit
+            stop = self.size(rel)
+            if stop - start > limit:
+                raise too_long(stop - start)
+        at = start
+        with contextlib.ExitStack() as stack:
+            f = None
+            if not getattr(self._fs, "async_impl", False):  # sync backends: bounded in size only
+                f = stack.enter_context(self._fs.open(where, "rb"))
+                f.seek(start)
+            while at < stop:
+                want = min(PIECE, stop - at)
+                if f is not None:
+                    data = f.read(want)
+                else:
+                    data = self._call(self._fs._cat_file(where, start=at, end=at + want), where)
+                if len(data) > want:
+                    raise too_long(at - start + len(data))
+                if not data:
+                    return
+                at += len(data)
+                yield data
+
+    def _http_pieces(self, where: str, start: int, stop: int | None, limit: int, too_long) -> Iterator[bytes]:
+        fs = self._fs
+        kw = dict(fs.kwargs)
+        headers = dict(kw.pop("headers", None) or {})
+        if stop is not None:
+            headers["Range"] = f"bytes={start}-{stop - 1}"
+
+        async def get():
+            session = await fs.set_session()
+            return await session.get(fs.encode_url(where), headers=headers, **kw)
+
+        r = self._call(get(), where)
+        try:
+            if r.status in (404, 410):
+                raise FileNotFoundError(where)
+            if r.status == 416:  # a range past the end: nothing there
+                return
+            if r.status >= 400:
+                raise RemoteError(
+                    where,
+                    f"the server answered HTTP {r.status} {r.reason}",
+                    transient=r.status >= 500 or r.status == 429,
+                )
+            if stop is not None and start > 0 and r.status != 206:
+                raise too_long(r.content_length if r.content_length is not None else limit + 1)
+            if r.content_length is not None and r.content_length > limit:
+                raise too_long(r.content_length)
+            got = 0
+            while True:
+                data = self._call(_read_piece(r.content, min(PIECE, limit + 1 - got)), where)
+                if not data:
+                    return
+                got += len(data)
+                if got > limit:
+                    raise too_long(got)
+                yield data
+        finally:
+            fs.loop.call_soon_threadsafe(r.release if r.content.at_eof() else r.close)
+
+    def _call(self, coro, where: str):
+        """Run ``coro`` on fsspec's event loop and wait for it at most the read deadline; a stall
+        cancels it. Backend errors become `RemoteError` (a missing file stays FileNotFoundError)."""
+        t = self.read_timeout
+        fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, t), self._fs.loop)
+        try:
+            return fut.result(t + 5)  # the inner deadline fires first; this one is a backstop
+        except TimeoutError as e:
+            fut.cancel()
+            raise RemoteError(
+                where,
+                f"no progress within the read deadline of {t:g} s (fewer than {PIECE >> 20} MiB, or no "
+                f"answer); the server stalls or the link is too slow: check it, or raise the deadline "
+                f"(read_timeout, ${TIMEOUT_ENV})",
+            ) from e
+        except (FileNotFoundError, CrossfeedError):
+            raise
+        except PermissionError as e:
+            raise RemoteError(where, f"access denied ({e}); check the credentials", transient=False) from e
+        except BaseException as e:
+            fut.cancel()
+            if not isinstance(e, Exception):
+                raise
+            raise RemoteError(where, f"cannot read it ({type(e).__name__}: {e})") from e
+
+
+def retrying(read: Callable[[], object], where: str, attempts: int = ATTEMPTS, *, what: str = "it"):
+    """``read()``, tried again after a short pause when it fails transiently (a stall, a reset
+    connection, a 5xx: a `RemoteError` with ``transient``); the last failure is a `RemoteError`
+    saying how many tries were made. Data that is wrong (`CorruptRecordError`), a missing file or
+    a denied one is not tried again."""
+    for attempt in range(attempts):
+        try:
+            return read()
+        except RemoteError as e:
+            if not e.transient:
+                raise
+            if attempt == attempts - 1:
+                raise RemoteError(
+                    where,
+                    f"{what} could not be downloaded in {attempts} tries (last: {e.reason}); check the server or the network and rerun",
+                ) from e
+            time.sleep(0.1 * 2**attempt)
+    raise ConfigError(f"attempts must be >= 1, got {attempts}")
+
+
+def _too_long(where: str, limit: int) -> Callable[[int], Exception]:
+    def make(n: int) -> Exception:
+        return RemoteError(where, f"{n} bytes or more, more than the {limit} expected here", transient=False)
+
+    return make
+
+
+async def _read_piece(content, n: int) -> bytes:
+    """Up to ``n`` bytes of a response body: fewer only at its end (a trickle does not count as
+    progress until a whole piece has come)."""
+    parts, got = [], 0
+    while got < n:
+        data = await content.read(n - got)
+        if not data:
+            break
+        parts.append(data)
+        got += len(data)
+    return b"".join(parts)
 
 
 def _protocols(fs) -> tuple:
     p = fs.protocol
     return (p,) if isinstance(p, str) else tuple(p)
+
+
+def _pwrite_pieces(fd: int, pieces, at: int, limit: int, too_long) -> int:
+    """Write ``pieces`` into ``fd`` from ``at``; more than ``limit`` bytes raises ``too_long``."""
+    got = 0
+    with contextlib.closing(pieces) if hasattr(pieces, "close") else contextlib.nullcontext():
+        for data in pieces:
+            if got + len(data) > limit:
+                raise too_long(got + len(data))
+            _pwrite_all(fd, data, at + got)
+            got += len(data)
+    return got
 
 
 def _pwrite_all(fd: int, data, at: int) -> int:
@@ -129,11 +362,12 @@ class ShardFile:
     are read by ranges, or whole with `load()`. GZIP shards are inflated whole on first use.
     """
 
-    def __init__(self, storage: Storage, rel: str):
+    def __init__(self, storage: Storage, rel: str, *, size: int | None = None, buffer=None):
         self.storage = storage
         self.rel = rel
         self.path = storage.url(rel)
-        self._buf = None
+        self.size = size  # bytes, as the manifest declares: a remote read takes no more
+        self._buf = buffer  # given: already open (a cache entry mapped by `crossfeed.io.cache`)
         self._lock = threading.Lock()
 
     def load(self):
@@ -147,7 +381,18 @@ class ShardFile:
     def _open(self):
         st = self.storage
         if st.remote:
-            data = st.read(self.rel)
+            size = st.size(self.rel) if self.size is None else self.size
+
+            def too_long(n: int) -> Exception:
+                return CorruptRecordError(
+                    self.path, size, f"the server sent or declared {n} bytes, the manifest says {size}"
+                )
+
+            data = retrying(lambda: st.read(self.rel, limit=size, too_long=too_long), self.path)
+            if len(data) != size:
+                raise CorruptRecordError(
+                    self.path, len(data), f"the file ended after {len(data)} bytes, the manifest says {size}"
+                )
             if tfrecord.is_gzip(self.rel) or tfrecord.looks_gzip(data[: tfrecord.HEADER]):
                 import gzip
 

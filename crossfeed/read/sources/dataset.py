@@ -30,28 +30,40 @@ from crossfeed.errors import (
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
 from crossfeed.format import tar, tfrecord
-from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, loads
+from crossfeed.format.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, ShardInfo, SplitInfo, loads
 from crossfeed.format.schema import Schema, SchemaError, decode_value
 from crossfeed.io import roots
 from crossfeed.io.storage import ShardFile, Storage
 from crossfeed.read.sources.parquet import ParquetFiles
 
+# bytes an index file may hold per record: "offset length\n" of two numbers up to 2^56 (17
+# digits each), padded or not; a remote index is never read past this
+INDEX_BYTES_PER_RECORD = 64
 
-def open_dataset(path, *, allowed_roots=()) -> Dataset:
+
+def open_dataset(path, *, allowed_roots=(), read_timeout: float | None = None) -> Dataset:
     """Open the dataset at ``path`` (a directory or fsspec URL holding ``crossfeed.json``).
     ``allowed_roots``: directories or URLs (besides those ``$CROSSFEED_ALLOWED_ROOTS`` lists) under
-    which a manifest's ``data_root`` outside the dataset may lie (`crossfeed.io.roots`)."""
+    which a manifest's ``data_root`` outside the dataset may lie (`crossfeed.io.roots`).
+    ``read_timeout``: the deadline of each remote read, in seconds (default
+    ``$CROSSFEED_READ_TIMEOUT``, else `crossfeed.io.storage.READ_TIMEOUT`)."""
     if isinstance(path, Dataset):
         return path
     allowed = roots.normalise_all(allowed_roots)
-    storage = Storage(path)
+    storage = Storage(path, read_timeout=read_timeout)
     text = _read_manifest(storage)
     return Dataset(storage, loads(text, storage.url(MANIFEST)), allowed_roots=allowed, text=text)
 
 
 def _read_manifest(storage: Storage) -> bytes:
+    def too_long(n: int) -> Exception:
+        return ManifestError(
+            f"{storage.url(MANIFEST)}: {n} bytes or more, more than a manifest may hold "
+            f"({MAX_MANIFEST_BYTES}); this is not a crossfeed manifest"
+        )
+
     try:
-        return storage.read(MANIFEST)
+        return storage.read(MANIFEST, limit=MAX_MANIFEST_BYTES, too_long=too_long)
     except DatasetNotFoundError:
         raise DatasetNotFoundError(
             f"{storage.root}: not a crossfeed dataset (no {MANIFEST}); write one with crossfeed.write_dataset, "
@@ -74,7 +86,10 @@ class Dataset:
             self.storage = storage
         else:
             where = storage.url(MANIFEST)
-            self.storage = Storage(roots.check_data_root(manifest.data_root, storage.root, self.allowed_roots, where))
+            self.storage = Storage(
+                roots.check_data_root(manifest.data_root, storage.root, self.allowed_roots, where),
+                read_timeout=storage.read_timeout,
+            )
         self.manifest = manifest
         self.manifest_sha256 = None if text is None else hashlib.sha256(text).hexdigest()
         self._splits: dict[str, Split] = {}
@@ -86,7 +101,7 @@ class Dataset:
         if self.manifest_sha256 is None:
             return None
         try:
-            now = hashlib.sha256(self.index_storage.read(MANIFEST)).hexdigest()
+            now = hashlib.sha256(self.index_storage.read(MANIFEST, limit=MAX_MANIFEST_BYTES)).hexdigest()
         except OSError:  # DatasetNotFoundError included: the manifest is gone, the dataset with it
             now = None
         if now == self.manifest_sha256:
@@ -141,8 +156,8 @@ class _VersionShard(ShardFile):
     """A shard of the version a `Dataset` opened: a file gone when it is first read is reported
     as a rewrite of the dataset where its manifest changed (`Dataset.rewritten`)."""
 
-    def __init__(self, dataset: Dataset, storage: Storage, rel: str):
-        super().__init__(storage, rel)
+    def __init__(self, dataset: Dataset, storage: Storage, rel: str, *, size: int | None = None):
+        super().__init__(storage, rel, size=size)
         self.dataset = dataset
 
     def load(self):
@@ -181,7 +196,7 @@ class Split:
         self.shards: tuple[ShardInfo, ...] = info.shards
         self.counts = np.array([s.num_records for s in info.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
-        self._files = [_VersionShard(dataset, dataset.storage, s.file) for s in info.shards]
+        self._files = [_VersionShard(dataset, dataset.storage, s.file, size=s.num_bytes) for s in info.shards]
         self._index: list[np.ndarray | None] = [None] * len(info.shards)
         self._parquet: ParquetFiles | None = None
         self._lazy: list = [None] * len(info.shards)  # shard → its `LazyIndex`, or False: read whole
@@ -208,8 +223,16 @@ class Split:
             info = self.shards[shard]
             where = self.dataset.index_storage.url(idx.index_path(info.file))
             self._check_regular(shard, where)
+            limit = INDEX_BYTES_PER_RECORD * (info.num_records + 1)
+
+            def too_long(n: int) -> Exception:
+                return IndexFileError(
+                    f"{where}: {n} bytes or more, more than an index of {info.num_records} records may "
+                    f"hold ({limit}); rebuild it with `crossfeed index --force`"
+                )
+
             try:
-                data = self.dataset.index_storage.read(idx.index_path(info.file))
+                data = self.dataset.index_storage.read(idx.index_path(info.file), limit=limit, too_long=too_long)
             except DatasetNotFoundError as e:
                 raise self.dataset.rewritten(where, "the index file is gone") or IndexFileError(
                     f"{where}: index file is missing; rebuild it with `crossfeed index`"

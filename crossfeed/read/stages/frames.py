@@ -486,12 +486,14 @@ class FrameReader:
 
     def _local_copy(self, s: int) -> ShardFile:
         """Remote shard ``s`` through the cache: downloaded (once, shared by every process on
-        the node), checked against the manifest's sha256, then memory-mapped like a local shard."""
+        the node), checked against the manifest's sha256, and handed over already
+        memory-mapped: the mapping stays valid while anything holds it, whatever the cache (or
+        another process) removes meanwhile."""
         got = self._cached.get(s)
         if got is None:  # no reader lock held while downloading: other shards go on meanwhile
             info, f = self.split.shards[s], self.split.file(s)
             try:
-                path = self.cache.fetch(f.storage, info.file, info.sha256, info.num_bytes)
+                path, stream = self.cache.open(f.storage, info.file, info.sha256, info.num_bytes)
             except FileNotFoundError as e:  # gone: a rewrite of the dataset, or the file's own fault
                 err = self.split.dataset.rewritten(f.path, "the shard file is gone")
                 if err is None:
@@ -500,7 +502,8 @@ class FrameReader:
             with self._lock:
                 got = self._cached.get(s)
                 if got is None:
-                    got = self._cached[s] = Storage(os.path.dirname(path)).shard(os.path.basename(path))
+                    local = Storage(os.path.dirname(path))
+                    got = self._cached[s] = local.shard(os.path.basename(path), buffer=stream)
                 else:  # another thread got there first: one pin is enough
                     self.cache.release(path)
         return got
@@ -560,5 +563,6 @@ class FrameReader:
                 self.split.file(old).close()
                 local = self._cached.pop(old, None)
                 if local is not None:  # the cache may now evict it (this process no longer uses it)
-                    local.close()
+                    # not closed: a batch on another thread may still read its mapping, which
+                    # goes when the last reference to it does
                     self.cache.release(local.path)
