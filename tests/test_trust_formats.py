@@ -7,18 +7,24 @@ a real tool (``tarfile``, ``gzip``, pyarrow, the TFDS builder helper) and then d
 
 from __future__ import annotations
 
+import gzip
 import io
+import os
+import resource
+import struct
 import subprocess
 import sys
 import tarfile
+import zlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import crossfeed
 from crossfeed.cli.main import EXIT_ERROR
 from crossfeed.errors import CorruptRecordError, CrossfeedError
-from crossfeed.format import tar
+from crossfeed.format import tar, tfrecord
 from crossfeed.read.loader import Loader
 
 pytestmark = pytest.mark.timeout(120)  # a parser that loops fails here instead of hanging the suite
@@ -200,3 +206,123 @@ def test_fuzzed_pax_records(body):
     info.type, info.size = tarfile.XHDTYPE, len(body)
     pax = info.tobuf(format=tarfile.USTAR_FORMAT) + body + bytes(-len(body) % 512)
     _check_walk(pax + _sample_tar())
+
+
+# ---- GZIP: inflation bounded by the index, or streamed --------------------------------------------
+
+LIMIT_AS = 1 << 30  # the address space a hostile read runs in: the bombs inflate to twice that
+BOMB_BYTES = 2 << 30
+
+
+def _zeros_members(total: int) -> bytes:
+    """``total`` zero bytes as concatenated GZIP members (what ``gzip`` reads as one stream):
+    a few KiB of file per 16 MiB of zeros."""
+    member = gzip.compress(bytes(16 << 20), compresslevel=9)
+    return member * (total // (16 << 20))
+
+
+def _limited(argv: list[str], **kw) -> subprocess.CompletedProcess:
+    """``argv`` in a child whose address space is capped at `LIMIT_AS`."""
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS))
+
+    env = {**os.environ, "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    return subprocess.run(argv, preexec_fn=cap, env=env, capture_output=True, text=True, timeout=120, **kw)
+
+
+@pytest.fixture
+def gz_dataset(tmp_path):
+    """A dataset of GZIP shards written by crossfeed; its first shard then replaced by the same
+    records followed by 2 GiB of zeros (a bomb its index knows nothing of)."""
+    root = tmp_path / "gz"
+    crossfeed.write_dataset(
+        root, [{"x": os.urandom(300), "y": i} for i in range(40)], num_shards=2, compress=True
+    ).close()
+    shard = root / "train-00000-of-00002.tfrecord.gz"
+    with gzip.open(shard, "rb") as f:
+        stream = f.read()
+    shard.write_bytes(gzip.compress(stream) + _zeros_members(BOMB_BYTES))
+    return root, shard, len(stream)
+
+
+LOADER_UNDER_CAP = """
+import sys
+from crossfeed.errors import CrossfeedError
+from crossfeed.read.loader import Loader
+try:
+    with Loader(sys.argv[1], batch_size=4, shuffle="none", num_threads=1) as loader:
+        n = sum(len(b["y"]) for b in loader)
+    print("read", n)
+except CrossfeedError as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_a_gzip_bomb_is_refused_by_the_loader_at_the_length_its_index_declares(gz_dataset):
+    root, shard, stream_len = gz_dataset
+    out = _limited([sys.executable, "-c", LOADER_UNDER_CAP, str(root)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith(f"CorruptRecordError {shard}: corrupt record at byte offset {stream_len}:"), out.stdout
+    assert f"inflates past the {stream_len} bytes its index declares" in out.stdout
+
+
+def test_a_gzip_bomb_is_streamed_by_verify(gz_dataset):
+    root, shard, stream_len = gz_dataset
+    out = _limited([sys.executable, "-m", "crossfeed.cli.main", "verify", str(root)])
+    _no_traceback(out)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert f"BAD {shard}: byte offset {stream_len}: length CRC mismatch" in out.stderr, out.stderr
+
+
+def _example_frames(tmp_path) -> bytes:
+    """Five framed ``tf.train.Example`` records, as crossfeed's writer frames them."""
+    crossfeed.write_dataset(tmp_path / "plain", [{"x": b"abc", "y": i} for i in range(5)], num_shards=1).close()
+    return (tmp_path / "plain" / "train-00000-of-00001.tfrecord").read_bytes()
+
+
+@pytest.mark.parametrize("prefix", ["none", "records"])
+def test_a_gzip_bomb_is_streamed_by_index(tmp_path, prefix):
+    """``crossfeed index`` has no index to bound the stream by: it walks it record by record."""
+    root = tmp_path / "adopt"
+    root.mkdir()
+    frames = _example_frames(tmp_path) if prefix == "records" else b""
+    (root / "data-00000-of-00001.tfrecord").write_bytes(gzip.compress(frames) + _zeros_members(BOMB_BYTES))
+    out = _limited([sys.executable, "-m", "crossfeed.cli.main", "index", str(root)])
+    _no_traceback(out)
+    assert out.returncode == EXIT_ERROR, out.stderr[-3000:]
+    assert f"corrupt record at byte offset {len(frames)}: length CRC mismatch" in out.stderr, out.stderr
+
+
+def test_a_record_claiming_more_than_a_stream_may_hold_is_refused_before_it_is_read(tmp_path):
+    head = struct.pack("<Q", BOMB_BYTES)
+    frames = _example_frames(tmp_path) + head + struct.pack("<I", tfrecord.masked_crc(head))
+    root = tmp_path / "adopt"
+    root.mkdir()
+    (root / "data-00000-of-00001.tfrecord").write_bytes(gzip.compress(frames) + _zeros_members(BOMB_BYTES))
+    out = _limited([sys.executable, "-m", "crossfeed.cli.main", "index", str(root)])
+    _no_traceback(out)
+    assert out.returncode == EXIT_ERROR and f"a record of {BOMB_BYTES} bytes" in out.stderr, out.stderr
+
+
+@FUZZ
+@given(cut=st.integers(0, 400), flip=st.integers(0, 400), junk=st.binary(max_size=16))
+def test_fuzzed_gzip_streams_inflate_like_gzip_or_fail_as_crossfeed_errors(cut, flip, junk):
+    """`tfrecord.inflate` against ``gzip.decompress`` (an independent inflater) on damaged,
+    truncated and concatenated streams: the same bytes, or a `CorruptRecordError`."""
+    good = gzip.compress(b"".join(tfrecord.frame(b"r%d" % i) for i in range(20))) * 2
+    data = bytearray(good[: len(good) - cut] + junk)
+    if flip < len(data):
+        data[flip] ^= 0x55
+    data = bytes(data)
+    try:
+        want = gzip.decompress(data)
+    except (OSError, EOFError, zlib.error):
+        want = None
+    try:
+        got = b"".join(tfrecord.inflate(io.BytesIO(data).read, "f.gz"))
+    except CorruptRecordError:
+        got = None
+    if want is not None and got is not None:
+        assert got == want
+    assert got is not None or want is None or data.rstrip(b"\0") != data  # refused only what gzip refuses

@@ -3,9 +3,11 @@ whole shards when reading sequentially). Readers see one interface: `ShardFile`.
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 import threading
+from collections.abc import Callable
 
 from crossfeed.errors import CorruptRecordError, DatasetNotFoundError
 from crossfeed.format import tfrecord
@@ -98,8 +100,8 @@ class Storage:
                 f"{where}: shard file is missing; restore it or rebuild with `crossfeed index`"
             ) from e
 
-    def shard(self, rel: str) -> ShardFile:
-        return ShardFile(self, rel)
+    def shard(self, rel: str, *, stream_bytes: Callable[[], int] | None = None) -> ShardFile:
+        return ShardFile(self, rel, stream_bytes=stream_bytes)
 
 
 def _protocols(fs) -> tuple:
@@ -119,12 +121,15 @@ class ShardFile:
     """One shard's uncompressed record stream, opened lazily.
 
     Local plain shards are memory-mapped, so a record is a zero-copy view. Remote plain shards
-    are read by ranges, or whole with `load()`. GZIP shards are inflated whole on first use.
+    are read by ranges, or whole with `load()`. GZIP shards are inflated whole on first use,
+    at most ``stream_bytes()`` bytes: the stream length the shard's index declares (a GZIP bomb
+    is refused with `CorruptRecordError`, not inflated into memory).
     """
 
-    def __init__(self, storage: Storage, rel: str):
+    def __init__(self, storage: Storage, rel: str, *, stream_bytes: Callable[[], int] | None = None):
         self.storage = storage
         self.rel = rel
+        self.stream_bytes = stream_bytes
         self.path = storage.url(rel)
         self._buf = None
         self._lock = threading.Lock()
@@ -142,25 +147,21 @@ class ShardFile:
         if st.remote:
             data = st.read(self.rel)
             if tfrecord.is_gzip(self.rel) or tfrecord.looks_gzip(data[: tfrecord.HEADER]):
-                import gzip
-
-                try:
-                    data = gzip.decompress(data)
-                except tfrecord.GZIP_ERRORS as e:
-                    raise CorruptRecordError(
-                        self.path, 0, f"not a readable GZIP stream ({type(e).__name__}: {e})"
-                    ) from e
+                data = b"".join(tfrecord.inflate(io.BytesIO(data).read, self.path, limit=self._limit()))
             return data
         if not os.path.exists(self.path):
             raise DatasetNotFoundError(
                 f"{self.path}: shard file is missing; restore it or rebuild with `crossfeed index`"
             )
         if tfrecord.is_gzip(self.path):  # sniffed: adopted GZIP shards need not end in .gz
-            return tfrecord.read_bytes(self.path)
+            return tfrecord.read_bytes(self.path, limit=self._limit())
         if os.path.getsize(self.path) == 0:
             return b""
         with open(self.path, "rb") as f:
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def _limit(self) -> int | None:
+        return None if self.stream_bytes is None else self.stream_bytes()
 
     def record(self, offset: int, length: int) -> memoryview:
         """The checked payload of the record framed at ``offset`` (``length`` from the index)."""

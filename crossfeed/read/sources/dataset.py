@@ -4,6 +4,7 @@ randomly accessible sequence of samples (``dict`` of numpy arrays)."""
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import stat
 from collections.abc import Iterator
@@ -107,7 +108,10 @@ class Split:
         self.shards: tuple[ShardInfo, ...] = info.shards
         self.counts = np.array([s.num_records for s in info.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
-        self._files = [dataset.storage.shard(s.file) for s in info.shards]
+        self._files = [
+            dataset.storage.shard(s.file, stream_bytes=functools.partial(self.stream_end, i))
+            for i, s in enumerate(info.shards)
+        ]
         self._index: list[np.ndarray | None] = [None] * len(info.shards)
         self._parquet: ParquetFiles | None = None
         self._lazy: list = [None] * len(info.shards)  # shard → its `LazyIndex`, or False: read whole
@@ -143,6 +147,14 @@ class Split:
             arr = idx.checked_index(data, where, info, gzip=lambda: self._is_gzip(shard))
             self._index[shard] = arr
         return arr
+
+    def stream_end(self, shard: int) -> int:
+        """Where shard ``shard``'s last record ends, as its checked index says: the length of its
+        uncompressed stream, and so the most a GZIP shard may inflate to."""
+        index = self.lazy_index(shard)
+        if isinstance(index, np.ndarray):
+            return int(index[-1, 0] + index[-1, 1]) if len(index) else 0
+        return int(index.end)
 
     def entries(self, shard: int, k: np.ndarray) -> np.ndarray:
         """``index(shard)[k]``, without reading the whole index where it need not be: a local

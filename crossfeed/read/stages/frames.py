@@ -494,7 +494,9 @@ class FrameReader:
             with self._lock:
                 got = self._cached.get(s)
                 if got is None:
-                    got = self._cached[s] = Storage(os.path.dirname(path)).shard(os.path.basename(path))
+                    got = self._cached[s] = Storage(os.path.dirname(path)).shard(
+                        os.path.basename(path), stream_bytes=self.split.file(s).stream_bytes
+                    )
                 else:  # another thread got there first: one pin is enough
                     self.cache.release(path)
         return got
