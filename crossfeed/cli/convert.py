@@ -10,9 +10,12 @@ shell; the last positional argument is OUT. Beam pipeline options go only after 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Annotated
 
@@ -265,7 +268,7 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict,
     for line in getattr(source, "report", list)():  # what type inference decided, and why
         typer.echo(f"  {line}", err=True)
 
-    with Progress() as progress:
+    with _interrupts_end_the_job(), Progress() as progress:
         bar = progress.phase("encoding", total=_expected_samples(source), unit="samples")  # read+encode+write shards
         result = job.convert(
             source,
@@ -292,6 +295,32 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict,
         _warn_empty_shards(str(out), list(result.samples))
         if common["verify"]:
             _verify(str(out), list(result.samples), progress)
+
+
+@contextlib.contextmanager
+def _interrupts_end_the_job():
+    """A Ctrl-C (SIGINT) during the job ends it as the CLI documents ('interrupted', exit 130),
+    however Beam reports it: its runner re-raises a KeyboardInterrupt caught in a bundle as
+    ``RuntimeError: KeyboardInterrupt``, or fails later on what the interrupt left half done."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread
+        return
+    got = threading.Event()
+    previous = signal.getsignal(signal.SIGINT)
+
+    def interrupted(signum, frame):
+        got.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield
+    except Exception as e:
+        if got.is_set():
+            raise KeyboardInterrupt from e
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _expected_samples(source) -> int | None:

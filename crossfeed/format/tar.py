@@ -41,6 +41,8 @@ _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 _REGULAR = (b"0", b"\0", b"7")
 _NPY_MAGIC = b"\x93NUMPY"
 _ZERO = bytes(BLOCK)
+_OCTAL = re.compile(rb"[0-7]*")
+_DIGITS = re.compile(rb"[0-9]+")
 _NPY_HEADERS: dict[bytes, tuple] = {}  # parsed .npy headers by their text: a dataset's arrays share a few
 
 
@@ -77,21 +79,35 @@ def _padded(n: int) -> int:
 
 
 def _octal(field: bytes, what: str, path: str, offset: int) -> int:
+    """A numeric header field, strictly (Go's ``archive/tar``): octal digits padded by spaces or
+    NULs, or GNU base-256 for large values; a sign, an inner space or any other byte is an error,
+    and so is a negative base-256 value — a size is never negative."""
     if field[:1] and field[0] & 0x80:  # GNU base-256 (sizes of 8 GiB and more)
+        if field[0] & 0x40:
+            raise CorruptRecordError(path, offset, f"tar header's {what} field is a negative base-256 number")
         return int.from_bytes(field[1:], "big") | ((field[0] & 0x3F) << (8 * (len(field) - 1)))
-    text = field.split(b"\0", 1)[0].strip()
-    try:
-        return int(text, 8) if text else 0
-    except ValueError:
-        raise CorruptRecordError(path, offset, f"tar header's {what} field {bytes(field)!r} is not octal") from None
+    text = field.split(b"\0", 1)[0].strip(b" ")
+    if not _OCTAL.fullmatch(text):
+        raise CorruptRecordError(
+            path, offset, f"tar header's {what} field {bytes(field)!r} is not octal digits: the header is damaged"
+        )
+    return int(text, 8) if text else 0
+
+
+def _decimal(text: bytes, limit: int) -> int | None:
+    """A pax decimal: ASCII digits only (no sign, space or ``_``), at most ``limit``; else None."""
+    if not _DIGITS.fullmatch(text) or len(text) > 20:
+        return None
+    n = int(text)
+    return n if n <= limit else None
 
 
 def header_ok(block: bytes) -> bool:
     """Whether a 512-byte header's checksum matches (unsigned sum, or the signed one old tars wrote)."""
-    try:
-        stored = int(block[148:156].split(b"\0", 1)[0].strip() or b"-1", 8)
-    except ValueError:
+    text = block[148:156].split(b"\0", 1)[0].strip(b" ")
+    if not text or not _OCTAL.fullmatch(text):
         return False
+    stored = int(text, 8)
     unsigned = sum(block) - sum(block[148:156]) + 8 * 32
     if stored == unsigned:
         return True
@@ -128,10 +144,12 @@ def members(buf, start: int, end: int, path: str, base: int = 0) -> Iterator[Mem
             )
         size = _octal(block[124:136], "size", path, base + pos)
         if "size" in pax:
-            try:
-                size = int(pax["size"])
-            except ValueError:
-                raise CorruptRecordError(path, base + pos, f"pax size {pax['size']!r} is not a number") from None
+            got = _decimal(pax["size"].encode("utf-8", "surrogateescape"), end)
+            if got is None:
+                raise CorruptRecordError(
+                    path, base + pos, f"pax size {pax['size']!r} is not a decimal number of at most {end} bytes"
+                )
+            size = got
         kind = block[156:157]
         data = pos + BLOCK
         if data + size > end:
@@ -146,7 +164,7 @@ def members(buf, start: int, end: int, path: str, base: int = 0) -> Iterator[Mem
                 long_name = body.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             elif kind == b"x":
                 pax = _pax(body, path, base + pos)
-            pos = data + _padded(size)
+            pos = data + _padded(size)  # size >= 0 (parsed unsigned): pos advances by at least one block
             continue
         if long_name is not None:
             name = long_name
@@ -158,23 +176,25 @@ def members(buf, start: int, end: int, path: str, base: int = 0) -> Iterator[Mem
             if prefix:
                 name = prefix.decode("utf-8", "surrogateescape") + "/" + name
         yield Member(name, first, data, size, kind in _REGULAR)
-        pos = first = data + _padded(size)
+        pos = first = data + _padded(size)  # as above: at least one block further
         long_name, pax = None, {}
     if long_name is not None or pax:
         raise CorruptRecordError(path, base + first, "a long-name or pax header with no entry after it: truncated tar")
 
 
 def _pax(body: bytes, path: str, offset: int) -> dict[str, str]:
+    """The records ``"<length> <key>=<value>\\n"`` of a pax extended header, strictly: the length
+    is decimal digits, covers at least its own text and stays within the body, so each record
+    moves ``i`` forward by at least one byte."""
     out, i = {}, 0
     while i < len(body):
-        sp = body.find(b" ", i)
-        try:
-            n = int(body[i:sp])
-        except ValueError:
-            raise CorruptRecordError(path, offset, "malformed pax extended header") from None
-        if n <= 0 or sp < 0:
-            raise CorruptRecordError(path, offset, "malformed pax extended header")
-        key, _, value = body[sp + 1 : i + n - 1].partition(b"=")
+        sp = body.find(b" ", i, i + 21)
+        n = _decimal(body[i:sp], len(body) - i) if sp > i else None
+        if n is None or n <= sp - i + 1 or body[i + n - 1 : i + n] != b"\n":
+            raise CorruptRecordError(path, offset, "malformed pax extended header: a record's length is not its size")
+        key, eq, value = body[sp + 1 : i + n - 1].partition(b"=")
+        if not eq:
+            raise CorruptRecordError(path, offset, "malformed pax extended header: a record has no '='")
         out[key.decode("utf-8", "replace")] = value.decode("utf-8", "surrogateescape")
         i += n
     return out

@@ -13,7 +13,7 @@ import hashlib
 import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import BinaryIO
 
 import crc32c as _crc32c
@@ -185,16 +185,104 @@ _ARANGE12 = np.arange(HEADER, dtype=np.int64)
 _ARANGE4 = np.arange(FOOTER, dtype=np.int64)
 
 
-def read_bytes(path: str | os.PathLike) -> bytes:
-    """The uncompressed stream of a shard file (GZIP shards are inflated)."""
-    if is_gzip(path):
+# A record of a GZIP stream read without an index (adoption, verify's slow path) is held whole
+# before its CRC can be checked; past this size the shard must be decompressed to be indexed.
+MAX_STREAMED_RECORD = 256 << 20
+_INFLATE_BLOCK = 1 << 20
+
+
+def inflate(read: Callable[[int], bytes], path: str, *, limit: int | None = None) -> Iterator[bytes]:
+    """The inflated bytes of a GZIP stream (concatenated members and zero padding after them as
+    ``gzip`` accepts), in chunks of at most 1 MiB read through ``read(n)``. Raises
+    `CorruptRecordError` (its offset a position in the uncompressed stream) when the stream is
+    damaged or truncated, or inflates past ``limit`` bytes (what an index declared), so a GZIP
+    bomb costs at most ``limit`` bytes, or one chunk when streamed. Each round consumes input or
+    yields output, or fails: the loop advances."""
+    d = zlib.decompressobj(31)
+    total, tail, started = 0, b"", False
+    while True:
+        if not tail:
+            tail = read(_INFLATE_BLOCK)
+            if not tail:
+                if started and not d.eof:
+                    raise CorruptRecordError(
+                        path, total, "GZIP stream ends early (truncated file); the records after this offset are lost"
+                    )
+                return
+        if d.eof:  # a member ended: zero padding, or another member
+            tail = tail.lstrip(b"\0")
+            if not tail:
+                continue
+            d, started = zlib.decompressobj(31), False
+        before = len(tail)
         try:
-            with gzip.open(path, "rb") as f:
-                return f.read()
-        except GZIP_ERRORS as e:  # every way inflating damaged bytes fails, BadGzipFile included
-            raise CorruptRecordError(str(path), 0, f"not a readable GZIP stream ({type(e).__name__}: {e})") from e
+            out = d.decompress(tail, _INFLATE_BLOCK)
+        except zlib.error as e:
+            raise CorruptRecordError(path, total, f"not a readable GZIP stream ({e})") from e
+        started = True
+        tail = d.unused_data if d.eof else d.unconsumed_tail
+        if not out and len(tail) >= before and not d.eof:
+            raise CorruptRecordError(path, total, "the GZIP stream makes no progress: it is damaged")
+        total += len(out)
+        if limit is not None and total > limit:
+            raise CorruptRecordError(
+                path,
+                limit,
+                f"the GZIP stream inflates past the {limit} bytes its index declares (a damaged shard, or a "
+                f"decompression bomb); restore the shard or rebuild the index with `crossfeed index --force`",
+            )
+        if out:
+            yield out
+
+
+def read_bytes(path: str | os.PathLike, *, limit: int | None = None) -> bytes:
+    """The uncompressed stream of a shard file (GZIP shards are inflated, refused past ``limit``
+    bytes: the stream length the shard's index declares; see `inflate`)."""
     with open(path, "rb") as f:
+        if is_gzip(path):
+            return b"".join(inflate(f.read, str(path), limit=limit))
         return f.read()
+
+
+def stream_records(chunks: Iterable[bytes], path: str) -> Iterator[tuple[int, bytes]]:
+    """Walk an uncompressed TFRecord stream given as chunks (`inflate`'s) without holding it:
+    yields ``(offset, payload)`` per record, both CRCs checked; memory is one record and one
+    chunk. A record longer than `MAX_STREAMED_RECORD` is refused before it is read. Raises
+    `CorruptRecordError` naming ``path`` and the record's offset."""
+    it = iter(chunks)
+    buf = bytearray()
+    base = 0  # the stream offset of buf[0]
+
+    def fill(n: int) -> bool:
+        while len(buf) < n:
+            chunk = next(it, None)
+            if chunk is None:
+                return False
+            buf.extend(chunk)
+        return True
+
+    while fill(1):
+        if not fill(HEADER):
+            raise CorruptRecordError(path, base, f"record header runs past the end of the data ({len(buf)} bytes left)")
+        n = _LEN.unpack_from(buf, 0)[0]
+        if masked_crc(bytes(buf[:8])) != _U32.unpack_from(buf, 8)[0]:
+            raise CorruptRecordError(path, base, "length CRC mismatch (not a TFRecord file, or a damaged header)")
+        if n > MAX_STREAMED_RECORD:
+            raise CorruptRecordError(
+                path,
+                base,
+                f"a record of {n} bytes in a GZIP stream read without an index (at most {MAX_STREAMED_RECORD} "
+                f"are held); decompress the shard (gunzip) and index it in place",
+            )
+        size = HEADER + n + FOOTER
+        if not fill(size):
+            raise CorruptRecordError(path, base, f"truncated: the record needs {size} bytes, {len(buf)} remain")
+        payload = bytes(buf[HEADER : HEADER + n])
+        if masked_crc(payload) != _U32.unpack_from(buf, HEADER + n)[0]:
+            raise CorruptRecordError(path, base, "payload CRC mismatch (damaged data)")
+        del buf[:size]  # CPython drops a bytearray's head without moving the rest
+        yield base, payload
+        base += size  # size >= 16: the walk advances
 
 
 class _HashingFile:

@@ -44,7 +44,6 @@ import collections
 import contextlib
 import errno
 import fcntl
-import gzip
 import hashlib
 import itertools
 import logging
@@ -189,24 +188,27 @@ class ShardCache:
         return os.path.join(self.root, name[:2], name)
 
     # -- use -------------------------------------------------------------------------------------
-    def open(self, storage, rel: str, sha256: str, size: int) -> tuple[str, object]:
+    def open(self, storage, rel: str, sha256: str, size: int, *, stream_limit: int | None = None) -> tuple[str, object]:
         """``(path, stream)`` of the shard ``rel`` of ``storage`` (downloaded now if it is not
         cached), pinned until `release`: ``stream`` is the checked entry already mapped
-        (read-only mmap; ``b""`` when empty; GZIP inflated), valid however long it is held, even
-        if the entry is removed meanwhile."""
+        (read-only mmap; ``b""`` when empty; GZIP inflated, to at most ``stream_limit`` bytes:
+        what the shard's index declares), valid however long it is held, even if the entry is
+        removed meanwhile."""
         name = self.name_of(sha256, rel)
         self._pin(name)
         try:
             for _ in range(OPEN_TRIES):
-                got = self._map(name, sha256, size)
+                got = self._map(name, sha256, size, stream_limit)
                 if got is None:
                     with self._entry_lock(name):
-                        got = self._map(name, sha256, size)  # downloaded meanwhile by another process?
+                        got = self._map(name, sha256, size, stream_limit)  # downloaded meanwhile by another process?
                         if got is None:
                             self._download(storage, rel, name, sha256, size)
                             with self._lock:
                                 self._verified.add(name)
-                            got = self._map(name, sha256, size)  # None: another process evicted it already
+                            got = self._map(
+                                name, sha256, size, stream_limit
+                            )  # None: another process evicted it already
                 if got is not None:
                     break
             else:
@@ -256,7 +258,7 @@ class ShardCache:
         with self._lock:
             self._pinned[name] = self._pinned.get(name, 0) + 1
 
-    def _map(self, name: str, sha256: str, size: int):
+    def _map(self, name: str, sha256: str, size: int, stream_limit: int | None = None):
         """The entry's stream, opened with ``O_NOFOLLOW`` and checked (a regular file of
         ``size`` bytes whose bytes hash to ``sha256``: hashed once per process — bit rot, a
         damaged disk or a hand-edited file are caught here), or None where it is missing or
@@ -289,12 +291,15 @@ class ShardCache:
             finally:
                 os.close(fd)
         if name.endswith(".gz") or tfrecord.looks_gzip(bytes(buf[: tfrecord.HEADER])):
-            try:
-                return gzip.decompress(buf)
-            except tfrecord.GZIP_ERRORS as e:
-                raise CorruptRecordError(
-                    self.path_of(name), 0, f"not a readable GZIP stream ({type(e).__name__}: {e})"
-                ) from e
+            view, at = memoryview(buf), 0
+
+            def read(n: int) -> bytes:
+                nonlocal at
+                chunk = bytes(view[at : at + n])
+                at += len(chunk)
+                return chunk
+
+            return b"".join(tfrecord.inflate(read, self.path_of(name), limit=stream_limit))
         return buf
 
     @staticmethod

@@ -1,5 +1,6 @@
-"""Local files as readers see them: a shard's record stream (mmap, or inflated GZIP), a file's
-bytes mapped as stored, and a file's sha256 read in chunks. Used by `verify` and by adoption."""
+"""Local files as readers see them: a file's bytes mapped as stored, and a file's sha256 read in
+chunks. Used by `verify` and by adoption (GZIP streams are inflated by
+`crossfeed.format.tfrecord.inflate`, bounded or record by record)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,6 @@ import hashlib
 import mmap
 import os
 from collections.abc import Iterator
-
-from crossfeed.format import tfrecord
-
-
-@contextlib.contextmanager
-def open_stream(path: str) -> Iterator:
-    """The uncompressed record stream of a local shard: an mmap for plain files, bytes for GZIP
-    (detected by its magic bytes, whatever the name)."""
-    if tfrecord.is_gzip(path):
-        yield tfrecord.read_bytes(path)
-        return
-    with map_file(path) as buf:
-        yield buf
 
 
 @contextlib.contextmanager

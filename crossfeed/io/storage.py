@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import math
 import mmap
 import os
@@ -175,8 +176,10 @@ class Storage:
                 f"{where}: shard file is missing; restore it or rebuild with `crossfeed index`"
             ) from e
 
-    def shard(self, rel: str, *, size: int | None = None, buffer=None) -> ShardFile:
-        return ShardFile(self, rel, size=size, buffer=buffer)
+    def shard(
+        self, rel: str, *, size: int | None = None, buffer=None, stream_bytes: Callable[[], int] | None = None
+    ) -> ShardFile:
+        return ShardFile(self, rel, size=size, buffer=buffer, stream_bytes=stream_bytes)
 
     # -- remote reads, bounded in size and time ------------------------------------------------
     def _ignored(self, rel: str, start: int, stop: int) -> Callable[[int], Exception]:
@@ -359,12 +362,23 @@ class ShardFile:
     """One shard's uncompressed record stream, opened lazily.
 
     Local plain shards are memory-mapped, so a record is a zero-copy view. Remote plain shards
-    are read by ranges, or whole with `load()`. GZIP shards are inflated whole on first use.
+    are read by ranges, or whole with `load()`. GZIP shards are inflated whole on first use,
+    at most ``stream_bytes()`` bytes: the stream length the shard's index declares (a GZIP bomb
+    is refused with `CorruptRecordError`, not inflated into memory).
     """
 
-    def __init__(self, storage: Storage, rel: str, *, size: int | None = None, buffer=None):
+    def __init__(
+        self,
+        storage: Storage,
+        rel: str,
+        *,
+        size: int | None = None,
+        buffer=None,
+        stream_bytes: Callable[[], int] | None = None,
+    ):
         self.storage = storage
         self.rel = rel
+        self.stream_bytes = stream_bytes
         self.path = storage.url(rel)
         self.size = size  # bytes, as the manifest declares: a remote read takes no more
         self._buf = buffer  # given: already open (a cache entry mapped by `crossfeed.io.cache`)
@@ -394,25 +408,23 @@ class ShardFile:
                     self.path, len(data), f"the file ended after {len(data)} bytes, the manifest says {size}"
                 )
             if tfrecord.is_gzip(self.rel) or tfrecord.looks_gzip(data[: tfrecord.HEADER]):
-                import gzip
-
-                try:
-                    data = gzip.decompress(data)
-                except tfrecord.GZIP_ERRORS as e:
-                    raise CorruptRecordError(
-                        self.path, 0, f"not a readable GZIP stream ({type(e).__name__}: {e})"
-                    ) from e
+                data = b"".join(tfrecord.inflate(io.BytesIO(data).read, self.path, limit=self.stream_limit()))
             return data
         if not os.path.exists(self.path):
             raise DatasetNotFoundError(
                 f"{self.path}: shard file is missing; restore it or rebuild with `crossfeed index`"
             )
         if tfrecord.is_gzip(self.path):  # sniffed: adopted GZIP shards need not end in .gz
-            return tfrecord.read_bytes(self.path)
+            return tfrecord.read_bytes(self.path, limit=self.stream_limit())
         if os.path.getsize(self.path) == 0:
             return b""
         with open(self.path, "rb") as f:
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def stream_limit(self) -> int | None:
+        """The uncompressed stream length this shard's index declares (None: unknown): what a
+        GZIP shard may inflate to."""
+        return None if self.stream_bytes is None else self.stream_bytes()
 
     def record(self, offset: int, length: int) -> memoryview:
         """The checked payload of the record framed at ``offset`` (``length`` from the index)."""

@@ -10,6 +10,7 @@ never holds another version's bytes)."""
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import os
 import stat
@@ -156,8 +157,8 @@ class _VersionShard(ShardFile):
     """A shard of the version a `Dataset` opened: a file gone when it is first read is reported
     as a rewrite of the dataset where its manifest changed (`Dataset.rewritten`)."""
 
-    def __init__(self, dataset: Dataset, storage: Storage, rel: str, *, size: int | None = None):
-        super().__init__(storage, rel, size=size)
+    def __init__(self, dataset: Dataset, storage: Storage, rel: str, *, size: int | None = None, stream_bytes=None):
+        super().__init__(storage, rel, size=size, stream_bytes=stream_bytes)
         self.dataset = dataset
 
     def load(self):
@@ -196,7 +197,12 @@ class Split:
         self.shards: tuple[ShardInfo, ...] = info.shards
         self.counts = np.array([s.num_records for s in info.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
-        self._files = [_VersionShard(dataset, dataset.storage, s.file, size=s.num_bytes) for s in info.shards]
+        self._files = [
+            _VersionShard(
+                dataset, dataset.storage, s.file, size=s.num_bytes, stream_bytes=functools.partial(self.stream_end, i)
+            )
+            for i, s in enumerate(info.shards)
+        ]
         self._index: list[np.ndarray | None] = [None] * len(info.shards)
         self._parquet: ParquetFiles | None = None
         self._lazy: list = [None] * len(info.shards)  # shard → its `LazyIndex`, or False: read whole
@@ -248,6 +254,14 @@ class Split:
                 raise err from e
             self._index[shard] = arr
         return arr
+
+    def stream_end(self, shard: int) -> int:
+        """Where shard ``shard``'s last record ends, as its checked index says: the length of its
+        uncompressed stream, and so the most a GZIP shard may inflate to."""
+        index = self.lazy_index(shard)
+        if isinstance(index, np.ndarray):
+            return int(index[-1, 0] + index[-1, 1]) if len(index) else 0
+        return int(index.end)
 
     def entries(self, shard: int, k: np.ndarray) -> np.ndarray:
         """``index(shard)[k]``, without reading the whole index where it need not be: a local

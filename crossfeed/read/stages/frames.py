@@ -493,7 +493,9 @@ class FrameReader:
         if got is None:  # no reader lock held while downloading: other shards go on meanwhile
             info, f = self.split.shards[s], self.split.file(s)
             try:
-                path, stream = self.cache.open(f.storage, info.file, info.sha256, info.num_bytes)
+                path, stream = self.cache.open(
+                    f.storage, info.file, info.sha256, info.num_bytes, stream_limit=f.stream_limit()
+                )
             except FileNotFoundError as e:  # gone: a rewrite of the dataset, or the file's own fault
                 err = self.split.dataset.rewritten(f.path, "the shard file is gone")
                 if err is None:
@@ -503,7 +505,9 @@ class FrameReader:
                 got = self._cached.get(s)
                 if got is None:
                     local = Storage(os.path.dirname(path))
-                    got = self._cached[s] = local.shard(os.path.basename(path), buffer=stream)
+                    got = self._cached[s] = local.shard(
+                        os.path.basename(path), buffer=stream, stream_bytes=self.split.file(s).stream_bytes
+                    )
                 else:  # another thread got there first: one pin is enough
                     self.cache.release(path)
         return got

@@ -12,10 +12,10 @@ each chunk decoded by the Loader's own decoder.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import stat
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,7 +28,7 @@ from crossfeed.format import tfrecord
 from crossfeed.format.frames import check_frames
 from crossfeed.format.manifest import ShardInfo
 from crossfeed.format.schema import Schema, decode_value
-from crossfeed.io.files import file_sha256, open_stream
+from crossfeed.io.files import file_sha256, map_file
 from crossfeed.io.storage import Storage
 from crossfeed.read.sources.dataset import open_dataset
 from crossfeed.read.sources.parquet import check_file
@@ -215,12 +215,10 @@ def _fast(
                 a = b
                 if progress is not None:
                     progress(stream.raw_bytes)
-            if stream.rest() != 0:
+            if stream.rest():
                 return None  # records (or junk) after the last indexed one
             return stream.sha256(), problems
     except CorruptRecordError:
-        return None
-    except tfrecord.GZIP_ERRORS:
         return None
 
 
@@ -242,19 +240,17 @@ def _decode_check(decoder: RecordDecoder, payloads: list) -> tuple[int, str] | N
 
 
 class _Stream:
-    """A shard file read front to back once: hashed as it is read, inflated if GZIP; ``take(n)``
-    gives the next ``n`` bytes of the record stream."""
+    """A shard file read front to back once: hashed as it is read, inflated if GZIP (by
+    `crossfeed.format.tfrecord.inflate`, one chunk at a time); ``take(n)`` gives the next ``n``
+    bytes of the record stream."""
 
     BLOCK = 4 << 20
 
     def __init__(self, path: str, gz: bool):
         self._f = open(path, "rb")
         self._hash = hashlib.sha256()
-        self._gz = gz
-        self._inflate = zlib.decompressobj(31) if gz else None
+        self._chunks = tfrecord.inflate(self._read, path) if gz else None
         self._out = bytearray()  # inflated, not yet taken
-        self._tail = b""  # compressed input not yet inflated
-        self._eof = False
         self.raw_bytes = 0
 
     def __enter__(self) -> _Stream:
@@ -270,46 +266,21 @@ class _Stream:
         return data
 
     def take(self, n: int):
-        if not self._gz:
+        if self._chunks is None:
             return self._read(n)
-        while len(self._out) < n and self._fill(n - len(self._out)):
-            pass
+        while len(self._out) < n and (chunk := next(self._chunks, None)) is not None:
+            self._out += chunk
         out = bytes(self._out[:n])
         del self._out[:n]
         return out
 
-    def _fill(self, want: int) -> bool:
-        """Inflate up to ``want`` more bytes; False at the end of the file."""
-        if not self._tail:
-            if self._eof:
-                return False
-            self._tail = self._read(self.BLOCK)
-            if not self._tail:
-                self._eof = True
-                if not self._inflate.eof:
-                    raise EOFError("compressed file ended before the end-of-stream marker")
-                return False
-        if self._inflate.eof:  # another GZIP member follows (concatenated files)
-            self._tail = self._inflate.unused_data + self._tail
-            self._inflate = zlib.decompressobj(31)
-        self._out += self._inflate.decompress(self._tail, max(want, 1 << 16))
-        self._tail = self._inflate.unconsumed_tail
-        if self._inflate.eof and self._inflate.unused_data:
-            self._tail = self._inflate.unused_data + self._tail
-            self._inflate = zlib.decompressobj(31)
-        return True
-
-    def rest(self) -> int:
-        """Read to the end (for the hash); the number of stream bytes left after what was taken."""
-        left = len(self._out)
+    def rest(self) -> bool:
+        """Read the file to its end (for the hash); whether stream bytes were left after what was
+        taken (one more inflated chunk tells: the rest is not inflated)."""
+        left = bool(self._out) or (self._chunks is not None and next(self._chunks, None) is not None)
         self._out.clear()
-        if not self._gz:
-            while data := self._read(self.BLOCK):
-                left += len(data)
-            return left
-        while self._fill(self.BLOCK):
-            left += len(self._out)
-            self._out.clear()
+        while self._read(self.BLOCK):
+            pass
         return left
 
     def sha256(self) -> str:
@@ -317,14 +288,29 @@ class _Stream:
 
 
 def _scan(path: str, schema: Schema, problems: list[Problem]) -> tuple[np.ndarray, int, bool]:
-    """Walk the shard's records; returns ``(offsets_and_lengths, stream_length, reached_the_end)``."""
+    """Walk the shard's records; returns ``(offsets_and_lengths, stream_length, reached_the_end)``.
+    A GZIP shard is inflated as it is walked, never whole (no index it could be bounded by is
+    trusted here); after a bad record the rest is inflated only to count its length."""
     found: list[tuple[int, int]] = []
     bad_sample = False
-    stream_len = 0
-    try:
-        with open_stream(path) as buf:
-            stream_len = len(buf)
-            for offset, payload in tfrecord.records(buf, path):
+    seen = [0]  # uncompressed bytes inflated so far
+
+    def counted(chunks):
+        for chunk in chunks:
+            seen[0] += len(chunk)
+            yield chunk
+
+    with contextlib.ExitStack() as stack:
+        chunks = None
+        try:
+            if tfrecord.is_gzip(path):
+                chunks = tfrecord.inflate(stack.enter_context(open(path, "rb")).read, path)
+                records = tfrecord.stream_records(counted(chunks), path)
+            else:
+                buf = stack.enter_context(map_file(path))
+                seen[0] = len(buf)
+                records = tfrecord.records(buf, path)
+            for offset, payload in records:
                 found.append((offset, tfrecord.HEADER + len(payload) + tfrecord.FOOTER))
                 if not bad_sample:
                     reason = _decode_problem(schema, payload)
@@ -332,20 +318,15 @@ def _scan(path: str, schema: Schema, problems: list[Problem]) -> tuple[np.ndarra
                         bad_sample = True
                         problems.append(Problem(path, offset, reason))
             payload = None  # release the view before the mmap closes
-        complete = True
-    except CorruptRecordError as e:
-        if e.offset == 0 and "GZIP" in e.reason:
-            data, reason = _inflate_partial(path)
-            problems.append(Problem(path, len(data), reason))
-            try:
-                found = [(o, tfrecord.HEADER + len(p) + tfrecord.FOOTER) for o, p in tfrecord.records(data, path)]
-            except CorruptRecordError:
-                pass  # the damage is already reported
-            stream_len = len(data)
-        else:
+            complete = True
+        except CorruptRecordError as e:
             problems.append(Problem(path, e.offset, e.reason))
-        complete = False
-    return np.array(found, dtype=np.int64).reshape(-1, 2), stream_len, complete
+            complete = False
+            payload = records = None
+            with contextlib.suppress(CorruptRecordError):  # the stream's length, past the bad record
+                for chunk in chunks or ():
+                    seen[0] += len(chunk)
+    return np.array(found, dtype=np.int64).reshape(-1, 2), seen[0], complete
 
 
 def _decode_problem(schema, payload) -> str | None:
@@ -356,18 +337,6 @@ def _decode_problem(schema, payload) -> str | None:
     except (ExampleError, SchemaError) as e:
         return f"record does not match the schema: {e}"
     return None
-
-
-def _inflate_partial(path: str) -> tuple[bytes, str]:
-    """What a damaged GZIP shard still yields, and why it stops."""
-    out, d = [], zlib.decompressobj(31)
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        out.append(d.decompress(data))
-    except zlib.error as e:
-        return b"".join(out), f"GZIP stream is damaged ({e}); records after this uncompressed offset are lost"
-    return b"".join(out), "GZIP stream ends early (truncated file); records after this uncompressed offset are lost"
 
 
 def _check_index(ipath: str, entries: np.ndarray, scanned: np.ndarray, stream_len: int, expected: int) -> list[Problem]:

@@ -198,8 +198,8 @@ def _index_shard(place: Placement, name: str, inference: _Inference) -> ShardInf
     """Check every record of data file ``name``, write its index into ``place.root``."""
     offsets = []
     where = place.data_url(name)
-    with place.open_records(name) as (buf, size, sha):
-        for offset, payload in tfrecord.records(buf, where):
+    with place.open_records(name) as (records, size, sha):
+        for offset, payload in records:
             inference.add(payload, where, offset)
             offsets.append((offset, tfrecord.HEADER + len(payload) + tfrecord.FOOTER))
             del payload

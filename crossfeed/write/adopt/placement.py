@@ -17,16 +17,16 @@ Parquet — which writes no index files, only the manifest) places its outputs t
 from __future__ import annotations
 
 import contextlib
-import gzip
 import hashlib
+import io
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from crossfeed.errors import ConfigError, CorruptRecordError, DatasetNotFoundError
+from crossfeed.errors import ConfigError, DatasetNotFoundError
 from crossfeed.format import tfrecord
 from crossfeed.format.manifest import MANIFEST
-from crossfeed.io.files import file_sha256, map_file, open_stream
+from crossfeed.io.files import file_sha256, map_file
 from crossfeed.io.storage import is_remote
 
 
@@ -106,22 +106,32 @@ class Placement:
         return self._fs().isfile(where) if self.remote else os.path.isfile(where)
 
     @contextlib.contextmanager
-    def open_records(self, name: str) -> Iterator[tuple[object, int, str]]:
-        """``(record stream, file size, file sha256)`` of a TFRecord data file: local files are
-        memory-mapped (plain) or inflated (GZIP); remote files are fetched whole, once."""
+    def open_records(self, name: str) -> Iterator[tuple[Iterator[tuple[int, object]], int, str]]:
+        """``(records, file size, file sha256)`` of a TFRecord data file; ``records`` yields
+        ``(offset, payload)`` with both CRCs checked. A plain local file is memory-mapped; a GZIP
+        one is inflated as it is walked (`crossfeed.format.tfrecord.stream_records`: no index
+        declares its length yet, so nothing is inflated whole); a remote file is fetched whole, once."""
         where = self.data_url(name)
         if not self.remote:
-            with open_stream(where) as buf:
-                yield buf, os.path.getsize(where), file_sha256(where)
+            if tfrecord.is_gzip(where):
+                sha = file_sha256(where)
+                with open(where, "rb") as f:
+                    yield (
+                        tfrecord.stream_records(tfrecord.inflate(f.read, where), where),
+                        os.fstat(f.fileno()).st_size,
+                        sha,
+                    )
+                return
+            with map_file(where) as buf:
+                yield tfrecord.records(buf, where), len(buf), file_sha256(where)
             return
         raw = self._fetch(where)
-        data = raw
+        sha = hashlib.sha256(raw).hexdigest()
         if tfrecord.looks_gzip(raw[: tfrecord.HEADER]):
-            try:
-                data = gzip.decompress(raw)
-            except tfrecord.GZIP_ERRORS as e:
-                raise CorruptRecordError(where, 0, f"not a readable GZIP stream ({type(e).__name__}: {e})") from e
-        yield data, len(raw), hashlib.sha256(raw).hexdigest()
+            stream = io.BytesIO(raw)
+            yield tfrecord.stream_records(tfrecord.inflate(stream.read, where), where), len(raw), sha
+            return
+        yield tfrecord.records(raw, where), len(raw), sha
 
     @contextlib.contextmanager
     def open_bytes(self, name: str) -> Iterator[tuple[object, int, str]]:

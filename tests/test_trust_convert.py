@@ -1,0 +1,76 @@
+"""Ctrl-C during ``crossfeed convert`` (issue 22, item 16): a real ``crossfeed convert csv`` child
+gets SIGINT at several moments of its Beam job — as it starts, and while it reads and writes —
+and every time ends as the CLI documents: ``interrupted`` on stderr, exit 130, no traceback
+(Beam's runner used to report the interrupt as ``RuntimeError: KeyboardInterrupt``, exit 1)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from crossfeed.cli.main import EXIT_INTERRUPTED
+
+pytestmark = pytest.mark.timeout(180)
+
+ROWS = 400_000  # enough that the job is still running at the last moment below
+
+
+@pytest.fixture(scope="module")
+def big_csv(tmp_path_factory):
+    path = tmp_path_factory.mktemp("csv") / "rows.csv"
+    with open(path, "w") as f:
+        f.write("id,value,label\n")
+        for i in range(ROWS):
+            f.write(f"{i},{i * 0.5},label{i % 13}\n")
+    return path
+
+
+def _convert_and_interrupt(src, out, delay: float) -> tuple[int, str]:
+    """Start ``crossfeed convert csv SRC OUT``; once it reports what it converts, wait ``delay``
+    seconds, send SIGINT, and return ``(exit code, stderr)``. A job that ended before the
+    signal fails the test (the moment was not reached), whatever its code."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "crossfeed.cli.main", "convert", "csv", str(src), str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    started = threading.Event()
+
+    def drain():
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("converting "):
+                started.set()
+        started.set()  # the stream ended: no need to wait longer
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        assert started.wait(120), "convert never started"
+        time.sleep(delay)
+        if proc.poll() is not None:
+            pytest.fail(f"convert ended (exit {proc.returncode}) before the SIGINT at +{delay}s:\n{''.join(lines)}")
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    reader.join(30)
+    return code, "".join(lines)
+
+
+@pytest.mark.parametrize("delay", [0.0, 1.0, 2.0, 3.0, 4.5])
+def test_ctrl_c_during_convert_is_interrupted_exit_130(big_csv, tmp_path, delay):
+    code, err = _convert_and_interrupt(big_csv, tmp_path / "out", delay)
+    assert "Traceback" not in err and "RuntimeError" not in err, err[-4000:]
+    assert code == EXIT_INTERRUPTED and err.rstrip().endswith("interrupted"), (code, err[-4000:])
+    assert not os.path.exists(tmp_path / "out" / "crossfeed.json")  # nothing committed
