@@ -362,3 +362,31 @@ def test_worker_processes_started_after_a_rewrite_refuse_the_new_version(tmp_pat
         _write(root, 2, overwrite=True)  # before the first batch: the workers start after it
         with pytest.raises(DatasetRewrittenError, match=REWRITTEN):
             list(loader)
+
+
+@pytest.mark.parametrize("which", ["shard", "index"])
+def test_a_shard_or_index_that_links_out_of_the_dataset_is_refused_unless_allowed(tmp_path, which):
+    """A dataset's files are read only inside it: a shard (or its index) replaced by a symbolic
+    link to a file elsewhere — a copy of the same bytes, so only the link is wrong — is refused,
+    naming the link; allowing the target's directory reads it. A link inside the dataset is fine."""
+    root = tmp_path / "ds"
+    crossfeed.write_dataset(root, ({"label": i} for i in range(20)), num_shards=2).close()
+    shard = open_dataset(root)["train"].shards[0].file
+    name = shard if which == "shard" else shard + ".idx"
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.copy(root / name, outside / name)
+    (root / name).unlink()
+    (root / name).symlink_to(outside / name)
+    with pytest.raises(RootNotAllowedError, match="symbolic link.*outside the dataset"):
+        with Loader(root, batch_size=5, shuffle="none") as loader:
+            list(loader)
+    with Loader(root, batch_size=5, shuffle="none", allowed_roots=[str(outside)]) as loader:
+        assert sorted(int(x) for b in loader for x in b["label"]) == list(range(20))
+    inside = root / "kept"
+    inside.mkdir()
+    (root / name).unlink()
+    shutil.move(str(outside / name), inside / name)
+    (root / name).symlink_to(inside / name)
+    with Loader(root, batch_size=5, shuffle="none") as loader:
+        assert sorted(int(x) for b in loader for x in b["label"]) == list(range(20))

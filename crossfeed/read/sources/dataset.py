@@ -26,6 +26,7 @@ from crossfeed.errors import (
     ExampleError,
     IndexFileError,
     ManifestError,
+    RootNotAllowedError,
     SplitNotFoundError,
 )
 from crossfeed.format import example as ex
@@ -297,8 +298,9 @@ class Split:
         )
 
     def _check_regular(self, shard: int, index_where: str) -> None:
-        """A local shard and its index must be regular files (symlinks to them are followed): a
-        FIFO would block the reader forever, a device never end."""
+        """A local shard and its index must be regular files inside their root: a FIFO would
+        block the reader forever, a device never end; a symlink is followed only where it stays
+        inside the dataset (or its data root) or under an allowed root (`crossfeed.io.roots`)."""
         checks = (
             (self.dataset.storage, self._files[shard].path, None),
             (self.dataset.index_storage, index_where, True),
@@ -310,6 +312,13 @@ class Split:
                 mode = os.stat(where).st_mode
             except OSError:
                 continue  # missing: reported where it is read
+            real = os.path.realpath(where)
+            allowed = (*self.dataset.allowed_roots, *roots.from_env())
+            if not roots.within(real, os.path.realpath(storage.root), allowed):
+                raise RootNotAllowedError(
+                    f"{where}: a symbolic link to {real}, outside the dataset ({storage.root}); crossfeed "
+                    f"follows links out of a dataset only to a root you allow: {roots.how_to_allow(os.path.dirname(real))}"
+                )
             if not stat.S_ISREG(mode):
                 reason = "not a regular file (a directory, FIFO or device); shards and index files are plain files"
                 raise IndexFileError(f"{where}: {reason}") if error else CorruptRecordError(where, 0, reason)
