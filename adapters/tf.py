@@ -83,7 +83,12 @@ __all__ = ["Engine", "Shuffle", "dataset", "element_spec", "feature_spec", "inpu
 
 
 def _open(source, split: str | None = None, opts: TFOptions | None = None) -> Dataset:
-    ds = open_dataset(source, allowed_roots=() if opts is None else opts.loader.read.allowed_roots)
+    read = None if opts is None else opts.loader.read
+    ds = open_dataset(
+        source,
+        allowed_roots=() if read is None else read.allowed_roots,
+        read_timeout=None if read is None else read.read_timeout,
+    )
     if split is not None and split not in ds:
         raise ConfigError(f"{ds.path}: no split {split!r}; it has {sorted(ds.splits)}")
     return ds

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 import crossfeed
+from crossfeed.io.storage import read_deadline
 from crossfeed.read.loader import Loader
 from crossfeed.read.options import LoaderOptions
 
@@ -27,6 +28,7 @@ CHANGED = dict(
     world_size=2,
     features=["x"],
     return_index=True,
+    read_timeout=5,
 )
 
 # (field, value) pairs every front end refuses with the same ConfigError
@@ -42,6 +44,7 @@ BAD = [
     ("max_skips", -2),
     ("cache_limit", "lots"),
     ("rank", 2),
+    ("read_timeout", -1),
 ]
 
 
@@ -69,6 +72,7 @@ def landed(loader: Loader) -> dict:
         "threads": executor.num_threads,
         "window": executor.window,
         "skips": None if loader.builder.budget is None else loader.builder.budget.max_skips,
+        "read_timeout": loader.dataset.index_storage.read_timeout,
     }
 
 
@@ -84,6 +88,7 @@ def expected(options: LoaderOptions) -> dict:
         "threads": options.read.num_threads,
         "window": max(1, options.read.num_threads + options.read.prefetch),
         "skips": options.read.max_skips if options.read.on_error.value == "skip" else None,
+        "read_timeout": read_deadline(options.read.read_timeout),
     }
 
 

@@ -69,7 +69,7 @@ def test_a_dispatched_plan_carries_every_plan_field_and_the_server_keeps_its_own
 FLAGS = [
     "--split", "val", "--batch-size", "3", "--shuffle", "block", "--seed", "7", "--drop-last",
     "--remainder", "drop", "--block-shards", "2", "--threads", "3", "--prefetch", "1",
-    "--no-decode-images", "--on-error", "skip", "--max-skips", "5",
+    "--no-decode-images", "--on-error", "skip", "--max-skips", "5", "--read-timeout", "5",
 ]  # fmt: skip
 CLI_CHANGED = {k: v for k, v in CHANGED.items() if k not in ("rank", "world_size", "features", "return_index")}
 

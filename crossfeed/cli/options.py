@@ -94,6 +94,7 @@ def _loader_options(v: dict) -> LoaderOptions:
         cache_dir=v["cache_dir"],
         cache_limit=v["cache_limit"],
         allowed_roots=tuple(v["allow_root"] or ()),
+        read_timeout=v["read_timeout"],
         rank=0,
         world_size=1,
     )
@@ -194,6 +195,16 @@ LOADER = Group(
             None,
         ),
         "allow_root": (ALLOW_ROOT, None),
+        "read_timeout": (
+            Annotated[
+                float | None,
+                typer.Option(
+                    "--read-timeout",
+                    help="Seconds each remote read may stall before it fails (default: $CROSSFEED_READ_TIMEOUT, else 60).",
+                ),
+            ],
+            None,
+        ),
     },
     _loader_options,
 )

@@ -76,14 +76,19 @@ class Loader:
         self._budget = ErrorBudget(read.max_skips, logger=log) if read.on_error is OnError.SKIP else None
         self.sources: tuple[Source, ...] | None = _as_sources(source)
         if self.sources is None:
-            self.dataset: Dataset = open_dataset(source, allowed_roots=read.allowed_roots)
+            self.dataset: Dataset = open_dataset(
+                source, allowed_roots=read.allowed_roots, read_timeout=read.read_timeout
+            )
             self.datasets = [self.dataset]
             self.split = self.dataset[options.split]
             splits = [self.split]
         else:
             if plan.samples_per_epoch is None and not self.sources:
                 raise ConfigError("a mixture needs at least one Source")
-            self.datasets = [open_dataset(s.path, allowed_roots=read.allowed_roots) for s in self.sources]
+            self.datasets = [
+                open_dataset(s.path, allowed_roots=read.allowed_roots, read_timeout=read.read_timeout)
+                for s in self.sources
+            ]
             splits = [ds[s.split] for ds, s in zip(self.datasets, self.sources)]
             if any(sp.info.format == "parquet" for sp in splits):
                 raise ConfigError(

@@ -21,6 +21,7 @@ from crossfeed.config import parse_size
 from crossfeed.errors import ConfigError
 from crossfeed.io import roots
 from crossfeed.io.cache import ENV as CACHE_ENV
+from crossfeed.io.storage import read_deadline
 from crossfeed.policy import OnError
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.executors.threads import ExecutorKind
@@ -133,9 +134,14 @@ class ReadOptions:
     processes: int = 2  # worker processes of executor="process" (not DataLoader's num_workers)
     # where a manifest's data_root outside its dataset may lie (besides $CROSSFEED_ALLOWED_ROOTS)
     allowed_roots: tuple[str, ...] = ()
+    # seconds each remote read may take to answer and each piece of it to arrive (None:
+    # $CROSSFEED_READ_TIMEOUT, else `crossfeed.io.storage.READ_TIMEOUT`)
+    read_timeout: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "allowed_roots", roots.normalise_all(self.allowed_roots))
+        if self.read_timeout is not None:
+            object.__setattr__(self, "read_timeout", read_deadline(self.read_timeout))
         object.__setattr__(self, "num_threads", _int(self.num_threads, "num_threads", 0))
         object.__setattr__(self, "executor", choice(ExecutorKind, self.executor, "executor"))
         object.__setattr__(self, "processes", _int(self.processes, "processes", 1))
@@ -170,7 +176,16 @@ _GROUPS = {"plan": PlanOptions, "shard": ShardOptions, "read": ReadOptions}
 # How hard a process works and where it caches: its own, whoever planned the epoch (the servers of
 # a dispatcher keep theirs). With its rank and worker, what is not part of a plan shipped to others.
 # Which roots a server trusts is its own too: a dispatcher's plan never widens them.
-LOCAL_FIELDS = ("num_threads", "prefetch", "executor", "processes", "cache_dir", "cache_limit", "allowed_roots")
+LOCAL_FIELDS = (
+    "num_threads",
+    "prefetch",
+    "executor",
+    "processes",
+    "cache_dir",
+    "cache_limit",
+    "allowed_roots",
+    "read_timeout",
+)
 _PER_PROCESS = ("rank", "worker", "num_workers")
 _FIELDS = {f.name: group for group, cls in _GROUPS.items() for f in dataclasses.fields(cls)}
 
