@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # the full packages through the extras (crossfeed[tf], crossfeed[torch]).
 DEV_PINS := "tensorflow-cpu==2.21.0" "torch==2.13.0"
 
-.PHONY: install demo test bench bench-env mutants lint clean
+.PHONY: install demo shell test bench bench-env mutants lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,16 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
+# make cannot change the calling shell: `make shell` (and the end of `make demo`) print how to put
+# `crossfeed` on PATH
+ACTIVATE_NOTE := "crossfeed is installed in $(VENV)/bin: run 'source $(VENV)/bin/activate' to use the bare 'crossfeed' command (or run $(VENV)/bin/crossfeed)"
+
 demo: install
 	$(PY) -m crossfeed.demo demo_out
+	@echo $(ACTIVATE_NOTE)
+
+shell:
+	@echo $(ACTIVATE_NOTE)
 
 test: install
 	$(PY) -m ruff check .

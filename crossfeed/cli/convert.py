@@ -120,7 +120,7 @@ def register(app: typer.Typer) -> None:
 @with_options(COMMON, BAD_RECORDS)
 def images(
     ctx: typer.Context,
-    src: Annotated[Path, typer.Argument(help="Image folder: one subdirectory per class.")],
+    src: Annotated[Path, typer.Argument(help="Image folder: one subdirectory per class.", metavar="INPUT")],
     out: Out,
     convert: Annotated[
         ConvertTo | None, typer.Option("--convert", help="Re-encode GIF/TIFF/RGBA/… images to this format.")

@@ -21,7 +21,7 @@ import sys
 from typing import Annotated
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperGroup, TyperOption
 
 from crossfeed.errors import CrossfeedError
 
@@ -51,8 +51,21 @@ def _silence_stdout() -> None:
         pass
 
 
+# `crossfeed --help` lists the commands in the order of the workflow, not of registration (typer
+# puts sub-groups such as `convert` after every plain command). Commands not named here come last.
+COMMAND_ORDER = (
+    "convert", "index", "info", "head", "verify", "bench",
+    "serve", "dispatch", "mon", "stat", "show", "cache", "keygen",
+)  # fmt: skip
+
+
 class _Boundary(TyperGroup):
     """The top-level group: every command (and sub-group) runs inside its `invoke`."""
+
+    def list_commands(self, ctx):
+        names = super().list_commands(ctx)
+        rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
+        return sorted(names, key=lambda n: rank.get(n, len(rank)))
 
     def invoke(self, ctx):
         try:
@@ -67,6 +80,17 @@ class _Boundary(TyperGroup):
             typer.echo("interrupted", err=True)
             raise typer.Exit(EXIT_INTERRUPTED) from None
 
+
+# typer's rich help prints a type for every option, `<bool>` for flags too (its plain help does
+# not): a flag such as --overwrite or --verify/--no-verify takes no value, so it shows no placeholder.
+_option_type = TyperOption.display_type_rich
+
+
+def _no_placeholder_for_flags(self: TyperOption, ctx) -> str | None:
+    return None if self.is_flag else _option_type(self, ctx)
+
+
+TyperOption.display_type_rich = _no_placeholder_for_flags
 
 app = typer.Typer(
     name="crossfeed",
