@@ -50,6 +50,18 @@ class Loader:
     each sample dict and ``batch_transform`` each batch, in the loader's threads (or its worker
     processes, with ``executor="process"``; either may be a ``"module:function"`` string). ``start``:
     ``(epoch, position)`` to begin at (``epoch=`` alone: that epoch's start).
+
+    ``source``: a dataset (TFRecord, WebDataset tar or Parquet; a path, URL or `Dataset`), or a
+    mixture — a list of `crossfeed.Source`, of any of those formats, their features renamed to
+    one set of names (``Source("wds/", rename={"jpg": "image", "cls": "label"})``); `features`
+    says what the batches hold (a mixture's shapes and dtypes are the more general of its sources').
+
+    Iteration is a cursor over the epochs, not a restartable collection (unlike
+    ``torch.utils.data.DataLoader``): ``len(loader)`` is the number of batches the *next*
+    iteration yields — the whole epoch at its start, the batches left after a broken-off one; a
+    new ``iter()`` after a ``break`` continues the epoch where it stopped (no sample twice, none
+    missed: what `state_dict` saves); an iteration that runs to the end moves the Loader to the
+    next epoch. ``set_epoch(n)`` starts epoch ``n`` from its beginning (DataLoader's restart).
     """
 
     def __init__(
@@ -91,10 +103,12 @@ class Loader:
         # what the batches hold: the mixture's names, shapes reconciled, images as the fit makes them
         self.features = tuple(fit.feature(f) if fit and read.decode_images else f for f in feats)
         self.cache = ShardCache(read.cache_dir, read.cache_limit) if read.cache_dir is not None else None
-        # sources that store the same features in one format share one decoder (frames merged,
-        # or — local TFRecords — one pass over every source's shards); any other mix decodes each
+        # sources that store the same features in one frame format (TFRecord, tar) share one decoder
+        # (frames merged, or — local TFRecords — one pass over every source's shards); any other mix
+        # (Parquet's row groups are columns already) decodes each
         # source's part with its own reader and merges the decoded parts (`MixtureMerge`)
-        alike = len({sp.info.format for sp in splits}) == 1 and all(s == stored[0] for s in stored)
+        formats = {sp.info.format for sp in splits}
+        alike = len(formats) == 1 and "parquet" not in formats and all(s == stored[0] for s in stored)
         union = (
             self.sources is not None
             and alike
