@@ -111,6 +111,9 @@ def element_spec(source, options: LoaderOptions | None = None, **fields) -> dict
     opts = TFOptions.make(options, fields)
     ds = _open(source, opts.split, opts)
     feats = tf_spec.select(ds.schema, opts.features, ds.splits[opts.split].statistics)
+    fit = opts.loader.read.image_fit
+    if fit is not None:  # images come at the fit's size and channels
+        feats = [fit.feature(f) for f in feats]
     return tf_spec.element_spec(
         feats, batch_size=opts.batch_size, drop_last=opts.drop_last, return_index=opts.return_index
     )
@@ -135,6 +138,7 @@ def _resolve(ds: Dataset, opts: TFOptions, *, state, loader_options) -> Engine:
             ("state=", state is not None),
             ("return_index=True", opts.return_index),
             ("loader_options=", bool(loader_options)),
+            ("image_size=/channels=", opts.loader.read.image_fit is not None),
         )
         if on
     ]

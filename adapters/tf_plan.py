@@ -133,10 +133,8 @@ def build(
     # except after state=, whose first pass is the rest of an epoch: no one cardinality then.
     with Loader(source, options, start=(first_epoch, 0), **calls) as counter:
         cardinality = len(counter) if state is None else None
-        feats = counter.builder.reader.decoder.features
-        stats = counter.dataset.splits[
-            options.split if counter.sources is None else counter.sources[0].split
-        ].statistics
+        feats = counter.features  # as the batches hold them: renamed, reconciled, images fitted
+        stats = _statistics(counter)
     if element_spec is None:
         feats = tf_spec.select(Schema(feats), None, stats)
         element_spec = tf_spec.element_spec(
@@ -152,6 +150,28 @@ def build(
         return _closing(loader)
 
     return from_batches(make_iter, element_spec, opts, take_batches=take_batches, cardinality=cardinality)
+
+
+def _statistics(loader) -> dict:
+    """The manifest's per-feature statistics behind ``loader``'s batches, under their names: a
+    mixture's only where every source's say its records have one and the same shape (each source
+    is a split of its own, its features perhaps renamed)."""
+    if loader.sources is None:
+        return loader.dataset.splits[loader.options.split].statistics
+    per = [
+        {src.name_of(k): v for k, v in ds.splits[src.split].statistics.items()}
+        for ds, src in zip(loader.datasets, loader.sources)
+    ]
+    out = {}
+    for f in loader.features:
+        shapes = [(st.get(f.name) or {}).get("shapes") or {} for st in per]
+        counts = [(st.get(f.name) or {}).get("count") for st in per]
+        if (
+            all(len(sh) == 1 and sum(sh.values()) == c for sh, c in zip(shapes, counts))
+            and len({next(iter(sh)) for sh in shapes}) == 1
+        ):
+            out[f.name] = {"shapes": {next(iter(shapes[0])): sum(counts)}, "count": sum(counts)}
+    return out
 
 
 class _closing:

@@ -9,6 +9,12 @@ largest source alone, both timed over whole epochs (an epoch's start, where its 
 included). Each reader runs in a process of its own.
 
     .venv/bin/python benchmarks/bench_mixture.py [--batches 1000] [--batch 256] [--shuffle global]
+
+``--formats``: a mixture of one TFRecord dataset, WebDataset tars and a Parquet file (renamed to
+one set of names, each source decoded by its own reader), against each source alone: the cost
+of mixing formats is the mixture's time against its sources' own times for the samples it draws.
+
+    .venv/bin/python benchmarks/bench_mixture.py --formats [--batch 256] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -181,6 +187,76 @@ def run_mosaic(paths, batches: int, batch: int, shuffle: str, root: str) -> dict
     return {"rate": n / (time.perf_counter() - t), "counts": counts.tolist(), "n": n}
 
 
+FORMAT_SIZES = {"tfrecord": 60_000, "tar": 30_000, "parquet": 20_000}  # weights 5:3:2, as above
+
+
+def _format_paths(root: str) -> dict[str, str]:
+    """The same kind of samples (``x`` float32[32], a label) in each format the Loader reads:
+    a crossfeed TFRecord dataset, WebDataset tars (webdataset's TarWriter; ``npy``/``cls``) and a
+    Parquet file (pyarrow; ``vec``/``y``), each adopted with ``crossfeed index``; written once."""
+    import crossfeed
+    from crossfeed.write.adopt.index import index_dataset
+
+    out = {k: os.path.join(root, f"formats-{k}-{n}") for k, n in FORMAT_SIZES.items()}
+    rng = np.random.default_rng(0)
+    if not os.path.exists(os.path.join(out["tfrecord"], "manifest.json")):
+        n = FORMAT_SIZES["tfrecord"]
+        x = rng.random((n, 32), dtype=np.float32)
+        samples = ({"x": x[i], "label": i % 10} for i in range(n))
+        crossfeed.write_dataset(out["tfrecord"], samples, num_shards=8, overwrite=True).close()
+    if not os.path.exists(os.path.join(out["tar"], "manifest.json")):
+        import webdataset as wds
+
+        os.makedirs(out["tar"], exist_ok=True)
+        with wds.ShardWriter(os.path.join(out["tar"], "part-%06d.tar"), maxcount=5000, verbose=0) as sink:
+            for i in range(FORMAT_SIZES["tar"]):
+                sink.write({"__key__": f"s{i:07d}", "npy": rng.random(32, dtype=np.float32), "cls": i % 10})
+        index_dataset(out["tar"])
+    if not os.path.exists(os.path.join(out["parquet"], "manifest.json")):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        n = FORMAT_SIZES["parquet"]
+        os.makedirs(out["parquet"], exist_ok=True)
+        vec = pa.FixedSizeListArray.from_arrays(pa.array(rng.random(n * 32, dtype=np.float32)), 32)
+        table = pa.table({"vec": vec, "y": pa.array(np.arange(n) % 10)})
+        pq.write_table(table, os.path.join(out["parquet"], "part.parquet"), row_group_size=5000)
+        index_dataset(out["parquet"])
+    return out
+
+
+def run_formats(root: str, batch: int, shuffle: str, rounds: int) -> dict:
+    """A mixture of the three formats, renamed to ``x``/``label`` (each source read and decoded by
+    its own reader, the decoded parts merged), against each source alone with the same settings,
+    timed over whole epochs in alternating rounds (best round each). What mixing costs is the
+    mixture's time against the weighted sum of its sources' own times for the samples it draws
+    from each; the largest source alone is printed too."""
+    import crossfeed
+
+    paths = _format_paths(root)
+    rename = {"tfrecord": {}, "tar": {"npy": "x", "cls": "label"}, "parquet": {"vec": "x", "y": "label"}}
+    kw = dict(batch_size=batch, seed=0, shuffle=shuffle)
+    loaders = {
+        "mixture": crossfeed.Loader(
+            [crossfeed.Source(paths[k], weight=w, rename=rename[k]) for k, w in zip(FORMAT_SIZES, WEIGHTS)], **kw
+        ),
+        **{k: crossfeed.Loader(p, **kw) for k, p in paths.items()},
+    }
+    for ld in loaders.values():  # warm
+        for _ in ld:
+            pass
+    best = dict.fromkeys(loaders, 0.0)
+    for _ in range(rounds):
+        for k, ld in loaders.items():
+            n, t = 0, time.perf_counter()
+            for b in ld:
+                n += len(next(iter(b.values())))
+            best[k] = max(best[k], n / (time.perf_counter() - t))
+    for ld in loaders.values():
+        ld.close()
+    return best
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=1000)
@@ -189,7 +265,21 @@ def main(argv=None) -> None:
     ap.add_argument("--data", default=os.path.join(HERE, "_data"))
     ap.add_argument("--rounds", type=int, default=5, help="alternating timed epochs of crossfeed's readers")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--formats", action="store_true", help="a mixture of TFRecord, tar and Parquet sources instead")
     a = ap.parse_args(argv)
+    if a.formats:
+        r = run_formats(a.data, a.batch, a.shuffle, a.rounds)
+        w = np.asarray(WEIGHTS, np.float64) / sum(WEIGHTS)
+        expected = 1 / sum(f / r[k] for f, k in zip(w, FORMAT_SIZES))  # each draw at its source's own speed
+        print(f"3 sources {FORMAT_SIZES}, weights {WEIGHTS}, batch {a.batch}, shuffle {a.shuffle}")
+        for k in ("mixture", *FORMAT_SIZES):
+            print(f"{'crossfeed ' + k + (' alone' if k != 'mixture' else ''):44} {r[k]:12,.0f} samples/s")
+        print(
+            f"mixing overhead vs the sources' own speeds, weighted: {expected / r['mixture'] - 1:+.1%} "
+            f"(expected {expected:,.0f} samples/s); the largest source alone is {r['tfrecord'] / r['mixture']:.2f}× "
+            f"the mixture (its tar and Parquet draws are slower per sample); best of {a.rounds} alternating epochs"
+        )
+        return
     paths = _paths(a.data)
     if a.child:
         if a.child == "tf":

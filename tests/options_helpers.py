@@ -45,7 +45,13 @@ BAD = [
     ("cache_limit", "lots"),
     ("rank", 2),
     ("read_timeout", -1),
+    ("image_size", "0x4"),
+    ("channels", 2),
+    ("resize", "squash"),
 ]
+
+# the image options, away from their defaults (they need decoded images: CHANGED turns decoding off)
+IMAGES = dict(image_size=(5, 4), channels=3, resize="pad")
 
 
 def write(root) -> str:
@@ -68,6 +74,7 @@ def landed(loader: Loader) -> dict:
         "split": loader.split.name if loader.split is not None else None,
         "features": tuple(f.name for f in reader.decoder.features),
         "decode_images": reader.decoder.decode_images,
+        "image_fit": getattr(reader.decoder, "fit", None),
         "return_index": loader.builder.return_index,
         "threads": executor.num_threads,
         "window": executor.window,
@@ -84,6 +91,7 @@ def expected(options: LoaderOptions) -> dict:
         "split": options.split,
         "features": tuple(options.features or ("x", "y")),
         "decode_images": options.read.decode_images,
+        "image_fit": options.read.image_fit,
         "return_index": options.return_index,
         "threads": options.read.num_threads,
         "window": max(1, options.read.num_threads + options.read.prefetch),

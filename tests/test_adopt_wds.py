@@ -324,7 +324,7 @@ def test_manifest_split_format_is_validated(wds_dir, tmp_path):
         crossfeed.open_dataset(root)
 
 
-def test_mixtures_of_tar_sources_and_not_of_tar_with_tfrecord(wds_dir, tmp_path):
+def test_mixtures_of_tar_sources_and_of_tar_with_tfrecord(wds_dir, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     _write_plain_tar(other, [(f"k{i}.cls", str(100 + i).encode()) for i in range(5)])
@@ -334,9 +334,11 @@ def test_mixtures_of_tar_sources_and_not_of_tar_with_tfrecord(wds_dir, tmp_path)
         labels = [c for b in loader for c in b["cls"].tolist()]
     assert len(labels) == 28 and any(c >= 100 for c in labels) and any(c < 7 for c in labels)
     tf = tmp_path / "tf"
-    crossfeed.write_dataset(tf, [{"cls": i} for i in range(5)])
-    with pytest.raises(crossfeed.ConfigError, match="one shard format"):
-        Loader([crossfeed.Source(wds_dir), crossfeed.Source(tf)], batch_size=4, features=["cls"], samples_per_epoch=8)
+    crossfeed.write_dataset(tf, [{"cls": 100 + i} for i in range(5)])
+    mix = [crossfeed.Source(wds_dir), crossfeed.Source(tf)]  # each format its own reader (test_mixture_formats.py)
+    with Loader(mix, batch_size=4, features=["cls"], samples_per_epoch=8, return_index=True) as loader:
+        got = [(s, c) for b in loader for s, c in zip(b["__source__"].tolist(), b["cls"].tolist())]
+    assert len(got) == 8 and all((c >= 100) == (s == 1) for s, c in got) and {s for s, _ in got} == {0, 1}
 
 
 def test_remote_tars_by_range_reads_and_whole_shards(wds_dir):

@@ -57,6 +57,28 @@ def test_batches_hold_the_written_values(tabular):
     assert seen == 1001
 
 
+def test_len_counts_the_batches_left_and_iter_continues_the_epoch(tabular):
+    """The documented semantics (unlike DataLoader, whose len is the whole epoch and whose iter
+    restarts it): ``len`` is what the next iteration yields; a broken-off iteration continues
+    where it stopped; an iteration that ran to the end moves to the next epoch, whole again."""
+    root, _ = tabular
+    with Loader(root, batch_size=100, seed=1, return_index=True) as other:
+        whole = [b[INDEX_KEY] for b in other]
+    with Loader(root, batch_size=100, seed=1, return_index=True) as loader:
+        assert len(loader) == 11 and loader.epoch == 0
+        it = iter(loader)
+        head = [next(it)[INDEX_KEY] for _ in range(4)]
+        it.close()
+        assert len(loader) == 7 and loader.epoch == 0  # the batches left of epoch 0
+        tail = [b[INDEX_KEY] for b in loader]  # a new iter() continues: no sample twice, none missed
+        assert [a.tolist() for a in head + tail] == [a.tolist() for a in whole]
+        assert len(loader) == 11 and loader.epoch == 1  # the next epoch, whole
+        loader.set_epoch(0)  # DataLoader's restart: start an epoch from its beginning
+        assert [b[INDEX_KEY].tolist() for b in loader] == [a.tolist() for a in whole]
+    ds = crossfeed.open_dataset(root)
+    assert len(ds.splits["train"]) == len(ds["train"]) == 1001
+
+
 def test_generic_path_strings_and_ragged_lists(mixed_dataset):
     root, samples = mixed_dataset
     with Loader(root, batch_size=7, shuffle="none") as loader:

@@ -161,9 +161,18 @@ def test_sources_must_agree_on_their_features(tmp_path):
         assert set(batch) == {"x", "id", "__source__", "__index__"}
     with pytest.raises(ConfigError, match=r"source 1 .* has no feature 'tag'"):
         crossfeed.Loader([a, b], batch_size=4, features=["tag", "id"])
-    crossfeed.write_dataset(tmp_path / "c", [{"x": np.zeros(4, np.float32), "id": 1}], num_shards=1).close()
-    with pytest.raises(ConfigError, match=r"feature 'x' differs between mixture sources"):
-        crossfeed.Loader([a, crossfeed.Source(tmp_path / "c")], batch_size=4)
+    # another length of x: the mixture's x is the more general float32[None], each sample its own
+    crossfeed.write_dataset(tmp_path / "c", [{"x": np.full(4, 7, np.float32), "id": 1}], num_shards=1).close()
+    with crossfeed.Loader([a, crossfeed.Source(tmp_path / "c")], batch_size=6, shuffle="none", return_index=True) as ld:
+        assert ld.features[0].shape == (None,)
+        batch = next(iter(ld))
+    assert [len(x) for x in batch["x"]] == [3 + s for s in batch["__source__"].tolist()]
+    for x, s, i in zip(batch["x"], batch["__source__"].tolist(), batch["id"].tolist()):
+        np.testing.assert_array_equal(x, np.full(4, 7, np.float32) if s else np.full(3, i, np.float32))
+    # a string where the others hold numbers cannot be one feature
+    crossfeed.write_dataset(tmp_path / "d", [{"x": "seven", "id": 1}], num_shards=1).close()
+    with pytest.raises(ConfigError, match=r"feature 'x' cannot be mixed: the sources decode it to different kinds"):
+        crossfeed.Loader([a, crossfeed.Source(tmp_path / "d")], batch_size=4)
     with pytest.raises(ConfigError, match="weight"):
         crossfeed.Source(tmp_path / "a", weight=0)
     with pytest.raises(ConfigError, match="list of crossfeed.Source"):

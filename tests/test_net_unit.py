@@ -189,3 +189,16 @@ def test_image_grid_lays_out_images_with_labels():
     assert pixels[6:20, 0:6].max() > 0  # a label is written under image 0
     with pytest.raises(ConfigError):
         image_grid({"label": np.arange(3)})
+
+
+def test_a_lost_server_logs_a_loss_only_where_there_is_one(caplog):
+    """Servers named directly: what one had not sent is lost to the client. A dispatcher's: its
+    leases go to the other servers, and the log must not claim a loss (`Receiver.open_ended`)."""
+    from crossfeed.net.stream.link import Link
+
+    with caplog.at_level("WARNING", logger="crossfeed.net.stream.link"):
+        Link(address="tcp://a:1", sock=None, started=0.0).lose("silent")
+        Link(address="tcp://b:1", sock=None, started=0.0).lose("silent", leased=True)
+    direct, leased = (r.getMessage() for r in caplog.records)
+    assert "tcp://a:1" in direct and "is lost to this client" in direct
+    assert "tcp://b:1" in leased and "lost to this client" not in leased and "nothing is lost" in leased

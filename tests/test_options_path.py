@@ -6,7 +6,7 @@ stage that uses it. (The torch and TF adapters: test_options_path_torch.py / _tf
 from __future__ import annotations
 
 import pytest
-from options_helpers import BAD, CHANGED, expected, keep, landed
+from options_helpers import BAD, CHANGED, IMAGES, expected, keep, landed
 from typer.testing import CliRunner
 
 from crossfeed.cli.main import app
@@ -24,6 +24,20 @@ def test_the_loader_puts_each_option_where_its_stage_reads_it(options_data):
         assert landed(loader) == expected(want)
         batch = next(iter(loader))
     assert set(batch) == {"x", "__index__"} and len(batch["x"]) == 3
+
+
+def test_the_image_options_reach_every_decoder_and_process(options_data, tmp_path, captured):
+    """image_size/channels/resize: the decoder of a Loader holds them, a worker recipe and a
+    dispatcher's plan carry them, and the commands' flags make the same options."""
+    want = LoaderOptions.of(batch_size=3, **IMAGES)
+    with Loader(options_data, transform=keep, batch_size=3, **IMAGES) as loader:
+        assert landed(loader) == expected(want) and landed(loader)["image_fit"].size == (5, 4)
+    back = WorkerRecipe.from_json(WorkerRecipe(options_data, want.replace(executor="process")).to_json())
+    assert back.options.read.image_fit == want.read.image_fit
+    local = LoaderOptions.of(batch_size=1)
+    assert LoaderOptions.from_plan(want.plan_fields(), local).read.image_fit == want.read.image_fit
+    _run("bench", options_data, "--batch-size", "3", "--image-size", "5x4", "--channels", "3", "--resize", "pad")
+    assert captured["bench"] == want.replace(rank=0, world_size=1)
 
 
 def test_defaults_are_the_options_defaults(options_data):

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from options_helpers import BAD, CHANGED, expected, keep, landed  # noqa: E402
+from options_helpers import BAD, CHANGED, IMAGES, expected, keep, landed  # noqa: E402
 
 import crossfeed.adapters.tf as cftf  # noqa: E402
 from crossfeed.adapters import tf_plan  # noqa: E402
@@ -25,6 +25,16 @@ def test_tf_options_are_the_loaders_options_plus_tfs_own(options_data):
         assert landed(loader) == expected(want)
     whole = TFOptions.make(want)
     assert whole.loader is want and whole.whole
+
+
+def test_tf_passes_the_image_options_to_the_plan_engine(options_data):
+    want = LoaderOptions.of(batch_size=3, **IMAGES)
+    opts = TFOptions.make(None, {"batch_size": 3, **IMAGES})
+    assert opts.loader == want
+    with tf_plan.loader(cftf._open(options_data, "train"), opts, {"transform": keep}) as loader:
+        assert landed(loader) == expected(want)
+    with pytest.raises(ConfigError, match="image_size="):  # the native engine does not fit images
+        cftf.dataset(options_data, engine="native", batch_size=3, **IMAGES)
 
 
 def test_tf_defaults_are_the_options_defaults(monkeypatch):

@@ -4,7 +4,7 @@ keywords, with the same defaults and validation, and its Loaders put each option
 from __future__ import annotations
 
 import pytest
-from options_helpers import BAD, CHANGED, expected, keep, landed
+from options_helpers import BAD, CHANGED, IMAGES, expected, keep, landed
 
 from crossfeed.adapters.torch import TorchDataset
 from crossfeed.errors import ConfigError
@@ -18,6 +18,12 @@ def test_torch_dataset_builds_the_loaders_options(options_data):
         assert landed(ds.loader) == expected(want)
     with TorchDataset(options_data, LoaderOptions.of(**CHANGED), transform=keep) as ds:
         assert ds.options == want
+
+
+def test_torch_dataset_passes_the_image_options(options_data):
+    want = LoaderOptions.of(batch_size=3, **IMAGES)
+    with TorchDataset(options_data, transform=keep, batch_size=3, **IMAGES) as ds:
+        assert ds.options == want and landed(ds.loader) == expected(want)
 
 
 def test_torch_defaults_are_the_options_defaults(options_data, monkeypatch):

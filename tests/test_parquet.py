@@ -18,7 +18,7 @@ import pytest
 from loader_helpers import assert_resumes_identically, epoch_batches
 from parquet_data import ROW_GROUP, ROWS, assert_row_equal, oracle, png, write_hf_file, write_pyarrow_files
 
-from crossfeed.errors import ConfigError, CorruptRecordError, ManifestError, SchemaError
+from crossfeed.errors import CorruptRecordError, ManifestError, SchemaError
 from crossfeed.format.manifest import MANIFEST, loads
 from crossfeed.format.schema import Encoding
 from crossfeed.read.loader import INDEX_KEY, Loader
@@ -291,12 +291,19 @@ def test_a_damaged_page_and_a_changed_file_are_detected(pa_dir, tmp_path):
     assert any("part-1" in p.file and "manifest says" in p.reason for p in verify_dataset(root))
 
 
-def test_mixed_directories_and_mixtures_are_refused(pa_dir, tmp_path):
-    root, _ = pa_dir
+def test_parquet_sources_mix(pa_dir, tmp_path):
+    """A mixture of Parquet sources (of any format: tests/test_mixture_formats.py) reads each
+    source's rows by their source's index."""
+    root, paths = pa_dir
     from crossfeed.read.options import Source
 
-    with pytest.raises(ConfigError, match="Parquet sources"):
-        Loader([Source(root), Source(root)], batch_size=4, samples_per_epoch=8)
+    expected = oracle(paths)
+    kw = dict(batch_size=4, samples_per_epoch=24, features=["id"], return_index=True)
+    with Loader([Source(root), Source(root, weight=2)], **kw) as loader:
+        batches = list(loader)
+    assert sum(len(b["id"]) for b in batches) == 24
+    for b in batches:
+        assert b["id"].tolist() == [expected["id"][i] for i in b["__index__"].tolist()]
 
 
 def test_serve_streams_parquet_batches(pa_dir, tmp_path):

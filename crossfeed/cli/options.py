@@ -23,7 +23,7 @@ from typing import Annotated, Any
 import typer
 
 from crossfeed.policy import OnError
-from crossfeed.read.options import LoaderOptions, PlanOptions, ReadOptions, Remainder, Shuffle
+from crossfeed.read.options import LoaderOptions, PlanOptions, ReadOptions, Remainder, Resize, Shuffle
 
 
 def _default(cls, name: str):
@@ -89,6 +89,9 @@ def _loader_options(v: dict) -> LoaderOptions:
         executor="thread" if v["procs"] is None else "process",
         processes=v["procs"] or _default(ReadOptions, "processes"),
         decode_images=v["decode_images"],
+        image_size=v["image_size"],
+        channels=v["channels"],
+        resize=_value(v["resize"]),
         on_error=_value(v["on_error"]),
         max_skips=v["max_skips"],
         cache_dir=v["cache_dir"],
@@ -174,6 +177,27 @@ LOADER = Group(
                 bool, typer.Option("--decode-images/--no-decode-images", help="Decode JPEG/PNG features to arrays.")
             ],
             _default(ReadOptions, "decode_images"),
+        ),
+        "image_size": (
+            Annotated[
+                str | None,
+                typer.Option("--image-size", help="Bring decoded images to HxW (e.g. 224x224) as they are decoded."),
+            ],
+            None,
+        ),
+        "channels": (
+            Annotated[
+                int | None,
+                typer.Option("--channels", help="Convert decoded images to 1 (gray), 3 (RGB) or 4 channels."),
+            ],
+            None,
+        ),
+        "resize": (
+            Annotated[
+                Resize,
+                typer.Option("--resize", help="How images reach --image-size: stretch, crop (centre) or pad."),
+            ],
+            _default(ReadOptions, "resize"),
         ),
         "on_error": (
             Annotated[OnError, typer.Option("--on-error", help="A bad record stops the reader (raise) or is skipped.")],

@@ -149,6 +149,10 @@ class SplitInfo:
     def num_records(self) -> int:
         return sum(s.num_records for s in self.shards)
 
+    def __len__(self) -> int:
+        """The split's records (``len(ds.splits["train"])``, as ``len(ds["train"])``)."""
+        return self.num_records
+
     @property
     def num_bytes(self) -> int:
         return sum(s.num_bytes for s in self.shards)

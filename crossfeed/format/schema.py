@@ -186,6 +186,53 @@ def widen(old: Feature, new: Feature) -> Feature:
     return Feature(old.name, old.dtype, shape, old.encoding)
 
 
+_VALUE_KINDS = {  # what a feature decodes to: mixture sources must agree on it, not on how it is stored
+    Encoding.TENSOR: "numeric",
+    Encoding.INT64: "numeric",
+    Encoding.FLOAT: "numeric",
+    Encoding.IMAGE: "image",
+    Encoding.BYTES: "bytes",
+}
+
+
+def item_shape(f: Feature) -> tuple:
+    """The shape of one decoded value of ``f`` (an image's is ``(H, W, C)``, None where unknown)."""
+    if f.encoding is Encoding.IMAGE and len(f.shape) != 3:
+        return (None, None, None)
+    return tuple(f.shape)
+
+
+def mix_feature(name: str, defs: list[Feature], where: list[str]) -> Feature:
+    """The one feature, named ``name``, that covers a mixture's sources' definitions ``defs``
+    (``where[i]`` names source ``i`` in errors): they must decode to the same kind of value
+    (numbers, images, bytes or strings) of one rank; dimensions that differ become None, and
+    numbers take the one dtype every source's casts to safely (int32 and int64: int64)."""
+    first = defs[0]
+    kinds = {_VALUE_KINDS[d.encoding] for d in defs}
+    strings = {d.dtype for d in defs if d.encoding is Encoding.BYTES}
+    shapes = [item_shape(d) for d in defs]
+
+    def refuse(why: str) -> SchemaError:
+        got = "; ".join(f"{w} has {d.name!r} {d.encoding.value} {d.dtype}{list(d.shape)}" for w, d in zip(where, defs))
+        return SchemaError(
+            f"feature {name!r} cannot be mixed: {why} ({got}); pass features= without it, or rename= another "
+            f"feature of the odd source to {name!r}"
+        )
+
+    if len(kinds) > 1 or len(strings) > 1:
+        raise refuse("the sources decode it to different kinds of values")
+    if len({len(sh) for sh in shapes}) > 1:
+        raise refuse("the sources give it different ranks")
+    dtype = first.dtype
+    if kinds == {"numeric"}:
+        fits = [d for d in defs if all(np.can_cast(np.dtype(o.dtype), np.dtype(d.dtype), "safe") for o in defs)]
+        if not fits:
+            raise refuse("no source's dtype holds every source's values")
+        first, dtype = fits[0], fits[0].dtype
+    shape = tuple(dims[0] if len(set(dims)) == 1 else None for dims in zip(*shapes))
+    return Feature(name, dtype, shape, first.encoding)
+
+
 def shape_fits(shape, pattern) -> bool:
     return len(shape) == len(pattern) and all(p is None or p == s for s, p in zip(shape, pattern))
 
@@ -275,8 +322,76 @@ def _spng(data) -> np.ndarray | None:
     return arr[:, :, None] if arr.ndim == 2 else arr
 
 
-def decode_image(data: bytes, f: Feature | None = None) -> np.ndarray:
-    """Encoded JPEG/PNG → uint8 array (H, W, C); grayscale keeps C = 1."""
+@dataclass(frozen=True)
+class ImageFit:
+    """What decoded images are brought to (the Loader's ``image_size``, ``channels``, ``resize``):
+    ``size`` ``(H, W)`` or None, ``channels`` 1, 3, 4 or None, ``mode`` "stretch" (scaled, aspect
+    ratio not kept), "crop" (scaled to cover, centre cut) or "pad" (scaled to fit, zero border)."""
+
+    size: tuple[int, int] | None = None
+    channels: int | None = None
+    mode: str = "stretch"
+
+    def feature(self, f: Feature) -> Feature:
+        """``f`` as its images come out: ``(H, W, C)`` with this fit's size and channels."""
+        if f.encoding is not Encoding.IMAGE:
+            return f
+        h, w, c = item_shape(f)
+        h, w = self.size or (h, w)
+        return Feature(f.name, "uint8", (h, w, self.channels or c), f.encoding)
+
+    def __call__(self, arr: np.ndarray, name: str = "image") -> np.ndarray:
+        """``arr`` (uint8 ``(h, w, c)``) at this fit's size and channels; itself when it already is."""
+        from PIL import Image
+
+        h, w, c = arr.shape
+        size = self.size or (h, w)
+        if size == (h, w) and self.channels in (None, c):
+            return arr
+        if arr.dtype != np.uint8 or c not in _MODES:
+            raise SchemaError(
+                f"feature {name!r}: image_size/channels act on 8-bit images of 1 to 4 channels, got {arr.dtype} "
+                f"with {c} channels; leave image_size and channels unset and resize in a transform"
+            )
+        im = Image.fromarray(arr[:, :, 0] if c == 1 else arr, _MODES[c])
+        if self.channels not in (None, c):
+            im = im.convert(_MODES[self.channels])
+        if size != (h, w):
+            im = self._resize(im, size)
+        out = np.asarray(im)
+        return out.reshape(*out.shape[:2], -1)
+
+    def _resize(self, im, size: tuple[int, int]):
+        from PIL import Image
+
+        (H, W), (w, h) = size, im.size
+        if self.mode == "stretch":
+            return im.resize((W, H), Image.BILINEAR)
+        if self.mode == "crop":  # the centre region of the target's aspect ratio, scaled in one step
+            cw, ch = min(w, h * W / H), min(h, w * H / W)
+            box = ((w - cw) / 2, (h - ch) / 2, (w + cw) / 2, (h + ch) / 2)
+            return im.resize((W, H), Image.BILINEAR, box=box)
+        scale = min(H / h, W / w)  # pad
+        inner = im.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BILINEAR)
+        out = Image.new(im.mode, (W, H))
+        out.paste(inner, ((W - inner.size[0]) // 2, (H - inner.size[1]) // 2))
+        return out
+
+
+_MODES = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}  # Pillow's modes by channel count
+
+
+def decode_image(data: bytes, f: Feature | None = None, fit: ImageFit | None = None) -> np.ndarray:
+    """Encoded JPEG/PNG → uint8 array (H, W, C); grayscale keeps C = 1. With ``fit``, brought to
+    its size and channels (a large JPEG is decoded at the smallest scale libjpeg-turbo offers
+    that still covers the size: less work for the same result up to rounding)."""
+    if fit is None:
+        return _decode(data, f)
+    name = f.name if f is not None else "image"
+    return fit(_decode(data, f, fit.size), name)
+
+
+def _decode(data, f: Feature | None, at_least: tuple[int, int] | None = None) -> np.ndarray:
     import io
 
     from PIL import Image
@@ -291,8 +406,9 @@ def decode_image(data: bytes, f: Feature | None = None) -> np.ndarray:
 
             h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
             if colorspace in ("YCbCr", "RGB", "Gray"):
-                arr = simplejpeg.decode_jpeg(data, colorspace="GRAY" if colorspace == "Gray" else "RGB")
-                return arr.reshape(h, w, -1)
+                mins = {} if at_least is None else {"min_height": at_least[0], "min_width": at_least[1]}
+                arr = simplejpeg.decode_jpeg(data, colorspace="GRAY" if colorspace == "Gray" else "RGB", **mins)
+                return arr if arr.ndim == 3 else arr[:, :, None]
         except (ImportError, ValueError, RuntimeError):
             pass  # Pillow decodes it, or says what is wrong
     try:

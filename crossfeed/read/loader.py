@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from crossfeed.config import resolve_callable
-from crossfeed.errors import ConfigError
-from crossfeed.format.schema import INDEX_KEY
+from crossfeed.errors import ConfigError, SchemaError
+from crossfeed.format.schema import INDEX_KEY, Feature, mix_feature
 from crossfeed.io.cache import Prefetcher, ShardCache
 from crossfeed.policy import ErrorBudget, OnError
 from crossfeed.read.executors.processes import ProcessExecutor, WorkerRecipe
@@ -31,7 +31,7 @@ from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
 from crossfeed.read.sources.parquet import ParquetFrameReader
 from crossfeed.read.sources.union import UnionSplit
 from crossfeed.read.stages.batch import BatchBuilder
-from crossfeed.read.stages.fetch import MixtureReader, SourceReader
+from crossfeed.read.stages.fetch import MixtureMerge, MixtureReader, SourceReader
 from crossfeed.read.stages.sampler import Plan, Sampler
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,18 @@ class Loader:
     each sample dict and ``batch_transform`` each batch, in the loader's threads (or its worker
     processes, with ``executor="process"``; either may be a ``"module:function"`` string). ``start``:
     ``(epoch, position)`` to begin at (``epoch=`` alone: that epoch's start).
+
+    ``source``: a dataset (TFRecord, WebDataset tar or Parquet; a path, URL or `Dataset`), or a
+    mixture — a list of `crossfeed.Source`, of any of those formats, their features renamed to
+    one set of names (``Source("wds/", rename={"jpg": "image", "cls": "label"})``); `features`
+    says what the batches hold (a mixture's shapes and dtypes are the more general of its sources').
+
+    Iteration is a cursor over the epochs, not a restartable collection (unlike
+    ``torch.utils.data.DataLoader``): ``len(loader)`` is the number of batches the *next*
+    iteration yields — the whole epoch at its start, the batches left after a broken-off one; a
+    new ``iter()`` after a ``break`` continues the epoch where it stopped (no sample twice, none
+    missed: what `state_dict` saves); an iteration that runs to the end moves the Loader to the
+    next epoch. ``set_epoch(n)`` starts epoch ``n`` from its beginning (DataLoader's restart).
     """
 
     def __init__(
@@ -90,30 +102,28 @@ class Loader:
                 for s in self.sources
             ]
             splits = [ds[s.split] for ds, s in zip(self.datasets, self.sources)]
-            if any(sp.info.format == "parquet" for sp in splits):
-                raise ConfigError(
-                    "a mixture reads TFRecord or tar sources; mixing Parquet sources is not supported yet"
-                )
-            formats = [sp.info.format for sp in splits]
-            if len(set(formats)) > 1:  # one decoder serves all: tar samples and TFRecords parse differently
-                raise ConfigError(f"a mixture's sources must share one shard format, got {formats}; mix like with like")
             self.dataset, self.split = self.datasets[0], None
-        feats = _features(options.features, self.datasets, self.sources)
+        feats, stored = _features(options.features, self.datasets, self.sources)
+        fit = read.image_fit
+        # what the batches hold: the mixture's names, shapes reconciled, images as the fit makes them
+        self.features = tuple(fit.feature(f) if fit and read.decode_images else f for f in feats)
         self.cache = ShardCache(read.cache_dir, read.cache_limit) if read.cache_dir is not None else None
-        readers = []
-        # a local mixture reads its sources' shards as one split (one pass per batch, not one per source)
-        union = (  # one pass over every source's shards: local TFRecord sources
+        # sources that store the same features in one frame format (TFRecord, tar) share one decoder
+        # (frames merged, or — local TFRecords — one pass over every source's shards); any other mix
+        # (Parquet's row groups are columns already) decodes each
+        # source's part with its own reader and merges the decoded parts (`MixtureMerge`)
+        formats = {sp.info.format for sp in splits}
+        alike = len(formats) == 1 and "parquet" not in formats and all(s == stored[0] for s in stored)
+        union = (
             self.sources is not None
+            and alike
             and not any(ds.storage.remote for ds in self.datasets)
             and all(sp.info.format == "tfrecord" for sp in splits)
         )
-        for ds, sp in [(self.datasets[0], UnionSplit(splits))] if union else zip(self.datasets, splits):
+        readers = []
+        for i, (ds, sp) in enumerate([(self.datasets[0], UnionSplit(splits))] if union else zip(self.datasets, splits)):
             cache, whole, keep = _remote_mode(ds, sp, plan, self.cache)
-            readers.append(
-                SourceReader(
-                    sp, [ds.schema[f.name] for f in feats], read=read, whole_shards=whole, keep_loaded=keep, cache=cache
-                )
-            )
+            readers.append(SourceReader(sp, stored[i], read=read, whole_shards=whole, keep_loaded=keep, cache=cache))
         self._readers = readers
         self.prefetcher = Prefetcher(self.cache) if any(r.frames.cache for r in readers) else None
         if self.sources is None:
@@ -126,7 +136,14 @@ class Loader:
             )
             sizes = [len(sp) for sp in splits]
             starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-            reader = MixtureReader([], starts, union=readers[0]) if union else MixtureReader(readers, starts)
+            if alike:
+                names = {a.name: f.name for a, f in zip(stored[0], feats)}
+                reader = MixtureReader(
+                    [] if union else readers, starts, union=readers[0] if union else None, names=names
+                )
+            else:
+                merge = MixtureMerge(feats, [[a.name for a in st] for st in stored], decode_images=read.decode_images)
+                reader = MixtureReader(readers, starts, merge=merge)
             rows = reader.rows
         self.builder = BatchBuilder(
             reader,
@@ -334,31 +351,57 @@ def _as_sources(source) -> tuple[Source, ...] | None:
     return None
 
 
-def _features(names, datasets: list[Dataset], sources) -> list:
-    """The features to read: ``names``, or every feature (a mixture: every feature its sources
-    share); each must have the same definition in every source."""
-    first = datasets[0].schema
-    if names is None:
-        names = [n for n in first.names if all(n in ds.schema.names for ds in datasets)]
-        if not names:
-            raise ConfigError("the mixture's sources share no feature; pass features= to choose")
-    out = []
-    for n in names:
-        defs = []
-        for i, ds in enumerate(datasets):
-            if n not in ds.schema.names:
-                where = f"source {i} ({ds.path})" if sources else ds.path
-                raise ConfigError(f"features: {where} has no feature {n!r}; it has {ds.schema.names}")
-            defs.append(ds.schema[n])
-        for i, d in enumerate(defs[1:], 1):
-            if (d.dtype, d.shape, d.encoding) != (defs[0].dtype, defs[0].shape, defs[0].encoding):
+def _features(names, datasets: list[Dataset], sources) -> tuple[list[Feature], list[list[Feature]]]:
+    """``(features, stored)``: the features the batches hold, and each source's own definitions of
+    them (its names, `Source.rename`) in the same order. ``names``: the features to read, or None:
+    every feature (a mixture: every feature its sources share, renamed). A mixture's feature
+    covers each source's definition (`mix_feature`: shapes widened, dtypes to the wider one)."""
+    if sources is None:
+        schema = datasets[0].schema
+        for n in names or ():
+            if n not in schema.names:
+                raise ConfigError(f"features: {datasets[0].path} has no feature {n!r}; it has {schema.names}")
+        feats = [schema[n] for n in names] if names is not None else list(schema)
+        return feats, [feats]
+    # each source's features under the mixture's names: {mixture name: its own feature}
+    own = []
+    for i, (ds, src) in enumerate(zip(datasets, sources)):
+        unknown = sorted(set(dict(src.rename)) - set(ds.schema.names))
+        if unknown:
+            raise ConfigError(
+                f"source {i} ({ds.path}): rename= names {unknown}, not features of it; it has {ds.schema.names}"
+            )
+        mine = {src.name_of(f.name): f for f in ds.schema}
+        if src.features is not None:
+            missing = [n for n in src.features if n not in mine]
+            if missing:
                 raise ConfigError(
-                    f"feature {n!r} differs between mixture sources: source 0 has {defs[0].dtype}{list(defs[0].shape)} "
-                    f"{defs[0].encoding.value}, source {i} has {d.dtype}{list(d.shape)} {d.encoding.value}; "
-                    f"pass features= without it, or convert one source"
+                    f"source {i} ({ds.path}): its features= names {missing}, which it does not have under the "
+                    f"mixture's names; it has {sorted(mine)} (rename= {dict(src.rename)})"
                 )
-        out.append(defs[0])
-    return out
+            mine = {n: mine[n] for n in src.features}
+        own.append(mine)
+    if names is None:
+        names = [n for n in own[0] if all(n in m for m in own)]
+        if not names:
+            raise ConfigError(
+                f"the mixture's sources share no feature ({[sorted(m) for m in own]}); pass features= to "
+                f"choose, or rename= a source's features to the others' names"
+            )
+    where = [f"source {i} ({ds.path})" for i, ds in enumerate(datasets)]
+    feats = []
+    for n in names:
+        for i, m in enumerate(own):
+            if n not in m:
+                raise ConfigError(
+                    f"features: {where[i]} has no feature {n!r}; it has {sorted(m)}; rename= one of its "
+                    f"features to {n!r}, or leave {n!r} out"
+                )
+        try:
+            feats.append(mix_feature(n, [m[n] for m in own], where))
+        except SchemaError as e:
+            raise ConfigError(str(e)) from None
+    return feats, [[m[n] for n in names] for m in own]
 
 
 _warned: set[str] = set()

@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from crossfeed.config import parse_size
 from crossfeed.errors import ConfigError
+from crossfeed.format.schema import ImageFit
 from crossfeed.io import roots
 from crossfeed.io.cache import ENV as CACHE_ENV
 from crossfeed.io.storage import read_deadline
@@ -31,6 +32,14 @@ class Shuffle(str, enum.Enum):
     GLOBAL = "global"  # an exact permutation of the split (random access through the index)
     BLOCK = "block"  # windows of shards, each shard read once and sequentially (remote data)
     NONE = "none"  # file order
+
+
+class Resize(str, enum.Enum):
+    """How a decoded image is brought to ``image_size`` (see `ReadOptions`)."""
+
+    STRETCH = "stretch"  # scaled to (H, W) whatever its aspect ratio (Keras' image_dataset_from_directory)
+    CROP = "crop"  # scaled to cover (H, W), aspect kept, then the centre cut out
+    PAD = "pad"  # scaled to fit inside (H, W), aspect kept, the rest filled with zeros
 
 
 class Remainder(str, enum.Enum):
@@ -54,6 +63,24 @@ def _int(value, name: str, lo: int) -> int:
     if value < lo:
         raise ConfigError(f"{name} must be an integer >= {lo}, got {value}")
     return value
+
+
+def _image_size(value) -> tuple[int, int] | None:
+    """``image_size`` as ``(height, width)``: an int (a square), a pair, or ``"HxW"`` (the CLI's)."""
+    if value is None:
+        return None
+    given = value
+    if isinstance(value, str):
+        value = value.lower().split("x")
+    elif isinstance(value, int) and not isinstance(value, bool):
+        value = (value, value)
+    try:
+        h, w = (int(v) if not isinstance(v, bool) and float(v) == int(v) else None for v in value)
+    except (TypeError, ValueError):
+        h = w = None
+    if h is None or w is None or h < 1 or w < 1:
+        raise ConfigError(f"image_size must be (height, width) of positive integers, or 'HxW', got {given!r}")
+    return h, w
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -117,6 +144,11 @@ class ReadOptions:
     what the Loader does anyway for small fixed-layout records without a per-sample transform,
     whose building holds the GIL and costs less than a hand-over to a thread.
     ``on_error="skip"`` drops bad records, counted and logged, up to ``max_skips``.
+    ``image_size=(H, W)`` brings every decoded image to that size as it is decoded — ``resize``
+    "stretch" (the default: scaled, aspect ratio not kept), "crop" (scaled to cover, centre cut)
+    or "pad" (scaled to fit, zero border) — and ``channels`` (1, 3 or 4) converts it (gray to
+    RGB, RGBA to RGB …): with both, an image feature is one dense ``(B, H, W, channels)`` uint8
+    array per batch whatever the photos' sizes, in every executor and for every shard format.
     ``executor="process"``: ``processes`` worker processes build whole batches (read, decode,
     transform) into shared memory instead — for Python transforms, which threads run one at a
     time; at most ``processes + prefetch`` batches are in flight (see `crossfeed.read.executors.processes`).
@@ -137,11 +169,20 @@ class ReadOptions:
     # seconds each remote read may take to answer and each piece of it to arrive (None:
     # $CROSSFEED_READ_TIMEOUT, else `crossfeed.io.storage.READ_TIMEOUT`)
     read_timeout: float | None = None
+    image_size: tuple[int, int] | None = None  # decoded images brought to (height, width) (None: as stored)
+    channels: int | None = None  # decoded images converted to 1, 3 or 4 channels (None: as stored)
+    resize: Resize = Resize.STRETCH  # how images reach image_size
 
     def __post_init__(self):
         object.__setattr__(self, "allowed_roots", roots.normalise_all(self.allowed_roots))
         if self.read_timeout is not None:
             object.__setattr__(self, "read_timeout", read_deadline(self.read_timeout))
+        object.__setattr__(self, "image_size", _image_size(self.image_size))
+        object.__setattr__(self, "resize", choice(Resize, self.resize, "resize"))
+        if self.channels is not None and (isinstance(self.channels, bool) or self.channels not in (1, 3, 4)):
+            raise ConfigError(f"channels must be 1 (gray), 3 (RGB) or 4 (RGBA), got {self.channels!r}")
+        if not self.decode_images and (self.image_size is not None or self.channels is not None):
+            raise ConfigError("image_size= and channels= act on decoded images; they need decode_images=True")
         object.__setattr__(self, "num_threads", _int(self.num_threads, "num_threads", 0))
         object.__setattr__(self, "executor", choice(ExecutorKind, self.executor, "executor"))
         object.__setattr__(self, "processes", _int(self.processes, "processes", 1))
@@ -155,21 +196,69 @@ class ReadOptions:
         if self.cache_limit is not None:
             object.__setattr__(self, "cache_limit", parse_size(self.cache_limit, "cache_limit"))
 
+    @property
+    def image_fit(self) -> ImageFit | None:
+        """What decoded images are brought to (`ImageFit`), or None: as they are stored."""
+        if self.image_size is None and self.channels is None:
+            return None
+        return ImageFit(self.image_size, self.channels, self.resize.value)
+
 
 @dataclasses.dataclass(frozen=True)
 class Source:
     """One source of a mixture: ``Loader([Source("web/", weight=3), Source("books/")], ...)``.
-    ``path``: a dataset (directory, URL or open `Dataset`); ``weight``: its share of the samples."""
+    ``path``: a dataset (directory, URL or open `Dataset`) of any format the Loader reads
+    (TFRecord, WebDataset tar, Parquet); ``weight``: its share of the samples.
+
+    ``rename``: ``{its name: the mixture's name}`` for features named otherwise in this source
+    (``Source("wds/", rename={"jpg": "image", "cls": "label"})``); ``features``: the mixture's
+    names of the features to take from it (None: every feature all sources share, renamed)."""
 
     path: object
     split: str = "train"
     weight: float = 1.0
+    rename: tuple[tuple[str, str], ...] = ()  # given as a dict; kept as sorted pairs (hashable)
+    features: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or not self.weight > 0:
             raise ConfigError(f"Source weight must be a positive number, got {self.weight!r}")
         if not isinstance(self.split, str) or not self.split:
             raise ConfigError(f"Source split must be a split name, got {self.split!r}")
+        pairs = self.rename.items() if isinstance(self.rename, Mapping) else self.rename
+        try:
+            pairs = tuple(sorted((k, v) for k, v in pairs))
+        except (TypeError, ValueError):
+            raise ConfigError(f"Source rename must map feature names to names, got {self.rename!r}") from None
+        if not all(isinstance(n, str) and n for p in pairs for n in p):
+            raise ConfigError(f"Source rename must map feature names to names, got {dict(pairs)!r}")
+        targets = [v for _, v in pairs]
+        if len(set(targets)) != len(targets):
+            raise ConfigError(f"Source rename gives two features one name: {dict(pairs)!r}")
+        object.__setattr__(self, "rename", pairs)
+        if self.features is not None:
+            if isinstance(self.features, str) or not isinstance(self.features, Sequence):
+                raise ConfigError(f"Source features must be a list of feature names, got {self.features!r}")
+            object.__setattr__(self, "features", tuple(self.features))
+
+    def name_of(self, feature: str) -> str:
+        """The mixture's name of this source's ``feature``."""
+        return dict(self.rename).get(feature, feature)
+
+    def to_json(self) -> dict:
+        """The source as JSON values (a worker process or a mixture file rebuilds it: `from_json`)."""
+        features = None if self.features is None else list(self.features)
+        return {
+            "path": os.fspath(self.path),
+            "split": self.split,
+            "weight": self.weight,
+            "rename": dict(self.rename),
+            "features": features,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> Source:
+        return cls(d["path"], d.get("split", "train"), d.get("weight", 1.0), d.get("rename") or (), d.get("features"))
 
 
 _GROUPS = {"plan": PlanOptions, "shard": ShardOptions, "read": ReadOptions}

@@ -175,7 +175,9 @@ class Link:
             return f"no answer within {connect_timeout:g}s of connecting"
         return None
 
-    def lose(self, reason: str) -> LostServer:
+    def lose(self, reason: str, *, leased: bool = False) -> LostServer:
+        """Mark the server lost and log what that costs: with ``leased`` (a dispatcher's server)
+        nothing — the dispatcher grants its work to the others — else what it had not sent."""
         self.state = "lost"
         info = LostServer(
             address=self.address,
@@ -188,8 +190,7 @@ class Link:
         )
         logger.warning(
             "server %s dropped (%s): %d of its batches were outstanding (received, not yet "
-            "acknowledged); received %d batches / %d samples from it, last epoch %s seq %s; "
-            "what it had not sent yet is lost to this client",
+            "acknowledged); received %d batches / %d samples from it, last epoch %s seq %s; %s",
             self.address,
             reason,
             info.unacked_batches,
@@ -197,5 +198,8 @@ class Link:
             self.samples,
             self.last_epoch,
             self.last_seq,
+            "the dispatcher leases what it had not delivered to the other servers: nothing is lost"
+            if leased
+            else "what it had not sent yet is lost to this client",
         )
         return info

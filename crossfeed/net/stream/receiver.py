@@ -337,7 +337,7 @@ class Receiver:
             self._lose(link, f"its message could not be handled ({type(error).__name__}: {error})")
 
     def _lose(self, link: Link, reason: str) -> None:
-        info = link.lose(reason)
+        info = link.lose(reason, leased=self.open_ended)  # open-ended: a dispatcher's servers
         self.lost.append(info)
         self._events.append(Lost(next(i for i, x in enumerate(self._links) if x is link), info))
 

@@ -163,7 +163,7 @@ class WorkerRecipe:
     @staticmethod
     def from_json(d: dict) -> WorkerRecipe:
         src = d["source"]
-        source = src if isinstance(src, str) else [Source(s["path"], split=s["split"], weight=s["weight"]) for s in src]
+        source = src if isinstance(src, str) else [Source.from_json(s) for s in src]
         manifests = tuple(d.get("manifests", ()))
         return WorkerRecipe(source, LoaderOptions.of(**d["options"]), d["transform"], d["batch_transform"], manifests)
 
@@ -172,7 +172,7 @@ def _sources(source) -> list[dict] | None:
     if isinstance(source, Source):
         source = [source]
     if isinstance(source, (list, tuple)):
-        return [{"path": os.fspath(s.path), "split": s.split, "weight": s.weight} for s in source]
+        return [s.to_json() for s in source]
     return None
 
 

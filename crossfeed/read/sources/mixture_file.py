@@ -2,11 +2,12 @@
 (``crossfeed serve mix.json ADDRESS``) where a Python list of `Source` cannot be passed::
 
     {"sources": [{"path": "web/", "split": "train", "weight": 3},
-                 {"path": "books/", "weight": 1}],
+                 {"path": "photos-wds/", "rename": {"jpg": "image", "cls": "label"}},
+                 {"path": "books/", "weight": 1, "features": ["image", "label"]}],
      "samples_per_epoch": 1000000}
 
 Relative paths are relative to the file's folder; ``split`` defaults to ``train``, ``weight`` to
-1 and ``samples_per_epoch`` to the sum of the sources' sizes (`crossfeed.read.stages.sampler.MixtureOrder`).
+1, ``rename`` and ``features`` are `Source`'s, and ``samples_per_epoch`` to the sum of the sources' sizes (`crossfeed.read.stages.sampler.MixtureOrder`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from crossfeed.errors import ConfigError
 from crossfeed.read.options import Source
 
 _KEYS = {"sources", "samples_per_epoch"}
-_SOURCE_KEYS = {"path", "split", "weight"}
+_SOURCE_KEYS = {"path", "split", "weight", "rename", "features"}
 
 
 def is_mixture_spec(path) -> bool:
@@ -42,12 +43,14 @@ def load_mixture_spec(path) -> tuple[list[Source], int | None]:
     sources = []
     for i, s in enumerate(spec["sources"]):
         if not isinstance(s, dict) or "path" not in s or set(s) - _SOURCE_KEYS:
-            raise ConfigError(f"{path}: source {i} must be an object with 'path' and optionally 'split', 'weight'")
+            raise ConfigError(
+                f"{path}: source {i} must be an object with 'path' and optionally {sorted(_SOURCE_KEYS - {'path'})}"
+            )
         p = str(s["path"])
         if "://" not in p and not os.path.isabs(p):
             p = os.path.join(base, p)
         try:
-            sources.append(Source(p, split=s.get("split", "train"), weight=s.get("weight", 1)))
+            sources.append(Source.from_json({**s, "path": p}))
         except ConfigError as e:
             raise ConfigError(f"{path}: source {i}: {e}") from None
     n = spec.get("samples_per_epoch")

@@ -36,7 +36,7 @@ import numpy as np
 
 from crossfeed.errors import CorruptRecordError, CrossfeedError, DatasetNotFoundError, SchemaError
 from crossfeed.format.parquet import column_values, pyarrow_modules
-from crossfeed.format.schema import Encoding, Feature, decode_image
+from crossfeed.format.schema import Encoding, Feature, ImageFit, decode_image
 
 
 class Split(Protocol):
@@ -412,9 +412,10 @@ class ParquetDecoder:
 
     columnar = False
 
-    def __init__(self, features: Sequence[Feature], *, decode_images: bool = True):
+    def __init__(self, features: Sequence[Feature], *, decode_images: bool = True, fit: ImageFit | None = None):
         self.features = tuple(features)
         self.decode_images = decode_images
+        self.fit = fit  # images brought to one size and channel count as they are decoded (None: as stored)
         self._ragged = [f for f in self.features if f.encoding is Encoding.TENSOR and not f.fixed]
 
     def __call__(
@@ -439,7 +440,7 @@ class ParquetDecoder:
                 if j in bad:
                     continue
                 try:
-                    out[j] = decode_image(data, f)
+                    out[j] = decode_image(data, f, self.fit)
                 except SchemaError as e:
                     err = SchemaError(f"{where(j)}: {e}")
                     if on_error is None:

@@ -8,7 +8,9 @@ The strategy is chosen once per Loader from the schema (`make_decoder`):
   group of records whose layout does not fit (another field order, say) is parsed record by
   record into the same batch arrays: nothing is fetched twice.
 * `RecordDecoder` — each record parsed on its own (`crossfeed.format.example`), JPEGs decoded by
-  libjpeg-turbo (simplejpeg) straight into their row of the batch, other images with Pillow.
+  libjpeg-turbo (simplejpeg) straight into their row of the batch, other images with Pillow;
+  with an `ImageFit` (the Loader's ``image_size``/``channels``) each image is brought to one
+  size and channel count as it is decoded, so photos of any size batch into one array.
 
 Both return ``(batch, kept)``: ``kept`` are the positions of the batch's records that made it
 (all of them unless ``on_error`` dropped bad ones).
@@ -40,7 +42,7 @@ try:  # libjpeg-turbo decoding straight into numpy; Pillow is the fallback
 except ImportError:  # pragma: no cover - simplejpeg is a core dependency
     _simplejpeg = None
 
-from crossfeed.format.schema import Encoding, Feature, decode_image, decode_value, encoded_image
+from crossfeed.format.schema import Encoding, Feature, ImageFit, decode_image, decode_value, encoded_image
 from crossfeed.read.stages.frames import Frames, PathCounts
 from crossfeed.read.stages.layout import Layout, fixed_dtype
 
@@ -96,17 +98,23 @@ def _image_pool() -> tuple[ThreadPoolExecutor, int] | None:
 
 
 def make_decoder(
-    features: Sequence[Feature], *, decode_images: bool = True, recycle: int = 8, shard_format: str = "tfrecord"
+    features: Sequence[Feature],
+    *,
+    decode_images: bool = True,
+    recycle: int = 8,
+    shard_format: str = "tfrecord",
+    fit: ImageFit | None = None,
 ) -> RecordDecoder:
     """The decoding strategy for ``features``, chosen once (see the module docstring). Up to
     ``recycle`` large batch arrays are reused once their consumer has dropped them. Tar shards
-    (``shard_format="tar"``) take `TarDecoder`."""
+    (``shard_format="tar"``) take `TarDecoder`. ``fit``: decoded images are brought to its size
+    and channels as they are decoded."""
     features = tuple(features)
     if shard_format == "tar":
-        return TarDecoder(features, decode_images=decode_images, recycle=recycle)
+        return TarDecoder(features, decode_images=decode_images, recycle=recycle, fit=fit)
     columnar = all(f.fixed and f.encoding in (Encoding.TENSOR, Encoding.INT64, Encoding.FLOAT) for f in features)
     cls = ColumnarDecoder if columnar and features else RecordDecoder
-    return cls(features, decode_images=decode_images, recycle=recycle)
+    return cls(features, decode_images=decode_images, recycle=recycle, fit=fit)
 
 
 class RecordDecoder:
@@ -115,10 +123,13 @@ class RecordDecoder:
 
     columnar = False
 
-    def __init__(self, features: Sequence[Feature], *, decode_images: bool = True, recycle: int = 8):
+    def __init__(
+        self, features: Sequence[Feature], *, decode_images: bool = True, recycle: int = 8, fit: ImageFit | None = None
+    ):
         self.features = tuple(features)
         self._recycler = _Recycler(recycle)
         self.decode_images = decode_images
+        self.fit = fit  # images brought to one size and channel count as they are decoded (None: as stored)
         # images this decoder decodes are taken as views into the record (no copy of the bytes)
         self._views = {f.name for f in self.features if f.encoding is Encoding.IMAGE and decode_images}
         self.alloc: Callable | None = None  # where batch arrays go (None: recycled heap arrays)
@@ -197,7 +208,7 @@ class RecordDecoder:
             try:
                 if whole is not None and self._jpeg_into(data, whole[j]):
                     return whole[j]
-                return decode_image(data if isinstance(data, bytes) else bytes(data), f)
+                return decode_image(data if isinstance(data, bytes) else bytes(data), f, self.fit)
             except SchemaError as e:
                 return SchemaError(f"{where(j)}: {e}")
 
@@ -224,8 +235,9 @@ class RecordDecoder:
         return results, bad, whole
 
     def _image_batch(self, datas) -> np.ndarray | None:
-        """A ``(n, h, w, 3)`` batch array sized by the first image's header, if it is a colour JPEG."""
-        header = jpeg_header(datas[0]) if datas else None
+        """A ``(n, h, w, 3)`` batch array sized by the first image's header, if it is a colour JPEG
+        (and images are decoded as they are stored: a fit resizes each one first)."""
+        header = jpeg_header(datas[0]) if datas and self.fit is None else None
         if header is None or header[2] != 3:
             return None
         return self._empty((len(datas), *header), np.uint8)
@@ -257,8 +269,10 @@ class ColumnarDecoder(RecordDecoder):
 
     columnar = True
 
-    def __init__(self, features: Sequence[Feature], *, decode_images: bool = True, recycle: int = 8):
-        super().__init__(features, decode_images=decode_images, recycle=recycle)
+    def __init__(
+        self, features: Sequence[Feature], *, decode_images: bool = True, recycle: int = 8, fit: ImageFit | None = None
+    ):
+        super().__init__(features, decode_images=decode_images, recycle=recycle, fit=fit)
         self._layouts: dict[int, Layout | None] = {}
         self.served = PathCounts()  # groups of records "cut" column-wise, or "parsed" record by record
 

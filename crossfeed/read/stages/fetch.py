@@ -2,12 +2,16 @@
 the decoded batch (``dict[str, np.ndarray]``) and the positions of the ids that made it into it.
 
     ids ──► FrameReader / ParquetFrameReader ──► Frames ──► decoder ──► (batch, kept)
+    a mixture of formats:  ids ──► per source: (batch, kept) ──► MixtureMerge ──► (batch, kept)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
+from crossfeed.format.schema import Encoding, Feature
 from crossfeed.io.cache import ShardCache
 from crossfeed.read.options import ReadOptions
 from crossfeed.read.sources.dataset import Split
@@ -32,7 +36,7 @@ class SourceReader:
     ):
         self._defer = False
         if split.info.format == "parquet":  # row groups read in place (crossfeed.read.sources.parquet)
-            self.decoder = ParquetDecoder(features, decode_images=read.decode_images)
+            self.decoder = ParquetDecoder(features, decode_images=read.decode_images, fit=read.image_fit)
             self.frames = ParquetFrameReader(split, features)
             return
         # batch arrays the consumer has dropped are reused: at most this many are in flight
@@ -41,6 +45,7 @@ class SourceReader:
             decode_images=read.decode_images,
             recycle=read.num_threads + read.prefetch + 4,
             shard_format=split.info.format,
+            fit=read.image_fit,
         )
         self.frames = FrameReader(split, whole_shards=whole_shards, keep_loaded=keep_loaded, cache=cache)
         self.frames.rows = self.decoder.columnar and self.frames.small_records()
@@ -80,16 +85,37 @@ def _positions(indices: np.ndarray, kept_values: np.ndarray) -> np.ndarray:
 
 class MixtureReader:
     """Stages 2 and 3 for a mixture: the batch's sample ids (global across sources, see
-    `crossfeed.read.stages.sampler.MixtureOrder`) are read by their sources' frame readers, the frames
-    merged back into batch order (rows of one length from several sources become one matrix) and
-    decoded once — the sources agree on every feature's definition, so one decoder serves all."""
+    `crossfeed.read.stages.sampler.MixtureOrder`) → ``(batch, kept)`` under the mixture's feature
+    names. Two ways, chosen once by the Loader:
 
-    def __init__(self, readers: list[SourceReader], starts: np.ndarray, *, union: SourceReader | None = None):
+    * sources that store the same features in one shard format: their frames are merged back
+      into batch order (rows of one length from several sources become one matrix) and decoded
+      once by one decoder — or, local TFRecords, read in one pass over every shard (``union``);
+    * any other mix (tar + TFRecord + Parquet, renamed features, shapes or dtypes that differ):
+      each source's part is read and decoded by its own reader, and `MixtureMerge` puts the
+      decoded parts back into batch order under the mixture's names.
+
+    ``names``: ``{a source's name: the mixture's}`` applied to the batch of the first way (the
+    sources rename alike there)."""
+
+    def __init__(
+        self,
+        readers: list[SourceReader],
+        starts: np.ndarray,
+        *,
+        union: SourceReader | None = None,
+        merge: MixtureMerge | None = None,
+        names: dict[str, str] | None = None,
+    ):
         """``union``: one reader over every source's shards (a `UnionSplit`; local sources),
         which reads a mixture batch in one pass — then ``readers`` may be empty."""
-        self.readers, self.starts, self.union = readers, starts, union
-        self.decoder = (union or readers[0]).decoder
-        self.rows = union.frames.rows if union is not None else all(r.frames.rows for r in readers)
+        self.readers, self.starts, self.union, self.merge = readers, starts, union, merge
+        self.names = {k: v for k, v in (names or {}).items() if k != v} or None
+        self.decoder = merge or (union or readers[0]).decoder
+        if merge is not None:
+            self.rows = False
+        else:
+            self.rows = union.frames.rows if union is not None else all(r.frames.rows for r in readers)
 
     def where(self, i: int) -> str:
         s = int(np.searchsorted(self.starts, i, side="right") - 1)
@@ -98,8 +124,30 @@ class MixtureReader:
         return f"source {s}: {self.readers[s].frames.where(int(i - self.starts[s]))}"
 
     def __call__(self, ids: np.ndarray, budget=None, tick=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        if self.merge is not None:
+            return self._decoded_parts(ids, budget, tick)
         if self.union is not None:  # ids are the union's record ids: one read, one decode
-            return self.union(ids, budget, tick)
+            batch, kept = self.union(ids, budget, tick)
+        else:
+            batch, kept = self._merged_frames(ids, budget, tick)
+        if self.names:
+            batch = {self.names.get(k, k): v for k, v in batch.items()}
+        return batch, kept
+
+    def _decoded_parts(self, ids: np.ndarray, budget, tick) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        src = np.searchsorted(self.starts, ids, side="right") - 1
+        parts = []  # (source, batch positions of its kept samples, its decoded batch)
+        for s in np.unique(src).tolist():
+            m = np.flatnonzero(src == s)
+            batch, kept = self.readers[s](ids[m] - self.starts[s], budget, tick)
+            parts.append((s, m[kept], batch))
+        kept = np.sort(np.concatenate([p for _, p, _ in parts])) if parts else np.zeros(0, np.int64)
+        out = self.merge(parts, kept, len(ids))
+        if tick:
+            tick("decode")
+        return out, kept
+
+    def _merged_frames(self, ids: np.ndarray, budget, tick) -> tuple[dict[str, np.ndarray], np.ndarray]:
         src = np.searchsorted(self.starts, ids, side="right") - 1
         parts = []
         for s in np.unique(src).tolist():
@@ -130,3 +178,49 @@ class MixtureReader:
         if tick:
             tick("decode")
         return batch, kept[order][ok]
+
+
+class MixtureMerge:
+    """The decoded batches of a mixture's sources → one batch in batch order, under the mixture's
+    feature names (``features``, each covering every source's definition: `mix_feature`).
+
+    ``sources[i]``: source ``i``'s name of each of ``features``, in order. A feature whose parts
+    are arrays of one item shape becomes one array (cast to the feature's dtype: an int32 label
+    beside int64 ones); one whose shapes differ between sources (photos of different sizes)
+    becomes a 1-D object array of per-sample values, as one source's would."""
+
+    columnar = False
+
+    def __init__(self, features: Sequence[Feature], sources: list[list[str]], *, decode_images: bool):
+        self.features, self.sources, self.decode_images = tuple(features), sources, decode_images
+        self.alloc = None  # where dense batch arrays go (None: np.empty); a worker process's shared memory
+
+    def __call__(self, parts: list, kept: np.ndarray, n: int) -> dict[str, np.ndarray]:
+        """``parts``: ``(source, sorted batch positions, its batch)``; ``kept``: every part's
+        positions, sorted (the merged batch's rows, in order); ``n``: the batch's size."""
+        row = np.empty(n, dtype=np.int64)  # batch position → row of the merged batch
+        row[kept] = np.arange(len(kept))
+        out = {}
+        for j, f in enumerate(self.features):
+            vals = [(row[pos], batch[self.sources[s][j]]) for s, pos, batch in parts]
+            out[f.name] = self._column(f, vals, len(kept))
+        return out
+
+    def _column(self, f: Feature, vals: list, n: int) -> np.ndarray:
+        arrays = [v for _, v in vals if len(v)]
+        if arrays and all(
+            isinstance(v, np.ndarray) and v.dtype != object and v.shape[1:] == arrays[0].shape[1:] for v in arrays
+        ):
+            dtype = arrays[0].dtype if f.encoding is Encoding.IMAGE else np.dtype(f.dtype)
+            out = (self.alloc or np.empty)((n, *arrays[0].shape[1:]), dtype)
+            for rows, v in vals:
+                out[rows] = v  # a safe cast where a source stores a narrower dtype (`mix_feature`)
+            return out
+        if not arrays and f.fixed and f.encoding in (Encoding.TENSOR, Encoding.INT64, Encoding.FLOAT):
+            return np.empty((0, *f.shape), np.dtype(f.dtype))
+        cast = np.dtype(f.dtype) if f.encoding in (Encoding.TENSOR, Encoding.INT64, Encoding.FLOAT) else None
+        out = np.empty(n, dtype=object)
+        for rows, v in vals:
+            for r, item in zip(rows.tolist(), v):
+                out[r] = item.astype(cast, copy=False) if cast is not None and isinstance(item, np.ndarray) else item
+        return out
