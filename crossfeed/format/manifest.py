@@ -281,19 +281,19 @@ class _Validator:
 
     def dict_(self, v, field_: str) -> dict:
         if not isinstance(v, dict):
-            self.fail(field_, f"expected an object, got {_kind(v)}")
+            self.fail(field_, f"expected an object, got {json_kind(v)}")
         return v
 
     def int_(self, v, field_: str, lo: int = 0, hi: int = MAX_INT) -> int:
         if not isinstance(v, int) or isinstance(v, bool):
-            self.fail(field_, f"expected an integer, got {_kind(v)}")
+            self.fail(field_, f"expected an integer, got {json_kind(v)}")
         if not lo <= v <= hi:
             self.fail(field_, f"{v} is out of range [{lo}, {hi}]")
         return v
 
     def hex_(self, v, field_: str) -> str:
         if not isinstance(v, str) or not _SHA256.fullmatch(v):
-            self.fail(field_, f"expected a sha256 (64 lowercase hex digits), got {_short(v)}")
+            self.fail(field_, f"expected a sha256 (64 lowercase hex digits), got {short_repr(v)}")
         return v
 
     def json_(self, v, field_: str) -> dict:
@@ -315,7 +315,7 @@ class _Validator:
             raise ManifestError(f"{self.where}: not a crossfeed manifest (format is not {FORMAT!r})")
         if d.get("version") != VERSION:
             raise ManifestError(
-                f"{self.where}: manifest version {_short(d.get('version'))}; this crossfeed reads version {VERSION}"
+                f"{self.where}: manifest version {short_repr(d.get('version'))}; this crossfeed reads version {VERSION}"
             )
         unknown = set(d) - {"format", "version", "schema", "splits", "metadata", "generation", "data_root"}
         if unknown:
@@ -345,19 +345,19 @@ class _Validator:
             and ("://" in v or os.path.isabs(v))
         )
         if not ok:
-            self.fail("data_root", f"expected an absolute path or URL of the data directory, got {_short(v)}")
+            self.fail("data_root", f"expected an absolute path or URL of the data directory, got {short_repr(v)}")
         local = v[len("file://") :] if v.startswith("file://") else v
         if "://" in local:
             problem = url_problem(v)
             if problem:
-                self.fail("data_root", f"{_short(v)}: {problem}")
+                self.fail("data_root", f"{short_repr(v)}: {problem}")
         elif not os.path.isabs(local) or any(s in (".", "..") for s in local.split("/")):
-            self.fail("data_root", f"{_short(v)}: expected an absolute path without '.' or '..' segments")
+            self.fail("data_root", f"{short_repr(v)}: expected an absolute path without '.' or '..' segments")
         return v
 
     def schema(self, items) -> Schema:
         if not isinstance(items, list):
-            self.fail("schema", f"expected a list of features, got {_kind(items)}")
+            self.fail("schema", f"expected a list of features, got {json_kind(items)}")
         if not items:
             self.fail("schema", "no features; a dataset needs at least one")
         if len(items) > MAX_FEATURES:
@@ -370,19 +370,19 @@ class _Validator:
                 self.fail(at, f"expected the fields name, dtype, shape, encoding, got {sorted(map(str, f))}")
             name, dtype, shape, enc = f["name"], f["dtype"], f["shape"], f["encoding"]
             if not isinstance(name, str) or not name or len(name) > MAX_NAME_BYTES:
-                self.fail(f"{at}.name", f"expected a name of 1 to {MAX_NAME_BYTES} characters, got {_short(name)}")
+                self.fail(f"{at}.name", f"expected a name of 1 to {MAX_NAME_BYTES} characters, got {short_repr(name)}")
             if name in names:
                 self.fail(f"{at}.name", f"feature {name!r} appears twice")
             names.add(name)
             if not isinstance(enc, str) or enc not in _ENCODINGS:
-                self.fail(f"{at}.encoding", f"unknown encoding {_short(enc)}; expected one of {sorted(_ENCODINGS)}")
+                self.fail(f"{at}.encoding", f"unknown encoding {short_repr(enc)}; expected one of {sorted(_ENCODINGS)}")
             if not isinstance(dtype, str) or dtype not in _DTYPES[enc]:
                 self.fail(
                     f"{at}.dtype",
-                    f"dtype {_short(dtype)} is not one the {enc} encoding stores ({', '.join(sorted(_DTYPES[enc]))})",
+                    f"dtype {short_repr(dtype)} is not one the {enc} encoding stores ({', '.join(sorted(_DTYPES[enc]))})",
                 )
             if not isinstance(shape, list) or len(shape) > MAX_RANK:
-                self.fail(f"{at}.shape", f"expected a list of at most {MAX_RANK} dimensions, got {_short(shape)}")
+                self.fail(f"{at}.shape", f"expected a list of at most {MAX_RANK} dimensions, got {short_repr(shape)}")
             for j, dim in enumerate(shape):
                 if dim is not None:
                     self.int_(dim, f"{at}.shape[{j}]", 0, MAX_DIM)
@@ -403,12 +403,12 @@ class _Validator:
             self.fail(f"{at}.{sorted(unknown)[0]}", "unknown field")
         items = s.get("shards")
         if not isinstance(items, list):
-            self.fail(f"{at}.shards", f"expected a list of shards, got {_kind(items)}")
+            self.fail(f"{at}.shards", f"expected a list of shards, got {json_kind(items)}")
         if len(items) > MAX_SHARDS:
             self.fail(f"{at}.shards", f"{len(items)} shards, more than {MAX_SHARDS}")
         fmt = s.get("format", "tfrecord")
         if fmt not in SPLIT_FORMATS:
-            self.fail(f"{at}.format", f"unknown shard format {_short(fmt)}; expected one of {list(SPLIT_FORMATS)}")
+            self.fail(f"{at}.format", f"unknown shard format {short_repr(fmt)}; expected one of {list(SPLIT_FORMATS)}")
         shards = tuple(self.shard(f"{at}.shards[{i}]", sh, seen, fmt) for i, sh in enumerate(items))
         info = SplitInfo(name, shards, self.json_(s.get("statistics", {}), f"{at}.statistics"), fmt)
         for key in ("num_records", "num_bytes"):
@@ -457,7 +457,7 @@ class _Validator:
             return None
         if not isinstance(groups, list) or len(groups) > MAX_ROW_GROUPS:
             self.fail(
-                f"{at}.row_groups", f"expected a list of at most {MAX_ROW_GROUPS} row counts, got {_kind(groups)}"
+                f"{at}.row_groups", f"expected a list of at most {MAX_ROW_GROUPS} row counts, got {json_kind(groups)}"
             )
         out = tuple(self.int_(g, f"{at}.row_groups[{i}]") for i, g in enumerate(groups))
         if sum(out) != n:
@@ -465,7 +465,7 @@ class _Validator:
         return out
 
 
-def _kind(v) -> str:
+def json_kind(v) -> str:
     return {
         dict: "an object",
         list: "a list",
@@ -477,7 +477,7 @@ def _kind(v) -> str:
     }.get(type(v), type(v).__name__)
 
 
-def _short(v) -> str:
+def short_repr(v) -> str:
     r = repr(v)
     return r if len(r) <= 60 else r[:57] + "..."
 

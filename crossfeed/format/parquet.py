@@ -26,14 +26,18 @@ with nulls is reported, naming the file, row group and column.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
-from crossfeed.errors import ConfigError, SchemaError
+from crossfeed.errors import ConfigError, CorruptRecordError, SchemaError
 from crossfeed.format.schema import Encoding, Feature
 
 PARQUET_EXTS = (".parquet", ".pq", ".parq")
 FORMAT = "parquet"  # the shard ``format`` of a Parquet file in the manifest
+MAGIC = b"PAR1"
+MAX_ROWS = 1 << 62  # rows a row group may claim (what a manifest accepts)
+_MAX_THRIFT_DEPTH = 32
 
 
 def is_parquet_name(name: str) -> bool:
@@ -247,3 +251,222 @@ def _raw_tensors(f: Feature, arr, where: str) -> np.ndarray:
     else:
         flat = np.frombuffer(b"".join(arr.to_numpy(zero_copy_only=False)), dtype=np.uint8)
     return flat.view(dt).reshape((len(arr), *f.shape)).astype(f.dtype, copy=False)
+
+
+# ---- the footer, read by crossfeed itself ------------------------------------------------------------
+# pyarrow trusts a footer's numbers (a row group may claim -5 rows), and its Python metadata objects
+# abort the process (a C++ exception, no Python one) on some damaged footers, e.g. a level histogram
+# of the wrong length. So adoption reads the row groups from the Thrift bytes first, bounded, and
+# hands pyarrow only footers that pass `check_footer`.
+
+
+def _varint(b, pos: int) -> tuple[int, int]:
+    out = shift = 0
+    while True:
+        if pos >= len(b) or shift > 63:
+            raise ValueError("a truncated or overlong varint")
+        c = b[pos]
+        pos += 1
+        out |= (c & 0x7F) << shift
+        shift += 7
+        if c < 0x80:
+            return out, pos
+
+
+def _zigzag(v: int) -> int:
+    return (v >> 1) ^ -(v & 1)
+
+
+def _value(b, pos: int, t: int, depth: int):
+    """One Thrift compact-protocol value of type ``t`` at ``pos``: ``(value, next pos)``; a struct
+    is ``{field id: value}``, a list a list, a binary ``bytes``."""
+    if t in (1, 2):  # bools (in a list: one byte each)
+        return t == 1, pos
+    if t == 3:
+        if pos >= len(b):
+            raise ValueError("truncated")
+        return b[pos], pos + 1
+    if t in (4, 5, 6):
+        v, pos = _varint(b, pos)
+        return _zigzag(v), pos
+    if t == 7:
+        if pos + 8 > len(b):
+            raise ValueError("truncated")
+        return None, pos + 8
+    if t == 8:
+        n, pos = _varint(b, pos)
+        if pos + n > len(b):
+            raise ValueError(f"a string of {n} bytes runs past the footer")
+        return bytes(b[pos : pos + n]), pos + n
+    if depth > _MAX_THRIFT_DEPTH:
+        raise ValueError(f"nested deeper than {_MAX_THRIFT_DEPTH} levels")
+    if t in (9, 10):
+        if pos >= len(b):
+            raise ValueError("truncated")
+        n, et = b[pos] >> 4, b[pos] & 0x0F
+        pos += 1
+        if n == 15:
+            n, pos = _varint(b, pos)
+        if n > len(b) - pos:  # every element takes a byte at least
+            raise ValueError(f"a list of {n} elements runs past the footer")
+        out = []
+        for _ in range(n):
+            if et in (1, 2):  # a bool element is a byte of its own
+                v, pos = b[pos] == 1, pos + 1
+            else:
+                v, pos = _value(b, pos, et, depth + 1)
+            out.append(v)
+        return out, pos
+    if t == 11:
+        n, pos = _varint(b, pos)
+        if not n:
+            return [], pos
+        if n > len(b) - pos:
+            raise ValueError(f"a map of {n} entries runs past the footer")
+        kt, vt = b[pos] >> 4, b[pos] & 0x0F
+        pos += 1
+        out = []
+        for _ in range(n):
+            k, pos = _value(b, pos, kt, depth + 1)
+            v, pos = _value(b, pos, vt, depth + 1)
+            out.append((k, v))
+        return out, pos
+    if t == 12:
+        out, fid = {}, 0
+        while True:
+            if pos >= len(b):
+                raise ValueError("a struct runs past the footer")
+            h = b[pos]
+            pos += 1
+            if h == 0:
+                return out, pos
+            ft = h & 0x0F
+            if h >> 4:
+                fid += h >> 4
+            else:
+                v, pos = _varint(b, pos)
+                fid = _zigzag(v)
+            out[fid], pos = _value(b, pos, ft, depth + 1)
+    if t == 13:  # uuid
+        if pos + 16 > len(b):
+            raise ValueError("truncated")
+        return None, pos + 16
+    raise ValueError(f"unknown Thrift type {t}")
+
+
+def _int(v, field: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"{field} is missing or not an integer")
+    return v
+
+
+class Chunk(NamedTuple):
+    """What the footer says of one column chunk (histogram lengths 0 when absent)."""
+
+    path: str  # ``path_in_schema``, dotted
+    physical_type: int  # Thrift ``Type``: 0 BOOLEAN .. 7 FIXED_LEN_BYTE_ARRAY
+    num_values: int
+    null_count: int | None
+    def_hist: int
+    rep_hist: int
+
+
+_PHYSICAL = ("BOOLEAN", "INT32", "INT64", "INT96", "FLOAT", "DOUBLE", "BYTE_ARRAY", "FIXED_LEN_BYTE_ARRAY")
+
+
+def footer_row_groups(data, where: str) -> tuple[tuple[int, tuple[Chunk, ...]], ...]:
+    """The row groups a Parquet file's footer declares, read from the file's bytes ``data`` with
+    crossfeed's own bounded Thrift reader: ``(num_rows, column chunks)`` each. A footer that does
+    not parse, or a row count outside ``[0, MAX_ROWS]``, is a `CorruptRecordError` naming the file
+    and the row group."""
+    n = len(data)
+    if n < 12 or bytes(data[:4]) != MAGIC or bytes(data[-4:]) != MAGIC:
+        raise CorruptRecordError(where, 0, "not a readable Parquet file (no PAR1 magic at both ends)")
+    flen = int.from_bytes(bytes(data[-8:-4]), "little")
+    start = n - 8 - flen
+    if flen <= 0 or start < 4:
+        raise CorruptRecordError(where, n - 8, f"the footer claims {flen} bytes; the file has {n}")
+    try:
+        meta, _ = _value(memoryview(data)[start : n - 8], 0, 12, 0)
+        groups = meta.get(4, [])
+        if not isinstance(groups, list):
+            raise ValueError("row_groups is not a list")
+    except ValueError as e:
+        raise CorruptRecordError(where, start, f"the footer does not parse ({e}); the file is damaged") from e
+    out = []
+    for r, rg in enumerate(groups):
+        try:
+            if not isinstance(rg, dict):
+                raise ValueError("not a struct")
+            rows = _int(rg.get(3), "num_rows")
+            if not 0 <= rows <= MAX_ROWS:
+                raise ValueError(f"it claims {rows} rows (a row group holds 0 to {MAX_ROWS})")
+            cols = []
+            chunks = rg.get(1, [])
+            for j, chunk in enumerate(chunks if isinstance(chunks, list) else [None]):
+                md = chunk.get(3) if isinstance(chunk, dict) else None
+                if not isinstance(md, dict):
+                    raise ValueError(f"column chunk {j} has no metadata")
+                sizes = md.get(16, {})
+                sizes = sizes if isinstance(sizes, dict) else {}
+                hist = [h if isinstance(h, list) else [] for h in (sizes.get(3, []), sizes.get(2, []))]
+                stats = md.get(12, {})
+                nulls = stats.get(3) if isinstance(stats, dict) else None
+                parts = md.get(3)
+                if not isinstance(parts, list) or not all(isinstance(x, bytes) for x in parts):
+                    raise ValueError(f"column chunk {j} has no path_in_schema")
+                cols.append(
+                    Chunk(
+                        ".".join(x.decode("utf-8", "replace") for x in parts),
+                        _int(md.get(1), f"column chunk {j} type"),
+                        _int(md.get(5), f"column chunk {j} num_values"),
+                        nulls if isinstance(nulls, int) and not isinstance(nulls, bool) else None,
+                        len(hist[0]),
+                        len(hist[1]),
+                    )
+                )
+        except ValueError as e:
+            raise CorruptRecordError(where, start, f"row group {r}: {e}; the footer is damaged") from e
+        out.append((rows, tuple(cols)))
+    return tuple(out)
+
+
+def check_footer(groups, md, where: str) -> tuple[int, ...]:
+    """The row count of each row group, once `footer_row_groups`' reading agrees with pyarrow's
+    metadata ``md`` (its schema's levels: a histogram of another length aborts pyarrow) and every
+    flat column of a row group holds one value a row (so a row group cannot claim rows it lacks)."""
+    if len(groups) != md.num_row_groups:
+        raise CorruptRecordError(
+            where, 0, f"the footer lists {len(groups)} row groups, pyarrow reads {md.num_row_groups}"
+        )
+    schema = md.schema
+    levels = [
+        (schema.column(j).max_definition_level, schema.column(j).max_repetition_level, schema.column(j).physical_type)
+        for j in range(len(schema))
+    ]
+    for r, (rows, cols) in enumerate(groups):
+        if len(cols) != len(levels):
+            raise CorruptRecordError(where, 0, f"row group {r} has {len(cols)} column chunks, the schema {len(levels)}")
+        for j, (c, (max_def, max_rep, physical)) in enumerate(zip(cols, levels)):
+            values, def_len, rep_len = c.num_values, c.def_hist, c.rep_hist
+            if not 0 <= c.physical_type < len(_PHYSICAL) or _PHYSICAL[c.physical_type] != physical:
+                raise CorruptRecordError(
+                    where,
+                    0,
+                    f"row group {r} column {j} is of physical type {c.physical_type}, the schema says "
+                    f"{physical}; the footer is damaged",
+                )
+            if def_len not in (0, max_def + 1) or rep_len not in (0, max_rep + 1):
+                raise CorruptRecordError(
+                    where,
+                    0,
+                    f"row group {r} column {j}: level histograms of {def_len}/{rep_len} entries, the schema "
+                    f"allows {max_def + 1}/{max_rep + 1}; the footer is damaged",
+                )
+            if max_rep == 0 and values != rows:
+                raise CorruptRecordError(
+                    where,
+                    0,
+                    f"row group {r} claims {rows} rows, its column {j} holds {values} values; the footer is damaged",
+                )
+    return tuple(rows for rows, _ in groups)

@@ -21,7 +21,16 @@ from collections.abc import Callable
 
 from crossfeed.errors import CorruptRecordError, SchemaError
 from crossfeed.format.manifest import ShardInfo, SplitInfo
-from crossfeed.format.parquet import FORMAT, column_values, infer_feature, list_dims, merge_dims, pyarrow_modules
+from crossfeed.format.parquet import (
+    FORMAT,
+    check_footer,
+    column_values,
+    footer_row_groups,
+    infer_feature,
+    list_dims,
+    merge_dims,
+    pyarrow_modules,
+)
 from crossfeed.format.schema import Encoding, Feature, Schema
 from crossfeed.write.adopt.placement import Placement
 
@@ -52,12 +61,16 @@ def index_parquet(
         for n in names:
             path = place.data_url(n)
             with place.open_bytes(n) as (buf, size, sha):
+                groups_ = footer_row_groups(buf, path)  # before pyarrow: it trusts what a footer says
                 try:  # a local file by its path (pyarrow reads it), a remote one from the fetched bytes
                     pf = pq.ParquetFile(pa.BufferReader(buf) if place.remote else path)
-                except (pa.ArrowException, OSError) as e:
+                    md = pf.metadata
+                    counts = check_footer(groups_, md, path)
+                    arrow_schema = pf.schema_arrow
+                except (pa.ArrowException, OSError, UnicodeDecodeError, ValueError) as e:
                     raise CorruptRecordError(path, 0, f"not a readable Parquet file ({e})") from e
                 with pf:
-                    feats = _file_features(path, pf.schema_arrow, wanted, declared)
+                    feats = _file_features(path, arrow_schema, wanted, declared)
                     if first is None:
                         first, inferred = path, feats
                     elif feats != inferred:
@@ -67,8 +80,7 @@ def index_parquet(
                             f"{path}: column {k!r} is {_show(feats.get(k))}, in {first} it is {_show(inferred.get(k))}; "
                             f"the files of a dataset share one schema (pick the common columns with --feature NAME)"
                         )
-                    md = pf.metadata
-                    _check_null_stats(path, md, set(feats))
+                    _check_null_stats(path, groups_, set(feats))
                     lists = [
                         k
                         for k, f in feats.items()
@@ -85,7 +97,6 @@ def index_parquet(
                             table = _read(pa, pf, path, r, list(declared))
                             for k, f in declared.items():
                                 column_values(f, table.column(k).combine_chunks(), where)
-                    counts = tuple(md.row_group(r).num_rows for r in range(md.num_row_groups))
             shards.append(ShardInfo(n, sum(counts), size, sha, None, counts))
             if progress is not None:
                 progress(size)
@@ -128,17 +139,15 @@ def _file_features(path: str, schema, wanted: list[str] | None, declared: dict[s
     return out
 
 
-def _check_null_stats(path: str, md, names: set[str]) -> None:
+def _check_null_stats(path: str, groups, names: set[str]) -> None:
     """A top-level column whose footer statistics count nulls cannot be a feature (said at index
-    time, without reading it; nested columns are checked when read)."""
-    for r in range(md.num_row_groups):
-        rg = md.row_group(r)
-        for j in range(rg.num_columns):
-            col = rg.column(j)
-            st = col.statistics
-            if col.path_in_schema in names and st is not None and st.has_null_count and st.null_count:
+    time, without reading it; nested columns are checked when read). The counts come from
+    `footer_row_groups`: pyarrow's column-chunk metadata objects abort on some damaged footers."""
+    for r, (_, chunks) in enumerate(groups):
+        for c in chunks:
+            if c.path in names and c.null_count:
                 raise SchemaError(
-                    f"{path}: row group {r}: column {col.path_in_schema!r} holds {st.null_count} null(s); crossfeed "
+                    f"{path}: row group {r}: column {c.path!r} holds {c.null_count} null(s); crossfeed "
                     f"features have a value in every row: fill them (e.g. pandas fillna) or leave the column out "
                     f"(--feature NAME picks the columns to index)"
                 )
@@ -147,7 +156,7 @@ def _check_null_stats(path: str, md, names: set[str]) -> None:
 def _read(pa, pf, path: str, r: int, columns: list[str]):
     try:
         return pf.read_row_group(r, columns=columns)
-    except (pa.ArrowException, OSError) as e:
+    except (pa.ArrowException, OSError, UnicodeDecodeError, ValueError) as e:
         raise CorruptRecordError(path, 0, f"row group {r} does not decode ({e})") from e
 
 

@@ -81,16 +81,23 @@ class Placement:
             e["name"].rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(self.data, detail=True) if e["type"] == "file"
         )
 
-    def read(self, name: str) -> bytes:
-        """A (small) data-directory file whole: TFDS's JSON, label names."""
+    def read(self, name: str, limit: int) -> bytes:
+        """A small data-directory file whole (TFDS's JSON, label names); one of more than
+        ``limit`` bytes is refused before more than ``limit + 1`` of them are read."""
         where = self.data_url(name)
         try:
             if self.remote:
-                return self._fs().cat_file(where)
-            with open(where, "rb") as f:
-                return f.read()
+                data = self._fs().cat_file(where, start=0, end=limit + 1)
+            else:
+                with open(where, "rb") as f:
+                    data = f.read(limit + 1)
         except FileNotFoundError as e:
             raise DatasetNotFoundError(f"{where}: no such file") from e
+        if len(data) > limit:
+            raise ConfigError(
+                f"{where}: more than {limit} bytes, far more than such a file holds; is it the right file?"
+            )
+        return data
 
     def open(self, name: str):
         """A binary file object of data file ``name``, read only (local, or fsspec for a URL): what

@@ -28,23 +28,46 @@ Layouts crossfeed cannot read as TFDS means them are refused with the feature's 
 tensors, tensors with several unknown dimensions, a variable-length dimension that is not the
 only one of a list (crossfeed returns such lists flat), sequences of images or of bytes tensors,
 nested sequences (TFDS's ragged layout), uint64 (bit-cast), float32 images, unknown classes.
+
+The JSON is a trust boundary, read strictly (`_Fields`): every field is type-checked where it is
+read (a protobuf int64 is a JSON integer or a string of ASCII digits), counts, dimensions, nesting
+and file sizes are bounded, file names built from it are plain names inside the directory; a
+damaged file is a `ConfigError` naming the file and the field, never a Python error.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from crossfeed.errors import ConfigError, DatasetNotFoundError, SchemaError
-from crossfeed.format.manifest import SplitInfo
+from crossfeed.format.manifest import (
+    MAX_DEPTH,
+    MAX_DIM,
+    MAX_FEATURES,
+    MAX_INT,
+    MAX_NAME_BYTES,
+    MAX_RANK,
+    MAX_SHARDS,
+    MAX_SPLITS,
+    SplitInfo,
+    json_kind,
+    plain_segment,
+    short_repr,
+)
 from crossfeed.format.schema import NUMERIC_DTYPES, Encoding, Feature
 
 DATASET_INFO = "dataset_info.json"
 FEATURES = "features.json"
 DEFAULT_TEMPLATE = "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}"
 _TENSOR_DTYPES = NUMERIC_DTYPES - {"uint64"}  # what TFDS Tensor features store
+_BYTES_DTYPES = ("string", "object", "str", "bytes")  # TFDS's names for byte strings
+MAX_JSON_BYTES = 64 << 20  # dataset_info.json, features.json: kilobytes in practice
+MAX_LABELS_BYTES = 64 << 20  # a labels file: one class name a line
+_INT = re.compile(r"-?[0-9]{1,19}")  # a protobuf int64 as JSON text
 
 
 @dataclass(frozen=True)
@@ -71,22 +94,33 @@ def read_layout(place) -> TfdsLayout:
     info = _json(place, DATASET_INFO)
     tree = _json(place, FEATURES)
     where = place.data_url(DATASET_INFO)
-    fmt = info.get("fileFormat", "tfrecord")
+    j = _Fields(where)
+    fmt = j.str_(info, "fileFormat", "fileFormat") or "tfrecord"
     if fmt != "tfrecord":
         raise ConfigError(
             f"{where}: the dataset is stored as {fmt!r}; crossfeed adopts TFDS datasets stored as TFRecord "
             f"(prepare it with download_and_prepare(file_format='tfrecord'))"
         )
-    name = info.get("name")
-    if not isinstance(name, str) or not name:
+    name = j.str_(info, "name", "name")
+    if not name:
         raise ConfigError(f"{where}: no dataset name; is this a TFDS dataset_info.json?")
     splits, lengths = {}, {}
-    for s in info.get("splits") or ():
-        split = s.get("name")
-        counts = tuple(int(n) for n in s.get("shardLengths") or ())
+    items = j.list_(info, "splits", "splits", MAX_SPLITS)
+    for k, s in enumerate(items):
+        at = f"splits[{k}]"
+        j.dict_(s, at)
+        split = j.str_(s, "name", f"{at}.name")
+        if len(split.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+            j.fail(f"{at}.name", f"a split name of more than {MAX_NAME_BYTES} bytes")
+        if split in splits:
+            j.fail(f"{at}.name", f"split {split!r} is listed twice")
+        counts = tuple(
+            j.int_(n, f"{at}.shardLengths[{i}]", 0, MAX_INT)
+            for i, n in enumerate(j.list_(s, "shardLengths", f"{at}.shardLengths", MAX_SHARDS))
+        )
         if not split or not counts:
             continue  # an empty split has no shards
-        template = s.get("filepathTemplate") or DEFAULT_TEMPLATE
+        template = j.str_(s, "filepathTemplate", f"{at}.filepathTemplate") or DEFAULT_TEMPLATE
         files = tuple(_shard_file(template, name, split, fmt, i, len(counts), where) for i in range(len(counts)))
         for f in files:
             if not place.exists(f):
@@ -98,9 +132,10 @@ def read_layout(place) -> TfdsLayout:
         raise ConfigError(f"{where}: no split with shards; prepare the dataset first")
     mapper = _Mapper(place)
     features = tuple(mapper.features(tree))
-    tfds_meta = {"name": name, "version": info.get("version")}
-    if info.get("configName"):
-        tfds_meta["config"] = info["configName"]
+    tfds_meta = {"name": name, "version": j.str_(info, "version", "version") or None}
+    config = j.str_(info, "configName", "configName")
+    if config:
+        tfds_meta["config"] = config
     if mapper.class_names:
         tfds_meta["class_names"] = mapper.class_names
     if mapper.dtypes:
@@ -120,13 +155,63 @@ def check_lengths(layout: TfdsLayout, splits: dict[str, SplitInfo], place) -> No
 
 
 def _json(place, name: str) -> dict:
+    where = place.data_url(name)
     try:
-        d = json.loads(place.read(name).decode("utf-8"))
+        d = json.loads(place.read(name, MAX_JSON_BYTES).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{place.data_url(name)}: not valid JSON ({e}); the TFDS dataset is damaged") from e
+        raise ConfigError(f"{where}: not valid JSON ({e}); the TFDS dataset is damaged (prepare it again)") from e
+    except RecursionError as e:
+        raise ConfigError(f"{where}: JSON nested too deeply; the TFDS dataset is damaged (prepare it again)") from e
     if not isinstance(d, dict):
-        raise ConfigError(f"{place.data_url(name)}: expected a JSON object")
+        raise ConfigError(f"{where}: expected a JSON object, got {json_kind(d)}; is this a TFDS {name}?")
     return d
+
+
+class _Fields:
+    """Typed reads of the fields of one TFDS JSON file (``where``): a field that is absent or null
+    reads as its default (as protobuf's JSON parser reads it); any other value of the wrong type or
+    out of bounds is a `ConfigError` naming the file and the field's path."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field: str, what: str):
+        raise ConfigError(
+            f"{self.where}: {field}: {what}; the TFDS dataset is damaged (prepare it again with tensorflow-datasets)"
+        )
+
+    def dict_(self, v, field: str) -> dict:
+        if not isinstance(v, dict):
+            self.fail(field, f"expected an object, got {json_kind(v)}")
+        return v
+
+    def get(self, d: dict, key: str, field: str, kind: type, what: str):
+        v = d.get(key)
+        if v is not None and type(v) is not kind:  # parsed JSON: exactly dict, list, str, int, float, bool
+            self.fail(field, f"expected {what}, got {json_kind(v)} {short_repr(v)}")
+        return v
+
+    def obj(self, d: dict, key: str, field: str) -> dict:
+        return self.get(d, key, field, dict, "an object") or {}
+
+    def list_(self, d: dict, key: str, field: str, most: int) -> list:
+        v = self.get(d, key, field, list, "a list") or []
+        if len(v) > most:
+            self.fail(field, f"{len(v)} entries, more than {most}")
+        return v
+
+    def str_(self, d: dict, key: str, field: str) -> str:
+        return self.get(d, key, field, str, "a string") or ""
+
+    def int_(self, v, field: str, lo: int, hi: int) -> int:
+        """A protobuf integer: a JSON integer or a string of ASCII digits, in ``[lo, hi]``."""
+        if isinstance(v, str) and _INT.fullmatch(v):
+            v = int(v)
+        if not isinstance(v, int) or isinstance(v, bool):
+            self.fail(field, f"expected an integer (or a string of digits), got {json_kind(v)} {short_repr(v)}")
+        if not lo <= v <= hi:
+            self.fail(field, f"{v} is out of range [{lo}, {hi}]")
+        return v
 
 
 def _shard_file(template: str, name: str, split: str, fmt: str, i: int, n: int, where: str) -> str:
@@ -138,13 +223,14 @@ def _shard_file(template: str, name: str, split: str, fmt: str, i: int, n: int, 
         .replace("{SHARD_INDEX}", f"{i:05d}")
         .replace("{NUM_SHARDS}", f"{n:05d}")
     )
-    if "{" in out or "/" in out:
-        raise ConfigError(f"{where}: shard file template {template!r} is not one crossfeed knows")
+    if "{" in out:
+        raise ConfigError(f"{where}: shard file template {short_repr(template)} is not one crossfeed knows")
+    if out.startswith(".") or len(out.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES or not plain_segment(out):
+        raise ConfigError(
+            f"{where}: shard file {short_repr(out)} (from the name, split and template) is not a plain file name "
+            f"inside the dataset directory; the TFDS dataset is damaged (prepare it again)"
+        )
     return out
-
-
-def _dims(spec: dict) -> tuple:
-    return tuple(None if int(d) < 0 else int(d) for d in (spec.get("shape") or {}).get("dimensions") or ())
 
 
 class _Mapper:
@@ -152,45 +238,76 @@ class _Mapper:
 
     def __init__(self, place):
         self.place = place
+        self.j = _Fields(place.data_url(FEATURES))
         self.class_names: dict[str, list[str]] = {}
         self.dtypes: dict[str, str] = {}
 
     def features(self, tree: dict) -> list[Feature]:
-        return self.node("", tree, (), None)
+        out = self.node("", tree, (), None, "(top level)", 0)
+        if len(out) > MAX_FEATURES:
+            self.j.fail("(top level)", f"{len(out)} features, more than {MAX_FEATURES}")
+        seen = set()
+        for f in out:  # `a/b` nested and a top-level `a/b` flatten to one Example key
+            if f.name in seen:
+                self.j.fail(f.name, f"feature {f.name!r} is declared twice")
+            seen.add(f.name)
+        return out
 
-    def node(self, name: str, spec: dict, seq: tuple, file_name: str | None) -> list[Feature]:
-        kind = str(spec.get("pythonClassName", "")).rsplit(".", 1)[-1]
+    def node(self, name: str, spec, seq: tuple, file_name: str | None, at: str, depth: int) -> list[Feature]:
+        """The features of the feature ``name`` declared by ``spec`` (at JSON path ``at``)."""
+        j = self.j
+        j.dict_(spec, at)
+        if depth > MAX_DEPTH:
+            j.fail(at, f"features nested deeper than {MAX_DEPTH} levels")
+        kind = j.str_(spec, "pythonClassName", f"{at}.pythonClassName").rsplit(".", 1)[-1]
         shown = name or "(top level)"
         if kind == "FeaturesDict":
             out = []
-            for child, sub in sorted(((spec.get("featuresDict") or {}).get("features") or {}).items()):
+            children = j.obj(
+                j.obj(spec, "featuresDict", f"{at}.featuresDict"), "features", f"{at}.featuresDict.features"
+            )
+            for child, sub in sorted(children.items()):
+                full = f"{name}/{child}" if name else child
+                if not child or len(full.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+                    j.fail(f"{at}.featuresDict.features", f"feature name {short_repr(full)} is empty or too long")
                 child_file = child.replace("/", ".") if not file_name else "-".join([*file_name.split("/"), child])
-                out += self.node(f"{name}/{child}" if name else child, sub, seq, child_file)
+                out += self.node(full, sub, seq, child_file, f"{at}.featuresDict.features.{child}", depth + 1)
             if not out:
                 raise SchemaError(f"{FEATURES}: feature {shown!r} has no features")
             return out
         if kind == "Sequence":
             if seq:
                 raise SchemaError(self.refuse(name, kind, "a sequence of sequences is stored ragged"))
-            sub = spec.get("sequence") or {}
-            length = int(sub.get("length", -1))
-            return self.node(name, sub.get("feature") or {}, (None if length < 0 else length,), file_name)
+            sub = j.obj(spec, "sequence", f"{at}.sequence")
+            length = sub.get("length")
+            length = -1 if length is None else j.int_(length, f"{at}.sequence.length", -1, MAX_DIM)
+            feature = j.obj(sub, "feature", f"{at}.sequence.feature")
+            return self.node(
+                name, feature, (None if length < 0 else length,), file_name, f"{at}.sequence.feature", depth + 1
+            )
         if kind in ("Tensor", "Scalar"):
-            t = spec.get("tensor") or {}
-            return [self.tensor(name, kind, str(t.get("dtype")), seq + _dims(t), str(t.get("encoding", "none")), seq)]
+            t = j.obj(spec, "tensor", f"{at}.tensor")
+            dtype = j.str_(t, "dtype", f"{at}.tensor.dtype")
+            encoding = j.str_(t, "encoding", f"{at}.tensor.encoding") or "none"
+            return [self.tensor(name, kind, dtype, seq + self.dims(t, f"{at}.tensor"), encoding, seq)]
         if kind == "ClassLabel":
             self.labels(name, file_name)
             return [self.listed(name, kind, "int64", seq)]
         if kind == "Text":
             return [self.listed(name, kind, "string", seq)]
         if kind == "Image":
-            img = spec.get("image") or {}
-            dtype = str(img.get("dtype", "uint8"))
+            img = j.obj(spec, "image", f"{at}.image")
+            dtype = j.str_(img, "dtype", f"{at}.image.dtype") or "uint8"
+            dims = self.dims(img, f"{at}.image")
             if seq:
                 raise SchemaError(self.refuse(name, kind, "a sequence of images is several values per record"))
             if dtype not in ("uint8", "uint16"):
-                raise SchemaError(self.refuse(name, kind, f"{dtype} images are bit-cast into PNG channels"))
-            return [Feature(name, dtype, _dims(img) or (None, None, None), Encoding.IMAGE)]
+                raise SchemaError(self.refuse(name, kind, f"{short_repr(dtype)} images are not PNG/JPEG pixels"))
+            if dims and len(dims) != 3:
+                raise SchemaError(
+                    self.refuse(name, kind, f"an image of shape {list(dims)} is not (height, width, channels)")
+                )
+            return [Feature(name, dtype, dims or (None, None, None), Encoding.IMAGE)]
         raise SchemaError(
             self.refuse(
                 name,
@@ -198,6 +315,13 @@ class _Mapper:
                 "crossfeed maps Image, ClassLabel, Tensor, Scalar, Text, Sequence and FeaturesDict",
             )
         )
+
+    def dims(self, spec: dict, at: str) -> tuple:
+        """``spec.shape.dimensions``: each a size, or -1 (None) for one that varies."""
+        shape = self.j.obj(spec, "shape", f"{at}.shape")
+        dims = self.j.list_(shape, "dimensions", f"{at}.shape.dimensions", MAX_RANK)
+        out = (self.j.int_(d, f"{at}.shape.dimensions[{i}]", -1, MAX_DIM) for i, d in enumerate(dims))
+        return tuple(None if d < 0 else d for d in out)
 
     def refuse(self, name: str, kind: str, why: str) -> str:
         return (
@@ -214,6 +338,8 @@ class _Mapper:
             return Feature(name, "string", shape, Encoding.BYTES)
         if dtype in ("bytes", "object", "str"):
             return Feature(name, "bytes", shape, Encoding.BYTES)
+        if dtype not in NUMERIC_DTYPES:  # only known names reach numpy
+            raise SchemaError(self.refuse(name, kind, f"unknown dtype {short_repr(dtype)}"))
         np_dtype = np.dtype(dtype)
         if np_dtype.kind in "biu":
             if dtype == "uint64":
@@ -228,26 +354,36 @@ class _Mapper:
         raise SchemaError(self.refuse(name, kind, f"dtype {dtype} has no tf.train.Example list"))
 
     def tensor(self, name: str, kind: str, dtype: str, dims: tuple, encoding: str, seq: tuple) -> Feature:
-        if encoding == "none" and dtype in ("string", "object", "str", "bytes"):
+        if encoding == "none" and dtype in _BYTES_DTYPES:
             return self.listed(name, kind, "bytes", dims)  # TFDS hands string tensors out as bytes
         if encoding == "none":
-            try:
-                return self.listed(name, kind, dtype, dims)
-            except TypeError as e:
-                raise SchemaError(self.refuse(name, kind, f"unknown dtype {dtype!r}")) from e
+            return self.listed(name, kind, dtype, dims)
         if encoding != "bytes":
-            raise SchemaError(self.refuse(name, kind, f"encoding {encoding!r} (crossfeed reads 'none' and 'bytes')"))
+            raise SchemaError(
+                self.refuse(name, kind, f"encoding {short_repr(encoding)} (crossfeed reads 'none' and 'bytes')")
+            )
         if seq:
             raise SchemaError(self.refuse(name, kind, "a sequence of bytes-encoded tensors is several values"))
         if None in dims:
             raise SchemaError(self.refuse(name, kind, f"a bytes-encoded tensor of shape {list(dims)} varies"))
         if dtype not in _TENSOR_DTYPES:
-            raise SchemaError(self.refuse(name, kind, f"dtype {dtype} is not a numeric dtype crossfeed stores"))
+            raise SchemaError(
+                self.refuse(name, kind, f"dtype {short_repr(dtype)} is not a numeric dtype crossfeed stores")
+            )
         return Feature(name, dtype, dims, Encoding.TENSOR)
 
     def labels(self, name: str, file_name: str | None) -> None:
         label_file = f"{file_name or name}.labels.txt"
+        if not plain_segment(label_file) or label_file.startswith("."):
+            return  # no file TFDS writes: a name that is no plain file name inside the directory is not read
         if not self.place.exists(label_file):
             return  # names kept in the builder's code only; the labels are still ints
-        text = self.place.read(label_file).decode("utf-8")
+        where = self.place.data_url(label_file)
+        try:
+            text = self.place.read(label_file, MAX_LABELS_BYTES).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"{where}: class names of feature {name!r} are not UTF-8 text ({e}); the TFDS dataset is damaged "
+                f"(prepare it again, or delete the file to adopt the labels as plain integers)"
+            ) from e
         self.class_names[name] = [line for line in text.splitlines() if line]
