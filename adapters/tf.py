@@ -88,6 +88,7 @@ def _open(source, split: str | None = None, opts: TFOptions | None = None) -> Da
         source,
         allowed_roots=() if read is None else read.allowed_roots,
         read_timeout=None if read is None else read.read_timeout,
+        storage_options=None if read is None else read.storage_options,
     )
     if split is not None and split not in ds:
         raise ConfigError(f"{ds.path}: no split {split!r}; it has {sorted(ds.splits)}")
@@ -139,6 +140,8 @@ def _resolve(ds: Dataset, opts: TFOptions, *, state, loader_options) -> Engine:
             ("return_index=True", opts.return_index),
             ("loader_options=", bool(loader_options)),
             ("image_size=/channels=", opts.loader.read.image_fit is not None),
+            # TF's own file systems read the shards natively: fsspec's options do not reach them
+            ("storage_options=", bool(opts.loader.read.storage_options) and ds.storage.remote),
         )
         if on
     ]

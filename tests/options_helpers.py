@@ -29,6 +29,7 @@ CHANGED = dict(
     features=["x"],
     return_index=True,
     read_timeout=5,
+    storage_options={"anon": True, "client_kwargs": {"region_name": "eu-west-1"}},
 )
 
 # (field, value) pairs every front end refuses with the same ConfigError
@@ -45,6 +46,7 @@ BAD = [
     ("cache_limit", "lots"),
     ("rank", 2),
     ("read_timeout", -1),
+    ("storage_options", ["anon", "true"]),
     ("image_size", "0x4"),
     ("channels", 2),
     ("resize", "squash"),
@@ -80,6 +82,7 @@ def landed(loader: Loader) -> dict:
         "window": executor.window,
         "skips": None if loader.builder.budget is None else loader.builder.budget.max_skips,
         "read_timeout": loader.dataset.index_storage.read_timeout,
+        "storage_options": loader.dataset.storage.storage_options,
     }
 
 
@@ -97,6 +100,7 @@ def expected(options: LoaderOptions) -> dict:
         "window": max(1, options.read.num_threads + options.read.prefetch),
         "skips": options.read.max_skips if options.read.on_error.value == "skip" else None,
         "read_timeout": read_deadline(options.read.read_timeout),
+        "storage_options": options.read.storage_options,
     }
 
 

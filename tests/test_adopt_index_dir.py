@@ -199,8 +199,7 @@ def test_remote_tar_dir_is_read_where_it_lies(tars, tmp_path, bucket):
     with open_dataset(idx_dir) as ds, open_dataset(beside) as ref:
         assert ds.storage.remote and not ds.index_storage.remote
         assert ds["train"][6]["txt"] == ref["train"][6]["txt"] == "sample 6 é"
-    with pytest.raises(ConfigError, match="verify reads local datasets"):
-        verify_dataset(idx_dir)
+    assert verify_dataset(idx_dir) == []  # each remote tar fetched once, checked as a local one
     name = _data_files(tars)[2]
     offset = int((idx_dir / (name + ".idx")).read_text().split("\n")[1].split()[0])  # its second sample
     blob = bytearray(fs.cat_file(f"{url}/{name}"))
@@ -209,6 +208,7 @@ def test_remote_tar_dir_is_read_where_it_lies(tars, tmp_path, bucket):
     with pytest.raises(CorruptRecordError) as e:
         _rows(idx_dir, shuffle="global")
     assert e.value.path == f"{url}/{name}" and e.value.offset == offset and "checksum" in e.value.reason
+    assert {p.file for p in verify_dataset(idx_dir)} == {f"{url}/{name}"}  # named by its URL
 
 
 # ---- Parquet -----------------------------------------------------------------------------------
@@ -294,17 +294,18 @@ def test_remote_parquet_is_read_where_it_lies(parquet_files, tmp_path, bucket):
         for i in (0, 52, 53, len(split) - 1):
             for k, v in split[i].items():
                 assert_row_equal(v, expected[k][i], k, f"row {i}")
-    with pytest.raises(ConfigError, match="verify reads local datasets"):
-        verify_dataset(idx_dir)
+    assert verify_dataset(idx_dir) == []
     src = f"{url}/part-0.parquet"
     buf = io.BytesIO()
     pq.write_table(pq.read_table(parquet_files / "part-0.parquet"), buf, row_group_size=7)
     fs.pipe_file(src, buf.getvalue())
     with pytest.raises(CorruptRecordError, match=r"part-0\.parquet.*changed after `crossfeed index`"):
         _rows(idx_dir, shuffle="none")
+    assert [p.file for p in verify_dataset(idx_dir)][:1] == [src]
     fs.rm(src)
     with pytest.raises(CorruptRecordError, match=r"part-0\.parquet.*missing"):
         _rows(idx_dir, shuffle="none")
+    assert any(p.file == src and "missing" in p.reason for p in verify_dataset(idx_dir))
 
 
 # ---- S3 (moto's server, through s3fs): real range requests; the CLI in processes of its own ----

@@ -208,12 +208,12 @@ def test_remote_data_dir_is_read_where_it_lies(prepared, tmp_path):
     cache = tmp_path / "cache"
     with crossfeed.Loader(tmp_path / "idx", batch_size=4, shuffle="global", seed=1, cache_dir=str(cache)) as loader:
         assert sum(len(b["label"]) for b in loader) == 23
-    with pytest.raises(ConfigError, match="verify reads local datasets"):
-        verify_dataset(tmp_path / "idx")
+    assert verify_dataset(tmp_path / "idx") == []  # each remote shard fetched once, checked as a local one
     shard = f"{url}/tiny_tfds-train.tfrecord-00002-of-00003"
     blob = bytearray(fs.cat_file(shard))
     blob[-10] ^= 0xFF
     fs.pipe_file(shard, bytes(blob))
+    assert {p.file for p in verify_dataset(tmp_path / "idx")} == {shard}
     with pytest.raises(CorruptRecordError, match="sha256"):
         with crossfeed.Loader(
             tmp_path / "idx", batch_size=4, shuffle="global", seed=1, cache_dir=str(tmp_path / "cache2")

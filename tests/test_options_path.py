@@ -84,6 +84,7 @@ FLAGS = [
     "--split", "val", "--batch-size", "3", "--shuffle", "block", "--seed", "7", "--drop-last",
     "--remainder", "drop", "--block-shards", "2", "--threads", "3", "--prefetch", "1",
     "--no-decode-images", "--on-error", "skip", "--max-skips", "5", "--read-timeout", "5",
+    "--storage-option", "anon=true", "--storage-option", "client_kwargs.region_name=eu-west-1",
 ]  # fmt: skip
 CLI_CHANGED = {k: v for k, v in CHANGED.items() if k not in ("rank", "world_size", "features", "return_index")}
 
@@ -138,7 +139,9 @@ def test_every_command_defaults_to_the_library_defaults(options_data, tmp_path, 
 
 @pytest.mark.parametrize("field, value", [b for b in BAD if b[0] not in ("rank",)])
 def test_every_command_refuses_what_the_library_refuses(options_data, tmp_path, captured, field, value):
-    flag = {"num_threads": "--threads"}.get(field, "--" + field.replace("_", "-"))
+    flag = {"num_threads": "--threads", "storage_options": "--storage-option"}.get(
+        field, "--" + field.replace("_", "-")
+    )
     for cmd in (["bench", options_data], ["serve", options_data, "ipc://" + str(tmp_path / "s")]):
         r = _run(*cmd, flag, value)
         assert r.exit_code == 2, (cmd, r.output)

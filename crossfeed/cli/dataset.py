@@ -12,7 +12,7 @@ from typing import Annotated
 import numpy as np
 import typer
 
-from crossfeed.cli.options import ALLOW_ROOT
+from crossfeed.cli.options import ALLOW_ROOT, STORAGE_OPTION, storage_options
 from crossfeed.cli.progress import Progress
 
 DatasetArg = Annotated[str, typer.Argument(help="Dataset directory (or fsspec URL) holding crossfeed.json.")]
@@ -59,6 +59,7 @@ def index(
             "(read-only or remote data, e.g. a bucket URL); open this directory as the dataset.",
         ),
     ] = None,
+    storage_option: STORAGE_OPTION = None,
 ) -> None:
     """Adopt data in place: TFRecord shards or a TFDS prepared dataset (check every record, write .idx files),
     WebDataset tars (index the samples) or Parquet files (row groups from the footers), then write the manifest
@@ -87,6 +88,7 @@ def index(
             progress=bar.callback,
             features=feature,
             index_dir=index_dir,
+            storage_options=storage_options(storage_option),
         )
     counts = ", ".join(f"{k}: {v.num_records} records in {len(v.shards)} shards" for k, v in manifest.splits.items())
     where = f" (manifest and indexes in {index_dir})" if index_dir else ""
@@ -112,11 +114,12 @@ def info(
     dataset: DatasetArg,
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
     allow_root: ALLOW_ROOT = None,
+    storage_option: STORAGE_OPTION = None,
 ) -> None:
     """Show a dataset's splits, record counts, sizes, schema and metadata."""
     from crossfeed.read.sources.dataset import open_dataset
 
-    with open_dataset(dataset, allowed_roots=allow_root or ()) as ds:
+    with open_dataset(dataset, allowed_roots=allow_root or (), storage_options=storage_options(storage_option)) as ds:
         if as_json:
             typer.echo(ds.manifest.dumps().rstrip())
             return
@@ -146,14 +149,17 @@ def info(
                 typer.echo(f"  {k}: {json.dumps(v)}")
 
 
-def verify(dataset: DatasetArg, split: SplitOpt = None, allow_root: ALLOW_ROOT = None) -> None:
+def verify(
+    dataset: DatasetArg, split: SplitOpt = None, allow_root: ALLOW_ROOT = None, storage_option: STORAGE_OPTION = None
+) -> None:
     """Check every record's CRC, every index entry, counts and sha256 against the manifest.
-    Lists every problem found; exits 1 if there is any."""
+    Lists every problem found; exits 1 if there is any. A remote dataset's shards are downloaded
+    once each, one at a time, into $TMPDIR and checked there."""
     from crossfeed.read.sources.dataset import open_dataset
     from crossfeed.read.tools.verify import verify_dataset
 
-    allowed = tuple(allow_root or ())
-    with open_dataset(dataset, allowed_roots=allowed) as ds:
+    allowed, fs_options = tuple(allow_root or ()), storage_options(storage_option)
+    with open_dataset(dataset, allowed_roots=allowed, storage_options=fs_options) as ds:
         names = [ds[split].name] if split is not None else list(ds.splits)  # an unknown split raises here
         total = sum(ds.splits[n].num_bytes for n in names)
         records = sum(ds.splits[n].num_records for n in names)
@@ -162,7 +168,13 @@ def verify(dataset: DatasetArg, split: SplitOpt = None, allow_root: ALLOW_ROOT =
         parquet = any(ds.splits[n].format == "parquet" for n in names)
     with Progress() as progress:
         bar = progress.phase("verifying", total=total, unit="bytes")
-        problems = verify_dataset(dataset, split=split, progress=bar.callback, allowed_roots=allowed)
+        problems = verify_dataset(
+            dataset,
+            split=split,
+            progress=bar.callback,
+            allowed_roots=allowed,
+            storage_options=storage_options(storage_option),
+        )
     if problems:
         for p in problems:
             typer.echo(f"BAD {p}", err=True)
@@ -190,11 +202,12 @@ def head(
         ),
     ] = None,
     allow_root: ALLOW_ROOT = None,
+    storage_option: STORAGE_OPTION = None,
 ) -> None:
     """Show the first samples of a split: shape, dtype and small values; bytes truncated."""
     from crossfeed.read.sources.dataset import open_dataset
 
-    with open_dataset(dataset, allowed_roots=allow_root or ()) as ds:
+    with open_dataset(dataset, allowed_roots=allow_root or (), storage_options=storage_options(storage_option)) as ds:
         name = split or ("train" if "train" in ds.splits else sorted(ds.splits)[0])
         s = ds[name]
         for i in range(min(n, len(s))):

@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import functools
 import inspect
+import json
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -98,6 +99,7 @@ def _loader_options(v: dict) -> LoaderOptions:
         cache_limit=v["cache_limit"],
         allowed_roots=tuple(v["allow_root"] or ()),
         read_timeout=v["read_timeout"],
+        storage_options=storage_options(v["storage_option"]),
         rank=0,
         world_size=1,
     )
@@ -110,6 +112,56 @@ ALLOW_ROOT = Annotated[
         "--allow-root",
         help="Read a dataset's data_root (crossfeed index --index-dir) under this directory or URL, though it lies "
         "outside the dataset (repeatable; also $CROSSFEED_ALLOWED_ROOTS, comma-separated).",
+    ),
+]
+
+
+def storage_options(values: list[str] | None) -> dict:
+    """``--storage-option KEY=VALUE`` values as fsspec's ``storage_options``: each VALUE is JSON
+    when it parses (``anon=false``, ``max_concurrency=4``), else a string; a dotted KEY nests
+    (``client_kwargs.region_name=eu-west-1`` → ``{"client_kwargs": {"region_name": "eu-west-1"}}``)."""
+    out: dict = {}
+    for item in values or ():
+        key, eq, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not eq or not all(parts):
+            raise typer.BadParameter(
+                f"{item!r} is not KEY=VALUE; e.g. --storage-option endpoint_url=http://127.0.0.1:9000",
+                param_hint="--storage-option",
+            )
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        into = out
+        for i, part in enumerate(parts[:-1]):
+            into = into.setdefault(part, {})
+            if not isinstance(into, dict):
+                raise typer.BadParameter(
+                    f"{item!r}: {'.'.join(parts[: i + 1])} is already given a value", param_hint="--storage-option"
+                )
+        if parts[-1] in into:
+            raise typer.BadParameter(f"{item!r}: {key} is given twice", param_hint="--storage-option")
+        into[parts[-1]] = value
+    return out
+
+
+def _checked(values: list[str] | None) -> list[str] | None:
+    storage_options(values)  # refused while the command line is parsed (typer hands on the strings)
+    return values
+
+
+# fsspec's options for a remote dataset (the library's storage_options), for every command that reads one
+STORAGE_OPTION = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--storage-option",
+        callback=_checked,
+        metavar="KEY=VALUE",
+        help="An fsspec option for a remote dataset (repeatable), e.g. endpoint_url=http://127.0.0.1:9000, "
+        "anon=true, client_kwargs.region_name=eu-west-1 (a dotted KEY nests); VALUE is JSON when it parses, else "
+        "a string. What is not given comes from the standard environment and config files (AWS_*, ~/.aws, "
+        "GOOGLE_APPLICATION_CREDENTIALS); see docs/storage.md.",
     ),
 ]
 
@@ -219,6 +271,7 @@ LOADER = Group(
             None,
         ),
         "allow_root": (ALLOW_ROOT, None),
+        "storage_option": (STORAGE_OPTION, None),
         "read_timeout": (
             Annotated[
                 float | None,

@@ -10,6 +10,11 @@ request's headers) must come within the read deadline, ``read_timeout`` seconds 
 `RemoteError` naming the URL. Backends that are not asynchronous (fsspec's sync filesystems) are
 bounded in size only. Whatever a backend raises (botocore, aiohttp, …) leaves here as a
 `CrossfeedError`: `RemoteError`, or `FileNotFoundError` for a missing file.
+
+How a URL is reached (an endpoint, credentials, a region, HTTP headers) is fsspec's own
+``storage_options``, handed to ``fsspec.core.url_to_fs`` as they are given (`FsOptions`); what
+they leave out the backend takes from the standard environment and config files (s3fs/botocore:
+``AWS_*``, ``~/.aws``; gcsfs: ``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's). See docs/storage.md.
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import math
 import mmap
 import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from crossfeed.errors import (
     ConfigError,
@@ -67,11 +73,74 @@ def read_deadline(value: float | int | str | None = None) -> float:
     return float(value)
 
 
+_SECRET = ("secret", "key", "token", "password", "credential", "session")
+
+
+class FsOptions(Mapping):
+    """fsspec ``storage_options``, frozen: str keys, JSON values (``{"endpoint_url": …,
+    "client_kwargs": {"region_name": …}}``). Hashable and compared by value, so a frozen options
+    object can hold it; every read gives fresh copies (``dict(o)``, `to_dict`), so nothing can
+    change it. Its repr hides the values of secret-looking keys (it ends up in logs)."""
+
+    __slots__ = ("_json", "_keys")
+
+    def __init__(self, value: Mapping | None = None, *, where: str = "storage_options"):
+        if isinstance(value, FsOptions):
+            self._json, self._keys = value._json, value._keys
+            return
+        value = {} if value is None else value
+        example = "e.g. {'endpoint_url': 'http://127.0.0.1:9000'}"
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) and k for k in value):
+            raise ConfigError(f"{where} must be a dict of fsspec options with str keys ({example}), got {value!r:.80}")
+        try:
+            self._json = json.dumps(dict(value), sort_keys=True, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"{where}: each value must be a JSON value (string, number, boolean, null, list or dict "
+                f"with str keys) ({e}); {example}"
+            ) from None
+        self._keys = tuple(sorted(value))
+
+    def to_dict(self) -> dict:
+        """The options as a new plain dict (JSON values): what ``url_to_fs`` is given."""
+        return json.loads(self._json)
+
+    def __getitem__(self, key: str):
+        return self.to_dict()[key]
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, FsOptions):
+            return self._json == other._json
+        return isinstance(other, Mapping) and self.to_dict() == dict(other)
+
+    def __hash__(self) -> int:
+        return hash(self._json)
+
+    def __repr__(self) -> str:
+        return f"FsOptions({_masked(self.to_dict())!r})"
+
+
+def _masked(value):
+    if isinstance(value, dict):
+        return {
+            k: "***" if any(s in k.lower() for s in _SECRET) and v is not None else _masked(v) for k, v in value.items()
+        }
+    return value
+
+
 class Storage:
     """A dataset root. ``root`` is a local path, ``file://`` path or an fsspec URL; remote reads
-    have the deadline ``read_timeout`` (see the module docstring)."""
+    have the deadline ``read_timeout`` (see the module docstring) and reach the URL with fsspec's
+    ``storage_options`` (`FsOptions`: an endpoint, credentials …; unused for a local root)."""
 
-    def __init__(self, root, *, read_timeout: float | int | str | None = None):
+    def __init__(self, root, *, read_timeout: float | int | str | None = None, storage_options: Mapping | None = None):
+        self.storage_options = FsOptions(storage_options)
         root = os.fspath(root)
         if root.startswith("file://"):
             root = root[len("file://") :]
@@ -83,11 +152,16 @@ class Storage:
             import fsspec
 
             try:
-                self._fs, _ = fsspec.core.url_to_fs(self.root)
+                self._fs, _ = fsspec.core.url_to_fs(self.root, **self.storage_options.to_dict())
             except (ImportError, ValueError) as e:  # an unknown protocol, or its package not installed
                 raise ConfigError(
                     f"{self.root}: cannot open this URL ({type(e).__name__}: {e}); install the fsspec "
                     f"backend for its protocol (s3fs, gcsfs, adlfs, aiohttp) or check the URL"
+                ) from e
+            except TypeError as e:  # an option the backend does not take
+                raise ConfigError(
+                    f"{self.root}: the backend refused storage_options {self.storage_options!r} ({e}); pass "
+                    f"only the options of its fsspec filesystem (see docs/storage.md)"
                 ) from e
 
     def url(self, rel: str) -> str:

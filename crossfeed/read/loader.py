@@ -89,7 +89,10 @@ class Loader:
         self.sources: tuple[Source, ...] | None = _as_sources(source)
         if self.sources is None:
             self.dataset: Dataset = open_dataset(
-                source, allowed_roots=read.allowed_roots, read_timeout=read.read_timeout
+                source,
+                allowed_roots=read.allowed_roots,
+                read_timeout=read.read_timeout,
+                storage_options=read.storage_options,
             )
             self.datasets = [self.dataset]
             self.split = self.dataset[options.split]
@@ -98,7 +101,12 @@ class Loader:
             if plan.samples_per_epoch is None and not self.sources:
                 raise ConfigError("a mixture needs at least one Source")
             self.datasets = [
-                open_dataset(s.path, allowed_roots=read.allowed_roots, read_timeout=read.read_timeout)
+                open_dataset(
+                    s.path,
+                    allowed_roots=read.allowed_roots,
+                    read_timeout=read.read_timeout,
+                    storage_options=read.storage_options if s.storage_options is None else s.storage_options,
+                )
                 for s in self.sources
             ]
             splits = [ds[s.split] for ds, s in zip(self.datasets, self.sources)]

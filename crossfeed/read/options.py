@@ -22,7 +22,7 @@ from crossfeed.errors import ConfigError
 from crossfeed.format.schema import ImageFit
 from crossfeed.io import roots
 from crossfeed.io.cache import ENV as CACHE_ENV
-from crossfeed.io.storage import read_deadline
+from crossfeed.io.storage import FsOptions, read_deadline
 from crossfeed.policy import OnError
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.executors.threads import ExecutorKind
@@ -169,6 +169,10 @@ class ReadOptions:
     # seconds each remote read may take to answer and each piece of it to arrive (None:
     # $CROSSFEED_READ_TIMEOUT, else `crossfeed.io.storage.READ_TIMEOUT`)
     read_timeout: float | None = None
+    # fsspec's options for remote datasets (an endpoint, credentials, a region …), given as a
+    # dict of JSON values and kept frozen (`FsOptions`); unset ones come from the standard
+    # environment and config files (docs/storage.md)
+    storage_options: Mapping = FsOptions()
     image_size: tuple[int, int] | None = None  # decoded images brought to (height, width) (None: as stored)
     channels: int | None = None  # decoded images converted to 1, 3 or 4 channels (None: as stored)
     resize: Resize = Resize.STRETCH  # how images reach image_size
@@ -177,6 +181,7 @@ class ReadOptions:
         object.__setattr__(self, "allowed_roots", roots.normalise_all(self.allowed_roots))
         if self.read_timeout is not None:
             object.__setattr__(self, "read_timeout", read_deadline(self.read_timeout))
+        object.__setattr__(self, "storage_options", FsOptions(self.storage_options))
         object.__setattr__(self, "image_size", _image_size(self.image_size))
         object.__setattr__(self, "resize", choice(Resize, self.resize, "resize"))
         if self.channels is not None and (isinstance(self.channels, bool) or self.channels not in (1, 3, 4)):
@@ -212,15 +217,21 @@ class Source:
 
     ``rename``: ``{its name: the mixture's name}`` for features named otherwise in this source
     (``Source("wds/", rename={"jpg": "image", "cls": "label"})``); ``features``: the mixture's
-    names of the features to take from it (None: every feature all sources share, renamed)."""
+    names of the features to take from it (None: every feature all sources share, renamed).
+
+    ``storage_options``: fsspec's options for this source's URL (``{"endpoint_url": …}``), when
+    they differ from the Loader's ``storage_options`` (None: the Loader's)."""
 
     path: object
     split: str = "train"
     weight: float = 1.0
     rename: tuple[tuple[str, str], ...] = ()  # given as a dict; kept as sorted pairs (hashable)
     features: tuple[str, ...] | None = None
+    storage_options: Mapping | None = None  # given as a dict; kept frozen (`FsOptions`)
 
     def __post_init__(self):
+        if self.storage_options is not None:
+            object.__setattr__(self, "storage_options", FsOptions(self.storage_options, where="Source storage_options"))
         if not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or not self.weight > 0:
             raise ConfigError(f"Source weight must be a positive number, got {self.weight!r}")
         if not isinstance(self.split, str) or not self.split:
@@ -254,17 +265,26 @@ class Source:
             "weight": self.weight,
             "rename": dict(self.rename),
             "features": features,
+            "storage_options": None if self.storage_options is None else self.storage_options.to_dict(),
         }
 
     @classmethod
     def from_json(cls, d: dict) -> Source:
-        return cls(d["path"], d.get("split", "train"), d.get("weight", 1.0), d.get("rename") or (), d.get("features"))
+        return cls(
+            d["path"],
+            d.get("split", "train"),
+            d.get("weight", 1.0),
+            d.get("rename") or (),
+            d.get("features"),
+            d.get("storage_options"),
+        )
 
 
 _GROUPS = {"plan": PlanOptions, "shard": ShardOptions, "read": ReadOptions}
 # How hard a process works and where it caches: its own, whoever planned the epoch (the servers of
 # a dispatcher keep theirs). With its rank and worker, what is not part of a plan shipped to others.
-# Which roots a server trusts is its own too: a dispatcher's plan never widens them.
+# Which roots a server trusts is its own too: a dispatcher's plan never widens them; and so are
+# its credentials and endpoints (storage_options): a dispatcher never ships its secrets.
 LOCAL_FIELDS = (
     "num_threads",
     "prefetch",
@@ -274,6 +294,7 @@ LOCAL_FIELDS = (
     "cache_limit",
     "allowed_roots",
     "read_timeout",
+    "storage_options",
 )
 _PER_PROCESS = ("rank", "worker", "num_workers")
 _FIELDS = {f.name: group for group, cls in _GROUPS.items() for f in dataclasses.fields(cls)}
@@ -357,6 +378,8 @@ class LoaderOptions:
                 out[f.name] = (
                     v.value
                     if isinstance(v, enum.Enum)
+                    else v.to_dict()
+                    if isinstance(v, FsOptions)
                     else os.fspath(v)
                     if isinstance(v, os.PathLike)
                     else list(v)

@@ -14,7 +14,7 @@ import functools
 import hashlib
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
@@ -43,16 +43,21 @@ from crossfeed.read.sources.parquet import ParquetFiles
 INDEX_BYTES_PER_RECORD = 64
 
 
-def open_dataset(path, *, allowed_roots=(), read_timeout: float | None = None) -> Dataset:
+def open_dataset(
+    path, *, allowed_roots=(), read_timeout: float | None = None, storage_options: Mapping | None = None
+) -> Dataset:
     """Open the dataset at ``path`` (a directory or fsspec URL holding ``crossfeed.json``).
     ``allowed_roots``: directories or URLs (besides those ``$CROSSFEED_ALLOWED_ROOTS`` lists) under
     which a manifest's ``data_root`` outside the dataset may lie (`crossfeed.io.roots`).
     ``read_timeout``: the deadline of each remote read, in seconds (default
-    ``$CROSSFEED_READ_TIMEOUT``, else `crossfeed.io.storage.READ_TIMEOUT`)."""
+    ``$CROSSFEED_READ_TIMEOUT``, else `crossfeed.io.storage.READ_TIMEOUT`).
+    ``storage_options``: fsspec's options for a URL — an endpoint, credentials, a region
+    (``{"endpoint_url": "http://127.0.0.1:9000"}``); a ``data_root`` is reached with them too.
+    Left out, the backend reads the standard environment and config files (docs/storage.md)."""
     if isinstance(path, Dataset):
         return path
     allowed = roots.normalise_all(allowed_roots)
-    storage = Storage(path, read_timeout=read_timeout)
+    storage = Storage(path, read_timeout=read_timeout, storage_options=storage_options)
     text = _read_manifest(storage)
     return Dataset(storage, loads(text, storage.url(MANIFEST)), allowed_roots=allowed, text=text)
 
@@ -91,6 +96,7 @@ class Dataset:
             self.storage = Storage(
                 roots.check_data_root(manifest.data_root, storage.root, self.allowed_roots, where),
                 read_timeout=storage.read_timeout,
+                storage_options=storage.storage_options,
             )
         self.manifest = manifest
         self.manifest_sha256 = None if text is None else hashlib.sha256(text).hexdigest()

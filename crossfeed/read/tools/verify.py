@@ -1,7 +1,8 @@
 """Checking a dataset against its manifest: every record's CRCs, every index entry, record counts,
 byte sizes and sha256 of every shard, and that each record decodes per the schema.
 
-``verify_dataset(path)`` is what ``crossfeed verify`` runs. It keeps going after a problem, so one
+``verify_dataset(path)`` is what ``crossfeed verify`` runs, on a local or a remote dataset (each
+remote shard downloaded once into a temporary file, then checked as a local one). It keeps going after a problem, so one
 run lists every bad shard; a problem that stops a shard's scan (a bad record) still leaves the
 other shards checked. For GZIP shards offsets are positions in the uncompressed stream.
 
@@ -16,12 +17,20 @@ import contextlib
 import hashlib
 import os
 import stat
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from crossfeed.errors import ConfigError, CorruptRecordError, ExampleError, IndexFileError, SchemaError
+from crossfeed.errors import (
+    ConfigError,
+    CorruptRecordError,
+    DatasetNotFoundError,
+    ExampleError,
+    IndexFileError,
+    SchemaError,
+)
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
@@ -29,8 +38,8 @@ from crossfeed.format.frames import check_frames
 from crossfeed.format.manifest import ShardInfo
 from crossfeed.format.schema import Schema, decode_value
 from crossfeed.io.files import file_sha256, map_file
-from crossfeed.io.storage import Storage
-from crossfeed.read.sources.dataset import open_dataset
+from crossfeed.io.storage import Storage, retrying
+from crossfeed.read.sources.dataset import INDEX_BYTES_PER_RECORD, open_dataset
 from crossfeed.read.sources.parquet import check_file
 from crossfeed.read.stages.decode import RecordDecoder, make_decoder
 from crossfeed.read.stages.frames import Frames
@@ -41,15 +50,19 @@ CHUNK_BYTES = 8 << 20  # bytes of records checked at once: memory stays bounded 
 
 
 def verify_dataset(
-    path, split: str | None = None, progress: Callable[[int, int], None] | None = None, *, allowed_roots=()
+    path,
+    split: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    *,
+    allowed_roots=(),
+    storage_options: Mapping | None = None,
 ) -> list[Problem]:
     """All problems of the dataset at ``path`` (one split, or all); an empty list when it is sound.
     ``progress(done_bytes, total_bytes)`` is called as the shards' bytes are checked;
-    ``allowed_roots`` as `crossfeed.open_dataset` takes them."""
-    with open_dataset(path, allowed_roots=allowed_roots) as ds:
-        if ds.storage.remote or ds.index_storage.remote:
-            where = ds.storage.root if ds.storage.remote else ds.path
-            raise ConfigError(f"{where}: verify reads local datasets; copy it to a local directory first")
+    ``allowed_roots`` and ``storage_options`` as `crossfeed.open_dataset` takes them. A remote
+    dataset's shards are downloaded one at a time, each once, into a temporary directory
+    (``$TMPDIR``: room for the largest shard) and checked there as a local one is."""
+    with open_dataset(path, allowed_roots=allowed_roots, storage_options=storage_options) as ds:
         if split is not None and split not in ds.splits:
             raise ConfigError(f"{ds.path}: no split {split!r}; it has {sorted(ds.splits)}")
         shards = [sh for name in ([split] if split is not None else sorted(ds.splits)) for sh in ds.splits[name].shards]
@@ -58,28 +71,102 @@ def verify_dataset(
         problems: list[Problem] = []
         done = 0
         formats = {sh.file: s.format for s in ds.splits.values() for sh in s.shards}
+        remote = ds.storage.remote or ds.index_storage.remote
         for shard in shards:
             report = (
                 None if progress is None else (lambda n, base=done: progress(base + min(n, shard.num_bytes), total))
             )
-            if formats[shard.file] == "tar":  # WebDataset tar shards: header checksums, sha256, the index, the schema
-                problems += verify_tar_shard(
-                    ds.storage, shard, ds.schema, progress=report, index_storage=ds.index_storage
+            with (
+                _fetched(ds, shard, formats[shard.file]) if remote else _as_is(ds) as (
+                    storage,
+                    index_storage,
+                    urls,
+                    refused,
                 )
-            else:
-                problems += verify_shard(
-                    ds.storage,
-                    shard,
-                    ds.schema,
-                    decoder=decoder,
-                    progress=report,
-                    index_storage=ds.index_storage,
-                    shard_format=formats[shard.file],
-                )
+            ):
+                if refused is not None:  # it could not be fetched as the manifest declares it
+                    found = [refused]
+                elif (
+                    formats[shard.file] == "tar"
+                ):  # WebDataset tar shards: header checksums, sha256, the index, the schema
+                    found = verify_tar_shard(storage, shard, ds.schema, progress=report, index_storage=index_storage)
+                else:
+                    found = verify_shard(
+                        storage,
+                        shard,
+                        ds.schema,
+                        decoder=decoder,
+                        progress=report,
+                        index_storage=index_storage,
+                        shard_format=formats[shard.file],
+                    )
+                problems += [_renamed(p, urls) for p in found]
             done += shard.num_bytes
             if progress is not None:
                 progress(done, total)
         return problems
+
+
+@contextlib.contextmanager
+def _as_is(ds):
+    yield ds.storage, ds.index_storage, {}, None
+
+
+@contextlib.contextmanager
+def _fetched(ds, shard: ShardInfo, shard_format: str):
+    """``(storage, index storage, {local path: URL}, None)`` of one shard of a remote dataset (and its
+    index, where remote) downloaded once into a temporary directory; a missing remote file is left
+    missing there. A shard longer than the manifest says is not fetched past its size: the
+    last item is then the `Problem` that says so (nothing else of it is checked)."""
+    with tempfile.TemporaryDirectory(prefix="crossfeed-verify-") as tmp:
+        local = Storage(tmp)
+        urls = {local.url(shard.file): ds.storage.url(shard.file)}
+        refused = None
+        if ds.storage.remote:
+            fd = os.open(local.url(shard.file), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                retrying(
+                    lambda: ds.storage.download_into(shard.file, fd, shard.num_bytes),
+                    ds.storage.url(shard.file),
+                    what="the shard",
+                )
+            except DatasetNotFoundError:
+                os.unlink(local.url(shard.file))
+            except CorruptRecordError as e:  # longer than the manifest says: the rest is not fetched
+                refused = Problem(
+                    ds.storage.url(shard.file), None, f"{e.reason}; the file changed after it was written"
+                )
+            finally:
+                os.close(fd)
+            if refused is not None:
+                yield None, None, urls, refused
+                return
+        index_storage = ds.index_storage
+        if shard_format != "parquet" and ds.index_storage.remote:
+            name = idx.index_path(shard.file)
+            urls[local.url(name)] = ds.index_storage.url(name)
+            limit = INDEX_BYTES_PER_RECORD * (shard.num_records + 1)
+            try:
+                data = retrying(
+                    lambda: ds.index_storage.read(name, limit=limit), urls[local.url(name)], what="the index"
+                )
+            except DatasetNotFoundError:
+                data = None
+            if data is not None:
+                with open(local.url(name), "wb") as f:
+                    f.write(data)
+            index_storage = local
+        yield (local if ds.storage.remote else ds.storage), index_storage, urls, None
+
+
+def _renamed(p: Problem, urls: dict) -> Problem:
+    """``p`` naming the remote files, not their temporary copies."""
+    if not urls:
+        return p
+    file, reason = urls.get(p.file, p.file), p.reason
+    for path, url in urls.items():
+        reason = reason.replace(path, url)
+    return Problem(file, p.offset, reason)
 
 
 def verify_shard(

@@ -216,6 +216,7 @@ def index_dataset(
     progress: Callable[[int], None] | None = None,
     features: dict | list | None = None,
     index_dir=None,
+    storage_options: dict | None = None,
 ) -> Manifest:
     """Adopt the TFRecord shards in directory ``path`` as a crossfeed dataset and return its manifest.
     A directory of ``.tar`` shards (and no TFRecords) is adopted as WebDataset tars read in place
@@ -235,7 +236,8 @@ def index_dataset(
     imported). Every record is checked against the declarations (a misfit names shard and offset).
 
     ``index_dir``: write the manifest and index files there instead of beside the data, which
-    is then only read (a read-only directory, or an fsspec URL); see `placement`.
+    is then only read (a read-only directory, or an fsspec URL reached with fsspec's
+    ``storage_options``); see `placement`.
 
     A directory of Parquet files (``*.parquet``) is adopted in place (`crossfeed.write.adopt.parquet`):
     with ``features`` (declarations, or bare column names whose feature is inferred) only those
@@ -243,7 +245,7 @@ def index_dataset(
     """
     if not split:
         raise ConfigError("split must be a non-empty name, e.g. --split train")
-    place = placement(path, index_dir)
+    place = placement(path, index_dir, storage_options)
     root = place.data
     manifest_path = place.manifest_path
     old = None

@@ -20,23 +20,25 @@ import contextlib
 import hashlib
 import io
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
 from crossfeed.errors import ConfigError, DatasetNotFoundError
 from crossfeed.format import tfrecord
 from crossfeed.format.manifest import MANIFEST
 from crossfeed.io.files import file_sha256, map_file
-from crossfeed.io.storage import is_remote
+from crossfeed.io.storage import FsOptions, is_remote
 
 
 @dataclass(frozen=True)
 class Placement:
     """``data``: the data directory (absolute local path or fsspec URL), read only.
-    ``root``: the local directory that receives the manifest and the index files."""
+    ``root``: the local directory that receives the manifest and the index files.
+    ``storage_options``: fsspec's options for a remote ``data`` (an endpoint, credentials …)."""
 
     data: str
     root: str
+    storage_options: Mapping = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         if not self.data or not self.root:
@@ -70,7 +72,7 @@ class Placement:
     def _fs(self):
         import fsspec
 
-        return fsspec.core.url_to_fs(self.data)[0]
+        return fsspec.core.url_to_fs(self.data, **self.storage_options)[0]
 
     def listdir(self) -> list[str]:
         """The plain file names in the data directory."""
@@ -164,12 +166,14 @@ class Placement:
             raise DatasetNotFoundError(f"{where}: no such file") from e
 
 
-def placement(path, index_dir=None) -> Placement:
+def placement(path, index_dir=None, storage_options: Mapping | None = None) -> Placement:
     """Where adopting the data directory ``path`` reads and writes.
 
     Without ``index_dir`` the manifest and indexes go beside the data, which must then be a
     writable local directory. With it they go into ``index_dir`` (created if missing), and
-    ``path`` — a local directory or an fsspec URL — is never written to."""
+    ``path`` — a local directory or an fsspec URL (reached with ``storage_options``) — is never
+    written to."""
+    storage_options = FsOptions(storage_options).to_dict()
     raw = os.fspath(path)
     if raw.startswith("file://"):
         raw = raw[len("file://") :]
@@ -177,7 +181,7 @@ def placement(path, index_dir=None) -> Placement:
     if is_remote(data):
         import fsspec
 
-        fs = fsspec.core.url_to_fs(data)[0]
+        fs = fsspec.core.url_to_fs(data, **storage_options)[0]
         if not fs.isdir(data):
             raise DatasetNotFoundError(f"{data}: not a directory; pass the directory that holds the data files")
         if index_dir is None:
@@ -203,7 +207,7 @@ def placement(path, index_dir=None) -> Placement:
     if not is_remote(data) and _inside(root, data) and os.path.realpath(root) != os.path.realpath(data):
         raise ConfigError(f"--index-dir {root}: lies inside the data directory {data}; pick a directory outside it")
     os.makedirs(root, exist_ok=True)
-    return Placement(data, root)
+    return Placement(data, root, storage_options)
 
 
 def _inside(path: str, parent: str) -> bool:
