@@ -88,6 +88,9 @@ def index(
             features=feature,
             index_dir=index_dir,
         )
+    if any(s.format == "parquet" for s in manifest.splits.values()):  # what each column became, and why
+        for line in (manifest.metadata.get("inferred_types") or {}).values():
+            typer.echo(f"column {line}", err=True)
     counts = ", ".join(f"{k}: {v.num_records} records in {len(v.shards)} shards" for k, v in manifest.splits.items())
     where = f" (manifest and indexes in {index_dir})" if index_dir else ""
     typer.echo(f"indexed {path}{where}: {counts}; features {', '.join(manifest.schema.names)}")
