@@ -82,6 +82,28 @@ class ImageFolderSource:
     def metadata(self) -> dict:
         return {"source": "images", "class_names": list(self.class_names)}
 
+    def report(self) -> list[str]:
+        """With ``convert``: one line per kind of file it re-encodes (format and mode, from the
+        headers alone), with how many, an example, and what the conversion loses."""
+        if self.convert is None:
+            return []
+        from PIL import Image
+
+        kinds: dict[tuple, list[str]] = {}
+        for rel in self.files:
+            try:
+                with Image.open(os.path.join(self.root, rel)) as im:
+                    if (im.format, im.mode) not in KEEP:
+                        kinds.setdefault((im.format, im.mode, conversion_losses(im, self.convert)), []).append(rel)
+            except Exception:  # Pillow raises many types; a damaged file is reported when it is read
+                continue
+        return [
+            f"--convert {self.convert}: {n} {fmt} {mode} file{'s' if len(rels) > 1 else ''} (e.g. {rels[0]}) "
+            f"re-encoded: {lost}"
+            for (fmt, mode, lost), rels in sorted(kinds.items(), key=lambda kv: -len(kv[1]))
+            for n in [len(rels)]
+        ]
+
     def describe(self) -> str:
         return f"image folder {self.root} ({len(self.files)} files, {len(self.class_names)} classes)"
 
@@ -151,6 +173,29 @@ def inspect_image(data: bytes, convert: str | None = None) -> tuple[bytes, tuple
     else:
         out.save(buf, format="JPEG", quality=95)
     return buf.getvalue(), (out.height, out.width, 1 if out.mode == "L" else 3)
+
+
+def conversion_losses(im, convert: str) -> str:
+    """What re-encoding an opened (not yet decoded) Pillow image per ``convert`` loses, in words."""
+    mode, lost = im.mode, []
+    if mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
+        bits = "32-bit float" if mode == "F" else "16-bit" if "16" in mode else "32-bit"
+        lost.append(f"{bits} gray scaled to 8-bit (each image's maximum becomes 255: precision and levels lost)")
+    elif mode == "1":
+        lost.append("1-bit expanded to 8-bit gray (nothing lost)")
+    if mode == "CMYK":
+        lost.append("CMYK converted to RGB without color management (colors may shift)")
+    if mode == "P":
+        lost.append("palette expanded to RGB (the palette indices are gone)")
+    if "A" in mode or "a" in mode or "transparency" in im.info:
+        lost.append("alpha composited on white and dropped")
+    if mode in ("YCbCr", "LAB", "HSV"):
+        lost.append(f"{mode} converted to RGB")
+    if im.info.get("icc_profile"):
+        lost.append("ICC color profile dropped (pixels not converted to sRGB)")
+    if convert == "jpeg":
+        lost.append("re-encoded as JPEG quality 95 (lossy)")
+    return "; ".join(lost) or f"re-encoded as {convert.upper()} (pixels kept)"
 
 
 def _to_storable(im):

@@ -26,7 +26,7 @@ def write_pyarrow_files(root, *, checksums: bool = True) -> list[str]:
             {
                 "id": pa.array(ids, pa.int64()),
                 "label": pa.array((ids % 7).astype(np.int32)),
-                "score": pa.array(rng.random(n)),  # float64 → float32
+                "score": pa.array(rng.random(n)),  # float64, kept
                 "vec": pa.FixedSizeListArray.from_arrays(pa.array(rng.random(n * 3).astype(np.float32)), 3),
                 "mat": pa.FixedSizeListArray.from_arrays(
                     pa.FixedSizeListArray.from_arrays(pa.array(rng.integers(0, 100, n * 4).astype(np.int16)), 2), 2

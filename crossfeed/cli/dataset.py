@@ -90,6 +90,9 @@ def index(
             index_dir=index_dir,
             storage_options=storage_options(storage_option),
         )
+    if any(s.format == "parquet" for s in manifest.splits.values()):  # what each column became, and why
+        for line in (manifest.metadata.get("inferred_types") or {}).values():
+            typer.echo(f"column {line}", err=True)
     counts = ", ".join(f"{k}: {v.num_records} records in {len(v.shards)} shards" for k, v in manifest.splits.items())
     where = f" (manifest and indexes in {index_dir})" if index_dir else ""
     typer.echo(f"indexed {path}{where}: {counts}; features {', '.join(manifest.schema.names)}")

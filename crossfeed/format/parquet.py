@@ -7,9 +7,15 @@ pyarrow is imported lazily (`pyarrow_modules`): ``import crossfeed`` stays light
 =============================================  =============================================
 Arrow column type                              feature (read back as)
 =============================================  =============================================
-int*/uint*                                     int64 scalar (``int64`` encoding)
-float16/32/64                                  float32 scalar (``float`` encoding)
-bool                                           ``tensor`` bool scalar
+int64                                          int64 scalar (``int64`` encoding)
+float32                                        float32 scalar (``float`` encoding)
+other int*/uint*, float16/64, bool             ``tensor`` scalar of that dtype (never narrowed)
+dictionary (pandas Categorical)                int64 codes, the categories ``class_names`` in
+                                               the manifest (a null: -1, as pandas' codes);
+                                               declared ``bytes:string`` (or the values'
+                                               type): the values
+timestamp[unit, tz]                            int64 since the epoch (UTC), the unit and time
+                                               zone in the manifest
 fixed_size_list (nested) of numbers            ``tensor`` of the leaf dtype, shape the sizes
 list of numbers, every row the same length     ``tensor`` of that shape (else ``(None, ...)``:
                                                one array per row)
@@ -18,9 +24,15 @@ string                                         ``bytes`` with dtype ``string`` (
 struct<bytes: binary, path: string>            ``image`` (what HF ``datasets.Image`` writes)
 =============================================  =============================================
 
-Other types (timestamps, decimals, maps, other structs) are not features: indexing names the
-file and column and says how to pick the columns to read. A null is never a value: a column
-with nulls is reported, naming the file, row group and column.
+Other types (decimals, maps, other structs) are not features: indexing names every such column
+at once and says how to pick the columns to read. Nulls: a float null is NaN; a column of other
+values with nulls reads them as 0/""/False and gets a mask feature ``<name>/valid`` (bool, False
+where the file holds a null). Adoption reports each of these decisions, one line per column.
+
+How a feature is read from a column that is not plainly its value (codes, epoch integers, a
+filled column, a mask) is a small JSON dict, kept in the manifest's metadata under
+``parquet.columns`` (`column_maps`): ``{"column": source column, "as": "codes"|"epoch"|"valid",
+"class_names": [...], "unit": "us", "timezone": "UTC", "fill": true}``.
 """
 
 from __future__ import annotations
@@ -74,6 +86,83 @@ def _is_hf_image(pa, t) -> bool:
     return pa.types.is_struct(t) and "bytes" in {t.field(i).name for i in range(t.num_fields)}
 
 
+def _is_plain(pa, t) -> bool:
+    return _is_number(pa, t) or _is_string(pa, t) or _is_binary(pa, t)
+
+
+def is_float(f: Feature) -> bool:
+    """Whether ``f`` holds floating-point numbers (a null read into it is NaN)."""
+    return f.encoding in (Encoding.FLOAT, Encoding.TENSOR) and np.dtype(f.dtype).kind == "f"
+
+
+def is_categorical(t) -> bool:
+    """A dictionary of strings or integers (pandas Categorical): read as codes, its categories
+    the ``class_names``."""
+    pa, _ = pyarrow_modules()
+    return pa.types.is_dictionary(t) and (_is_string(pa, t.value_type) or pa.types.is_integer(t.value_type))
+
+
+def column_maps(metadata) -> dict[str, dict]:
+    """``{feature: how it is read}`` from a manifest's metadata (see the module doc)."""
+    maps = (metadata or {}).get("parquet", {})
+    maps = maps.get("columns", {}) if isinstance(maps, dict) else {}
+    return maps if isinstance(maps, dict) else {}
+
+
+def source_columns(features, maps: dict) -> list[str]:
+    """The Parquet columns that ``features`` are read from, each once."""
+    return list(dict.fromkeys(_source(f.name, maps) for f in features))
+
+
+def _source(name: str, maps: dict) -> str:
+    how = maps.get(name)
+    return how.get("column", name) if isinstance(how, dict) else name
+
+
+def feature_columns(table, features, maps: dict, where: str) -> dict[str, np.ndarray]:
+    """``{feature: column_values}`` of a table read with `source_columns`."""
+    return {
+        f.name: column_values(f, table.column(_source(f.name, maps)).combine_chunks(), where, maps.get(f.name))
+        for f in features
+    }
+
+
+def _mapped(f: Feature, arr, where: str, how: dict):
+    """A column as the values its map says (codes, epoch integers, a mask, filled nulls): numpy
+    when done, else the Arrow array to read as usual."""
+    pa, _ = pyarrow_modules()
+    import pyarrow.compute as pc
+
+    kind = how.get("as")
+    if kind == "valid":
+        return arr.is_valid().to_numpy(zero_copy_only=False)
+    if kind == "codes":
+        if not pa.types.is_dictionary(arr.type):
+            raise SchemaError(
+                f"{where}: column {f.name!r} is {arr.type}, not the categories indexed; re-index (--force)"
+            )
+        names = pa.array(how.get("class_names") or [], type=arr.type.value_type)
+        lookup = pc.index_in(arr.dictionary, value_set=names).fill_null(-1).to_numpy(zero_copy_only=False)
+        if (lookup < 0).any():
+            missing = arr.dictionary.filter(pc.equal(pc.index_in(arr.dictionary, value_set=names).is_null(), True))
+            raise SchemaError(
+                f"{where}: column {f.name!r} holds categories {missing.to_pylist()[:3]} that the manifest's "
+                f"class_names lack: the file changed after `crossfeed index`; re-index with --force"
+            )
+        codes = arr.indices.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+        out = lookup.astype(np.int64)[codes] if len(lookup) else np.zeros(len(arr), np.int64)
+        return np.where(arr.is_null().to_numpy(zero_copy_only=False), -1, out) if arr.null_count else out
+    if pa.types.is_dictionary(arr.type):  # a categorical declared as its values
+        arr = arr.dictionary_decode()
+    if kind == "epoch":
+        arr = arr.cast(pa.int64())
+    if how.get("fill") and arr.null_count:
+        t = arr.type
+        value = "" if _is_string(pa, t) else b"" if _is_binary(pa, t) else False if pa.types.is_boolean(t) else 0
+        arr = arr.fill_null(pa.scalar(value, t))
+    return arr
+
+
 def _leaf(pa, t):
     """``(leaf type, list depth)`` of a (nested) list type."""
     depth = 0
@@ -86,17 +175,28 @@ def _numpy_dtype(t) -> str:
     return "bool" if str(t) == "bool" else np.dtype(t.to_pandas_dtype()).name
 
 
+def scalar_feature(name: str, dtype: str) -> Feature:
+    """A number column's feature: its own dtype (int64 and float32 keep their Example encodings)."""
+    if dtype == "int64":
+        return Feature(name, "int64", (), Encoding.INT64)
+    if dtype == "float32":
+        return Feature(name, "float32", (), Encoding.FLOAT)
+    return Feature(name, dtype, (), Encoding.TENSOR)
+
+
 def infer_feature(name: str, t, where: str) -> Feature | None:
     """The feature a column of Arrow type ``t`` is read as, with the list dimensions that the type
     fixes (a plain list's length is None until `list_lengths` proves it constant); None if the
     type is not supported."""
     pa, _ = pyarrow_modules()
-    if pa.types.is_integer(t):
+    if is_categorical(t):  # codes into the categories
         return Feature(name, "int64", (), Encoding.INT64)
-    if pa.types.is_floating(t):
-        return Feature(name, "float32", (), Encoding.FLOAT)
-    if pa.types.is_boolean(t):
-        return Feature(name, "bool", (), Encoding.TENSOR)
+    if pa.types.is_dictionary(t):  # other dictionaries are read as their values
+        return infer_feature(name, t.value_type, where) if _is_plain(pa, t.value_type) else None
+    if pa.types.is_timestamp(t):
+        return Feature(name, "int64", (), Encoding.INT64)
+    if _is_number(pa, t):
+        return scalar_feature(name, _numpy_dtype(t))
     if _is_binary(pa, t):
         return Feature(name, "bytes", (), Encoding.BYTES)
     if _is_string(pa, t):
@@ -138,18 +238,28 @@ def merge_dims(a: list[int | None], b: list[int | None]) -> list[int | None]:
 def _check_nulls(arr, where: str, name: str) -> None:
     if arr.null_count:
         raise SchemaError(
-            f"{where}: column {name!r} holds {arr.null_count} null(s); crossfeed features have a value in every "
-            f"row: fill them (e.g. pandas fillna) or leave the column out (crossfeed index --feature picks columns)"
+            f"{where}: column {name!r} holds {arr.null_count} null(s) and its feature has no mask: re-index "
+            f'(`crossfeed index --force` reads them as 0/"" with a mask feature {name + "/valid"!r}), declare it '
+            f"a float (--feature {name}=float64: nulls become NaN), fill them (pandas fillna) or leave the column "
+            f"out (--feature picks the columns)"
         )
 
 
-def column_values(f: Feature, arr, where: str) -> np.ndarray:
+def column_values(f: Feature, arr, where: str, how: dict | None = None) -> np.ndarray:
     """One row group's column (a ``pyarrow.Array``) as the batch form of feature ``f``: ``(n,
     *shape)`` numbers for a fixed shape, else a 1-D object array (``bytes``/``str``/arrays/encoded
-    images, one per row). Values that do not fit ``f`` raise `SchemaError` naming ``where``."""
+    images, one per row). ``how``: the column's map (see the module doc). Values that do not fit
+    ``f`` raise `SchemaError` naming ``where``."""
     pa, _ = pyarrow_modules()
+    if how:
+        arr = _mapped(f, arr, where, how)
+        if isinstance(arr, np.ndarray):
+            return arr
+    if pa.types.is_dictionary(arr.type):  # a categorical declared as its values
+        arr = arr.dictionary_decode()
     name, t, n = f.name, arr.type, len(arr)
-    _check_nulls(arr, where, name)
+    if not (pa.types.is_floating(t) or (is_float(f) and _is_number(pa, t))):  # a null read as a float is NaN
+        _check_nulls(arr, where, name)
     if f.encoding in (Encoding.BYTES, Encoding.IMAGE):
         if _is_hf_image(pa, t):
             arr = arr.field("bytes")

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from crossfeed.errors import CorruptRecordError, CrossfeedError, DatasetNotFoundError, SchemaError
-from crossfeed.format.parquet import column_values, pyarrow_modules
+from crossfeed.format.parquet import column_maps, feature_columns, pyarrow_modules, source_columns
 from crossfeed.format.schema import Encoding, Feature, ImageFit, decode_image
 
 
@@ -57,11 +57,11 @@ ROW_GROUP_CACHE_MIN = 2  # ... and at least this many, however large
 READ_CHUNK_BYTES = 1 << 20  # a row group is decoded this many (uncompressed) bytes at a time
 
 
-def _selected(pf, features: Sequence[Feature], where: str):
-    """The Arrow schema of the ``features`` columns of a file."""
+def _selected(pf, columns: Sequence[str], where: str):
+    """The Arrow schema of the ``columns`` of a file."""
     pa, _ = pyarrow_modules()
     try:
-        return pa.schema([pf.schema_arrow.field(f.name) for f in features])
+        return pa.schema([pf.schema_arrow.field(c) for c in columns])
     except KeyError as e:
         raise SchemaError(
             f"{where}: no column {e}; the file has {pf.schema_arrow.names}: it changed after `crossfeed index`; "
@@ -99,6 +99,7 @@ class ParquetFiles:
         self._sources: list = [None] * len(self.paths)  # the fsspec file objects of remote files
         self._locks = [threading.Lock() for _ in self.paths]
         self._last: tuple | None = None  # ((g, feature names), columns) of `row`'s last row group
+        self.maps = column_maps(split.dataset.manifest.metadata)  # features read as codes, masks ...
 
     def group_of(self, i: int) -> tuple[int, int]:
         """``(g, row within it)`` of global row ``i``."""
@@ -119,12 +120,11 @@ class ParquetFiles:
         meta = pf.metadata.row_group(r)
         # in chunks of about READ_CHUNK_BYTES: nested columns (lists) decode faster than in one piece
         chunk = int(max(64, min(1 << 20, READ_CHUNK_BYTES * max(1, meta.num_rows) // max(1, meta.total_byte_size))))
-        schema = _selected(pf, features, where)
+        columns = source_columns(features, self.maps)
+        schema = _selected(pf, columns, where)
         with self._locks[s]:  # a ParquetFile is not documented thread-safe
             try:
-                parts = pf.iter_batches(
-                    batch_size=chunk, row_groups=[r], columns=[f.name for f in features], use_threads=True
-                )
+                parts = pf.iter_batches(batch_size=chunk, row_groups=[r], columns=columns, use_threads=True)
                 table = pa.Table.from_batches(list(parts), schema=schema)
             except (pa.ArrowException, OSError) as e:  # a page CRC mismatch, damaged compression ...
                 raise CorruptRecordError(
@@ -135,7 +135,7 @@ class ParquetFiles:
                 self.paths[s], self.offset(pf, r), f"row group {r} holds {table.num_rows} rows, not {self.counts[g]}"
             )
         try:
-            cols = {f.name: column_values(f, table.column(f.name).combine_chunks(), where) for f in features}
+            cols = feature_columns(table, features, self.maps, where)
             return cols, int(table.nbytes)
         except (pa.ArrowException, KeyError) as e:
             raise SchemaError(f"{where}: {e}; re-index the files with `crossfeed index --force`") from e
@@ -470,11 +470,11 @@ VERIFY_NOTE = (
 )
 
 
-def check_file(path: str, info, features: Sequence[Feature]) -> list[tuple[int | None, str]]:
+def check_file(path: str, info, features: Sequence[Feature], maps: dict | None = None) -> list[tuple[int | None, str]]:
     """``(byte offset or None, reason)`` for every problem of one Parquet file of the manifest
     (``info``, a `crossfeed.format.manifest.ShardInfo`): the footer's row groups, then every row
-    group's pages (CRCs where stored) decoded and checked against ``features``. Keeps going after
-    a bad row group."""
+    group's pages (CRCs where stored) decoded and checked against ``features`` (read through
+    ``maps``, `crossfeed.format.parquet.column_maps`). Keeps going after a bad row group."""
     pa, pq = pyarrow_modules()
     try:
         pf = pq.ParquetFile(path, page_checksum_verification=True)
@@ -488,9 +488,8 @@ def check_file(path: str, info, features: Sequence[Feature]) -> list[tuple[int |
         for r in range(pf.metadata.num_row_groups):
             offset = ParquetFiles.offset(pf, r)
             try:
-                table = pf.read_row_group(r, columns=[f.name for f in features], use_threads=False)
-                for f in features:
-                    column_values(f, table.column(f.name).combine_chunks(), f"row group {r}")
+                table = pf.read_row_group(r, columns=source_columns(features, maps or {}), use_threads=False)
+                feature_columns(table, features, maps or {}, f"row group {r}")
             except (pa.ArrowException, OSError, KeyError) as e:
                 problems.append((offset, f"row group {r} does not decode: {e}"))
             except SchemaError as e:

@@ -36,6 +36,7 @@ from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
 from crossfeed.format.frames import check_frames
 from crossfeed.format.manifest import ShardInfo
+from crossfeed.format.parquet import column_maps
 from crossfeed.format.schema import Schema, decode_value
 from crossfeed.io.files import file_sha256, map_file
 from crossfeed.io.storage import Storage, retrying
@@ -99,6 +100,7 @@ def verify_dataset(
                         progress=report,
                         index_storage=index_storage,
                         shard_format=formats[shard.file],
+                        parquet_maps=column_maps(ds.manifest.metadata),
                     )
                 problems += [_renamed(p, urls) for p in found]
             done += shard.num_bytes
@@ -178,10 +180,12 @@ def verify_shard(
     progress: Callable[[int], None] | None = None,
     index_storage: Storage | None = None,
     shard_format: str = "tfrecord",
+    parquet_maps: dict | None = None,
 ) -> list[Problem]:
     """The problems of one shard and its index (in ``index_storage``, default beside the shard);
     a Parquet shard (``shard_format``) has no index: its footer, pages and sha256 are checked.
-    ``progress(bytes_read)`` follows the file.
+    ``progress(bytes_read)`` follows the file; ``parquet_maps``: how Parquet columns are read
+    (`crossfeed.format.parquet.column_maps`).
 
     Fast path, for a shard whose index tiles it (the usual case): one sequential pass reads the
     file in chunks, hashes it, checks each chunk's frames with `check_frames` and decodes it with
@@ -207,7 +211,7 @@ def verify_shard(
             problems.append(
                 Problem(path, None, "sha256 differs from the manifest: the file changed after it was indexed")
             )
-        problems += [Problem(path, off, why) for off, why in check_file(path, shard, schema)]
+        problems += [Problem(path, off, why) for off, why in check_file(path, shard, schema, parquet_maps)]
         if progress is not None:
             progress(shard.num_bytes)
         return problems

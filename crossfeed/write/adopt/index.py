@@ -23,7 +23,7 @@ from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, check_name, loads, write_manifest
 from crossfeed.format.parquet import is_parquet_name
-from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema, decode_value
+from crossfeed.format.schema import NUMERIC_DTYPES, SHAPE_SUFFIX, Encoding, Feature, Schema, decode_value
 from crossfeed.format.tar import is_tar_name
 from crossfeed.write.adopt import tfds
 from crossfeed.write.adopt.parquet import index_parquet
@@ -113,24 +113,51 @@ def _image_shape(data) -> tuple:
 def parse_feature(spec: str) -> Feature:
     """A declared feature ``NAME=ENCODING[:DTYPE[:SHAPE]]``, e.g. ``image=tensor:uint8:224,224,3``,
     ``label=int64``, ``jpeg=image``, ``x=float:float32:32`` (``SHAPE``: comma-separated, ``?`` for a
-    dimension that varies, empty for a scalar)."""
+    dimension that varies, empty for a scalar). Natural spellings are accepted too: a dtype for the
+    encoding (``x=float64``, ``x=double:3``: a tensor of it; ``x=float32``: float), ``x=string``/
+    ``x=str`` (bytes:string), and ``x=float:float64`` (a float64 tensor: the float encoding holds
+    float32 alone)."""
+    return _parse_feature(spec)[0]
+
+
+def shape_given(spec: str) -> bool:
+    """Whether a `parse_feature` spec names a shape (without one, Parquet takes the column's)."""
+    return _parse_feature(spec)[1]
+
+
+_DTYPE_ALIASES = {"double": "float64", "float": "float32", "half": "float16", "int": "int64", "long": "int64"}
+
+
+def _parse_feature(spec: str) -> tuple[Feature, bool]:
     name, sep, rest = spec.partition("=")
     if not sep or not name or not rest:
         raise ConfigError(
             f"--feature {spec!r}: expected NAME=ENCODING[:DTYPE[:SHAPE]], e.g. image=tensor:uint8:224,224,3"
         )
     parts = rest.split(":")
+    head = parts[0].strip().lower()
+    if head in ("string", "str"):
+        parts = ["bytes", "string", *parts[1:]]
+    elif head not in {e.value for e in Encoding}:  # a dtype for the encoding: x=float64[:SHAPE]
+        dtype = _DTYPE_ALIASES.get(head, head)
+        if dtype in NUMERIC_DTYPES:
+            parts = ["float" if dtype == "float32" else "tensor", dtype, *parts[1:]]
     if len(parts) > 3:
         raise ConfigError(f"--feature {spec!r}: expected NAME=ENCODING[:DTYPE[:SHAPE]]")
     try:
         enc = Encoding(parts[0])
     except ValueError:
         raise ConfigError(
-            f"--feature {spec!r}: encoding {parts[0]!r} is not one of {', '.join(e.value for e in Encoding)}"
+            f"--feature {spec!r}: encoding {parts[0]!r} is not one of {', '.join(e.value for e in Encoding)} "
+            f"(or a numeric dtype, e.g. {name}=float64)"
         ) from None
     default_dtype = {Encoding.INT64: "int64", Encoding.FLOAT: "float32", Encoding.IMAGE: "uint8"}.get(enc, "bytes")
-    dtype = parts[1] if len(parts) > 1 and parts[1] else default_dtype
-    if len(parts) > 2:
+    dtype = parts[1].strip() if len(parts) > 1 and parts[1].strip() else default_dtype
+    dtype = _DTYPE_ALIASES.get(dtype, dtype) if enc is not Encoding.BYTES else dtype
+    if enc is Encoding.FLOAT and dtype in NUMERIC_DTYPES and dtype != "float32":
+        enc = Encoding.TENSOR  # float:float64 means float64 numbers
+    given = len(parts) > 2
+    if given:
         try:
             shape = tuple(None if d.strip() == "?" else int(d) for d in parts[2].split(",") if d.strip())
         except ValueError:
@@ -142,7 +169,7 @@ def parse_feature(spec: str) -> Feature:
     if enc is Encoding.TENSOR and dtype == "bytes":
         raise ConfigError(f"--feature {spec!r}: a tensor needs a dtype, e.g. {name}=tensor:uint8:224,224,3")
     try:
-        return Feature(name, dtype, shape, enc)
+        return Feature(name, dtype, shape, enc), given
     except (SchemaError, ValueError, TypeError) as e:
         raise ConfigError(f"--feature {spec!r}: {e}") from e
 
@@ -339,14 +366,20 @@ def _index_parquet(place: Placement, parquet, split, split_from_name, features, 
     specs = [] if isinstance(features, dict) else list(features or ())
     picked = [f for f in specs if isinstance(f, str) and "=" not in f]  # a column NAME alone: inferred
     declared = declared_features(features if isinstance(features, dict) else [f for f in specs if f not in picked])
-    schema, splits = index_parquet(
+    texts = [f"{k}={v}" for k, v in features.items() if isinstance(v, str)] if isinstance(features, dict) else specs
+    unshaped = frozenset(t.partition("=")[0] for t in texts if isinstance(t, str) and "=" in t and not shape_given(t))
+    schema, splits, meta = index_parquet(
         place,
         {s: [n for _, n in sorted(m)] for s, m in sorted(groups.items())},
         declared=declared,
         picked=picked,
+        unshaped=unshaped,
         progress=progress,
     )
-    manifest = Manifest(schema, splits, _metadata(old), old.generation + 1 if old else 0, place.data_root)
+    metadata = _metadata(old)
+    metadata.pop("parquet", None)  # this run's decisions replace an earlier index's
+    metadata.update(meta)
+    manifest = Manifest(schema, splits, metadata, old.generation + 1 if old else 0, place.data_root)
     return _commit(place.root, manifest)
 
 

@@ -17,6 +17,7 @@ with ``--index-dir``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from crossfeed.errors import CorruptRecordError, SchemaError
@@ -27,12 +28,16 @@ from crossfeed.format.parquet import (
     column_values,
     footer_row_groups,
     infer_feature,
+    is_categorical,
+    is_float,
     list_dims,
     merge_dims,
     pyarrow_modules,
 )
 from crossfeed.format.schema import Encoding, Feature, Schema
 from crossfeed.write.adopt.placement import Placement
+
+log = logging.getLogger(__name__)
 
 
 def index_parquet(
@@ -41,19 +46,26 @@ def index_parquet(
     *,
     declared: dict[str, Feature],
     picked: list[str],
+    unshaped: frozenset[str] = frozenset(),
     progress: Callable[[int], None] | None = None,
-) -> tuple[Schema, dict[str, SplitInfo]]:
-    """``(schema, splits)`` of the Parquet files ``groups`` (split → file names in ``place``'s
-    data directory, which is only read).
+) -> tuple[Schema, dict[str, SplitInfo], dict]:
+    """``(schema, splits, metadata)`` of the Parquet files ``groups`` (split → file names in
+    ``place``'s data directory, which is only read); ``metadata``: what goes into the manifest's
+    (the column maps of `crossfeed.format.parquet`, and ``inferred_types``: one line per column
+    saying what was decided and why, also logged).
 
-    ``declared`` features are read as declared and checked against every row; ``picked`` names
-    columns whose feature is inferred. With either given only those columns are indexed (a way
-    round columns crossfeed cannot read); without, every column is.
+    ``declared`` features are read as declared and checked against every row (those named in
+    ``unshaped`` were declared without a shape: they take the column's); ``picked`` names columns
+    whose feature is inferred. With either given only those columns are indexed (a way round
+    columns crossfeed cannot read); without, every column is.
     """
     pa, pq = pyarrow_modules()
     wanted = list(dict.fromkeys([*picked, *declared])) or None
     inferred: dict[str, Feature] = {}  # from the first file; every other file must agree
+    types: dict = {}  # the Arrow type of each column, from the first file
     dims: dict[str, list] = {}  # list columns: the length at each level, merged over every file
+    nulls: dict[str, int] = {}  # nulls counted in each column (footer statistics, else read)
+    cats: dict[str, dict] = {}  # dictionary columns: their categories, in first-seen order
     first = None
     splits = {}
     for split, names in groups.items():
@@ -70,9 +82,10 @@ def index_parquet(
                 except (pa.ArrowException, OSError, UnicodeDecodeError, ValueError) as e:
                     raise CorruptRecordError(path, 0, f"not a readable Parquet file ({e})") from e
                 with pf:
-                    feats = _file_features(path, arrow_schema, wanted, declared)
+                    feats = _file_features(path, arrow_schema, wanted, declared, unshaped)
                     if first is None:
                         first, inferred = path, feats
+                        types = {k: pf.schema_arrow.field(k).type for k in feats}
                     elif feats != inferred:
                         diff = sorted(k for k in set(feats) | set(inferred) if feats.get(k) != inferred.get(k))[:1]
                         k = diff[0]
@@ -80,28 +93,37 @@ def index_parquet(
                             f"{path}: column {k!r} is {_show(feats.get(k))}, in {first} it is {_show(inferred.get(k))}; "
                             f"the files of a dataset share one schema (pick the common columns with --feature NAME)"
                         )
-                    _check_null_stats(path, groups_, set(feats))
+                    unknown = _count_nulls(groups_, set(feats), nulls)
                     lists = [
                         k
                         for k, f in feats.items()
-                        if k not in declared and f.encoding is Encoding.TENSOR and None in f.shape
+                        if (k not in declared or k in unshaped) and f.encoding is Encoding.TENSOR and None in f.shape
                     ]
+                    dicts = [k for k in feats if k not in declared and is_categorical(types[k])]
+                    scan = list(dict.fromkeys([*lists, *dicts, *unknown]))
                     for r in range(md.num_row_groups):
                         where = f"{path}: row group {r}"
-                        if lists:
-                            table = _read(pa, pf, path, r, lists)
-                            for k in lists:
-                                got = list_dims(table.column(k).combine_chunks())
-                                dims[k] = merge_dims(dims[k], got) if k in dims else got
+                        if scan:
+                            table = _read(pa, pf, path, r, scan)
+                            for k in scan:
+                                arr = table.column(k).combine_chunks()
+                                if k in lists:
+                                    got = list_dims(arr)
+                                    dims[k] = merge_dims(dims[k], got) if k in dims else got
+                                if k in dicts:
+                                    cats.setdefault(k, {}).update(dict.fromkeys(arr.dictionary.to_pylist()))
+                                if k in unknown:
+                                    nulls[k] = nulls.get(k, 0) + arr.null_count
                         if declared:
                             table = _read(pa, pf, path, r, list(declared))
-                            for k, f in declared.items():
-                                column_values(f, table.column(k).combine_chunks(), where)
+                            for k in declared:  # nulls: NaN in a float, else a mask (`_decide`)
+                                fill = None if is_float(feats[k]) else {"fill": True}
+                                column_values(feats[k], table.column(k).combine_chunks(), where, fill)
             shards.append(ShardInfo(n, sum(counts), size, sha, None, counts))
             if progress is not None:
                 progress(size)
         splits[split] = SplitInfo(split, tuple(shards), format=FORMAT)
-    features = []
+    features, maps, lines = [], {}, {}
     for k, f in inferred.items():
         if k in dims:
             shape = tuple(d if d is not None and d >= 0 else None for d in dims[k])
@@ -111,46 +133,104 @@ def index_parquet(
                     f"reads a list column as a tensor whose first dimension alone may vary; leave it out with --feature"
                 )
             f = Feature(k, f.dtype, shape, f.encoding)
-        features.append(f)
-    return Schema(features), splits
+        feats, how, lines[k] = _decide(pa, f, types[k], nulls.get(k, 0), list(cats.get(k, ())), k in declared)
+        features += feats
+        maps.update(how)
+    for line in lines.values():
+        log.log(logging.WARNING if "null" in line else logging.INFO, "%s", line)
+    meta: dict = {"inferred_types": lines}
+    if maps:
+        meta["parquet"] = {"columns": maps}
+    return Schema(features), splits, meta
 
 
-def _file_features(path: str, schema, wanted: list[str] | None, declared: dict[str, Feature]) -> dict[str, Feature]:
-    """The features of one file's columns (``wanted`` ones only), declared or inferred."""
+def _decide(pa, f: Feature, t, nulls: int, cats: list, declared: bool) -> tuple[list[Feature], dict, str]:
+    """Column ``f.name``'s features (its own, and a mask where nulls need one), their maps (see
+    `crossfeed.format.parquet`) and the line that says what was decided and why."""
+    k = f.name
+    kind = f"{f.encoding.value} {f.dtype}{list(f.shape)}" if f.encoding is Encoding.TENSOR else f.dtype
+    line = f"{k}: {'declared ' if declared else ''}{kind} (Parquet {t})"
+    how: dict = {}
+    if declared:
+        pass
+    elif is_categorical(t):
+        how = {"as": "codes", "class_names": cats}
+        line = (
+            f"{k}: int64 codes of {len(cats)} categories (Parquet {t}), the categories in the manifest "
+            f"(class_names); --feature {k}=bytes:string (or the values' dtype) keeps the values"
+        )
+        if nulls:
+            line += f"; {nulls} nulls are code -1 (as pandas' codes)"
+        return [f], {k: how}, line
+    elif pa.types.is_timestamp(t):
+        how = {"as": "epoch", "unit": t.unit, "timezone": t.tz or None}
+        zone = f"UTC, time zone {t.tz} in the manifest" if t.tz else "no time zone"
+        line = f"{k}: int64 {_UNITS.get(t.unit, t.unit)} since 1970-01-01 (Parquet {t}; {zone}); unit in the manifest"
+    elif f.dtype not in ("int64", "float32") and f.shape == () and f.encoding is Encoding.TENSOR:
+        line += ", dtype kept as stored"
+    if not nulls:
+        return [f], ({k: how} if how else {}), line
+    if pa.types.is_floating(t) or is_float(f):
+        return [f], ({k: how} if how else {}), f"{line}; {nulls} nulls become NaN"
+    mask = Feature(f"{k}/valid", "bool", (), Encoding.TENSOR)
+    fill = '""' if f.encoding is Encoding.BYTES else "False" if f.dtype == "bool" else "0"
+    line += f"; {nulls} nulls read as {fill}, and mask feature {mask.name!r} is False there"
+    line += (
+        f"; --feature {k}=float64 makes them NaN instead" if pa.types.is_integer(t) else "; or fill them before writing"
+    )
+    return [f, mask], {k: {**how, "fill": True}, mask.name: {"column": k, "as": "valid"}}, line
+
+
+_UNITS = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}
+
+
+def _file_features(
+    path: str, schema, wanted: list[str] | None, declared: dict[str, Feature], unshaped: frozenset[str]
+) -> dict[str, Feature]:
+    """The features of one file's columns (``wanted`` ones only), declared or inferred; every
+    column crossfeed cannot read is named in one error."""
     names = schema.names
     if wanted is not None:
         missing = [k for k in wanted if k not in names]
         if missing:
             raise SchemaError(f"{path}: no column {missing[0]!r} (picked with --feature); the file has {names}")
-    out = {}
+    out, bad = {}, []
     for k in names if wanted is None else [k for k in names if k in wanted]:  # in the file's column order
-        if k in declared:
-            out[k] = declared[k]
-            continue
         t = schema.field(k).type
         f = infer_feature(k, t, path)
-        if f is None:
-            raise SchemaError(
-                f"{path}: column {k!r} of type {t} is not a type crossfeed reads (numbers, lists of numbers, binary, "
-                f"string); pick the columns to read with --feature NAME (inferred) or --feature NAME=ENCODING[:DTYPE"
-                f"[:SHAPE]] (declared): with any --feature, only those columns are indexed"
-            )
-        out[k] = f
+        if k in declared:
+            d = declared[k]
+            if k in unshaped and f is not None and d.encoding is Encoding.TENSOR:  # the column's shape
+                d = Feature(k, d.dtype, f.shape, d.encoding)
+            out[k] = d
+        elif f is None:
+            bad.append(f"{k!r} ({t})")
+        else:
+            out[k] = f
+    if bad:
+        raise SchemaError(
+            f"{path}: column{'s' if len(bad) > 1 else ''} {', '.join(bad)} of no type crossfeed reads (numbers, lists "
+            f"of numbers, binary, string, dictionaries, timestamps); pick the columns to read with --feature NAME "
+            f"(inferred) or --feature NAME=ENCODING[:DTYPE[:SHAPE]] (declared): with any --feature, only those "
+            f"columns are indexed"
+        )
     return out
 
 
-def _check_null_stats(path: str, groups, names: set[str]) -> None:
-    """A top-level column whose footer statistics count nulls cannot be a feature (said at index
-    time, without reading it; nested columns are checked when read). The counts come from
-    `footer_row_groups`: pyarrow's column-chunk metadata objects abort on some damaged footers."""
-    for r, (_, chunks) in enumerate(groups):
+def _count_nulls(groups, names: set[str], nulls: dict[str, int]) -> list[str]:
+    """Add the nulls that footer statistics count in each top-level column to ``nulls``; the
+    columns some row group has no such statistics for (to be read and counted). The counts come
+    from `footer_row_groups`: pyarrow's column-chunk metadata objects abort on some damaged footers."""
+    unknown = set()
+    for _, chunks in groups:
         for c in chunks:
-            if c.path in names and c.null_count:
-                raise SchemaError(
-                    f"{path}: row group {r}: column {c.path!r} holds {c.null_count} null(s); crossfeed "
-                    f"features have a value in every row: fill them (e.g. pandas fillna) or leave the column out "
-                    f"(--feature NAME picks the columns to index)"
-                )
+            if c.path not in names:
+                continue
+            if c.null_count is not None:
+                nulls[c.path] = nulls.get(c.path, 0) + c.null_count
+            else:
+                unknown.add(c.path)
+    return sorted(unknown)
 
 
 def _read(pa, pf, path: str, r: int, columns: list[str]):
