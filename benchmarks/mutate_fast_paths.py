@@ -10,6 +10,7 @@ once in the source (re-point it after a refactor: the table below is plain data)
     .venv/bin/python benchmarks/mutate_fast_paths.py            # all mutations
     .venv/bin/python benchmarks/mutate_fast_paths.py --no-tf    # skip tests/test_fast_paths_tf.py
     .venv/bin/python benchmarks/mutate_fast_paths.py --only copy_big,recycler
+    .venv/bin/python benchmarks/mutate_fast_paths.py --no-tf --only "cached remote"
 
 Exit status 1 if any mutation is missed or stale (or the unmutated copy fails its tests).
 """
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = "tests/test_fast_paths.py"
 FAST_TF = "tests/test_fast_paths_tf.py"
+CACHED = "tests/test_cached_epochs.py"
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,20 @@ MUTATIONS = [
         '_simplejpeg.decode_jpeg(data, colorspace="BGR", buffer=out)',
         (FAST,),
     ),
+    Mutation(
+        "cached remote shards: never kept for good (no span, no whole split)",
+        "crossfeed/read/stages/frames.py",
+        "return self.cache is not None and self.keep_loaded is None and s in self._cached",
+        "return False",
+        (CACHED,),
+    ),
+    Mutation(
+        "cached remote records: never rows",
+        "crossfeed/read/stages/frames.py",
+        "(self.split.file(0).storage.remote and self.cache is None)",
+        "self.split.file(0).storage.remote",
+        (CACHED,),
+    ),
 ]
 
 
@@ -201,8 +217,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated substrings of mutation names")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
     a = ap.parse_args(argv)
-    tests = [FAST] if a.no_tf else [FAST, FAST_TF]
     muts = [m for m in MUTATIONS if not a.only or any(s in m.name for s in a.only.split(","))]
+    tests = [FAST] if a.no_tf else [FAST, FAST_TF]
+    tests += sorted({t for m in muts for t in m.tests} - {FAST, FAST_TF})  # (the baseline runs them too)
     rows = run(muts, tests, a.timeout)
     w = max(len(r[0]) for r in rows)
     print(f"\n{'mutation':{w}s}  {'file':28s} {'test file':24s} result   first failing test / note")

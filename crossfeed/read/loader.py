@@ -293,7 +293,7 @@ class Loader:
         self._position, self._delivered = self.position, 0
         step = self.num_workers if self.num_workers > 1 else 1
         plan = self.plan()
-        batches = iter(plan) if self.prefetcher is None else self._prefetching(plan)
+        batches = iter(plan) if self.prefetcher is None or not self._uncached() else self._prefetching(plan)
         for batch in self.executor.map(self.builder, batches):
             self._delivered += step
             yield batch
@@ -317,6 +317,13 @@ class Loader:
             for k in ids[i + (ahead if i else 0) : i + ahead + 1]:  # the first time: the whole lookahead
                 self._want(plan.batch(k))
             yield plan.batch(b)
+
+    def _uncached(self) -> bool:
+        """Whether a remote shard is not held in the cache yet (once every one is — a cached
+        epoch — batches go without per-batch prefetch bookkeeping, as a local split's do)."""
+        return any(
+            r.frames.cache is not None and r.frames.jobs(range(len(r.frames.split.counts))) for r in self._readers
+        )
 
     def _want(self, indices: np.ndarray) -> None:
         if self.sources is None:
@@ -421,7 +428,8 @@ def _remote_mode(
     """How a split's shards are read: ``(cache or None, whole shards, shards kept open)``.
 
     Local: mmap, all of them. Remote with a cache: whole shards into the cache — all kept open
-    for a global shuffle (which needs the split to fit the cache), a window of them otherwise.
+    (mapped, read as local shards are) when the split fits the cache, a window of them otherwise
+    (a global shuffle needs the split to fit).
     Remote without one (or a global shuffle that does not fit): whole shards in memory for the
     sequential shuffles, one range request per record for the global one.
     """
@@ -430,10 +438,10 @@ def _remote_mode(
     window = 2 * plan.block_shards
     total = sum(s.num_bytes for s in split.shards)
     if cache is not None:
-        if plan.shuffle is not Shuffle.GLOBAL:
-            return cache, True, window
         if cache.limit is None or total <= cache.limit:
             return cache, True, None
+        if plan.shuffle is not Shuffle.GLOBAL:
+            return cache, True, window
         key = f"{ds.path}/{split.name}"
         if key not in _warned:
             _warned.add(key)

@@ -1,7 +1,8 @@
 """Stage 2 of the read pipeline: global sample indices → `Frames`, the checked payloads of a batch.
 
 Local shards are memory-mapped (GZIP shards inflated once, remote shards loaded whole when the
-plan reads them sequentially); every record's header and payload CRC is checked for the whole
+plan reads them sequentially; a remote shard in the cache is its entry's mapping, read exactly as a
+local shard is once the reader keeps it for good); every record's header and payload CRC is checked for the whole
 batch at once with the one checker, `crossfeed.format.frames`. Two forms of the same payloads:
 
 * **views** — one zero-copy ``memoryview`` per record (big records, images, mixed layouts);
@@ -215,7 +216,7 @@ class FrameReader:
         self._index: np.ndarray | None = None  # see `_all_index`
         self._fits: set[int] = set()  # shards whose every index entry lies inside the loaded stream
         self._u8: dict[int, tuple] = {}  # shard → (buffer, its uint8 array)
-        self._ready: dict[int, tuple] = {}  # the same, for local shards whose index fits their stream
+        self._ready: dict[int, tuple] = {}  # the same, for shards mapped for good (`_kept`) whose index fits
         self._sizes = np.zeros(len(split.counts), dtype=np.int64)  # shard → its stream's size, once loaded
         self._span = Span({}, len(split.counts))  # the ready shards as one array (`Span`), grown as shards get ready
         # once the span holds every (non-empty) shard of a small split read as rows, the span and
@@ -234,9 +235,9 @@ class FrameReader:
         return self.split.entries(s, k) if self._large else np.take(self.split.index(s), k, axis=0)
 
     def small_records(self) -> bool:
-        """Whether the split's records are local and small enough for rows (judged by the
-        first shard's index)."""
-        if not len(self.split.counts) or self.split.file(0).storage.remote:
+        """Whether the split's records are small enough for rows (judged by the first shard's
+        index) and read from local mappings: local shards, or remote ones through the cache."""
+        if not len(self.split.counts) or (self.split.file(0).storage.remote and self.cache is None):
             return False
         if self._large:  # judged by its first entries
             index = self.split.entries(0, np.arange(min(int(self.split.counts[0]), 4096), dtype=np.int64))
@@ -308,9 +309,10 @@ class FrameReader:
         return self._diagnose(indices, offs, lens, shard, present, bufs, on_error)
 
     def _span_of(self, present: list[int], entries: list[tuple]) -> Span:
-        """A `Span` holding every shard of the batch: the reader's span of its ready (local,
-        mapped for good) shards, grown when a batch first touches one; or, for a batch with
-        remote shards loaded whole (which may be evicted), a span of this batch's shards."""
+        """A `Span` holding every shard of the batch: the reader's span of its ready (mapped for
+        good: local or kept in the cache, `_kept`) shards, grown when a batch first touches one;
+        or, for a batch with shards that may be evicted (a window of them loaded whole), a span
+        of this batch's shards."""
         span = self._span
         if (span.base[present] >= 0).all():
             return span
@@ -537,9 +539,17 @@ class FrameReader:
         if got is None or got[0] is not buf:
             got = self._u8[s] = (buf, np.frombuffer(buf, dtype=np.uint8))
             self._sizes[s] = len(got[1])
-            if not self.split.file(s).storage.remote and s in self._fits:
-                self._ready[s] = got  # local: mapped for good, checked; later batches skip `_buffer`
+            if s in self._fits and self._kept(s):
+                self._ready[s] = got  # mapped for good, checked: later batches skip `_buffer`
         return got
+
+    def _kept(self, s: int) -> bool:
+        """Whether shard ``s``'s mapping stays for the reader's life: a local shard, or a cached
+        remote one when no window evicts shards (``keep_loaded`` None) — the cache entry pinned
+        and mapped until `close`, read exactly as a local shard is (same span, same fast paths)."""
+        if not self.split.file(s).storage.remote:
+            return True
+        return self.cache is not None and self.keep_loaded is None and s in self._cached
 
     def _all_index(self) -> np.ndarray:
         """``(N, 2)`` ``(offset, length)`` of every record of the split, by global index (built
