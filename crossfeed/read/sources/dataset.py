@@ -318,6 +318,9 @@ class Split:
                 mode = os.stat(where).st_mode
             except OSError:
                 continue  # missing: reported where it is read
+            if not stat.S_ISREG(mode):
+                reason = "not a regular file (a directory, FIFO or device); shards and index files are plain files"
+                raise IndexFileError(f"{where}: {reason}") if error else CorruptRecordError(where, 0, reason)
             real = os.path.realpath(where)
             allowed = (*self.dataset.allowed_roots, *roots.from_env())
             if not roots.within(real, os.path.realpath(storage.root), allowed):
@@ -325,9 +328,6 @@ class Split:
                     f"{where}: a symbolic link to {real}, outside the dataset ({storage.root}); crossfeed "
                     f"follows links out of a dataset only to a root you allow: {roots.how_to_allow(os.path.dirname(real))}"
                 )
-            if not stat.S_ISREG(mode):
-                reason = "not a regular file (a directory, FIFO or device); shards and index files are plain files"
-                raise IndexFileError(f"{where}: {reason}") if error else CorruptRecordError(where, 0, reason)
 
     def _is_gzip(self, shard: int) -> bool:
         f = self._files[shard]
