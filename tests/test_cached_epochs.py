@@ -7,49 +7,17 @@ oracle is the generator that wrote the samples (a sample's values are a function
 
 from __future__ import annotations
 
-import functools
-import http.server
 import os
-import threading
 
 import numpy as np
 import pytest
+from http_helpers import serving
 
 import crossfeed
 
 pytest.importorskip("aiohttp")
 
 SHUFFLES = ("global", "block", "none")
-
-
-class _Ranges(http.server.SimpleHTTPRequestHandler):
-    """Static files with Range support."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *a):
-        pass
-
-    def end_headers(self):
-        self.send_header("Accept-Ranges", "bytes")
-        super().end_headers()
-
-    def do_GET(self):
-        rng = self.headers.get("Range")
-        path = self.translate_path(self.path)
-        if not rng or not os.path.isfile(path):
-            return super().do_GET()
-        size = os.path.getsize(path)
-        a, b = rng.split("=")[1].split("-")
-        start, stop = int(a), min(size, int(b) + 1 if b else size)
-        with open(path, "rb") as f:
-            f.seek(start)
-            body = f.read(stop - start)
-        self.send_response(206)
-        self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{size}")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
 
 def _image(i: int, side: int) -> np.ndarray:
@@ -67,14 +35,8 @@ def served(request, tmp_path_factory):
     side, n, shards = SIZES[request.param]
     root = tmp_path_factory.mktemp(request.param) / "ds"
     crossfeed.write_dataset(root, ({"image": _image(i, side), "id": i} for i in range(n)), num_shards=shards).close()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Ranges, directory=str(root)))
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield root, f"http://127.0.0.1:{server.server_address[1]}", side
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(root) as url:
+        yield root, url, side
 
 
 def _epoch(loader) -> tuple[list[dict], dict]:

@@ -3,14 +3,12 @@ exact and elastic resumption, remote sources, bad records, transforms."""
 
 from __future__ import annotations
 
-import functools
-import http.server
 import io
 import os
-import threading
 
 import numpy as np
 import pytest
+from http_helpers import serving
 from loader_helpers import assert_resumes_identically, epoch_batches
 
 import crossfeed
@@ -311,36 +309,10 @@ def test_memory_filesystem_source(tabular):
         assert sorted(np.concatenate(remote).tolist()) == list(range(1001))
 
 
-class _RangeHandler(http.server.SimpleHTTPRequestHandler):
-    """Static files with HTTP Range support (what fsspec's range reads need)."""
-
-    def log_message(self, *args):
-        pass
-
-    def send_head(self):
-        rng = self.headers.get("Range")
-        path = self.translate_path(self.path)
-        if not rng or not os.path.isfile(path):
-            return super().send_head()
-        data = open(path, "rb").read()
-        start, _, stop = rng.replace("bytes=", "").partition("-")
-        start, stop = int(start), (int(stop) if stop else len(data) - 1)
-        body = data[start : stop + 1]
-        self.send_response(206)
-        self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        return io.BytesIO(body)
-
-
 def test_http_source_with_range_reads(tabular):
     pytest.importorskip("aiohttp")
     root, samples = tabular
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_RangeHandler, directory=str(root)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with serving(root) as url:
         with Loader(url, batch_size=128, seed=6, shuffle="global") as loader:  # record-by-record range reads
             ids = np.concatenate([b["id"] for b in loader])
         assert sorted(ids.tolist()) == list(range(1001))
@@ -348,6 +320,3 @@ def test_http_source_with_range_reads(tabular):
             b = next(iter(loader))
         for j, _i in enumerate(b[INDEX_KEY][:10]):
             np.testing.assert_array_equal(b["x"][j], samples[int(b["id"][j])]["x"])
-    finally:
-        server.shutdown()
-        server.server_close()
