@@ -47,6 +47,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from http_helpers import RangeFiles  # noqa: E402  (static files with Range support)
+
 from benchmarks.link import Link  # noqa: E402
 
 SIDE = 224
@@ -71,36 +74,6 @@ def streaming_base():
     except ImportError:
         return None
     return base
-
-
-class _Files(http.server.SimpleHTTPRequestHandler):
-    """Static files with Range support (the link adds the latency and the bandwidth cap)."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *a):
-        pass
-
-    def end_headers(self):
-        self.send_header("Accept-Ranges", "bytes")
-        super().end_headers()
-
-    def do_GET(self):
-        rng = self.headers.get("Range")
-        path = self.translate_path(self.path)
-        if not rng or not os.path.isfile(path):
-            return super().do_GET()
-        size = os.path.getsize(path)
-        a, b = rng.split("=")[1].split("-")
-        start, stop = int(a), min(size, int(b) + 1 if b else size)
-        with open(path, "rb") as f:
-            f.seek(start)
-            body = f.read(stop - start)
-        self.send_response(206)
-        self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{size}")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
 
 def make_data(root: str, n: int) -> None:
@@ -293,7 +266,7 @@ def main(argv=None) -> None:
     root = os.path.join(a.data, str(a.samples))
     make_data(root, a.samples)
     bw, per = parse_size(a.bandwidth), parse_size(a.per_connection)
-    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Files, directory=root))
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(RangeFiles, directory=root))
     files.daemon_threads = True
     threading.Thread(target=files.serve_forever, daemon=True).start()
     http_link = Link(files.server_address[1], bw, a.latency, per)

@@ -30,7 +30,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from benchmarks.bench_cache import _Files  # noqa: E402  (static files with Range support)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from http_helpers import RangeFiles  # noqa: E402  (static files with Range support)
 
 SHARDS = 8
 SIDES = {"small": 32, "large": 224}
@@ -47,7 +48,7 @@ def make_data(root: str, side: int, n: int) -> None:
 
 
 def serve(root: str):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Files, directory=root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(RangeFiles, directory=root))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 

@@ -83,6 +83,14 @@ OnErrorOpt = Annotated[
 ]
 MaxSkipsOpt = Annotated[int | None, typer.Option("--max-skips", min=0, help="Most bad records to skip before failing.")]
 LabelOpt = Annotated[str | None, typer.Option("--label", help="Column/array stored as the feature 'label'.")]
+TypesOpt = Annotated[str | None, typer.Option("--types", help="Column types, e.g. age:int64,name:string.")]
+LabelClassesOpt = Annotated[
+    bool,
+    typer.Option(
+        "--label-classes/--no-label-classes",
+        help="Store a string --label column as class indices, names in the manifest (class_names).",
+    ),
+]
 VerifyOpt = Annotated[bool, typer.Option("--verify/--no-verify", help="Check every record of what was written.")]
 OverwriteOpt = Annotated[
     bool, typer.Option("--overwrite", help="Replace the dataset OUT holds, all of it (refused otherwise).")
@@ -139,20 +147,14 @@ def csv(
     src: Src,
     out: Out,
     label: LabelOpt = None,
-    types: Annotated[str | None, typer.Option("--types", help="Column types, e.g. age:int64,name:string.")] = None,
+    types: TypesOpt = None,
     names: Annotated[
         str | None, typer.Option("--names", help="Column names, comma-separated (replace the header).")
     ] = None,
     header: Annotated[bool, typer.Option("--header/--no-header", help="The first line names the columns.")] = True,
     skip_rows: Annotated[int, typer.Option("--skip-rows", min=0, help="Lines to skip before the header.")] = 0,
     delimiter: Annotated[str, typer.Option("--delimiter", help="Field separator.")] = ",",
-    label_classes: Annotated[
-        bool,
-        typer.Option(
-            "--label-classes/--no-label-classes",
-            help="Store a string --label column as class indices, names in the manifest (class_names).",
-        ),
-    ] = True,
+    label_classes: LabelClassesOpt = True,
     *,
     common: dict,
     bad_records: dict,
@@ -180,15 +182,9 @@ def parquet(
     src: Src,
     out: Out,
     label: LabelOpt = None,
-    types: Annotated[str | None, typer.Option("--types", help="Column types, e.g. age:int64,name:string.")] = None,
+    types: TypesOpt = None,
     columns: Annotated[str | None, typer.Option("--columns", help="Columns to keep, comma-separated.")] = None,
-    label_classes: Annotated[
-        bool,
-        typer.Option(
-            "--label-classes/--no-label-classes",
-            help="Store a string --label column as class indices, names in the manifest (class_names).",
-        ),
-    ] = True,
+    label_classes: LabelClassesOpt = True,
     *,
     common: dict,
     bad_records: dict,
