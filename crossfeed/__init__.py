@@ -25,15 +25,15 @@ from crossfeed.format.schema import Encoding, Feature, Schema
 from crossfeed.read.loader import Loader
 from crossfeed.read.options import LoaderOptions, PlanOptions, ReadOptions, Remainder, ShardOptions, Shuffle, Source
 from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
-from crossfeed.write import writer as _writer
+from crossfeed.write.writer import write_samples
 
 __version__ = "0.1.0"
 
 
 def write_dataset(path, samples, **options) -> Dataset:
     """Write ``samples`` as a split of the dataset at ``path`` and return it opened: the options
-    and the atomic commit are `crossfeed.write.writer.write_dataset`'s."""
-    return open_dataset(_writer.write_dataset(path, samples, **options))
+    and the atomic commit are `crossfeed.write.writer.write_samples`'s."""
+    return open_dataset(write_samples(path, samples, **options))
 
 
 # The network plane pulls in pyzmq: imported on first use, so `import crossfeed` stays light.

@@ -9,6 +9,7 @@ registered with.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import struct
 
@@ -99,7 +100,10 @@ def _fake_server(ctx: zmq.Context):
     return sock, f"tcp://127.0.0.1:{port}"
 
 
-def test_a_zero_element_message_from_one_server_does_not_end_the_stream_from_the_other():
+@contextlib.contextmanager
+def _fake_beside_a_real_server():
+    """A client reading from a real server (24 samples) and from a raw fake one: yields the
+    client, the fake's socket and the client's routing id there."""
     ctx = zmq.Context()
     fake, fake_address = _fake_server(ctx)
     opts = ServerOptions(("tcp://127.0.0.1:0",), epochs=1, heartbeat=P.Heartbeat(0.1, 2.0))
@@ -108,17 +112,21 @@ def test_a_zero_element_message_from_one_server_does_not_end_the_stream_from_the
             addresses = [fake_address, good.endpoints[0]]
             with connect(addresses, with_meta=True, on_loss="continue", **FAST_HB) as client:
                 assert fake.poll(20_000)
-                peer = fake.recv_multipart()[0]
-                for seq, dims in enumerate([(0, 2**63), (5, 0, 2**62)]):
-                    for kind in (wire.ARRAY, wire.STR_OBJECT, wire.RAGGED):
-                        env = P.pack(P.Kind.BATCH, seq, 0, instance=7)
-                        fake.send_multipart([peer, env, *zero_element(kind, dims, seq=seq)])
-                fake.send_multipart([peer, P.pack(P.Kind.END_OF_STREAM, 1, instance=7)])
-                ids = sorted(i for meta, _ in client for i in meta.sample_ids.tolist())
-                dropped = client.dropped_messages
+                yield client, fake, fake.recv_multipart()[0]
     finally:
         fake.close()
         ctx.term()
+
+
+def test_a_zero_element_message_from_one_server_does_not_end_the_stream_from_the_other():
+    with _fake_beside_a_real_server() as (client, fake, peer):
+        for seq, dims in enumerate([(0, 2**63), (5, 0, 2**62)]):
+            for kind in (wire.ARRAY, wire.STR_OBJECT, wire.RAGGED):
+                env = P.pack(P.Kind.BATCH, seq, 0, instance=7)
+                fake.send_multipart([peer, env, *zero_element(kind, dims, seq=seq)])
+        fake.send_multipart([peer, P.pack(P.Kind.END_OF_STREAM, 1, instance=7)])
+        ids = sorted(i for meta, _ in client for i in meta.sample_ids.tolist())
+        dropped = client.dropped_messages
     assert ids == list(range(24))
     assert dropped == 6
 
@@ -135,22 +143,12 @@ def test_an_unexpected_error_decoding_one_servers_message_drops_that_server_only
         return meta, batch
 
     monkeypatch.setattr(wire, "decode", decode)
-    ctx = zmq.Context()
-    fake, fake_address = _fake_server(ctx)
-    opts = ServerOptions(("tcp://127.0.0.1:0",), epochs=1, heartbeat=P.Heartbeat(0.1, 2.0))
-    try:
-        with Server(Synthetic(num_samples=24, batch_size=4, delay=0.02), opts) as good:
-            addresses = [fake_address, good.endpoints[0]]
-            with connect(addresses, with_meta=True, on_loss="continue", **FAST_HB) as client:
-                assert fake.poll(20_000)
-                peer = fake.recv_multipart()[0]
-                batch = wire.encode({"x": np.zeros(2)}, wire.BatchMeta(seq=0, server_id="evil"))
-                fake.send_multipart([peer, P.pack(P.Kind.BATCH, 0, 0, instance=7), *batch])
-                ids = sorted(i for meta, _ in client for i in meta.sample_ids.tolist())
-                lost, dropped = client.lost, client.dropped_messages
-    finally:
-        fake.close()
-        ctx.term()
+    with _fake_beside_a_real_server() as (client, fake, peer):
+        batch = wire.encode({"x": np.zeros(2)}, wire.BatchMeta(seq=0, server_id="evil"))
+        fake.send_multipart([peer, P.pack(P.Kind.BATCH, 0, 0, instance=7), *batch])
+        ids = sorted(i for meta, _ in client for i in meta.sample_ids.tolist())
+        lost, dropped = client.lost, client.dropped_messages
+        fake_address = client.addresses[0]  # the fake is named first
     assert ids == list(range(24))
     assert [x.address for x in lost] == [fake_address]
     assert "ValueError" in lost[0].reason and dropped == 1

@@ -1,1 +1,1 @@
-"""Writing (layer 3, beside `read`): `writer` (`write_dataset`), `staging` and `commit` (the atomic commit protocol), and `adopt/` (adopting data other tools wrote)."""
+"""Writing (layer 3, beside `read`): `writer` (`write_samples`, behind `crossfeed.write_dataset`), `staging` and `commit` (the atomic commit protocol), and `adopt/` (adopting data other tools wrote)."""

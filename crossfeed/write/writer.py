@@ -1,4 +1,5 @@
-"""Writing datasets without TensorFlow: `write_dataset`, for data one process can produce.
+"""Writing datasets without TensorFlow: `write_samples` (behind `crossfeed.write_dataset`), for
+data one process can produce.
 
 It stages shards (`crossfeed.write.staging`), gathers each feature's statistics, and commits
 them atomically (`crossfeed.write.commit`) — the pieces the Beam jobs use from many workers. A
@@ -27,7 +28,7 @@ DEFAULT_SHARD_SIZE = 256 << 20
 log = logging.getLogger(__name__)
 
 
-def write_dataset(
+def write_samples(
     path,
     samples: Iterable[Mapping],
     *,
