@@ -7,14 +7,21 @@ PIP    := $(VENV)/bin/pip
 # the full packages through the extras (crossfeed[tf], crossfeed[torch]).
 DEV_PINS := "tensorflow-cpu==2.21.0" "torch==2.13.0"
 
-.PHONY: install demo shell test bench bench-env mutants lint clean
+.PHONY: install prometheus demo shell test bench bench-env mutants lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(DEV_PINS)
-	$(PIP) install -q -e ".[torch,beam,http,dev]"
+	$(PIP) install -q -e ".[torch,beam,http,jax,grain,text,metrics,dev]"
 	touch $@
+
+# the Prometheus server the metrics tests scrape with (Debian's package; CI runs as root)
+PROMETHEUS := $(shell command -v prometheus 2>/dev/null)
+prometheus:
+ifeq ($(PROMETHEUS),)
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
+endif
 
 install: $(VENV)/.installed
 
@@ -29,7 +36,7 @@ demo: install
 shell:
 	@echo $(ACTIVATE_NOTE)
 
-test: install
+test: install prometheus
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q

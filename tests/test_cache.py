@@ -20,7 +20,7 @@ import pytest
 
 import crossfeed
 from crossfeed.config import parse_size
-from crossfeed.io.cache import ShardCache
+from crossfeed.io.cache import Prefetcher, ShardCache
 from crossfeed.io.storage import Storage
 
 pytest.importorskip("aiohttp")
@@ -430,7 +430,7 @@ def test_a_failed_range_request_is_tried_again_and_a_dead_server_is_a_clear_erro
 
 _FORKED = """
 import hashlib, os, signal, sys
-from crossfeed.io.cache import ShardCache
+from crossfeed.io.cache import Prefetcher, ShardCache
 from crossfeed.io.storage import Storage
 url, root, cache_dir, rel = sys.argv[1:]
 data = open(os.path.join(root, rel), "rb").read()
@@ -485,3 +485,22 @@ def test_a_finished_range_is_written_at_once_not_held_for_an_earlier_one(served,
     path = cache.fetch(Storage(url), rel, hashlib.sha256(want).hexdigest(), len(want))
     assert seen == [True]
     assert open(path, "rb").read() == want
+
+
+def test_downloads_ahead_never_push_the_entries_in_use_over_the_limit(served, tmp_path):
+    url, root, _ = served
+    shards = [s for s in crossfeed.open_dataset(root).splits["train"].shards]
+    biggest = max(s.num_bytes for s in shards)
+    cache = ShardCache(tmp_path / "c", int(2.5 * biggest))
+    storage = Storage(url)
+    used = [cache.fetch(storage, s.file, s.sha256, s.num_bytes) for s in shards[:2]]  # the reader's window
+    prefetcher = Prefetcher(cache)
+    prefetcher.want([(storage, s.file, s.sha256, s.num_bytes) for s in shards[2:]])
+    prefetcher.close()
+    assert cache.downloads == 2  # no room beside the two in use: the reader fetches the next itself
+    for path in used:
+        cache.release(path)
+    prefetcher = Prefetcher(cache)
+    prefetcher.want([(storage, s.file, s.sha256, s.num_bytes) for s in shards[2:]])
+    prefetcher.close()
+    assert cache.downloads == 4 and cache.size() <= cache.limit  # two fit once nothing is in use

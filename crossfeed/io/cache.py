@@ -110,6 +110,7 @@ class ShardCache:
         self._ranges_pid = 0
         self._claim()
         self._pinned: dict[str, int] = {}  # entries this process has open → open count
+        self._pinned_sizes: dict[str, int] = {}  # … → its size (what `room` subtracts)
         self._verified: set[str] = set()  # entries this process downloaded or hashed
         self._lock = threading.Lock()
         self.downloads = 0  # shards this process downloaded (for tests and `bench`)
@@ -195,7 +196,7 @@ class ShardCache:
         what the shard's index declares), valid however long it is held, even if the entry is
         removed meanwhile."""
         name = self.name_of(sha256, rel)
-        self._pin(name)
+        self._pin(name, size)
         try:
             for _ in range(OPEN_TRIES):
                 got = self._map(name, sha256, size, stream_limit)
@@ -251,12 +252,23 @@ class ShardCache:
                 self._pinned[name] = n
                 return
             self._pinned.pop(name, None)
+            self._pinned_sizes.pop(name, None)
         with contextlib.suppress(OSError):  # a root gone meanwhile is reported by the next use
             self._evict()
 
-    def _pin(self, name: str) -> None:
+    def _pin(self, name: str, size: int) -> None:
         with self._lock:
             self._pinned[name] = self._pinned.get(name, 0) + 1
+            self._pinned_sizes[name] = size
+
+    def room(self, besides: frozenset[str] | set[str] = frozenset()) -> int | None:
+        """Bytes of ``limit`` not held by this process's pinned entries other than ``besides``
+        (None: no limit): what downloads ahead of use may take without pushing the entries in
+        use over the limit."""
+        if self.limit is None:
+            return None
+        with self._lock:
+            return self.limit - sum(n for name, n in self._pinned_sizes.items() if name not in besides)
 
     def _map(self, name: str, sha256: str, size: int, stream_limit: int | None = None):
         """The entry's stream, opened with ``O_NOFOLLOW`` and checked (a regular file of
@@ -544,17 +556,23 @@ class Prefetcher:
     def __init__(self, cache: ShardCache, workers: int = 4):
         self.cache = cache
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="crossfeed-prefetch")
-        self._inflight: dict[str, Future] = {}
+        self._inflight: dict[str, tuple[Future, int]] = {}  # name → (download, size)
         self._lock = threading.Lock()
 
     def want(self, jobs) -> None:
+        """Queue the jobs, in order, while the cache has room for them beside the entries in use
+        and the downloads in flight (a job that does not fit is left to the reader, which
+        fetches it when it needs it: a bounded cache stays within one shard of its limit)."""
         for storage, rel, sha256, size in jobs:
             name = self.cache.name_of(sha256, rel)
             with self._lock:
-                f = self._inflight.get(name)
-                if (f is not None and not f.done()) or self.cache.has(sha256, rel, size):
+                self._inflight = {n: fs for n, fs in self._inflight.items() if not fs[0].done()}
+                if name in self._inflight or self.cache.has(sha256, rel, size):
                     continue
-                self._inflight[name] = self._pool.submit(self._one, storage, rel, sha256, size, name)
+                room = self.cache.room(besides=set(self._inflight))
+                if room is not None and size + sum(n for _, n in self._inflight.values()) > room:
+                    return
+                self._inflight[name] = (self._pool.submit(self._one, storage, rel, sha256, size, name), size)
 
     def _one(self, storage, rel, sha256, size, name) -> None:
         try:
