@@ -120,6 +120,7 @@ class ShardInfo:
     sha256: str
     index_sha256: str | None = None  # sha256 of the .idx file; None in manifests of older crossfeed
     row_groups: tuple[int, ...] | None = None  # Parquet: the rows of each row group (from the footer)
+    lengths_sha256: str | None = None  # sha256 of the .len file (`crossfeed.format.lengths`), if any
 
     @property
     def compressed(self) -> bool:
@@ -131,6 +132,8 @@ class ShardInfo:
             d["index_sha256"] = self.index_sha256
         if self.row_groups is not None:
             d["row_groups"] = list(self.row_groups)
+        if self.lengths_sha256 is not None:
+            d["lengths_sha256"] = self.lengths_sha256
         return d
 
 
@@ -167,15 +170,21 @@ class Manifest:
     # Where the shards lie when not beside the manifest (an adopted read-only or remote directory,
     # `crossfeed index --index-dir`): an absolute path or URL. Index files stay beside the manifest.
     data_root: str | None = None
+    # The features whose per-record lengths lie beside each shard (`crossfeed.format.lengths`),
+    # in the lengths files' column order
+    lengths: tuple[str, ...] = ()
 
     @property
     def files(self) -> set[str]:
-        """Every file of the dataset: shards and their index files (plain names)."""
+        """Every file of the dataset: shards, their index files and lengths files (plain names)."""
         return {
             n
             for s in self.splits.values()
             for sh in s.shards
-            for n in ((sh.file,) if s.format == "parquet" else (sh.file, sh.file + ".idx"))
+            for n in (
+                ((sh.file,) if s.format == "parquet" else (sh.file, sh.file + ".idx"))
+                + ((sh.file + ".len",) if sh.lengths_sha256 is not None else ())
+            )
         }
 
     def to_json(self) -> dict:
@@ -199,6 +208,8 @@ class Manifest:
             d["generation"] = self.generation
         if self.data_root is not None:
             d["data_root"] = self.data_root
+        if self.lengths:
+            d["lengths"] = list(self.lengths)
         return d
 
     @classmethod
@@ -317,7 +328,7 @@ class _Validator:
             raise ManifestError(
                 f"{self.where}: manifest version {short_repr(d.get('version'))}; this crossfeed reads version {VERSION}"
             )
-        unknown = set(d) - {"format", "version", "schema", "splits", "metadata", "generation", "data_root"}
+        unknown = set(d) - {"format", "version", "schema", "splits", "metadata", "generation", "data_root", "lengths"}
         if unknown:
             self.fail(sorted(unknown)[0], "unknown field")
         schema = self.schema(d.get("schema"))
@@ -333,7 +344,24 @@ class _Validator:
             splits[name] = self.split(name, s, seen)
         metadata = self.json_(d.get("metadata", {}), "metadata")
         generation = self.int_(d.get("generation", 0), "generation")
-        return Manifest(schema, splits, metadata, generation, self.data_root(d.get("data_root")))
+        lengths = self.lengths(d.get("lengths", []), schema, splits)
+        return Manifest(schema, splits, metadata, generation, self.data_root(d.get("data_root")), lengths)
+
+    def lengths(self, v, schema, splits) -> tuple[str, ...]:
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            self.fail("lengths", f"expected a list of feature names, got {json_kind(v)}")
+        names = set(schema.names)
+        for i, x in enumerate(v):
+            if x not in names:
+                self.fail(f"lengths[{i}]", f"{short_repr(x)} is not a feature of the schema")
+        if len(set(v)) != len(v):
+            self.fail("lengths", "a feature is listed twice")
+        pinned = [sh.lengths_sha256 is not None for s in splits.values() for sh in s.shards]
+        if v and not all(pinned):
+            self.fail("lengths", "every shard needs a lengths_sha256 when the manifest lists lengths")
+        if not v and any(pinned):
+            self.fail("lengths", "shards have lengths_sha256 but the manifest lists no lengths features")
+        return tuple(v)
 
     def data_root(self, v) -> str | None:
         if v is None:
@@ -418,7 +446,15 @@ class _Validator:
 
     def shard(self, at: str, sh, seen: dict, fmt: str) -> ShardInfo:
         self.dict_(sh, at)
-        unknown = set(sh) - {"file", "num_records", "num_bytes", "sha256", "index_sha256", "row_groups"}
+        unknown = set(sh) - {
+            "file",
+            "num_records",
+            "num_bytes",
+            "sha256",
+            "index_sha256",
+            "row_groups",
+            "lengths_sha256",
+        }
         missing = {"file", "num_records", "num_bytes", "sha256"} - set(sh)
         if unknown or missing:
             self.fail(
@@ -446,6 +482,7 @@ class _Validator:
             self.hex_(sh["sha256"], f"{at}.sha256"),
             None if index_sha is None else self.hex_(index_sha, f"{at}.index_sha256"),
             row_groups,
+            None if sh.get("lengths_sha256") is None else self.hex_(sh["lengths_sha256"], f"{at}.lengths_sha256"),
         )
 
     def row_groups(self, at: str, sh: dict, fmt: str, n: int) -> tuple[int, ...] | None:

@@ -1,0 +1,59 @@
+"""Lengths files: the per-record lengths of a dataset's variable-length features (the tokens
+of a tokenized corpus), beside each shard, so a plan can pack rows or bucket batches from
+integers without reading a record.
+
+``NAME.len`` beside shard ``NAME``: a little-endian ``uint32`` array of shape
+``(num_records, k)`` in record order, no header, where the manifest's ``lengths`` lists the
+``k`` features in column order (a feature's length is its number of values: a record's token
+count). The manifest's ``lengths_sha256`` of each shard pins the file's bytes, so a lengths
+file is trusted only once its size and checksum match (`checked_lengths`); a reader also checks
+every record it decodes against the length the plan used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+
+from crossfeed.errors import IndexFileError
+
+DTYPE = np.dtype("<u4")
+SUFFIX = ".len"
+
+
+def lengths_path(shard_path: str | os.PathLike) -> str:
+    """The lengths file beside a shard: ``train-00000-of-00004.tfrecord`` → ``….len``."""
+    return str(shard_path) + SUFFIX
+
+
+def format_lengths(lengths) -> bytes:
+    """The file's bytes for ``lengths`` (``(num_records, k)`` non-negative integers; a 1-D array
+    is one feature)."""
+    arr = np.asarray(lengths)
+    if arr.ndim == 1:
+        arr = arr[:, None]
+    if arr.ndim != 2 or (arr.size and (arr.min() < 0 or arr.max() > np.iinfo(DTYPE).max)):
+        raise ValueError(f"lengths must be a (records, features) array of uint32 values, got shape {arr.shape}")
+    return np.ascontiguousarray(arr, dtype=DTYPE).tobytes()
+
+
+def checked_lengths(data, where: str, shard, features: int) -> np.ndarray:
+    """The ``(num_records, features)`` read-only array a lengths file holds, checked: its size
+    is exactly ``num_records × features × 4`` bytes and, where the manifest pins it
+    (``shard.lengths_sha256``), its sha256 matches. Raises `IndexFileError` naming the file."""
+    fix = "rebuild the dataset's lengths (convert it again, or `crossfeed index --force`)"
+    view = memoryview(data)
+    want = shard.num_records * features * DTYPE.itemsize
+    if view.nbytes != want:
+        raise IndexFileError(
+            f"{where}: {view.nbytes} bytes, expected {want} ({shard.num_records} records × {features} "
+            f"lengths × 4 bytes); {fix}"
+        )
+    sha = getattr(shard, "lengths_sha256", None)
+    if sha is not None and hashlib.sha256(view).hexdigest() != sha:
+        raise IndexFileError(f"{where}: sha256 differs from the manifest's lengths_sha256; {fix}")
+    arr = np.frombuffer(view, dtype=DTYPE).reshape(shard.num_records, features)
+    arr.flags.writeable = False
+    return arr
