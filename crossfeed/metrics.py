@@ -17,7 +17,7 @@ The endpoint is plain, unauthenticated HTTP and binds 127.0.0.1 unless told othe
 reaches it reads the counters (ids, addresses, rates; never data). Bind another address only on
 a network you trust, or put it behind a proxy that authenticates.
 
-Metric names (`docs/observability-prometheus.md` lists them with their labels):
+Metric names (`docs/serve-and-dispatch.md#metrics-and-crossfeed-top` lists them with their labels):
     crossfeed_batches_total, _samples_total, _bytes_total   delivered (server) / consumed (rank)
     crossfeed_stage_seconds_total{stage}                    a Loader's seconds per stage
     crossfeed_consumer_wait_seconds (histogram)             a training loop's wait for each batch
