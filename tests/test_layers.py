@@ -27,10 +27,17 @@ LAYERS = [
     ("crossfeed.format",),
     ("crossfeed.io",),
     ("crossfeed.read", "crossfeed.write"),
-    ("crossfeed.net.protocol", "crossfeed.net.addresses", "crossfeed.net.keys", "crossfeed.net.observe"),
+    (
+        "crossfeed.net.protocol",
+        "crossfeed.net.addresses",
+        "crossfeed.net.keys",
+        "crossfeed.net.observe",
+        "crossfeed.net.status",
+    ),
     ("crossfeed.net.stream",),
     ("crossfeed.net.lease",),
     ("crossfeed.net.connect", "crossfeed.net"),
+    ("crossfeed.metrics",),  # the Prometheus exporter: reads net's and read's counters
     ("crossfeed.adapters", "crossfeed.cli", "crossfeed.beam_jobs", "crossfeed.demo", "crossfeed"),
 ]
 SIBLINGS = [("crossfeed.read", "crossfeed.write")]

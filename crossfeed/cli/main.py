@@ -55,7 +55,7 @@ def _silence_stdout() -> None:
 # puts sub-groups such as `convert` after every plain command). Commands not named here come last.
 COMMAND_ORDER = (
     "convert", "index", "info", "head", "verify", "bench",
-    "serve", "dispatch", "mon", "stat", "show", "cache", "keygen",
+    "serve", "dispatch", "mon", "stat", "show", "top", "cache", "keygen",
 )  # fmt: skip
 
 
@@ -142,6 +142,7 @@ GROUPS = (
     "crossfeed.cli.bench",
     "crossfeed.cli.net",
     "crossfeed.cli.watch",
+    "crossfeed.cli.top",
     "crossfeed.cli.cache",
 )
 

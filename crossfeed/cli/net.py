@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import signal
@@ -17,6 +18,33 @@ from crossfeed.errors import ConfigError
 from crossfeed.read.options import LoaderOptions
 
 logger = logging.getLogger(__name__)
+
+
+Metrics = Annotated[
+    str | None,
+    typer.Option(
+        "--metrics",
+        help="Serve Prometheus metrics on HOST:PORT (port 0: any free one), unauthenticated HTTP: keep it on "
+        "127.0.0.1 unless the network is trusted.",
+    ),
+]
+
+
+@contextlib.contextmanager
+def _metrics_endpoint(address: str | None, how: str, target):
+    """The Prometheus endpoint of `target` (`crossfeed.metrics.<how>`) while the block runs; its
+    URL on stderr (port 0 bound a free one)."""
+    if address is None:
+        yield None
+        return
+    import crossfeed.metrics
+
+    endpoint = getattr(crossfeed.metrics, how)(target, address)
+    typer.echo(f"metrics (Prometheus, unauthenticated HTTP) on {endpoint.url}", err=True)
+    try:
+        yield endpoint
+    finally:
+        endpoint.close()
 
 
 class ServeMode(str, enum.Enum):
@@ -106,6 +134,16 @@ def serve(
         Path | None,
         typer.Option("--dispatcher-keys", help="Dir with client.key_secret and the dispatcher's server.key (CURVE)."),
     ] = None,
+    metrics: Metrics = None,
+    metrics_linger: Annotated[
+        float,
+        typer.Option(
+            "--metrics-linger",
+            min=0,
+            help="With --metrics: after the stream ends, keep the metrics up S s so Prometheus scrapes the final "
+            "counts (SIGINT/SIGTERM end it at once).",
+        ),
+    ] = 0.0,
     *,
     options: LoaderOptions,
 ) -> None:
@@ -125,6 +163,10 @@ def serve(
         progress_timeout=progress_timeout or None,
         insecure=insecure,
     )
+    if metrics is not None:
+        from crossfeed.metrics import parse_address
+
+        parse_address(metrics)  # a bad address fails before anything starts
     if (rank is None) != (world_size is None):
         raise ConfigError("--rank and --world-size go together")
     if rank is not None:
@@ -136,11 +178,11 @@ def serve(
                 "with --dispatcher the dispatcher owns the plan: drop --rank/--world-size/--epochs/--start-epoch"
             )
         source = dispatched_source(dataset, dispatcher, options, server_options, fn, dispatcher_keys)
-        run_server(None, server_options, keys, endpoint_file, source=source)
+        run_server(None, server_options, keys, endpoint_file, source=source, metrics=(metrics, metrics_linger))
         return
     factory = LoaderEpochs(dataset, options, transform=fn)
     try:
-        run_server(factory, server_options, keys, endpoint_file)
+        run_server(factory, server_options, keys, endpoint_file, metrics=(metrics, metrics_linger))
     finally:
         factory.close()
 
@@ -173,8 +215,12 @@ def dispatched_source(dataset, dispatcher, local: LoaderOptions, options, transf
     return source
 
 
-def run_server(factory, options, keys, endpoint_file: Path | None, source=None) -> None:
-    """Serve until the stream ends or SIGINT/SIGTERM; raises CrossfeedError if the server failed."""
+def run_server(
+    factory, options, keys, endpoint_file: Path | None, source=None, metrics: tuple[str | None, float] = (None, 0.0)
+) -> None:
+    """Serve until the stream ends or SIGINT/SIGTERM; raises CrossfeedError if the server failed.
+    `metrics` (HOST:PORT, linger): Prometheus metrics of the server there while it runs, and for
+    `linger` s after the stream ended (unless a signal ended it)."""
     from crossfeed.net.stream.server import Mode, Server
 
     stop = threading.Event()
@@ -193,12 +239,16 @@ def run_server(factory, options, keys, endpoint_file: Path | None, source=None) 
             typer.echo(f"serving {how} on {' '.join(server.endpoints)}", err=True)
             if server.broadcast_endpoints:
                 typer.echo(f"broadcast (PUB: mon/stat/show; lossy) on {' '.join(server.broadcast_endpoints)}", err=True)
-            if endpoint_file is not None:
-                tmp = endpoint_file.with_name(endpoint_file.name + ".tmp")
-                tmp.write_text(bound)
-                tmp.replace(endpoint_file)
-            while not stop.is_set() and not server.wait(0.2):
-                pass
+            with _metrics_endpoint(metrics[0], "serve_server", server) as endpoint:
+                if endpoint_file is not None:
+                    tmp = endpoint_file.with_name(endpoint_file.name + ".tmp")
+                    tmp.write_text(bound)
+                    tmp.replace(endpoint_file)
+                while not stop.is_set() and not server.wait(0.2):
+                    pass
+                if endpoint is not None and metrics[1] and not stop.is_set():
+                    logger.info("the stream ended; metrics stay up for %gs", metrics[1])
+                    stop.wait(metrics[1])
         server.raise_if_failed()
     finally:
         for sig, handler in previous.items():
@@ -277,6 +327,7 @@ def dispatch(
             "timeout; above the longest pause of your training loop between two batches.",
         ),
     ] = 300.0,
+    metrics: Metrics = None,
     *,
     options: LoaderOptions,
 ) -> None:
@@ -293,6 +344,10 @@ def dispatch(
     from crossfeed.net.protocol import Heartbeat
     from crossfeed.read.loader import Loader
 
+    if metrics is not None:
+        from crossfeed.metrics import parse_address
+
+        parse_address(metrics)  # a bad address fails before anything starts
     options = options.replace(rank=0, world_size=world_size)
     with Loader(dataset, options.replace(num_threads=1)) as loader:
         per_rank = loader.batch_count()
@@ -318,7 +373,10 @@ def dispatch(
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
-        with LeaseDispatcher(plan, batches, dispatcher_options, keys=keys) as d:
+        with (
+            LeaseDispatcher(plan, batches, dispatcher_options, keys=keys) as d,
+            _metrics_endpoint(metrics, "serve_dispatcher", d),
+        ):
             typer.echo(f"dispatching {batches} batches per epoch, {epochs} epochs, on {d.endpoint}", err=True)
             if endpoint_file is not None:
                 tmp = endpoint_file.with_name(endpoint_file.name + ".tmp")

@@ -123,6 +123,9 @@ class LeaseBook:
         self.dead_servers: dict[int, None] = {}
         self.dead_trainers: dict[int, None] = {}
         self.records: list[dict[str, Any]] = []  # to journal before answering
+        # what happened since this process started (`crossfeed top`, the Prometheus exporter)
+        self.counts = {"leases_revoked": 0, "batches_re_leased": 0, "servers_lost": 0, "trainers_lost": 0}
+        self.claimed_from: dict[int, int] = {}  # live server -> its batches claimed by trainers
         self._cursor = 0  # no PENDING batch below it (a hint for `_take`)
 
     # ---- members ----
@@ -159,7 +162,10 @@ class LeaseBook:
     def remove_server(self, server: int, reason: str) -> int:
         """Revoke the server's leases: their unclaimed batches go back to PENDING; returns how many."""
         self.servers.pop(server, None)
+        self.claimed_from.pop(server, None)
         _remember(self.dead_servers, server)
+        if reason != "left":
+            self.counts["servers_lost"] += 1
         back = 0
         for lid in [lid for lid, lease in self.leases.items() if lease.server == server]:
             back += self._revoke(lid)
@@ -176,6 +182,8 @@ class LeaseBook:
         """The trainer's claimed, unconsumed batches go back to PENDING; returns how many."""
         self.trainers.pop(trainer, None)
         _remember(self.dead_trainers, trainer)
+        if reason != "left":
+            self.counts["trainers_lost"] += 1
         back = 0
         if self._holding.pop(trainer, 0):
             del self._done_since[trainer]
@@ -232,6 +240,14 @@ class LeaseBook:
         return servers, trainers
 
     # ---- leasing ----
+    def held(self, server: int) -> int:
+        """Live leases of `server` (with a batch still unclaimed)."""
+        return len(self._by_server.get(server, ()))
+
+    def claims_of(self, trainer: int) -> tuple[int, int]:
+        """(batches `trainer` claimed this epoch, of them claimed and not yet reported used)."""
+        return self._claims.get(trainer, 0), self._holding.get(trainer, 0)
+
     def outstanding(self, server: int) -> int:
         """Batches leased to `server` and not yet claimed by a trainer."""
         return self._load.get(server, 0)
@@ -288,6 +304,8 @@ class LeaseBook:
             if self.state[b] == LEASED and self.lease_of[b] == lid:
                 self._set_pending(b)
                 back += 1
+        self.counts["leases_revoked"] += 1
+        self.counts["batches_re_leased"] += back
         return back
 
     def _unlease(self, b: int) -> None:
@@ -345,6 +363,9 @@ class LeaseBook:
         if trainer not in self.trainers or (self.quota is not None and self._claims.get(trainer, 0) >= self.quota):
             self._set_pending(b)
             return False
+        server = self.leases[self.lease_of[b]].server
+        if server in self.servers:
+            self.claimed_from[server] = self.claimed_from.get(server, 0) + 1
         self._unlease(b)
         self.state[b], self.claimer[b] = CLAIMED, trainer
         self._claims[trainer] = self._claims.get(trainer, 0) + 1

@@ -40,10 +40,12 @@ from crossfeed.net.keys import ServerKeys, secure_server_socket, start_authentic
 from crossfeed.net.lease import messages as W
 from crossfeed.net.lease.book import LeaseBook
 from crossfeed.net.lease.journal import Journal
+from crossfeed.net.status import MAX_LISTED, StatusGate, is_status, pack_answer, request_id
 
 logger = logging.getLogger(__name__)
 
 SERVER, TRAINER = 1, 2  # the `c` of BEAT and BYE: who speaks
+SNAPSHOT = 0.5  # seconds between refreshes of `LeaseDispatcher.snapshot`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +126,9 @@ class LeaseDispatcher:
         self.instance = P.new_instance()
         self.book, self.journal = recover(plan, batches, options, time.monotonic())
         self.stats = {"dropped_messages": 0, "leases": 0, "granted": 0, "refused": 0}
+        self._started = time.monotonic()
+        self._status_gate = StatusGate()
+        self.snapshot: dict = self.status()  # refreshed by the loop every SNAPSHOT s (for exporters)
         self._keys = keys
         self._ctx = zmq.Context()
         self._auth = start_authenticator(self._ctx, keys) if keys is not None else None
@@ -189,7 +194,7 @@ class LeaseDispatcher:
     def _loop(self) -> None:
         hb, book = self.options.heartbeat, self.book
         finished_at: float | None = None
-        next_report, last_report = 0.0, None
+        next_report, last_report, next_snapshot = 0.0, None, 0.0
         while not self._stop.is_set():
             if self._sock.poll(int(min(hb.interval / 2, 0.05) * 1000)):
                 self._receive()
@@ -216,6 +221,9 @@ class LeaseDispatcher:
                 )
                 self._out.append((self._routes[lease.server], msg))
             self._flush()
+            if now >= next_snapshot:
+                next_snapshot = now + SNAPSHOT
+                self.snapshot = self.status()
             if now >= next_report:
                 next_report = now + 2.0
                 report = (book.progress(), len(book.servers), len(book.trainers))
@@ -257,6 +265,11 @@ class LeaseDispatcher:
         self._log.warning("bad", "dropped a malformed message: %s", error)
 
     def _handle(self, route: bytes, frames: list) -> None:
+        if is_status(frames[0]):  # `crossfeed top` asks: answered whoever asks, at most RATE a second
+            rid = request_id(frames)
+            if self._status_gate.allow(time.monotonic()):
+                self._send(route, pack_answer(rid, self.status()))
+            return
         msg = W.unpack(frames, W.SERVER_KINDS | W.TRAINER_KINDS)
         if msg.sender == 0:
             raise WireError("sender id 0")
@@ -313,6 +326,46 @@ class LeaseDispatcher:
         elif msg.kind is W.Kind.DONE:
             confirmed = [int(seq) for seq in msg.payload if book.done(msg.sender, int(seq), now=now)]
             self._reply(route, W.Kind.DONE_OK, finished=int(book.finished), payload=confirmed)
+
+    def status(self) -> dict:
+        """What `crossfeed top` is told (`crossfeed.net.status.DispatcherStatus`), built on the
+        loop's thread (other threads read `snapshot`): at most MAX_LISTED servers and trainers,
+        the least recently heard first."""
+        book, now = self.book, time.monotonic()
+        servers = sorted(book.servers.items(), key=lambda kv: kv[1].last_seen)[:MAX_LISTED]
+        trainers = sorted(book.trainers.items(), key=lambda kv: kv[1].last_seen)[:MAX_LISTED]
+        return {
+            "v": 1,
+            "kind": "dispatcher",
+            "uptime": round(now - self._started, 3),
+            "epoch": book.epoch,
+            "epochs": book.epochs,
+            "batches": self.batches,
+            "finished": book.finished,
+            "progress": book.progress(),
+            "counters": {
+                **{k: self.stats[k] for k in ("leases", "granted", "refused", "dropped_messages")},
+                **book.counts,
+            },
+            "servers": [
+                {
+                    "id": f"{k:016x}",
+                    "address": m.address,
+                    "age": round(max(now - m.last_seen, 0.0), 3),
+                    "leases": book.held(k),
+                    "leased": book.outstanding(k),
+                    "claimed": book.claimed_from.get(k, 0),
+                }
+                for k, m in servers
+            ],
+            "servers_total": len(book.servers),
+            "trainers": [
+                {"id": f"{k:016x}", "age": round(max(now - m.last_seen, 0.0), 3)}
+                | dict(zip(("claimed", "holding"), book.claims_of(k)))
+                for k, m in trainers
+            ],
+            "trainers_total": len(book.trainers),
+        }
 
     def _page(self, trainer: int) -> str:
         """The next page of live servers' endpoints for `trainer`: as many servers as fit in one

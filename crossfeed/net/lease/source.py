@@ -99,6 +99,11 @@ class LeaseSource:
         self._thread = threading.Thread(target=self._run, name="crossfeed-lease-source", daemon=True)
         self.stats = {"leases": 0, "built": 0, "resets": 0, "dropped": 0, "passes": 0}
 
+    @property
+    def loader(self):
+        """The Loader building the leases (None until the dispatcher welcomed us)."""
+        return self._loader
+
     def start(self) -> LeaseSource:
         self._thread.start()
         return self

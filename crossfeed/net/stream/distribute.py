@@ -27,6 +27,7 @@ import zmq
 
 from crossfeed.errors import CrossfeedError, WireError
 from crossfeed.net import protocol as P
+from crossfeed.net.status import StatusGate, is_status, pack_answer, request_id
 from crossfeed.net.stream.credits import CreditBook, Item
 from crossfeed.net.stream.producer import EpochEnd, Producer, ProducerFailed, StreamEnd
 
@@ -51,8 +52,10 @@ class Distribution:
         stop: threading.Event,
         instance: int,
         progress_timeout: float | None = None,
+        status: Callable[[], dict] | None = None,
     ):
         self._main, self._publish = main, publish
+        self._status, self._status_gate = status, StatusGate()
         self._hb, self._linger = heartbeat, linger
         self._stats, self._stop = stats, stop
         self._instance = instance
@@ -65,6 +68,10 @@ class Distribution:
         self._wake_rx.bind(wake)
         self._wake_tx = ctx.socket(zmq.PAIR)
         self._wake_tx.connect(wake)
+
+    def trainers(self) -> int:
+        """Live trainers (any thread may ask: one len())."""
+        return len(self._disp.peers)
 
     def close(self) -> None:
         """Close the wake-up pair (the server closes the ROUTER socket)."""
@@ -197,6 +204,11 @@ class Distribution:
         if len(frames) < 2:
             raise WireError("control message has no frames")
         peer = frames[0].bytes
+        if is_status(frames[1]):  # `crossfeed top` asks: answered whoever asks, at most RATE a second
+            rid = request_id(frames[1:])
+            if self._status is not None and self._status_gate.allow(time.monotonic()):
+                self._to_peer(peer, pack_answer(rid, self._status()))
+            return
         env = P.unpack(frames[1], P.CLIENT_KINDS)
         if len(frames) != (3 if env.kind is P.Kind.ACKS else 2):
             raise WireError(f"{env.kind.name} message has {len(frames) - 1} frames")
@@ -216,8 +228,11 @@ class Distribution:
             seqs = P.unpack_acks(env, frames[2]) if env.kind is P.Kind.ACKS else (env.a,)
             disp.seen(peer, now)
             for seq in seqs:
-                if disp.ack(peer, seq) is not None:
+                if (item := disp.ack(peer, seq)) is not None:
                     self._stats["acked"] += 1
+                    self._stats["delivered"] += 1
+                    self._stats["samples"] += item.num_samples
+                    self._stats["bytes"] += item.nbytes
                 else:
                     logger.debug("ack of unknown batch %d from %s", seq, peer.hex())
         elif env.kind is P.Kind.HEARTBEAT:

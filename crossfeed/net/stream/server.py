@@ -33,6 +33,7 @@ from crossfeed.errors import ConfigError, CrossfeedError
 from crossfeed.net import protocol as P
 from crossfeed.net.addresses import expand_all, is_local
 from crossfeed.net.keys import ServerKeys, secure_server_socket, start_authenticator
+from crossfeed.net.status import loader_stats
 from crossfeed.net.stream.credits import Item
 from crossfeed.net.stream.distribute import Distribution
 from crossfeed.net.stream.producer import BatchFactory, EpochEnd, Producer, ProducerFailed, StreamEnd
@@ -146,7 +147,18 @@ class Server:
         self._distribution: Distribution | None = None
         self.endpoints: list[str] = []
         self.broadcast_endpoints: list[str] = []
-        self.stats = {"sent": 0, "acked": 0, "dropped_messages": 0, "epochs": 0, "fenced": 0}
+        # delivered/samples/bytes: batches acknowledged by a trainer (published, in broadcast mode)
+        self.stats = {
+            "sent": 0,
+            "acked": 0,
+            "delivered": 0,
+            "samples": 0,
+            "bytes": 0,
+            "dropped_messages": 0,
+            "epochs": 0,
+            "fenced": 0,
+        }
+        self._started = time.monotonic()
 
     # ---- lifecycle ----
     def start(self) -> Server:
@@ -173,6 +185,7 @@ class Server:
                 stop=self._stop,
                 instance=self.instance,
                 progress_timeout=self.options.progress_timeout,
+                status=self.status,
             )
         wake = self._distribution.wake if self._distribution is not None else None
         if self._source is not None:
@@ -213,6 +226,36 @@ class Server:
                 raise ConfigError(f"cannot bind {a}: {e}") from e
             out.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         return sock
+
+    @property
+    def loader(self) -> Any:
+        """The Loader that builds the batches (None for a factory that is not one)."""
+        producer = getattr(self, "_producer", None)
+        return getattr(self._factory, "loader", None) or getattr(producer, "loader", None)
+
+    @property
+    def source_stats(self) -> dict[str, int] | None:
+        """The counters of a `source` (a dispatcher's leases: received, resets, dropped), else None."""
+        stats = getattr(getattr(self, "_producer", None), "stats", None) if self._source is not None else None
+        return dict(stats) if isinstance(stats, dict) else None
+
+    def trainers(self) -> int:
+        """Live trainers (distribution mode; 0 in broadcast mode)."""
+        return self._distribution.trainers() if self._distribution is not None else 0
+
+    def status(self) -> dict[str, Any]:
+        """What `crossfeed top` is told (`crossfeed.net.status.ServerStatus`); any thread may ask."""
+        stats = dict(self.stats)
+        return {
+            "v": 1,
+            "kind": "server",
+            "server_id": self.options.server_id[:256],
+            "uptime": round(time.monotonic() - self._started, 3),
+            **{k: stats[k] for k in ("delivered", "samples", "bytes", "sent", "epochs", "fenced", "dropped_messages")},
+            "trainers": self.trainers(),
+            "dispatched": self._source is not None,
+            "loader": loader_stats(self.loader),
+        }
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once the server has finished (stream ended, stopped or failed)."""
@@ -299,6 +342,9 @@ class Server:
             if isinstance(msg, Item):
                 self._publish([P.pack(P.Kind.BATCH, msg.seq, msg.epoch, instance=self.instance), *msg.frames])
                 self.stats["sent"] += 1
+                self.stats["delivered"] += 1
+                self.stats["samples"] += msg.num_samples
+                self.stats["bytes"] += msg.nbytes
             elif isinstance(msg, EpochEnd):
                 self._publish([P.pack(P.Kind.END_OF_EPOCH, msg.epoch, msg.batches, instance=self.instance)])
                 self.stats["epochs"] += 1

@@ -1,0 +1,276 @@
+"""`crossfeed top DISPATCHER_OR_SERVER`: a live view of a fleet, refreshed every second.
+
+It asks the address for its status (`crossfeed.net.status`: the request trainers' sockets
+already reach, answered by `crossfeed dispatch` and by `crossfeed serve` in distribution mode);
+pointed at a dispatcher it also asks each live server it lists. Shown: per server its batches/s
+(between two frames; the first frame averages since the server started), batches delivered,
+trainers, leases held and batches leased (from the dispatcher), its last heartbeat's age and,
+while its Loader reports per-stage timing, how its time splits between stages; per trainer
+what it claimed and holds (trainers do not report how long they wait: `crossfeed.metrics`'
+`crossfeed_consumer_wait_seconds` has that); and the slowest server by name.
+
+`--once` prints one frame and exits (scripts, tests); Ctrl-C leaves the live view cleanly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from crossfeed.errors import CrossfeedError, WireError
+
+logger = logging.getLogger(__name__)
+MAX_ASKED = 16  # servers asked at once
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """One round of answers: the address's status, and (for a dispatcher) each listed server's by address."""
+
+    at: float
+    status: object  # ServerStatus | DispatcherStatus
+    servers: dict[str, object]  # first endpoint -> ServerStatus, or None when it did not answer
+
+
+def _ask(address: str, keys, timeout: float):
+    from crossfeed.net.status import parse_status, query
+
+    return parse_status(query(address, keys=keys, timeout=timeout))
+
+
+def _ask_server(address: str, keys, timeout: float):
+    from crossfeed.net.status import ServerStatus
+
+    try:
+        status = _ask(address, keys, timeout)
+    except CrossfeedError as e:  # WireError too: a server that answers nonsense shows as silent
+        logger.debug("server %s: %s", address, e)
+        return None
+    return status if isinstance(status, ServerStatus) else None
+
+
+def snapshot(address: str, keys, server_keys, timeout: float, pool) -> Snapshot:
+    from crossfeed.net.status import DispatcherStatus
+
+    status = _ask(address, keys, timeout)
+    servers: dict[str, object] = {}
+    if isinstance(status, DispatcherStatus):
+        endpoints = [s.address.split(" ")[0] for s in status.servers]
+        answers = pool.map(lambda a: _ask_server(a, server_keys, min(timeout, 1.0)), endpoints)
+        servers = dict(zip(endpoints, answers))
+    return Snapshot(time.monotonic(), status, servers)
+
+
+def _rate(now, before, dt: float, uptime: float) -> float | None:
+    if before is not None and dt > 0 and now >= before:
+        return (now - before) / dt
+    return now / uptime if uptime > 0 else None
+
+
+def _stage_split(status, before) -> str:
+    from crossfeed.net.status import split_stats
+
+    if status is None or status.loader is None:
+        return "—"
+    stages = split_stats(status.loader).stages
+    if before is not None and before.loader is not None:
+        old = split_stats(before.loader).stages
+        delta = {k: v - old.get(k, 0.0) for k, v in stages.items()}
+        if sum(delta.values()) > 0:
+            stages = delta
+    total = sum(stages.values())
+    if total <= 0:
+        return "—"
+    return " ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(stages.items(), key=lambda kv: -kv[1]))
+
+
+def _age(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds:.1f}s"
+
+
+def _num(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "—" if value is None else fmt.format(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    endpoint: str
+    rate: float | None
+    delivered: int | None
+    trainers: int | None
+    leases: int | None
+    leased: int | None
+    beat: float | None
+    stages: str
+
+
+def rows(snap: Snapshot, prev: Snapshot | None) -> list[Row]:
+    from crossfeed.net.status import ServerStatus
+
+    dt = snap.at - prev.at if prev is not None else 0.0
+    out = []
+    if isinstance(snap.status, ServerStatus):
+        s = snap.status
+        before = prev.status if prev is not None and isinstance(prev.status, ServerStatus) else None
+        if before is not None and before.server_id != s.server_id:
+            before = None
+        rate = _rate(s.delivered, before.delivered if before else None, dt, s.uptime)
+        out.append(Row(s.server_id, "", rate, s.delivered, s.trainers, None, None, None, _stage_split(s, before)))
+        return out
+    for entry in snap.status.servers:
+        endpoint = entry.address.split(" ")[0]
+        s = snap.servers.get(endpoint)
+        before = prev.servers.get(endpoint) if prev is not None else None
+        if s is not None and before is not None and before.server_id != s.server_id:
+            before = None
+        if s is not None:
+            rate = _rate(s.delivered, before.delivered if before else None, dt, s.uptime)
+        else:  # no answer from it: what the dispatcher saw of it, between two frames
+            old = {e.id: e.claimed for e in prev.status.servers} if prev is not None else {}
+            rate = (entry.claimed - old[entry.id]) / dt if entry.id in old and dt > 0 else None
+        out.append(
+            Row(
+                s.server_id if s is not None else entry.id,
+                endpoint,
+                rate,
+                s.delivered if s is not None else None,
+                s.trainers if s is not None else None,
+                entry.leases,
+                entry.leased,
+                entry.age,
+                _stage_split(s, before),
+            )
+        )
+    return out
+
+
+def render(address: str, snap: Snapshot, prev: Snapshot | None):
+    """The frame: a header, the servers, (for a dispatcher) the trainers, the slowest server."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    from crossfeed.net.status import DispatcherStatus
+
+    st = snap.status
+    parts: list = []
+    if isinstance(st, DispatcherStatus):
+        p, c = st.progress, st.counters
+        epochs = "∞" if st.epochs is None else str(st.epochs)
+        head = (
+            f"dispatcher {address}  epoch {st.epoch + (not st.finished)}/{epochs}{'  finished' if st.finished else ''}  "
+            f"batches done {p['done']} claimed {p['claimed']} leased {p['leased']} pending {p['pending']} "
+            f"of {st.batches}\nservers {st.servers_total}  trainers {st.trainers_total}  "
+            f"claims granted {c['granted']} refused {c['refused']}  leases {c['leases']} "
+            f"expired {c['leases_revoked']} re-leased batches {c['batches_re_leased']}  "
+            f"errors: malformed {c['dropped_messages']} servers lost {c['servers_lost']} "
+            f"trainers lost {c['trainers_lost']}"
+        )
+    else:
+        head = (
+            f"server {st.server_id} at {address}  up {st.uptime:.0f}s  epochs {st.epochs}  "
+            f"errors: malformed {st.dropped_messages} trainers fenced {st.fenced}"
+        )
+    parts.append(Text(head))
+    table = Table(title=None, expand=False)
+    for name, justify in (
+        ("server", "left"),
+        ("endpoint", "left"),
+        ("batches/s", "right"),
+        ("batches", "right"),
+        ("trainers", "right"),
+        ("leases", "right"),
+        ("leased", "right"),
+        ("last beat", "right"),
+        ("stages", "left"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=name != "stages")
+    found = rows(snap, prev)
+    for r in found:
+        table.add_row(
+            r.name,
+            r.endpoint,
+            _num(r.rate),
+            _num(r.delivered, "{}"),
+            _num(r.trainers, "{}"),
+            _num(r.leases, "{}"),
+            _num(r.leased, "{}"),
+            _age(r.beat),
+            r.stages,
+        )
+    parts.append(table)
+    if isinstance(st, DispatcherStatus):
+        if st.servers_total > len(st.servers):
+            parts.append(Text(f"(showing {len(st.servers)} of {st.servers_total} servers)"))
+        trainers = Table(expand=False)
+        for name in ("trainer", "claimed (epoch)", "holding", "last beat", "wait"):
+            trainers.add_column(name, justify="left" if name in ("trainer", "wait") else "right", no_wrap=True)
+        for t in st.trainers:
+            trainers.add_row(t.id, str(t.claimed), str(t.holding), _age(t.age), "not reported")
+        parts.append(trainers)
+    rated = [r for r in found if r.rate is not None]
+    if len(rated) > 1:
+        slow = min(rated, key=lambda r: r.rate)
+        parts.append(Text(f"slowest server: {slow.name} ({slow.endpoint}) at {slow.rate:.1f} batches/s"))
+    elif found and not rated:
+        parts.append(Text("slowest server: — (no rates yet)"))
+    return Group(*parts)
+
+
+def top(
+    address: Annotated[str, typer.Argument(help="A `crossfeed dispatch` address, or a `crossfeed serve` one.")],
+    once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
+    interval: Annotated[float, typer.Option("--interval", min=0.2, help="Seconds between frames.")] = 1.0,
+    keys: Annotated[
+        Path | None, typer.Option("--keys", help="Dir with client.key_secret and server.key (CURVE).")
+    ] = None,
+    server_keys: Annotated[
+        Path | None,
+        typer.Option("--server-keys", help="Like --keys, for the dispatcher's servers (default: --keys)."),
+    ] = None,
+    timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="Give up on a silent address after S s.")] = 5.0,
+) -> None:
+    """Live fleet view: per server batches/s, stage split, leases, last heartbeat; per trainer its claims; the slowest server."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from crossfeed.net.keys import ClientKeys
+
+    client_keys = ClientKeys.from_dir(keys) if keys else None
+    other_keys = ClientKeys.from_dir(server_keys) if server_keys else client_keys
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    with concurrent.futures.ThreadPoolExecutor(MAX_ASKED, thread_name_prefix="crossfeed-top") as pool:
+        try:
+            snap = snapshot(address, client_keys, other_keys, timeout, pool)
+        except WireError as e:
+            raise CrossfeedError(f"{address} answered a malformed status: {e}") from e
+        if once:
+            console.print(render(address, snap, None))
+            return
+        prev = None
+        try:
+            with Live(render(address, snap, prev), console=console, auto_refresh=False) as live:
+                while True:
+                    time.sleep(max(0.0, interval - (time.monotonic() - snap.at)))
+                    try:
+                        prev, snap = snap, snapshot(address, client_keys, other_keys, timeout, pool)
+                    except CrossfeedError as e:  # gone for now: say so, keep trying
+                        live.update(f"{address}: {e}", refresh=True)
+                        time.sleep(interval)
+                        continue
+                    live.update(render(address, snap, prev), refresh=True)
+        except KeyboardInterrupt:
+            return
+
+
+def register(app: typer.Typer) -> None:
+    app.command("top")(top)

@@ -1,0 +1,130 @@
+"""Prometheus metrics (`crossfeed.metrics`): a real Prometheus server scrapes a real dispatcher,
+two real servers and a real trainer, and what it stores equals what the trainer received."""
+
+from __future__ import annotations
+
+import collections
+import json
+import signal
+import urllib.error
+import urllib.request
+
+import pytest
+from dispatch_helpers import start_dispatcher, start_server, write_dataset
+from metrics_helpers import PROMETHEUS, metrics_port, prometheus_query, spawn, start_prometheus
+from net_helpers import stop, wait_until
+
+import crossfeed
+import crossfeed.metrics
+from crossfeed.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(180)
+
+N, BATCH = 96, 4  # 24 batches
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ds") / "ds"
+    write_dataset(str(path), N)
+    return str(path)
+
+
+def _total(port: int, query: str) -> float | None:
+    result = prometheus_query(port, query)
+    return float(result[0]["value"][1]) if result else None
+
+
+@pytest.mark.skipif(
+    not PROMETHEUS.exists(), reason="Debian's prometheus server is not installed at /usr/bin/prometheus"
+)
+def test_prometheus_stores_what_the_trainer_received(tmp_path, dataset):
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0", "--metrics", "127.0.0.1:0", "--linger", "120")
+    procs = [d]
+    try:
+        servers = [
+            start_server(tmp_path, dataset, address, f"s{i}", "--metrics", "127.0.0.1:0", "--metrics-linger", "120")
+            for i in range(2)
+        ]
+        procs += servers
+        out, port_file, release = tmp_path / "t.out", tmp_path / "t.port", tmp_path / "release"
+        trainer = spawn("watched_trainer", address, str(out), str(port_file), str(release), log=tmp_path / "t.log")
+        procs.append(trainer)
+        logs = [tmp_path / "d.log", tmp_path / "s0.log", tmp_path / "s1.log"]
+        ports = [
+            wait_until(lambda log=log: metrics_port(log), 60, f"the metrics port in {log.name}", procs) for log in logs
+        ]
+        ports.append(
+            int(wait_until(lambda: port_file.exists() and port_file.read_text(), 60, "the trainer's port", procs))
+        )
+        prom, prom_port = start_prometheus(tmp_path, ports)
+        procs.append(prom)
+        wait_until(lambda: out.exists() and out.read_text().endswith("END\n"), 90, "the trainer's epoch", procs)
+        lines = out.read_text().splitlines()[:-1]
+        received = [json.loads(line) for line in lines]
+        samples = sum(len(b) for b in received)
+        assert collections.Counter(i for b in received for i in b) == collections.Counter(range(N))
+        want = {
+            "sum(crossfeed_samples_total{server!=''})": samples,  # the two servers, delivered
+            "sum(crossfeed_batches_total{server!=''})": len(received),
+            "crossfeed_samples_total{rank='0'}": samples,  # the trainer's own endpoint
+            "crossfeed_batches_total{rank='0'}": len(received),
+            "crossfeed_consumer_wait_seconds_count{rank='0'}": len(received),
+            "crossfeed_claims_total{result='granted'}": len(received),  # the dispatcher
+            "crossfeed_epoch_batches{state='done'}": N // BATCH,
+            "crossfeed_servers_alive": 0,  # told FINISHED, both said BYE
+            "sum(crossfeed_leases_granted_total)": N // BATCH // 2,  # leases of 2 batches, none revoked
+        }
+
+        def stored():
+            got = {q: _total(prom_port, q) for q in want}
+            return got if got == {q: float(v) for q, v in want.items()} else None
+
+        try:
+            wait_until(stored, 60, "Prometheus to store the final counts", [prom])
+        except AssertionError:
+            raise AssertionError(
+                f"Prometheus holds { ({q: _total(prom_port, q) for q in want}) }, want {want}; "
+                + (tmp_path / "prometheus.log").read_text()[-2000:]
+            ) from None
+        per_server = prometheus_query(prom_port, "crossfeed_batches_total{server!=''}")
+        assert len(per_server) == 2, per_server  # labelled by server id
+        assert _total(prom_port, "sum(crossfeed_errors_total)") == 0.0
+        release.write_text("")
+        for s in servers:  # the stream ended: they linger for the scrape until told to stop
+            s.send_signal(signal.SIGTERM)
+            assert s.wait(30) == 0
+        assert trainer.wait(30) == 0
+    finally:
+        stop(*procs)
+
+
+def test_a_training_process_endpoint_counts_a_loader_and_shuts_down(tmp_path, dataset):
+    with crossfeed.metrics.serve(0) as a, crossfeed.metrics.serve(0) as b:  # each its own registry
+        assert a.port != b.port and a.host == "127.0.0.1"
+        with crossfeed.Loader(dataset, batch_size=8) as loader:
+            seen = sum(len(batch["label"]) for batch in a.watch(loader, rank=3))
+        assert seen == N
+        text = urllib.request.urlopen(a.url, timeout=5).read().decode()
+        assert f'crossfeed_samples_total{{rank="3"}} {float(N)}' in text, text
+        assert f'crossfeed_batches_total{{rank="3"}} {float(N // 8)}' in text
+        assert f'crossfeed_consumer_wait_seconds_count{{rank="3"}} {float(N // 8)}' in text
+        assert "crossfeed_samples_total" not in urllib.request.urlopen(b.url, timeout=5).read().decode()
+        url = a.url
+    with pytest.raises(urllib.error.URLError):  # closed: the port no longer answers
+        urllib.request.urlopen(url, timeout=5)
+
+
+@pytest.mark.parametrize("bad", ["9400", "host:port", "127.0.0.1:70000", "http://127.0.0.1:9400", ""])
+def test_a_bad_metrics_address_is_refused_naming_the_option(bad):
+    with pytest.raises(ConfigError, match="--metrics"):
+        crossfeed.metrics.parse_address(bad)
+
+
+def test_serve_metrics_rejects_a_bad_address_before_serving(tmp_path, dataset):
+    from typer.testing import CliRunner
+
+    from crossfeed.cli.main import app
+
+    result = CliRunner().invoke(app, ["serve", dataset, "tcp://127.0.0.1:0", "--metrics", "nope"])
+    assert result.exit_code == 2 and "--metrics 'nope'" in result.output, result.output

@@ -1,0 +1,173 @@
+"""`crossfeed top` and the status query under it: a real terminal (tmux) against a real
+dispatcher with two real servers, `--once` against a plain server, and hostile answers and
+requests on both sides of the status protocol."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+from dispatch_helpers import start_dispatcher, start_server, write_dataset
+from net_helpers import Synthetic, stop, wait_until
+
+from crossfeed.errors import WireError
+from crossfeed.net import status as S
+from crossfeed.net.stream.server import Server, ServerOptions
+
+pytestmark = pytest.mark.timeout(120)
+TMUX = shutil.which("tmux")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ds") / "ds"
+    write_dataset(str(path), 96)
+    return str(path)
+
+
+@pytest.mark.skipif(TMUX is None, reason="tmux is not installed")
+def test_top_in_a_terminal_shows_both_servers_and_exits_on_ctrl_c(tmp_path, dataset):
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0")
+    procs = [d]
+    sock = str(tmp_path / "tmux.sock")  # a tmux server of this test's own
+    tmux = [TMUX, "-S", sock]
+    try:
+        servers = [start_server(tmp_path, dataset, address, f"s{i}") for i in range(2)]
+        procs += servers
+        # the size comes from the terminal (a COLUMNS a shell exported while tmux was sizing the pane would pin it)
+        command = f"unset COLUMNS LINES; {sys.executable} -m crossfeed.cli.main top {address}; echo EXIT=$?; sleep 60"
+        subprocess.run([*tmux, "new-session", "-d", "-x", "160", "-y", "40", "-s", "top", command], check=True)
+
+        def pane() -> str:
+            return subprocess.run([*tmux, "capture-pane", "-p", "-t", "top"], capture_output=True, text=True).stdout
+
+        def shows(*texts: str) -> str | None:
+            screen = pane()
+            return screen if all(t in screen for t in texts) else None
+
+        ids = [f":{s.pid}" for s in servers]  # server ids are host:pid
+        try:
+            screen = wait_until(lambda: shows(*ids, "servers 2"), 60, "both servers on screen", procs)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the screen:\n{pane()}") from None
+        for column in ("batches/s", "leases", "leased", "last beat", "stages", "trainer", "slowest server"):
+            assert column in screen, screen
+        assert "servers 2" in screen, screen
+        subprocess.run([*tmux, "send-keys", "-t", "top", "C-c"], check=True)
+        screen = wait_until(lambda: shows("EXIT="), 30, "top to exit", procs)
+        assert "EXIT=0" in screen and "Traceback" not in screen, screen
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+        stop(*procs)
+
+
+def test_top_once_against_a_plain_server(tmp_path):
+    with Server(Synthetic(64, 8), ServerOptions(("tcp://127.0.0.1:0",), server_id="prep-7")) as server:
+        out = subprocess.run(
+            [sys.executable, "-m", "crossfeed.cli.main", "top", server.endpoints[0], "--once"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert out.returncode == 0, out.stderr
+    assert "server prep-7 at" in out.stdout and "batches/s" in out.stdout, out.stdout
+
+
+def test_top_names_an_address_that_does_not_answer(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "crossfeed.cli.main", "top", f"ipc://{tmp_path}/nobody", "--once", "--timeout", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "no status from ipc://" in out.stderr and "--keys" in out.stderr, out.stderr
+
+
+def _dispatcher_status(**changes) -> dict:
+    obj = {
+        "v": 1,
+        "kind": "dispatcher",
+        "uptime": 3.5,
+        "epoch": 0,
+        "epochs": 1,
+        "batches": 24,
+        "finished": False,
+        "progress": {"pending": 1, "leased": 2, "claimed": 3, "done": 18},
+        "counters": dict.fromkeys(S.DispatcherStatus.COUNTERS, 0),
+        "servers": [
+            {"id": "00000000000000ab", "address": "tcp://h:1", "age": 0.1, "leases": 1, "leased": 2, "claimed": 3}
+        ],
+        "servers_total": 1,
+        "trainers": [{"id": "00000000000000cd", "age": 0.2, "claimed": 4, "holding": 1}],
+        "trainers_total": 1,
+    }
+    obj.update(changes)
+    return obj
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"epoch": -1},
+        {"epoch": True},
+        {"uptime": 1e300},
+        {"uptime": "3"},
+        {"finished": 1},
+        {"progress": {"pending": 1}},
+        {"counters": {}},
+        {"servers": [{"id": "zz", "address": "a", "age": 0, "leases": 0, "leased": 0, "claimed": 0}]},
+        {
+            "servers": [
+                {"id": "00000000000000ab", "address": "a\x1b[2J", "age": 0, "leases": 0, "leased": 0, "claimed": 0}
+            ]
+        },
+        {"servers": [{"id": "00000000000000ab", "address": "a", "age": 0, "leases": 0, "leased": 0}]},
+        {"servers": [{}] * (S.MAX_LISTED + 1)},
+        {"trainers": "x"},
+        {"trainers_total": 2**63},
+    ],
+)
+def test_a_dispatcher_status_is_checked_field_by_field(changes):
+    S.DispatcherStatus.parse(_dispatcher_status())  # the unchanged one is fine
+    with pytest.raises(WireError, match="dispatcher status"):
+        S.DispatcherStatus.parse(_dispatcher_status(**changes))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"\xff\xfe", b"[" * 100000, b'{"v": 1, "kind": "server", "uptime": NaN}', b"[]", b'{"v": 2, "kind": "server"}'],
+)
+def test_a_status_answer_that_is_not_json_of_the_protocol_is_refused(raw):
+    with pytest.raises(WireError, match="status answer"):
+        S._object(raw)
+
+
+def test_a_server_answers_status_and_drops_malformed_and_flooding_requests():
+    with Server(Synthetic(64, 8), ServerOptions(("tcp://127.0.0.1:0",), server_id="prep-1")) as server:
+        status = S.parse_status(S.query(server.endpoints[0]))
+        assert isinstance(status, S.ServerStatus) and status.server_id == "prep-1" and status.delivered == 0
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(server.endpoints[0])
+        bad = bytearray(S.pack_request(5))
+        bad[5] = S.ANSWER  # an answer sent as a request
+        sock.send(bytes(bad))
+        wait_until(lambda: server.stats["dropped_messages"] == 1, 10, "the malformed request dropped")
+        for i in range(60):  # a flood: at most RATE a second are answered
+            sock.send(S.pack_request(100 + i))
+        answers = []
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            if sock.poll(100):
+                frames = sock.recv_multipart()
+                answers.append(json.loads(frames[1]))
+        sock.close()
+        ctx.term()
+        assert 1 <= len(answers) < 60 and all(a["server_id"] == "prep-1" for a in answers)
+        assert S.parse_status(S.query(server.endpoints[0])).dropped_messages == 1  # and it still answers
