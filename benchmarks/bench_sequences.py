@@ -6,7 +6,8 @@ document per file, tokenized by a BPE of 8,000 trained on them here). Documents 
 are cut into row-sized pieces first, so every system gets the same documents and every token.
 Each system delivers one epoch (documents shuffled) as batches of ``--batch`` rows; printed per
 system: padding (pad tokens / row tokens, over the epoch), tokens/s (real tokens — not padding —
-delivered per second, the first batch excluded), and crossfeed's ratio to it:
+delivered per second, the first batch excluded; also per second of the process's CPU time, as the
+box may be loaded — not for torch with workers, whose CPU is theirs), and crossfeed's ratio to it:
 
 * **crossfeed** ``Loader(xf, batch_size=B, pack=Pack(length=L, features=("tokens",)))``: dense
   ``tokens``/``segment_ids``/``positions`` ``(B, L)``; and ``batch_by_tokens=B·L`` (length-aware
@@ -46,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -103,14 +103,16 @@ class Count:
         self.real += real
         self.batches += 1
         if self.t0 is None:
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
             self.first_s = self.t0 - self.start
         else:
             self.timed_real += real
 
     def result(self) -> dict:
         seconds = time.perf_counter() - self.t0
+        cpu = time.process_time() - self.c0
         return {
+            "cpu_rate": self.timed_real / cpu if cpu > 0 else 0.0,
             "rows": self.rows,
             "row_tokens": self.row_tokens,
             "real": self.real,
@@ -270,6 +272,16 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _peak_mb() -> float:
+    """This process's peak RSS (VmHWM: unlike ``ru_maxrss``, not carried over from the parent
+    that forked it)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def plan_child(path: str, length: int, batch: int, how: str) -> dict | None:
     """In a fresh process: ``how`` = ``pack`` (crossfeed opens the corpus and makes its first
     packed batch), ``plain`` (crossfeed opens it and makes a first plain batch of ``batch``
@@ -277,7 +289,6 @@ def plan_child(path: str, length: int, batch: int, how: str) -> dict | None:
     import crossfeed
 
     base = _rss_mb()
-    peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t = time.perf_counter()
     if how == "pack":
         if not hasattr(crossfeed, "Pack"):
@@ -304,8 +315,7 @@ def plan_child(path: str, length: int, batch: int, how: str) -> dict | None:
         "seconds": seconds,
         "rss_mb": _rss_mb(),
         "base_mb": base,
-        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "peak0_mb": peak0,
+        "peak_mb": _peak_mb(),
         "tokens": got,
     }
     if loader is not None:
@@ -423,7 +433,7 @@ def main(argv=None) -> None:
             f"(mean {meta['tokens'] / meta['docs']:.0f}); rows of {a.length}, batches of {a.batch} rows"
         )
         print(
-            f"{'system':36} {'padding':>8} {'tokens/s':>11} {'batches':>8} {'1st batch s':>11} {'tokens ok':>9}  crossfeed ×"
+            f"{'system':36} {'padding':>8} {'tokens/s':>11} {'CPU tok/s':>11} {'batches':>8} {'1st batch s':>11} {'tokens ok':>9}  crossfeed ×"
         )
         results = {}
         for key in a.peers.split(","):
@@ -439,9 +449,10 @@ def main(argv=None) -> None:
             pad = 1 - r["real"] / r["row_tokens"]
             cf = results.get("crossfeed")
             ratio = f"{cf['rate'] / r['rate']:.2f}×" if cf and not key.startswith("crossfeed") else ""
+            cpu = "—" if key == "torch2" else f"{r['cpu_rate']:,.0f}"  # its workers' CPU is not counted
             ok = "✓" if r["real"] == meta["tokens"] else f"✗ {r['real']:,}"
             print(
-                f"{label:36} {pad:8.2%} {r['rate']:11,.0f} {r['batches']:8,} {r['first_s']:11.3f} {ok:>9}  {ratio}",
+                f"{label:36} {pad:8.2%} {r['rate']:11,.0f} {cpu:>11} {r['batches']:8,} {r['first_s']:11.3f} {ok:>9}  {ratio}",
                 flush=True,
             )
         cf = results.get("crossfeed")
