@@ -75,6 +75,16 @@ def _rank_and_world(rank, world_size) -> tuple[int, int]:
     return rank_and_world(rank, world_size)
 
 
+def _statistics(loader: Loader) -> list[dict]:
+    """Each source's split statistics (manifest), under the names the batches use."""
+    if loader.sources is None:
+        return [loader.split.info.statistics]
+    return [
+        {src.name_of(k): v for k, v in ds[src.split].info.statistics.items()}
+        for ds, src in zip(loader.datasets, loader.sources)
+    ]
+
+
 class JaxLoader:
     """Global ``jax.Array`` batches of a dataset, a mixture or a stream; see the module docstring.
 
@@ -156,7 +166,7 @@ class JaxLoader:
         self.loader = Loader(source, self.options, transform=transform, batch_transform=batch_transform, epoch=epoch)
         try:
             if transform is None and batch_transform is None:  # a transform may make anything dense
-                check_features(self.loader.features, pad)
+                check_features(self.loader.features, pad, _statistics(self.loader))
             self._assemble = Assembler(self.sharding, self.world_size, local, pad)
         except BaseException:
             self.loader.close()
@@ -219,8 +229,9 @@ class JaxLoader:
 
     def __len__(self) -> int:
         """Steps (global batches) the next iteration yields; the same on every process."""
-        loader = self._need_loader("length")
-        return loader.sampler.rank_batch_count(int(self._state["position"]))
+        if self.loader is None:
+            raise TypeError("a stream source has no length: its servers decide how many batches come")
+        return self.loader.sampler.rank_batch_count(int(self._state["position"]))
 
     # -- iteration -------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict]:

@@ -58,8 +58,12 @@ def check_pad_to(pad_to) -> dict[str, int]:
     return out
 
 
-def check_features(features: tuple[Feature, ...], pad_to: dict[str, int]) -> None:
-    """Refuse, before anything is read, what can never be a dense numeric array: strings and bytes."""
+def check_features(features: tuple[Feature, ...], pad_to: dict[str, int], statistics: list[dict]) -> None:
+    """Refuse, before anything is read, what would not be one dense numeric shape in every batch:
+    strings and bytes, and a feature whose shape has a None dimension that the split statistics
+    of every source (``statistics``: one ``{feature: stats}`` per source, under the batch's
+    names) do not show to be one shape for every record — unless ``pad_to`` pads it. (A batch
+    that happens to hold equal shapes would otherwise pass, and the next change the shape.)"""
     names = [f.name for f in features]
     unknown = sorted(set(pad_to) - set(names))
     if unknown:
@@ -71,6 +75,21 @@ def check_features(features: tuple[Feature, ...], pad_to: dict[str, int]) -> Non
             f"feature(s) {text} hold strings/bytes, which a jax.Array cannot: leave them out with "
             f"features={keep}, or turn them into numbers with a transform= (e.g. a tokenizer)"
         )
+    for f in features:
+        if f.fixed or f.name in pad_to:
+            continue
+        shapes = set()
+        for stats in statistics:
+            st = stats.get(f.name) or {}
+            seen = st.get("shapes") or {}
+            shapes.update(seen if sum(seen.values()) == st.get("count") else {"unknown": 0})
+        if len(shapes) != 1:
+            raise ConfigError(
+                f"feature {f.name!r} has shape {f.shape} and its records' shapes vary or are not recorded "
+                f"({sorted(shapes)[:4]}): a jax.Array is dense and of one shape; pass pad_to={{{f.name!r}: length}} "
+                f"(pads with {PAD_VALUE}, truncates longer ones), image_size=/channels= for images, or leave it out "
+                f"with features="
+            )
 
 
 def dense(name: str, value, length: int | None) -> np.ndarray:
