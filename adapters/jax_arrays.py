@@ -5,7 +5,8 @@ global ``jax.Array``\\ s laid out by a `jax.sharding.Sharding`, dense and of sta
       ─► jax.make_array_from_process_local_data(sharding, rows, global shape) ─► dict[str, jax.Array]
 
 The numpy arrays are handed to JAX as they are (views into the Loader's batch, no copy made
-here); JAX copies them to the devices. 64-bit values become 32-bit unless ``jax_enable_x64`` is
+here); JAX copies them to the devices. In one process the global batch is all local, so one
+``jax.device_put`` call places every feature (the same layout, one dispatch). 64-bit values become 32-bit unless ``jax_enable_x64`` is
 on (JAX's rule), which costs a conversion on the host.
 
 Imports jax and the crossfeed core, never torch or tensorflow.
@@ -172,18 +173,23 @@ class Assembler:
     _checked: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def __call__(self, batch: Mapping) -> dict[str, jax.Array]:
-        out = {}
+        names, rows, shapes = [], [], []
         for name, value in batch.items():
-            rows = dense(name, value, self.pad_to.get(name))
-            if self.local_rows is not None and rows.shape[0] != self.local_rows:
+            dense_rows = dense(name, value, self.pad_to.get(name))
+            n = dense_rows.shape[0]
+            if self.local_rows is not None and n != self.local_rows:
                 raise SchemaError(
-                    f"feature {name!r}: a batch of {rows.shape[0]} rows where {self.local_rows} were expected "
+                    f"feature {name!r}: a batch of {n} rows where {self.local_rows} were expected "
                     f"(static shapes: partial batches must be dropped, drop_last=True)"
                 )
-            shape = (rows.shape[0] * self.world_size, *rows.shape[1:])
-            self._check(name, shape, rows.shape[0])
-            out[name] = jax.make_array_from_process_local_data(self.sharding, rows, shape)
-        return out
+            shape = (n * self.world_size, *dense_rows.shape[1:])
+            self._check(name, shape, n)
+            names.append(name)
+            rows.append(dense_rows)
+            shapes.append(shape)
+        if jax.process_count() == 1:  # one process holds the global batch: one transfer call for all features
+            return dict(zip(names, jax.device_put(rows, [self.sharding] * len(rows))))
+        return {n: jax.make_array_from_process_local_data(self.sharding, r, s) for n, r, s in zip(names, rows, shapes)}
 
     def _check(self, name: str, shape: tuple, rows: int) -> None:
         """Once per feature and shape: the sharding fits it, and gives this process ``rows`` rows."""
