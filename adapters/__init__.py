@@ -1,2 +1,3 @@
-"""Framework adapters: `crossfeed.adapters.tf` (tf.data) and `crossfeed.adapters.torch` (IterableDataset).
+"""Framework adapters: `crossfeed.adapters.tf` (tf.data), `crossfeed.adapters.torch` (IterableDataset)
+and `crossfeed.adapters.jax` (global jax.Array batches).
 Each imports only its own framework."""

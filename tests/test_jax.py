@@ -1,0 +1,227 @@
+"""The JAX adapter in one process: batches equal the Loader's sample for sample, laid out by the
+sharding; the state is the consumer's (not the prefetcher's) and resumes exactly; errors of the
+prefetch thread reach the consumer; dense-only rules (strings, ragged, pad_to) and the
+batch-size checks; streams. Several CPU devices are forced when this module imports jax first."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax = pytest.importorskip("jax")
+
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from loader_helpers import ids_of  # noqa: E402
+
+import crossfeed  # noqa: E402
+from crossfeed.adapters.jax import JaxLoader  # noqa: E402
+from crossfeed.errors import ConfigError, SchemaError  # noqa: E402
+
+DENSE = ["image", "label", "score"]
+
+
+def _mesh_sharding(n: int | None = None) -> NamedSharding:
+    devices = jax.devices()[: n or jax.device_count()]
+    return NamedSharding(Mesh(np.array(devices), ("batch",)), P("batch"))
+
+
+def _loader_batches(path, **kw):
+    with crossfeed.Loader(path, drop_last=True, **kw) as loader:
+        return list(loader)
+
+
+def test_batches_equal_the_loaders_sample_for_sample(mixed_dataset):
+    path, samples = mixed_dataset
+    n = min(4, jax.device_count())
+    sharding = _mesh_sharding(n)
+    kw = dict(batch_size=4 * n if n > 1 else 4, seed=5, features=DENSE, return_index=True)
+    with JaxLoader(path, sharding=sharding, **kw) as data:
+        got = list(data)
+    want = _loader_batches(path, **kw)
+    assert len(got) == len(want) == 30 // kw["batch_size"]
+    for g, w in zip(got, want):
+        assert set(g) == set(w)
+        for k in w:
+            assert isinstance(g[k], jax.Array) and g[k].sharding == sharding
+            np.testing.assert_array_equal(np.asarray(g[k]), w[k])
+        shards = g["image"].addressable_shards
+        assert len(shards) == n and all(s.data.shape[0] == kw["batch_size"] // n for s in shards)
+        images = [samples[i]["image"] for i in np.asarray(g["label"]).tolist()]  # label i: the i-th sample
+        np.testing.assert_array_equal(np.asarray(g["image"]), np.stack(images))
+
+
+def test_a_mixture_equals_the_loaders(tmp_path):
+    a = crossfeed.write_dataset(tmp_path / "a", [{"v": np.float32(i)} for i in range(20)], num_shards=2)
+    b = crossfeed.write_dataset(tmp_path / "b", [{"v": np.float32(100 + i)} for i in range(12)], num_shards=1)
+    a.close(), b.close()
+    sources = [crossfeed.Source(tmp_path / "a", weight=2), crossfeed.Source(tmp_path / "b")]
+    kw = dict(batch_size=4, seed=2, return_index=True)
+    with JaxLoader(sources, sharding=_mesh_sharding(1), **kw) as data:
+        got = list(data)
+    want = _loader_batches(sources, **kw)
+    assert len(got) == len(want) == 8
+    for g, w in zip(ids_of([{k: np.asarray(v) for k, v in b.items()} for b in got]), ids_of(want)):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_state_is_the_consumers_not_the_prefetchers_and_resumes_exactly(mixed_dataset):
+    path, _ = mixed_dataset
+    built = []
+
+    def count(batch):
+        built.append(len(batch["label"]))
+        return batch
+
+    kw = dict(batch_size=2, seed=9, features=DENSE, return_index=True, shuffle="global")
+    full = ids_of(_loader_batches(path, **kw))
+    data = JaxLoader(path, sharding=_mesh_sharding(1), device_prefetch=3, batch_transform=count, **kw)
+    it = iter(data)
+    taken = [np.asarray(next(it)["__index__"]) for _ in range(4)]
+    deadline = time.monotonic() + 30
+    while len(built) < 4 + 3 and time.monotonic() < deadline:  # the prefetcher fills its queue
+        time.sleep(0.01)
+    assert len(built) >= 4 + 3, "the prefetch thread did not run ahead"
+    state = data.state_dict()
+    assert state["position"] == 4 * 2 and state["epoch"] == 0
+    assert data.loader.state_dict()["position"] > state["position"]  # the Loader itself is further on
+    it.close()
+    # the same object continues where the consumer stopped, not where the prefetcher did
+    rest_here = [np.asarray(b["__index__"]) for b in data]
+    data.close()
+    with JaxLoader(path, sharding=_mesh_sharding(1), **kw) as again:
+        again.load_state_dict(state)
+        assert len(again) == len(full) - 4
+        rest_there = [np.asarray(b["__index__"]) for b in again]
+    for rest in (rest_here, rest_there):
+        assert len(rest) == len(full) - 4
+        for a, b in zip(taken + rest, full):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_epochs_run_on_across_the_boundary(mixed_dataset):
+    path, _ = mixed_dataset
+    with JaxLoader(
+        path, batch_size=5, seed=1, features=["label"], return_index=True, sharding=_mesh_sharding(1)
+    ) as data:
+        batches = [np.asarray(b["__index__"]) for b in data.epochs(2)]
+        assert data.state_dict()["epoch"] == 2 and data.state_dict()["position"] == 0
+    assert len(batches) == 12
+    first, second = np.concatenate(batches[:6]), np.concatenate(batches[6:])
+    assert sorted(first) == sorted(second) == list(range(30))  # every sample once per epoch
+    assert not np.array_equal(first, second)  # each epoch its own order
+    with crossfeed.Loader(path, batch_size=5, seed=1, epoch=1, return_index=True, features=["label"]) as ld:
+        np.testing.assert_array_equal(second, np.concatenate(ids_of(ld)))
+
+
+def test_an_error_in_the_prefetch_thread_reaches_the_consumer(mixed_dataset):
+    path, _ = mixed_dataset
+    seen = []
+
+    def boom(batch):
+        seen.append(1)
+        if len(seen) == 3:
+            raise RuntimeError("transform failed on batch 3")
+        return batch
+
+    data = JaxLoader(path, batch_size=3, features=DENSE, batch_transform=boom, sharding=_mesh_sharding(1))
+    got = []
+    with pytest.raises(RuntimeError, match="transform failed on batch 3"):
+        for b in data:
+            got.append(b)
+    assert len(got) == 2
+    assert not any(t.name == "crossfeed-jax-prefetch" for t in threading.enumerate())
+    data.close()
+
+
+def test_breaking_off_and_close_stop_the_thread(mixed_dataset):
+    path, _ = mixed_dataset
+    data = JaxLoader(path, batch_size=2, features=DENSE, sharding=_mesh_sharding(1))
+    for _ in data:
+        break
+    data.close()
+    assert not any(t.name == "crossfeed-jax-prefetch" for t in threading.enumerate())
+
+
+def test_strings_and_ragged_features_are_refused_by_name(mixed_dataset):
+    path, _ = mixed_dataset
+    with pytest.raises(ConfigError, match=r"\['name'\].*features="):
+        JaxLoader(path, batch_size=4)
+    with pytest.raises(ConfigError, match="'tokens' has shape \\(None,\\).*vary.*pad_to"):
+        JaxLoader(path, batch_size=2, features=["label", "tokens"], sharding=_mesh_sharding(1))
+    # a transform may make anything dense, so the batches are checked too
+    with JaxLoader(path, batch_size=10, features=["tokens"], transform=dict, sharding=_mesh_sharding(1)) as data:
+        with pytest.raises(SchemaError, match="'tokens' varies in shape.*pad_to"):
+            next(iter(data))
+    with pytest.raises(ConfigError, match=r"pad_to names \['nope'\]"):
+        JaxLoader(path, batch_size=4, features=["tokens"], pad_to={"nope": 2})
+
+
+@pytest.mark.parametrize("length", [2, 5])
+def test_pad_to_pads_with_zero_and_truncates(mixed_dataset, length):
+    path, samples = mixed_dataset
+    with JaxLoader(
+        path, batch_size=6, features=["tokens", "label"], pad_to={"tokens": length}, sharding=_mesh_sharding(1)
+    ) as d:
+        batches = list(d)
+    assert len(batches) == 5
+    for b in batches:
+        tokens = np.asarray(b["tokens"])
+        assert tokens.shape == (6, length)
+        for row, i in zip(tokens, np.asarray(b["label"]).tolist()):
+            want = np.zeros(length, np.int64)
+            t = np.asarray(samples[i]["tokens"][:length])
+            want[: len(t)] = t
+            np.testing.assert_array_equal(row, want)
+
+
+def test_batch_size_is_global_and_checked(mixed_dataset):
+    path, _ = mixed_dataset
+    with pytest.raises(ConfigError, match="does not divide by the 3 processes"):
+        JaxLoader(path, batch_size=4, rank=0, world_size=3, features=DENSE)
+    if jax.device_count() >= 2:
+        with pytest.raises(ConfigError, match="does not divide by the 2 devices"):
+            JaxLoader(path, batch_size=3, sharding=_mesh_sharding(2), features=DENSE)
+    with pytest.raises(ConfigError, match="drop_last=True"):
+        JaxLoader(path, batch_size=4, drop_last=False, features=DENSE)
+    with pytest.raises(ConfigError, match="drop_last=True"):
+        JaxLoader(path, crossfeed.LoaderOptions.of(batch_size=4, features=DENSE))
+    # one process claiming to be rank 0 of 2, but holding every device of the sharding
+    with JaxLoader(path, batch_size=4, rank=0, world_size=2, features=DENSE, sharding=_mesh_sharding(1)) as data:
+        assert data.local_batch_size == 2 and data.loader.options.plan.batch_size == 2
+        with pytest.raises(ConfigError, match="gives this process 4 of the 4 rows.*reads 2"):
+            next(iter(data))
+
+
+def test_options_passed_whole_read_batch_size_as_global(mixed_dataset):
+    path, _ = mixed_dataset
+    opts = crossfeed.LoaderOptions.of(batch_size=6, drop_last=True, seed=4, features=DENSE, return_index=True)
+    with JaxLoader(path, opts, sharding=_mesh_sharding(1)) as data:
+        got = ids_of([{k: np.asarray(v) for k, v in b.items()} for b in data])
+    assert [len(g) for g in got] == [6] * 5
+    for a, b in zip(got, ids_of(_loader_batches(path, batch_size=6, seed=4, features=DENSE, return_index=True))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_stream_becomes_global_arrays(mixed_dataset):
+    path, _ = mixed_dataset
+    with crossfeed.Loader(path, batch_size=4, features=DENSE, drop_last=True, seed=0) as ld:
+        batches = list(ld)
+    data = JaxLoader(iter(batches), sharding=_mesh_sharding(1))
+    got = list(data)
+    assert len(got) == len(batches)
+    for g, w in zip(got, batches):
+        np.testing.assert_array_equal(np.asarray(g["image"]), w["image"])
+    with pytest.raises(ConfigError, match="stream source has no state"):
+        data.state_dict()
+    short = [batches[0], {k: v[:3] for k, v in batches[1].items()}]
+    with pytest.raises(SchemaError, match="3 rows where 4 were expected"):
+        list(JaxLoader(iter(short), batch_size=4, sharding=_mesh_sharding(1)))
+    with pytest.raises(ConfigError, match="a stream is read as its servers send it"):
+        JaxLoader(iter(batches), seed=3)
