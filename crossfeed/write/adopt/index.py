@@ -222,6 +222,9 @@ class _Inference:
             }
             if expected == names:
                 return old.schema
+        names -= {
+            f.name + SHAPE_SUFFIX for f in self.declared.values() if f.encoding is Encoding.TENSOR and not f.fixed
+        }
         return Schema(self.declared[k] if k in self.declared else self.seen[k].feature(k) for k in sorted(names))
 
 

@@ -133,6 +133,7 @@ def index_parquet(
                     if missing:
                         raise SchemaError(f"{path}: --lengths {missing[0]}: no such column; it has {list(feats)}")
                     if lengths:
+                        check_features(Schema(feats[k] for k in lengths), lengths, path)  # list columns only
                         sizes[n] = np.stack(
                             [parquet_lengths(pa, pf, path, k, lambda r, c: _read(pa, pf, path, r, c)) for k in lengths],
                             axis=1,
