@@ -11,7 +11,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from crossfeed.beam_jobs.commit import remove_temporaries
 from crossfeed.beam_jobs.runner import run_pipeline
@@ -34,6 +34,7 @@ class ConvertResult:
     num_bytes: int
     seconds: float
     skipped: int
+    dropped: dict[str, int] = field(default_factory=dict)  # records left out on purpose, by reason
 
     @property
     def total_samples(self) -> int:
@@ -86,6 +87,7 @@ def convert(
         token=token,
         progress=on_progress is not None,
         overwrite=overwrite,
+        lengths=getattr(source, "length_features", ()),
     )
     read = ReadSource(source)
     watcher = _Watcher(write.cfg.progress_dir, on_progress) if on_progress is not None else None
@@ -115,6 +117,7 @@ def convert(
         sum(manifest.splits[n].num_bytes for n in names),
         seconds,
         int(manifest.metadata.get("skipped_records", 0)),
+        dict(manifest.metadata.get("dropped_records", {})),
     )
 
 
@@ -153,7 +156,7 @@ class _Watcher:
 
 
 def make_source(kind: str, src, **options) -> Source:
-    """The source for ``kind`` (images, csv, parquet, numpy) with its options."""
+    """The source for ``kind`` (images, csv, parquet, numpy, text) with its options."""
     if kind == "images":
         from crossfeed.beam_jobs.images import ImageFolderSource
 
@@ -170,4 +173,8 @@ def make_source(kind: str, src, **options) -> Source:
         from crossfeed.beam_jobs.arrays import NumpySource
 
         return NumpySource.scan(src, **options)
-    raise ConfigError(f"unknown source kind {kind!r}; use images, csv, parquet or numpy")
+    if kind == "text":
+        from crossfeed.beam_jobs.text_source import TextSource
+
+        return TextSource.scan(src, **options)
+    raise ConfigError(f"unknown source kind {kind!r}; use images, csv, parquet, numpy or text")

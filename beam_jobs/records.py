@@ -21,7 +21,7 @@ import numpy as np
 from crossfeed.errors import SampleSchemaError, SchemaError
 from crossfeed.format.encode import encoder_for
 from crossfeed.format.schema import Encoding, Feature, Schema, infer_schema
-from crossfeed.format.stats import FeatureStats
+from crossfeed.format.stats import FeatureStats, LengthStats
 
 BUCKET_BITS = 16  # the plan counts records per bucket of the top bits of the shuffle hash
 NUM_BUCKETS = 1 << BUCKET_BITS
@@ -33,7 +33,9 @@ class SampleBatch:
 
     ``batch_id`` must be unique in the job (built-in sources derive it from file and chunk, so it
     is also stable). ``shapes`` optionally gives decoded shapes of image features for statistics;
-    ``skipped`` counts the bad records the source dropped while making this batch.
+    ``skipped`` counts the bad records the source dropped while making this batch; ``dropped``
+    counts records left out on purpose, by reason (``{"empty_documents": 3}``: not bad input,
+    reported in the manifest's ``dropped_records``).
     """
 
     batch_id: str
@@ -41,6 +43,7 @@ class SampleBatch:
     columns: dict[str, object]
     shapes: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
     skipped: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -61,10 +64,17 @@ class Part:
     hashes: np.ndarray  # uint64 shuffle hash per record
     keys: list[str]
     payloads: list[bytes]
+    lengths: np.ndarray | None = None  # (records, k) uint32: the lengths of the job's lengths features
 
     def take(self, idx: np.ndarray) -> Part:
         ids = idx.tolist()
-        return Part(self.split, self.hashes[idx], [self.keys[i] for i in ids], [self.payloads[i] for i in ids])
+        return Part(
+            self.split,
+            self.hashes[idx],
+            [self.keys[i] for i in ids],
+            [self.payloads[i] for i in ids],
+            None if self.lengths is None else self.lengths[idx],
+        )
 
 
 @dataclass
@@ -77,6 +87,7 @@ class Summary:
     stats: dict[str, dict[str, FeatureStats]]
     schema: Schema
     skipped: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
 
 
 def key_hashes(keys: list[str], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -99,9 +110,12 @@ def batch_schema(batch: SampleBatch) -> Schema:
     return infer_schema({n: batch.columns[n][i] for n in names} for i in range(len(batch)))
 
 
-def encode_parts(batch: SampleBatch, schema: Schema | None, assign, seed: int = 0) -> tuple[list[Part], Summary]:
+def encode_parts(
+    batch: SampleBatch, schema: Schema | None, assign, seed: int = 0, lengths: tuple[str, ...] = ()
+) -> tuple[list[Part], Summary]:
     """Encode every sample of ``batch``; ``assign(split_hashes) -> (names, index array)`` picks
-    each record's split (see `splits.SplitSpec.assign`)."""
+    each record's split (see `splits.SplitSpec.assign`). ``lengths`` names the features whose
+    per-record lengths (number of values) the parts carry, for the shards' lengths files."""
     if schema is None:
         schema = batch_schema(batch)
     names = schema.names
@@ -112,39 +126,50 @@ def encode_parts(batch: SampleBatch, schema: Schema | None, assign, seed: int = 
         payloads = encoder_for(schema).encode_columns(batch.columns, len(batch))
     except SampleSchemaError as e:
         raise SchemaError(f"sample {batch.keys[e.index]!r}: {e.reason}") from None
+    sizes = record_lengths(batch, lengths) if lengths else None
     shuffle, split_h = key_hashes(batch.keys, seed)
     split_names, which = assign(split_h)
     parts: list[Part] = []
-    summary = Summary(batch.batch_id, {}, {}, {}, schema, batch.skipped)
+    summary = Summary(batch.batch_id, {}, {}, {}, schema, batch.skipped, dict(batch.dropped))
     everything = len(split_names) == 1
     for s, name in enumerate(split_names):
         idx = np.arange(len(batch)) if everything else np.flatnonzero(which == s)
         if not len(idx):
             continue
-        part = (
-            Part(name, shuffle, batch.keys, payloads)
-            if everything
-            else Part(name, shuffle, batch.keys, payloads).take(idx)
-        )
+        whole = Part(name, shuffle, batch.keys, payloads, sizes)
+        part = whole if everything else whole.take(idx)
         parts.append(part)
         buckets, counts = np.unique((part.hashes >> np.uint64(64 - BUCKET_BITS)).astype(np.int64), return_counts=True)
         summary.buckets[name] = (buckets, counts.astype(np.int64))
         summary.num_bytes[name] = sum(len(p) for p in part.payloads)
-        summary.stats[name] = batch_stats(schema, batch if everything else batch.take(idx))
+        summary.stats[name] = batch_stats(schema, batch if everything else batch.take(idx), lengths)
     return parts, summary
 
 
-def batch_stats(schema: Schema, batch: SampleBatch) -> dict[str, FeatureStats]:
+def record_lengths(batch: SampleBatch, names: tuple[str, ...]) -> np.ndarray:
+    """``(records, len(names))`` uint32: each record's number of values of each feature."""
+    out = np.zeros((len(batch), len(names)), dtype=np.uint32)
+    for j, name in enumerate(names):
+        col = batch.columns[name]
+        out[:, j] = np.fromiter((np.size(v) for v in col), dtype=np.int64, count=len(batch))
+    return out
+
+
+def batch_stats(schema: Schema, batch: SampleBatch, lengths: tuple[str, ...] = ()) -> dict[str, FeatureStats]:
     """Per-feature `FeatureStats` of a batch, vectorised where the column is a fixed-shape array.
 
     Numbers ignore NaN (a missing CSV/Parquet float) in min/max/mean; ``count`` counts samples.
+    A feature in ``lengths`` (variable-length integers: tokens) gets `LengthStats` of its
+    records' lengths instead of a histogram of shapes, and its values' min/max/mean at once.
     """
     out = {}
     n = len(batch)
     for f in schema:
         col = batch.columns[f.name]
         st = FeatureStats()
-        if f.encoding is Encoding.IMAGE:
+        if f.name in lengths:
+            _length_stats(st, col, n)
+        elif f.encoding is Encoding.IMAGE:
             st.count = n
             for shape in batch.shapes.get(f.name, ()):
                 st.add_shape(shape)
@@ -157,6 +182,16 @@ def batch_stats(schema: Schema, batch: SampleBatch) -> dict[str, FeatureStats]:
                 st.add(v)
         out[f.name] = st
     return out
+
+
+def _length_stats(st: FeatureStats, col, n: int) -> None:
+    st.count = n
+    st.lengths = LengthStats()
+    st.lengths.add(np.fromiter((np.size(v) for v in col), dtype=np.int64, count=n))
+    if st.lengths.total:
+        vals = np.concatenate([np.ravel(v) for v in col])
+        st.min, st.max = float(vals.min()), float(vals.max())
+        st.total, st.n_values = float(vals.sum(dtype=np.float64)), int(vals.size)
 
 
 def _array_stats(st: FeatureStats, col: np.ndarray, n: int, f: Feature) -> None:

@@ -4,6 +4,9 @@ A source is a small picklable object with a declared ``schema`` and ``metadata``
 work ``units()`` (small descriptors in a fixed order, e.g. a file and a row range) and
 ``read(unit)``, which yields `records.SampleBatch` chunks with stable keys and batch ids. The
 unit list is made on the launching machine; units are read in parallel by the runner's workers.
+A source may also name ``steps()``: ``(label, DoFn)`` pairs each batch goes through after it is
+read (the text source's tokenizer, loaded once per worker in the DoFn's ``setup``), and
+``length_features``: the features whose per-record lengths the dataset keeps (lengths files).
 """
 
 from __future__ import annotations
@@ -44,9 +47,12 @@ class ReadSource(beam.PTransform):
         return len(self._units)
 
     def expand(self, pbegin):
-        return (
+        out = (
             pbegin | "Units" >> beam.Create(self._units, reshuffle=False) | "Read" >> beam.ParDo(_ReadUnit(self.source))
         )
+        for label, dofn in getattr(self.source, "steps", list)():
+            out = out | label >> beam.ParDo(dofn)
+        return out
 
 
 class _ReadUnit(beam.DoFn):

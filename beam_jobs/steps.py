@@ -50,6 +50,7 @@ class WriteConfig:
     progress: bool = False
     overwrite: bool = False
     add_split: bool = False
+    lengths: tuple[str, ...] = ()  # features whose per-record lengths go into lengths files
 
     def __post_init__(self):
         if self.num_shards is not None and self.num_shards < 1:
@@ -58,6 +59,11 @@ class WriteConfig:
             raise ConfigError(f"shard_size must be >= 1 byte, got {self.shard_size}")
         if not self.token or not self.token.isalnum():
             raise ConfigError(f"job token must be alphanumeric, got {self.token!r}")
+        object.__setattr__(self, "lengths", tuple(self.lengths))
+        if self.schema is not None:
+            unknown = [n for n in self.lengths if n not in self.schema.names]
+            if unknown:
+                raise ConfigError(f"lengths of {unknown} asked for; the schema's features are {self.schema.names}")
 
     @property
     def progress_dir(self) -> str:
@@ -70,6 +76,7 @@ class CommitInfo:
     num_shards: dict[str, int]
     statistics: dict[str, dict]
     skipped: int
+    dropped: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,7 @@ class EncodeDoFn(beam.DoFn):
         self.cfg = cfg
 
     def process(self, batch: SampleBatch):
-        parts, summary = encode_parts(batch, self.cfg.schema, self.cfg.splits.assign, self.cfg.seed)
+        parts, summary = encode_parts(batch, self.cfg.schema, self.cfg.splits.assign, self.cfg.seed, self.cfg.lengths)
         if self.cfg.progress:
             _report_progress(self.cfg.progress_dir, batch.batch_id, len(batch), sum(summary.num_bytes.values()))
         yield batch.batch_id, (parts, summary)
@@ -136,6 +143,10 @@ class PlanDoFn(beam.DoFn):
         schema = schema if schema is not None else Schema(feats.values())
         skipped = sum(s.skipped for s in summaries)
         cfg.policy.check_total(skipped, cfg.root)
+        dropped: dict[str, int] = {}
+        for s in summaries:
+            for why, count in s.dropped.items():
+                dropped[why] = dropped.get(why, 0) + count
         total = sum(int(h.sum()) for h in hist.values())
         num_shards, tables = {}, {}
         for name in cfg.splits.names:
@@ -154,7 +165,7 @@ class PlanDoFn(beam.DoFn):
         for s in summaries:
             yield "route", s.batch_id, {name: tables[name] for name in s.buckets}
         statistics = {name: {k: v.to_json() for k, v in st.items()} for name, st in stats.items()}
-        yield "commit", 0, CommitInfo(schema, num_shards, statistics, skipped)
+        yield "commit", 0, CommitInfo(schema, num_shards, statistics, skipped, dropped)
 
 
 def _widen_schema(feats: dict, s: Summary) -> dict:
@@ -199,6 +210,7 @@ class WriteShardDoFn(beam.DoFn):
         hashes = np.concatenate([x.hashes for x in pieces]) if pieces else np.zeros(0, np.uint64)
         keys = [k for x in pieces for k in x.keys]
         payloads = [b for x in pieces for b in x.payloads]
+        lengths = _lengths_of(pieces, len(self.cfg.lengths))
         if len(keys) != p.end_offset - p.first_offset:
             raise CrossfeedError(
                 f"shard {index} of split {split!r}: received {len(keys)} records, the plan expects "
@@ -207,14 +219,24 @@ class WriteShardDoFn(beam.DoFn):
         order = planning.sorted_order(hashes, keys, split)
         os.makedirs(self.cfg.root, exist_ok=True)
         sink = ShardSink(self.cfg.root, f"{self.cfg.token}-{split}-{index:05d}", compress=self.cfg.compress)
+        mine = order[p.lo - p.first_offset : p.hi - p.first_offset]
         try:
-            for i in order[p.lo - p.first_offset : p.hi - p.first_offset].tolist():
+            for i in mine.tolist():
                 sink.write(payloads[i])
-            staged = sink.finish()
+            staged = sink.finish(None if lengths is None else lengths[mine])
         except BaseException:
             sink.abort()
             raise
         yield 0, ("staged", split, index, staged)
+
+
+def _lengths_of(pieces: list[Part], k: int) -> np.ndarray | None:
+    """The pieces' records' lengths, ``(records, k)``, in the pieces' order (None: no lengths kept)."""
+    if not k:
+        return None
+    if any(x.lengths is None for x in pieces):
+        raise CrossfeedError("a piece of a shard carries no lengths, though the job keeps lengths files")
+    return np.concatenate([x.lengths for x in pieces]) if pieces else np.zeros((0, k), np.uint32)
 
 
 class CommitDoFn(beam.DoFn):
@@ -242,6 +264,8 @@ class CommitDoFn(beam.DoFn):
             info = infos[0]
             meta = dict(cfg.metadata)
             meta["skipped_records"] = info.skipped
+            if info.dropped:
+                meta["dropped_records"] = dict(sorted(info.dropped.items()))
             manifest = commit_splits(
                 cfg.root,
                 staged,
@@ -251,6 +275,7 @@ class CommitDoFn(beam.DoFn):
                 overwrite=cfg.overwrite,
                 add_split=cfg.add_split,
                 token=cfg.token,
+                lengths=cfg.lengths,
             )
         except BaseException:
             remove_temporaries(cfg.root, token=cfg.token)

@@ -47,6 +47,8 @@ class WriteDataset(beam.PTransform):
     many groups ``(key, sample)`` input is batched in (each group is held in memory once).
     ``path`` must hold no dataset: ``overwrite=True`` replaces one whole, ``add_split=True`` adds
     new splits to it (`crossfeed.write.writer.check_target`); the commit is one atomic rename.
+    ``lengths`` names variable-length features whose per-record lengths (number of values) are
+    written beside each shard (``NAME.len``, `crossfeed.format.lengths`), pinned by the manifest.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class WriteDataset(beam.PTransform):
         progress: bool = False,
         overwrite: bool = False,
         add_split: bool = False,
+        lengths: tuple[str, ...] = (),
     ):
         super().__init__()
         if isinstance(splits, str):
@@ -88,6 +91,7 @@ class WriteDataset(beam.PTransform):
             progress=progress,
             overwrite=overwrite,
             add_split=add_split,
+            lengths=tuple(lengths),
         )
         self.batched = batched
         self.key_groups = key_groups

@@ -1,4 +1,4 @@
-"""``crossfeed convert images|csv|parquet|numpy INPUT... OUT [-- BEAM OPTIONS]``: a thin shell over
+"""``crossfeed convert images|csv|parquet|numpy|text INPUT... OUT [-- BEAM OPTIONS]``: a thin shell over
 `crossfeed.beam_jobs.job.convert`. Shows progress (on a terminal), ends with a summary, then
 verifies what it wrote. Beam is imported only when a command runs, so ``crossfeed --help`` works
 without it.
@@ -118,9 +118,10 @@ BAD_RECORDS = Group("bad_records", {"on_error": (OnErrorOpt, OnError.raise_), "m
 
 def register(app: typer.Typer) -> None:
     group = typer.Typer(
-        help="Convert image folders, CSV, Parquet or numpy files into a dataset (Apache Beam).", no_args_is_help=True
+        help="Convert image folders, CSV, Parquet, numpy files or text into a dataset (Apache Beam).",
+        no_args_is_help=True,
     )
-    for fn in (images, csv, parquet, numpy):
+    for fn in (images, csv, parquet, numpy, text):
         group.command(fn.__name__, cls=_BeamCommand)(fn)
     app.add_typer(group, name="convert")
 
@@ -216,6 +217,52 @@ def numpy(
     _run(ctx, "numpy", src, out, common, label=label)
 
 
+@with_options(COMMON, BAD_RECORDS)
+def text(
+    ctx: typer.Context,
+    src: Src,
+    out: Out,
+    tokenizer: Annotated[
+        Path,
+        typer.Option("--tokenizer", help="A Hugging Face tokenizers JSON file (tokenizer.json).", show_default=False),
+    ],
+    field: Annotated[str, typer.Option("--field", help="The JSONL field that holds each document.")] = "text",
+    column: Annotated[str, typer.Option("--column", help="The Parquet/CSV column that holds each document.")] = "text",
+    per_line: Annotated[
+        bool, typer.Option("--per-line", help="Each line of a .txt file is a document (default: each file).")
+    ] = False,
+    special_tokens: Annotated[
+        bool,
+        typer.Option(
+            "--special-tokens/--no-special-tokens",
+            help="Add the tokenizer's post-processor's special tokens (as tokenizer.encode does).",
+        ),
+    ] = True,
+    eos: Annotated[
+        str | None, typer.Option("--eos", help="A token (e.g. '</s>') or id appended to every document.")
+    ] = None,
+    *,
+    common: dict,
+    bad_records: dict,
+) -> None:
+    """Text tokenized for language models: JSONL, .txt (a document per file, or per line with
+    --per-line), Parquet or CSV text columns; one record per document (tokens, id) and a lengths
+    file beside each shard."""
+    _run(
+        ctx,
+        "text",
+        src,
+        out,
+        {**common, **bad_records},
+        tokenizer=str(tokenizer),
+        field=field,
+        column=column,
+        per_line=per_line,
+        add_special_tokens=special_tokens,
+        eos=eos,
+    )
+
+
 def _check_paths(inputs: list[str], out: Path) -> None:
     """Catch the shell-glob and stray-argument mistakes before any work starts."""
     hint = "usage: INPUT... OUT (OUT is the last argument; Beam options go after --)"
@@ -287,6 +334,7 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict,
             f"wrote {result.total_samples:,} samples ({per_split}), {result.num_bytes:,} bytes "
             f"in {result.seconds:.2f} s: {result.samples_per_second:,.0f} samples/s"
             + (f"; skipped {result.skipped} bad records" if result.skipped else "")
+            + "".join(f"; left out {n:,} {why.replace('_', ' ')}" for why, n in sorted(result.dropped.items()))
         )
         _warn_empty_shards(str(out), list(result.samples))
         if common["verify"]:

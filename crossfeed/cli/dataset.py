@@ -60,6 +60,14 @@ def index(
         ),
     ] = None,
     storage_option: STORAGE_OPTION = None,
+    lengths: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--lengths",
+            help="Write the per-record lengths of this integer array feature (token ids) beside each shard "
+            "(NAME.len), for sequence packing; TFRecord and Parquet (repeatable).",
+        ),
+    ] = None,
 ) -> None:
     """Adopt data in place: TFRecord shards or a TFDS prepared dataset (check every record, write .idx files),
     WebDataset tars (index the samples) or Parquet files (row groups from the footers), then write the manifest
@@ -89,13 +97,17 @@ def index(
             features=feature,
             index_dir=index_dir,
             storage_options=storage_options(storage_option),
+            lengths=lengths,
         )
     if any(s.format == "parquet" for s in manifest.splits.values()):  # what each column became, and why
         for line in (manifest.metadata.get("inferred_types") or {}).values():
             typer.echo(f"column {line}", err=True)
     counts = ", ".join(f"{k}: {v.num_records} records in {len(v.shards)} shards" for k, v in manifest.splits.items())
     where = f" (manifest and indexes in {index_dir})" if index_dir else ""
-    typer.echo(f"indexed {path}{where}: {counts}; features {', '.join(manifest.schema.names)}")
+    typer.echo(
+        f"indexed {path}{where}: {counts}; features {', '.join(manifest.schema.names)}"
+        + (f"; lengths of {', '.join(manifest.lengths)} beside each shard (.len)" if manifest.lengths else "")
+    )
     if index_dir is not None and manifest.data_root is not None:
         from crossfeed.io import roots
 
@@ -146,6 +158,8 @@ def info(
                 typer.echo(f"statistics ({name}):")
                 for feature, st in s.statistics.items():
                     typer.echo(f"  {feature:<20} {_stats_line(st)}")
+                    if isinstance(st.get("lengths"), dict):
+                        typer.echo(f"  {'':<20} {_lengths_line(st['lengths'])}")
         if ds.metadata:
             typer.echo("metadata:")
             for k, v in sorted(ds.metadata.items()):
@@ -181,7 +195,7 @@ def verify(
     if problems:
         for p in problems:
             typer.echo(f"BAD {p}", err=True)
-        bad = len({p.file.removesuffix(".idx") for p in problems})
+        bad = len({p.file.removesuffix(".idx").removesuffix(".len") for p in problems})
         typer.echo(f"{len(problems)} problems in {bad} of {shards} shards", err=True)
         raise typer.Exit(1)
     typer.echo(f"ok: {records:,} records in {shards} shards ({_size(total)}) verified")
@@ -230,6 +244,18 @@ def _stats_line(st: dict) -> str:
         text = ", ".join(f"{k} ×{v:,}" for k, v in top[:3])
         parts.append(f"shapes {text}" + (f" (+{len(top) - 3} more)" if len(top) > 3 else ""))
     return "  ".join(parts)
+
+
+def _lengths_line(st: dict) -> str:
+    """``lengths: 1,000 records, 51,380 in all, min 2  mean 51.4  max 75; 1 ×3, 2-3 ×20, …`` from
+    a feature's `LengthStats` entry (a tokenized dataset's tokens per document)."""
+    text = f"lengths: {st.get('count', 0):,} records, {st.get('total', 0):,} in all"
+    if "min" in st:
+        text += f", min {st['min']:,}  mean {st['mean']:.1f}  max {st['max']:,}"
+    hist = st.get("histogram") or {}
+    if hist:
+        text += "; " + ", ".join(f"{k} ×{v:,}" for k, v in hist.items())
+    return text
 
 
 def _show(v) -> str:

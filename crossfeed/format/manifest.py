@@ -58,7 +58,7 @@ def check_name(name, where: str) -> str:
 
     Every file a manifest names (shards, and so their ``.idx`` files) must be one: no directory
     part, not ``.``/``..``, no leading dot (temporary files), no control characters, not the
-    manifest or an index file itself — and none of these once percent-decoded (``%2e%2e`` is
+    manifest, an index or a lengths file itself — and none of these once percent-decoded (``%2e%2e`` is
     ``..`` in a URL, ``%2f`` a ``/``). So nothing a manifest says can make crossfeed read, write
     or delete a file outside the dataset directory."""
     if not isinstance(name, str):
@@ -70,12 +70,12 @@ def check_name(name, where: str) -> str:
         or not plain_segment(name)
         or urllib.parse.unquote(name).startswith(".")
         or name == MANIFEST
-        or name.endswith(".idx")
+        or name.endswith((".idx", ".len"))
     )
     if bad:
         raise ManifestError(
             f"{where}: {name!r} is not a plain file name inside the dataset directory (no '/', no leading '.', "
-            f"not even percent-decoded, not {MANIFEST} or an .idx file); shards must sit beside {MANIFEST}"
+            f"not even percent-decoded, not {MANIFEST}, an .idx or a .len file); shards must sit beside {MANIFEST}"
         )
     return name
 

@@ -1,4 +1,6 @@
-"""Per-feature statistics that merge: count, min/max/mean of numbers, a histogram of shapes.
+"""Per-feature statistics that merge: count, min/max/mean of numbers, a histogram of shapes and,
+for a variable-length feature whose lengths a dataset keeps (the tokens of a tokenized corpus),
+`LengthStats`: total, min/mean/max length and a power-of-two histogram of lengths.
 Built per shard (or per Beam bundle) and merged, so they cost one pass over the data."""
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ class FeatureStats:
     min: float | None = None
     max: float | None = None
     shapes: dict[str, int] = field(default_factory=dict)
+    lengths: LengthStats | None = None  # per-record lengths (a feature in the manifest's ``lengths``)
 
     def add(self, value) -> None:
         self.count += 1
@@ -51,6 +54,8 @@ class FeatureStats:
         out.shapes = dict(self.shapes)
         for k, v in other.shapes.items():
             out.shapes[k] = out.shapes.get(k, 0) + v
+        if self.lengths is not None or other.lengths is not None:
+            out.lengths = (self.lengths or LengthStats()).merge(other.lengths or LengthStats())
         return out
 
     def to_json(self) -> dict:
@@ -59,7 +64,75 @@ class FeatureStats:
             d.update(min=self.min, max=self.max, mean=self.total / self.n_values)
         if self.shapes:
             d["shapes"] = dict(sorted(self.shapes.items(), key=lambda kv: -kv[1])[:20])
+        if self.lengths is not None:
+            d["lengths"] = self.lengths.to_json()
         return d
+
+
+@dataclass
+class LengthStats:
+    """Records' lengths (a feature's number of values): how many records, their total, min, max
+    and a histogram by powers of two (``bins[b]`` counts lengths in ``[2**(b-1), 2**b)``;
+    ``bins[0]`` the zeros), which merges exactly and stays small (at most 33 bins)."""
+
+    count: int = 0
+    total: int = 0
+    min: int | None = None
+    max: int | None = None
+    bins: dict[int, int] = field(default_factory=dict)
+
+    def add(self, lengths) -> None:
+        arr = np.asarray(lengths, dtype=np.int64).ravel()
+        if not arr.size:
+            return
+        self.count += int(arr.size)
+        self.total += int(arr.sum())
+        lo, hi = int(arr.min()), int(arr.max())
+        self.min = lo if self.min is None else min(self.min, lo)
+        self.max = hi if self.max is None else max(self.max, hi)
+        for b, n in zip(*np.unique(length_bins(arr), return_counts=True)):
+            self.bins[int(b)] = self.bins.get(int(b), 0) + int(n)
+
+    def merge(self, other: LengthStats) -> LengthStats:
+        lows = [v for v in (self.min, other.min) if v is not None]
+        highs = [v for v in (self.max, other.max) if v is not None]
+        bins = dict(self.bins)
+        for b, n in other.bins.items():
+            bins[b] = bins.get(b, 0) + n
+        return LengthStats(
+            self.count + other.count,
+            self.total + other.total,
+            min(lows) if lows else None,
+            max(highs) if highs else None,
+            bins,
+        )
+
+    def to_json(self) -> dict:
+        """``{"count", "total", "min", "max", "mean", "histogram": {"0": n, "1": n, "2-3": n, "4-7": n, …}}``."""
+        d: dict = {"count": self.count, "total": self.total}
+        if self.count:
+            d.update(min=self.min, max=self.max, mean=self.total / self.count)
+        d["histogram"] = {bin_label(b): n for b, n in sorted(self.bins.items())}
+        return d
+
+
+def length_bins(lengths: np.ndarray) -> np.ndarray:
+    """Each length's power-of-two bin: 0 for 0, else ``floor(log2(n)) + 1`` (exact, integer)."""
+    arr = np.asarray(lengths, dtype=np.uint64)
+    bins = np.zeros(arr.shape, dtype=np.int64)
+    v = arr.copy()
+    while np.any(v):
+        nz = v > 0
+        bins[nz] += 1
+        v >>= np.uint64(1)
+    return bins
+
+
+def bin_label(b: int) -> str:
+    """``"0"``, ``"1"``, ``"2-3"``, ``"4-7"``, … for bin ``b`` of `length_bins`."""
+    if b <= 1:
+        return str(b)
+    return f"{1 << (b - 1)}-{(1 << b) - 1}"
 
 
 def merge_all(parts: list[dict[str, FeatureStats]]) -> dict[str, FeatureStats]:

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 
 from crossfeed.errors import ConfigError, CrossfeedError, ManifestError, SchemaError
 from crossfeed.format import index as idx
+from crossfeed.format.lengths import SUFFIX as LENGTHS_SUFFIX
+from crossfeed.format.lengths import lengths_path
 from crossfeed.format.manifest import (
     MANIFEST,
     Manifest,
@@ -201,8 +203,8 @@ def _undo_journal(root: str, path: str, keep: set[str]) -> int:
         return 0
     removed = 0
     for n in names if isinstance(names, list) else ():
-        try:  # a shard name, or a shard name + ".idx": a plain name inside root either way
-            check_name(n.removesuffix(".idx") if isinstance(n, str) else n, path)
+        try:  # a shard name, or a shard name + ".idx"/".len": a plain name inside root either way
+            check_name(_shard_of(n) if isinstance(n, str) else n, path)
         except ManifestError:
             continue
         if n in keep:
@@ -211,6 +213,14 @@ def _undo_journal(root: str, path: str, keep: set[str]) -> int:
             os.unlink(os.path.join(root, n))
             removed += 1
     return removed
+
+
+def _shard_of(name: str) -> str:
+    """The shard a file of the dataset belongs to (itself, or the shard of an index or lengths file)."""
+    for suffix in (".idx", LENGTHS_SUFFIX):
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
 
 
 def dataset_entries(root: str) -> list[str]:
@@ -281,6 +291,7 @@ def commit_splits(
     overwrite: bool = False,
     add_split: bool = False,
     token: str | None = None,
+    lengths: tuple[str, ...] = (),
 ) -> Manifest:
     """Publish staged shards as the splits of the dataset at ``root``, in one atomic step.
 
@@ -290,10 +301,19 @@ def commit_splits(
     deleted; the journal goes. A process killed at any step leaves the old version or the new one,
     whole, and the next commit removes what it left. See `check_target` for ``overwrite`` and
     ``add_split``; ``token`` names the writer whose temporary files are kept while it commits.
+    ``lengths``: the features whose per-record lengths every staged shard has a lengths file of
+    (`crossfeed.format.lengths`), published with it as its index is.
     """
     root = os.fspath(root)
+    lengths = tuple(lengths)
     if not staged or any(not v for v in staged.values()):
         raise ConfigError(f"{root}: nothing to commit ({ {k: len(v) for k, v in staged.items()} })")
+    unpinned = [s.tmp_path for v in staged.values() for s in v if (s.lengths_sha256 is not None) != bool(lengths)]
+    if unpinned:
+        raise ConfigError(
+            f"{root}: shard {unpinned[0]} has {'no ' if lengths else ''}lengths file, while the dataset lists "
+            f"{list(lengths) or 'no'} lengths features; every shard of a dataset has one, or none does"
+        )
     with dataset_lock(root):
         remove_stale(root, keep=token)
         old = check_target(root, overwrite=overwrite, add_split=add_split, splits=staged)
@@ -301,6 +321,11 @@ def commit_splits(
             raise SchemaError(
                 f"{root}: the dataset's splits {sorted(old.splits)} have schema {old.schema.names} with other types "
                 f"than the splits {sorted(staged)} being written; write to another directory, or overwrite it"
+            )
+        if old and add_split and old.lengths != lengths:
+            raise SchemaError(
+                f"{root}: the dataset's splits {sorted(old.splits)} have lengths files of {list(old.lengths)}, the splits "
+                f"{sorted(staged)} being written of {list(lengths)}; write to another directory, or overwrite it"
             )
         taken = old.files if old else set()
         generation = next_generation(root, old)
@@ -312,14 +337,19 @@ def commit_splits(
             for name, shards in staged.items()
         }
         splits = dict(old.splits) if old and add_split else {}
-        kept = {n for s in splits.values() for sh in s.shards for n in (sh.file, sh.file + ".idx")}
+        kept = {
+            n for s in splits.values() for sh in s.shards for n in _files_of(sh.file, sh.lengths_sha256 is not None)
+        }
         # The journal names every file this commit creates or retires: whatever version a crash
         # leaves, the next commit deletes those of them that its manifest does not name.
         journal = os.path.join(root, f"{TMP_PREFIX}{token or secrets.token_hex(6)}-{secrets.token_hex(4)}{_JOURNAL}")
         _write_durably(
             journal,
             json.dumps(
-                sorted({x for names in finals.values() for n in names for x in (n, n + ".idx")} | (taken - kept))
+                sorted(
+                    {x for names in finals.values() for n in names for x in _files_of(n, bool(lengths))}
+                    | (taken - kept)
+                )
             ),
         )
         fsync_dir(root)
@@ -331,12 +361,17 @@ def commit_splits(
                 crash_point("shard renamed")
                 os.replace(idx.index_path(s.tmp_path), idx.index_path(os.path.join(root, final)))
                 crash_point("index renamed")
-                infos.append(ShardInfo(final, s.num_records, s.num_bytes, s.sha256, s.index_sha256))
+                if s.lengths_sha256 is not None:
+                    os.replace(lengths_path(s.tmp_path), lengths_path(os.path.join(root, final)))
+                    crash_point("lengths renamed")
+                infos.append(
+                    ShardInfo(final, s.num_records, s.num_bytes, s.sha256, s.index_sha256, None, s.lengths_sha256)
+                )
             splits[name] = SplitInfo(name, tuple(infos), (statistics or {}).get(name, {}))
         fsync_dir(root)
         meta = dict(old.metadata) if old and add_split else {}
         meta.update(metadata or {})
-        manifest = Manifest(schema, splits, meta, generation)
+        manifest = Manifest(schema, splits, meta, generation, lengths=lengths)
         write_manifest(root, manifest, before_rename=lambda: crash_point("manifest staged"))
         crash_point("manifest renamed")  # the commit point: from here on readers see the new version
         for n in sorted(taken - manifest.files):
@@ -349,8 +384,13 @@ def commit_splits(
     return manifest
 
 
-# a shard name `shard_name` gives (any split, any generation), or its index file's
-_GENERATION = re.compile(r".+-\d{5,}-of-\d{5,}(?:\.g(\d{1,18}))?\.tfrecord(?:\.gz)?(?:\.idx)?")
+def _files_of(shard: str, lengths: bool) -> tuple[str, ...]:
+    """A TFRecord shard's files: itself, its index and, where it has one, its lengths file."""
+    return (shard, shard + ".idx") + ((lengths_path(shard),) if lengths else ())
+
+
+# a shard name `shard_name` gives (any split, any generation), or its index or lengths file's
+_GENERATION = re.compile(r".+-\d{5,}-of-\d{5,}(?:\.g(\d{1,18}))?\.tfrecord(?:\.gz)?(?:\.idx|\.len)?")
 
 
 def next_generation(root: str, old: Manifest | None) -> int:
@@ -382,6 +422,7 @@ def commit_split(
     overwrite: bool = False,
     add_split: bool = False,
     token: str | None = None,
+    lengths: tuple[str, ...] = (),
 ) -> Manifest:
     """`commit_splits` for one split."""
     return commit_splits(
@@ -393,4 +434,5 @@ def commit_split(
         overwrite=overwrite,
         add_split=add_split,
         token=token,
+        lengths=lengths,
     )

@@ -1,19 +1,23 @@
-"""The first step of a write: shards staged under temporary names (``.tmp-<tag>.tfrecord`` and
-its index) in the dataset root, each a `StagedShard` that `crossfeed.write.commit` publishes or
+"""The first step of a write: shards staged under temporary names (``.tmp-<tag>.tfrecord``, its
+index and, for datasets with per-record lengths, its lengths file) in the dataset root, each a `StagedShard` that `crossfeed.write.commit` publishes or
 `discard` removes; and the crash points that mark every step of a write (tests kill the writer
 after each one to prove the commit atomic).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
+from crossfeed.format.lengths import format_lengths, lengths_path
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +33,18 @@ class StagedShard:
     num_bytes: int
     sha256: str
     index_sha256: str | None = None
+    lengths_sha256: str | None = None  # of the staged lengths file (`crossfeed.format.lengths`), if any
+
+
+def _companions(tmp_path: str) -> tuple[str, str]:
+    """The files staged beside a shard: its index and its lengths file (there or not)."""
+    return idx.index_path(tmp_path), lengths_path(tmp_path)
 
 
 class ShardSink:
     """Writes one shard and its index file under temporary names in the dataset root
-    (``.tmp-<tag>.tfrecord``; ``tag`` starts with the writer's token)."""
+    (``.tmp-<tag>.tfrecord``; ``tag`` starts with the writer's token); `finish` given the
+    records' lengths writes the lengths file too."""
 
     def __init__(self, root: str, tag: str, *, compress: bool = False):
         self.tmp_path = os.path.join(root, f"{TMP_PREFIX}{tag}.tfrecord" + (".gz" if compress else ""))
@@ -50,26 +61,40 @@ class ShardSink:
     def num_bytes(self) -> int:
         return self._writer.num_bytes
 
-    def finish(self) -> StagedShard:
+    def finish(self, lengths: np.ndarray | None = None) -> StagedShard:
+        """Close the shard and write its index; with ``lengths`` (``(num_records, k)``, each
+        record's lengths in the order written) its lengths file too."""
         self._writer.close()
+        n = len(self._writer.offsets)
+        if lengths is not None and len(lengths) != n:
+            raise ValueError(f"{self.tmp_path}: {len(lengths)} lengths for {n} records")
         with open(self.tmp_path, "rb") as f:  # durable before any manifest can name it
             os.fsync(f.fileno())
         index_sha = idx.write_index(idx.index_path(self.tmp_path), self._writer.offsets)
+        lengths_sha = None if lengths is None else write_lengths(lengths_path(self.tmp_path), lengths)
         crash_point("shard staged")
-        return StagedShard(
-            self.tmp_path, len(self._writer.offsets), self._writer.num_bytes, self._writer.sha256, index_sha
-        )
+        return StagedShard(self.tmp_path, n, self._writer.num_bytes, self._writer.sha256, index_sha, lengths_sha)
 
     def abort(self) -> None:
         self._writer.close()
-        for p in (self.tmp_path, idx.index_path(self.tmp_path)):
+        for p in (self.tmp_path, *_companions(self.tmp_path)):
             if os.path.exists(p):
                 os.unlink(p)
 
 
+def write_lengths(path: str, lengths) -> str:
+    """Write a lengths file durably (`crossfeed.format.lengths.format_lengths`); its sha256."""
+    data = format_lengths(lengths)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
 def discard(staged: Iterable[StagedShard]) -> None:
     for s in staged:
-        for p in (s.tmp_path, idx.index_path(s.tmp_path)):
+        for p in (s.tmp_path, *_companions(s.tmp_path)):
             if os.path.exists(p):
                 os.unlink(p)
 

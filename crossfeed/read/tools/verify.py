@@ -1,5 +1,6 @@
 """Checking a dataset against its manifest: every record's CRCs, every index entry, record counts,
-byte sizes and sha256 of every shard, and that each record decodes per the schema.
+byte sizes and sha256 of every shard, that each record decodes per the schema, and each lengths
+file's size and sha256 (`crossfeed.format.lengths`, where the manifest lists lengths).
 
 ``verify_dataset(path)`` is what ``crossfeed verify`` runs, on a local or a remote dataset (each
 remote shard downloaded once into a temporary file, then checked as a local one). It keeps going after a problem, so one
@@ -35,6 +36,8 @@ from crossfeed.format import example as ex
 from crossfeed.format import index as idx
 from crossfeed.format import tfrecord
 from crossfeed.format.frames import check_frames
+from crossfeed.format.lengths import DTYPE as LENGTHS_DTYPE
+from crossfeed.format.lengths import checked_lengths, lengths_path
 from crossfeed.format.manifest import ShardInfo
 from crossfeed.format.parquet import column_maps
 from crossfeed.format.schema import Schema, decode_value
@@ -103,10 +106,32 @@ def verify_dataset(
                         parquet_maps=column_maps(ds.manifest.metadata),
                     )
                 problems += [_renamed(p, urls) for p in found]
+            if shard.lengths_sha256 is not None:
+                problems += _check_lengths(ds.index_storage, shard, len(ds.manifest.lengths))
             done += shard.num_bytes
             if progress is not None:
                 progress(done, total)
         return problems
+
+
+def _check_lengths(storage: Storage, shard: ShardInfo, features: int) -> list[Problem]:
+    """What is wrong with a shard's lengths file: missing, or not the size and sha256 the manifest pins."""
+    name = lengths_path(shard.file)
+    where = storage.url(name)
+    fix = "rebuild the lengths (convert again, or `crossfeed index --force --lengths FEATURE`)"
+    limit = shard.num_records * features * LENGTHS_DTYPE.itemsize
+
+    def too_long(n: int) -> Exception:
+        return IndexFileError(f"{where}: {n} bytes or more, expected {limit}; {fix}")
+
+    try:
+        data = retrying(lambda: storage.read(name, limit=limit, too_long=too_long), where, what="the lengths file")
+        checked_lengths(data, where, shard, features)
+    except DatasetNotFoundError:
+        return [Problem(where, None, f"lengths file is missing; {fix}")]
+    except IndexFileError as e:
+        return [Problem(where, None, str(e).removeprefix(f"{where}: "))]
+    return []
 
 
 @contextlib.contextmanager

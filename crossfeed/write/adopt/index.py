@@ -10,6 +10,7 @@ puts the manifest and indexes elsewhere (`crossfeed.write.adopt.placement`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import os
@@ -26,6 +27,7 @@ from crossfeed.format.parquet import is_parquet_name
 from crossfeed.format.schema import NUMERIC_DTYPES, SHAPE_SUFFIX, Encoding, Feature, Schema, decode_value
 from crossfeed.format.tar import is_tar_name
 from crossfeed.write.adopt import tfds
+from crossfeed.write.adopt.lengths import RecordLengths, check_features, lengths_features, write_file
 from crossfeed.write.adopt.parquet import index_parquet
 from crossfeed.write.adopt.placement import Placement, placement
 from crossfeed.write.commit import dataset_lock
@@ -41,7 +43,7 @@ _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n")
 
 def is_shard_name(name: str) -> bool:
     """Whether a file name looks like a TFRecord shard (by extension or ``-SSSSS-of-NNNNN``)."""
-    if name.startswith(".") or name == MANIFEST or name.endswith(".idx") or is_parquet_name(name):
+    if name.startswith(".") or name == MANIFEST or name.endswith((".idx", ".len")) or is_parquet_name(name):
         return False
     base = name[:-3] if name.endswith(".gz") else name
     return base.endswith(_EXTS) or _SHARDED.match(name) is not None
@@ -180,7 +182,8 @@ class _Inference:
         self.seen: dict[str, _Seen] = {}
         self.declared = dict(declared or {})
 
-    def add(self, payload, path: str, offset: int) -> None:
+    def add(self, payload, path: str, offset: int) -> dict:
+        """Check one record against what the others said; its decoded features."""
         where = f"{path}: record at byte offset {offset}"
         try:
             parsed = ex.decode(payload)
@@ -209,6 +212,7 @@ class _Inference:
                     f"{where}: feature {k!r} does not fit its declaration {f.encoding.value} "
                     f"{f.dtype}{list(f.shape)}: {e}"
                 ) from e
+        return parsed
 
     def schema(self, old: Manifest | None) -> Schema:
         names = set(self.names or ())
@@ -218,18 +222,24 @@ class _Inference:
             }
             if expected == names:
                 return old.schema
+        names -= {
+            f.name + SHAPE_SUFFIX for f in self.declared.values() if f.encoding is Encoding.TENSOR and not f.fixed
+        }
         return Schema(self.declared[k] if k in self.declared else self.seen[k].feature(k) for k in sorted(names))
 
 
-def _index_shard(place: Placement, name: str, inference: _Inference) -> ShardInfo:
-    """Check every record of data file ``name``, write its index into ``place.root``."""
+def _index_shard(place: Placement, name: str, inference: _Inference, lengths: RecordLengths | None) -> ShardInfo:
+    """Check every record of data file ``name``, write its index into ``place.root``; note what
+    each record says of the ``lengths`` features' lengths."""
     offsets = []
     where = place.data_url(name)
     with place.open_records(name) as (records, size, sha):
         for offset, payload in records:
-            inference.add(payload, where, offset)
+            parsed = inference.add(payload, where, offset)
+            if lengths is not None:
+                lengths.add(parsed)
             offsets.append((offset, tfrecord.HEADER + len(payload) + tfrecord.FOOTER))
-            del payload
+            del payload, parsed
     index_sha = idx.write_index(place.index_path(name), offsets)
     return ShardInfo(name, len(offsets), size, sha, index_sha)
 
@@ -244,6 +254,7 @@ def index_dataset(
     features: dict | list | None = None,
     index_dir=None,
     storage_options: dict | None = None,
+    lengths=None,
 ) -> Manifest:
     """Adopt the TFRecord shards in directory ``path`` as a crossfeed dataset and return its manifest.
     A directory of ``.tar`` shards (and no TFRecords) is adopted as WebDataset tars read in place
@@ -269,7 +280,12 @@ def index_dataset(
     A directory of Parquet files (``*.parquet``) is adopted in place (`crossfeed.write.adopt.parquet`):
     with ``features`` (declarations, or bare column names whose feature is inferred) only those
     columns are indexed.
+
+    ``lengths`` (a feature name, or several): write each shard's per-record lengths of these
+    one-dimensional integer features beside its index (``NAME.len``, `crossfeed.write.adopt.lengths`),
+    pinned by the manifest, for sequence packing. TFRecord and Parquet; not tars.
     """
+    names_with_lengths = lengths_features(lengths)
     if not split:
         raise ConfigError("split must be a non-empty name, e.g. --split train")
     place = placement(path, index_dir, storage_options)
@@ -300,7 +316,11 @@ def index_dataset(
                 f"separate directories"
             )
         if parquet:  # read in place: row groups from the footers, features from the columns
-            return _index_parquet(place, parquet, split, split_from_name, features, old, progress)
+            return _index_parquet(place, parquet, split, split_from_name, features, old, progress, names_with_lengths)
+        if tars and not names and names_with_lengths:
+            raise ConfigError(
+                f"{root}: --lengths is not supported for WebDataset tars yet; convert them, or index without it"
+            )
         if tars and not names:  # WebDataset tar shards, read in place (`crossfeed.write.adopt.tar`)
             from crossfeed.write.adopt.tar import index_tars
 
@@ -324,10 +344,12 @@ def index_dataset(
             check_name(n, root)  # a manifest names plain files only
     inference = _Inference(declared)
     splits = {}
+    seen_lengths: dict[str, RecordLengths] = {}
     for s, members in sorted(groups.items()):
         shards = []
         for _, n in sorted(members):
-            info = _index_shard(place, n, inference)
+            seen_lengths[n] = RecordLengths(names_with_lengths) if names_with_lengths else None
+            info = _index_shard(place, n, inference, seen_lengths[n])
             shards.append(info)
             if progress is not None:
                 progress(info.num_bytes)
@@ -350,11 +372,30 @@ def index_dataset(
     metadata = _metadata(old)
     metadata.update(layout.metadata if layout is not None else {})
     schema = inference.schema(old if layout is None else None)
-    manifest = Manifest(schema, splits, metadata, old.generation + 1 if old else 0, place.data_root)
+    if names_with_lengths:
+        check_features(schema, names_with_lengths, root)
+        splits = {
+            s: dataclasses.replace(
+                info,
+                shards=tuple(
+                    dataclasses.replace(
+                        sh,
+                        lengths_sha256=write_file(
+                            place.root, sh.file, seen_lengths[sh.file].lengths(schema, place.data_url(sh.file))
+                        ),
+                    )
+                    for sh in info.shards
+                ),
+            )
+            for s, info in splits.items()
+        }
+    manifest = Manifest(schema, splits, metadata, old.generation + 1 if old else 0, place.data_root, names_with_lengths)
     return _commit(place.root, manifest)
 
 
-def _index_parquet(place: Placement, parquet, split, split_from_name, features, old, progress) -> Manifest:
+def _index_parquet(
+    place: Placement, parquet, split, split_from_name, features, old, progress, lengths: tuple[str, ...] = ()
+) -> Manifest:
     """Parquet files adopted in place (`crossfeed.write.adopt.parquet`): with ``features``
     (declarations, or bare column names whose feature is inferred) only those columns are indexed.
     No index file is written: the manifest alone, beside the files or in the index directory."""
@@ -375,11 +416,12 @@ def _index_parquet(place: Placement, parquet, split, split_from_name, features, 
         picked=picked,
         unshaped=unshaped,
         progress=progress,
+        lengths=lengths,
     )
     metadata = _metadata(old)
     metadata.pop("parquet", None)  # this run's decisions replace an earlier index's
     metadata.update(meta)
-    manifest = Manifest(schema, splits, metadata, old.generation + 1 if old else 0, place.data_root)
+    manifest = Manifest(schema, splits, metadata, old.generation + 1 if old else 0, place.data_root, lengths)
     return _commit(place.root, manifest)
 
 

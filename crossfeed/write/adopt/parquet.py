@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
 
 from crossfeed.errors import CorruptRecordError, SchemaError
 from crossfeed.format.manifest import ShardInfo, SplitInfo
@@ -35,6 +38,7 @@ from crossfeed.format.parquet import (
     pyarrow_modules,
 )
 from crossfeed.format.schema import Encoding, Feature, Schema
+from crossfeed.write.adopt.lengths import check_features, parquet_lengths, write_file
 from crossfeed.write.adopt.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -48,6 +52,7 @@ def index_parquet(
     picked: list[str],
     unshaped: frozenset[str] = frozenset(),
     progress: Callable[[int], None] | None = None,
+    lengths: tuple[str, ...] = (),
 ) -> tuple[Schema, dict[str, SplitInfo], dict]:
     """``(schema, splits, metadata)`` of the Parquet files ``groups`` (split → file names in
     ``place``'s data directory, which is only read); ``metadata``: what goes into the manifest's
@@ -58,6 +63,10 @@ def index_parquet(
     ``unshaped`` were declared without a shape: they take the column's); ``picked`` names columns
     whose feature is inferred. With either given only those columns are indexed (a way round
     columns crossfeed cannot read); without, every column is.
+
+    ``lengths``: list columns whose per-row lengths (from the list offsets) are written beside
+    each file (``NAME.len`` in ``place.root``, `crossfeed.write.adopt.lengths`), once the schema
+    says they are one-dimensional integer arrays.
     """
     pa, pq = pyarrow_modules()
     wanted = list(dict.fromkeys([*picked, *declared])) or None
@@ -68,6 +77,7 @@ def index_parquet(
     cats: dict[str, dict] = {}  # dictionary columns: their categories, in first-seen order
     first = None
     splits = {}
+    sizes: dict[str, np.ndarray] = {}  # file -> (rows, len(lengths)): the lengths columns' list lengths
     for split, names in groups.items():
         shards = []
         for n in names:
@@ -119,6 +129,15 @@ def index_parquet(
                             for k in declared:  # nulls: NaN in a float, else a mask (`_decide`)
                                 fill = None if is_float(feats[k]) else {"fill": True}
                                 column_values(feats[k], table.column(k).combine_chunks(), where, fill)
+                    missing = [k for k in lengths if k not in feats]
+                    if missing:
+                        raise SchemaError(f"{path}: --lengths {missing[0]}: no such column; it has {list(feats)}")
+                    if lengths:
+                        check_features(Schema(feats[k] for k in lengths), lengths, path)  # list columns only
+                        sizes[n] = np.stack(
+                            [parquet_lengths(pa, pf, path, k, lambda r, c: _read(pa, pf, path, r, c)) for k in lengths],
+                            axis=1,
+                        )
             shards.append(ShardInfo(n, sum(counts), size, sha, None, counts))
             if progress is not None:
                 progress(size)
@@ -141,7 +160,19 @@ def index_parquet(
     meta: dict = {"inferred_types": lines}
     if maps:
         meta["parquet"] = {"columns": maps}
-    return Schema(features), splits, meta
+    schema = Schema(features)
+    if lengths:
+        check_features(schema, lengths, first or place.data)
+        splits = {
+            s: replace(
+                info,
+                shards=tuple(
+                    replace(sh, lengths_sha256=write_file(place.root, sh.file, sizes[sh.file])) for sh in info.shards
+                ),
+            )
+            for s, info in splits.items()
+        }
+    return schema, splits, meta
 
 
 def _decide(pa, f: Feature, t, nulls: int, cats: list, declared: bool) -> tuple[list[Feature], dict, str]:
