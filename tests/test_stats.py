@@ -108,7 +108,9 @@ def test_counters_are_cumulative_and_since_gives_an_epoch(small):
     second = both.since(first)
     assert (second.batches, second.samples, second.bytes, second.epochs) == (5, N, first.bytes, 1)
     assert all(second.stages[s].count == first.stages[s].count for s in STAGES)
-    assert second.stages["decode"].seconds == pytest.approx(both.stages["decode"].seconds - first.stages["decode"].seconds)
+    assert second.stages["decode"].seconds == pytest.approx(
+        both.stages["decode"].seconds - first.stages["decode"].seconds
+    )
     assert both.since(both).batches == 0 and both.since(both).stages["read"] == StageStat(0.0, 0)
 
 
@@ -207,7 +209,9 @@ def test_the_verdict_from_the_numbers():
     v = _stats(3.8, 6.2, read=0.5, decode=7.1, transform=2.4).verdict()
     assert (v.input_bound, v.bottleneck, v.workers) == (True, "decode", "2 threads")
     assert v.wait_ratio == pytest.approx(0.38) and v.share == pytest.approx(0.71)
-    assert str(v).startswith("input-bound: the trainer waited 38% of the time; decode takes 71% of build time on 2 threads; try")
+    assert str(v).startswith(
+        "input-bound: the trainer waited 38% of the time; decode takes 71% of build time on 2 threads; try"
+    )
     quiet = _stats(0.2, 9.8, decode=1.0).verdict()
     assert not quiet.input_bound and str(quiet) == "not input-bound: the trainer waited 2% of the time"
     assert quiet.bottleneck == "decode"  # named even when it does not hold the consumer up
