@@ -318,7 +318,9 @@ class Loader:
                 self._delivered += step
                 yield batch
         else:  # timed: the plan, each batch's hand-over, the consumer's wait and its own time
-            threads = isinstance(self.executor, ThreadExecutor)
+            # built on threads: each batch stamped when done (its hand-over); in the consumer's
+            # thread (0 threads) there is none, and in processes the executor times it
+            threads = isinstance(self.executor, ThreadExecutor) and self.executor.num_threads > 0
             built = self.executor.map(self._stamped if threads else self.builder, meter.timed("plan", batches))
             asked = time.perf_counter_ns()
             for batch in built:
