@@ -140,6 +140,7 @@ def _resolve(ds: Dataset, opts: TFOptions, *, state, loader_options) -> Engine:
             ("return_index=True", opts.return_index),
             ("loader_options=", bool(loader_options)),
             ("image_size=/channels=", opts.loader.read.image_fit is not None),
+            ("log_stats=True", opts.loader.read.log_stats),  # the Loader's stage metrics: the plan engine's
             # TF's own file systems read the shards natively: fsspec's options do not reach them
             ("storage_options=", bool(opts.loader.read.storage_options) and ds.storage.remote),
         )

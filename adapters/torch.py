@@ -32,7 +32,9 @@ Never imports tensorflow.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
@@ -41,6 +43,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from crossfeed.adapters.torch_convert import to_torch
 from crossfeed.adapters.torch_cursor import Cursor
 from crossfeed.errors import ConfigError
+from crossfeed.read import metrics
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.loader import Loader
 from crossfeed.read.options import LoaderOptions, Source
@@ -113,6 +116,17 @@ class TorchDataset(IterableDataset):
         if self._stream is not None:
             raise ConfigError("a stream source has no loader of its own: the servers plan the epochs")
         return self._loader(0, 1)
+
+    def stats(self) -> metrics.Stats:
+        """The stage metrics of this process's Loaders, summed (`crossfeed.Loader.stats`). With
+        DataLoader workers (``num_workers > 0``) the Loaders run in the workers, whose stats this
+        process cannot see: there, ``log_stats=True`` logs each worker's line at each epoch's end,
+        and `StatefulLoader.stats` measures the trainer's own wait in this process."""
+        if self._stream is not None:
+            raise ConfigError("a stream source has no loader of its own: its servers time their stages")
+        if os.getpid() != self._pid:
+            self._loaders, self._pid = {}, os.getpid()
+        return metrics.combine(loader.stats() for loader in self._loaders.values())
 
     # -- epochs and state ------------------------------------------------------------------------
     @property
@@ -219,22 +233,48 @@ class StatefulLoader:
         self.dataloader = DataLoader(dataset, batch_size=None, **dataloader_kwargs)
         self._running: tuple[int, int] | None = None  # (epoch, start position) of the iteration under way
         self._taken = 0
+        self._meter = metrics.Meter(processes=self.dataloader.num_workers)  # the trainer's wait, timed here
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __iter__(self) -> Iterator[dict]:
+        meter = self._meter
         if self.dataset._stream is not None:  # a stream is a source too: no epochs, no position to track
-            yield from self.dataloader
+            asked = time.perf_counter_ns()
+            for batch in self.dataloader:
+                got = meter.delivered(batch, asked)
+                yield batch
+                asked = meter.consumed(got)
+            meter.ended(asked)
             return
         epoch, position = self.dataset._next_start()
         self._running, self._taken = (epoch, position), 0
+        asked = time.perf_counter_ns()
         for batch in self.dataloader:
             self._taken += 1
+            got = meter.delivered(batch, asked)
             yield batch
+            asked = meter.consumed(got)
+        meter.ended(asked)
         if self._running == (epoch, position):
             self._running = None
             self.dataset.set_epoch(epoch + 1)
+
+    def stats(self) -> metrics.Stats:
+        """The trainer's view, timed in this process around the DataLoader: batches, samples, its
+        wait for each batch and its own time between them (so the verdict's wait ratio is the
+        trainer's, whatever ``num_workers``), with the stage times of the dataset's Loaders when
+        they run here (``num_workers=0``); in DataLoader workers they cannot be seen from here
+        (``log_stats=True`` logs each worker's)."""
+        own = self._meter.stats()
+        if self.dataloader.num_workers or self.dataset._stream is not None:
+            return own
+        loaders = self.dataset.stats()
+        return dataclasses.replace(
+            loaders,
+            **{k: getattr(own, k) for k in ("batches", "samples", "wait_seconds", "consumer_seconds", "epochs")},
+        )
 
     def state_dict(self) -> dict:
         """The Loader state after the batches taken so far (a stream source has none: ConfigError)."""

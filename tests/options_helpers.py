@@ -30,6 +30,7 @@ CHANGED = dict(
     return_index=True,
     read_timeout=5,
     storage_options={"anon": True, "client_kwargs": {"region_name": "eu-west-1"}},
+    log_stats=True,
 )
 
 # (field, value) pairs every front end refuses with the same ConfigError
@@ -50,6 +51,7 @@ BAD = [
     ("image_size", "0x4"),
     ("channels", 2),
     ("resize", "squash"),
+    ("log_stats", "yes"),
 ]
 
 # the image options, away from their defaults (they need decoded images: CHANGED turns decoding off)
@@ -83,6 +85,7 @@ def landed(loader: Loader) -> dict:
         "skips": None if loader.builder.budget is None else loader.builder.budget.max_skips,
         "read_timeout": loader.dataset.index_storage.read_timeout,
         "storage_options": loader.dataset.storage.storage_options,
+        "log_stats": loader.options.read.log_stats,  # read by `Loader.__iter__` at each epoch's end
     }
 
 
@@ -101,6 +104,7 @@ def expected(options: LoaderOptions) -> dict:
         "skips": options.read.max_skips if options.read.on_error.value == "skip" else None,
         "read_timeout": read_deadline(options.read.read_timeout),
         "storage_options": options.read.storage_options,
+        "log_stats": options.read.log_stats,
     }
 
 

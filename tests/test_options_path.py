@@ -84,7 +84,7 @@ FLAGS = [
     "--split", "val", "--batch-size", "3", "--shuffle", "block", "--seed", "7", "--drop-last",
     "--remainder", "drop", "--block-shards", "2", "--threads", "3", "--prefetch", "1",
     "--no-decode-images", "--on-error", "skip", "--max-skips", "5", "--read-timeout", "5",
-    "--storage-option", "anon=true", "--storage-option", "client_kwargs.region_name=eu-west-1",
+    "--storage-option", "anon=true", "--storage-option", "client_kwargs.region_name=eu-west-1", "--log-stats",
 ]  # fmt: skip
 CLI_CHANGED = {k: v for k, v in CHANGED.items() if k not in ("rank", "world_size", "features", "return_index")}
 

@@ -100,6 +100,7 @@ def _loader_options(v: dict) -> LoaderOptions:
         allowed_roots=tuple(v["allow_root"] or ()),
         read_timeout=v["read_timeout"],
         storage_options=storage_options(v["storage_option"]),
+        log_stats=v["log_stats"],
         rank=0,
         world_size=1,
     )
@@ -269,6 +270,16 @@ LOADER = Group(
         "cache_limit": (
             Annotated[str | None, typer.Option("--cache-limit", help="Keep the cache under this size, e.g. 50GB.")],
             None,
+        ),
+        "log_stats": (
+            Annotated[
+                bool,
+                typer.Option(
+                    "--log-stats/--no-log-stats",
+                    help="Log each epoch's stage times and verdict (is the consumer waiting on input?) at INFO.",
+                ),
+            ],
+            _default(ReadOptions, "log_stats"),
         ),
         "allow_root": (ALLOW_ROOT, None),
         "storage_option": (STORAGE_OPTION, None),

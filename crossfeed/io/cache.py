@@ -113,7 +113,9 @@ class ShardCache:
         self._pinned_sizes: dict[str, int] = {}  # … → its size (what `room` subtracts)
         self._verified: set[str] = set()  # entries this process downloaded or hashed
         self._lock = threading.Lock()
-        self.downloads = 0  # shards this process downloaded (for tests and `bench`)
+        self.downloads = 0  # shards this process downloaded (for tests, `bench` and `Loader.stats`)
+        self.downloaded_bytes = 0  # … their bytes
+        self.hits = 0  # opens served by an entry already in the cache (`Loader.stats`)
 
     # -- the directory: only the cache's own layout, never through a link ----------------------
     def _claim(self) -> None:
@@ -197,6 +199,7 @@ class ShardCache:
         removed meanwhile."""
         name = self.name_of(sha256, rel)
         self._pin(name, size)
+        downloads = self.downloads
         try:
             for _ in range(OPEN_TRIES):
                 got = self._map(name, sha256, size, stream_limit)
@@ -221,6 +224,9 @@ class ShardCache:
         except BaseException:
             self.release(name)
             raise
+        if self.downloads == downloads:  # (another thread's download meanwhile makes this a miss: rare, harmless)
+            with self._lock:
+                self.hits += 1
         self._evict()
         return self.path_of(name), got
 
@@ -366,7 +372,9 @@ class ShardCache:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp, dir_fd=folder)
                 raise
-        self.downloads += 1
+        with self._lock:
+            self.downloads += 1
+            self.downloaded_bytes += size
         log.debug("cached %s (%d bytes) as %s", where, size, self.path_of(name))
 
     def _download_ranges(self, storage, rel: str, fd: int, size: int):

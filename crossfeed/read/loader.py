@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -24,6 +25,7 @@ from crossfeed.errors import ConfigError, SchemaError
 from crossfeed.format.schema import INDEX_KEY, Feature, mix_feature
 from crossfeed.io.cache import Prefetcher, ShardCache
 from crossfeed.policy import ErrorBudget, OnError
+from crossfeed.read import metrics
 from crossfeed.read.executors.processes import ProcessExecutor, WorkerRecipe
 from crossfeed.read.executors.threads import ExecutorKind, ThreadExecutor
 from crossfeed.read.options import LoaderOptions, ReadOptions, Remainder, Shuffle, Source
@@ -153,12 +155,15 @@ class Loader:
                 merge = MixtureMerge(feats, [[a.name for a in st] for st in stored], decode_images=read.decode_images)
                 reader = MixtureReader(readers, starts, merge=merge)
             rows = reader.rows
+        # stage metrics, always on (`stats`): a few clock reads per batch
+        self.meter = metrics.Meter(cache=self.cache) if metrics.ENABLED else None
         self.builder = BatchBuilder(
             reader,
             transform=transform,
             batch_transform=batch_transform,
             return_index=options.return_index,
             budget=self._budget,
+            meter=self.meter,
         )
         # Small records cut column-wise are short numpy steps that hold the GIL: a thread only
         # contends for it, and handing a batch over costs more than building it (measured: 1.65M vs
@@ -169,9 +174,13 @@ class Loader:
                 trusted = options.replace(allowed_roots=(*read.allowed_roots, *source.allowed_roots))
                 recipe = dataclasses.replace(recipe, source=source.path, options=trusted)
             recipe = dataclasses.replace(recipe, manifests=tuple(ds.manifest_sha256 for ds in self.datasets))
-            self.executor = ProcessExecutor(recipe, read.processes, read.processes + read.prefetch)
+            self.executor = ProcessExecutor(recipe, read.processes, read.processes + read.prefetch, meter=self.meter)
         else:
             self.executor = ThreadExecutor(threads, max(1, read.num_threads + read.prefetch))
+        if self.meter is not None:
+            self.meter.threads = self.executor.num_threads if isinstance(self.executor, ThreadExecutor) else 0
+            self.meter.processes = read.processes if read.executor is ExecutorKind.PROCESS else 0
+            self._mark = self.meter.stats()  # the counters at the start of the epoch (`log_stats`)
         epoch, position = start if start is not None else (epoch or 0, 0)
         self.start_at(epoch, position)
 
@@ -188,6 +197,15 @@ class Loader:
                 for path, n in (served.snapshot() if served is not None else {}).items():
                     out[stage][path] = out[stage].get(path, 0) + n
         return out
+
+    def stats(self) -> metrics.Stats:
+        """Where the time went: the Loader's stage metrics, cumulative since it was made (see
+        `crossfeed.read.metrics`; ``stats().since(earlier)`` for an interval, ``.verdict()`` for
+        whether the consumer waits on input and which stage to look at). Stages that ran in
+        worker processes are included: each batch brings its own."""
+        if self.meter is None:
+            return metrics.Stats()
+        return self.meter.stats()
 
     @property
     def rank(self) -> int:
@@ -294,10 +312,33 @@ class Loader:
         step = self.num_workers if self.num_workers > 1 else 1
         plan = self.plan()
         batches = iter(plan) if self.prefetcher is None or not self._uncached() else self._prefetching(plan)
-        for batch in self.executor.map(self.builder, batches):
-            self._delivered += step
-            yield batch
+        meter = self.meter
+        if meter is None:
+            for batch in self.executor.map(self.builder, batches):
+                self._delivered += step
+                yield batch
+        else:  # timed: the plan, each batch's hand-over, the consumer's wait and its own time
+            # built on threads: each batch stamped when done (its hand-over); in the consumer's
+            # thread (0 threads) there is none, and in processes the executor times it
+            threads = isinstance(self.executor, ThreadExecutor) and self.executor.num_threads > 0
+            built = self.executor.map(self._stamped if threads else self.builder, meter.timed("plan", batches))
+            asked = time.perf_counter_ns()
+            for batch in built:
+                self._delivered += step
+                batch, done = batch if threads else (batch, None)
+                got = meter.delivered(batch, asked, done)
+                yield batch
+                asked = meter.consumed(got)
+            meter.ended(asked)
         self._epoch, self._position, self._delivered = self._epoch + 1, 0, 0
+        if meter is not None and self.options.read.log_stats:
+            now = meter.stats()
+            log.info("crossfeed epoch %d: %s", self._epoch - 1, now.since(self._mark).line())
+            self._mark = now
+
+    def _stamped(self, indices: np.ndarray) -> tuple[dict[str, np.ndarray], int]:
+        """A batch built by an executor thread, and when it was done (its hand-over starts)."""
+        return self.builder(indices), time.perf_counter_ns()
 
     def epochs(self, count: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """The batches of ``count`` epochs in a row (None: without end), from where the Loader

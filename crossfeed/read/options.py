@@ -176,6 +176,8 @@ class ReadOptions:
     image_size: tuple[int, int] | None = None  # decoded images brought to (height, width) (None: as stored)
     channels: int | None = None  # decoded images converted to 1, 3 or 4 channels (None: as stored)
     resize: Resize = Resize.STRETCH  # how images reach image_size
+    # log the epoch's stage metrics and verdict in one line at INFO at each epoch's end (`Loader.stats`)
+    log_stats: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "allowed_roots", roots.normalise_all(self.allowed_roots))
@@ -184,6 +186,8 @@ class ReadOptions:
         object.__setattr__(self, "storage_options", FsOptions(self.storage_options))
         object.__setattr__(self, "image_size", _image_size(self.image_size))
         object.__setattr__(self, "resize", choice(Resize, self.resize, "resize"))
+        if not isinstance(self.log_stats, bool):
+            raise ConfigError(f"log_stats must be True or False, got {self.log_stats!r}")
         if self.channels is not None and (isinstance(self.channels, bool) or self.channels not in (1, 3, 4)):
             raise ConfigError(f"channels must be 1 (gray), 3 (RGB) or 4 (RGBA), got {self.channels!r}")
         if not self.decode_images and (self.image_size is not None or self.channels is not None):
@@ -284,7 +288,8 @@ _GROUPS = {"plan": PlanOptions, "shard": ShardOptions, "read": ReadOptions}
 # How hard a process works and where it caches: its own, whoever planned the epoch (the servers of
 # a dispatcher keep theirs). With its rank and worker, what is not part of a plan shipped to others.
 # Which roots a server trusts is its own too: a dispatcher's plan never widens them; and so are
-# its credentials and endpoints (storage_options): a dispatcher never ships its secrets.
+# its credentials and endpoints (storage_options): a dispatcher never ships its secrets; and
+# whether it logs its stage metrics (log_stats).
 LOCAL_FIELDS = (
     "num_threads",
     "prefetch",
@@ -295,6 +300,7 @@ LOCAL_FIELDS = (
     "allowed_roots",
     "read_timeout",
     "storage_options",
+    "log_stats",
 )
 _PER_PROCESS = ("rank", "worker", "num_workers")
 _FIELDS = {f.name: group for group, cls in _GROUPS.items() for f in dataclasses.fields(cls)}

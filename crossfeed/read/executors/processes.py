@@ -3,7 +3,8 @@ into shared-memory slots (`crossfeed.read.executors.slots`); the parent yields t
 without pickling or copying their arrays. Python transforms then use every core, not one GIL.
 
     parent ── ("build", gen, seq, slot, sample ids) [+ slot fd] ──► worker seq % K
-    parent ◄── ("done", gen, seq, slot, layout, nbytes) ── worker  (the arrays are in the slot)
+    parent ◄── ("done", gen, seq, slot, layout, nbytes, skipped, stage times, done at) ── worker
+                                                          (the arrays are in the slot)
 
 Worker w builds batches w, w+K, … of each pass, in order; the parent reads worker ``seq % K``'s
 next reply for batch ``seq``, so the order (and thus `Loader.state_dict`) is the plan's. At most
@@ -276,7 +277,11 @@ class ProcessExecutor:
     them (nor any view of them) is referenced: keep a batch as long as you like, no copy needed.
     """
 
-    def __init__(self, recipe: WorkerRecipe, processes: int, window: int, *, name: str = "crossfeed-loader"):
+    def __init__(
+        self, recipe: WorkerRecipe, processes: int, window: int, *, name: str = "crossfeed-loader", meter=None
+    ):
+        """``meter``: a `crossfeed.read.metrics.Meter` that each batch's stage times (sent by
+        its worker with it) and hand-over are added to."""
         if processes < 1 or window < 1:
             raise ConfigError(f"a process executor needs processes >= 1 and window >= 1, got {processes}, {window}")
         if not hasattr(os, "memfd_create") or not hasattr(socket, "send_fds"):
@@ -290,6 +295,7 @@ class ProcessExecutor:
         self._gen = 0
         self._skipped = [0, 0]  # on_error="skip": records skipped by stopped workers, and by these
         self._closed = False
+        self.meter = meter
         weakref.finalize(self, _stop_workers, self._workers, self._pools, os.getpid())  # if never closed
 
     @property
@@ -398,8 +404,10 @@ class ProcessExecutor:
                 msg, blobs = self._recv(w, what)
             if msg[0] == "error":
                 raise _worker_exception(w, what, msg[3], msg[4])
-            _, _, _, slot_id, rows, nbytes, self._skipped[1 + w.index] = msg
+            _, _, _, slot_id, rows, nbytes, self._skipped[1 + w.index] = msg[:7]
             batch = pool.batch(slot_id, layout_from_json(rows, blobs), nbytes)
+            if self.meter is not None and len(msg) == 9:  # the batch's stage times, and when it was done
+                self.meter.merge(msg[7], msg[8])
             got += 1
             firsts.popleft()
             submit()

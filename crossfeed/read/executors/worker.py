@@ -4,7 +4,8 @@
 It receives the `WorkerRecipe` (JSON), builds its own Loader from it (threads off: this process
 is the parallelism), answers ``["ready", pid]``, then for each ``["build", gen, seq, slot]`` (the
 sample ids in a blob) builds the batch in the slot (`crossfeed.read.executors.slots.SlotWriter`) and
-answers with its layout — or with the exception's traceback. Nothing is pickled either way. A
+answers with its layout and its stage times (`crossfeed.read.metrics.Meter.drain`) — or with the
+exception's traceback. Nothing is pickled either way. A
 thread reads the parent's messages as they come, so the parent's sends never wait on a busy worker. It exits when the parent closes the socket, when the
 parent dies (its pid changes: reparented), or on SIGTERM.
 """
@@ -97,7 +98,9 @@ def main(fd: int) -> None:
             reply = ["error", gen, seq, traceback.format_exc(), exception_to_json(e)]
         else:
             skipped = build.budget.count if build.budget is not None else 0
-            reply = ["done", gen, seq, slot_id, rows, nbytes, skipped]
+            # the batch's stage times (`crossfeed.read.metrics`) go back with it, and when it was done
+            timed = build.meter.drain() if build.meter is not None else None
+            reply = ["done", gen, seq, slot_id, rows, nbytes, skipped, timed, time.perf_counter_ns()]
         finally:
             build.alloc = build.reader.decoder.alloc = None
         try:

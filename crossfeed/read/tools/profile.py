@@ -11,6 +11,9 @@
    ``batch_transform``) and ``batch`` (re-stacking samples after a per-sample transform).
    Their sum is the CPU cost of a batch on one core.
 
+The first pass's own stage metrics (`crossfeed.read.metrics`: as run, on the Loader's threads or
+processes) and their verdict — which stage a trainer would wait on — close the report.
+
 No timing here is asserted anywhere; the numbers are for people.
 """
 
@@ -27,6 +30,7 @@ import numpy as np
 
 from crossfeed.errors import ConfigError
 from crossfeed.read.loader import Loader
+from crossfeed.read.metrics import Stats
 from crossfeed.read.options import LoaderOptions
 from crossfeed.read.stages.batch import STAGES
 
@@ -65,6 +69,7 @@ class BenchReport:
     stages: StageTimes
     notes: list[str] = field(default_factory=list)
     paths: dict = field(default_factory=dict)  # `Loader.paths()`: which fast paths served the batches
+    stats: Stats | None = None  # the end-to-end pass's `Loader.stats()`
 
     @property
     def samples_per_s(self) -> float:
@@ -102,6 +107,12 @@ class BenchReport:
         for stage, served in self.paths.items():
             if served:
                 out.append(f"{stage} paths     " + ", ".join(f"{k} ×{v}" for k, v in sorted(served.items())))
+        if self.stats is not None:
+            out.append(f"as run          {self.stats.line(verdict=False)}")
+            out.append(
+                f"verdict         {self.stats.verdict()} (bench's consumer only counts, so it always waits: "
+                f"the stage named is the one a trainer would wait on)"
+            )
         out += self.notes
         return out
 
@@ -143,6 +154,7 @@ def bench_loader(
         seconds = time.perf_counter() - t1
         delivered = np.concatenate([plan.batch(b) for b in plan.batch_ids()[:done]]) if done else np.zeros(0, np.int64)
         nbytes = _record_bytes(loader, delivered)
+        stats = loader.stats()  # before the stage pass below, which runs the same builder again
         stages = _stage_times(loader, plan, stage_batches or min(batches, 20))
         paths = loader.paths()
         notes = []
@@ -165,6 +177,7 @@ def bench_loader(
         stages,
         notes,
         paths,
+        stats,
     )
 
 

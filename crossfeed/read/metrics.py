@@ -1,0 +1,382 @@
+"""Stage metrics of a Loader, always on: where the time goes, and whether the trainer waits.
+
+Every batch is timed stage by stage with ``time.perf_counter_ns`` — a few clock reads per batch,
+never per sample — and added to the Loader's `Meter`, whose counters are cumulative over the
+Loader's life (like Prometheus counters). ``Loader.stats()`` returns them as a frozen `Stats`;
+``stats.since(earlier)`` is the difference of two, ``stats.verdict()`` the `Verdict`.
+
+    plan ──► read ──► decode ──► transform ──► batch ──► handover ──► consumer
+    (sampler) (frames, (payloads (transform,   (collate  (built batch    wait: asking for a batch
+               cache)   → arrays) batch_transform) samples) → consumer)    until it came; consumer:
+                                                                         its own time between batches
+
+Stages run where the executor runs them: on worker threads (their seconds summed over the
+threads), or in worker processes, which send each batch's stage times back with the batch
+(`Meter.drain` there, `Meter.merge` here). ``wait_ratio = wait / (wait + consumer)``: the share
+of the consumer's time spent waiting for input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
+
+from crossfeed.errors import ConfigError
+
+STAGES = ("plan", "read", "decode", "transform", "batch", "handover")
+BUILD = STAGES[:-1]  # the stages that make a batch (the verdict's "build time"; handover delivers it)
+INPUT_BOUND = 0.10  # a consumer waiting this share of its time or more is input-bound
+_COUNTERS = ("batches", "samples", "bytes", "wait_ns", "consumer_ns", "epochs", "cache_hits", "cache_misses")
+
+# The overhead benchmark's switch (benchmarks/bench_stats_overhead.py) and nothing else's: a Loader
+# made while it is False times nothing, running the code paths it ran before metrics existed.
+ENABLED = True
+
+
+@dataclasses.dataclass(frozen=True)
+class StageStat:
+    """Seconds a stage took (summed over the threads or processes that ran it) and how many times
+    it ran (batches; per source of a mixture whose sources are read apart)."""
+
+    seconds: float = 0.0
+    count: int = 0
+
+    def __post_init__(self):
+        if self.seconds < 0 or self.count < 0:
+            raise ConfigError(f"a stage's seconds and count are >= 0, got {self.seconds}, {self.count}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Is the consumer waiting on input, and which stage to look at. ``str(verdict)`` says it in
+    a sentence: "input-bound: the trainer waited 38% of the time; decode takes 71% of build time
+    on 2 threads; try …" or "not input-bound: the trainer waited 2% of the time"."""
+
+    input_bound: bool
+    wait_ratio: float
+    bottleneck: str | None  # the build stage that took the most time (None: none was timed)
+    share: float  # its share of the build time
+    advice: str
+    workers: str = ""  # where the batches were built: "2 threads", "4 worker processes" …
+
+    def __post_init__(self):
+        if not 0.0 <= self.wait_ratio <= 1.0 or not 0.0 <= self.share <= 1.0:
+            raise ConfigError(f"wait_ratio and share are fractions, got {self.wait_ratio}, {self.share}")
+        if self.bottleneck is not None and self.bottleneck not in BUILD:
+            raise ConfigError(f"bottleneck must be one of {BUILD} or None, got {self.bottleneck!r}")
+
+    def __str__(self) -> str:
+        waited = f"the trainer waited {self.wait_ratio:.0%} of the time"
+        if not self.input_bound:
+            return f"not input-bound: {waited}"
+        out = f"input-bound: {waited}"
+        if self.bottleneck is not None:
+            out += f"; {self.bottleneck} takes {self.share:.0%} of build time on {self.workers}"
+        return f"{out}; {self.advice}" if self.advice else out
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """A Loader's counters (cumulative since it was made; `since` for an interval).
+
+    ``batches``/``samples``: delivered to the consumer; ``bytes``: record payload bytes the read
+    stage read (prefetched batches included); ``stages``: `StageStat` per name of `STAGES`;
+    ``wait_seconds``: the consumer's time between asking for a batch and getting it;
+    ``consumer_seconds``: its own time between batches; ``elapsed_seconds``: wall time since the
+    Loader was made; ``threads``/``processes``: what built the batches (0 threads and 0
+    processes: the consumer's own thread); ``cache_*``: shard cache opens served from the cache,
+    downloads, and bytes downloaded; ``epochs``: epochs iterated to their end."""
+
+    batches: int = 0
+    samples: int = 0
+    bytes: int = 0
+    stages: Mapping[str, StageStat] = dataclasses.field(default_factory=dict)
+    wait_seconds: float = 0.0
+    consumer_seconds: float = 0.0
+    elapsed_seconds: float = 0.0
+    threads: int = 0
+    processes: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_bytes: int = 0
+    epochs: int = 0
+
+    def __post_init__(self):
+        unknown = set(self.stages) - set(STAGES)
+        if unknown:
+            raise ConfigError(f"unknown stages {sorted(unknown)}; the stages are {STAGES}")
+        full = {s: self.stages.get(s, StageStat()) for s in STAGES}
+        object.__setattr__(self, "stages", MappingProxyType(full))
+
+    @property
+    def wait_ratio(self) -> float:
+        """wait / (wait + consumer): the share of the consumer's time spent waiting for batches."""
+        total = self.wait_seconds + self.consumer_seconds
+        return min(1.0, max(0.0, self.wait_seconds / total)) if total > 0 else 0.0
+
+    @property
+    def build_seconds(self) -> float:
+        return sum(self.stages[s].seconds for s in BUILD)
+
+    def since(self, previous: Stats) -> Stats:
+        """The counters of the interval from ``previous`` (an earlier `stats()` of the same
+        Loader) to this one; ``threads``/``processes`` are this one's."""
+        if not isinstance(previous, Stats):
+            raise ConfigError(f"since() takes an earlier Stats, got {type(previous).__name__}")
+        stages = {
+            s: StageStat(
+                max(0.0, self.stages[s].seconds - previous.stages[s].seconds),
+                max(0, self.stages[s].count - previous.stages[s].count),
+            )
+            for s in STAGES
+        }
+        diff = {
+            f.name: max(type(v)(0), v - getattr(previous, f.name))
+            for f in dataclasses.fields(self)
+            if f.name not in ("stages", "threads", "processes")
+            for v in [getattr(self, f.name)]
+        }
+        return Stats(**diff, stages=stages, threads=self.threads, processes=self.processes)
+
+    def as_dict(self) -> dict[str, float | int]:
+        """Flat and JSON-able, with stable keys (what an exporter publishes): every field,
+        ``stage_<name>_seconds``/``stage_<name>_count`` per stage, and ``wait_ratio``."""
+        out: dict[str, float | int] = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "stages"
+        }
+        for s in STAGES:
+            out[f"stage_{s}_seconds"] = self.stages[s].seconds
+            out[f"stage_{s}_count"] = self.stages[s].count
+        out["wait_ratio"] = self.wait_ratio
+        return out
+
+    def workers(self) -> str:
+        """Where the batches were built, in words."""
+        if self.processes:
+            return f"{self.processes} worker process{'es' if self.processes != 1 else ''}"
+        if self.threads:
+            return f"{self.threads} thread{'s' if self.threads != 1 else ''}"
+        return "the consumer's thread"
+
+    def verdict(self) -> Verdict:
+        """Input-bound (the consumer waited `INPUT_BOUND` of its time or more) or not, the build
+        stage that took the most time, and what to try."""
+        build = self.build_seconds
+        bottleneck = max(BUILD, key=lambda s: self.stages[s].seconds) if build > 0 else None
+        share = min(1.0, self.stages[bottleneck].seconds / build) if bottleneck else 0.0
+        ratio = self.wait_ratio
+        bound = ratio >= INPUT_BOUND
+        advice = _advice(bottleneck, self) if bound else "the input keeps up: the time is the consumer's own"
+        return Verdict(bound, ratio, bottleneck, share, advice, self.workers())
+
+    def line(self, *, verdict: bool = True) -> str:
+        """One line for a log: batches, rate, wait, each build stage's share (and the verdict)."""
+        build = self.build_seconds
+        shares = " ".join(
+            f"{s} {self.stages[s].seconds / build:.0%}" for s in BUILD if build > 0 and self.stages[s].count
+        )
+        busy = self.wait_seconds + self.consumer_seconds  # the consumer's time with the Loader
+        rate = self.samples / busy if busy > 0 else 0.0
+        per = self.stages["handover"].seconds / max(self.stages["handover"].count, 1) * 1e3
+        out = (
+            f"{self.batches} batches ({self.samples} samples, {self.bytes / 1e6:.1f} MB) in "
+            f"{busy:.2f} s, {rate:,.0f} samples/s; waited {self.wait_seconds:.2f} s "
+            f"({self.wait_ratio:.0%}); build {build:.2f} s on {self.workers()}: {shares or '-'}; "
+            f"handover {per:.2f} ms/batch"
+        )
+        if self.cache_hits or self.cache_misses:
+            out += f"; cache {self.cache_hits} hits, {self.cache_misses} misses ({self.cache_bytes / 1e6:.1f} MB)"
+        return f"{out}; {self.verdict()}" if verdict else out
+
+
+def _advice(stage: str | None, st: Stats) -> str:
+    more = "more processes, or more serve processes" if st.processes else "executor='process' or more num_threads"
+    if stage == "decode":
+        return f"try {more}"
+    if stage == "transform":
+        if st.processes:
+            return "try more processes, more serve processes, or a vectorised batch_transform"
+        return "Python transforms hold the GIL: try executor='process' or more serve processes"
+    if stage == "batch":
+        return "re-stacking per-sample transform outputs: a batch_transform on the whole batch avoids it"
+    if stage == "read":
+        if st.cache_misses:
+            return f"reading records ({st.cache_misses} shard downloads): a warm cache_dir, more prefetch or shuffle='block'"
+        return f"reading records: shuffle='block' for sequential reads, more prefetch, or {more}"
+    if stage == "plan":
+        return "planning the batches: shuffle='block' or larger batches"
+    return "no build stage was timed here (DataLoader workers or servers build the batches: log_stats=True logs theirs)"
+
+
+def combine(parts: Iterable[Stats]) -> Stats:
+    """The sum of several Loaders' stats (one process's DataLoader-worker Loaders, say): counters
+    added, the longest ``elapsed_seconds``, the most threads and processes."""
+    parts = list(parts)
+    if not parts:
+        return Stats()
+    stages = {
+        s: StageStat(sum(p.stages[s].seconds for p in parts), sum(p.stages[s].count for p in parts)) for s in STAGES
+    }
+    summed = {
+        f.name: sum(getattr(p, f.name) for p in parts)
+        for f in dataclasses.fields(Stats)
+        if f.name not in ("stages", "elapsed_seconds", "threads", "processes")
+    }
+    return Stats(
+        **summed,
+        stages=stages,
+        elapsed_seconds=max(p.elapsed_seconds for p in parts),
+        threads=max(p.threads for p in parts),
+        processes=max(p.processes for p in parts),
+    )
+
+
+class Meter:
+    """The mutable counters behind `Stats`, shared by the threads that build batches (each add
+    takes a lock: once per batch). ``cache``: the Loader's `ShardCache` (its counters are read
+    from it); ``threads``/``processes``: what builds the batches, for the report."""
+
+    def __init__(self, *, cache=None, threads: int = 0, processes: int = 0):
+        self.cache, self.threads, self.processes = cache, threads, processes
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter_ns()
+        self._ns = dict.fromkeys(STAGES, 0)
+        self._n = dict.fromkeys(STAGES, 0)
+        self._c = dict.fromkeys(_COUNTERS, 0)  # besides the cache's own: what worker processes reported
+        self._c["cache_bytes"] = 0
+        self._drained = (0, 0, 0)  # the cache's counters at the last `drain`
+
+    # -- adding -------------------------------------------------------------------------------
+    def built(self, ns: Mapping[str, int], nbytes: int) -> None:
+        """One batch built (by any thread): its stages' nanoseconds (a stage absent did not run)
+        and payload bytes."""
+        with self._lock:
+            into, n = self._ns, self._n
+            for s, v in ns.items():
+                into[s] += v
+                n[s] += 1
+            self._c["bytes"] += nbytes
+
+    def timed(self, name: str, items: Iterable) -> Iterator:
+        """``items``, each ``next`` timed as stage ``name`` (the plan: batch ids as they are made,
+        by one thread at a time: added without the lock)."""
+        it, clock, ns, n = iter(items), time.perf_counter_ns, self._ns, self._n
+        while True:
+            t = clock()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            ns[name] += clock() - t
+            n[name] += 1
+            yield item
+
+    # The consumer's side: one thread (the one iterating the Loader) adds, so without the lock.
+    def delivered(self, batch, asked: int, done: int | None = None) -> int:
+        """The consumer got ``batch``, having asked at ``asked`` (ns); ``done``: when it was built
+        (its hand-over is timed from there). Returns now."""
+        now = time.perf_counter_ns()
+        c = self._c
+        c["wait_ns"] += now - asked
+        c["batches"] += 1
+        c["samples"] += _rows(batch)
+        if done is not None:
+            self._ns["handover"] += now - done if now > done else 0
+            self._n["handover"] += 1
+        return now
+
+    def consumed(self, since: int) -> int:
+        """The consumer asks for the next batch, having had the last one since ``since``. Returns now."""
+        now = time.perf_counter_ns()
+        self._c["consumer_ns"] += now - since
+        return now
+
+    def ended(self, asked: int) -> None:
+        """The epoch ended: the consumer asked at ``asked`` and got the end."""
+        self._c["wait_ns"] += time.perf_counter_ns() - asked
+        self._c["epochs"] += 1
+
+    # -- worker processes ---------------------------------------------------------------------
+    def drain(self) -> dict:
+        """What was built here since the last drain, as JSON values, and zeroed: a worker process
+        sends it with each batch for the parent's `merge`."""
+        hits, misses, nbytes = _cache_counters(self.cache)
+        with self._lock:
+            out = {
+                "ns": {s: v for s, v in self._ns.items() if self._n[s]},
+                "n": {s: v for s, v in self._n.items() if v},
+                "bytes": self._c["bytes"],
+                "cache": [hits - self._drained[0], misses - self._drained[1], nbytes - self._drained[2]],
+            }
+            for s in STAGES:  # zeroed in place: `timed` holds these dicts
+                self._ns[s] = self._n[s] = 0
+            self._c["bytes"] = 0
+            self._drained = (hits, misses, nbytes)
+        return out
+
+    def merge(self, d, done: int | None = None) -> None:
+        """Add what a worker process `drain`-ed (checked: ints under known names only; anything
+        else is ignored). ``done``: when the worker finished the batch (perf_counter_ns, one clock
+        for every process of the machine): its hand-over is timed from there."""
+        now = time.perf_counter_ns()
+        if not isinstance(d, dict):
+            return
+        ns, n, cache = d.get("ns"), d.get("n"), d.get("cache")
+        with self._lock:
+            for name, into in ((ns, self._ns), (n, self._n)):
+                for s, v in (name if isinstance(name, dict) else {}).items():
+                    if s in into and _count(v):
+                        into[s] += v
+            if _count(d.get("bytes")):
+                self._c["bytes"] += d["bytes"]
+            if isinstance(cache, list) and len(cache) == 3 and all(map(_count, cache)):
+                for k, v in zip(("cache_hits", "cache_misses", "cache_bytes"), cache):
+                    self._c[k] += v
+            if _count(done):
+                self._ns["handover"] += max(now - done, 0)
+                self._n["handover"] += 1
+
+    # -- reading ------------------------------------------------------------------------------
+    def stats(self) -> Stats:
+        hits, misses, nbytes = _cache_counters(self.cache)
+        with self._lock:
+            stages = {s: StageStat(self._ns[s] / 1e9, self._n[s]) for s in STAGES}
+            c = dict(self._c)
+        return Stats(
+            batches=c["batches"],
+            samples=c["samples"],
+            bytes=c["bytes"],
+            stages=stages,
+            wait_seconds=c["wait_ns"] / 1e9,
+            consumer_seconds=c["consumer_ns"] / 1e9,
+            elapsed_seconds=(time.perf_counter_ns() - self._t0) / 1e9,
+            threads=self.threads,
+            processes=self.processes,
+            cache_hits=c["cache_hits"] + hits,
+            cache_misses=c["cache_misses"] + misses,
+            cache_bytes=c["cache_bytes"] + nbytes,
+            epochs=c["epochs"],
+        )
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _cache_counters(cache) -> tuple[int, int, int]:
+    if cache is None:
+        return 0, 0, 0
+    return cache.hits, cache.downloads, cache.downloaded_bytes
+
+
+def _rows(batch) -> int:
+    """Samples in a batch: the length of its first value (0 if it has none, or not a dict)."""
+    try:
+        for v in batch.values():
+            return len(v)
+    except (AttributeError, TypeError):
+        pass
+    return 0
