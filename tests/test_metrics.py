@@ -110,6 +110,11 @@ def test_a_training_process_endpoint_counts_a_loader_and_shuts_down(tmp_path, da
         assert f'crossfeed_batches_total{{rank="3"}} {float(N // 8)}' in text
         assert f'crossfeed_consumer_wait_seconds_count{{rank="3"}} {float(N // 8)}' in text
         assert "crossfeed_samples_total" not in urllib.request.urlopen(b.url, timeout=5).read().decode()
+        stats = loader.stats()  # the Loader's own stage seconds, exported as they are
+        for stage, got in stats.stages.items():
+            assert f'crossfeed_stage_seconds_total{{rank="3",stage="{stage}"}} {float(got.seconds)}' in text
+        assert 'stage="consumer"' not in text and 'stage="elapsed"' not in text  # not stages
+        assert f'crossfeed_loader_wait_seconds_total{{rank="3"}} {float(stats.wait_seconds)}' in text
         url = a.url
     with pytest.raises(urllib.error.URLError):  # closed: the port no longer answers
         urllib.request.urlopen(url, timeout=5)

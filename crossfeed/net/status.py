@@ -396,8 +396,9 @@ class Split:
 
 
 def split_stats(flat: Mapping[str, float]) -> Split:
-    """Name the flat keys: ``wait_seconds`` is the consumer's wait, ``cache_<what>`` the cache's
-    counts, any other ``<stage>_seconds`` (or ``stage_<stage>_seconds``) the seconds a stage took; the rest is not shown."""
+    """Name the flat keys (`crossfeed.read.metrics.Stats.as_dict`): ``wait_seconds`` is the
+    consumer's wait, ``cache_<what>`` the cache's counts, ``stage_<stage>_seconds`` the seconds a
+    stage took; the rest (counts, ``consumer_seconds``, ``elapsed_seconds``) is not shown."""
     stages, cache = {}, {}
     wait = None
     for k, v in flat.items():
@@ -405,6 +406,6 @@ def split_stats(flat: Mapping[str, float]) -> Split:
             wait = v
         elif k.startswith("cache_") and k[6:] in ("hits", "misses", "bytes"):
             cache[k[6:]] = v
-        elif k.endswith("_seconds") and len(k) > 8:
-            stages[k[:-8].removeprefix("stage_") or k[:-8]] = v
+        elif k.startswith("stage_") and k.endswith("_seconds") and len(k) > 14:
+            stages[k[6:-8]] = v
     return Split(stages, wait, cache)
