@@ -317,5 +317,5 @@ def plan_state(source, options: LoaderOptions | None = None, *, steps: int, epoc
     opts = TFOptions.make(options, fields, epoch=epoch, engine=Engine.PLAN)
     with tf_plan.loader(_open(source, opts.split, opts), opts) as ld:
         state = ld.state_dict()
-        state["position"] = ld.sampler.position_after(0, steps)
+        state["position"] = ld.sampler.position_after(0, steps, epoch=epoch)
     return state
