@@ -111,6 +111,10 @@ def element_spec(source, options: LoaderOptions | None = None, **fields) -> dict
     read off the manifest."""
     opts = TFOptions.make(options, fields)
     ds = _open(source, opts.split, opts)
+    plan = opts.loader.plan
+    if plan.pack is not None or plan.batch_by_tokens is not None:
+        with tf_plan.loader(ds, opts) as ld:  # the features the token Loader reads, as it reads them
+            return tf_spec.token_spec(ld.features, opts.loader)
     feats = tf_spec.select(ds.schema, opts.features, ds.splits[opts.split].statistics)
     fit = opts.loader.read.image_fit
     if fit is not None:  # images come at the fit's size and channels
@@ -140,6 +144,10 @@ def _resolve(ds: Dataset, opts: TFOptions, *, state, loader_options) -> Engine:
             ("return_index=True", opts.return_index),
             ("loader_options=", bool(loader_options)),
             ("image_size=/channels=", opts.loader.read.image_fit is not None),
+            (
+                "pack=/batch_by_tokens=",
+                opts.loader.plan.pack is not None or opts.loader.plan.batch_by_tokens is not None,
+            ),
             # TF's own file systems read the shards natively: fsspec's options do not reach them
             ("storage_options=", bool(opts.loader.read.storage_options) and ds.storage.remote),
         )

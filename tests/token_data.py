@@ -59,3 +59,19 @@ def add_lengths(root, features) -> None:
 def source_doc_pos(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     t = np.asarray(tokens, dtype=np.int64)
     return t >> 40, (t >> 20) & ((1 << 20) - 1), t & ((1 << 20) - 1)
+
+
+def write_language(root, *, docs: int = 200, vocab: int = 32, seed: int = 0) -> str:
+    """A tiny learnable corpus: each document follows ``next = (3 * token + 1) % vocab`` from a
+    random first token, with log-normal lengths (lengths files written)."""
+    rng = np.random.default_rng(seed)
+    lens = np.maximum(2, rng.lognormal(np.log(24), 0.8, docs)).astype(np.int64)
+    samples = []
+    for n in lens.tolist():
+        t = [int(rng.integers(vocab))]
+        for _ in range(n - 1):
+            t.append((3 * t[-1] + 1) % vocab)
+        samples.append({"tokens": t})
+    crossfeed.write_dataset(root, samples, num_shards=2).close()
+    add_lengths(str(root), ("tokens",))
+    return str(root)
