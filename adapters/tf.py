@@ -111,6 +111,10 @@ def element_spec(source, options: LoaderOptions | None = None, **fields) -> dict
     read off the manifest."""
     opts = TFOptions.make(options, fields)
     ds = _open(source, opts.split, opts)
+    plan = opts.loader.plan
+    if plan.pack is not None or plan.batch_by_tokens is not None:
+        with tf_plan.loader(ds, opts) as ld:  # the features the token Loader reads, as it reads them
+            return tf_spec.token_spec(ld.features, opts.loader)
     feats = tf_spec.select(ds.schema, opts.features, ds.splits[opts.split].statistics)
     fit = opts.loader.read.image_fit
     if fit is not None:  # images come at the fit's size and channels
@@ -141,6 +145,10 @@ def _resolve(ds: Dataset, opts: TFOptions, *, state, loader_options) -> Engine:
             ("loader_options=", bool(loader_options)),
             ("image_size=/channels=", opts.loader.read.image_fit is not None),
             ("log_stats=True", opts.loader.read.log_stats),  # the Loader's stage metrics: the plan engine's
+            (
+                "pack=/batch_by_tokens=",
+                opts.loader.plan.pack is not None or opts.loader.plan.batch_by_tokens is not None,
+            ),
             # TF's own file systems read the shards natively: fsspec's options do not reach them
             ("storage_options=", bool(opts.loader.read.storage_options) and ds.storage.remote),
         )
@@ -318,5 +326,5 @@ def plan_state(source, options: LoaderOptions | None = None, *, steps: int, epoc
     opts = TFOptions.make(options, fields, epoch=epoch, engine=Engine.PLAN)
     with tf_plan.loader(_open(source, opts.split, opts), opts) as ld:
         state = ld.state_dict()
-        state["position"] = ld.sampler.position_after(0, steps)
+        state["position"] = ld.sampler.position_after(0, steps, epoch=epoch)
     return state

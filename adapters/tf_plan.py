@@ -131,10 +131,14 @@ def build(
     first_epoch = opts.epoch if state is None else int(state["epoch"])
     # Every pass has the same number of batches, counted by the very Loader that delivers them;
     # except after state=, whose first pass is the rest of an epoch: no one cardinality then.
+    tokens = options.plan.pack is not None or options.plan.batch_by_tokens is not None
     with Loader(source, options, start=(first_epoch, 0), **calls) as counter:
-        cardinality = len(counter) if state is None else None
+        # a token Loader's batches per epoch vary with the epoch (its rows depend on the order)
+        cardinality = len(counter) if state is None and not tokens else None
         feats = counter.features  # as the batches hold them: renamed, reconciled, images fitted
         stats = _statistics(counter)
+    if element_spec is None and tokens:
+        element_spec = tf_spec.token_spec(feats, options)
     if element_spec is None:
         feats = tf_spec.select(Schema(feats), None, stats)
         element_spec = tf_spec.element_spec(

@@ -163,8 +163,8 @@ class TorchDataset(IterableDataset):
         """This rank's batches in the next iteration (all DataLoader workers together)."""
         if self._stream is not None:
             raise TypeError("a stream source has no length: its servers decide how many batches come")
-        _, position = self._next_start()
-        return self.loader.sampler.rank_batch_count(position)
+        epoch, position = self._next_start()
+        return self.loader.sampler.rank_batch_count(position, epoch=epoch)
 
     # -- iteration -------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict]:
@@ -281,7 +281,7 @@ class StatefulLoader:
         if self._running is None:
             return self.dataset.state_dict()
         epoch, position = self._running
-        done = self.dataset.loader.sampler.position_after(position, self._taken)
+        done = self.dataset.loader.sampler.position_after(position, self._taken, epoch=epoch)
         return self.dataset._state(epoch, done)
 
     def load_state_dict(self, state: dict) -> None:

@@ -23,7 +23,16 @@ from crossfeed.errors import (
 )
 from crossfeed.format.schema import Encoding, Feature, Schema
 from crossfeed.read.loader import Loader
-from crossfeed.read.options import LoaderOptions, PlanOptions, ReadOptions, Remainder, ShardOptions, Shuffle, Source
+from crossfeed.read.options import (
+    LoaderOptions,
+    Pack,
+    PlanOptions,
+    ReadOptions,
+    Remainder,
+    ShardOptions,
+    Shuffle,
+    Source,
+)
 from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
 from crossfeed.write.writer import write_samples
 
@@ -70,6 +79,7 @@ __all__ = [
     "Loader",
     "LoaderOptions",
     "ManifestError",
+    "Pack",
     "PlanOptions",
     "ReadOptions",
     "Remainder",

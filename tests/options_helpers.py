@@ -52,7 +52,14 @@ BAD = [
     ("channels", 2),
     ("resize", "squash"),
     ("log_stats", "yes"),
+    ("batch_by_tokens", 0),
+    ("pack", {"length": 0}),
 ]
+
+# the token options (a token dataset: `write_token_data`), away from their defaults; and the flags that say the same
+PACKED = dict(pack={"length": 16, "features": ["tokens"], "split": "rows"})
+PACKED_FLAGS = ["--pack-length", "16", "--pack-features", "tokens", "--pack-split", "rows"]
+BY_TOKENS = dict(batch_by_tokens=64)
 
 # the image options, away from their defaults (they need decoded images: CHANGED turns decoding off)
 IMAGES = dict(image_size=(5, 4), channels=3, resize="pad")
@@ -65,6 +72,33 @@ def write(root) -> str:
         samples = [{"x": rng.random(4, dtype=np.float32), "y": i} for i in range(n)]
         crossfeed.write_dataset(root, samples, split=split, num_shards=3, add_split=split != "train").close()
     return str(root)
+
+
+def write_token_data(root) -> str:
+    """A token dataset with lengths files (what `PACKED` and `BY_TOKENS` read)."""
+    from token_data import write_tokens
+
+    return write_tokens(root, [3, 17, 9, 30, 1, 12, 20, 5])
+
+
+def landed_tokens(loader: Loader) -> dict:
+    """Where the token options land: the plan (`PackSampler`) and the builder's packed features."""
+    return {
+        "sampler": type(loader.sampler).__name__,
+        "pack": loader.sampler.pack,
+        "budget": loader.sampler.budget,
+        "features": [name for name, _ in loader.builder.features],
+    }
+
+
+def expected_tokens(options: LoaderOptions) -> dict:
+    plan = options.plan
+    return {
+        "sampler": "PackSampler",
+        "pack": plan.pack,
+        "budget": plan.batch_by_tokens,
+        "features": list(plan.pack.features if plan.pack else ("tokens",)),
+    }
 
 
 def landed(loader: Loader) -> dict:

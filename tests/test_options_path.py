@@ -6,7 +6,20 @@ stage that uses it. (The torch and TF adapters: test_options_path_torch.py / _tf
 from __future__ import annotations
 
 import pytest
-from options_helpers import BAD, CHANGED, IMAGES, expected, keep, landed
+from options_helpers import (
+    BAD,
+    BY_TOKENS,
+    CHANGED,
+    IMAGES,
+    PACKED,
+    PACKED_FLAGS,
+    expected,
+    expected_tokens,
+    keep,
+    landed,
+    landed_tokens,
+    write_token_data,
+)
 from typer.testing import CliRunner
 
 from crossfeed.cli.main import app
@@ -137,7 +150,7 @@ def test_every_command_defaults_to_the_library_defaults(options_data, tmp_path, 
     assert captured["dispatch"] == want.plan_fields()
 
 
-@pytest.mark.parametrize("field, value", [b for b in BAD if b[0] not in ("rank",)])
+@pytest.mark.parametrize("field, value", [b for b in BAD if b[0] not in ("rank", "pack")])
 def test_every_command_refuses_what_the_library_refuses(options_data, tmp_path, captured, field, value):
     flag = {"num_threads": "--threads", "storage_options": "--storage-option"}.get(
         field, "--" + field.replace("_", "-")
@@ -146,3 +159,27 @@ def test_every_command_refuses_what_the_library_refuses(options_data, tmp_path, 
         r = _run(*cmd, flag, value)
         assert r.exit_code == 2, (cmd, r.output)
     assert captured == {}
+
+
+def test_the_token_options_reach_the_plan_and_every_command(tmp_path, captured):
+    """pack= / batch_by_tokens=: the Loader's plan and builder hold them, a worker recipe and a
+    dispatcher's plan carry them, bench and serve make them from --pack-* / --batch-by-tokens,
+    and dispatch (a fixed batch count per epoch) refuses them by name."""
+    data = write_token_data(tmp_path / "tokens")
+    for fields in (PACKED, BY_TOKENS):
+        want = LoaderOptions.of(batch_size=2, **fields)
+        with Loader(data, batch_size=2, **fields) as loader:
+            assert loader.options == want and landed_tokens(loader) == expected_tokens(want)
+        shipped = want.replace(executor="process")
+        assert WorkerRecipe.from_json(WorkerRecipe(data, shipped).to_json()).options == shipped
+        assert LoaderOptions.from_plan(want.plan_fields(), LoaderOptions.of(batch_size=1)).plan == want.plan
+    for flags, fields in ((PACKED_FLAGS, PACKED), (["--batch-by-tokens", "64"], BY_TOKENS)):
+        captured.clear()
+        _run("bench", data, "--batch-size", "2", *flags)
+        _run("serve", data, "ipc://" + str(tmp_path / "s"), "--batch-size", "2", *flags)
+        want = LoaderOptions.of(batch_size=2, rank=0, world_size=1, **fields)
+        assert captured["bench"] == captured["serve"] == want
+        r = _run("dispatch", data, "ipc://" + str(tmp_path / "d"), *flags)
+        assert r.exit_code == 2 and "crossfeed serve" in r.output and "dispatch" not in captured
+    r = _run("bench", data, "--pack-features", "tokens")
+    assert r.exit_code == 2 and "need --pack-length" in r.output

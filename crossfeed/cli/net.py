@@ -349,6 +349,12 @@ def dispatch(
 
         parse_address(metrics)  # a bad address fails before anything starts
     options = options.replace(rank=0, world_size=world_size)
+    if options.plan.pack is not None or options.plan.batch_by_tokens is not None:
+        raise typer.BadParameter(
+            "a dispatcher leases a fixed number of batches per epoch; packed (--pack-length) and token-budget "
+            "(--batch-by-tokens) batches vary from epoch to epoch: use crossfeed serve (one server per rank) instead",
+            param_hint="--pack-length/--batch-by-tokens",
+        )
     with Loader(dataset, options.replace(num_threads=1)) as loader:
         per_rank = loader.batch_count()
     plan = options.plan_fields()  # what every server's Loader takes from this dispatcher

@@ -24,7 +24,7 @@ from typing import Annotated, Any
 import typer
 
 from crossfeed.policy import OnError
-from crossfeed.read.options import LoaderOptions, PlanOptions, ReadOptions, Remainder, Resize, Shuffle
+from crossfeed.read.options import LoaderOptions, Pack, PackSplit, PlanOptions, ReadOptions, Remainder, Resize, Shuffle
 
 
 def _default(cls, name: str):
@@ -101,9 +101,26 @@ def _loader_options(v: dict) -> LoaderOptions:
         read_timeout=v["read_timeout"],
         storage_options=storage_options(v["storage_option"]),
         log_stats=v["log_stats"],
+        pack=_pack(v),
+        batch_by_tokens=v["batch_by_tokens"],
         rank=0,
         world_size=1,
     )
+
+
+def _pack(v: dict) -> dict | None:
+    """``--pack-length`` (with ``--pack-features``, ``--pack-split``) as `Pack`'s fields, or None."""
+    if v["pack_length"] is None:
+        given = [flag for flag, key in (("--pack-features", "pack_features"), ("--pack-split", "pack_split")) if v[key]]
+        if given:
+            raise typer.BadParameter(f"{' and '.join(given)} need --pack-length", param_hint="--pack-length")
+        return None
+    features = tuple(f for item in v["pack_features"] or () for f in item.split(",") if f)
+    return {
+        "length": v["pack_length"],
+        "features": features or _default(Pack, "features"),
+        "split": _value(v["pack_split"] or _default(Pack, "split")),
+    }
 
 
 # where a dataset's data_root outside it may lie (the library's allowed_roots), for every command that reads one
@@ -280,6 +297,52 @@ LOADER = Group(
                 ),
             ],
             _default(ReadOptions, "log_stats"),
+        ),
+        "pack_length": (
+            Annotated[
+                int | None,
+                typer.Option(
+                    "--pack-length",
+                    min=1,
+                    help="Pack token documents into rows of this many tokens (batches of (batch, length) plus "
+                    "segment_ids and positions; docs/sequences.md).",
+                ),
+            ],
+            None,
+        ),
+        "pack_features": (
+            Annotated[
+                list[str] | None,
+                typer.Option(
+                    "--pack-features",
+                    help="With --pack-length: the token features packed together (comma-separated or repeated; "
+                    "default: tokens).",
+                ),
+            ],
+            None,
+        ),
+        "pack_split": (
+            Annotated[
+                PackSplit | None,
+                typer.Option(
+                    "--pack-split",
+                    help="With --pack-length: best-fit whole documents into rows (documents), or concatenate and "
+                    "chunk (rows).",
+                ),
+            ],
+            None,
+        ),
+        "batch_by_tokens": (
+            Annotated[
+                int | None,
+                typer.Option(
+                    "--batch-by-tokens",
+                    min=1,
+                    help="Without packing: batches of whole documents holding at most this many tokens per rank, "
+                    "padding counted (the batch size varies; docs/sequences.md).",
+                ),
+            ],
+            None,
         ),
         "allow_root": (ALLOW_ROOT, None),
         "storage_option": (STORAGE_OPTION, None),

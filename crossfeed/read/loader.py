@@ -32,6 +32,7 @@ from crossfeed.read.options import LoaderOptions, ReadOptions, Remainder, Shuffl
 from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
 from crossfeed.read.sources.parquet import ParquetFrameReader
 from crossfeed.read.sources.union import UnionSplit
+from crossfeed.read.stages import pack
 from crossfeed.read.stages.batch import BatchBuilder
 from crossfeed.read.stages.fetch import MixtureMerge, MixtureReader, SourceReader
 from crossfeed.read.stages.sampler import Plan, Sampler
@@ -113,7 +114,8 @@ class Loader:
             ]
             splits = [ds[s.split] for ds, s in zip(self.datasets, self.sources)]
             self.dataset, self.split = self.datasets[0], None
-        feats, stored = _features(options.features, self.datasets, self.sources)
+        tokens = pack.read_names(options, self.datasets)  # a token Loader: packed rows or token budgets
+        feats, stored = _features(tokens or options.features, self.datasets, self.sources)
         fit = read.image_fit
         # what the batches hold: the mixture's names, shapes reconciled, images as the fit makes them
         self.features = tuple(fit.feature(f) if fit and read.decode_images else f for f in feats)
@@ -168,7 +170,11 @@ class Loader:
         # Small records cut column-wise are short numpy steps that hold the GIL: a thread only
         # contends for it, and handing a batch over costs more than building it (measured: 1.65M vs
         # 1.2M samples/s at batch 256), so they are built in the consumer's thread when it asks.
-        threads = 0 if rows and transform is None else read.num_threads
+        if tokens is not None:
+            self.sampler, self.builder = pack.token_loader(
+                self.sampler, self.builder, splits, stored, self.features, options, transform
+            )
+        threads = 0 if rows and transform is None and tokens is None else read.num_threads
         if read.executor is ExecutorKind.PROCESS:
             if isinstance(source, Dataset):  # workers open it again, by path, trusting what it was opened with
                 trusted = options.replace(allowed_roots=(*read.allowed_roots, *source.allowed_roots))
@@ -236,9 +242,9 @@ class Loader:
         the samples every rank together consumed; see `crossfeed.read.stages.sampler`)."""
         if int(epoch) < 0:
             raise ConfigError(f"epoch must be >= 0, got {epoch}")
-        if not 0 <= int(position) <= self.sampler.total:
+        if int(position) < 0 or position and int(position) > self.sampler.epoch_total(int(epoch)):
             raise ConfigError(
-                f"position {position} is outside the epoch of {self.sampler.total} samples; "
+                f"position {position} is outside the epoch of {self.sampler.epoch_total(int(epoch))} samples; "
                 f"was the state saved for another dataset?"
             )
         self._epoch, self._position, self._delivered = int(epoch), int(position), 0
@@ -253,12 +259,12 @@ class Loader:
 
     @property
     def position(self) -> int:
-        return self.sampler.position_after(self._position, self._delivered)
+        return self.sampler.position_after(self._position, self._delivered, epoch=self._epoch)
 
     def batch_count(self, *, all_workers: bool = False) -> int:
         """Batches the next iteration yields: this worker's, or with ``all_workers`` the whole
         rank's (every rank yields the same number)."""
-        rank = self.sampler.rank_batch_count(self.position)
+        rank = self.sampler.rank_batch_count(self.position, epoch=self._epoch)
         if all_workers:
             return rank
         return len(range(self.worker, rank, self.num_workers))
@@ -276,7 +282,7 @@ class Loader:
             "num_samples": self.sampler.total,
             "batch_size": self.options.plan.batch_size,
         }
-        if self.sources is not None:  # for people: where each source stands (derived from the above)
+        if self.sources is not None and isinstance(self.sampler, Sampler):  # for people: where each source stands
             order = self.sampler.plan(self._epoch, self.position).order
             draws = order.epoch * order.per_epoch + order.draws(
                 np.full(len(self.sources), self.position), np.arange(len(self.sources))
@@ -311,7 +317,8 @@ class Loader:
         self._position, self._delivered = self.position, 0
         step = self.num_workers if self.num_workers > 1 else 1
         plan = self.plan()
-        batches = iter(plan) if self.prefetcher is None or not self._uncached() else self._prefetching(plan)
+        ahead = self.prefetcher is not None and isinstance(plan, Plan) and self._uncached()
+        batches = self._prefetching(plan) if ahead else iter(plan)
         meter = self.meter
         if meter is None:
             for batch in self.executor.map(self.builder, batches):

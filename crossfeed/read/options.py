@@ -42,6 +42,85 @@ class Resize(str, enum.Enum):
     PAD = "pad"  # scaled to fit inside (H, W), aspect kept, the rest filled with zeros
 
 
+class PackSplit(str, enum.Enum):
+    """How `Pack` cuts the epoch's documents into rows (docs/sequences.md)."""
+
+    DOCUMENTS = "documents"  # best-fit into a bounded set of open rows: a document is cut only when longer than a row
+    ROWS = "rows"  # concatenate and chunk: no padding but the epoch's last row; documents cut at row ends
+
+
+class PackLong(str, enum.Enum):
+    """What `Pack` does with a document longer than a row."""
+
+    SPLIT = "split"  # cut into pieces of a row each (the last piece packed like a document)
+    DROP = "drop"  # left out (counted and logged)
+
+
+class WeightsBy(str, enum.Enum):
+    """What a packed mixture's weights count."""
+
+    DOCUMENTS = "documents"  # each source's share of the epoch's documents is exact (as any mixture's)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pack:
+    """Sequence packing (`crossfeed.read.stages.pack`): the documents of the epoch, in plan order,
+    packed into dense rows of ``length`` tokens. A batch holds ``(B, length)`` arrays of each of
+    ``features`` (variable-length integer features of equal length per record, e.g. tokens and
+    their loss mask; padding is ``pad_id``) and ``segment_ids``/``positions`` ``(B, length)``
+    int32: the document's number within its row (1, 2 …; 0 on padding) and the position within
+    its piece. ``split`` "documents" (best-fit into ``bins`` open rows) or "rows" (concatenate
+    and chunk); ``long`` "split" or "drop" documents longer than ``length``."""
+
+    length: int
+    features: tuple[str, ...] = ("tokens",)
+    long: PackLong = PackLong.SPLIT
+    pad_id: int = 0
+    split: PackSplit = PackSplit.DOCUMENTS
+    bins: int = 32  # rows open at once in split="documents" (more: less padding, more work per document)
+    weights_by: WeightsBy = WeightsBy.DOCUMENTS
+
+    def __post_init__(self):
+        object.__setattr__(self, "length", _int(self.length, "pack length", 1))
+        feats = self.features
+        if isinstance(feats, str) or not isinstance(feats, Sequence) or not feats:
+            raise ConfigError(f"pack features must be a non-empty list of feature names, got {feats!r}")
+        if not all(isinstance(f, str) and f for f in feats) or len(set(feats)) != len(feats):
+            raise ConfigError(f"pack features must be distinct feature names, got {list(feats)!r}")
+        if {"segment_ids", "positions"} & set(feats):
+            raise ConfigError("pack features cannot be named segment_ids or positions: packed batches add those")
+        object.__setattr__(self, "features", tuple(feats))
+        object.__setattr__(self, "long", choice(PackLong, self.long, "pack long"))
+        object.__setattr__(self, "split", choice(PackSplit, self.split, "pack split"))
+        object.__setattr__(self, "weights_by", choice(WeightsBy, self.weights_by, "pack weights_by"))
+        if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int):
+            raise ConfigError(f"pack pad_id must be an integer, got {self.pad_id!r}")
+        object.__setattr__(self, "bins", _int(self.bins, "pack bins", 1))
+
+    @classmethod
+    def of(cls, value) -> Pack:
+        """``value`` as a `Pack`: one already, or its fields as a dict (`to_json`'s, the CLI's)."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"pack= must be a crossfeed.Pack(length=..., features=...), got {value!r}")
+        try:
+            return cls(**value)
+        except TypeError as e:
+            raise ConfigError(f"pack= {dict(value)!r}: {e}") from None
+
+    def to_json(self) -> dict:
+        return {
+            "length": self.length,
+            "features": list(self.features),
+            "long": self.long.value,
+            "pad_id": self.pad_id,
+            "split": self.split.value,
+            "bins": self.bins,
+            "weights_by": self.weights_by.value,
+        }
+
+
 class Remainder(str, enum.Enum):
     PAD = "pad"  # repeat samples from the start of the epoch so every rank gets as many
     DROP = "drop"  # drop the tail; the tail moves with the epoch, so no sample is skipped forever
@@ -94,6 +173,9 @@ class PlanOptions:
     remainder: Remainder = Remainder.PAD
     block_shards: int = 4
     samples_per_epoch: int | None = None  # a mixture's epoch length (None: the sum of its sources' sizes)
+    # token datasets (`crossfeed.read.stages.pack`): batches of packed rows, or of documents under a token budget
+    pack: Pack | None = None
+    batch_by_tokens: int | None = None  # a rank's batch holds at most this many tokens, padding counted
 
     def __post_init__(self):
         if isinstance(self.shuffle, bool):  # shuffle=True/False reads naturally (DataLoader's spelling)
@@ -110,6 +192,14 @@ class PlanOptions:
         object.__setattr__(self, "drop_last", bool(self.drop_last))
         if self.samples_per_epoch is not None:
             object.__setattr__(self, "samples_per_epoch", _int(self.samples_per_epoch, "samples_per_epoch", 1))
+        if self.pack is not None:
+            object.__setattr__(self, "pack", Pack.of(self.pack))
+        if self.batch_by_tokens is not None:
+            object.__setattr__(self, "batch_by_tokens", _int(self.batch_by_tokens, "batch_by_tokens", 1))
+            if self.pack is not None:
+                raise ConfigError(
+                    "pass pack= or batch_by_tokens=, not both: packed rows already hold a fixed token count"
+                )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -386,6 +476,8 @@ class LoaderOptions:
                     if isinstance(v, enum.Enum)
                     else v.to_dict()
                     if isinstance(v, FsOptions)
+                    else v.to_json()
+                    if isinstance(v, Pack)
                     else os.fspath(v)
                     if isinstance(v, os.PathLike)
                     else list(v)

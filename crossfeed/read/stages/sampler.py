@@ -492,13 +492,17 @@ class Sampler:
         n = per_rank(self.total - position, sh.world_size, o.remainder)
         return Plan(order, position, n, sh.rank, sh.world_size, o.batch_size, o.drop_last, sh.worker, sh.num_workers)
 
-    def rank_batch_count(self, position: int = 0) -> int:
+    def epoch_total(self, epoch: int = 0) -> int:
+        """Positions in an epoch: its samples, whichever epoch (a `PackSampler`'s rows depend on it)."""
+        return self.total
+
+    def rank_batch_count(self, position: int = 0, epoch: int = 0) -> int:
         """Batches each rank delivers from ``position`` to the end of an epoch (all its workers
-        together), computed without building the epoch's order."""
+        together), computed without building the epoch's order (any ``epoch``: the same count)."""
         o = self.options
         n = per_rank(self.total - position, self.shard.world_size, o.remainder)
         return num_batches(n, o.batch_size, o.drop_last)
 
-    def position_after(self, position: int, rank_batches_done: int) -> int:
+    def position_after(self, position: int, rank_batches_done: int, epoch: int = 0) -> int:
         """The epoch position after every rank delivered ``rank_batches_done`` batches from ``position``."""
         return min(self.total, position + rank_batches_done * self.options.batch_size * self.shard.world_size)

@@ -1,0 +1,552 @@
+"""Sequence packing and length-aware batching: the plan of a token dataset, on integers.
+
+A token dataset's records are documents: a variable-length integer feature (``tokens``) per
+record, whose lengths lie beside each shard in lengths files (`crossfeed.format.lengths`). Two
+ways to batch them, both pure functions of (seed, epoch, position, world size, worker) and of the
+lengths — never of record contents — so resumption and elastic resumption stay exact:
+
+``Pack(length=L)`` — the epoch's documents, in the plan's order (`crossfeed.read.stages.sampler`:
+the same order, mixtures included, an unpacked Loader delivers), are packed into one global
+sequence of rows of ``L`` tokens (`packed_rows`):
+
+* ``split="documents"`` (the default): best-fit into at most ``bins`` open rows — a document
+  goes into the open row with the least room that still holds it; when none does and ``bins``
+  rows are open, the oldest open row is closed (emitted) and a new one opened; a row that fills
+  up is emitted at once, the open ones at the end of the epoch. A document is cut only when it is
+  longer than ``L`` (into ``L``-token rows of its own, and a last piece packed like a document).
+  Padding is the room closed rows leave: about 1–2% at ``L=2048`` on log-normal lengths of mean
+  600 with the default 32 bins (docs/sequences.md).
+* ``split="rows"``: concatenate and chunk (Megatron's GPT datasets): no padding but the epoch's
+  last row, documents cut wherever a row ends.
+
+Rows are dealt like samples: after ``position`` rows of the epoch were consumed, rank ``r`` of
+``W`` takes global rows ``position + r, + r + W, …``, ``B`` per batch; the epoch's last global
+batch is completed with empty rows (all padding, segment 0), so every rank has the same number of
+``(B, L)`` batches and every token of the epoch is delivered exactly once (``drop_last=True``
+drops that last incomplete global batch instead). A state is ``(epoch, rows consumed)``; rows
+consumed count every rank together, so resuming at another world size or worker count deals the
+rest of the same row sequence: every remaining token exactly once.
+
+``batch_by_tokens=T`` — no packing: documents in plan order form global batches of whole
+groups of ``W`` consecutive documents, as many groups as keep ``groups × W × longest ≤ T × W``
+(at least one group), and rank ``r`` takes the ``r``-th document of each group (`token_batches`):
+every rank's batch is ``(groups, longest)`` — at most ``T`` tokens, padding counted — and all
+ranks take the same number of steps because the batches are global. The epoch's last group may
+have fewer than ``W`` documents: the ranks without one get an empty row. A state is ``(epoch,
+documents consumed)``, and a batch boundary is a fresh start of the greedy rule, so resuming
+there continues identically, and at another world size covers the rest exactly once.
+
+Cost: memory is O(batch + bins), never O(documents): lengths are gathered ``SCAN`` documents at a
+time from memory-mapped lengths files. Packing is sequential, so a rank (and each of its workers)
+walks the lengths of the whole epoch from its start — integers only, no record is read — to find
+its rows; resuming at row ``p`` walks the lengths before it again, and `PackSampler.epoch_total`
+(the number of rows, what ``len(loader)`` needs) walks the whole epoch once per epoch. A split
+without lengths files has its lengths learned by decoding each shard once, kept in memory (4
+bytes per record): write lengths files to avoid both.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+from crossfeed.errors import ConfigError, DatasetNotFoundError, IndexFileError
+from crossfeed.format.lengths import DTYPE, checked_lengths, lengths_path
+from crossfeed.format.schema import Encoding, Feature
+from crossfeed.read.options import LoaderOptions, Pack, PackLong, PackSplit
+from crossfeed.read.stages.batch import _Ticker
+
+log = logging.getLogger(__name__)
+
+SCAN = 1 << 13  # documents whose lengths are gathered at once
+SEGMENT_IDS, POSITIONS = "segment_ids", "positions"
+HEADER, PIECE = 2, 5  # a batch: (rows, width), then pieces of (row, document, start, count, document length)
+
+
+# ---- lengths ------------------------------------------------------------------------------------
+
+
+class DocLengths:
+    """``lengths(ids)``: the length (values of ``feature``) of documents by global id — a mixture's
+    sources numbered one after the other, as `MixtureOrder` numbers them.
+
+    From each shard's lengths file (memory-mapped, checked against the manifest's
+    ``lengths_sha256`` the first time the shard is touched); a split whose manifest does not list
+    ``feature`` has its shards decoded once each instead (logged; 4 bytes per record kept)."""
+
+    def __init__(self, splits, names: list[str]):
+        """``splits``: one `Split` per source; ``names``: the feature's name in each."""
+        self.splits, self.names = list(splits), list(names)
+        self.starts = np.concatenate([[0], np.cumsum([len(sp) for sp in self.splits])]).astype(np.int64)
+        self._cols: list[int | None] = []
+        for sp, name in zip(self.splits, self.names):
+            listed = tuple(getattr(sp.dataset.manifest, "lengths", ()) or ())
+            self._cols.append(listed.index(name) if name in listed else None)
+            if name not in listed:
+                log.warning(
+                    "%s split %r has no lengths files for %r: each shard is decoded once to learn its documents' "
+                    "lengths (the whole shard is read; 4 bytes per record kept in memory). Write lengths files "
+                    "(crossfeed convert text does) to plan from integers alone.",
+                    sp.dataset.path,
+                    sp.name,
+                    name,
+                )
+        self._shards: dict[tuple[int, int], np.ndarray] = {}
+        self._maps: list = []
+        self._lock = threading.Lock()
+
+    def __call__(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        out = np.empty(len(ids), dtype=np.int64)
+        src = np.searchsorted(self.starts, ids, side="right") - 1
+        for s in np.unique(src).tolist():
+            at = np.flatnonzero(src == s)
+            local = ids[at] - self.starts[s]
+            sp = self.splits[s]
+            shard = np.searchsorted(sp.starts, local, side="right") - 1
+            for k in np.unique(shard).tolist():
+                m = shard == k
+                out[at[m]] = self.shard(s, k)[local[m] - sp.starts[k]]
+        return out
+
+    def where(self, doc: int) -> str:
+        """Where the plan's length of document ``doc`` came from."""
+        s = int(np.searchsorted(self.starts, doc, side="right") - 1)
+        sp = self.splits[s]
+        k, _ = sp.locate(int(doc - self.starts[s]))
+        if self._cols[s] is None:
+            return f"its length learned by decoding {sp.file(k).path}"
+        return f"the lengths file {sp.dataset.index_storage.url(lengths_path(sp.shards[k].file))}"
+
+    def shard(self, s: int, k: int) -> np.ndarray:
+        """The lengths of source ``s``'s shard ``k``, loaded (and checked) once."""
+        got = self._shards.get((s, k))
+        if got is None:
+            with self._lock:
+                got = self._shards.get((s, k))
+                if got is None:
+                    got = self._shards[(s, k)] = self._load(s, k)
+        return got
+
+    def _load(self, s: int, k: int) -> np.ndarray:
+        sp, col = self.splits[s], self._cols[s]
+        info = sp.shards[k]
+        if col is None:
+            name = self.names[s]
+            return np.fromiter(
+                (np.size(sp.decode(k, j, features=[name], decode_images=False)[name]) for j in range(info.num_records)),
+                dtype=DTYPE,
+                count=info.num_records,
+            )
+        ds = sp.dataset
+        storage, rel = ds.index_storage, lengths_path(info.file)
+        where, width = storage.url(rel), len(ds.manifest.lengths)
+        fix = "write the dataset's lengths files again (convert it again), or read it without pack=/batch_by_tokens="
+        try:
+            if storage.remote:
+                data = storage.read(rel, limit=info.num_records * width * DTYPE.itemsize + 1)
+            else:
+                with open(where, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+                if size:
+                    self._maps.append(data)
+        except (FileNotFoundError, DatasetNotFoundError) as e:
+            raise IndexFileError(f"{where}: lengths file is missing; {fix}") from e
+        except OSError as e:
+            raise IndexFileError(f"{where}: cannot read the lengths file ({e.strerror or e}); {fix}") from e
+        return checked_lengths(data, where, info, width)[:, col]
+
+
+# ---- packing: every row of an epoch -------------------------------------------------------------
+
+
+def documents(order, lengths, start: int = 0) -> Iterator[tuple[int, int]]:
+    """``(document id, length)`` of the epoch's documents from position ``start``, in plan order."""
+    for lo in range(start, order.n, SCAN):
+        ids = order(np.arange(lo, min(order.n, lo + SCAN), dtype=np.int64))
+        yield from zip(ids.tolist(), lengths(ids).tolist())
+
+
+class _BestFit:
+    """Best-fit packing into at most ``bins`` open rows (see the module docstring)."""
+
+    def __init__(self, length: int, bins: int):
+        self.length, self.bins = length, bins
+        self.spaces: list[tuple[int, int]] = []  # (room, row number) of the open rows, sorted
+        self.open: dict[int, list] = {}  # row number → pieces; insertion order = opening order
+        self.room: dict[int, int] = {}
+        self.seq = 0
+
+    def add(self, doc: int, n: int, out: list) -> None:
+        L, start = self.length, 0
+        while n - start > L:  # a long document: rows of its own, the last piece packed below
+            out.append([(doc, start, L, n)])
+            start += L
+        rest = n - start
+        if rest <= 0:
+            return
+        piece = (doc, start, rest, n)
+        i = bisect.bisect_left(self.spaces, (rest, -1))
+        if i < len(self.spaces):
+            room, s = self.spaces.pop(i)
+            self.open[s].append(piece)
+            self._left(s, room - rest, out)
+            return
+        if len(self.open) >= self.bins:
+            s = next(iter(self.open))
+            self.spaces.remove((self.room.pop(s), s))
+            out.append(self.open.pop(s))
+        s, self.seq = self.seq, self.seq + 1
+        self.open[s] = [piece]
+        self._left(s, L - rest, out)
+
+    def _left(self, s: int, room: int, out: list) -> None:
+        if room:
+            self.room[s] = room
+            bisect.insort(self.spaces, (room, s))
+        else:  # full: emitted now
+            self.room.pop(s, None)
+            out.append(self.open.pop(s))
+
+    def flush(self) -> list:
+        return list(self.open.values())
+
+
+class _Chunks:
+    """Concatenate and chunk: documents end to end, cut at every ``length`` tokens."""
+
+    def __init__(self, length: int):
+        self.length, self.row, self.fill = length, [], 0
+
+    def add(self, doc: int, n: int, out: list) -> None:
+        start = 0
+        while start < n:
+            take = min(n - start, self.length - self.fill)
+            self.row.append((doc, start, take, n))
+            start, self.fill = start + take, self.fill + take
+            if self.fill == self.length:
+                out.append(self.row)
+                self.row, self.fill = [], 0
+
+    def flush(self) -> list:
+        return [self.row] if self.row else []
+
+
+def packed_rows(order, lengths, pack: Pack) -> Iterator[list[tuple[int, int, int, int]]]:
+    """Every row of one epoch in order: a list of pieces ``(document, start, count, length)``
+    (the document's tokens ``start .. start + count``; ``length``: the whole document's)."""
+    L = pack.length
+    packer = _BestFit(L, pack.bins) if pack.split is PackSplit.DOCUMENTS else _Chunks(L)
+    drop = pack.long is PackLong.DROP
+    out: list = []
+    for doc, n in documents(order, lengths):
+        if drop and n > L:
+            continue
+        packer.add(doc, n, out)
+        if out:
+            yield from out
+            out.clear()
+    yield from packer.flush()
+
+
+def token_batches(order, lengths, start: int, budget: int, world: int) -> Iterator[list[tuple[int, int]]]:
+    """The global batches of ``batch_by_tokens`` from epoch position ``start`` (see the module
+    docstring): each a list of ``(document, length)`` whose ``i``-th belongs to rank ``i % world``."""
+    docs = documents(order, lengths, start)
+    batch: list = []
+    longest = 0
+    while True:
+        group = [d for _, d in zip(range(world), docs)]
+        if not group:
+            break
+        top = max(n for _, n in group)
+        if batch and (len(batch) + world) * max(longest, top) > budget * world:
+            yield batch
+            batch, longest = [], 0
+        batch.extend(group)
+        longest = max(longest, top)
+    if batch:
+        yield batch
+
+
+def _encode(rows: list[list], width: int) -> np.ndarray:
+    """A batch for the builder (int64, what process workers receive): ``(rows, width)`` and its pieces."""
+    pieces = [(i, *p) for i, row in enumerate(rows) for p in row]
+    out = np.empty(HEADER + PIECE * len(pieces), dtype=np.int64)
+    out[0], out[1] = len(rows), width
+    if pieces:
+        out[HEADER:] = np.asarray(pieces, dtype=np.int64).ravel()
+    return out
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+
+
+class PackSampler:
+    """Stage 1 for token datasets, over the documents' `Sampler` (whose order it packs or
+    batches): the interface of `Sampler` (``plan``, ``rank_batch_count``, ``position_after``,
+    ``epoch_total``, ``total``) with positions counted in rows (``pack``) or documents
+    (``batch_by_tokens``)."""
+
+    def __init__(self, docs, lengths: DocLengths, options: LoaderOptions):
+        self.docs, self.lengths = docs, lengths
+        self.options, self.shard = options.plan, options.shard
+        self.pack, self.budget = options.plan.pack, options.plan.batch_by_tokens
+        self.total = docs.total  # documents per epoch (a state's num_samples: which data it was saved for)
+        self._rows: dict[int, int] = {}  # epoch → its rows (the last few epochs)
+        self._counts: dict[tuple[int, int], int] = {}  # batch_by_tokens: (epoch, position) → global batches left
+        self._lock = threading.Lock()
+
+    @property
+    def per_batch(self) -> int:
+        """Global rows per step (``pack``): every rank's batch."""
+        return self.options.batch_size * self.shard.world_size
+
+    def order(self, epoch: int):
+        return self.docs.plan(epoch, 0).order
+
+    def rows(self, epoch: int) -> Iterator[list]:
+        return packed_rows(self.order(epoch), self.lengths, self.pack)
+
+    def epoch_total(self, epoch: int) -> int:
+        """Positions in epoch ``epoch``: its rows (``pack``; one walk over its lengths, kept), or documents."""
+        if self.pack is None:
+            return self.total
+        with self._lock:
+            got = self._rows.get(epoch)
+        if got is None:
+            got = sum(1 for _ in self.rows(epoch))
+            self._remember(epoch, got)
+        return got
+
+    def _remember(self, epoch: int, rows: int) -> None:
+        with self._lock:
+            self._rows[epoch] = rows
+            while len(self._rows) > 4:
+                del self._rows[next(iter(self._rows))]
+
+    def _token_count(self, epoch: int, position: int) -> int:
+        key = (epoch, position)
+        with self._lock:
+            got = self._counts.get(key)
+        if got is None:
+            got = sum(
+                1 for _ in token_batches(self.order(epoch), self.lengths, position, self.budget, self.shard.world_size)
+            )
+            with self._lock:
+                self._counts[key] = got
+                while len(self._counts) > 8:
+                    del self._counts[next(iter(self._counts))]
+        return got
+
+    def plan(self, epoch: int, position: int = 0) -> PackPlan:
+        if not 0 <= position <= self.epoch_total(epoch):
+            raise ConfigError(
+                f"position {position} is outside epoch {epoch} of {self.epoch_total(epoch)} "
+                f"{'rows' if self.pack else 'documents'}; was the state saved for another dataset or packing?"
+            )
+        return PackPlan(self, int(epoch), int(position))
+
+    def rank_batch_count(self, position: int = 0, epoch: int = 0) -> int:
+        """Batches each rank delivers from ``position`` to the end of epoch ``epoch``."""
+        if self.pack is None:
+            return self._token_count(epoch, position)
+        left = self.epoch_total(epoch) - position
+        return left // self.per_batch if self.options.drop_last else -(-left // self.per_batch)
+
+    def position_after(self, position: int, rank_batches_done: int, epoch: int = 0) -> int:
+        """The position after every rank delivered ``rank_batches_done`` batches from ``position``."""
+        if rank_batches_done <= 0:
+            return position
+        if self.pack is not None:
+            return min(self.epoch_total(epoch), position + rank_batches_done * self.per_batch)
+        done = position
+        batches = token_batches(self.order(epoch), self.lengths, position, self.budget, self.shard.world_size)
+        for _, batch in zip(range(rank_batches_done), batches):
+            done += len(batch)
+        return done
+
+
+class PackPlan:
+    """One rank's (and worker's) batches for the rest of an epoch, as encoded pieces (`_encode`)
+    for `PackBuilder`; walked from the lengths as it is iterated."""
+
+    def __init__(self, sampler: PackSampler, epoch: int, position: int):
+        self.sampler, self.epoch, self.position = sampler, epoch, position
+        sh = sampler.shard
+        self.rank, self.world_size, self.worker, self.num_workers = sh.rank, sh.world_size, sh.worker, sh.num_workers
+
+    def __len__(self) -> int:
+        n = self.sampler.rank_batch_count(self.position, epoch=self.epoch)
+        return len(range(self.worker, n, self.num_workers))
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return self._packed() if self.sampler.pack is not None else self._by_tokens()
+
+    def _mine(self, g: int) -> bool:
+        return g % self.num_workers == self.worker
+
+    def _packed(self) -> Iterator[np.ndarray]:
+        s = self.sampler
+        B, W, p, L = s.options.batch_size, self.world_size, self.position, s.pack.length
+        per = B * W
+        current, g_now, k = None, -1, -1
+        for k, row in enumerate(s.rows(self.epoch)):
+            if k < p:
+                continue
+            g, within = divmod(k - p, per)
+            if g != g_now:
+                if current is not None:
+                    yield _encode(current, L)
+                g_now, current = g, ([[] for _ in range(B)] if self._mine(g) else None)
+            i, r = divmod(within, W)
+            if current is not None and r == self.rank:
+                current[i] = row
+        total = k + 1
+        s._remember(self.epoch, total)
+        if current is not None and not (s.options.drop_last and (total - p) % per):
+            yield _encode(current, L)
+
+    def _by_tokens(self) -> Iterator[np.ndarray]:
+        s = self.sampler
+        W, r = self.world_size, self.rank
+        batches = token_batches(s.order(self.epoch), s.lengths, self.position, s.budget, W)
+        for g, batch in enumerate(batches):
+            if not self._mine(g):
+                continue
+            rows = [[(doc, 0, n, n)] if n else [] for doc, n in batch[r::W]]
+            rows += [[] for _ in range(math.ceil(len(batch) / W) - len(rows))]  # the epoch's last group: empty rows
+            yield _encode(rows, max(n for _, n in batch))
+
+
+# ---- building a batch ---------------------------------------------------------------------------
+
+
+class PackBuilder:
+    """Stage 4 for token datasets: an encoded batch of the plan → ``{feature: (rows, width),
+    segment_ids, positions}`` dense arrays. The documents are read and decoded by the Loader's
+    own reader, once per batch however many pieces of them it holds; each decoded length must be
+    the one the plan used."""
+
+    def __init__(self, inner, features: list[Feature], lengths: DocLengths, pad_id: int = 0):
+        self.inner, self.lengths, self.pad_id = inner, lengths, pad_id
+        self.reader, self.budget = inner.reader, inner.budget
+        self.features = [(f.name, np.dtype(f.dtype)) for f in features]
+        self.return_index = False
+        self.transform = self.batch_transform = None
+        self.post = inner.batch_transform
+
+    @property
+    def alloc(self):
+        return self.inner.alloc
+
+    @alloc.setter
+    def alloc(self, value) -> None:  # a worker process's shared memory
+        self.inner.alloc = value
+
+    def _where(self, doc: int) -> str:
+        """Names a document's record: its shard and offset (a mixture's: its source too)."""
+        where = getattr(self.reader, "where", None) or self.reader.frames.where
+        return where(doc)
+
+    def __call__(self, encoded: np.ndarray, timings: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+        rows, width = int(encoded[0]), int(encoded[1])
+        pieces = np.asarray(encoded[HEADER:], dtype=np.int64).reshape(-1, PIECE)
+        ids = np.unique(pieces[:, 1])
+        tick = _Ticker(timings) if timings is not None else None
+        batch, kept = self.reader(ids, self.budget, tick)
+        have = ids[kept]
+        alloc = self.inner.alloc or np.empty
+        out = {}
+        for name, dtype in self.features:
+            out[name] = alloc((rows, width), dtype)
+            out[name][...] = self.pad_id
+        seg, pos = alloc((rows, width), np.int32), alloc((rows, width), np.int32)
+        seg[...] = 0
+        pos[...] = 0
+        ramp = np.arange(width, dtype=np.int32)
+        fill = [0] * rows
+        segment = [0] * rows
+        for row, doc, start, count, length in pieces.tolist():
+            j = int(np.searchsorted(have, doc))
+            if j >= len(have) or have[j] != doc:  # dropped under on_error="skip": its tokens stay padding
+                continue
+            c = fill[row]
+            for name, _ in self.features:
+                value = np.ravel(batch[name][j])
+                if value.size != length:
+                    raise IndexFileError(
+                        f"{self._where(int(doc))}: feature {name!r} has {value.size} values, but the plan "
+                        f"used length {length} from {self.lengths.where(int(doc))}; the lengths do not belong "
+                        f"to these records: write the lengths files again"
+                    )
+                out[name][row, c : c + count] = value[start : start + count]
+            segment[row] += 1
+            seg[row, c : c + count] = segment[row]
+            pos[row, c : c + count] = ramp[:count]
+            fill[row] = c + count
+        out[SEGMENT_IDS], out[POSITIONS] = seg, pos
+        if tick:
+            tick("batch")
+        if self.post is not None:
+            out = self.post(out)
+            if tick:
+                tick("transform")
+        return out
+
+
+# ---- the Loader's wiring ------------------------------------------------------------------------
+
+
+def read_names(options: LoaderOptions, datasets) -> tuple[str, ...] | None:
+    """The features a token Loader reads: ``pack``'s, or for ``batch_by_tokens`` those asked
+    for (default: the first dataset's lengths features); None: not a token Loader."""
+    plan = options.plan
+    if plan.pack is not None:
+        if options.features is not None and tuple(options.features) != plan.pack.features:
+            raise ConfigError(
+                f"features={list(options.features)} with pack=: packed batches hold the pack's features "
+                f"{list(plan.pack.features)} (and segment_ids, positions); leave features= out"
+            )
+        return plan.pack.features
+    if plan.batch_by_tokens is not None:
+        if options.features is not None:
+            return tuple(options.features)
+        listed = tuple(getattr(datasets[0].manifest, "lengths", ()) or ())
+        if not listed:
+            raise ConfigError(
+                f"batch_by_tokens= needs to know which feature holds the tokens: {datasets[0].path} lists no "
+                f"lengths features; pass features=['tokens'] (its first feature is counted)"
+            )
+        return listed
+    return None
+
+
+def token_loader(sampler, builder, splits, stored: list[list[Feature]], features, options: LoaderOptions, transform):
+    """``(PackSampler, PackBuilder)`` over a Loader's document `Sampler` and `BatchBuilder`."""
+    plan = options.plan
+    what = "pack=" if plan.pack is not None else "batch_by_tokens="
+    if transform is not None:
+        raise ConfigError(
+            f"{what} plans from the stored lengths, which a per-sample transform could change; "
+            f"use batch_transform= (it gets the packed batch)"
+        )
+    if options.return_index:
+        raise ConfigError(f"return_index=True is not available with {what}: a row holds pieces of several records")
+    for f in features:
+        if f.encoding not in (Encoding.INT64, Encoding.TENSOR, Encoding.FLOAT) or len(f.shape) != 1:
+            raise ConfigError(
+                f"{what} feature {f.name!r} ({f.encoding.value}, shape {list(f.shape)}) is not a list of numbers; "
+                f"{what} reads one-dimensional token features (of any length)"
+            )
+    lengths = DocLengths(splits, [st[0].name for st in stored])
+    pad = plan.pack.pad_id if plan.pack is not None else 0
+    return PackSampler(sampler, lengths, options), PackBuilder(builder, features, lengths, pad)
