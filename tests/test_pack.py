@@ -442,3 +442,14 @@ def test_two_features_pack_together_and_pad_with_pad_id(tmp_path):
         assert (b["tokens"][b["segment_ids"] == 0] == -1).all() and (b["mask"][b["segment_ids"] == 0] == -1).all()
         real = b["segment_ids"] > 0
         assert (b["mask"][real] == source_doc_pos(b["tokens"][real])[1] % 2).all()
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_packed_batches_are_timed_like_any_other(tmp_path, executor):
+    root = write_tokens(tmp_path / "d", [5, 9, 30, 2, 17, 8, 40, 3])
+    extra = {"executor": "process", "processes": 1} if executor == "process" else {"num_threads": 1}
+    with crossfeed.Loader(root, batch_size=2, pack=crossfeed.Pack(length=16), **extra) as loader:
+        delivered = sum(1 for _ in loader)
+        stats = loader.stats()
+    assert stats.batches == delivered > 0
+    assert stats.stages["decode"].count == delivered and stats.stages["batch"].count == delivered

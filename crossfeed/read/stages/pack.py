@@ -452,6 +452,15 @@ class PackBuilder:
     def alloc(self, value) -> None:  # a worker process's shared memory
         self.inner.alloc = value
 
+    @property
+    def meter(self):
+        """The inner builder's stage meter (it reads and decodes the documents: its stages are timed)."""
+        return self.inner.meter
+
+    @meter.setter
+    def meter(self, value) -> None:
+        self.inner.meter = value
+
     def _where(self, doc: int) -> str:
         """Names a document's record: its shard and offset (a mixture's: its source too)."""
         where = getattr(self.reader, "where", None) or self.reader.frames.where
@@ -461,7 +470,8 @@ class PackBuilder:
         rows, width = int(encoded[0]), int(encoded[1])
         pieces = np.asarray(encoded[HEADER:], dtype=np.int64).reshape(-1, PIECE)
         ids = np.unique(pieces[:, 1])
-        tick = _Ticker(timings) if timings is not None else None
+        meter = self.inner.meter
+        tick = _Ticker() if timings is not None or meter is not None else None
         batch, kept = self.reader(ids, self.budget, tick)
         have = ids[kept]
         alloc = self.inner.alloc or np.empty
@@ -500,6 +510,12 @@ class PackBuilder:
             out = self.post(out)
             if tick:
                 tick("transform")
+        if tick:
+            if timings is not None:
+                for name, ns in tick.ns.items():
+                    timings[name] = timings.get(name, 0.0) + ns / 1e9
+            if meter is not None:
+                meter.built(tick.ns, tick.bytes)
         return out
 
 
