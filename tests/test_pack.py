@@ -453,3 +453,14 @@ def test_packed_batches_are_timed_like_any_other(tmp_path, executor):
         stats = loader.stats()
     assert stats.batches == delivered > 0
     assert stats.stages["decode"].count == delivered and stats.stages["batch"].count == delivered
+
+
+def test_bench_measures_a_packed_loader(tmp_path):
+    from typer.testing import CliRunner
+
+    from crossfeed.cli.main import app
+
+    root = write_tokens(tmp_path / "d", [5, 9, 30, 2, 17, 8, 40, 3] * 4)
+    result = CliRunner().invoke(app, ["bench", root, "--pack-length", "16", "--batch-size", "2", "--batches", "4"])
+    assert result.exit_code == 0, result.output
+    assert "verdict" in result.output and "decode" in result.output

@@ -152,9 +152,14 @@ def bench_loader(
             if done >= batches:
                 break
         seconds = time.perf_counter() - t1
-        delivered = np.concatenate([plan.batch(b) for b in plan.batch_ids()[:done]]) if done else np.zeros(0, np.int64)
-        nbytes = _record_bytes(loader, delivered)
         stats = loader.stats()  # before the stage pass below, which runs the same builder again
+        if hasattr(plan, "batch_ids"):  # the records of the batches delivered
+            delivered = (
+                np.concatenate([plan.batch(b) for b in plan.batch_ids()[:done]]) if done else np.zeros(0, np.int64)
+            )
+            nbytes = _record_bytes(loader, delivered)
+        else:  # packed rows: pieces of documents, the payload bytes the Loader read for them
+            nbytes = stats.bytes
         stages = _stage_times(loader, plan, stage_batches or min(batches, 20))
         paths = loader.paths()
         notes = []
