@@ -57,9 +57,11 @@ def hang(sample: dict) -> dict:
 
 
 def trainer(
-    dispatcher: str, out_file: str, pace: float = 0.0, keys: str = "", fields: bool = False, hang_after: int = 0
+    dispatcher: str, out_file: str, pace: float | str = 0.0, keys: str = "", fields: bool = False, hang_after: int = 0
 ) -> None:
     """One JSON line of sample ids per batch (flushed before the next is asked for), then END;
+    `pace`: seconds to sleep after each batch, or a file holding them (read after each batch: the
+    test slows the trainers down while something starts, whatever the machine's load);
     `fields`: each line also has the batch's label, pid and pooled columns (see `tag_sample`);
     `hang_after` N: the loop hangs after its N-th batch (its client thread beats on; the test
     kills it)."""
@@ -88,8 +90,9 @@ def trainer(
             out.flush()
             if hang_after and c.batches >= hang_after:
                 time.sleep(600)
-            if pace:
-                time.sleep(pace)
+            wait = float(Path(pace).read_text()) if isinstance(pace, str) else pace
+            if wait:
+                time.sleep(wait)
         out.write(f"END {c.refused} {c.duplicates}\n")
 
 
