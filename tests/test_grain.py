@@ -214,7 +214,9 @@ def test_mixture_keys_run_over_the_sources_in_order_and_mix_weighs_them(tabular,
     assert [int(tar_mix[k]["label"]) for k in (0, 13, 14, 15)] == [0, 13, *(int(alone[1][k]["id"]) for k in (0, 1))]
 
 
-def test_corrupt_record_raises_through_grain_naming_the_shard(dense):
+@pytest.mark.parametrize("kind", ["dense", "tfrecord"])  # one record read directly; one as a one-record batch
+def test_corrupt_record_raises_through_grain_naming_the_shard(kind, dense, tabular):
+    dense = {"dense": dense, "tfrecord": tabular}[kind]
     want = _by_id(dense)
     shard = "train-00001-of-00003.tfrecord"
     off, length = read_index(str(dense / shard) + ".idx")[5]
@@ -228,7 +230,7 @@ def test_corrupt_record_raises_through_grain_naming_the_shard(dense):
     with pytest.raises(CorruptRecordError) as err:
         grain.MapDataset.source(src)[bad]
     assert err.value.path.endswith(shard) and err.value.offset == int(off)
-    ds = grain.MapDataset.source(src).to_iter_dataset(grain.ReadOptions(num_threads=2)).batch(64)
+    ds = grain.MapDataset.source(src).to_iter_dataset(grain.ReadOptions(num_threads=2))
     with pytest.raises(CorruptRecordError, match=shard):
         list(ds)
     _assert_same(src[bad - 1], want[bad - 1], "the record before it")  # only the bad record fails
