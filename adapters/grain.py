@@ -1,0 +1,199 @@
+"""Grain adapter: a crossfeed dataset (or a mixture) as a Grain ``RandomAccessDataSource``.
+
+    src = GrainSource("data/", split="train")            # TFRecord, adopted tar / Parquet / TFDS
+    ds = grain.MapDataset.source(src).shuffle(seed=0).map(augment).batch(256)
+    loader = grain.DataLoader(data_source=src, sampler=grain.samplers.IndexSampler(len(src), ...),
+                              operations=[...], worker_count=2)     # the classic API reads it too
+
+* ``len(src)`` records; ``src[key]`` is record ``key`` of the split decoded — a ``dict`` of numpy
+  arrays (strings and bytes as Python objects), exactly the values the crossfeed `Loader` gives
+  for that record. Reads go through the Loader's own frames and decode stages (every record's
+  CRC checked, tar and Parquet read in place; one record of fixed-shape numbers from a local
+  TFRecord split straight from its shard by its index entry, CRC checked too): a corrupt record
+  raises `CorruptRecordError` naming its shard and offset. ``_getitems`` (Grain's batched-read
+  protocol) reads many keys in one pass of those stages.
+* A mixture (a list of `crossfeed.Source`): record keys run over the sources one after another,
+  source 0's records first (``src.starts[i]`` is source ``i``'s first key); features are the
+  mixture's (renamed, shapes and dtypes reconciled as the Loader does). The weights are a
+  sampler's business, not the source's: `mix` builds Grain's own weighted mix of the sources.
+* Picklable for Grain's worker processes: what travels is the source and its options; each
+  process opens the dataset again on its first read.
+
+Only the reading options apply (``split``, ``features``, ``decode_images``, ``image_size``,
+``channels``, ``resize``, ``allowed_roots``, ``storage_options``, ``read_timeout``, ``cache_dir``,
+``cache_limit``); order, shuffling, sharding and batching are Grain's. Never imports tensorflow
+or torch.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+
+import grain
+import numpy as np
+
+from crossfeed.errors import ConfigError
+from crossfeed.format.schema import Encoding
+from crossfeed.read.loader import Loader
+from crossfeed.read.options import LoaderOptions
+from crossfeed.read.sources.dataset import Dataset
+
+__all__ = ["GrainSource", "mix"]
+
+_DENSE = (Encoding.TENSOR, Encoding.INT64, Encoding.FLOAT)
+# what a random-access source may be told: how to read and decode, never in what order
+READ_FIELDS = (
+    "split",
+    "features",
+    "decode_images",
+    "image_size",
+    "channels",
+    "resize",
+    "allowed_roots",
+    "storage_options",
+    "read_timeout",
+    "cache_dir",
+    "cache_limit",
+)
+
+
+class GrainSource:
+    """A crossfeed split (or mixture) as a Grain random-access data source; see the module docstring."""
+
+    def __init__(self, source, **fields):
+        unknown = sorted(set(fields) - set(READ_FIELDS))
+        if unknown:
+            raise ConfigError(
+                f"GrainSource takes the reading options {list(READ_FIELDS)}, not {unknown}: order, shuffling, "
+                f"sharding and batching are the Grain pipeline's (MapDataset.shuffle/batch, IndexSampler)"
+            )
+        if isinstance(source, Dataset):  # other processes open it again by path, trusting what it was opened with
+            fields["allowed_roots"] = (*fields.get("allowed_roots", ()), *source.allowed_roots)
+            source = source.path
+        self.source, self.fields = source, fields
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._loader: Loader | None = None
+        loader = self._open()  # every option and the dataset checked here, not in a worker
+        self.features = loader.features
+        # one record of fixed-shape numbers (the Loader's columnar layout) in a local TFRecord split:
+        # the split's own record read (CRC checked) costs a third of a one-record batch
+        self._direct = (
+            loader.sources is None
+            and loader.split.info.format == "tfrecord"
+            and not loader.dataset.storage.remote
+            and all(f.fixed and f.encoding in _DENSE for f in self.features)
+        )
+        self.sources = loader.sources  # a mixture's `crossfeed.Source`s (None: one dataset)
+        self.starts = _starts(loader)
+        self._len = int(self.starts[-1])
+
+    def _open(self) -> Loader:
+        """This process's Loader (its frames and decode stages read the records), opened once."""
+        if self._loader is not None and self._pid == os.getpid():
+            return self._loader
+        with self._lock:
+            if self._loader is None or self._pid != os.getpid():
+                # batch_size only satisfies the Loader: the plan is never used, only `builder.reader`
+                options = LoaderOptions.of(batch_size=1, shuffle="none", num_threads=0, prefetch=0, **self.fields)
+                self._loader, self._pid = Loader(self.source, options), os.getpid()
+        return self._loader
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, record_key: int) -> dict[str, np.ndarray]:
+        key = self._key(record_key)
+        loader = self._open()
+        if self._direct:
+            values = loader.split.decode(*loader.split.locate(key), features=[f.name for f in self.features])
+            return {f.name: np.array(values[f.name], dtype=f.dtype) for f in self.features}
+        batch, _ = loader.builder.reader(np.array([key], dtype=np.int64))
+        return {k: _item(v, 0) for k, v in batch.items()}
+
+    def _getitems(self, record_keys: Sequence[int]) -> list[dict[str, np.ndarray]]:
+        """Grain's batched read: the records of ``record_keys`` in one pass of the read stages."""
+        keys = np.array([self._key(k) for k in record_keys], dtype=np.int64)
+        if not len(keys):
+            return []
+        batch, _ = self._open().builder.reader(keys)
+        items = list(batch.items())
+        return [{k: _item(v, i) for k, v in items} for i in range(len(keys))]
+
+    def _key(self, record_key) -> int:
+        try:
+            key = int(record_key)
+        except (TypeError, ValueError):
+            raise ConfigError(f"a record key is an integer in [0, {self._len}), got {record_key!r}") from None
+        if not 0 <= key < self._len:
+            raise IndexError(f"record key {key} is outside [0, {self._len}) of {self!r}")
+        return key
+
+    def where(self, record_key: int) -> str:
+        """Where record ``record_key`` lies (shard and byte offset; a mixture's source too)."""
+        reader = self._open().builder.reader
+        key = self._key(record_key)
+        return reader.where(key) if self.sources is not None else reader.frames.where(key)
+
+    def source_of(self, record_key: int) -> int:
+        """Which source of a mixture record ``record_key`` comes from (0 for one dataset)."""
+        return int(np.searchsorted(self.starts, self._key(record_key), side="right") - 1)
+
+    def __repr__(self) -> str:
+        return f"GrainSource({self.source!r}, {len(self)} records)"
+
+    # -- pickling (Grain's worker processes) ------------------------------------------------------
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_loader"], state["_pid"], state["_lock"] = None, None, None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close this process's open shards."""
+        if self._loader is not None and self._pid == os.getpid():
+            self._loader.close()
+        self._loader = None
+
+    def __enter__(self) -> GrainSource:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _item(column: np.ndarray, i: int):
+    """Row ``i`` of a batch column: an array (0-d for a scalar feature; a view, no copy), or the
+    Python object a string, bytes or ragged feature holds."""
+    return column[i] if column.dtype == object else column[i, ...]
+
+
+def _starts(loader: Loader) -> np.ndarray:
+    """Each source's first record key, and the total at the end (one dataset: ``[0, N]``)."""
+    if loader.sources is None:
+        return np.array([0, len(loader.split)], dtype=np.int64)
+    return np.asarray(loader.builder.reader.starts, dtype=np.int64)
+
+
+def mix(source: GrainSource, *, seed: int | None = None, weights: Sequence[float] | None = None) -> grain.MapDataset:
+    """A mixture's sources mixed by their `crossfeed.Source` weights (or ``weights``) with
+    Grain's own ``MapDataset.mix``: each source's records a slice of ``source``'s keys, shuffled
+    with ``seed`` first when given (Grain's advice: shuffle before mixing keeps the proportions).
+    Grain's mix ends when its shortest source, scaled by its weight, runs out; ``.repeat()``
+    each part first for an endless mixture (Grain's semantics, not the Loader's epochs)."""
+    sources = source.sources
+    if sources is None:
+        raise ConfigError(f"{source!r} is one dataset, not a mixture: use grain.MapDataset.source(it)")
+    weights = [s.weight for s in sources] if weights is None else list(weights)
+    if len(weights) != len(sources):
+        raise ConfigError(f"weights= gives {len(weights)} weights for a mixture of {len(sources)} sources")
+    whole = grain.MapDataset.source(source)
+    parts = [whole[int(a) : int(b)] for a, b in zip(source.starts[:-1], source.starts[1:])]
+    if seed is not None:
+        parts = [p.shuffle(seed=seed + i) for i, p in enumerate(parts)]
+    return grain.MapDataset.mix(parts, weights=weights)
