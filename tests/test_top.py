@@ -78,6 +78,40 @@ def test_top_once_against_a_plain_server(tmp_path):
     assert "server prep-7 at" in out.stdout and "batches/s" in out.stdout, out.stdout
 
 
+def test_top_gives_the_verdict_of_a_served_loader(tmp_path, dataset):
+    from crossfeed import connect
+    from crossfeed.cli.net import LoaderEpochs
+    from crossfeed.read.options import LoaderOptions
+
+    factory = LoaderEpochs(dataset, LoaderOptions.of(batch_size=8, num_threads=1))
+    try:
+        with Server(factory, ServerOptions(("tcp://127.0.0.1:0",), server_id="prep-9", epochs=None)) as server:
+            with connect(server.endpoints[0], connect_timeout=10.0) as stream:
+                for n, _ in enumerate(stream, 1):
+                    if n == 6:
+                        break
+            out = subprocess.run(
+                [sys.executable, "-m", "crossfeed.cli.main", "top", server.endpoints[0], "--once"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+    finally:
+        factory.close()
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())  # rich wraps long lines
+    assert "verdict:" in text and "bound" in text and "of build time" in text, out.stdout
+
+
+def test_a_verdict_comes_from_the_flat_stats_of_the_interval():
+    flat = {"batches": 10, "samples": 80, "wait_seconds": 4.0, "consumer_seconds": 1.0, "threads": 2}
+    flat |= {"stage_decode_seconds": 3.0, "stage_decode_count": 10, "stage_read_seconds": 1.0, "stage_read_count": 10}
+    assert S.loader_verdict(flat).startswith("input-bound") and "decode takes 75%" in S.loader_verdict(flat)
+    later = dict(flat, batches=20, wait_seconds=4.1, consumer_seconds=9.0)
+    assert S.loader_verdict(later, flat).startswith("not input-bound")  # the interval, not the whole life
+    assert S.loader_verdict(None) is None and S.loader_verdict({"batches": 0}) is None
+
+
 def test_top_names_an_address_that_does_not_answer(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "crossfeed.cli.main", "top", f"ipc://{tmp_path}/nobody", "--once", "--timeout", "0.5"],

@@ -90,6 +90,15 @@ def _stage_split(status, before) -> str:
     return " ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(stages.items(), key=lambda kv: -kv[1]))
 
 
+def _verdict(status, before) -> str | None:
+    """The server's Loader's verdict since the last frame (or over its life), or None."""
+    from crossfeed.net.status import loader_verdict
+
+    if status is None:
+        return None
+    return loader_verdict(status.loader, before.loader if before is not None else None)
+
+
 def _age(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds:.1f}s"
 
@@ -109,6 +118,7 @@ class Row:
     leased: int | None
     beat: float | None
     stages: str
+    verdict: str | None = None  # its Loader's, over the last frame's interval
 
 
 def rows(snap: Snapshot, prev: Snapshot | None) -> list[Row]:
@@ -122,7 +132,20 @@ def rows(snap: Snapshot, prev: Snapshot | None) -> list[Row]:
         if before is not None and before.server_id != s.server_id:
             before = None
         rate = _rate(s.delivered, before.delivered if before else None, dt, s.uptime)
-        out.append(Row(s.server_id, "", rate, s.delivered, s.trainers, None, None, None, _stage_split(s, before)))
+        out.append(
+            Row(
+                s.server_id,
+                "",
+                rate,
+                s.delivered,
+                s.trainers,
+                None,
+                None,
+                None,
+                _stage_split(s, before),
+                _verdict(s, before),
+            )
+        )
         return out
     for entry in snap.status.servers:
         endpoint = entry.address.split(" ")[0]
@@ -146,6 +169,7 @@ def rows(snap: Snapshot, prev: Snapshot | None) -> list[Row]:
                 entry.leased,
                 entry.age,
                 _stage_split(s, before),
+                _verdict(s, before),
             )
         )
     return out
@@ -219,8 +243,12 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
     if len(rated) > 1:
         slow = min(rated, key=lambda r: r.rate)
         parts.append(Text(f"slowest server: {slow.name} ({slow.endpoint}) at {slow.rate:.1f} batches/s"))
+        if slow.verdict:
+            parts.append(Text(f"  its Loader: {slow.verdict}"))
     elif found and not rated:
         parts.append(Text("slowest server: — (no rates yet)"))
+    if len(found) == 1 and found[0].verdict:
+        parts.append(Text(f"verdict: {found[0].verdict}"))
     return Group(*parts)
 
 

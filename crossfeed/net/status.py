@@ -409,3 +409,31 @@ def split_stats(flat: Mapping[str, float]) -> Split:
         elif k.startswith("stage_") and k.endswith("_seconds") and len(k) > 14:
             stages[k[6:-8]] = v
     return Split(stages, wait, cache)
+
+
+def loader_verdict(flat: Mapping[str, float] | None, before: Mapping[str, float] | None = None) -> str | None:
+    """The verdict (`crossfeed.read.metrics.Verdict`, as its sentence) of a Loader's flat stats
+    over the interval since ``before`` (an earlier answer of the same Loader; None: its whole
+    life); None without stats or before a batch was delivered. For a server the consumer is its
+    producer thread: "input-bound" there means the server's own Loader is what its trainers wait on."""
+    if flat is None:
+        return None
+    now = _stats_of(flat)
+    if before is not None:
+        now = now.since(_stats_of(before))
+    return str(now.verdict()) if now.batches else None
+
+
+def _stats_of(flat: Mapping[str, float]):
+    """The `crossfeed.read.metrics.Stats` whose ``as_dict()`` gave ``flat`` (keys it lacks: 0)."""
+    from crossfeed.read.metrics import STAGES, StageStat, Stats
+
+    fields = {
+        f.name: type(f.default)(flat.get(f.name, 0))
+        for f in dataclasses.fields(Stats)
+        if f.name != "stages" and isinstance(f.default, (int, float))
+    }
+    stages = {
+        s: StageStat(float(flat.get(f"stage_{s}_seconds", 0.0)), int(flat.get(f"stage_{s}_count", 0))) for s in STAGES
+    }
+    return Stats(**fields, stages=stages)
