@@ -79,7 +79,7 @@ from crossfeed.errors import ConfigError
 from crossfeed.read.options import LoaderOptions, Shuffle, Source
 from crossfeed.read.sources.dataset import Dataset, open_dataset
 
-__all__ = ["Engine", "Shuffle", "dataset", "element_spec", "feature_spec", "input_fn", "plan_state"]
+__all__ = ["Engine", "Shuffle", "dataset", "element_spec", "feature_spec", "input_fn", "plan_state", "stats"]
 
 
 def _open(source, split: str | None = None, opts: TFOptions | None = None) -> Dataset:
@@ -308,6 +308,21 @@ def input_fn(
         return tf_plan.build(ds, opts, take_batches=steps * local, loader_options=loader_options)
 
     return fn
+
+
+def stats(ds: tf.data.Dataset):
+    """The stage metrics (`crossfeed.read.metrics.Stats`) of every pass so far over ``ds``, a
+    dataset `dataset` returned with the plan engine: the Loader of each pass, summed (``.verdict()``
+    says whether the training loop waits on input). The native engine reads the shards with
+    TensorFlow's own ops: it has no Loader to time (use ``tf.data.experimental.AUTOTUNE`` stats or the
+    TensorFlow profiler there), and ``stats`` raises for it."""
+    passes = tf_plan.PASSES.get(ds)
+    if passes is None:
+        raise ConfigError(
+            "stats() takes a dataset crossfeed.adapters.tf.dataset(...) returned with the plan engine (engine='plan', "
+            "or any option only the plan engine has), itself — not one derived from it with .map/.batch"
+        )
+    return passes.stats()
 
 
 def plan_state(source, options: LoaderOptions | None = None, *, steps: int, epoch: int = 0, **fields) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -147,13 +148,51 @@ def build(
         if counter.sources is not None and options.return_index:
             element_spec[SOURCE_KEY] = tf.TensorSpec(element_spec[INDEX_KEY].shape, tf.int64)
 
+    passes = Passes()
+
     def make_iter(n: int):
         loader = Loader(source, options, start=(first_epoch + n, 0), **calls)  # its own files: passes may overlap
         if n == 0 and state is not None:
             loader.load_state_dict(state)
-        return _closing(loader)
+        return _closing(loader, passes)
 
-    return from_batches(make_iter, element_spec, opts, take_batches=take_batches, cardinality=cardinality)
+    out = from_batches(make_iter, element_spec, opts, take_batches=take_batches, cardinality=cardinality)
+    PASSES[out] = passes
+    return out
+
+
+class Passes:
+    """The Loaders of one plan-engine dataset's passes: the stats of those done (folded) and of
+    those running, summed (`crossfeed.adapters.tf.stats`)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._live: list = []
+        self._done = None  # the folded Stats of the closed passes
+
+    def opened(self, loader) -> None:
+        with self._lock:
+            self._live.append(loader)
+
+    def closed(self, loader) -> None:
+        from crossfeed.read.metrics import combine
+
+        stats = loader.stats()
+        with self._lock:
+            if loader in self._live:
+                self._live.remove(loader)
+                self._done = stats if self._done is None else combine([self._done, stats])
+
+    def stats(self):
+        from crossfeed.read.metrics import Stats, combine
+
+        with self._lock:
+            parts = ([self._done] if self._done is not None else []) + [ld.stats() for ld in self._live]
+        return combine(parts) if parts else Stats()
+
+
+# the plan-engine datasets `build` made → their passes (an entry goes with its dataset)
+PASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _statistics(loader) -> dict:
@@ -181,14 +220,18 @@ def _statistics(loader) -> dict:
 class _closing:
     """Iterate a Loader once and close it when done (or when the generator is dropped)."""
 
-    def __init__(self, loader):
-        self._loader = loader
+    def __init__(self, loader, passes: Passes | None = None):
+        self._loader, self._passes = loader, passes
         self._it = iter(loader)
+        if passes is not None:
+            passes.opened(loader)
 
     def __iter__(self):
         return self._it
 
     def close(self) -> None:
+        if self._passes is not None:
+            self._passes.closed(self._loader)
         self._loader.close()
 
 

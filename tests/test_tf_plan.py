@@ -182,3 +182,18 @@ def test_loader_options_pass_whole_and_mixtures_read_in_the_loaders_order(tmp_pa
         want = [(b["__source__"].tolist(), b["id"].tolist()) for b in ld]
     got = [(b["__source__"].tolist(), b["id"].tolist()) for b in cftf.dataset(sources, options=mix).as_numpy_iterator()]
     assert got == want and len(got) == 10
+
+
+def test_stats_sum_every_pass_of_a_plan_engine_dataset(data):
+    ds = cftf.dataset(data, batch_size=8, seed=2, engine="plan")
+    first = sum(1 for _ in ds)
+    after_one = cftf.stats(ds)
+    assert after_one.batches == first > 0 and after_one.stages["decode"].count == first
+    second = sum(1 for _ in ds.take(2))  # a pass broken off: what it delivered is counted
+    total = cftf.stats(ds)
+    assert first + second <= total.batches <= first + second + 8  # plus what the pass built ahead
+    assert str(total.verdict())
+    with pytest.raises(ConfigError, match="plan engine"):
+        cftf.stats(ds.map(lambda b: b))
+    with pytest.raises(ConfigError, match="plan engine"):
+        cftf.stats(cftf.dataset(data, batch_size=8, engine="native"))
