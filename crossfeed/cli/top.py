@@ -289,7 +289,7 @@ def top(
     ] = None,
     timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="Give up on a silent address after S s.")] = 5.0,
 ) -> None:
-    """Live fleet view: per server batches/s, stage split, leases, last heartbeat; per trainer its claims; the slowest server."""
+    """Live fleet view: per server batches/s, stage split, leases, last heartbeat; per trainer its claims and wait share; the slowest server."""
     from rich.console import Console
     from rich.live import Live
 

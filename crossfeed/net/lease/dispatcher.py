@@ -128,6 +128,7 @@ class LeaseDispatcher:
         self.stats = {"dropped_messages": 0, "leases": 0, "granted": 0, "refused": 0}
         self._started = time.monotonic()
         self._status_gate = StatusGate()
+        self._waits: dict[int, tuple[float, float]] = {}  # trainer id -> (its last wait share, when reported)
         self.snapshot: dict = self.status()  # refreshed by the loop every SNAPSHOT s (for exporters)
         self._keys = keys
         self._ctx = zmq.Context()
@@ -146,7 +147,6 @@ class LeaseDispatcher:
         self._routes: dict[int, bytes] = {}  # server id -> its routing id
         self._trainer_routes: dict[int, bytes] = {}  # trainer id -> its routing id (to tell them FINISHED)
         self._pages: dict[int, int] = {}  # trainer id -> where its next SERVERS page starts
-        self._waits: dict[int, tuple[float, float]] = {}  # trainer id -> (its last wait share, when reported)
         self._out: list[tuple[bytes, list]] = []  # answers, sent once the journal holds the changes
         self._log = P.RateLimitedLog(logger)
         self._stop = threading.Event()
