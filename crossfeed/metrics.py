@@ -24,6 +24,7 @@ Metric names (`docs/serve-and-dispatch.md#metrics-and-crossfeed-top` lists them 
     crossfeed_cache_hits_total, _misses_total, _bytes_total a Loader's shard cache
     crossfeed_leases_held, _granted_total, _expired_total, crossfeed_batches_re_leased_total
     crossfeed_claims_total{result}, crossfeed_servers_alive, crossfeed_trainers_alive
+    crossfeed_trainer_wait_ratio{trainer}                   a trainer's last reported wait share
     crossfeed_errors_total{kind}
 The stage, wait and cache metrics come from `crossfeed.net.status.loader_stats(loader)`: there
 only, and only while the Loader reports them.
@@ -297,6 +298,16 @@ class DispatcherCollector:
             claimed.add_metric(endpoint, s.claimed)
             age.add_metric(endpoint, s.age)
         yield from (held, leased, claimed, age)
+        wait = _family(
+            "gauge",
+            "crossfeed_trainer_wait_ratio",
+            "Share of its time a trainer's loop waited for batches, as it last reported (listed trainers that did)",
+            ["trainer"],
+        )
+        for t in st.trainers:
+            if t.wait is not None:
+                wait.add_metric([t.id], t.wait)
+        yield wait
         errors = _family("counter", "crossfeed_errors", "Errors by kind", ["kind"])
         errors.add_metric(["malformed_message"], c["dropped_messages"])
         errors.add_metric(["server_lost"], c["servers_lost"])

@@ -96,6 +96,26 @@ def trainer(
         out.write(f"END {c.refused} {c.duplicates}\n")
 
 
+def timed_trainer(dispatcher: str, id_file: str, pace: float) -> None:
+    """A trainer that sleeps `pace` s after each batch (its own step) and runs until killed;
+    after each batch `id_file` holds its id as the dispatcher lists it (`trainer_id`)."""
+    import logging
+
+    from crossfeed import connect
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    with connect(
+        dispatcher=dispatcher, credits=2, heartbeat_interval=0.1, heartbeat_timeout=1.5, connect_timeout=10.0
+    ) as c:
+        for _batch in c:
+            if not Path(id_file).exists() or Path(id_file).read_text() != c.trainer_id:
+                tmp = Path(id_file + ".tmp")
+                tmp.write_text(c.trainer_id)
+                tmp.replace(id_file)
+            if pace:
+                time.sleep(pace)
+
+
 def read_batches(path: Path) -> list[tuple[list[int], str]]:
     if not path.exists():
         return []

@@ -133,3 +133,36 @@ def test_serve_metrics_rejects_a_bad_address_before_serving(tmp_path, dataset):
 
     result = CliRunner().invoke(app, ["serve", dataset, "tcp://127.0.0.1:0", "--metrics", "nope"])
     assert result.exit_code == 2 and "--metrics 'nope'" in result.output, result.output
+
+
+def test_a_dispatcher_exports_each_trainers_wait_share(tmp_path, dataset):
+    import struct
+    import time
+
+    import zmq
+
+    from crossfeed.net.lease import messages as W
+
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0", "--metrics", "127.0.0.1:0")
+    ctx = zmq.Context()
+    try:
+        port = wait_until(lambda: metrics_port(tmp_path / "d.log"), 60, "the dispatcher's metrics port", [d])
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(address)
+        beat = [(9, W.encode_wait(0.25)), (10, 0)]  # trainer 9 reports 25%, trainer 10 nothing
+
+        def scraped():
+            for sender, wait in beat:
+                sock.send(struct.pack("<4sBBHqqqQQ", W.MAGIC, W.VERSION, int(W.Kind.BEAT), 0, 1, wait, 2, sender, 0))
+            time.sleep(0.1)
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            return text if "crossfeed_trainers_alive 2.0" in text and "crossfeed_trainer_wait_ratio{" in text else None
+
+        text = wait_until(scraped, 30, "trainer 9's wait share in /metrics", [d])
+    finally:
+        ctx.destroy(linger=0)
+        stop(d)
+    assert "# TYPE crossfeed_trainer_wait_ratio gauge" in text, text
+    assert 'crossfeed_trainer_wait_ratio{trainer="0000000000000009"} 0.25' in text, text
+    assert 'trainer="000000000000000a"' not in text, text  # never reported: no sample

@@ -258,3 +258,44 @@ def test_a_transform_that_raises_in_a_worker_process_stops_the_server_with_its_e
         stop(*procs)
     log = (tmp_path / "s0.log").read_text()
     assert "transform refuses label 13" in log and "worker process" in log and "of epoch 0, lease" in log, log[-3000:]
+
+
+def _beat(b: int, role: int = 2, sender: int = 7) -> bytes:
+    """A BEAT envelope with slot b (wait_permille) set to `b`, whatever its range."""
+    import struct
+
+    return struct.pack("<4sBBHqqqQQ", W.MAGIC, W.VERSION, int(W.Kind.BEAT), 0, 1, b, role, sender, 0)
+
+
+def test_a_trainers_wait_share_reaches_the_status_and_a_beat_out_of_range_is_dropped_and_counted(tmp_path, dataset):
+    import time
+
+    from crossfeed.net import status as S
+
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0")
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(address)
+
+        def status(wait: int = W.encode_wait(0.5)):
+            sock.send(_beat(wait))  # keeps trainer 7 alive (and reports `wait`)
+            time.sleep(0.1)  # at most RATE status answers a second
+            st = S.DispatcherStatus.parse(S.query(address))
+            return st, {t.id: t for t in st.trainers}.get("0000000000000007")
+
+        st, t7 = wait_until(lambda: (got := status()) and got[1] and got[1].wait == 0.5 and got, 30, "trainer 7's wait")
+        assert t7.wait_age is not None and st.counters["dropped_messages"] == 0
+        for frames in ([_beat(W.WAIT_END + 1)], [_beat(-1)], [_beat(5, role=1, sender=8)]):  # 8: a server
+            sock.send_multipart(frames)
+        st, t7 = wait_until(
+            lambda: (got := status(0)) and got[0].counters["dropped_messages"] >= 3 and got, 30, "the bad BEATs dropped"
+        )
+        assert st.counters["dropped_messages"] == 3, st.counters
+        assert t7.wait == 0.5, t7  # not reported (0): its last report stands, and the bad ones changed nothing
+        assert st.trainers_total == 1 and st.servers_total == 0
+    finally:
+        ctx.destroy(linger=0)
+        stop(d)
+    assert "wait_permille is 1002, outside 0..1001" in (tmp_path / "d.log").read_text()

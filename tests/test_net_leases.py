@@ -207,6 +207,34 @@ def test_leasewire_round_trips_and_refuses_what_is_malformed():
             W.endpoints(text)
 
 
+def test_a_beat_carries_a_trainers_wait_share_and_refuses_one_out_of_range():
+    import struct
+
+    assert [W.encode_wait(x) for x in (None, float("nan"), 0.0, 0.3804, 1.0, 7.0, -1.0)] == [
+        0,
+        0,
+        1,
+        381,
+        1001,
+        1001,
+        1,
+    ]
+    assert [W.decode_wait(v) for v in (0, 1, 381, W.WAIT_END)] == [None, 0.0, 0.38, 1.0]
+    msg = W.unpack(W.pack(W.Kind.BEAT, role=2, sender=5, sent_ms=9, wait_permille=381), W.TRAINER_KINDS)
+    assert (msg.sent_ms, msg.wait_permille, msg.role) == (9, 381, 2)
+    assert W.unpack(W.pack(W.Kind.BEAT, role=2, sender=5), W.TRAINER_KINDS).wait_permille == 0  # an older trainer's
+
+    def env(kind: W.Kind, b: int) -> bytes:  # slot b set, a = 9, c (role) = 2, sender 5
+        return struct.pack("<4sBBHqqqQQ", W.MAGIC, W.VERSION, int(kind), 0, 9, b, 2, 5, 0)
+
+    assert W.unpack([env(W.Kind.BEAT, W.WAIT_END)], W.TRAINER_KINDS).wait_permille == W.WAIT_END
+    for b in (W.WAIT_END + 1, -1, 1 << 62):
+        with pytest.raises(WireError, match="wait_permille"):
+            W.unpack([env(W.Kind.BEAT, b)], W.TRAINER_KINDS)
+    with pytest.raises(WireError, match="does not use"):  # slot b of another kind stays unused
+        W.unpack([env(W.Kind.BYE, 5)], W.TRAINER_KINDS)
+
+
 def test_a_server_that_beats_but_delivers_nothing_is_stalled_and_fenced():
     book = LeaseBook(8, epochs=1, lease_size=2, window=4, timeout=100.0, lease_timeout=5.0)
     book.server_seen(S1, 0.0, "a")

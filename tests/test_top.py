@@ -163,11 +163,28 @@ def _dispatcher_status(**changes) -> dict:
         {"servers": [{"id": "00000000000000ab", "address": "a", "age": 0, "leases": 0, "leased": 0}]},
         {"servers": [{}] * (S.MAX_LISTED + 1)},
         {"trainers": "x"},
+        {"trainers": [{"id": "00000000000000cd", "age": 0.2, "claimed": 4, "holding": 1, "wait": 1.5, "wait_age": 1}]},
+        {"trainers": [{"id": "00000000000000cd", "age": 0.2, "claimed": 4, "holding": 1, "wait": -0.1, "wait_age": 1}]},
+        {"trainers": [{"id": "00000000000000cd", "age": 0.2, "claimed": 4, "holding": 1, "wait": True, "wait_age": 1}]},
+        {
+            "trainers": [
+                {"id": "00000000000000cd", "age": 0.2, "claimed": 4, "holding": 1, "wait": "38%", "wait_age": 1}
+            ]
+        },
+        {"trainers": [{"id": "00000000000000cd", "age": 0.2, "claimed": 4, "holding": 1, "wait": 0.5}]},
+        {"trainers": [{"id": "00000000000000cd", "age": 0.2, "claimed": 4, "holding": 1, "wait": None, "wait_age": 1}]},
         {"trainers_total": 2**63},
     ],
 )
 def test_a_dispatcher_status_is_checked_field_by_field(changes):
     S.DispatcherStatus.parse(_dispatcher_status())  # the unchanged one is fine
+    waits = [
+        {"id": "00000000000000cd", "age": 0.2, "claimed": 4, "holding": 1, "wait": w, "wait_age": a}
+        for w, a in ((0, 0.5), (1, 7.0), (0.38, 0), (None, None))
+    ]
+    got = S.DispatcherStatus.parse(_dispatcher_status(trainers=waits)).trainers
+    assert [(t.wait, t.wait_age) for t in got] == [(0.0, 0.5), (1.0, 7.0), (0.38, 0.0), (None, None)]
+    assert S.DispatcherStatus.parse(_dispatcher_status()).trainers[0].wait is None  # an older dispatcher's
     with pytest.raises(WireError, match="dispatcher status"):
         S.DispatcherStatus.parse(_dispatcher_status(**changes))
 
@@ -205,3 +222,81 @@ def test_a_server_answers_status_and_drops_malformed_and_flooding_requests():
         ctx.term()
         assert 1 <= len(answers) < 60 and all(a["server_id"] == "prep-1" for a in answers)
         assert S.parse_status(S.query(server.endpoints[0])).dropped_messages == 1  # and it still answers
+
+
+def test_top_shows_each_trainers_wait_share_the_eager_one_above_the_sleeping_one(tmp_path, dataset):
+    from dispatch_helpers import spawn
+
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0", "--epochs", "1000")
+    procs = [d]
+    try:
+        server = start_server(tmp_path, dataset, address, "s0")
+        procs.append(server)
+        ids = {}
+        for name, pace in (("sleepy", 0.3), ("eager", 0.0)):  # the sleeper's own step is long: it waits little
+            procs.append(
+                spawn("timed_trainer", address, str(tmp_path / f"{name}.id"), pace, log=tmp_path / f"{name}.log")
+            )
+        for name in ("sleepy", "eager"):
+            path = tmp_path / f"{name}.id"
+            ids[name] = wait_until(lambda p=path: p.exists() and p.read_text(), 60, f"the {name} trainer's id", procs)
+
+        def reported():
+            time.sleep(0.1)  # at most RATE status answers a second
+            st = S.DispatcherStatus.parse(S.query(address))
+            waits = {t.id: t.wait for t in st.trainers}
+            return waits if all(waits.get(i) is not None for i in ids.values()) else None
+
+        waits = wait_until(reported, 60, "both trainers' wait shares", procs)
+        sleepy, eager = waits[ids["sleepy"]], waits[ids["eager"]]
+        assert 0 <= sleepy < eager <= 1, waits
+        out = subprocess.run(
+            [sys.executable, "-m", "crossfeed.cli.main", "top", address, "--once"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**__import__("os").environ, "COLUMNS": "250"},
+        )
+    finally:
+        stop(*procs)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    shown = {}
+    for name, tid in ids.items():
+        row = next(line for line in lines if tid in line)
+        pct = [c for c in row.split() if c.endswith("%")]
+        assert pct, row
+        shown[name] = int(pct[0][:-1])
+    assert 0 <= shown["sleepy"] < shown["eager"] <= 100, out.stdout
+    bound = [line for line in lines if line.startswith("input-bound:")]
+    if shown["eager"] >= 10:  # the eager trainer waits on the one server: named
+        assert bound and ids["eager"] in bound[0] and f":{server.pid}" in bound[0], out.stdout
+    else:
+        assert not bound, out.stdout
+
+
+def _frame(waits: list[tuple[float | None, float | None]]) -> str:
+    from rich.console import Console
+
+    from crossfeed.cli.top import Snapshot, render
+
+    trainers = [
+        {"id": f"{i + 1:016x}", "age": 0.1, "claimed": 1, "holding": 0, "wait": w, "wait_age": a}
+        for i, (w, a) in enumerate(waits)
+    ]
+    st = S.DispatcherStatus.parse(_dispatcher_status(trainers=trainers, trainers_total=len(trainers)))
+    server = S.ServerStatus("prep-3", 10.0, 50, 400, 4000, 50, 0, 2, 0, 0, True, None)
+    console = Console(record=True, width=250)
+    console.print(render("tcp://d:1", Snapshot(0.0, st, {"tcp://h:1": server}), None))
+    return console.export_text()
+
+
+def test_the_trainers_table_shows_wait_shares_and_an_input_bound_fleet_names_its_slowest_server():
+    text = _frame([(0.38, 0.5), (0.02, 12.0), (None, None)])
+    rows = {f"{i:016x}": next(line for line in text.splitlines() if f"{i:016x}" in line) for i in (1, 2, 3)}
+    assert "38%" in rows["0000000000000001"] and "2% (12s ago)" in rows["0000000000000002"], text
+    assert "not reported" in rows["0000000000000003"], text
+    bound = [line for line in text.splitlines() if line.startswith("input-bound:")]
+    assert len(bound) == 1 and "0000000000000001 38%" in bound[0] and "prep-3 (tcp://h:1)" in bound[0], text
+    calm = _frame([(0.09, 0.5), (None, None)])
+    assert "9%" in calm and "input-bound" not in calm, calm

@@ -6,8 +6,10 @@ pointed at a dispatcher it also asks each live server it lists. Shown: per serve
 (between two frames; the first frame averages since the server started), batches delivered,
 trainers, leases held and batches leased (from the dispatcher), its last heartbeat's age and,
 while its Loader reports per-stage timing, how its time splits between stages; per trainer
-what it claimed and holds (trainers do not report how long they wait: `crossfeed.metrics`'
-`crossfeed_consumer_wait_seconds` has that); and the slowest server by name.
+what it claimed and holds and the share of its time its training loop waits for batches (its
+last report, see `crossfeed.net.lease.client`; with its age once older than STALE s); and the
+slowest server by name. When some trainer waits INPUT_BOUND or more of its time, a line says the
+fleet is input-bound and names the slowest server (the one server, when there is one).
 
 `--once` prints one frame and exits (scripts, tests); Ctrl-C leaves the live view cleanly.
 """
@@ -27,6 +29,8 @@ from crossfeed.errors import CrossfeedError, WireError
 
 logger = logging.getLogger(__name__)
 MAX_ASKED = 16  # servers asked at once
+INPUT_BOUND = 0.10  # a trainer waiting this share of its time or more: the fleet is input-bound
+STALE = 5.0  # seconds after which a trainer's wait report is shown with its age
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +105,14 @@ def _verdict(status, before) -> str | None:
 
 def _age(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds:.1f}s"
+
+
+def _wait(entry) -> str:
+    """A trainer's wait share as the table shows it: "38%", "38% (12s ago)" or "not reported"."""
+    if entry.wait is None:
+        return "not reported"
+    text = f"{100 * entry.wait:.0f}%"
+    return text if entry.wait_age is None or entry.wait_age <= STALE else f"{text} ({entry.wait_age:.0f}s ago)"
 
 
 def _num(value: float | None, fmt: str = "{:.1f}") -> str:
@@ -237,7 +249,7 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
         for name in ("trainer", "claimed (epoch)", "holding", "last beat", "wait"):
             trainers.add_column(name, justify="left" if name in ("trainer", "wait") else "right", no_wrap=True)
         for t in st.trainers:
-            trainers.add_row(t.id, str(t.claimed), str(t.holding), _age(t.age), "not reported")
+            trainers.add_row(t.id, str(t.claimed), str(t.holding), _age(t.age), _wait(t))
         parts.append(trainers)
     rated = [r for r in found if r.rate is not None]
     if len(rated) > 1:
@@ -249,6 +261,18 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
         parts.append(Text("slowest server: — (no rates yet)"))
     if len(found) == 1 and found[0].verdict:
         parts.append(Text(f"verdict: {found[0].verdict}"))
+    if isinstance(st, DispatcherStatus):
+        waiting = [t for t in st.trainers if t.wait is not None and t.wait >= INPUT_BOUND]
+        if waiting:
+            worst = max(waiting, key=lambda t: t.wait)
+            slow = min(rated, key=lambda r: r.rate) if rated else None
+            named = f"{slow.name} ({slow.endpoint}) at {slow.rate:.1f} batches/s" if slow else "— (no rates yet)"
+            parts.append(
+                Text(
+                    f"input-bound: {len(waiting)} trainer(s) wait {100 * INPUT_BOUND:.0f}% or more of their time "
+                    f"for batches (most: {worst.id} {100 * worst.wait:.0f}%); slowest server: {named}"
+                )
+            )
     return Group(*parts)
 
 
@@ -265,7 +289,7 @@ def top(
     ] = None,
     timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="Give up on a silent address after S s.")] = 5.0,
 ) -> None:
-    """Live fleet view: per server batches/s, stage split, leases, last heartbeat; per trainer its claims; the slowest server."""
+    """Live fleet view: per server batches/s, stage split, leases, last heartbeat; per trainer its claims and wait share; the slowest server."""
     from rich.console import Console
     from rich.live import Live
 

@@ -194,6 +194,17 @@ def _seconds(obj: Mapping[str, Any], key: str, where: str) -> float:
     return value
 
 
+def _share(obj: Mapping[str, Any], key: str, where: str) -> float | None:
+    """A share in [0, 1], or None for null (or for no field: an older peer does not send it)."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    value = float(_field(obj, key, (int, float), where))
+    if not (math.isfinite(value) and 0 <= value <= 1):
+        raise WireError(f"{where}: {key} {value} is not a share in [0, 1]")
+    return value
+
+
 def _text(obj: Mapping[str, Any], key: str, where: str, limit: int = 256) -> str:
     value = _field(obj, key, str, where)
     if len(value) > limit or not value.isprintable():
@@ -281,6 +292,8 @@ class TrainerEntry:
     age: float  # seconds since its last heartbeat
     claimed: int  # batches it claimed this epoch
     holding: int  # claimed and not yet reported used
+    wait: float | None = None  # its training loop's last reported share of time waiting for input
+    wait_age: float | None = None  # seconds since it reported that (None: it never did)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,12 +352,17 @@ class DispatcherStatus:
             tid = _text(t, "id", "dispatcher status: a trainer")
             if not _HEX_ID.fullmatch(tid):
                 raise WireError(f"{w}: trainer id {tid[:20]!r} is not 16 hex digits")
+            wait = _share(t, "wait", f"{w}: trainer {tid}")
+            if wait is None and t.get("wait_age") is not None:
+                raise WireError(f"{w}: trainer {tid} has a wait_age and no wait")
             trainers.append(
                 TrainerEntry(
                     tid,
                     _seconds(t, "age", f"{w}: trainer {tid}"),
                     _count(t, "claimed", f"{w}: trainer {tid}"),
                     _count(t, "holding", f"{w}: trainer {tid}"),
+                    wait,
+                    None if wait is None else _seconds(t, "wait_age", f"{w}: trainer {tid}"),
                 )
             )
         return cls(

@@ -19,6 +19,14 @@ BEAT sent after it came back is answered (the dispatcher's claim deadline may ha
 this client stalled meanwhile): one the dispatcher declared dead or stalled drops what it was
 granted. Iteration ends when the dispatcher says every epoch is done (what is still granted
 then is a stale copy, dropped).
+
+Each BEAT also tells the dispatcher how much of the training loop's time goes to waiting for
+input (`crossfeed top` shows it per trainer): from the first batch returned on, the time spent
+inside `__next__` (from the call to the batch's return) is waiting, the time between returning a
+batch and the next call is the trainer's own step. Once a window holds at least WAIT_WINDOW s of
+both, the next BEAT carries waiting / (waiting + step) (`wait_ratio`) and a new window starts; the
+other BEATs (and every BEAT before the first batch or after the stream ended) report nothing.
+A loop stuck waiting reports 1; one that stopped asking for batches (but is still open), 0.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ logger = logging.getLogger(__name__)
 TRAINER = 2
 TOKEN_END = 1 << 63  # claim tokens travel in the dispatcher's signed 64-bit slots
 CLAIM_RETRY = 1.0  # seconds before an unanswered claim is sent again
+WAIT_WINDOW = 1.0  # seconds of the training loop's time over which one BEAT's wait share is measured
 
 
 class LeasedClient(Iterator[Any]):
@@ -88,6 +97,12 @@ class LeasedClient(Iterator[Any]):
         self._next_beat = 0.0
         self._finished = False
         self._closed = False
+        # the wait window: the loop's phase ("wait" in __next__, "step" outside, None before the
+        # first batch and after the end), since when it is not yet counted, and what was counted
+        self._phase: str | None = None
+        self._mark = 0.0
+        self._waited = self._stepped = 0.0
+        self.wait_ratio: float | None = None  # the last window's share of waiting (the last BEAT's)
         self.last_meta: wire.BatchMeta | None = None
         self.batches = 0
         self.refused = 0  # deliveries the dispatcher refused (revoked lease, or another's)
@@ -105,6 +120,9 @@ class LeasedClient(Iterator[Any]):
     def __next__(self) -> Any:
         with self._lock:
             now = time.monotonic()
+            if self._phase is not None:
+                self._count(now)
+                self._phase = "wait"
             if now - self._returned_at > self._timeout / 2:  # away long: ask before using a grant
                 self._back_at = (self._beat_ms + 1) / 1000
                 self._next_beat = 0.0  # a BEAT now (after the DONE below: the same socket, in order)
@@ -127,8 +145,12 @@ class LeasedClient(Iterator[Any]):
                     self.last_meta = event.meta
                     self.batches += 1
                     self._returned_at = now
+                    self._count(now)
+                    self._phase = "step"
                     return (event.meta, event.batch) if self.options.with_meta else event.batch
                 if self._finished and not self._granted:  # every batch is done: no DONE to confirm
+                    self._count(now)
+                    self._phase = None
                     raise StopIteration
             if self._awaiting and not self._granted:  # a grant is due: wait on the dispatcher
                 event = self._receiver.next_event(timeout=0.0)
@@ -171,6 +193,25 @@ class LeasedClient(Iterator[Any]):
             raise CrossfeedError(f"client I/O failed: {event.message}")
 
     # ---- the dispatcher (with the lock held) ----
+    def _count(self, now: float) -> None:
+        """Count the loop's time since the mark in its phase (see the module docstring)."""
+        if self._phase == "wait":
+            self._waited += now - self._mark
+        elif self._phase == "step":
+            self._stepped += now - self._mark
+        self._mark = now
+
+    def _wait_slot(self, now: float) -> int:
+        """A BEAT's `wait_permille`: the window's share of waiting once it is WAIT_WINDOW s long
+        (a new window starts), else 0 (not reported)."""
+        self._count(now)
+        total = self._waited + self._stepped
+        if total < WAIT_WINDOW:
+            return 0
+        self.wait_ratio = self._waited / total
+        self._waited = self._stepped = 0.0
+        return W.encode_wait(self.wait_ratio)
+
     def _send(self, kind: W.Kind, payload=None, **slots: int) -> None:
         try:
             self._sock.send_multipart(
@@ -191,7 +232,7 @@ class LeasedClient(Iterator[Any]):
         if beat:
             self._next_beat = now + self._hb.interval
             self._beat_ms = max(int(now * 1000), self._beat_ms + 1)
-            self._send(W.Kind.BEAT, sent_ms=self._beat_ms)
+            self._send(W.Kind.BEAT, sent_ms=self._beat_ms, wait_permille=self._wait_slot(now))
         due = [key for key, (_ev, sent) in self._awaiting.items() if now - sent > CLAIM_RETRY]
         for i in range(0, len(due), W.MAX_ITEMS):
             self._send(W.Kind.CLAIM, payload=due[i : i + W.MAX_ITEMS])
@@ -277,6 +318,11 @@ class LeasedClient(Iterator[Any]):
 
     # ---- closing ----
     @property
+    def trainer_id(self) -> str:
+        """This client's id as the dispatcher (and `crossfeed top`) lists it; a new one after a RESET."""
+        return f"{self._id:016x}"
+
+    @property
     def lost(self) -> list:
         return list(self._receiver.lost)
 
@@ -297,6 +343,7 @@ class LeasedClient(Iterator[Any]):
                 self._held = None
                 self._pump(force_done=True)
             self._send(W.Kind.BYE)
+            self._phase = None
             self._closed = True
             self._sock.close(linger=500)
         self._ctx.term()

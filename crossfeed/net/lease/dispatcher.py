@@ -128,6 +128,7 @@ class LeaseDispatcher:
         self.stats = {"dropped_messages": 0, "leases": 0, "granted": 0, "refused": 0}
         self._started = time.monotonic()
         self._status_gate = StatusGate()
+        self._waits: dict[int, tuple[float, float]] = {}  # trainer id -> (its last wait share, when reported)
         self.snapshot: dict = self.status()  # refreshed by the loop every SNAPSHOT s (for exporters)
         self._keys = keys
         self._ctx = zmq.Context()
@@ -205,6 +206,7 @@ class LeaseDispatcher:
             for trainer in dead:
                 self._trainer_routes.pop(trainer, None)
                 self._pages.pop(trainer, None)
+                self._waits.pop(trainer, None)
             leases = book.grant_leases(now)
             self.journal.append(book.take_records())  # durable before anyone hears of it
             if self.journal.due():
@@ -276,6 +278,8 @@ class LeaseDispatcher:
         now, book = time.monotonic(), self.book
         role = SERVER if msg.kind is W.Kind.HELLO else TRAINER if msg.kind in (W.Kind.CLAIM, W.Kind.DONE) else msg.role
         if role == SERVER:
+            if msg.wait_permille:
+                raise WireError("a server's BEAT reports a trainer's wait")
             if msg.kind is W.Kind.HELLO:
                 address = " ".join(W.endpoints(msg.payload))
                 if not book.server_seen(msg.sender, now, address):
@@ -297,6 +301,7 @@ class LeaseDispatcher:
         if msg.kind is W.Kind.BYE:
             self._trainer_routes.pop(msg.sender, None)
             self._pages.pop(msg.sender, None)
+            self._waits.pop(msg.sender, None)
             if msg.sender in book.trainers:
                 book.remove_trainer(msg.sender, "left")
             return
@@ -305,6 +310,9 @@ class LeaseDispatcher:
             self._reply(route, W.Kind.RESET)
             return
         if msg.kind is W.Kind.BEAT:
+            wait = W.decode_wait(msg.wait_permille)
+            if wait is not None:  # not reported: the last report stands (with its age)
+                self._waits[msg.sender] = (wait, now)
             servers = self._page(msg.sender)
             self._reply(
                 route,
@@ -362,10 +370,19 @@ class LeaseDispatcher:
             "trainers": [
                 {"id": f"{k:016x}", "age": round(max(now - m.last_seen, 0.0), 3)}
                 | dict(zip(("claimed", "holding"), book.claims_of(k)))
+                | self._wait_of(k, now)
                 for k, m in trainers
             ],
             "trainers_total": len(book.trainers),
         }
+
+    def _wait_of(self, trainer: int, now: float) -> dict:
+        """The status fields of `trainer`'s last reported wait share: "wait" in [0, 1] and
+        "wait_age" in seconds, both None until it reports one."""
+        if trainer not in self._waits:
+            return {"wait": None, "wait_age": None}
+        wait, at = self._waits[trainer]
+        return {"wait": wait, "wait_age": round(max(now - at, 0.0), 3)}
 
     def _page(self, trainer: int) -> str:
         """The next page of live servers' endpoints for `trainer`: as many servers as fit in one

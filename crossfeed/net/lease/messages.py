@@ -15,7 +15,7 @@ dispatcher → server: WELCOME(batches per epoch; payload = the plan as JSON tex
                      pairs: the server sends each batch with its token, and only with it),
                      RESET (you were declared dead or are unknown: drop your leases, say HELLO
                      under a new id), FINISHED (every epoch is done)
-trainer → dispatcher: BEAT(sent_ms, role), CLAIM(role; payload = seq, token pairs: the token
+trainer → dispatcher: BEAT(sent_ms, wait_permille, role), CLAIM(role; payload = seq, token pairs: the token
                       came with the batch, which proves the trainer received it from its server),
                       DONE(role; payload = seqs), BYE(role)
 dispatcher → trainer: SERVERS(finished, silence timeout_ms, the BEAT's sent_ms; payload = endpoints:
@@ -23,12 +23,22 @@ dispatcher → trainer: SERVERS(finished, silence timeout_ms, the BEAT's sent_ms
                       GRANTS(payload = seq, token, granted triples),
                       DONE_OK(finished; payload = seqs),
                       RESET (you were declared dead: drop what you were granted and not used)
+
+A trainer's BEAT carries in `wait_permille` the share of its time its training loop spent waiting
+for the next batch over its last wait window (see `client.LeasedClient`): 0 = not reported,
+1..WAIT_END = the share in permille + 1 (`encode_wait`, `decode_wait`); anything else is refused
+on arrival, and so is a server's BEAT that sets it. Compatibility: slot b of a BEAT was unused
+(always 0) before, so an older trainer reads as "not reported" to a newer dispatcher and VERSION
+stays 1; the other way round is not compatible: an older dispatcher refuses a newer trainer's
+BEATs that report a wait (a slot it does not use) and in time declares that trainer dead, so
+upgrade the dispatcher before its trainers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 import struct
 from typing import Any
@@ -44,6 +54,7 @@ ENVELOPE_SIZE = _ENVELOPE.size
 MAX_ITEMS = 1024  # int64 values in one payload
 MAX_TEXT = 65536  # bytes of text in one payload
 MAX_MESSAGE = ENVELOPE_SIZE + max(MAX_ITEMS * 24, MAX_TEXT)
+WAIT_END = 1001  # a BEAT's wait_permille: 0 not reported, 1..WAIT_END the share in permille + 1
 
 
 class Kind(enum.IntEnum):
@@ -69,13 +80,15 @@ _TEXT = frozenset({Kind.HELLO, Kind.WELCOME, Kind.SERVERS})
 _INTS = frozenset({Kind.LEASE, Kind.CLAIM, Kind.DONE, Kind.GRANTS, Kind.DONE_OK})
 _WIDTH = {Kind.LEASE: 2, Kind.CLAIM: 2, Kind.GRANTS: 3}  # int64s per item (others: 1)
 _KINDS = {int(k): k for k in Kind}
+_RANGES = {"wait_permille": (0, WAIT_END)}  # slots whose values are bounded (checked on arrival)
 
 
 # What each kind's three integer slots of the envelope mean (unused slots are 0 on the wire).
-# `role` is who speaks (a server or a trainer); `sent_ms` a trainer's clock, echoed back to it.
+# `role` is who speaks (a server or a trainer); `sent_ms` a trainer's clock, echoed back to it;
+# `wait_permille` a trainer's wait share (see `encode_wait`; a server's BEAT leaves it 0).
 SLOTS: dict[Kind, tuple[str | None, str | None, str | None]] = {
     Kind.HELLO: (None, None, "role"),
-    Kind.BEAT: ("sent_ms", None, "role"),
+    Kind.BEAT: ("sent_ms", "wait_permille", "role"),
     Kind.BYE: (None, None, "role"),
     Kind.CLAIM: (None, None, "role"),
     Kind.DONE: (None, None, "role"),
@@ -101,6 +114,7 @@ class Message:
     epoch: int = 0
     finished: int = 0
     timeout_ms: int = 0
+    wait_permille: int = 0
     sender: int = 0
     instance: int = 0
     payload: Any = None  # np.ndarray[int64] for integer kinds, str for text kinds, else None
@@ -162,7 +176,22 @@ def unpack(frames: list, allowed: frozenset[Kind]) -> Message:
             if width > 1:
                 payload = payload.reshape(-1, width)
     named = {n: v for n, v in zip(names, (a, b, c)) if n}
+    for n, (low, high) in _RANGES.items():
+        if n in named and not low <= named[n] <= high:
+            raise WireError(f"{k.name} {n} is {named[n]}, outside {low}..{high}")
     return Message(k, sender=sender, instance=instance, payload=payload, **named)
+
+
+def encode_wait(ratio: float | None) -> int:
+    """A BEAT's `wait_permille` for a wait share in [0, 1] (clamped), or 0 for None or NaN (not reported)."""
+    if ratio is None or math.isnan(ratio):
+        return 0
+    return int(round(min(max(ratio, 0.0), 1.0) * 1000)) + 1
+
+
+def decode_wait(value: int) -> float | None:
+    """The wait share a checked `wait_permille` says, in [0, 1]; None when not reported (0)."""
+    return None if value == 0 else (value - 1) / 1000
 
 
 MAX_ENDPOINTS = 8  # data endpoints one server may announce
