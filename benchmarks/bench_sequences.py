@@ -10,9 +10,9 @@ delivered per second, the first batch excluded; also per second of the process's
 box may be loaded — not for torch with workers, whose CPU is theirs), and crossfeed's ratio to it:
 
 * **crossfeed** ``Loader(xf, batch_size=B, pack=Pack(length=L, features=("tokens",)))``: dense
-  ``tokens``/``segment_ids``/``positions`` ``(B, L)``; and ``batch_by_tokens=B·L`` (length-aware
-  batches, padded) — each only where this tree has it (``crossfeed.Pack``); otherwise the row
-  says "not available in this tree";
+  ``tokens``/``segment_ids``/``positions`` ``(B, L)`` (best-fit, 32 open rows, planned from the
+  lengths files); and ``Loader(xf, batch_size=1, batch_by_tokens=B·L)`` (whole documents,
+  padded to each batch's longest: ``segment_ids`` is 1 on tokens);
 * **Grain** ``grain.experimental.FirstFitPackIterDataset`` (first-fit into ``num_packing_bins``
   rows, all flushed when a document fits none) over ``MapDataset.source`` of the documents in
   memory (the cheapest Grain pipeline: no file reads, no decode), ``.batch(B)``: ``tokens``,
