@@ -542,3 +542,31 @@ def test_bench_measures_a_packed_loader(tmp_path):
     result = CliRunner().invoke(app, ["bench", root, "--pack-length", "16", "--batch-size", "2", "--batches", "4"])
     assert result.exit_code == 0, result.output
     assert "verdict" in result.output and "decode" in result.output
+
+
+def test_opening_a_first_batch_and_a_state_mid_epoch_do_not_walk_the_whole_epoch(tmp_path, monkeypatch):
+    """The plan walks lengths only as far as it needs: the epoch's row count (`epoch_total`,
+    one walk of every length: minutes at 10^8 documents) is never asked to open, to deliver the
+    first batches, to save a state or to resume one mid-epoch; only ``len()`` asks for it."""
+    from crossfeed.read.stages.pack import PackSampler
+
+    path = write_tokens(tmp_path / "t", lognormal(300, 20, 1.0, seed=4))
+    opts = dict(batch_size=2, seed=1, pack=Pack(32))
+    with crossfeed.Loader(path, **opts) as ld:
+        whole = list(ld)
+
+    def whole_walk(self, epoch):
+        raise AssertionError("walked the whole epoch")
+
+    monkeypatch.setattr(PackSampler, "epoch_total", whole_walk)
+    with crossfeed.Loader(path, **opts) as ld:
+        it = iter(ld)
+        first = [next(it), next(it)]
+        state = ld.state_dict()
+        it.close()
+    assert same(first, whole[:2]) and state["position"] == 4
+    with crossfeed.Loader(path, **opts) as ld:
+        ld.load_state_dict(state)
+        assert same([next(iter(ld))], whole[2:3])
+        with pytest.raises(AssertionError, match="whole epoch"):
+            len(ld)
