@@ -160,12 +160,18 @@ class JaxLoader:
                 "JaxLoader keeps shapes static, so the partial last batch is dropped: drop_last=True "
                 "(the default here; set it in a LoaderOptions passed whole)"
             )
+        if opts.plan.batch_by_tokens is not None:
+            raise ConfigError(
+                "batch_by_tokens= gives batches of varying shape (documents, longest), which a jax.Array "
+                "step would retrace for: use pack=crossfeed.Pack(length=...) for dense (B, length) rows"
+            )
         self.global_batch_size = opts.plan.batch_size
         local = self._local_batch(self.global_batch_size)
         self.options = opts.replace(batch_size=local, rank=self.rank, world_size=self.world_size)
         self.loader = Loader(source, self.options, transform=transform, batch_transform=batch_transform, epoch=epoch)
         try:
-            if transform is None and batch_transform is None:  # a transform may make anything dense
+            packed = opts.plan.pack is not None  # packed rows are dense: (B, length) of every feature
+            if transform is None and batch_transform is None and not packed:  # a transform may make anything dense
                 check_features(self.loader.features, pad, _statistics(self.loader))
             self._assemble = Assembler(self.sharding, self.world_size, local, pad)
         except BaseException:
@@ -231,7 +237,7 @@ class JaxLoader:
         """Steps (global batches) the next iteration yields; the same on every process."""
         if self.loader is None:
             raise TypeError("a stream source has no length: its servers decide how many batches come")
-        return self.loader.sampler.rank_batch_count(int(self._state["position"]))
+        return self.loader.sampler.rank_batch_count(int(self._state["position"]), epoch=int(self._state["epoch"]))
 
     # -- iteration -------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict]:

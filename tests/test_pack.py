@@ -286,6 +286,84 @@ def test_a_packed_mixture_has_exact_document_shares_and_resumes(
     assert sorted((s, d) for b in done + rest for s, d, _, _ in pieces(b)) == want
 
 
+@SETTINGS
+@given(
+    sizes=st.tuples(st.integers(1, 12), st.integers(1, 12)),
+    weights=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    seed=st.integers(0, 2**20),
+    world=st.integers(1, 3),
+    per_epoch=st.integers(20, 60),
+    data=st.data(),
+)
+def test_a_mixture_weighted_by_tokens_has_token_shares_and_resumes(
+    tmp_path_factory, sizes, weights, seed, world, per_epoch, data
+):
+    """``weights_by="tokens"``: short documents in one source, long ones in the other; after the
+    epoch each source's tokens are within a document of its share (``T_s/w_s - T_t/w_t <= M/w_s
+    + 1/w_t``, which counting documents misses by far), each source's documents are a pass
+    (none twice before all once), the same seed gives the same rows, and resumption at any batch,
+    at the same or another world size, delivers the rest exactly (every token once)."""
+    rng = np.random.default_rng(seed)
+    roots, lens = [], []
+    for s, n in enumerate(sizes):
+        lens.append(rng.integers(1, 4, n) if s == 0 else rng.integers(20, 31, n))
+        roots.append(write_tokens(tmp_path_factory.mktemp(f"src{s}"), lens[-1], source=s, num_shards=2))
+    mix = [crossfeed.Source(r, weight=w) for r, w in zip(roots, weights)]
+    opts = dict(batch_size=2, seed=seed, samples_per_epoch=per_epoch, pack=Pack(32, weights_by="tokens"))
+    whole = rank_batches(mix, world, **opts)
+    toks = [0, 0]
+    counts = [np.zeros(n, np.int64) for n in sizes]
+    for per in whole:
+        for b in per:
+            for s, d, first, n in pieces(b):
+                assert first == 0 and n == lens[s][d]  # documents shorter than a row stay whole
+                toks[s] += n
+                counts[s][d] += 1
+    assert sum(int(c.sum()) for c in counts) == per_epoch
+    longest = 30
+    for s, t in ((0, 1), (1, 0)):
+        assert toks[s] * weights[t] - toks[t] * weights[s] <= longest * weights[t] + weights[s]
+    for c in counts:
+        assert c.max() - c.min() <= 1
+    with crossfeed.Loader(mix, rank=0, world_size=world, **opts) as ld:
+        assert same(list(ld), whole[0])
+    steps = data.draw(st.integers(0, len(whole[0])), label="steps")
+    new_world = data.draw(st.integers(1, 3), label="new_world")
+    with crossfeed.Loader(mix, world_size=world, rank=0, **opts) as ld:
+        it = iter(ld)
+        for _ in range(steps):
+            next(it)
+        state = ld.state_dict()
+    for r in range(world):
+        with crossfeed.Loader(mix, world_size=world, rank=r, **opts) as ld:
+            ld.load_state_dict(state)
+            assert same(list(ld), whole[r][steps:])
+    rest = []
+    for r in range(new_world):
+        with crossfeed.Loader(mix, world_size=new_world, rank=r, **opts) as ld:
+            ld.load_state_dict(state)
+            rest += list(ld)
+    done = [b for per in whole for b in per[:steps]]
+    assert np.sort(tokens_of(done + rest)).tolist() == np.sort(tokens_of([b for per in whole for b in per])).tolist()
+
+
+def test_token_weights_need_a_mixture_and_differ_from_document_weights(tmp_path):
+    """One source: the same rows either way; a mixture of short and long documents at equal
+    weights: counting tokens draws far more short documents than counting documents."""
+    short = write_tokens(tmp_path / "s", [2] * 10, source=0)
+    long = write_tokens(tmp_path / "l", [20] * 10, source=1)
+    with crossfeed.Loader(short, batch_size=2, pack=Pack(16, weights_by="tokens")) as a:
+        with crossfeed.Loader(short, batch_size=2, pack=Pack(16)) as b:
+            assert same(list(a), list(b))
+    mix = [crossfeed.Source(short), crossfeed.Source(long)]
+    shares = {}
+    for by in ("documents", "tokens"):
+        with crossfeed.Loader(mix, batch_size=2, samples_per_epoch=22, pack=Pack(32, weights_by=by)) as ld:
+            srcs = [s for b in ld for s, _, _, _ in pieces(b)]
+        shares[by] = srcs.count(0)
+    assert shares["documents"] == 11 and shares["tokens"] == 20
+
+
 # ---- batch_by_tokens ----------------------------------------------------------------------------
 
 
@@ -416,7 +494,7 @@ def test_pack_options_are_validated_and_travel_as_json():
         (dict(pack={"length": 8, "features": ["segment_ids"]}), "segment_ids"),
         (dict(pack={"length": 8, "long": "wrap"}), "pack long"),
         (dict(pack={"length": 8, "split": "bytes"}), "pack split"),
-        (dict(pack={"length": 8, "weights_by": "tokens"}), "weights_by"),
+        (dict(pack={"length": 8, "weights_by": "bytes"}), "weights_by"),
         (dict(pack={"length": 8, "colour": 1}), "colour"),
         (dict(pack=2048), "crossfeed.Pack"),
         (dict(batch_by_tokens=0), "batch_by_tokens"),
@@ -464,3 +542,31 @@ def test_bench_measures_a_packed_loader(tmp_path):
     result = CliRunner().invoke(app, ["bench", root, "--pack-length", "16", "--batch-size", "2", "--batches", "4"])
     assert result.exit_code == 0, result.output
     assert "verdict" in result.output and "decode" in result.output
+
+
+def test_opening_a_first_batch_and_a_state_mid_epoch_do_not_walk_the_whole_epoch(tmp_path, monkeypatch):
+    """The plan walks lengths only as far as it needs: the epoch's row count (`epoch_total`,
+    one walk of every length: minutes at 10^8 documents) is never asked to open, to deliver the
+    first batches, to save a state or to resume one mid-epoch; only ``len()`` asks for it."""
+    from crossfeed.read.stages.pack import PackSampler
+
+    path = write_tokens(tmp_path / "t", lognormal(300, 20, 1.0, seed=4))
+    opts = dict(batch_size=2, seed=1, pack=Pack(32))
+    with crossfeed.Loader(path, **opts) as ld:
+        whole = list(ld)
+
+    def whole_walk(self, epoch):
+        raise AssertionError("walked the whole epoch")
+
+    monkeypatch.setattr(PackSampler, "epoch_total", whole_walk)
+    with crossfeed.Loader(path, **opts) as ld:
+        it = iter(ld)
+        first = [next(it), next(it)]
+        state = ld.state_dict()
+        it.close()
+    assert same(first, whole[:2]) and state["position"] == 4
+    with crossfeed.Loader(path, **opts) as ld:
+        ld.load_state_dict(state)
+        assert same([next(iter(ld))], whole[2:3])
+        with pytest.raises(AssertionError, match="whole epoch"):
+            len(ld)

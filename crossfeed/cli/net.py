@@ -54,7 +54,8 @@ class ServeMode(str, enum.Enum):
 
 class LoaderEpochs:
     """factory(epoch) over one `crossfeed.Loader` with the given `LoaderOptions` (batches carry
-    their sample indices, for provenance): `set_epoch(epoch)`, then its batches."""
+    their sample indices, for provenance — not packed rows or token budgets, whose rows hold
+    pieces of several records): `set_epoch(epoch)`, then its batches."""
 
     def __init__(self, dataset: str, options: LoaderOptions, *, transform=None):
         from crossfeed.read.loader import Loader
@@ -64,7 +65,8 @@ class LoaderEpochs:
         if is_mixture_spec(dataset):  # a mixture: batches also carry "__source__"
             source, n = load_mixture_spec(dataset)
             more = {"samples_per_epoch": n}
-        self.loader = Loader(source, options.replace(return_index=True, **more), transform=transform)
+        tokens = options.plan.pack is not None or options.plan.batch_by_tokens is not None
+        self.loader = Loader(source, options.replace(return_index=not tokens, **more), transform=transform)
 
     def __call__(self, epoch: int):
         self.loader.set_epoch(epoch)
@@ -351,8 +353,10 @@ def dispatch(
     options = options.replace(rank=0, world_size=world_size)
     if options.plan.pack is not None or options.plan.batch_by_tokens is not None:
         raise typer.BadParameter(
-            "a dispatcher leases a fixed number of batches per epoch; packed (--pack-length) and token-budget "
-            "(--batch-by-tokens) batches vary from epoch to epoch: use crossfeed serve (one server per rank) instead",
+            "a dispatcher leases batches by number (batch b of epoch e, built by whichever server holds the lease, "
+            "in any order, with the same count every epoch); packed (--pack-length) and token-budget "
+            "(--batch-by-tokens) batches are found only by walking the epoch's lengths from its start, and their "
+            "count varies from epoch to epoch: use crossfeed serve (one server per rank) instead",
             param_hint="--pack-length/--batch-by-tokens",
         )
     with Loader(dataset, options.replace(num_threads=1)) as loader:

@@ -39,10 +39,12 @@ def format_lengths(lengths) -> bytes:
     return np.ascontiguousarray(arr, dtype=DTYPE).tobytes()
 
 
-def checked_lengths(data, where: str, shard, features: int) -> np.ndarray:
+def checked_lengths(data, where: str, shard, features: int, digest: str | None = None) -> np.ndarray:
     """The ``(num_records, features)`` read-only array a lengths file holds, checked: its size
     is exactly ``num_records × features × 4`` bytes and, where the manifest pins it
-    (``shard.lengths_sha256``), its sha256 matches. Raises `IndexFileError` naming the file."""
+    (``shard.lengths_sha256``), its sha256 matches (``digest``: the file's, hashed by the caller
+    — e.g. read in chunks, so a memory-mapped ``data`` is not paged in whole). Raises
+    `IndexFileError` naming the file."""
     fix = "rebuild the dataset's lengths (convert it again, or `crossfeed index --force`)"
     view = memoryview(data)
     want = shard.num_records * features * DTYPE.itemsize
@@ -52,7 +54,7 @@ def checked_lengths(data, where: str, shard, features: int) -> np.ndarray:
             f"lengths × 4 bytes); {fix}"
         )
     sha = getattr(shard, "lengths_sha256", None)
-    if sha is not None and hashlib.sha256(view).hexdigest() != sha:
+    if sha is not None and (digest if digest is not None else hashlib.sha256(view).hexdigest()) != sha:
         raise IndexFileError(f"{where}: sha256 differs from the manifest's lengths_sha256; {fix}")
     arr = np.frombuffer(view, dtype=DTYPE).reshape(shard.num_records, features)
     arr.flags.writeable = False

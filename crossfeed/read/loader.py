@@ -242,7 +242,7 @@ class Loader:
         the samples every rank together consumed; see `crossfeed.read.stages.sampler`)."""
         if int(epoch) < 0:
             raise ConfigError(f"epoch must be >= 0, got {epoch}")
-        if int(position) < 0 or position and int(position) > self.sampler.epoch_total(int(epoch)):
+        if not self.sampler.within(int(epoch), int(position)):  # a packed epoch: walked no further than position
             raise ConfigError(
                 f"position {position} is outside the epoch of {self.sampler.epoch_total(int(epoch))} samples; "
                 f"was the state saved for another dataset?"

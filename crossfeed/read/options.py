@@ -60,6 +60,7 @@ class WeightsBy(str, enum.Enum):
     """What a packed mixture's weights count."""
 
     DOCUMENTS = "documents"  # each source's share of the epoch's documents is exact (as any mixture's)
+    TOKENS = "tokens"  # each source's share of the epoch's tokens, to within a document (pack.TokenMixtureOrder)
 
 
 @dataclasses.dataclass(frozen=True)

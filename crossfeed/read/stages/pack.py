@@ -48,6 +48,7 @@ bytes per record): write lengths files to avoid both.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import logging
 import math
 import mmap
@@ -60,12 +61,13 @@ import numpy as np
 from crossfeed.errors import ConfigError, DatasetNotFoundError, IndexFileError
 from crossfeed.format.lengths import DTYPE, checked_lengths, lengths_path
 from crossfeed.format.schema import Encoding, Feature
-from crossfeed.read.options import LoaderOptions, Pack, PackLong, PackSplit
+from crossfeed.read.options import LoaderOptions, Pack, PackLong, PackSplit, WeightsBy
 from crossfeed.read.stages.batch import _Ticker
 
 log = logging.getLogger(__name__)
 
 SCAN = 1 << 13  # documents whose lengths are gathered at once
+FIRST_SCAN = 1 << 7  # … at first (then twice as many each time, up to SCAN)
 SEGMENT_IDS, POSITIONS = "segment_ids", "positions"
 HEADER, PIECE = 2, 5  # a batch: (rows, width), then pieces of (row, document, start, count, document length)
 
@@ -147,6 +149,7 @@ class DocLengths:
             )
         ds = sp.dataset
         storage, rel = ds.index_storage, lengths_path(info.file)
+        digest = None
         where, width = storage.url(rel), len(ds.manifest.lengths)
         fix = "write the dataset's lengths files again (convert it again), or read it without pack=/batch_by_tokens="
         try:
@@ -155,6 +158,10 @@ class DocLengths:
             else:
                 with open(where, "rb") as f:
                     size = os.fstat(f.fileno()).st_size
+                    if size and getattr(
+                        info, "lengths_sha256", None
+                    ):  # hashed as read: only the pages used stay mapped
+                        digest = hashlib.file_digest(f, "sha256").hexdigest()
                     data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
                 if size:
                     self._maps.append(data)
@@ -162,7 +169,7 @@ class DocLengths:
             raise IndexFileError(f"{where}: lengths file is missing; {fix}") from e
         except OSError as e:
             raise IndexFileError(f"{where}: cannot read the lengths file ({e.strerror or e}); {fix}") from e
-        return checked_lengths(data, where, info, width)[:, col]
+        return checked_lengths(data, where, info, width, digest)[:, col]
 
 
 # ---- packing: every row of an epoch -------------------------------------------------------------
@@ -170,9 +177,67 @@ class DocLengths:
 
 def documents(order, lengths, start: int = 0) -> Iterator[tuple[int, int]]:
     """``(document id, length)`` of the epoch's documents from position ``start``, in plan order."""
-    for lo in range(start, order.n, SCAN):
-        ids = order(np.arange(lo, min(order.n, lo + SCAN), dtype=np.int64))
+    if isinstance(order, TokenMixtureOrder):  # sequential: walked from the epoch's start
+        skip = start
+        for ids, lens in order.walk(lengths):
+            if skip >= len(ids):
+                skip -= len(ids)
+                continue
+            yield from zip(ids[skip:].tolist(), lens[skip:].tolist())
+            skip = 0
+        return
+    lo, size = start, FIRST_SCAN  # a few documents first: the first rows touch few lengths files
+    while lo < order.n:
+        ids = order(np.arange(lo, min(order.n, lo + size), dtype=np.int64))
         yield from zip(ids.tolist(), lengths(ids).tolist())
+        lo, size = lo + size, min(SCAN, 2 * size)
+
+
+class TokenMixtureOrder:
+    """The order of one epoch of a mixture whose weights are shares of tokens
+    (``Pack(weights_by="tokens")``), over the documents' `MixtureOrder` (its sources, passes and
+    global ids).
+
+    Position ``p`` draws from the source whose ``(tokens drawn so far + 1) / weight`` is smallest
+    (the first source on ties; a document counts its tokens, at least 1), so after every
+    document each source's tokens are within a document of its share: for sources ``s``, ``t``,
+    ``T_s / w_s − T_t / w_t ≤ M / w_s + 1 / w_t`` (``M``: the longest document). It is a pure
+    function of the plan and the lengths, exact in integers (``(T + 1) · lcm / w``), and
+    sequential: the epoch is walked from its start (`walk`). A source's ``c``-th document of
+    epoch ``e`` is its draw ``e · n + c`` (``n``: the epoch's documents) — its passes' orders as
+    in `MixtureOrder` — so epochs never share draws, and within an epoch a source repeats a
+    document only after drawing all of them."""
+
+    def __init__(self, mix):
+        self.mix, self.n, self.epoch = mix, mix.n, mix.epoch
+        weights = [int(w) for w in mix.weights]
+        lcm = math.lcm(*weights)
+        self.steps = [lcm // w for w in weights]
+
+    def walk(self, lengths) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``(ids, lengths)`` of the epoch's documents in order, ``SCAN`` at a time."""
+        mix, k, steps = self.mix, len(self.steps), self.steps
+        keys = list(steps)  # (tokens + 1) · lcm / w
+        drawn = [0] * k
+        bufs: list[tuple[list, list]] = [([], [])] * k
+        at = [0] * k
+        base = self.epoch * self.n
+        done, size = 0, FIRST_SCAN
+        while done < self.n:
+            count = min(size, self.n - done)
+            ids, lens = [0] * count, [0] * count
+            for j in range(count):
+                s = keys.index(min(keys))
+                i = at[s]
+                if i == len(bufs[s][0]):  # the source's next draws: no more than the epoch has left
+                    got = mix._draws(s, base + drawn[s], min(size, self.n - done - j))
+                    bufs[s], i = (got.tolist(), lengths(got).tolist()), 0
+                ids[j] = bufs[s][0][i]
+                n = lens[j] = bufs[s][1][i]
+                at[s], drawn[s] = i + 1, drawn[s] + 1
+                keys[s] += max(n, 1) * steps[s]
+            done, size = done + count, min(SCAN, 2 * size)
+            yield np.asarray(ids, dtype=np.int64), np.asarray(lens, dtype=np.int64)
 
 
 class _BestFit:
@@ -311,7 +376,10 @@ class PackSampler:
         return self.options.batch_size * self.shard.world_size
 
     def order(self, epoch: int):
-        return self.docs.plan(epoch, 0).order
+        order = self.docs.plan(epoch, 0).order
+        if self.pack is not None and self.pack.weights_by is WeightsBy.TOKENS and getattr(self.docs, "weights", None):
+            return TokenMixtureOrder(order)
+        return order
 
     def rows(self, epoch: int) -> Iterator[list]:
         return packed_rows(self.order(epoch), self.lengths, self.pack)
@@ -326,6 +394,27 @@ class PackSampler:
             got = sum(1 for _ in self.rows(epoch))
             self._remember(epoch, got)
         return got
+
+    def rows_upto(self, epoch: int, position: int) -> int:
+        """``min(rows of the epoch, position)``, walking no further than ``position`` rows (the
+        epoch's total where it is known): opening, a first batch and a state mid-epoch never walk
+        the whole epoch."""
+        with self._lock:
+            got = self._rows.get(epoch)
+        if got is not None or position <= 0:
+            return min(got, position) if got is not None else position
+        k = 0
+        for k, _ in enumerate(self.rows(epoch), 1):
+            if k >= position:
+                return position
+        self._remember(epoch, k)
+        return k
+
+    def within(self, epoch: int, position: int) -> bool:
+        """Whether ``position`` lies in epoch ``epoch`` (0 … its rows or documents)."""
+        return 0 <= position and (
+            self.pack is None and position <= self.total or self.rows_upto(epoch, position) == position
+        )
 
     def _remember(self, epoch: int, rows: int) -> None:
         with self._lock:
@@ -348,7 +437,7 @@ class PackSampler:
         return got
 
     def plan(self, epoch: int, position: int = 0) -> PackPlan:
-        if not 0 <= position <= self.epoch_total(epoch):
+        if not self.within(epoch, position):
             raise ConfigError(
                 f"position {position} is outside epoch {epoch} of {self.epoch_total(epoch)} "
                 f"{'rows' if self.pack else 'documents'}; was the state saved for another dataset or packing?"
@@ -367,7 +456,7 @@ class PackSampler:
         if rank_batches_done <= 0:
             return position
         if self.pack is not None:
-            return min(self.epoch_total(epoch), position + rank_batches_done * self.per_batch)
+            return self.rows_upto(epoch, position + rank_batches_done * self.per_batch)
         done = position
         batches = token_batches(self.order(epoch), self.lengths, position, self.budget, self.shard.world_size)
         for _, batch in zip(range(rank_batches_done), batches):

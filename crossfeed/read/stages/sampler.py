@@ -496,6 +496,10 @@ class Sampler:
         """Positions in an epoch: its samples, whichever epoch (a `PackSampler`'s rows depend on it)."""
         return self.total
 
+    def within(self, epoch: int, position: int) -> bool:
+        """Whether ``position`` lies in an epoch (0 … its samples)."""
+        return 0 <= position <= self.total
+
     def rank_batch_count(self, position: int = 0, epoch: int = 0) -> int:
         """Batches each rank delivers from ``position`` to the end of an epoch (all its workers
         together), computed without building the epoch's order (any ``epoch``: the same count)."""
