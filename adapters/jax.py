@@ -48,9 +48,17 @@ from collections.abc import Callable, Iterator
 
 import jax
 
-from crossfeed.adapters.jax_arrays import Assembler, batch_shards, check_features, check_pad_to, default_sharding
+from crossfeed.adapters.jax_arrays import (
+    AlignedArrays,
+    Assembler,
+    batch_shards,
+    check_features,
+    check_pad_to,
+    default_sharding,
+)
 from crossfeed.errors import ConfigError, CrossfeedError
 from crossfeed.read.env import rank_and_world
+from crossfeed.read.executors.threads import ExecutorKind
 from crossfeed.read.loader import Loader
 from crossfeed.read.options import LoaderOptions, Source
 from crossfeed.read.sources.dataset import Dataset
@@ -83,6 +91,15 @@ def _statistics(loader: Loader) -> list[dict]:
         {src.name_of(k): v for k, v in ds[src.split].info.statistics.items()}
         for ds, src in zip(loader.datasets, loader.sources)
     ]
+
+
+def _use_allocator(loader: Loader, alloc: AlignedArrays) -> None:
+    """Have ``loader`` build its batch arrays with ``alloc`` (the allocator hook a worker process
+    uses for its shared memory): the collate after a per-sample transform, and the decoder."""
+    loader.builder.alloc = alloc
+    decoder = getattr(getattr(loader.builder, "reader", None), "decoder", None)
+    if decoder is not None and hasattr(decoder, "alloc"):
+        decoder.alloc = alloc
 
 
 class JaxLoader:
@@ -119,6 +136,8 @@ class JaxLoader:
         self.sharding = sharding if sharding is not None else default_sharding()
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         pad = check_pad_to(pad_to)
+        # batch buffers the devices use in place; a few big ones reused once nothing holds them
+        self._alloc = AlignedArrays(keep=8 + device_prefetch)
         self._stream = source if is_stream(source) else None
         self._running: _Ahead | None = None
         self.loader: Loader | None = None
@@ -135,7 +154,7 @@ class JaxLoader:
             if batch_size is not None:
                 local = self._local_batch(batch_size)
             self.global_batch_size = batch_size
-            self._assemble = Assembler(self.sharding, self.world_size, local, pad)
+            self._assemble = Assembler(self.sharding, self.world_size, local, pad, alloc=self._alloc)
             return
         if options is None:
             fields.setdefault("drop_last", True)
@@ -167,7 +186,9 @@ class JaxLoader:
         try:
             if transform is None and batch_transform is None:  # a transform may make anything dense
                 check_features(self.loader.features, pad, _statistics(self.loader))
-            self._assemble = Assembler(self.sharding, self.world_size, local, pad)
+            self._assemble = Assembler(self.sharding, self.world_size, local, pad, alloc=self._alloc)
+            if self.options.read.executor is not ExecutorKind.PROCESS:  # (a worker's slots are aligned already)
+                _use_allocator(self.loader, self._alloc)
         except BaseException:
             self.loader.close()
             raise
