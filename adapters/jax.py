@@ -22,9 +22,12 @@
   unless ``pad_to={name: length}`` pads it with 0 (or truncates it) on its first axis; string and
   bytes features raise ConfigError unless left out (``features=``) or turned into numbers by a
   ``transform``.
-* Device prefetch: a thread keeps the next ``device_prefetch`` batches (default 2) on the devices
-  while the step runs, handing the Loader's numpy arrays to JAX as they are; its errors are
-  raised in the consumer; it stops when the iteration ends, is broken off, or `close` is called.
+* Device prefetch: a thread keeps the next ``device_prefetch`` batches on the devices while the
+  step runs; its errors are raised in the consumer; it stops when the iteration ends, is broken
+  off, or `close` is called. Default (None): 2, or 0 (no thread) when every device of the
+  sharding is a CPU device — there the devices use the Loader's arrays in place, so there is no
+  transfer to hide, and a thread only adds a hand-over per batch and contends with the Loader's
+  threads for the cores (benchmarks/bench_jax_adapter.py measures both).
   ``prefetch`` (like every other Loader option) is the Loader's own host-side read-ahead.
 * State: `state_dict` is the ``crossfeed.Loader.state_dict()`` of the last batch the consumer
   *received* — not of the prefetcher — so it is exact, and it is the one form the PyTorch
@@ -67,6 +70,7 @@ __all__ = ["JaxLoader", "default_sharding"]
 
 log = logging.getLogger(__name__)
 POLL_S = 0.1  # how often a waiting producer or consumer checks whether the other side stopped
+DEVICE_PREFETCH = 2  # batches the thread keeps on accelerators by default
 JOIN_S = 30.0  # how long close() waits for the prefetch thread to finish the batch it is building
 
 
@@ -119,7 +123,7 @@ class JaxLoader:
         *,
         batch_size: int | None = None,
         sharding: jax.sharding.Sharding | None = None,
-        device_prefetch: int = 2,
+        device_prefetch: int | None = None,
         pad_to: dict[str, int] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -128,16 +132,21 @@ class JaxLoader:
         epoch: int = 0,
         **fields,
     ):
-        if isinstance(device_prefetch, bool) or not isinstance(device_prefetch, int) or device_prefetch < 0:
-            raise ConfigError(f"device_prefetch must be an int >= 0 (0: no thread), got {device_prefetch!r}")
+        if device_prefetch is not None and (
+            isinstance(device_prefetch, bool) or not isinstance(device_prefetch, int) or device_prefetch < 0
+        ):
+            raise ConfigError(f"device_prefetch must be an int >= 0 (0: no thread) or None, got {device_prefetch!r}")
         if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
             raise ConfigError(f"sharding must be a jax.sharding.Sharding, got {type(sharding).__name__}")
-        self.device_prefetch = device_prefetch
         self.sharding = sharding if sharding is not None else default_sharding()
+        if device_prefetch is None:
+            cpu = all(d.platform == "cpu" for d in self.sharding.device_set)
+            device_prefetch = 0 if cpu else DEVICE_PREFETCH
+        self.device_prefetch = device_prefetch
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         pad = check_pad_to(pad_to)
         # batch buffers the devices use in place; a few big ones reused once nothing holds them
-        self._alloc = AlignedArrays(keep=8 + device_prefetch)
+        self._alloc = AlignedArrays(keep=16 + device_prefetch)
         self._stream = source if is_stream(source) else None
         self._running: _Ahead | None = None
         self.loader: Loader | None = None

@@ -131,7 +131,9 @@ def test_an_error_in_the_prefetch_thread_reaches_the_consumer(mixed_dataset):
             raise RuntimeError("transform failed on batch 3")
         return batch
 
-    data = JaxLoader(path, batch_size=3, features=DENSE, batch_transform=boom, sharding=_mesh_sharding(1))
+    data = JaxLoader(
+        path, batch_size=3, features=DENSE, batch_transform=boom, sharding=_mesh_sharding(1), device_prefetch=2
+    )
     got = []
     with pytest.raises(RuntimeError, match="transform failed on batch 3"):
         for b in data:
@@ -143,7 +145,7 @@ def test_an_error_in_the_prefetch_thread_reaches_the_consumer(mixed_dataset):
 
 def test_breaking_off_and_close_stop_the_thread(mixed_dataset):
     path, _ = mixed_dataset
-    data = JaxLoader(path, batch_size=2, features=DENSE, sharding=_mesh_sharding(1))
+    data = JaxLoader(path, batch_size=2, features=DENSE, sharding=_mesh_sharding(1), device_prefetch=2)
     for _ in data:
         break
     data.close()
@@ -338,3 +340,14 @@ def test_a_crossfeed_serve_stream_becomes_global_arrays(tmp_path):
             np.testing.assert_array_equal(np.asarray(batch[k]), w[k])
         assert len(batch["image"].addressable_shards) == n
         np.testing.assert_array_equal(np.asarray(batch["image"]), images[np.asarray(batch["label"])])
+
+
+def test_no_prefetch_thread_by_default_on_cpu_devices(mixed_dataset):
+    """CPU devices use the Loader's arrays in place: nothing to overlap, so no thread by default."""
+    path, _ = mixed_dataset
+    with JaxLoader(path, batch_size=2, features=DENSE, sharding=_mesh_sharding(1)) as data:
+        assert data.device_prefetch == 0
+        next(iter(data))
+        assert not any(t.name == "crossfeed-jax-prefetch" for t in threading.enumerate())
+    with pytest.raises(ConfigError, match="device_prefetch must be"):
+        JaxLoader(path, batch_size=2, features=DENSE, device_prefetch=-1)
