@@ -351,3 +351,29 @@ def test_no_prefetch_thread_by_default_on_cpu_devices(mixed_dataset):
         assert not any(t.name == "crossfeed-jax-prefetch" for t in threading.enumerate())
     with pytest.raises(ConfigError, match="device_prefetch must be"):
         JaxLoader(path, batch_size=2, features=DENSE, device_prefetch=-1)
+
+
+def test_a_failing_or_different_per_device_transfer_falls_back_to_device_put(mixed_dataset, monkeypatch):
+    """The internal transfer is checked on each feature's first batch: where it raises or gives
+    another array, jax.device_put places that feature from then on, and the batches are right."""
+    from crossfeed.adapters import jax_arrays
+
+    path, _ = mixed_dataset
+    put, aval = jax_arrays._PUT
+
+    def broken(*args):
+        raise TypeError("another jax")
+
+    def wrong(aval_, sharding, shards, devices):  # every value one more
+        return put(aval_, sharding, [s + 1 for s in shards], devices)
+
+    kw = dict(batch_size=6, seed=1, features=["label"], sharding=_mesh_sharding(1))
+    want = [b["label"] for b in _loader_batches(path, **{k: v for k, v in kw.items() if k != "sharding"})]
+    for fake in (broken, wrong):
+        monkeypatch.setattr(jax_arrays, "_PUT", (fake, aval))
+        with JaxLoader(path, **kw) as data:
+            got = [np.asarray(b["label"]) for b in data]
+            assert list(data._assemble._checked.values()) == [None]  # jax.device_put from now on
+        assert len(got) == len(want) == 5
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
