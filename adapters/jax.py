@@ -146,7 +146,7 @@ class JaxLoader:
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         pad = check_pad_to(pad_to)
         # batch buffers the devices use in place; a few big ones reused once nothing holds them
-        self._alloc = AlignedArrays(keep=16 + device_prefetch)
+        self._alloc = AlignedArrays(keep=8 + device_prefetch)  # as many as the core recycler, + the thread's
         self._stream = source if is_stream(source) else None
         self._running: _Ahead | None = None
         self.loader: Loader | None = None

@@ -70,7 +70,7 @@ class AlignedArrays:
     list refers to it: a batch array, a view of it, or a jax.Array made from it in place (which
     holds a reference to the buffer) keeps it out of reach. Thread-safe."""
 
-    def __init__(self, keep: int = 16, min_bytes: int = 1 << 16):
+    def __init__(self, keep: int = 8, min_bytes: int = 1 << 16):
         self.keep, self.min_bytes = keep, min_bytes
         self._buffers: list[np.ndarray] = []
         self._starts: list[int] = []  # where each buffer's aligned part starts
