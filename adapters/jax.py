@@ -22,9 +22,12 @@
   unless ``pad_to={name: length}`` pads it with 0 (or truncates it) on its first axis; string and
   bytes features raise ConfigError unless left out (``features=``) or turned into numbers by a
   ``transform``.
-* Device prefetch: a thread keeps the next ``device_prefetch`` batches (default 2) on the devices
-  while the step runs, handing the Loader's numpy arrays to JAX as they are; its errors are
-  raised in the consumer; it stops when the iteration ends, is broken off, or `close` is called.
+* Device prefetch: a thread keeps the next ``device_prefetch`` batches on the devices while the
+  step runs; its errors are raised in the consumer; it stops when the iteration ends, is broken
+  off, or `close` is called. Default (None): 2, or 0 (no thread) when every device of the
+  sharding is a CPU device — there the devices use the Loader's arrays in place, so there is no
+  transfer to hide, and a thread only adds a hand-over per batch and contends with the Loader's
+  threads for the cores (benchmarks/bench_jax_adapter.py measures both).
   ``prefetch`` (like every other Loader option) is the Loader's own host-side read-ahead.
 * State: `state_dict` is the ``crossfeed.Loader.state_dict()`` of the last batch the consumer
   *received* — not of the prefetcher — so it is exact, and it is the one form the PyTorch
@@ -48,9 +51,17 @@ from collections.abc import Callable, Iterator
 
 import jax
 
-from crossfeed.adapters.jax_arrays import Assembler, batch_shards, check_features, check_pad_to, default_sharding
+from crossfeed.adapters.jax_arrays import (
+    AlignedArrays,
+    Assembler,
+    batch_shards,
+    check_features,
+    check_pad_to,
+    default_sharding,
+)
 from crossfeed.errors import ConfigError, CrossfeedError
 from crossfeed.read.env import rank_and_world
+from crossfeed.read.executors.threads import ExecutorKind
 from crossfeed.read.loader import Loader
 from crossfeed.read.options import LoaderOptions, Source
 from crossfeed.read.sources.dataset import Dataset
@@ -59,6 +70,7 @@ __all__ = ["JaxLoader", "default_sharding"]
 
 log = logging.getLogger(__name__)
 POLL_S = 0.1  # how often a waiting producer or consumer checks whether the other side stopped
+DEVICE_PREFETCH = 2  # batches the thread keeps on accelerators by default
 JOIN_S = 30.0  # how long close() waits for the prefetch thread to finish the batch it is building
 
 
@@ -85,6 +97,15 @@ def _statistics(loader: Loader) -> list[dict]:
     ]
 
 
+def _use_allocator(loader: Loader, alloc: AlignedArrays) -> None:
+    """Have ``loader`` build its batch arrays with ``alloc`` (the allocator hook a worker process
+    uses for its shared memory): the collate after a per-sample transform, and the decoder."""
+    loader.builder.alloc = alloc
+    decoder = getattr(getattr(loader.builder, "reader", None), "decoder", None)
+    if decoder is not None and hasattr(decoder, "alloc"):
+        decoder.alloc = alloc
+
+
 class JaxLoader:
     """Global ``jax.Array`` batches of a dataset, a mixture or a stream; see the module docstring.
 
@@ -102,7 +123,7 @@ class JaxLoader:
         *,
         batch_size: int | None = None,
         sharding: jax.sharding.Sharding | None = None,
-        device_prefetch: int = 2,
+        device_prefetch: int | None = None,
         pad_to: dict[str, int] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -111,14 +132,21 @@ class JaxLoader:
         epoch: int = 0,
         **fields,
     ):
-        if isinstance(device_prefetch, bool) or not isinstance(device_prefetch, int) or device_prefetch < 0:
-            raise ConfigError(f"device_prefetch must be an int >= 0 (0: no thread), got {device_prefetch!r}")
+        if device_prefetch is not None and (
+            isinstance(device_prefetch, bool) or not isinstance(device_prefetch, int) or device_prefetch < 0
+        ):
+            raise ConfigError(f"device_prefetch must be an int >= 0 (0: no thread) or None, got {device_prefetch!r}")
         if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
             raise ConfigError(f"sharding must be a jax.sharding.Sharding, got {type(sharding).__name__}")
-        self.device_prefetch = device_prefetch
         self.sharding = sharding if sharding is not None else default_sharding()
+        if device_prefetch is None:
+            cpu = all(d.platform == "cpu" for d in self.sharding.device_set)
+            device_prefetch = 0 if cpu else DEVICE_PREFETCH
+        self.device_prefetch = device_prefetch
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         pad = check_pad_to(pad_to)
+        # batch buffers the devices use in place; a few big ones reused once nothing holds them
+        self._alloc = AlignedArrays(keep=8 + device_prefetch)  # as many as the core recycler, + the thread's
         self._stream = source if is_stream(source) else None
         self._running: _Ahead | None = None
         self.loader: Loader | None = None
@@ -135,7 +163,7 @@ class JaxLoader:
             if batch_size is not None:
                 local = self._local_batch(batch_size)
             self.global_batch_size = batch_size
-            self._assemble = Assembler(self.sharding, self.world_size, local, pad)
+            self._assemble = Assembler(self.sharding, self.world_size, local, pad, alloc=self._alloc)
             return
         if options is None:
             fields.setdefault("drop_last", True)
@@ -173,7 +201,9 @@ class JaxLoader:
             packed = opts.plan.pack is not None  # packed rows are dense: (B, length) of every feature
             if transform is None and batch_transform is None and not packed:  # a transform may make anything dense
                 check_features(self.loader.features, pad, _statistics(self.loader))
-            self._assemble = Assembler(self.sharding, self.world_size, local, pad)
+            self._assemble = Assembler(self.sharding, self.world_size, local, pad, alloc=self._alloc)
+            if self.options.read.executor is not ExecutorKind.PROCESS:  # (a worker's slots are aligned already)
+                _use_allocator(self.loader, self._alloc)
         except BaseException:
             self.loader.close()
             raise

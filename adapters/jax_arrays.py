@@ -2,12 +2,27 @@
 global ``jax.Array``\\ s laid out by a `jax.sharding.Sharding`, dense and of static shape.
 
     dict[str, np.ndarray] (this process's rows) ─► dense (pad_to; refuse ragged and strings)
-      ─► jax.make_array_from_process_local_data(sharding, rows, global shape) ─► dict[str, jax.Array]
+      ─► one process: each device's rows (views) placed by jax's per-device transfer
+         several:     jax.make_array_from_process_local_data(sharding, rows, global shape)
+      ─► dict[str, jax.Array]
 
-The numpy arrays are handed to JAX as they are (views into the Loader's batch, no copy made
-here); JAX copies them to the devices. In one process the global batch is all local, so one
-``jax.device_put`` call places every feature (the same layout, one dispatch). 64-bit values become 32-bit unless ``jax_enable_x64`` is
-on (JAX's rule), which costs a conversion on the host.
+Where the time goes on CPU devices (benchmarks/bench_jax_adapter.py): not the bytes but JAX's
+Python layers. ``jax.device_put`` spends about 0.15 ms of Python a call (pytree, sharding and
+aval checks) before the C++ transfer (about 0.01 ms), and XLA's CPU client copies a host array
+unless it is 64-byte aligned, in which case the device buffer *is* the host memory. So:
+
+* `AlignedArrays` is the Loader's allocator here (its ``alloc`` hook): batch arrays start on a
+  64-byte boundary, every shard of a batch-sharded array too when its rows are a multiple of 64
+  bytes, and the devices use them in place — no copy. Safe: the jax.Array holds a reference to
+  the buffer, and buffers (these, the core's recycled ones, a worker process's shared-memory
+  slot) are reused only when nothing refers to them (tests/test_jax.py holds batches and checks).
+* One process: `Assembler` calls ``jax._src.interpreters.pxla.batched_device_put`` (what
+  ``jax.device_put`` ends in for a numpy array) with the shards ``addressable_devices_indices_map``
+  gives. It is internal to jax, so it is checked once per feature and shape against
+  ``jax.device_put`` (sharding, shards, values); where it is missing, fails or differs, the
+  public ``jax.device_put`` is used (``fast=False`` forces that).
+
+64-bit values become 32-bit unless ``jax_enable_x64`` is on (JAX's rule), a conversion on the host.
 
 Imports jax and the crossfeed core, never torch or tensorflow.
 """
@@ -15,8 +30,11 @@ Imports jax and the crossfeed core, never torch or tensorflow.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-from collections.abc import Mapping
+import sys
+import threading
+from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
@@ -25,6 +43,60 @@ from crossfeed.errors import ConfigError, SchemaError
 from crossfeed.format.schema import Encoding, Feature
 
 PAD_VALUE = 0  # what pad_to fills with
+ALIGN = 64  # XLA's CPU client uses a host array in place (no copy) when its data is this aligned
+
+log = logging.getLogger(__name__)
+
+
+def _batched_device_put():
+    """jax's per-device transfer of numpy shards, ``put(aval, sharding, shards, devices)``, and
+    the aval type it takes (internal to jax: None where this jax has none)."""
+    try:
+        from jax._src.core import ShapedArray
+        from jax._src.interpreters.pxla import batched_device_put
+    except (ImportError, AttributeError):  # pragma: no cover - another jax
+        return None
+    return batched_device_put, ShapedArray
+
+
+_PUT = _batched_device_put()
+
+
+class AlignedArrays:
+    """A Loader allocator (``collate``'s and the decoders' ``alloc`` hook) whose arrays of at
+    least ``min_bytes`` start on a 64-byte boundary, so that CPU devices use them in place
+    (smaller ones are plain ``np.empty``: copying them costs less than aligning them). Like the
+    core's recycler, up to ``keep`` such buffers are reused, each only once nothing but this
+    list refers to it: a batch array, a view of it, or a jax.Array made from it in place (which
+    holds a reference to the buffer) keeps it out of reach. Thread-safe."""
+
+    def __init__(self, keep: int = 8, min_bytes: int = 1 << 16):
+        self.keep, self.min_bytes = keep, min_bytes
+        self._buffers: list[np.ndarray] = []
+        self._starts: list[int] = []  # where each buffer's aligned part starts
+        self._lock = threading.Lock()
+
+    def __call__(self, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if dtype.hasobject or nbytes < self.min_bytes:
+            return np.empty(shape, dtype)
+        with self._lock:
+            for i in range(len(self._buffers)):
+                # references: the list and getrefcount's argument — nobody else
+                if self._buffers[i].size == nbytes + ALIGN and sys.getrefcount(self._buffers[i]) == 2:
+                    raw, start = self._buffers[i], self._starts[i]
+                    break
+            else:
+                raw = np.empty(nbytes + ALIGN, np.uint8)
+                start = -raw.ctypes.data % ALIGN
+                if self.keep > 0:
+                    self._buffers.append(raw)
+                    self._starts.append(start)
+                    if len(self._buffers) > self.keep:
+                        del self._buffers[0], self._starts[0]
+        return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def default_sharding() -> jax.sharding.NamedSharding:
@@ -164,38 +236,85 @@ def _text(name: str) -> str:
 class Assembler:
     """Builds global arrays from this process's rows: ``sharding`` lays every feature out (its
     spec's first entry is the batch axis), ``world_size`` processes each hold ``local_rows`` of
-    the global batch (None: whatever each batch has, for streams)."""
+    the global batch (None: whatever each batch has, for streams). ``fast``: in one process,
+    place each device's rows with jax's per-device transfer (checked once per feature and
+    shape against ``jax.device_put``); False: ``jax.device_put`` always. ``alloc``: where a
+    64-bit feature is converted to 32 bits (an `AlignedArrays`, so that the devices use it in place)."""
 
     sharding: jax.sharding.Sharding
     world_size: int
     local_rows: int | None = None
     pad_to: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    _checked: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    fast: bool = True
+    alloc: Callable | None = None
+    # (name, shape, dtype) -> None (jax.device_put), or [aval, devices, their indices, verified]
+    _checked: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __call__(self, batch: Mapping) -> dict[str, jax.Array]:
-        names, rows, shapes = [], [], []
+        single = jax.process_count() == 1
+        out: dict = {}
+        public = []  # (name, rows) for one jax.device_put call
         for name, value in batch.items():
-            dense_rows = dense(name, value, self.pad_to.get(name))
-            n = dense_rows.shape[0]
-            if self.local_rows is not None and n != self.local_rows:
+            rows = dense(name, value, self.pad_to.get(name))
+            if self.local_rows is not None and rows.shape[0] != self.local_rows:
                 raise SchemaError(
-                    f"feature {name!r}: a batch of {n} rows where {self.local_rows} were expected "
+                    f"feature {name!r}: a batch of {rows.shape[0]} rows where {self.local_rows} were expected "
                     f"(static shapes: partial batches must be dropped, drop_last=True)"
                 )
-            shape = (n * self.world_size, *dense_rows.shape[1:])
-            self._check(name, shape, n)
-            names.append(name)
-            rows.append(dense_rows)
-            shapes.append(shape)
-        if jax.process_count() == 1:  # one process holds the global batch: one transfer call for all features
-            return dict(zip(names, jax.device_put(rows, [self.sharding] * len(rows))))
-        return {n: jax.make_array_from_process_local_data(self.sharding, r, s) for n, r, s in zip(names, rows, shapes)}
+            if single:
+                rows = self._canonical(rows)
+            key = (name, rows.shape, rows.dtype)
+            plan = self._checked[key] if key in self._checked else self._check(key, single)
+            if not single:
+                shape = (rows.shape[0] * self.world_size, *rows.shape[1:])
+                out[name] = jax.make_array_from_process_local_data(self.sharding, rows, shape)
+            elif plan is None:
+                out[name] = None  # keeps the batch's order
+                public.append((name, rows))
+            elif plan[3]:  # the common case: jax's per-device transfer of this process's shards
+                out[name] = _PUT[0](plan[0], self.sharding, [rows[i] for i in plan[2]], plan[1])
+            else:
+                out[name] = self._verify(key, rows, plan)
+        if public:  # one transfer call for all of them
+            placed = jax.device_put([r for _, r in public], [self.sharding] * len(public))
+            out.update(zip([n for n, _ in public], placed))
+        return out
 
-    def _check(self, name: str, shape: tuple, rows: int) -> None:
-        """Once per feature and shape: the sharding fits it, and gives this process ``rows`` rows."""
-        key = (name, shape)
-        if key in self._checked:
-            return
+    def _canonical(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` in the dtype JAX keeps (64-bit as 32-bit without jax_enable_x64)."""
+        dtype = jax.dtypes.canonicalize_dtype(rows.dtype)
+        if dtype == rows.dtype:
+            return rows
+        if self.alloc is None or rows.nbytes < 1 << 16:
+            return rows.astype(dtype)
+        out = self.alloc(rows.shape, dtype)
+        np.copyto(out, rows, casting="unsafe")
+        return out
+
+    def _verify(self, key: tuple, rows: np.ndarray, plan: list) -> jax.Array:
+        """The first batch of a feature and shape, placed both ways: the per-device transfer is
+        kept only if it gives what ``jax.device_put`` gives (else that is used from now on)."""
+        name = key[0]
+        want = jax.device_put(rows, self.sharding)
+        try:
+            got = _PUT[0](plan[0], self.sharding, [rows[i] for i in plan[2]], plan[1])
+            same = _same(got, want)
+        except Exception as e:  # an internal call of another jax: the public one serves
+            log.info("feature %r: jax's per-device transfer failed (%s); using jax.device_put", name, e)
+            same = False
+        if same:
+            plan[3] = True
+            return got
+        self._checked[key] = None
+        log.info("feature %r: jax's per-device transfer differs from jax.device_put; using jax.device_put", name)
+        return want
+
+    def _check(self, key: tuple, single: bool):
+        """Once per feature, shape and dtype (``key``, this process's shape): the sharding fits
+        it and gives this process its rows; returns how one process places it (None: ``jax.device_put``)."""
+        name, local, dtype = key
+        rows = local[0]
+        shape = (rows * self.world_size, *local[1:])
         spec = getattr(self.sharding, "spec", None)
         if spec is not None and len(tuple(spec)) > len(shape):
             raise ConfigError(
@@ -203,11 +322,11 @@ class Assembler:
                 f"{len(tuple(spec))}: use a spec no longer than the smallest feature's rank, e.g. P('batch')"
             )
         try:
-            held = self.sharding.addressable_devices_indices_map(shape).values()
+            held = self.sharding.addressable_devices_indices_map(shape)
         except ValueError as e:
             raise ConfigError(f"feature {name!r} of global shape {shape} does not fit the sharding: {e}") from None
         covered = set()
-        for index in held:
+        for index in held.values():
             first = index[0] if index else slice(None)
             covered.update(range(*first.indices(shape[0])))
         if len(covered) != rows:
@@ -217,4 +336,20 @@ class Assembler:
                 f"every process (e.g. NamedSharding(Mesh(jax.devices(), ('batch',)), P('batch'))), or set "
                 f"rank=/world_size= to match the processes the sharding spans"
             )
-        self._checked[key] = True
+        plan = None
+        if single and self.fast and _PUT is not None and all(v is not None for v in held.values()):
+            plan = [_PUT[1](shape, dtype), list(held), list(held.values()), False]
+        self._checked[key] = plan
+        return plan
+
+
+def _same(got, want) -> bool:
+    """Whether two jax.Arrays are the same global array, laid out and committed alike."""
+    if not isinstance(got, jax.Array) or got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if got.sharding != want.sharding or getattr(got, "_committed", None) != getattr(want, "_committed", None):
+        return False
+    a, b = got.addressable_shards, want.addressable_shards
+    if [(s.device, s.index) for s in a] != [(s.device, s.index) for s in b]:
+        return False
+    return all(np.array_equal(np.asarray(x.data), np.asarray(y.data)) for x, y in zip(a, b))

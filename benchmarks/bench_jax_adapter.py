@@ -5,14 +5,19 @@ process of its own, since JAX reads the flag once).
 * data: raw 64×64×3 uint8 images + an int64 label, and rows of 32 float32 + a label, written
   once to a temporary directory; batch 256, exact global shuffle, seed 0.
 * Loader alone: its numpy batches, touched (one element read). JaxLoader: global ``jax.Array``
-  batches assembled with ``make_array_from_process_local_data`` over a batch-sharded
-  ``NamedSharding`` of every device, prefetched to the devices by its thread
-  (``device_prefetch=2``), each waited for (``block_until_ready``) as a step would.
-* One warm-up epoch each (its sample count checked), then ``--epochs`` timed epochs, best kept.
-  The overhead is JaxLoader's time per batch over the Loader's, minus one (goal: at most 10%).
+  batches over a batch-sharded ``NamedSharding`` of every device, each waited for
+  (``block_until_ready``) as a step would: as it comes (on CPU devices: no device-prefetch
+  thread), with the thread (``device_prefetch=2``), and, for comparison, as it was first written
+  (the thread, and ``jax.device_put`` of the Loader's unaligned arrays: a copy, and device_put's
+  Python layers).
+* One warm-up epoch each (its sample count checked), then ``--epochs`` rounds, the readers taking
+  turns within a round (the load of a shared machine falls on all of them alike); the best
+  epoch of each is kept, wall time and CPU time (``time.process_time``: every thread of the
+  process, the Loader's and JAX's included). The overhead is JaxLoader's time per batch over
+  the Loader's, minus one (goal: at most 10%).
 
     .venv/bin/python -m benchmarks.bench_jax_adapter            # about a minute on 2 cores
-    .venv/bin/python -m benchmarks.bench_jax_adapter --images 2048 --rows 65536 --epochs 3
+    .venv/bin/python -m benchmarks.bench_jax_adapter --images 4096 --rows 65536 --epochs 3
 """
 
 from __future__ import annotations
@@ -48,55 +53,76 @@ def _write(root: str, images: int, rows: int) -> dict[str, str]:
     return paths
 
 
-def _epoch_loader(loader) -> tuple[float, int]:
-    t, n = time.perf_counter(), 0
+def _epoch_loader(loader) -> int:
+    n = 0
     for batch in loader:
         n += len(batch["label"])
         batch["label"][-1]  # touched
-    return time.perf_counter() - t, n
+    return n
 
 
-def _epoch_jax(data) -> tuple[float, int]:
-    t, n = time.perf_counter(), 0
+def _epoch_jax(data) -> int:
+    n = 0
     for batch in data:
         for v in batch.values():
             v.block_until_ready()
         n += batch["label"].shape[0]
-    return time.perf_counter() - t, n
+    return n
 
 
-def _measure(paths: dict[str, str], epochs: int) -> dict:
-    """In this process (XLA_FLAGS already set): batches/s of each reader, per dataset."""
-    import jax
+READERS = ("loader", "jax", "jax_pf2", "jax_before")
+
+
+def _readers(path: str) -> dict:
+    """Each reader of the comparison, over ``path``: ``name -> (epoch function, object)``."""
+    import dataclasses
 
     import crossfeed
     from crossfeed.adapters.jax import JaxLoader
 
+    kw = dict(batch_size=BATCH, shuffle="global", seed=0, drop_last=True)
+    before = JaxLoader(path, device_prefetch=2, **kw)
+    # as before: the Loader's own (unaligned) arrays, copied by jax.device_put
+    before.loader.builder.alloc = before.loader.builder.reader.decoder.alloc = None
+    before._assemble = dataclasses.replace(before._assemble, fast=False, alloc=None)
+    return {
+        "loader": (_epoch_loader, crossfeed.Loader(path, **kw)),
+        "jax": (_epoch_jax, JaxLoader(path, **kw)),
+        "jax_pf2": (_epoch_jax, JaxLoader(path, device_prefetch=2, **kw)),
+        "jax_before": (_epoch_jax, before),
+    }
+
+
+def _measure(paths: dict[str, str], epochs: int) -> dict:
+    """In this process (XLA_FLAGS already set): seconds per batch of each reader, wall and CPU."""
+    import jax
+
     out = {"devices": jax.device_count()}
     for name, path in paths.items():
-        kw = dict(batch_size=BATCH, shuffle="global", seed=0, drop_last=True)
-        with crossfeed.Loader(path, **kw) as loader, JaxLoader(path, **kw) as data:
-            expect = len(loader) * BATCH
-            times = {}
-            for who, run, it in (("loader", _epoch_loader, loader), ("jax", _epoch_jax, data)):
-                secs, n = run(it)  # warm-up (and jit-free: the adapter compiles nothing)
-                assert n == expect, f"{who} read {n} samples of {expect}"
-                times[who] = min(run(it)[0] for _ in range(epochs))
-            batches = len(loader)
-        out[name] = {
-            "batches": batches,
-            "loader_bps": batches / times["loader"],
-            "jax_bps": batches / times["jax"],
-            "overhead": times["jax"] / times["loader"] - 1,
-        }
+        readers = _readers(path)
+        batches = len(readers["loader"][1])
+        for who, (run, it) in readers.items():  # warm-up (the adapter compiles nothing)
+            n = run(it)
+            assert n == batches * BATCH, f"{who} read {n} samples of {batches * BATCH}"
+        best = {who: [float("inf"), float("inf")] for who in readers}
+        for _ in range(epochs):
+            for who, (run, it) in readers.items():
+                wall, cpu = time.perf_counter(), time.process_time()
+                run(it)
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                best[who] = [min(best[who][0], wall / batches), min(best[who][1], cpu / batches)]
+        for _, it in readers.values():
+            it.close()
+        out[name] = {"batches": batches, **best}
+    out["load"] = os.getloadavg()[0]
     return out
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--images", type=int, default=4096)
+    p.add_argument("--images", type=int, default=8192)
     p.add_argument("--rows", type=int, default=131072)
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--devices", default="1,4", help="CPU device counts to force, comma-separated")
     p.add_argument("--measure", help=argparse.SUPPRESS)  # internal: measure these paths in this process
     args = p.parse_args(argv)
@@ -106,7 +132,12 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-jax-") as root:
         paths = _write(root, args.images, args.rows)
         print(f"batch {BATCH}, global shuffle; images: {args.images} × 64×64×3 uint8, rows: {args.rows} × 32 float32")
-        print(f"{'devices':>7} {'data':>7} {'batches':>8} {'Loader b/s':>11} {'JaxLoader b/s':>14} {'overhead':>9}")
+        print(f"{os.cpu_count()} CPU core(s); load average before: {os.getloadavg()[0]:.1f}")
+        print("ms per batch (best epoch of each), wall / CPU; overhead over the Loader alone, wall / CPU")
+        head = f"{'devices':>7} {'data':>6} {'Loader':>13}"
+        for who in READERS[1:]:
+            head += f" {who:>13} {'overhead':>15}"
+        print(head)
         for n in (int(d) for d in args.devices.split(",")):
             env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
             cmd = [sys.executable, "-m", "benchmarks.bench_jax_adapter", "--epochs", str(args.epochs)]
@@ -118,10 +149,13 @@ def main(argv=None) -> None:
             res = json.loads(proc.stdout.strip().splitlines()[-1])
             for name in paths:
                 r = res[name]
-                print(
-                    f"{res['devices']:>7} {name:>7} {r['batches']:>8} {r['loader_bps']:>11.1f} "
-                    f"{r['jax_bps']:>14.1f} {r['overhead']:>+9.1%}"
-                )
+                lw, lc = r["loader"]
+                line = f"{res['devices']:>7} {name:>6} {lw * 1e3:>6.2f}/{lc * 1e3:<6.2f}"
+                for who in READERS[1:]:
+                    w, c = r[who]
+                    line += f" {w * 1e3:>6.2f}/{c * 1e3:<6.2f} {w / lw - 1:>+7.0%}/{c / lc - 1:<+7.0%}"
+                print(line)
+            print(f"        (load average after the {n}-device run: {res['load']:.1f})")
 
 
 if __name__ == "__main__":

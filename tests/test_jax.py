@@ -5,6 +5,7 @@ batch-size checks; streams. Several CPU devices are forced when this module impo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -130,7 +131,9 @@ def test_an_error_in_the_prefetch_thread_reaches_the_consumer(mixed_dataset):
             raise RuntimeError("transform failed on batch 3")
         return batch
 
-    data = JaxLoader(path, batch_size=3, features=DENSE, batch_transform=boom, sharding=_mesh_sharding(1))
+    data = JaxLoader(
+        path, batch_size=3, features=DENSE, batch_transform=boom, sharding=_mesh_sharding(1), device_prefetch=2
+    )
     got = []
     with pytest.raises(RuntimeError, match="transform failed on batch 3"):
         for b in data:
@@ -142,7 +145,7 @@ def test_an_error_in_the_prefetch_thread_reaches_the_consumer(mixed_dataset):
 
 def test_breaking_off_and_close_stop_the_thread(mixed_dataset):
     path, _ = mixed_dataset
-    data = JaxLoader(path, batch_size=2, features=DENSE, sharding=_mesh_sharding(1))
+    data = JaxLoader(path, batch_size=2, features=DENSE, sharding=_mesh_sharding(1), device_prefetch=2)
     for _ in data:
         break
     data.close()
@@ -225,3 +228,152 @@ def test_a_stream_becomes_global_arrays(mixed_dataset):
         list(JaxLoader(iter(short), batch_size=4, sharding=_mesh_sharding(1)))
     with pytest.raises(ConfigError, match="a stream is read as its servers send it"):
         JaxLoader(iter(batches), seed=3)
+
+
+# -- zero copy: batch buffers the devices use in place, never changed under a held batch --------
+
+
+def _photos(tmp_path, n: int = 96):
+    """Raw 64×64×3 uint8 images (a batch of 8 is 98 KB: the allocator's aligned, recycled size) and
+    their index as label."""
+    rng = np.random.default_rng(1)
+    images = [rng.integers(0, 255, (64, 64, 3), dtype=np.uint8) for _ in range(n)]
+    path = tmp_path / "photos"
+    crossfeed.write_dataset(path, [{"image": im, "label": i} for i, im in enumerate(images)], num_shards=2).close()
+    return path, np.stack(images)
+
+
+def _in(pointer: int, buffers) -> bool:
+    return any(b.ctypes.data <= pointer < b.ctypes.data + b.nbytes for b in buffers)
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_a_held_batch_is_never_changed_by_later_batches(tmp_path, executor):
+    """Buffers are reused (the adapter's aligned allocator; a worker process's shared-memory slots)
+    and the devices use them in place: a batch the consumer still holds must keep its values
+    while later batches are built, whichever batches it drops meanwhile."""
+    path, images = _photos(tmp_path)
+    kw = dict(batch_size=8, seed=4, shuffle="global", executor=executor, prefetch=4)
+    want = _loader_batches(path, **dict(kw, executor="thread"))
+    with JaxLoader(path, sharding=_mesh_sharding(1), device_prefetch=3, **kw) as data:
+        held, in_place = [], 0
+        for epoch in range(3):  # later epochs reuse the buffers earlier ones dropped
+            for i, batch in enumerate(data):
+                if i % 3 == 0:
+                    held.append((epoch, i, batch))  # kept; the others are dropped at once
+                in_place += _in(batch["image"].unsafe_buffer_pointer(), data._alloc._buffers)
+                for e, j, kept in held:  # every held batch, after each new one
+                    labels = np.asarray(kept["label"])
+                    np.testing.assert_array_equal(np.asarray(kept["image"]), images[labels])
+                    if e == 0:
+                        np.testing.assert_array_equal(labels, want[j]["label"])
+        assert len(held) == 12
+    if executor == "thread":  # the devices did use the Loader's buffers in place
+        assert in_place >= 30
+
+
+@pytest.mark.parametrize("layout", ["batch", "batch x model"])
+def test_the_per_device_transfer_equals_device_put(tmp_path, layout):
+    """In one process each device's rows go through jax's per-device transfer (internal to jax,
+    checked once per feature against jax.device_put); ``fast=False`` is jax.device_put always.
+    Both give the same global arrays, shards and shardings — a batch axis split over every
+    device, or over 2 of a 2×2 mesh and replicated over the other axis."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS forced when this module imports jax first)")
+    path, images = _photos(tmp_path, 48)
+    if layout == "batch":
+        sharding = _mesh_sharding(4)
+    else:
+        sharding = NamedSharding(Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("batch", "model")), P("batch"))
+    kw = dict(batch_size=8, seed=2, features=["image", "label"], sharding=sharding)
+    with JaxLoader(path, **kw) as fast, JaxLoader(path, **kw) as public:
+        public._assemble = dataclasses.replace(public._assemble, fast=False)
+        pairs = list(zip(fast, public))
+        plans = fast._assemble._checked
+    assert len(pairs) == 6
+    assert plans and all(plan is not None and plan[3] for plan in plans.values())  # checked, and kept
+    for a, b in pairs:
+        for k in ("image", "label"):
+            assert a[k].sharding == b[k].sharding == sharding and a[k].dtype == b[k].dtype
+            assert [(s.device, s.index) for s in a[k].addressable_shards] == [
+                (s.device, s.index) for s in b[k].addressable_shards
+            ]
+            np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
+        np.testing.assert_array_equal(np.asarray(a["image"]), images[np.asarray(a["label"])])
+
+
+@pytest.mark.timeout(120)
+def test_a_crossfeed_serve_stream_becomes_global_arrays(tmp_path):
+    """A real `crossfeed serve` (ipc:// in tmp_path) read through `crossfeed.connect` and fed to
+    JaxLoader: every served batch arrives as global arrays equal to the Loader's batch of the
+    same samples (the server's plan), laid out by the sharding."""
+    from net_helpers import FAST_HB, child, read_endpoint, stop
+
+    from crossfeed.net import connect
+
+    path, images = _photos(tmp_path, 40)
+    ep = tmp_path / "ep"
+    proc = child(
+        "cli",
+        "serve",
+        str(path),
+        f"ipc://{tmp_path}/serve.ipc",
+        *("--batch-size", "8", "--seed", "6", "--epochs", "1", "--drop-last"),
+        *("--heartbeat-interval", "0.1", "--heartbeat-timeout", "2", "--endpoint-file", str(ep)),
+        log=tmp_path / "serve.log",
+    )
+    n = min(4, jax.device_count())
+    sharding = _mesh_sharding(n)
+    try:
+        address = read_endpoint(ep, procs=[proc])
+        with connect(address, with_meta=True, **FAST_HB) as client:
+            got = [(meta.sample_ids.tolist(), batch) for meta, batch in JaxLoader(client, sharding=sharding)]
+        assert proc.wait(30) == 0, (tmp_path / "serve.log").read_text()
+    finally:
+        stop(proc)
+    want = {tuple(b["__index__"].tolist()): b for b in _loader_batches(path, batch_size=8, seed=6, return_index=True)}
+    assert len(got) == len(want) == 5
+    for ids, batch in got:
+        w = want[tuple(ids)]
+        for k in ("image", "label"):
+            assert isinstance(batch[k], jax.Array) and batch[k].sharding == sharding and batch[k].shape[0] == 8
+            np.testing.assert_array_equal(np.asarray(batch[k]), w[k])
+        assert len(batch["image"].addressable_shards) == n
+        np.testing.assert_array_equal(np.asarray(batch["image"]), images[np.asarray(batch["label"])])
+
+
+def test_no_prefetch_thread_by_default_on_cpu_devices(mixed_dataset):
+    """CPU devices use the Loader's arrays in place: nothing to overlap, so no thread by default."""
+    path, _ = mixed_dataset
+    with JaxLoader(path, batch_size=2, features=DENSE, sharding=_mesh_sharding(1)) as data:
+        assert data.device_prefetch == 0
+        next(iter(data))
+        assert not any(t.name == "crossfeed-jax-prefetch" for t in threading.enumerate())
+    with pytest.raises(ConfigError, match="device_prefetch must be"):
+        JaxLoader(path, batch_size=2, features=DENSE, device_prefetch=-1)
+
+
+def test_a_failing_or_different_per_device_transfer_falls_back_to_device_put(mixed_dataset, monkeypatch):
+    """The internal transfer is checked on each feature's first batch: where it raises or gives
+    another array, jax.device_put places that feature from then on, and the batches are right."""
+    from crossfeed.adapters import jax_arrays
+
+    path, _ = mixed_dataset
+    put, aval = jax_arrays._PUT
+
+    def broken(*args):
+        raise TypeError("another jax")
+
+    def wrong(aval_, sharding, shards, devices):  # every value one more
+        return put(aval_, sharding, [s + 1 for s in shards], devices)
+
+    kw = dict(batch_size=6, seed=1, features=["label"], sharding=_mesh_sharding(1))
+    want = [b["label"] for b in _loader_batches(path, **{k: v for k, v in kw.items() if k != "sharding"})]
+    for fake in (broken, wrong):
+        monkeypatch.setattr(jax_arrays, "_PUT", (fake, aval))
+        with JaxLoader(path, **kw) as data:
+            got = [np.asarray(b["label"]) for b in data]
+            assert list(data._assemble._checked.values()) == [None]  # jax.device_put from now on
+        assert len(got) == len(want) == 5
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
