@@ -29,11 +29,18 @@ def loader_rows(path, drop_last: bool = True) -> list[dict]:
         return [{k: b[k].astype(np.int64) for k in KEYS} for b in ld]
 
 
+def _one_device():
+    """A sharding on one device: the batch of 2 fits however many devices this process has
+    (another test module may have forced 4 before jax started)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+
+
 def test_jax_loader_packs_the_loaders_rows_and_resumes(tmp_path):
     path = write_tokens(tmp_path / "t", LENGTHS)
     want = loader_rows(path)
     assert len(want) > 3
-    with JaxLoader(path, **OPTS) as jl:
+    with JaxLoader(path, sharding=_one_device(), **OPTS) as jl:
         assert len(jl) == len(want)
         got = []
         for b in jl:
@@ -48,7 +55,7 @@ def test_jax_loader_packs_the_loaders_rows_and_resumes(tmp_path):
         and len(rest) != len(want)
         or any(not np.array_equal(np.asarray(a["tokens"]), b["tokens"]) for a, b in zip(rest, want))
     )
-    with JaxLoader(path, **OPTS) as jl:
+    with JaxLoader(path, sharding=_one_device(), **OPTS) as jl:
         jl.load_state_dict(state)
         again = [{k: np.asarray(b[k]).astype(np.int64).tolist() for k in KEYS} for b in jl]
     assert again == [{k: v.tolist() for k, v in b.items()} for b in want[2:]]
@@ -66,7 +73,12 @@ def test_one_seed_gives_the_same_packed_rows_in_torch_tf_and_jax(tmp_path):
     every = [{k: v.tolist() for k, v in b.items()} for b in loader_rows(path, drop_last=False)]
     assert len(loader_rows(path)) == len(every) - 1  # JAX keeps shapes static: the last partial batch dropped
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3")
+    env = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES="",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    )
     procs = {}
     for fw in ("torch", "tf", "jax"):
         cmd = [sys.executable, os.path.join(here, "pack_framework_worker.py"), fw, path, str(tmp_path / f"{fw}.json")]
