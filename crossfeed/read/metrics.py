@@ -1,8 +1,10 @@
 """Stage metrics of a Loader, always on: where the time goes, and whether the trainer waits.
 
-Every batch is timed stage by stage with ``time.perf_counter_ns`` — a few clock reads per batch,
-never per sample — and added to the Loader's `Meter`, whose counters are cumulative over the
-Loader's life (like Prometheus counters). ``Loader.stats()`` returns them as a frozen `Stats`;
+Every batch is timed stage by stage with ``time.perf_counter_ns`` — one clock read per stage
+boundary (it ends one stage and begins the next), never per sample — into a `Tally` of the
+Loader's `Meter`: plain int slots, one tally per writing thread, no lock and no dict per batch,
+summed when ``stats()`` asks. The counters are cumulative over the Loader's life (like
+Prometheus counters). ``Loader.stats()`` returns them as a frozen `Stats`;
 ``stats.since(earlier)`` is the difference of two, ``stats.verdict()`` the `Verdict`.
 
     plan ──► read ──► decode ──► transform ──► batch ──► handover ──► consumer
