@@ -95,6 +95,7 @@ def test_every_batch_is_counted_in_every_stage_it_went_through(small, kw):
     ran = {"plan", "read", "decode", *(("transform", "batch", "handover") if transformed else ())}
     assert {s for s in STAGES if st.stages[s].count} == ran
     assert all(st.stages[s].count == 5 for s in ran)
+    assert all(st.stages[s].seconds > 0 for s in ran)  # timed, not only counted
     assert st.threads == (kw.get("num_threads", 2) if transformed else 0)  # small records: the consumer's thread
     assert st.wait_seconds > 0 and st.consumer_seconds > 0 and st.elapsed_seconds > 0
     assert st.cache_hits == st.cache_misses == st.cache_bytes == 0
@@ -124,6 +125,53 @@ def test_a_broken_off_iteration_counts_what_was_delivered(small):
         st = loader.stats()
     assert st.batches == 2 and st.samples == 16 and st.epochs == 0
     assert st.stages["read"].count >= 2  # batches built ahead of the consumer count as built
+
+
+@pytest.mark.parametrize("kw", [{}, {"transform": plus_one}])
+def test_the_counters_are_current_between_batches(small, kw):
+    """Asked mid-epoch (the consumer holding its batch), every batch delivered so far is counted."""
+    with Loader(small, batch_size=8, **kw) as loader:
+        it = iter(loader)
+        for n in (1, 2):
+            next(it)
+            st = loader.stats()
+            assert (st.batches, st.samples) == (n, 8 * n) and st.wait_seconds > 0
+            # in the consumer's thread exactly these were planned and built; threads build ahead
+            built = [st.stages[s].count for s in ("plan", "read", "decode")]
+            assert built == [n] * 3 if not kw else min(built) >= n
+        assert loader.stats().consumer_seconds > 0  # its own time with the first batch
+
+
+def test_each_thread_adds_to_its_own_tally_and_stats_sums_them():
+    import threading
+
+    meter = metrics.Meter()
+    seen = []
+
+    def work():
+        t = meter.tally()
+        assert meter.tally() is t  # one per thread
+        seen.append(t)
+        for _ in range(1000):
+            t.read += 3
+            t.n_read += 1
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len({id(t) for t in seen}) == 4
+    assert meter.stats().stages["read"] == StageStat(4 * 3000 / 1e9, 4000)
+    drained = meter.drain()
+    assert drained["n"] == {"read": 4000} and drained["ns"] == {"read": 12000}
+    assert meter.drain()["n"] == {}  # since the last drain
+    parent = metrics.Meter()
+    parent.merge(drained, done=0)
+    parent.merge({"ns": {"read": -1, "nope": 5}, "n": "x", "bytes": True})  # ignored
+    assert (
+        parent.stats().stages["read"] == StageStat(12000 / 1e9, 4000) and parent.stats().stages["handover"].count == 1
+    )
 
 
 def test_worker_processes_send_their_stage_times_with_each_batch(small):

@@ -324,19 +324,64 @@ class Loader:
             for batch in self.executor.map(self.builder, batches):
                 self._delivered += step
                 yield batch
-        else:  # timed: the plan, each batch's hand-over, the consumer's wait and its own time
-            # built on threads: each batch stamped when done (its hand-over); in the consumer's
-            # thread (0 threads) there is none, and in processes the executor times it
-            threads = isinstance(self.executor, ThreadExecutor) and self.executor.num_threads > 0
-            built = self.executor.map(self._stamped if threads else self.builder, meter.timed("plan", batches))
-            asked = time.perf_counter_ns()
-            for batch in built:
-                self._delivered += step
-                batch, done = batch if threads else (batch, None)
-                got = meter.delivered(batch, asked, done)
-                yield batch
-                asked = meter.consumed(got)
-            meter.ended(asked)
+        else:  # timed (`metrics.Tally`): the plan, each batch's hand-over, the consumer's wait and own time
+            # each clock read ends one interval and begins the next: the consumer's own time ends when
+            # it asks (``asked``), and its wait ends when the batch is there (``got``); an iteration of
+            # the Loader writes ``meter.own`` (one writer)
+            t, clock = meter.own, time.perf_counter_ns
+            if (
+                isinstance(self.executor, ThreadExecutor)
+                and self.executor.num_threads == 0
+                and type(self.builder) is BatchBuilder
+            ):
+                # built in the consumer's thread, into the same tally: the plan ends where the build
+                # starts (``t.start``), and the wait where it ends (``t.last``); no hand-over
+                build = self.builder
+                asked = clock()
+                for indices in batches:
+                    batch = build(indices, None, t)
+                    got = t.last
+                    t.plan += t.start - asked
+                    t.n_plan += 1
+                    t.wait += got - asked
+                    t.batches += 1
+                    try:  # its rows: the length of its first value (`metrics.batch_rows`, inline)
+                        for v in batch.values():
+                            t.samples += len(v)
+                            break
+                    except (AttributeError, TypeError):
+                        pass
+                    self._delivered += step
+                    yield batch
+                    asked = clock()
+                    t.consumer += asked - got
+            else:
+                # built on threads: each batch stamped when done (its hand-over starts); in worker
+                # processes the executor times the hand-over
+                threads = isinstance(self.executor, ThreadExecutor) and self.executor.num_threads > 0
+                built = self.executor.map(self._stamped if threads else self.builder, meter.timed(batches))
+                asked = clock()
+                for batch in built:
+                    got = clock()
+                    if threads:
+                        batch, done = batch
+                        t.handover += got - done if got > done else 0
+                        t.n_handover += 1
+                    t.wait += got - asked
+                    t.batches += 1
+                    try:  # its rows: the length of its first value (`metrics.batch_rows`, inline)
+                        for v in batch.values():
+                            t.samples += len(v)
+                            break
+                    except (AttributeError, TypeError):
+                        pass
+                    self._delivered += step
+                    yield batch
+                    asked = clock()
+                    t.consumer += asked - got
+            t.wait += clock() - asked
+            t.epochs += 1
+
         self._epoch, self._position, self._delivered = self._epoch + 1, 0, 0
         if meter is not None and self.options.read.log_stats:
             now = meter.stats()
@@ -344,8 +389,10 @@ class Loader:
             self._mark = now
 
     def _stamped(self, indices: np.ndarray) -> tuple[dict[str, np.ndarray], int]:
-        """A batch built by an executor thread, and when it was done (its hand-over starts)."""
-        return self.builder(indices), time.perf_counter_ns()
+        """A batch built by an executor thread, and when it was done (its hand-over starts: the
+        clock read that ended its last stage)."""
+        t = self.meter.tally()
+        return self.builder(indices, None, t), t.last
 
     def epochs(self, count: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """The batches of ``count`` epochs in a row (None: without end), from where the Loader

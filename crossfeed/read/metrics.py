@@ -1,8 +1,10 @@
 """Stage metrics of a Loader, always on: where the time goes, and whether the trainer waits.
 
-Every batch is timed stage by stage with ``time.perf_counter_ns`` — a few clock reads per batch,
-never per sample — and added to the Loader's `Meter`, whose counters are cumulative over the
-Loader's life (like Prometheus counters). ``Loader.stats()`` returns them as a frozen `Stats`;
+Every batch is timed stage by stage with ``time.perf_counter_ns`` — one clock read per stage
+boundary (it ends one stage and begins the next), never per sample — into a `Tally` of the
+Loader's `Meter`: plain int slots, one tally per writing thread, no lock and no dict per batch,
+summed when ``stats()`` asks. The counters are cumulative over the Loader's life (like
+Prometheus counters). ``Loader.stats()`` returns them as a frozen `Stats`;
 ``stats.since(earlier)`` is the difference of two, ``stats.verdict()`` the `Verdict`.
 
     plan ──► read ──► decode ──► transform ──► batch ──► handover ──► consumer
@@ -29,7 +31,6 @@ from crossfeed.errors import ConfigError
 STAGES = ("plan", "read", "decode", "transform", "batch", "handover")
 BUILD = STAGES[:-1]  # the stages that make a batch (the verdict's "build time"; handover delivers it)
 INPUT_BOUND = 0.10  # a consumer waiting this share of its time or more is input-bound
-_COUNTERS = ("batches", "samples", "bytes", "wait_ns", "consumer_ns", "epochs", "cache_hits", "cache_misses")
 
 # The overhead benchmark's switch (benchmarks/bench_stats_overhead.py) and nothing else's: a Loader
 # made while it is False times nothing, running the code paths it ran before metrics existed.
@@ -234,130 +235,187 @@ def combine(parts: Iterable[Stats]) -> Stats:
     )
 
 
+_CLOCK = time.perf_counter_ns
+# a Tally's slots: nanoseconds per stage, a count per stage (`_N`), the other counters, and two
+# scratch stamps of the batch being built (when it began, and when its last stage ended)
+_N = {s: f"n_{s}" for s in STAGES}
+_SUMS = (*STAGES, *_N.values(), "bytes", "batches", "samples", "wait", "consumer", "epochs")
+
+
+class Tally:
+    """One writer's counters: plain ints, added to without a lock by whoever owns it — a thread
+    that builds batches (`Meter.tally`: one per thread), or the consumer's iteration of the Loader
+    (`Meter.own`: one iteration at a time) — and summed by `Meter.stats` when asked (an int slot
+    is read whole; a read while a batch is being built sees that batch in part).
+
+    The hot path shares its clock reads: each stage boundary is one ``perf_counter_ns`` that ends
+    one stage and begins the next (``last``); ``start`` is when the current batch's build began.
+    Stage ``s`` adds to the slots ``s`` (ns) and ``n_s`` (count); ``wait``/``consumer`` are ns."""
+
+    __slots__ = (*_SUMS, "start", "last")
+
+    def __init__(self) -> None:
+        for k in self.__slots__:
+            setattr(self, k, 0)
+
+    @classmethod
+    def started(cls) -> Tally:
+        t = cls()
+        t.start = t.last = _CLOCK()
+        return t
+
+    def tick(self, stage: str) -> None:
+        """End stage ``stage`` now (the time since ``last``), counted once more (the slow,
+        general form of what the hot path writes inline)."""
+        now = _CLOCK()
+        setattr(self, stage, getattr(self, stage) + now - self.last)
+        setattr(self, _N[stage], getattr(self, _N[stage]) + 1)
+        self.last = now
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds per stage that ran."""
+        return {s: getattr(self, s) / 1e9 for s in STAGES if getattr(self, _N[s])}
+
+
+def _total(tallies: Iterable[Tally]) -> dict[str, int]:
+    out = dict.fromkeys(_SUMS, 0)
+    for t in tallies:
+        for k in _SUMS:
+            out[k] += getattr(t, k)
+    return out
+
+
 class Meter:
-    """The mutable counters behind `Stats`, shared by the threads that build batches (each add
-    takes a lock: once per batch). ``cache``: the Loader's `ShardCache` (its counters are read
-    from it); ``threads``/``processes``: what builds the batches, for the report."""
+    """The counters behind `Stats`: `Tally` objects, one per writer (so adding takes no lock and
+    no dict: a batch's timing is a few clock reads and int adds), summed by `stats` when asked.
+    ``cache``: the Loader's `ShardCache` (its counters are read from it); ``threads``/``processes``:
+    what builds the batches, for the report."""
 
     def __init__(self, *, cache=None, threads: int = 0, processes: int = 0):
         self.cache, self.threads, self.processes = cache, threads, processes
         self._lock = threading.Lock()
-        self._t0 = time.perf_counter_ns()
-        self._ns = dict.fromkeys(STAGES, 0)
-        self._n = dict.fromkeys(STAGES, 0)
-        self._c = dict.fromkeys(_COUNTERS, 0)  # besides the cache's own: what worker processes reported
-        self._c["cache_bytes"] = 0
-        self._drained = (0, 0, 0)  # the cache's counters at the last `drain`
+        self._t0 = _CLOCK()
+        self._local = threading.local()
+        # the consumer's iteration (its wait and own time, the plan, the hand-over, and the batches
+        # built in its thread); what worker processes reported (`merge`) and `add`-ed tallies, under
+        # the lock; and each thread's that built batches (`tally`)
+        self.own, self._merged = Tally(), Tally()
+        self._tallies = [self.own, self._merged]
+        self._cache = [0, 0, 0]  # cache hits, misses, bytes that worker processes reported
+        self._drained = (dict.fromkeys(_SUMS, 0), (0, 0, 0))  # the totals at the last `drain`
 
     # -- adding -------------------------------------------------------------------------------
-    def built(self, ns: Mapping[str, int], nbytes: int) -> None:
-        """One batch built (by any thread): its stages' nanoseconds (a stage absent did not run)
-        and payload bytes."""
+    def tally(self) -> Tally:
+        """This thread's tally (made on its first batch): a thread that builds batches adds to it."""
+        try:
+            return self._local.tally
+        except AttributeError:
+            t = self._local.tally = Tally()
+            with self._lock:
+                self._tallies.append(t)
+            return t
+
+    def add(self, t: Tally) -> None:
+        """Add a finished tally (a batch timed apart: ``crossfeed bench``'s)."""
         with self._lock:
-            into, n = self._ns, self._n
-            for s, v in ns.items():
-                into[s] += v
-                n[s] += 1
-            self._c["bytes"] += nbytes
+            m = self._merged
+            for k in _SUMS:
+                setattr(m, k, getattr(m, k) + getattr(t, k))
 
-    def timed(self, name: str, items: Iterable) -> Iterator:
-        """``items``, each ``next`` timed as stage ``name`` (the plan: batch ids as they are made,
-        by one thread at a time: added without the lock)."""
-        it, clock, ns, n = iter(items), time.perf_counter_ns, self._ns, self._n
-        while True:
-            t = clock()
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            ns[name] += clock() - t
-            n[name] += 1
+    def timed(self, items: Iterable) -> Iterator:
+        """``items`` (the plan: batch ids as they are made, by one thread at a time), each
+        ``next`` timed as the plan stage (into `own`)."""
+        t, clock = self.own, _CLOCK
+        then = clock()
+        for item in items:
+            now = clock()
+            t.plan += now - then
+            t.n_plan += 1
             yield item
+            then = clock()
 
-    # The consumer's side: one thread (the one iterating the Loader) adds, so without the lock.
+    # The consumer's side, for a loop of its own around the batches (the PyTorch adapter's; the
+    # Loader's own loop writes `own` inline): one iteration at a time, so into `own`.
     def delivered(self, batch, asked: int, done: int | None = None) -> int:
         """The consumer got ``batch``, having asked at ``asked`` (ns); ``done``: when it was built
         (its hand-over is timed from there). Returns now."""
-        now = time.perf_counter_ns()
-        c = self._c
-        c["wait_ns"] += now - asked
-        c["batches"] += 1
-        c["samples"] += _rows(batch)
+        now, t = _CLOCK(), self.own
+        t.wait += now - asked
+        t.batches += 1
+        t.samples += batch_rows(batch)
         if done is not None:
-            self._ns["handover"] += now - done if now > done else 0
-            self._n["handover"] += 1
+            t.handover += now - done if now > done else 0
+            t.n_handover += 1
         return now
 
     def consumed(self, since: int) -> int:
         """The consumer asks for the next batch, having had the last one since ``since``. Returns now."""
-        now = time.perf_counter_ns()
-        self._c["consumer_ns"] += now - since
+        now = _CLOCK()
+        self.own.consumer += now - since
         return now
 
     def ended(self, asked: int) -> None:
         """The epoch ended: the consumer asked at ``asked`` and got the end."""
-        self._c["wait_ns"] += time.perf_counter_ns() - asked
-        self._c["epochs"] += 1
+        self.own.wait += _CLOCK() - asked
+        self.own.epochs += 1
 
     # -- worker processes ---------------------------------------------------------------------
     def drain(self) -> dict:
-        """What was built here since the last drain, as JSON values, and zeroed: a worker process
-        sends it with each batch for the parent's `merge`."""
-        hits, misses, nbytes = _cache_counters(self.cache)
+        """What was built here since the last drain, as JSON values: a worker process sends it
+        with each batch for the parent's `merge`."""
+        cache = _cache_counters(self.cache)
         with self._lock:
-            out = {
-                "ns": {s: v for s, v in self._ns.items() if self._n[s]},
-                "n": {s: v for s, v in self._n.items() if v},
-                "bytes": self._c["bytes"],
-                "cache": [hits - self._drained[0], misses - self._drained[1], nbytes - self._drained[2]],
-            }
-            for s in STAGES:  # zeroed in place: `timed` holds these dicts
-                self._ns[s] = self._n[s] = 0
-            self._c["bytes"] = 0
-            self._drained = (hits, misses, nbytes)
-        return out
+            now = _total(self._tallies)
+            (was, cached), self._drained = self._drained, (now, cache)
+        d = {k: now[k] - was[k] for k in _SUMS}
+        return {
+            "ns": {s: d[s] for s in STAGES if d[_N[s]]},
+            "n": {s: d[_N[s]] for s in STAGES if d[_N[s]]},
+            "bytes": d["bytes"],
+            "cache": [a - b for a, b in zip(cache, cached)],
+        }
 
     def merge(self, d, done: int | None = None) -> None:
         """Add what a worker process `drain`-ed (checked: ints under known names only; anything
         else is ignored). ``done``: when the worker finished the batch (perf_counter_ns, one clock
         for every process of the machine): its hand-over is timed from there."""
-        now = time.perf_counter_ns()
+        now = _CLOCK()
         if not isinstance(d, dict):
             return
         ns, n, cache = d.get("ns"), d.get("n"), d.get("cache")
         with self._lock:
-            for name, into in ((ns, self._ns), (n, self._n)):
-                for s, v in (name if isinstance(name, dict) else {}).items():
-                    if s in into and _count(v):
-                        into[s] += v
+            m = self._merged
+            for got, name in ((ns, str), (n, _N.__getitem__)):
+                for s, v in (got if isinstance(got, dict) else {}).items():
+                    if s in _N and _count(v):
+                        setattr(m, name(s), getattr(m, name(s)) + v)
             if _count(d.get("bytes")):
-                self._c["bytes"] += d["bytes"]
+                m.bytes += d["bytes"]
             if isinstance(cache, list) and len(cache) == 3 and all(map(_count, cache)):
-                for k, v in zip(("cache_hits", "cache_misses", "cache_bytes"), cache):
-                    self._c[k] += v
+                self._cache = [a + b for a, b in zip(self._cache, cache)]
             if _count(done):
-                self._ns["handover"] += max(now - done, 0)
-                self._n["handover"] += 1
+                m.handover += max(now - done, 0)
+                m.n_handover += 1
 
     # -- reading ------------------------------------------------------------------------------
     def stats(self) -> Stats:
         hits, misses, nbytes = _cache_counters(self.cache)
         with self._lock:
-            stages = {s: StageStat(self._ns[s] / 1e9, self._n[s]) for s in STAGES}
-            c = dict(self._c)
+            c = _total(self._tallies)
+            ch, cm, cb = self._cache
         return Stats(
             batches=c["batches"],
             samples=c["samples"],
             bytes=c["bytes"],
-            stages=stages,
-            wait_seconds=c["wait_ns"] / 1e9,
-            consumer_seconds=c["consumer_ns"] / 1e9,
-            elapsed_seconds=(time.perf_counter_ns() - self._t0) / 1e9,
+            stages={s: StageStat(c[s] / 1e9, c[_N[s]]) for s in STAGES},
+            wait_seconds=c["wait"] / 1e9,
+            consumer_seconds=c["consumer"] / 1e9,
+            elapsed_seconds=(_CLOCK() - self._t0) / 1e9,
             threads=self.threads,
             processes=self.processes,
-            cache_hits=c["cache_hits"] + hits,
-            cache_misses=c["cache_misses"] + misses,
-            cache_bytes=c["cache_bytes"] + nbytes,
+            cache_hits=ch + hits,
+            cache_misses=cm + misses,
+            cache_bytes=cb + nbytes,
             epochs=c["epochs"],
         )
 
@@ -372,7 +430,7 @@ def _cache_counters(cache) -> tuple[int, int, int]:
     return cache.hits, cache.downloads, cache.downloaded_bytes
 
 
-def _rows(batch) -> int:
+def batch_rows(batch) -> int:
     """Samples in a batch: the length of its first value (0 if it has none, or not a dict)."""
     try:
         for v in batch.values():

@@ -8,13 +8,13 @@ re-stacked samples → ``__index__``/``__source__`` → the batch transform — 
 
 from __future__ import annotations
 
-import time
+from time import perf_counter_ns as _clock
 
 import numpy as np
 
 from crossfeed.format.schema import INDEX_KEY, SOURCE_KEY
 from crossfeed.policy import ErrorBudget
-from crossfeed.read.metrics import Meter
+from crossfeed.read.metrics import Meter, Tally
 from crossfeed.read.stages.decode import collate
 from crossfeed.read.stages.fetch import MixtureReader, SourceReader
 
@@ -25,10 +25,10 @@ class BatchBuilder:
     """One batch from its sample ids: frames → decode (`SourceReader`, or `MixtureReader`) →
     transform → batch. Runs in an executor thread; shared by the threads.
 
-    Each batch's stages are timed (a clock read per stage, not per sample) and added to ``meter``
-    (a `crossfeed.read.metrics.Meter`, with the payload bytes read) when there is one. With
-    ``timings`` (a dict), the seconds each stage took are added to it under `STAGES` too:
-    ``crossfeed bench`` times the very stages the Loader runs.
+    Each batch's stages are timed (a clock read per stage boundary, not per sample) into a
+    `crossfeed.read.metrics.Tally` of ``meter`` (a `crossfeed.read.metrics.Meter`), with the
+    payload bytes read, when there is one. With ``timings`` (a dict), the seconds each stage took
+    are added to it under `STAGES` too: ``crossfeed bench`` times the very stages the Loader runs.
     """
 
     def __init__(
@@ -48,18 +48,36 @@ class BatchBuilder:
         self.budget = budget
         self.alloc = None  # collate's allocator (None: np.empty); a worker process's puts batches in shared memory
 
-    def __call__(self, indices: np.ndarray, timings: dict[str, float] | None = None) -> dict[str, np.ndarray]:
-        tick = _Ticker() if timings is not None or self.meter is not None else None
-        batch, kept = self.reader(indices, self.budget, tick)
+    def __call__(
+        self, indices: np.ndarray, timings: dict[str, float] | None = None, tally: Tally | None = None
+    ) -> dict[str, np.ndarray]:
+        """The batch of ``indices``, its stages timed into ``tally`` (None: this thread's of the
+        meter, if there is one) — or with ``timings``, into a tally of its own, then ``timings``
+        and the meter."""
+        t = tally
+        if t is None:
+            if timings is not None:
+                return _timed(self, indices, timings)
+            if self.meter is not None:
+                t = self.meter.tally()
+        if t is not None:  # each stage boundary below: one clock read, ending a stage and beginning the next
+            t.start = t.last = _clock()
+        batch, kept = self.reader(indices, self.budget, t)
         indices = indices[kept]
         if self.transform is not None:
             samples = [self.transform({k: v[i] for k, v in batch.items()}) for i in range(len(indices))]
-            if tick:
-                tick("transform")
+            if t is not None:
+                now = _clock()
+                t.transform += now - t.last
+                t.n_transform += 1
+                t.last = now
             if samples:
                 batch = {k: collate([s[k] for s in samples], alloc=self.alloc or np.empty) for k in samples[0]}
-            if tick:
-                tick("batch")
+            if t is not None:
+                now = _clock()
+                t.batch += now - t.last
+                t.n_batch += 1
+                t.last = now
         if self.return_index:
             if isinstance(self.reader, MixtureReader):
                 starts = self.reader.starts
@@ -68,32 +86,26 @@ class BatchBuilder:
                 batch[INDEX_KEY] = indices - starts.take(src)
             else:
                 batch[INDEX_KEY] = indices
+            if t is not None:  # not a stage: the next one (or the hand-over) starts after it
+                t.last = _clock()
         if self.batch_transform is not None:
-            if tick:
-                tick(None)
             batch = self.batch_transform(batch)
-            if tick:
-                tick("transform")
-        if tick:
-            if timings is not None:
-                for name, ns in tick.ns.items():
-                    timings[name] = timings.get(name, 0.0) + ns / 1e9
-            if self.meter is not None:
-                self.meter.built(tick.ns, tick.bytes)
+            if t is not None:
+                now = _clock()
+                t.transform += now - t.last
+                if self.transform is None:  # a batch's transforms count once
+                    t.n_transform += 1
+                t.last = now
         return batch
 
 
-class _Ticker:
-    """Adds the nanoseconds since the last tick to ``ns[name]`` (None: not counted); the readers
-    add the payload bytes they read to ``bytes``."""
-
-    def __init__(self):
-        self.ns: dict[str, int] = {}
-        self.bytes = 0
-        self.last = time.perf_counter_ns()
-
-    def __call__(self, name: str | None) -> None:
-        now = time.perf_counter_ns()
-        if name is not None:
-            self.ns[name] = self.ns.get(name, 0) + now - self.last
-        self.last = now
+def _timed(build, ids, timings: dict[str, float]) -> dict[str, np.ndarray]:
+    """``build(ids)`` timed into a tally of its own: its stage seconds added to ``timings``
+    (``crossfeed bench``), and the tally to the builder's meter."""
+    t = Tally()
+    batch = build(ids, None, t)
+    for name, s in t.seconds().items():
+        timings[name] = timings.get(name, 0.0) + s
+    if build.meter is not None:
+        build.meter.add(t)
+    return batch

@@ -8,6 +8,7 @@ the decoded batch (``dict[str, np.ndarray]``) and the positions of the ids that 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from time import perf_counter_ns as _clock
 
 import numpy as np
 
@@ -35,6 +36,7 @@ class SourceReader:
         cache: ShardCache | None = None,
     ):
         self._defer = False
+        self._framed = split.info.format != "parquet"  # its frames are `Frames` (Parquet's: columns)
         if split.info.format == "parquet":  # row groups read in place (crossfeed.read.sources.parquet)
             self.decoder = ParquetDecoder(features, decode_images=read.decode_images, fit=read.image_fit)
             self.frames = ParquetFrameReader(split, features)
@@ -54,16 +56,23 @@ class SourceReader:
 
     def __call__(self, indices: np.ndarray, budget=None, tick=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
         frames = self.frames(indices, on_error=budget, defer_crc=True) if self._defer else self.frames(indices, budget)
-        if tick:
-            tick.bytes += payload_bytes(frames)
-            tick("read")
+        if tick is not None:  # a `crossfeed.read.metrics.Tally`: read ends, decode begins
+            rows = frames.rows if self._framed else None  # one matrix of rows: small records, the hot path
+            tick.bytes += rows[0][1].size if rows is not None and len(rows) == 1 else payload_bytes(frames)
+            now = _clock()
+            tick.read += now - tick.last
+            tick.n_read += 1
+            tick.last = now
         try:
             batch, kept = self._decode(frames, budget)
         except DeferredCrcError:  # a corrupt record: the exact path names it (or drops it into the budget)
             frames = self.frames(indices, on_error=budget)
             batch, kept = self._decode(frames, budget)
-        if tick:
-            tick("decode")
+        if tick is not None:
+            now = _clock()
+            tick.decode += now - tick.last
+            tick.n_decode += 1
+            tick.last = now
         if len(frames.indices) == len(indices):
             return batch, kept
         return batch, _positions(indices, frames.indices[kept])  # bad records were skipped (rare)
@@ -76,8 +85,9 @@ def payload_bytes(frames) -> int:
     """The record payload bytes of a batch's frames (`Frames`: rows or buffers, a tar sample's
     members; Parquet's `ColumnFrames`: its columns) — a sum per row group or per record, for
     `crossfeed.read.metrics`."""
-    if getattr(frames, "rows", None) is not None:
-        return sum(m.size for _, m in frames.rows)
+    rows = getattr(frames, "rows", None)
+    if rows is not None:
+        return rows[0][1].size if len(rows) == 1 else sum(m.size for _, m in rows)
     payloads = getattr(frames, "payloads", None)
     if payloads is not None:
         return sum(sum(map(len, p.values())) if isinstance(p, dict) else len(p) for p in payloads)
@@ -162,8 +172,10 @@ class MixtureReader:
             parts.append((s, m[kept], batch))
         kept = np.sort(np.concatenate([p for _, p, _ in parts])) if parts else np.zeros(0, np.int64)
         out = self.merge(parts, kept, len(ids))
-        if tick:
-            tick("decode")
+        if tick is not None:  # the merge: decode time (each source's decode counted it already)
+            now = _clock()
+            tick.decode += now - tick.last
+            tick.last = now
         return out, kept
 
     def _merged_frames(self, ids: np.ndarray, budget, tick) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -191,12 +203,12 @@ class MixtureReader:
                 for j, v in zip(slot[p].tolist(), fr.as_payloads()):
                     payloads[j] = v
             merged = Frames(ids[kept[order]], payloads=payloads)
-        if tick:
+        if tick is not None:
             tick.bytes += payload_bytes(merged)
-            tick("read")
+            tick.tick("read")
         batch, ok = self.decoder(merged, where=lambda j: self.where(merged.indices[j]), on_error=budget)
-        if tick:
-            tick("decode")
+        if tick is not None:
+            tick.tick("decode")
         return batch, kept[order][ok]
 
 
