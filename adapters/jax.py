@@ -43,10 +43,12 @@ Never imports torch or tensorflow.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import jax
@@ -60,6 +62,7 @@ from crossfeed.adapters.jax_arrays import (
     default_sharding,
 )
 from crossfeed.errors import ConfigError, CrossfeedError
+from crossfeed.read import metrics
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.executors.threads import ExecutorKind
 from crossfeed.read.loader import Loader
@@ -148,6 +151,7 @@ class JaxLoader:
         # batch buffers the devices use in place; a few big ones reused once nothing holds them
         self._alloc = AlignedArrays(keep=8 + device_prefetch)  # as many as the core recycler, + the thread's
         self._stream = source if is_stream(source) else None
+        self._meter = metrics.Meter()  # the training loop's own wait and step, timed in `_run`
         self._running: _Ahead | None = None
         self.loader: Loader | None = None
         if self._stream is not None:
@@ -256,6 +260,17 @@ class JaxLoader:
         loader.load_state_dict(state)  # checks version, seed and dataset size
         self._state = loader.state_dict()
 
+    def stats(self) -> metrics.Stats:
+        """The stage metrics (`crossfeed.Loader.stats`) with the training loop's view: batches,
+        samples, its wait for each batch and its own step time, timed around this iterator — so
+        the verdict's wait ratio is the loop's, device prefetch or not. A stream has no Loader
+        here: only the loop's view (its servers time their stages)."""
+        own = self._meter.stats()
+        if self.loader is None:
+            return own
+        keep = ("batches", "samples", "wait_seconds", "consumer_seconds", "epochs")
+        return dataclasses.replace(self.loader.stats(), **{k: getattr(own, k) for k in keep})
+
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning on the next iteration."""
         loader = self._need_loader("epochs")
@@ -290,12 +305,17 @@ class JaxLoader:
             items = self._produce(count)
         ahead = _Ahead(items, self.device_prefetch) if self.device_prefetch else None
         self._running = ahead
+        meter = self._meter
+        asked = time.perf_counter_ns()
         try:
             for kind, batch, state in ahead if ahead is not None else items:
                 if state is not None:
                     self._state = state
                 if kind == "batch":
+                    got = meter.delivered(batch, asked)
                     yield batch
+                    asked = meter.consumed(got)
+            meter.ended(asked)
         finally:
             if ahead is not None:
                 ahead.close()

@@ -377,3 +377,14 @@ def test_a_failing_or_different_per_device_transfer_falls_back_to_device_put(mix
         assert len(got) == len(want) == 5
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)
+
+
+def test_stats_time_the_training_loop_with_or_without_device_prefetch(mixed_dataset):
+    path, _ = mixed_dataset
+    for ahead in (None, 2):
+        with JaxLoader(path, batch_size=4, features=DENSE, device_prefetch=ahead, sharding=_mesh_sharding(1)) as jl:
+            n = sum(1 for _ in jl)
+            stats = jl.stats()
+        assert stats.batches == n > 0 and stats.epochs == 1
+        assert stats.stages["decode"].count >= n  # the Loader's own stages, as it ran them
+        assert stats.wait_seconds > 0 and str(stats.verdict())
