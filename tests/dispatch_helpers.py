@@ -96,6 +96,42 @@ def trainer(
         out.write(f"END {c.refused} {c.duplicates}\n")
 
 
+def packed_trainer(dispatcher: str, out_file: str, pace: str) -> None:
+    """`trainer` for packed batches (which carry no sample ids): one JSON line per batch, its
+    epoch, seq, server id and columns; `pace` a file holding the seconds to sleep after each."""
+    import logging
+
+    from crossfeed import connect
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    with (
+        open(out_file, "a", buffering=1) as out,
+        connect(
+            dispatcher=dispatcher,
+            credits=2,
+            with_meta=True,
+            heartbeat_interval=0.1,
+            heartbeat_timeout=1.5,
+            connect_timeout=10.0,
+        ) as c,
+    ):
+        for meta, batch in c:
+            cols = {k: batch[k].tolist() for k in ("tokens", "segment_ids", "positions")}
+            out.write(json.dumps([meta.epoch, meta.seq, meta.server_id, cols]) + "\n")
+            out.flush()
+            wait = float(Path(pace).read_text())
+            if wait:
+                time.sleep(wait)
+        out.write(f"END {c.refused} {c.duplicates}\n")
+
+
+def read_packed(path: Path) -> list[tuple[int, int, str, dict]]:
+    """The lines of a `packed_trainer`: (epoch, seq, server id, columns)."""
+    if not path.exists():
+        return []
+    return [tuple(json.loads(line)) for line in path.read_text().splitlines() if line.startswith("[")]
+
+
 def timed_trainer(dispatcher: str, id_file: str, pace: float) -> None:
     """A trainer that sleeps `pace` s after each batch (its own step) and runs until killed;
     after each batch `id_file` holds its id as the dispatcher lists it (`trainer_id`)."""

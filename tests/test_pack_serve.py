@@ -1,11 +1,19 @@
 """Packed rows through `crossfeed serve` → `crossfeed.connect`: a real server process on an
-ipc:// socket streams the Loader's packed batches, every token of the epoch exactly once."""
+ipc:// socket streams the Loader's packed batches, every token of the epoch exactly once; and
+through `crossfeed dispatch --pack-length` to `serve --dispatcher` servers (one killed
+mid-epoch), every token exactly once per epoch."""
 
 from __future__ import annotations
 
+import collections
+import json
+import os
+import signal
+
 import numpy as np
 import pytest
-from net_helpers import FAST_HB, child, read_endpoint, stop
+from dispatch_helpers import read_packed, spawn, start_dispatcher, start_server
+from net_helpers import FAST_HB, child, read_endpoint, stop, wait_until
 from test_pack import every_token, pieces, tokens_of
 from token_data import write_tokens
 
@@ -56,8 +64,119 @@ def test_serve_streams_packed_rows_every_token_once(tmp_path):
     assert np.sort(tokens_of(got)).tolist() == every_token(lengths).tolist()
 
 
-@pytest.mark.parametrize("flag", [["--pack-length", "16"], ["--batch-by-tokens", "64"]])
-def test_dispatch_refuses_packing_and_says_why(tmp_path, flag):
+def _dispatched(tmp_path, path, *, seed: int, epochs: int, kill: bool = False):
+    """`crossfeed dispatch --pack-length 24` (batches of 2 rows), two `serve --dispatcher`
+    servers and two trainers (`dispatch_helpers.packed_trainer`) in real processes; `kill`: one
+    server is SIGKILLed mid-epoch, after its first batch reached a trainer. Returns what the
+    trainers used, (epoch, seq, server id, columns) each, and the killed server's process."""
+    extra = ["--pack-length", "24", "--seed", str(seed), "--epochs", str(epochs)]
+    d, address = start_dispatcher(tmp_path, path, "tcp://127.0.0.1:0", *extra, batch=2)
+    procs, victim = [d], None
+    try:
+        servers = [start_server(tmp_path, path, address, f"s{i}") for i in range(2)]
+        procs += servers
+        outs = [tmp_path / f"t{i}.out" for i in range(2)]
+        pace = tmp_path / "pace"
+        pace.write_text("0.1" if kill else "0.01")
+        procs += [
+            spawn("packed_trainer", address, str(out), str(pace), log=tmp_path / f"t{i}.log")
+            for i, out in enumerate(outs)
+        ]
+        if kill:
+            victim = servers[0]
+            mine = f":{victim.pid}"
+            wait_until(
+                lambda: any(x[2].endswith(mine) for out in outs for x in read_packed(out)),
+                60,
+                "a batch from the server to kill",
+                procs,
+            )
+            os.kill(victim.pid, signal.SIGKILL)  # mid-epoch, holding leases
+            pace.write_text("0.01")
+        for t in procs[3:]:
+            assert t.wait(60) == 0, [(tmp_path / f"t{i}.log").read_text()[-3000:] for i in range(2)]
+        assert d.wait(30) == 0, (tmp_path / "d.log").read_text()[-3000:]
+    finally:
+        stop(*procs)
+    return [x for out in outs for x in read_packed(out)], victim
+
+
+def _key(cols: dict) -> str:
+    return json.dumps({k: np.asarray(cols[k]).tolist() for k in ("tokens", "segment_ids", "positions")})
+
+
+def _check_epochs(used, path, lengths, *, seed: int, epochs: int) -> list[int]:
+    """Each epoch's batches are the Loader's packed batches for the seed (as a multiset: the
+    trainers interleave), each under its own id, every token exactly once; returns the epochs'
+    row counts."""
+    from crossfeed.net.lease.book import PACKED_STRIDE
+
+    rows = []
+    for e in range(epochs):
+        with crossfeed.Loader(path, batch_size=2, seed=seed, pack=crossfeed.Pack(24)) as ld:
+            ld.set_epoch(e)
+            want = list(ld)
+            rows.append(ld.sampler.epoch_total(e))
+        got = [x for x in used if x[0] == e]
+        assert sorted(x[1] - e * PACKED_STRIDE for x in got) == list(range(len(want))), "a batch id lost or twice"
+        assert collections.Counter(_key(x[3]) for x in got) == collections.Counter(_key(b) for b in want)
+        batches = [{k: np.asarray(v) for k, v in x[3].items()} for x in got]
+        assert np.sort(tokens_of(batches)).tolist() == every_token(lengths).tolist()
+    assert len(used) == sum(1 for x in used if x[0] < epochs)
+    return rows
+
+
+# ds 0, seed 2: epoch 0 packs into 55 rows (28 batches, the last half empty), epoch 1 into 60 (30)
+TWO_EPOCHS = np.random.default_rng(0).integers(5, 20, 100).tolist()
+
+
+def test_dispatch_packed_two_epochs_of_different_row_counts_every_token_once(tmp_path):
+    path = write_tokens(tmp_path / "t", TWO_EPOCHS)
+    used, _ = _dispatched(tmp_path, path, seed=2, epochs=2)
+    rows = _check_epochs(used, path, TWO_EPOCHS, seed=2, epochs=2)
+    assert rows[0] != rows[1] and -(-rows[0] // 2) != -(-rows[1] // 2), rows  # the data's premise
+    assert "packed batches in epoch 0" in (tmp_path / "d.log").read_text()
+
+
+def test_dispatch_packed_a_server_killed_mid_epoch_every_token_once(tmp_path):
+    lengths = np.random.default_rng(1).integers(5, 20, 300).tolist()
+    path = write_tokens(tmp_path / "t", lengths)
+    used, victim = _dispatched(tmp_path, path, seed=3, epochs=1, kill=True)
+    _check_epochs(used, path, lengths, seed=3, epochs=1)
+    from_victim = sum(x[2].endswith(f":{victim.pid}") for x in used)
+    assert 0 < from_victim < len(used) // 2, from_victim
+    assert "declared dead" in (tmp_path / "d.log").read_text()  # its leases went to the other server
+
+
+def test_pack_walker_builds_leased_batches_in_any_order(tmp_path):
+    """A server's walk over an epoch's rows (`PackWalker`): batches forward, skipped, behind the
+    walk (a re-lease: walked again from the epoch's start) and past the end."""
+    from crossfeed.errors import ConfigError
+    from crossfeed.read.stages.pack import PackWalker
+
+    path = write_tokens(tmp_path / "t", TWO_EPOCHS)
+    with crossfeed.Loader(path, batch_size=2, seed=2, pack=crossfeed.Pack(24)) as ld:
+        walker = PackWalker(ld.sampler)
+        for e in (0, 1):
+            ld.set_epoch(e)
+            want = list(ld)
+            n = len(want)
+            for b in [0, 1, 4, 2, 3, n - 1, 0, n - 2, 5]:
+                got = ld.builder(walker.batch(e, b))
+                assert all(np.array_equal(got[k], want[b][k]) for k in want[b]), (e, b)
+            with pytest.raises(ConfigError, match="past the end"):
+                walker.batch(e, n)
+        assert walker.restarts == 6
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [
+        (["--batch-by-tokens", "64"], "crossfeed serve"),
+        (["--pack-length", "16", "--world-size", "2"], "equal per-rank counts"),
+    ],
+)
+def test_dispatch_refuses_token_budgets_and_packed_lockstep_and_says_why(tmp_path, flag, says):
     from typer.testing import CliRunner
 
     from crossfeed.cli.main import app
@@ -66,4 +185,4 @@ def test_dispatch_refuses_packing_and_says_why(tmp_path, flag):
     args = ["dispatch", path, f"ipc://{tmp_path}/d.sock", "--journal", str(tmp_path / "j"), "--batch-size", "1"]
     result = CliRunner().invoke(app, args + flag)
     assert result.exit_code != 0
-    assert "walking the epoch's lengths" in " ".join(result.output.split()) and "crossfeed serve" in result.output
+    assert says in " ".join(result.output.split())

@@ -200,7 +200,8 @@ def dispatched_source(dataset, dispatcher, local: LoaderOptions, options, transf
     keys = ClientKeys.from_dir(dispatcher_keys) if dispatcher_keys else None
 
     def make_loader(plan: dict):
-        opts = LoaderOptions.from_plan(plan, local).replace(return_index=True)
+        opts = LoaderOptions.from_plan(plan, local)
+        opts = opts.replace(return_index=opts.plan.pack is None)  # a packed row holds pieces of several records
         return Loader(dataset, opts, transform=transform)
 
     def source(endpoints, wake):
@@ -342,7 +343,8 @@ def dispatch(
     its claimed batches used). Either way its work goes to the others and it is fenced: what it
     sends or claims afterwards under the old lease is refused."""
     from crossfeed.net.keys import ServerKeys
-    from crossfeed.net.lease.dispatcher import DispatcherOptions, LeaseDispatcher
+    from crossfeed.net.lease.book import MAX_PACKED_EPOCHS, PACKED_STRIDE
+    from crossfeed.net.lease.dispatcher import DispatcherOptions, EpochCounts, LeaseDispatcher
     from crossfeed.net.protocol import Heartbeat
     from crossfeed.read.loader import Loader
 
@@ -351,18 +353,36 @@ def dispatch(
 
         parse_address(metrics)  # a bad address fails before anything starts
     options = options.replace(rank=0, world_size=world_size)
-    if options.plan.pack is not None or options.plan.batch_by_tokens is not None:
+    packed = options.plan.pack is not None
+    if options.plan.batch_by_tokens is not None:
         raise typer.BadParameter(
-            "a dispatcher leases batches by number (batch b of epoch e, built by whichever server holds the lease, "
-            "in any order, with the same count every epoch); packed (--pack-length) and token-budget "
-            "(--batch-by-tokens) batches are found only by walking the epoch's lengths from its start, and their "
-            "count varies from epoch to epoch: use crossfeed serve (one server per rank) instead",
-            param_hint="--pack-length/--batch-by-tokens",
+            "token-budget (--batch-by-tokens) batches are not leased by a dispatcher yet: use crossfeed serve "
+            "(one server per rank) instead",
+            param_hint="--batch-by-tokens",
         )
-    with Loader(dataset, options.replace(num_threads=1)) as loader:
-        per_rank = loader.batch_count()
+    if packed and world_size > 1:
+        raise typer.BadParameter(
+            "with --pack-length the dispatcher leases the packed plan's global batches, whose number changes "
+            "from epoch to epoch; lockstep DDP needs equal per-rank counts: drop --world-size, or use crossfeed "
+            "serve --rank/--world-size",
+            param_hint="--world-size",
+        )
+    if packed and epochs > MAX_PACKED_EPOCHS:
+        raise typer.BadParameter(f"at most {MAX_PACKED_EPOCHS} epochs with --pack-length", param_hint="--epochs")
+    loader = Loader(dataset, options.replace(num_threads=1))
+    counts = None
+    try:
+        if packed:  # epoch e has its own count, one walk over its lengths (kept open for every epoch)
+            sampler = loader.sampler
+            counts = EpochCounts(lambda e: sampler.rank_batch_count(0, epoch=e))
+            per_rank, batches = counts(0), PACKED_STRIDE
+        else:
+            per_rank = loader.batch_count()
+            batches = per_rank * world_size
+    finally:
+        if not packed:
+            loader.close()
     plan = options.plan_fields()  # what every server's Loader takes from this dispatcher
-    batches = per_rank * world_size
     keys = ServerKeys.from_dir(auth_keys, server_key) if auth_keys else None
     dispatcher_options = DispatcherOptions(
         address,
@@ -384,10 +404,12 @@ def dispatch(
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
         with (
-            LeaseDispatcher(plan, batches, dispatcher_options, keys=keys) as d,
+            LeaseDispatcher(plan, batches, dispatcher_options, keys=keys, counts=counts) as d,
             _metrics_endpoint(metrics, "serve_dispatcher", d),
         ):
-            typer.echo(f"dispatching {batches} batches per epoch, {epochs} epochs, on {d.endpoint}", err=True)
+            what = f"{per_rank} packed batches in epoch 0 (a count of its own each epoch)" if packed else None
+            what = what or f"{batches} batches per epoch"
+            typer.echo(f"dispatching {what}, {epochs} epochs, on {d.endpoint}", err=True)
             if endpoint_file is not None:
                 tmp = endpoint_file.with_name(endpoint_file.name + ".tmp")
                 tmp.write_text(d.endpoint)
@@ -399,3 +421,5 @@ def dispatch(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if packed:
+            loader.close()

@@ -2,7 +2,9 @@
 
 The dispatcher's plan is integers: epoch `e` has `batches` batches numbered 0..batches-1 (the
 Loader's plan with one rank); the global id of batch `b` of epoch `e` is `e * batches + b`, and
-that is the `seq` the batch travels under. Each batch of the current epoch is in one state:
+that is the `seq` the batch travels under. With `counts` (packed rows, whose number changes with
+the epoch), epoch `e` has `counts(e)` batches (at least 1, at most `batches`, which is then only
+the stride of the global ids: batch `b` of epoch `e` is still `e * batches + b`). Each batch of the current epoch is in one state:
 
     PENDING   nobody builds it
     LEASED    lease `lease_of[b]` of a live server builds and sends it
@@ -50,6 +52,10 @@ logger = logging.getLogger(__name__)
 PENDING, LEASED, CLAIMED, DONE = 0, 1, 2, 3
 MAX_REMEMBERED = 4096  # dead ids remembered (to fence them)
 MAX_SERVERS = 4096  # live servers at once; a HELLO beyond is refused (RESET) until one goes
+# a plan whose batch count changes with the epoch (packed rows): global ids e * PACKED_STRIDE + b,
+# within an int64 for every epoch below MAX_PACKED_EPOCHS
+PACKED_STRIDE = 1 << 32
+MAX_PACKED_EPOCHS = 1 << 30
 
 
 def random_token() -> int:
@@ -90,6 +96,7 @@ class LeaseBook:
         lease_timeout: float | None = None,
         claim_timeout: float | None = None,
         tokens: Callable[[], int] = random_token,
+        counts: Callable[[int], int] | None = None,
     ):
         if batches < 1:
             raise ConfigError(f"an epoch needs at least one batch, got {batches}")
@@ -97,7 +104,8 @@ class LeaseBook:
             raise ConfigError(f"epochs must be >= 1 or None, got {epochs}")
         if lease_size < 1 or window < lease_size:
             raise ConfigError(f"need 1 <= lease_size ({lease_size}) <= window ({window})")
-        self.batches, self.epochs = batches, epochs
+        self.batches, self.epochs = batches, epochs  # the stride of global ids (and every epoch's count)
+        self._counts = counts  # epoch -> its batches (None: `batches` every epoch)
         self.lease_size, self.window, self.timeout = lease_size, window, timeout
         self.lease_timeout, self.claim_timeout = lease_timeout, claim_timeout
         self._token = tokens  # draws lease ids and claim tokens
@@ -106,10 +114,10 @@ class LeaseBook:
         self._claims: dict[int, int] = {}  # batches of this epoch each trainer claimed
         self.epoch = 0
         self.finished = False
-        self.state = [PENDING] * batches
-        self.lease_of = [0] * batches
-        self.token_of = [0] * batches  # the claim token of a LEASED or CLAIMED batch
-        self.claimer = [0] * batches
+        # per batch of the current epoch (`_start_epoch`): its state, lease, claim token (of a
+        # LEASED or CLAIMED batch) and claimer; `n` batches
+        self.n = 0
+        self._start_epoch()
         self.leases: dict[int, Lease] = {}  # live leases: those with a batch still LEASED under them
         self._left: dict[int, int] = {}  # lease id -> its batches still LEASED under it
         self._load: dict[int, int] = {}  # server -> batches LEASED to it (not yet claimed)
@@ -187,7 +195,7 @@ class LeaseBook:
         back = 0
         if self._holding.pop(trainer, 0):
             del self._done_since[trainer]
-            for b in range(self.batches):
+            for b in range(self.n):
                 if self.state[b] == CLAIMED and self.claimer[b] == trainer:
                     self._set_pending(b)
                     back += 1
@@ -281,7 +289,7 @@ class LeaseBook:
     def _take(self, n: int) -> list[int]:
         taken: list[int] = []
         b = self._cursor
-        while b < self.batches and len(taken) < n:
+        while b < self.n and len(taken) < n:
             if self.state[b] == PENDING:
                 taken.append(b)
             elif not taken:
@@ -344,7 +352,7 @@ class LeaseBook:
     def _local(self, seq: int) -> int | None:
         """Batch number within the current epoch of global `seq`, or None if it is not of it."""
         b = seq - self.epoch * self.batches
-        return b if 0 <= b < self.batches and not self.finished else None
+        return b if 0 <= b < self.n and not self.finished else None
 
     def claim(self, trainer: int, seq: int, token: int, *, now: float) -> bool:
         """May `trainer` use batch `seq`, received with claim `token`? (see the module docstring)
@@ -396,9 +404,9 @@ class LeaseBook:
         return True
 
     def _maybe_advance(self) -> None:
-        if self._done < self.batches:
+        if self._done < self.n:
             return
-        logger.info("epoch %d done: %d batches, each consumed once", self.epoch, self.batches)
+        logger.info("epoch %d done: %d batches, each consumed once", self.epoch, self.n)
         self._clear_leases()
         self._done = 0
         self.epoch += 1
@@ -406,12 +414,26 @@ class LeaseBook:
         if self.epochs is not None and self.epoch >= self.epochs:
             self.finished = True
             return
-        self.state = [PENDING] * self.batches
-        self.lease_of = [0] * self.batches
-        self.token_of = [0] * self.batches
-        self.claimer = [0] * self.batches
+        self._start_epoch()
         self._claims.clear()
         self._cursor = 0
+
+    def epoch_batches(self, epoch: int) -> int:
+        """How many batches epoch `epoch` has."""
+        if self._counts is None:
+            return self.batches
+        n = self._counts(epoch)
+        if not 1 <= n <= self.batches:
+            raise ConfigError(f"epoch {epoch} has {n} batches; an epoch needs 1 to {self.batches}")
+        return n
+
+    def _start_epoch(self) -> None:
+        """Every batch of epoch `self.epoch` PENDING."""
+        self.n = self.epoch_batches(self.epoch)
+        self.state = [PENDING] * self.n
+        self.lease_of = [0] * self.n
+        self.token_of = [0] * self.n
+        self.claimer = [0] * self.n
 
     def _clear_leases(self) -> None:
         """Forget every lease (an epoch's end, or a restart); the caller resets the batches."""
@@ -430,7 +452,7 @@ class LeaseBook:
             "pending": counts[PENDING],
             "leased": counts[LEASED],
             "claimed": counts[CLAIMED],
-            "done": counts[DONE] if not self.finished else self.batches,
+            "done": counts[DONE] if not self.finished else self.n,
         }
 
     # ---- journal ----
@@ -444,7 +466,7 @@ class LeaseBook:
         out += [{"t": "unclaim", "trainer": k, "epoch": -1} for k in self.dead_trainers]
         if self.finished:
             return out
-        for b in range(self.batches):
+        for b in range(self.n):
             if self.state[b] == CLAIMED:
                 out.append(
                     {"t": "claim", "trainer": self.claimer[b], "epoch": self.epoch, "b": b, "token": self.token_of[b]}
@@ -463,14 +485,15 @@ class LeaseBook:
             if t == "epoch":
                 self.epoch = int(r["epoch"])
                 self.finished = self.epochs is not None and self.epoch >= self.epochs
-                self.state = [PENDING] * self.batches
-                self.lease_of = [0] * self.batches
-                self.token_of = [0] * self.batches
-                self.claimer = [0] * self.batches
+                if self.finished:  # no count to ask for: the batches of the last one, all PENDING
+                    self.state, self.lease_of = [PENDING] * self.n, [0] * self.n
+                    self.token_of, self.claimer = [0] * self.n, [0] * self.n
+                else:
+                    self._start_epoch()
             elif t == "unclaim":  # that trainer was declared dead: fenced, its claims go out again
                 _remember(self.dead_trainers, int(r["trainer"]))
                 if r.get("epoch") == self.epoch:
-                    for b in range(self.batches):
+                    for b in range(self.n):
                         if self.state[b] == CLAIMED and self.claimer[b] == int(r["trainer"]):
                             self._set_pending(b)
             elif r.get("epoch") != self.epoch:
@@ -486,7 +509,7 @@ class LeaseBook:
         self._holding.clear()
         self._done_since.clear()
         self._done = sum(1 for x in self.state if x == DONE)
-        for b in range(self.batches):
+        for b in range(self.n):
             if self.state[b] in (CLAIMED, DONE):
                 self._claims[self.claimer[b]] = self._claims.get(self.claimer[b], 0) + 1
             if self.state[b] == CLAIMED:

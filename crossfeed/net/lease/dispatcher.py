@@ -29,6 +29,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -46,6 +47,42 @@ logger = logging.getLogger(__name__)
 
 SERVER, TRAINER = 1, 2  # the `c` of BEAT and BYE: who speaks
 SNAPSHOT = 0.5  # seconds between refreshes of `LeaseDispatcher.snapshot`
+Counts = Callable[[int], int]  # epoch -> its batches, where that changes with the epoch (packed rows)
+
+
+class EpochCounts:
+    """`counts(epoch)` for a plan whose batch count changes with the epoch (packed rows): `count`
+    (one walk over the epoch's lengths, integers only) kept for the last few epochs, and the next
+    epoch's walked ahead in a thread, so that an epoch's end seldom waits for a walk in the
+    dispatcher's loop (where servers and trainers would go unheard meanwhile)."""
+
+    def __init__(self, count: Counts):
+        self._count = count
+        self._known: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._ahead: dict[int, threading.Thread] = {}
+
+    def __call__(self, epoch: int) -> int:
+        ahead = self._ahead.pop(epoch, None)
+        if ahead is not None:
+            ahead.join()
+        with self._lock:
+            got = self._known.get(epoch)
+        if got is None:
+            got = self._walk(epoch)
+        if epoch + 1 not in self._known and epoch + 1 not in self._ahead:
+            t = threading.Thread(target=self._walk, args=(epoch + 1,), name="crossfeed-epoch-count", daemon=True)
+            self._ahead[epoch + 1] = t
+            t.start()
+        return got
+
+    def _walk(self, epoch: int) -> int:
+        got = self._count(epoch)
+        with self._lock:
+            self._known[epoch] = got
+            while len(self._known) > 4:
+                del self._known[min(self._known)]
+        return got
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,18 +118,24 @@ class DispatcherOptions:
                 )
 
 
-def recover(plan: dict, batches: int, options: DispatcherOptions, now: float) -> tuple[LeaseBook, Journal]:
+def recover(
+    plan: dict, batches: int, options: DispatcherOptions, now: float, counts: Counts | None = None
+) -> tuple[LeaseBook, Journal]:
     """The book of this plan as its journal left it (see `replay`), and the journal, compacted
     to that state (with its plan line: a restart reads the same plan)."""
-    book, journal, records = replay(plan, batches, options, now)
+    book, journal, records = replay(plan, batches, options, now, counts)
     journal.compact(book.snapshot())
     if records:
         logger.info("continuing from journal %s: %s", options.journal, book.progress())
     return book, journal
 
 
-def replay(plan: dict, batches: int, options: DispatcherOptions, now: float) -> tuple[LeaseBook, Journal, int]:
-    """The book of this plan as its journal left it, the journal, and how many records it held.
+def replay(
+    plan: dict, batches: int, options: DispatcherOptions, now: float, counts: Counts | None = None
+) -> tuple[LeaseBook, Journal, int]:
+    """The book of this plan as its journal left it, the journal, and how many records it held;
+    `counts`: each epoch's batches where they change with the epoch (`batches` is then the stride
+    of the global ids, see `LeaseBook`).
 
     Every record is checked before it is replayed (`Journal.read`: checksums, fields, order); a
     damaged one stops the dispatcher with `JournalError` naming its line. Leases do not survive
@@ -106,8 +149,11 @@ def replay(plan: dict, batches: int, options: DispatcherOptions, now: float) -> 
         quota=options.quota,
         lease_timeout=options.lease_timeout,
         claim_timeout=options.claim_timeout,
+        counts=counts,
     )
-    journal = Journal(options.journal, plan={"t": "plan", "batches": batches, "epochs": options.epochs, **plan})
+    journal = Journal(
+        options.journal, plan={"t": "plan", "batches": batches, "epochs": options.epochs, **plan}, counts=counts
+    )
     records = journal.read()
     book.restore(records, now)
     return book, journal, len(records)
@@ -116,7 +162,15 @@ def replay(plan: dict, batches: int, options: DispatcherOptions, now: float) -> 
 class LeaseDispatcher:
     """`with LeaseDispatcher(plan, batches, options) as d: d.wait()`; `d.endpoint` is bound."""
 
-    def __init__(self, plan: dict, batches: int, options: DispatcherOptions, *, keys: ServerKeys | None = None):
+    def __init__(
+        self,
+        plan: dict,
+        batches: int,
+        options: DispatcherOptions,
+        *,
+        keys: ServerKeys | None = None,
+        counts: Counts | None = None,
+    ):
         if keys is None and not options.insecure and not is_local(options.address):
             raise ConfigError(
                 f"refusing to dispatch on {options.address} without authentication: pass CURVE keys "
@@ -124,7 +178,7 @@ class LeaseDispatcher:
             )
         self.options, self.plan, self.batches = options, plan, batches
         self.instance = P.new_instance()
-        self.book, self.journal = recover(plan, batches, options, time.monotonic())
+        self.book, self.journal = recover(plan, batches, options, time.monotonic(), counts)
         self.stats = {"dropped_messages": 0, "leases": 0, "granted": 0, "refused": 0}
         self._started = time.monotonic()
         self._status_gate = StatusGate()
@@ -348,7 +402,7 @@ class LeaseDispatcher:
             "uptime": round(now - self._started, 3),
             "epoch": book.epoch,
             "epochs": book.epochs,
-            "batches": self.batches,
+            "batches": book.n,
             "finished": book.finished,
             "progress": book.progress(),
             "counters": {

@@ -7,7 +7,8 @@ are `LeaseBook` records. `Journal(path, plan=...).read()` trusts nothing it find
 
 * every complete line (one that ends in a newline) must match its checksum, parse strictly (one
   JSON object: no duplicate key, no NaN) and, checked by `Replay`, hold the fields of its kind
-  with integer values in range (batch numbers below the plan's `batches`, epochs up to its
+  with integer values in range (batch numbers below the plan's `batches` — below the epoch's
+  own count when the plan's count changes with the epoch (packed rows) —, epochs up to its
   `epochs`, 64-bit ids) and follow from the records before it (a batch is done only after it
   was claimed in its epoch, an epoch ends only once each of its batches is done, a claim quotes
   a lease id the journal reserved). The first line that does not raises `JournalError` naming
@@ -33,6 +34,7 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,9 +107,10 @@ class Replay:
     """Checks each `LeaseBook` record against the plan and the records before it (see the
     module docstring); `check(record)` returns why one is refused, or None."""
 
-    def __init__(self, batches: int, epochs: int | None):
-        self.batches, self.epochs = batches, epochs
+    def __init__(self, batches: int, epochs: int | None, counts: Callable[[int], int] | None = None):
+        self.batches, self.epochs, self._counts = batches, epochs, counts
         self.epoch, self.first = 0, True
+        self.n = batches  # batches of `self.epoch`
         self.state: dict[int, tuple[int, int]] = {}  # batch -> (CLAIMED or DONE, trainer)
         self.done = 0
 
@@ -128,17 +131,19 @@ class Replay:
         epoch = r.get("epoch", 0)
         if not (-1 if kind == "unclaim" else 0) <= epoch <= last:
             return f"epoch {epoch} is outside 0..{last}"
-        if not 0 <= r.get("b", 0) < self.batches:
-            return f"batch {r['b']} is outside 0..{self.batches - 1}"
+        if not 0 <= r.get("b", 0) < self.n:
+            return f"batch {r['b']} is outside 0..{self.n - 1}"
         if not 0 < r.get("trainer", 1) < _ID_END:
             return f"trainer id {r['trainer']} is not a non-zero 64-bit id"
         finished = self.epochs is not None and self.epoch >= self.epochs
         if kind == "epoch":
             if first:  # a compacted journal starts with the epoch it was in
                 self.epoch = epoch
-            elif epoch != self.epoch + 1 or self.done != self.batches:
-                return f"epoch {epoch} follows epoch {self.epoch} with {self.done} of {self.batches} batches done"
+            elif epoch != self.epoch + 1 or self.done != self.n:
+                return f"epoch {epoch} follows epoch {self.epoch} with {self.done} of {self.n} batches done"
             self.epoch, self.state, self.done = epoch, {}, 0
+            if self._counts is not None and not (self.epochs is not None and epoch >= self.epochs):
+                self.n = self._counts(epoch)
         elif kind == "unclaim":
             if epoch not in (-1, self.epoch):
                 return f"an unclaim of epoch {epoch} in epoch {self.epoch}"
@@ -165,9 +170,17 @@ class Replay:
 class Journal:
     """`read()` the records of a previous run, `append` new ones, `compact` to a snapshot."""
 
-    def __init__(self, path: str | os.PathLike, *, plan: dict[str, Any] | None = None, compact_after: int = 10_000):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        plan: dict[str, Any] | None = None,
+        compact_after: int = 10_000,
+        counts: Callable[[int], int] | None = None,
+    ):
         self.path = Path(path)
-        self.plan = plan  # None: no plan line (the bare record file of the book's own tests)
+        self.plan = plan
+        self.counts = counts  # epoch -> its batches, when they change with the epoch (see `Replay`)  # None: no plan line (the bare record file of the book's own tests)
         self.compact_after = compact_after
         self._lines = 0
         self._file = None
@@ -232,7 +245,7 @@ class Journal:
                 f"journal {self.path} belongs to another plan ({records[0][1]}, this one is {self.plan}): "
                 "pass another --journal, or move it away to start afresh"
             )
-        replay = Replay(self.plan["batches"], self.plan["epochs"])
+        replay = Replay(self.plan["batches"], self.plan["epochs"], self.counts)
         for i, (at, record) in enumerate(records[1:], start=2):
             reason = replay.check(record)
             if reason is not None:

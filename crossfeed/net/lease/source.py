@@ -6,7 +6,11 @@ must match what the local dataset gives), beats every heartbeat interval, and bu
 numbers of each LEASE with a Loader over the local copy of the dataset (batch `b` of epoch `e`
 is batch `b // W` of rank `b % W` in the Loader's plan for `W` ranks, W = the plan's world_size,
 1 unless the trainers are lockstep DDP ranks; fetched, decoded and transformed as the Loader
-does). Each batch goes to the server's queue as an `Item` with seq `e * batches + b` and the
+does). A packed plan (`pack`, one rank) has a batch count of its own each epoch, and its global
+ids a fixed stride (`book.PACKED_STRIDE`, which WELCOME carries as the batch count): batch `b` of
+epoch `e` is the plan's `b`-th batch of rows, found by one forward walk over the epoch's rows
+(`PackWalker`; a batch behind the walk, leased again after a server died, walks again from the
+epoch's start). Each batch goes to the server's queue as an `Item` with seq `e * batches + b` and the
 batch's claim token (from the LEASE; it travels in the BATCH envelope's token, to the one trainer
 the batch goes to, which quotes it when it claims the batch). Yields, like `Producer`:
     Item(seq, epoch, frames, n, lease)   one encoded batch
@@ -43,7 +47,9 @@ from crossfeed.errors import ConfigError, WireError
 from crossfeed.net import protocol as P
 from crossfeed.net.keys import ClientKeys, secure_client_socket
 from crossfeed.net.lease import messages as W
+from crossfeed.net.lease.book import PACKED_STRIDE
 from crossfeed.net.stream.producer import Prefetch, ProducerFailed, StreamEnd, encode_item, put_until
+from crossfeed.read.stages.pack import PackWalker
 from crossfeed.read.stages.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -87,6 +93,7 @@ class LeaseSource:
         self._work = threading.Event()  # set when leases arrive
         self._loader = None
         self._samplers: list[Sampler] = []
+        self._walker: PackWalker | None = None  # a packed plan's batches (builder thread only)
         self._plans: dict[tuple[int, int], Any] = {}  # (rank, epoch) -> Plan (builder thread only)
         self._builder: threading.Thread | None = None
         self._halt = threading.Event()  # stops the builder thread
@@ -235,11 +242,22 @@ class LeaseSource:
         if self._loader is None:
             self._loader = self._make_loader(plan)
             shard = self._loader.options.shard
-            self._samplers = [
-                Sampler(self._loader.split.counts, self._loader.options.plan, replace(shard, rank=r, world_size=world))
-                for r in range(world)
-            ]
-            mine = world * self._samplers[0].rank_batch_count()
+            if self._loader.options.plan.pack is not None:  # batch b of epoch e: its rows, walked
+                if world != 1 or msg.batches != PACKED_STRIDE:
+                    raise ConfigError(
+                        f"the dispatcher's packed plan names world_size {world} and a stride of {msg.batches} "
+                        f"batches; this server leases packed batches for world_size 1 with a stride of {PACKED_STRIDE}"
+                    )
+                self._walker = PackWalker(self._loader.sampler)
+                mine = msg.batches
+            else:
+                self._samplers = [
+                    Sampler(
+                        self._loader.split.counts, self._loader.options.plan, replace(shard, rank=r, world_size=world)
+                    )
+                    for r in range(world)
+                ]
+                mine = world * self._samplers[0].rank_batch_count()
             if mine != msg.batches:
                 raise ConfigError(
                     f"the dispatcher's plan has {msg.batches} batches per epoch, this server's dataset gives "
@@ -292,6 +310,10 @@ class LeaseSource:
             if task[0] != self._joins:
                 continue
             _, _, epoch, b, _, _ = task
+            if self._walker is not None:
+                taken.append(task)
+                yield self._walker.batch(epoch, b)
+                continue
             key = (b % world, epoch)
             plan = self._plans.get(key)
             if plan is None:  # one Plan per rank and epoch: it keeps the order's chunk it last evaluated

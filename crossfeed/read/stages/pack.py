@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import logging
 import math
 import mmap
@@ -514,6 +515,45 @@ class PackPlan:
             rows = [[(doc, 0, n, n)] if n else [] for doc, n in batch[r::W]]
             rows += [[] for _ in range(math.ceil(len(batch) / W) - len(rows))]  # the epoch's last group: empty rows
             yield _encode(rows, max(n for _, n in batch))
+
+
+class PackWalker:
+    """Global batch ``b`` of epoch ``e`` of a packed plan for one rank (``batch_size`` rows of the
+    epoch's row sequence, the epoch's last batch completed with empty rows), as encoded pieces
+    for `PackBuilder`, in whatever order a dispatcher leases them: one forward walk over the
+    epoch's rows (O(batch + bins) memory); a batch behind the walk (leased again after its server
+    died) restarts the walk from the epoch's start: correct, and slower."""
+
+    def __init__(self, sampler: PackSampler):
+        if sampler.pack is None or sampler.shard.world_size != 1:
+            raise ConfigError("a PackWalker walks the packed rows of a plan for one rank")
+        self.sampler = sampler
+        self.epoch: int | None = None
+        self._rows: Iterator[list] = iter(())
+        self._next = 0  # the batch the walk stands before
+        self.restarts = 0  # walks restarted for a batch behind the walk
+
+    def batch(self, epoch: int, b: int) -> np.ndarray:
+        s = self.sampler
+        B = s.options.batch_size
+        if epoch != self.epoch or b < self._next:
+            if epoch == self.epoch:
+                self.restarts += 1
+                log.debug("packed batch %d of epoch %d is behind the walk (at %d): walking again", b, epoch, self._next)
+            self.epoch, self._rows, self._next = epoch, s.rows(epoch), 0
+        skip = (b - self._next) * B
+        if skip:
+            next(itertools.islice(self._rows, skip, skip), None)  # consume `skip` rows
+        rows = list(itertools.islice(self._rows, B))
+        self._next = b + 1
+        if not rows or (len(rows) < B and s.options.drop_last):
+            self.epoch = None  # the walk is spent
+            raise ConfigError(
+                f"packed batch {b} of epoch {epoch} lies past the end of the epoch's rows here: serve the same "
+                "dataset the dispatcher plans"
+            )
+        rows += [[] for _ in range(B - len(rows))]
+        return _encode(rows, s.pack.length)
 
 
 # ---- building a batch ---------------------------------------------------------------------------
