@@ -296,3 +296,48 @@ def test_lease_ids_and_claim_tokens_are_random_and_a_re_lease_draws_new_tokens()
     book.server_seen(S2, 0.0, "b")
     again = book.grant_leases(0.0)
     assert not {t for x in again for t in x.tokens} & set(tokens)
+
+
+def test_a_count_of_its_own_each_epoch_in_the_book_and_the_journal(tmp_path):
+    """Packed plans: epoch e has counts(e) batches, global ids keep the stride (`batches`); the
+    journal checks each epoch's records against its own count and a restart continues."""
+    counts = {0: 3, 1: 5, 2: 2}.__getitem__
+    plan = {"t": "plan", "batches": 100, "epochs": 3}
+    book = LeaseBook(100, epochs=3, lease_size=2, window=4, counts=counts)
+    book.server_seen(S1, 0.0, "a")
+    book.trainer_seen(T1, 0.0)
+    journal = Journal(tmp_path / "j", plan=plan, counts=counts)
+    journal.compact(book.snapshot())
+    assert run_epoch(book) == [0, 1, 2] and book.epoch == 1 and book.n == 5
+    leases = book.grant_leases(0.0)
+    assert [b for x in leases for b in x.batches] == [0, 1, 2, 3]
+    for b in (0, 1):
+        assert book.claim(T1, 100 + b, tok(leases[0], b), now=0.0) and book.done(T1, 100 + b, now=0.0)
+    assert not book.claim(T1, 100 + 5, 1, now=0.0)  # past epoch 1's count
+    journal.append(book.take_records())
+    again = LeaseBook(100, epochs=3, lease_size=2, window=4, counts=counts)
+    again.restore(Journal(journal.path, plan=plan, counts=counts).read(), now=0.0)
+    assert again.progress() == {"epoch": 1, "pending": 3, "leased": 0, "claimed": 0, "done": 2}
+    again.server_seen(S1, 0.0, "a")
+    again.trainer_seen(T1, 0.0)
+    assert sorted(run_epoch(again, 2)) == [102, 103, 104, 200, 201] and again.finished
+    with pytest.raises(JournalError, match="with 3 of 100 batches done"):  # read as one count for all epochs
+        Journal(journal.path, plan=plan).read()
+    with open(journal.path, "ab") as f:
+        f.write(encode({"t": "claim", "trainer": T1, "epoch": 1, "b": 5, "token": 7}))
+    with pytest.raises(JournalError, match="batch 5 is outside 0..4"):
+        Journal(journal.path, plan=plan, counts=counts).read()
+
+
+def test_epoch_counts_walk_each_epoch_once_the_next_ahead_and_none_past_the_last():
+    from crossfeed.net.lease.dispatcher import EpochCounts
+
+    walked = []
+
+    def count(e: int) -> int:
+        walked.append(e)
+        return 10 + e
+
+    counts = EpochCounts(count, epochs=2)
+    assert counts(0) == 10 and counts(1) == 11 and counts(0) == 10 and counts(1) == 11
+    assert sorted(walked) == [0, 1]  # 1 walked ahead (once), 2 never: past the last epoch

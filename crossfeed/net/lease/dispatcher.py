@@ -56,8 +56,8 @@ class EpochCounts:
     epoch's walked ahead in a thread, so that an epoch's end seldom waits for a walk in the
     dispatcher's loop (where servers and trainers would go unheard meanwhile)."""
 
-    def __init__(self, count: Counts):
-        self._count = count
+    def __init__(self, count: Counts, epochs: int | None = None):
+        self._count, self._epochs = count, epochs  # epochs: none is walked ahead past the last
         self._known: dict[int, int] = {}
         self._lock = threading.Lock()
         self._ahead: dict[int, threading.Thread] = {}
@@ -70,7 +70,8 @@ class EpochCounts:
             got = self._known.get(epoch)
         if got is None:
             got = self._walk(epoch)
-        if epoch + 1 not in self._known and epoch + 1 not in self._ahead:
+        last = self._epochs is not None and epoch + 1 >= self._epochs
+        if not last and epoch + 1 not in self._known and epoch + 1 not in self._ahead:
             t = threading.Thread(target=self._walk, args=(epoch + 1,), name="crossfeed-epoch-count", daemon=True)
             self._ahead[epoch + 1] = t
             t.start()

@@ -10,7 +10,8 @@ dispatcher process's random id (0 from others): a new one means the dispatcher r
 (`SLOTS` names the integer slots a, b, c of each kind; `role` is SERVER or TRAINER.)
 server → dispatcher: HELLO(role; payload = its data endpoints, text), BEAT(role), BYE(role: hands its
                      leases back)
-dispatcher → server: WELCOME(batches per epoch; payload = the plan as JSON text),
+dispatcher → server: WELCOME(batches per epoch — for a packed plan the stride of its global ids,
+                     `book.PACKED_STRIDE`; payload = the plan as JSON text),
                      LEASE(lease id, epoch, batches per epoch; payload = batch number, claim token
                      pairs: the server sends each batch with its token, and only with it),
                      RESET (you were declared dead or are unknown: drop your leases, say HELLO
