@@ -117,7 +117,7 @@ def captured(monkeypatch):
             raise SystemExit(0)
 
     class Dispatcher:
-        def __init__(self, plan, batches, options, *, keys=None):
+        def __init__(self, plan, batches, options, *, keys=None, counts=None):
             got["dispatch"] = plan
             raise SystemExit(0)
 
@@ -164,7 +164,7 @@ def test_every_command_refuses_what_the_library_refuses(options_data, tmp_path, 
 def test_the_token_options_reach_the_plan_and_every_command(tmp_path, captured):
     """pack= / batch_by_tokens=: the Loader's plan and builder hold them, a worker recipe and a
     dispatcher's plan carry them, bench and serve make them from --pack-* / --batch-by-tokens,
-    and dispatch (a fixed batch count per epoch) refuses them by name."""
+    and dispatch leases packed batches (a count of its own each epoch) and refuses batch_by_tokens by name."""
     data = write_token_data(tmp_path / "tokens")
     for fields in (PACKED, BY_TOKENS):
         want = LoaderOptions.of(batch_size=2, **fields)
@@ -179,7 +179,10 @@ def test_the_token_options_reach_the_plan_and_every_command(tmp_path, captured):
         _run("serve", data, "ipc://" + str(tmp_path / "s"), "--batch-size", "2", *flags)
         want = LoaderOptions.of(batch_size=2, rank=0, world_size=1, **fields)
         assert captured["bench"] == captured["serve"] == want
-        r = _run("dispatch", data, "ipc://" + str(tmp_path / "d"), *flags)
-        assert r.exit_code == 2 and "crossfeed serve" in r.output and "dispatch" not in captured
+        r = _run("dispatch", data, "ipc://" + str(tmp_path / "d"), "--batch-size", "2", *flags)
+        if fields is PACKED:  # the dispatcher's plan carries the packing to every server
+            assert captured["dispatch"] == want.plan_fields(), r.output
+        else:
+            assert r.exit_code == 2 and "crossfeed serve" in r.output and "dispatch" not in captured
     r = _run("bench", data, "--pack-features", "tokens")
     assert r.exit_code == 2 and "need --pack-length" in r.output
