@@ -37,6 +37,13 @@ def dataset(tmp_path_factory):
     return str(path)
 
 
+def _set(path, text: str) -> None:
+    """Replace a file's text at once (a reader never sees it empty)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 @pytest.mark.parametrize("curve", [False, True])
 def test_a_killed_a_stopped_and_a_new_server_mid_epoch_every_sample_once(tmp_path, dataset, curve):
     keys_extra, server_extra, trainer_keys = curve_keys(tmp_path) if curve else ([], [], "")
@@ -47,7 +54,7 @@ def test_a_killed_a_stopped_and_a_new_server_mid_epoch_every_sample_once(tmp_pat
         procs += servers
         outs = [tmp_path / f"t{i}.out" for i in range(2)]
         pace = tmp_path / "pace"
-        pace.write_text("0.05")
+        _set(pace, "0.05")
         trainers = [
             spawn("trainer", address, str(out), str(pace), trainer_keys, log=tmp_path / f"t{i}.log")
             for i, out in enumerate(outs)
@@ -55,13 +62,13 @@ def test_a_killed_a_stopped_and_a_new_server_mid_epoch_every_sample_once(tmp_pat
         procs += trainers
         victim = servers[0]
         wait_until(lambda: served_by(outs, victim), 60, "a batch from the server to kill", procs)
-        pace.write_text("0.5")  # slower while the 4th server starts: the epoch must not end before it joins
+        _set(pace, "0.5")  # slower while the 4th server starts: the epoch must not end before it joins
         os.kill(victim.pid, signal.SIGKILL)  # mid-epoch, holding leases
         fourth = start_server(tmp_path, dataset, address, "s3", *server_extra)
         procs.append(fourth)
         live = [p for p in procs if p is not victim]
         wait_until(lambda: served_by(outs, fourth), 60, "a batch from the 4th server", live)
-        pace.write_text("0.05")
+        _set(pace, "0.05")
         servers[1].send_signal(signal.SIGTERM)  # leaves: hands its leases back
         assert servers[1].wait(30) == 0, (tmp_path / "s1.log").read_text()[-3000:]
         for t in trainers:
