@@ -345,12 +345,7 @@ class Loader:
                     t.n_plan += 1
                     t.wait += got - asked
                     t.batches += 1
-                    try:  # its rows: the length of its first value (`metrics.batch_rows`, inline)
-                        for v in batch.values():
-                            t.samples += len(v)
-                            break
-                    except (AttributeError, TypeError):
-                        pass
+                    t.samples += metrics.batch_rows(batch)
                     self._delivered += step
                     yield batch
                     asked = clock()
@@ -369,12 +364,7 @@ class Loader:
                         t.n_handover += 1
                     t.wait += got - asked
                     t.batches += 1
-                    try:  # its rows: the length of its first value (`metrics.batch_rows`, inline)
-                        for v in batch.values():
-                            t.samples += len(v)
-                            break
-                    except (AttributeError, TypeError):
-                        pass
+                    t.samples += metrics.batch_rows(batch)
                     self._delivered += step
                     yield batch
                     asked = clock()

@@ -57,7 +57,7 @@ class BatchBuilder:
         t = tally
         if t is None:
             if timings is not None:
-                return _timed(self, indices, timings)
+                return timed_apart(self, indices, timings)
             if self.meter is not None:
                 t = self.meter.tally()
         if t is not None:  # each stage boundary below: one clock read, ending a stage and beginning the next
@@ -99,7 +99,7 @@ class BatchBuilder:
         return batch
 
 
-def _timed(build, ids, timings: dict[str, float]) -> dict[str, np.ndarray]:
+def timed_apart(build, ids, timings: dict[str, float]) -> dict[str, np.ndarray]:
     """``build(ids)`` timed into a tally of its own: its stage seconds added to ``timings``
     (``crossfeed bench``), and the tally to the builder's meter."""
     t = Tally()

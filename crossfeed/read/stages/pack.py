@@ -55,6 +55,7 @@ import math
 import mmap
 import os
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -63,7 +64,7 @@ from crossfeed.errors import ConfigError, DatasetNotFoundError, IndexFileError
 from crossfeed.format.lengths import DTYPE, checked_lengths, lengths_path
 from crossfeed.format.schema import Encoding, Feature
 from crossfeed.read.options import LoaderOptions, Pack, PackLong, PackSplit, WeightsBy
-from crossfeed.read.stages.batch import _clock, _timed
+from crossfeed.read.stages.batch import timed_apart
 
 log = logging.getLogger(__name__)
 
@@ -599,14 +600,14 @@ class PackBuilder:
         self, encoded: np.ndarray, timings: dict[str, float] | None = None, tally=None
     ) -> dict[str, np.ndarray]:
         if timings is not None and tally is None:  # timed apart (`crossfeed bench`), as `BatchBuilder` is
-            return _timed(self, encoded, timings)
+            return timed_apart(self, encoded, timings)
         meter = self.inner.meter
         tick = tally if tally is not None or meter is None else meter.tally()
         rows, width = int(encoded[0]), int(encoded[1])
         pieces = np.asarray(encoded[HEADER:], dtype=np.int64).reshape(-1, PIECE)
         ids = np.unique(pieces[:, 1])
         if tick is not None:
-            tick.start = tick.last = _clock()
+            tick.start = tick.last = time.perf_counter_ns()
         batch, kept = self.reader(ids, self.budget, tick)
         have = ids[kept]
         alloc = self.inner.alloc or np.empty
