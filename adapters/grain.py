@@ -7,7 +7,7 @@
 
 * ``len(src)`` records; ``src[key]`` is record ``key`` of the split decoded — a ``dict`` of numpy
   arrays (strings and bytes as Python objects), exactly the values the crossfeed `Loader` gives
-  for that record. Reads go through the Loader's own frames and decode stages (every record's
+  for that record. Reads go through the Loader's own frames and decode stages (`Pipeline.records`) (every record's
   CRC checked, tar and Parquet read in place; one record of fixed-shape numbers from a local
   TFRecord split straight from its shard by its index entry, CRC checked too): a corrupt record
   raises `CorruptRecordError` naming its shard and offset. ``_getitems`` (Grain's batched-read
@@ -36,8 +36,8 @@ import numpy as np
 
 from crossfeed.errors import ConfigError
 from crossfeed.format.schema import Encoding
-from crossfeed.read.loader import Loader
 from crossfeed.read.options import LoaderOptions
+from crossfeed.read.pipeline import Pipeline
 from crossfeed.read.sources.dataset import Dataset
 
 __all__ = ["GrainSource", "mix"]
@@ -75,42 +75,42 @@ class GrainSource:
         self.source, self.fields = source, fields
         self._lock = threading.Lock()
         self._pid: int | None = None
-        self._loader: Loader | None = None
-        loader = self._open()  # every option and the dataset checked here, not in a worker
-        self.features = loader.features
+        self._pipeline: Pipeline | None = None
+        pipeline = self._open()  # every option and the dataset checked here, not in a worker
+        self.features = pipeline.features
         # one record of fixed-shape numbers (the Loader's columnar layout) in a local TFRecord split:
         # the split's own record read (CRC checked) costs a third of a one-record batch
         self._direct = (
-            loader.sources is None
-            and loader.split.info.format == "tfrecord"
-            and not loader.dataset.storage.remote
+            pipeline.sources is None
+            and pipeline.split.info.format == "tfrecord"
+            and not pipeline.dataset.storage.remote
             and all(f.fixed and f.encoding in _DENSE for f in self.features)
         )
-        self.sources = loader.sources  # a mixture's `crossfeed.Source`s (None: one dataset)
-        self.starts = _starts(loader)
+        self.sources = pipeline.sources  # a mixture's `crossfeed.Source`s (None: one dataset)
+        self.starts = _starts(pipeline)
         self._len = int(self.starts[-1])
 
-    def _open(self) -> Loader:
-        """This process's Loader (its frames and decode stages read the records), opened once."""
-        if self._loader is not None and self._pid == os.getpid():
-            return self._loader
+    def _open(self) -> Pipeline:
+        """This process's read pipeline (its frames and decode stages read the records), built once."""
+        if self._pipeline is not None and self._pid == os.getpid():
+            return self._pipeline
         with self._lock:
-            if self._loader is None or self._pid != os.getpid():
-                # batch_size only satisfies the Loader: the plan is never used, only `builder.reader`
+            if self._pipeline is None or self._pid != os.getpid():
+                # batch_size only satisfies the options: the plan is never used, only `Pipeline.records`
                 options = LoaderOptions.of(batch_size=1, shuffle="none", num_threads=0, prefetch=0, **self.fields)
-                self._loader, self._pid = Loader(self.source, options), os.getpid()
-        return self._loader
+                self._pipeline, self._pid = Pipeline.build(self.source, options), os.getpid()
+        return self._pipeline
 
     def __len__(self) -> int:
         return self._len
 
     def __getitem__(self, record_key: int) -> dict[str, np.ndarray]:
         key = self._key(record_key)
-        loader = self._open()
+        pipeline = self._open()
         if self._direct:
-            values = loader.split.decode(*loader.split.locate(key), features=[f.name for f in self.features])
+            values = pipeline.split.decode(*pipeline.split.locate(key), features=[f.name for f in self.features])
             return {f.name: np.array(values[f.name], dtype=f.dtype) for f in self.features}
-        batch, _ = loader.builder.reader(np.array([key], dtype=np.int64))
+        batch = pipeline.records([key])
         return {k: _item(v, 0) for k, v in batch.items()}
 
     def _getitems(self, record_keys: Sequence[int]) -> list[dict[str, np.ndarray]]:
@@ -118,7 +118,7 @@ class GrainSource:
         keys = np.array([self._key(k) for k in record_keys], dtype=np.int64)
         if not len(keys):
             return []
-        batch, _ = self._open().builder.reader(keys)
+        batch = self._open().records(keys)
         items = list(batch.items())
         return [{k: _item(v, i) for k, v in items} for i in range(len(keys))]
 
@@ -133,9 +133,7 @@ class GrainSource:
 
     def where(self, record_key: int) -> str:
         """Where record ``record_key`` lies (shard and byte offset; a mixture's source too)."""
-        reader = self._open().builder.reader
-        key = self._key(record_key)
-        return reader.where(key) if self.sources is not None else reader.frames.where(key)
+        return self._open().where(self._key(record_key))
 
     def source_of(self, record_key: int) -> int:
         """Which source of a mixture record ``record_key`` comes from (0 for one dataset)."""
@@ -147,7 +145,7 @@ class GrainSource:
     # -- pickling (Grain's worker processes) ------------------------------------------------------
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_loader"], state["_pid"], state["_lock"] = None, None, None
+        state["_pipeline"], state["_pid"], state["_lock"] = None, None, None
         return state
 
     def __setstate__(self, state):
@@ -156,9 +154,9 @@ class GrainSource:
 
     def close(self) -> None:
         """Close this process's open shards."""
-        if self._loader is not None and self._pid == os.getpid():
-            self._loader.close()
-        self._loader = None
+        if self._pipeline is not None and self._pid == os.getpid():
+            self._pipeline.close()
+        self._pipeline = None
 
     def __enter__(self) -> GrainSource:
         return self
@@ -173,11 +171,9 @@ def _item(column: np.ndarray, i: int):
     return column[i] if column.dtype == object else column[i, ...]
 
 
-def _starts(loader: Loader) -> np.ndarray:
+def _starts(pipeline: Pipeline) -> np.ndarray:
     """Each source's first record key, and the total at the end (one dataset: ``[0, N]``)."""
-    if loader.sources is None:
-        return np.array([0, len(loader.split)], dtype=np.int64)
-    return np.asarray(loader.builder.reader.starts, dtype=np.int64)
+    return np.asarray(pipeline.starts, dtype=np.int64)
 
 
 def mix(source: GrainSource, *, seed: int | None = None, weights: Sequence[float] | None = None) -> grain.MapDataset:

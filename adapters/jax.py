@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import threading
 import time
@@ -66,8 +65,8 @@ from crossfeed.read import metrics
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.executors.threads import ExecutorKind
 from crossfeed.read.loader import Loader
-from crossfeed.read.options import LoaderOptions, Source
-from crossfeed.read.sources.dataset import Dataset
+from crossfeed.read.options import LoaderOptions
+from crossfeed.read.pipeline import SourceKind, classify
 
 __all__ = ["JaxLoader", "default_sharding"]
 
@@ -78,10 +77,9 @@ JOIN_S = 30.0  # how long close() waits for the prefetch thread to finish the ba
 
 
 def is_stream(source) -> bool:
-    """Whether ``source`` is a stream of batches (e.g. ``crossfeed.connect(...)``) rather than a dataset or a mixture."""
-    if isinstance(source, (list, tuple)) and source and all(isinstance(s, Source) for s in source):
-        return False  # a mixture
-    return not isinstance(source, (str, bytes, os.PathLike, Dataset, Source)) and hasattr(source, "__iter__")
+    """Whether ``source`` is a stream of batches (e.g. ``crossfeed.connect(...)``) rather than a
+    dataset or a mixture (`crossfeed.read.pipeline.classify`, the one answer every front end uses)."""
+    return classify(source) is SourceKind.STREAM
 
 
 def _rank_and_world(rank, world_size) -> tuple[int, int]:
@@ -98,15 +96,6 @@ def _statistics(loader: Loader) -> list[dict]:
         {src.name_of(k): v for k, v in ds[src.split].info.statistics.items()}
         for ds, src in zip(loader.datasets, loader.sources)
     ]
-
-
-def _use_allocator(loader: Loader, alloc: AlignedArrays) -> None:
-    """Have ``loader`` build its batch arrays with ``alloc`` (the allocator hook a worker process
-    uses for its shared memory): the collate after a per-sample transform, and the decoder."""
-    loader.builder.alloc = alloc
-    decoder = getattr(getattr(loader.builder, "reader", None), "decoder", None)
-    if decoder is not None and hasattr(decoder, "alloc"):
-        decoder.alloc = alloc
 
 
 class JaxLoader:
@@ -200,14 +189,16 @@ class JaxLoader:
         self.global_batch_size = opts.plan.batch_size
         local = self._local_batch(self.global_batch_size)
         self.options = opts.replace(batch_size=local, rank=self.rank, world_size=self.world_size)
-        self.loader = Loader(source, self.options, transform=transform, batch_transform=batch_transform, epoch=epoch)
+        # batches built straight into aligned buffers (a worker process's slots are aligned already)
+        aligned = self._alloc if self.options.read.executor is not ExecutorKind.PROCESS else None
+        self.loader = Loader(
+            source, self.options, transform=transform, batch_transform=batch_transform, epoch=epoch, alloc=aligned
+        )
         try:
             packed = opts.plan.pack is not None  # packed rows are dense: (B, length) of every feature
             if transform is None and batch_transform is None and not packed:  # a transform may make anything dense
                 check_features(self.loader.features, pad, _statistics(self.loader))
             self._assemble = Assembler(self.sharding, self.world_size, local, pad, alloc=self._alloc)
-            if self.options.read.executor is not ExecutorKind.PROCESS:  # (a worker's slots are aligned already)
-                _use_allocator(self.loader, self._alloc)
         except BaseException:
             self.loader.close()
             raise
@@ -282,7 +273,7 @@ class JaxLoader:
         """Steps (global batches) the next iteration yields; the same on every process."""
         if self.loader is None:
             raise TypeError("a stream source has no length: its servers decide how many batches come")
-        return self.loader.sampler.rank_batch_count(int(self._state["position"]), epoch=int(self._state["epoch"]))
+        return self.loader.rank_batch_count(int(self._state["position"]), epoch=int(self._state["epoch"]))
 
     # -- iteration -------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict]:

@@ -68,7 +68,6 @@ engine with MultiWorkerMirroredStrategy (``input_fn`` shards by input pipeline),
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -76,7 +75,8 @@ import tensorflow as tf
 from crossfeed.adapters import tf_native, tf_plan, tf_spec
 from crossfeed.adapters.tf_options import Engine, TFOptions
 from crossfeed.errors import ConfigError
-from crossfeed.read.options import LoaderOptions, Shuffle, Source
+from crossfeed.read.options import LoaderOptions, Shuffle
+from crossfeed.read.pipeline import SourceKind, classify, sources_of
 from crossfeed.read.sources.dataset import Dataset, open_dataset
 
 __all__ = ["Engine", "Shuffle", "dataset", "element_spec", "feature_spec", "input_fn", "plan_state", "stats"]
@@ -93,10 +93,6 @@ def _open(source, split: str | None = None, opts: TFOptions | None = None) -> Da
     if split is not None and split not in ds:
         raise ConfigError(f"{ds.path}: no split {split!r}; it has {sorted(ds.splits)}")
     return ds
-
-
-def _is_dataset_source(source) -> bool:
-    return isinstance(source, (str, os.PathLike, Dataset))
 
 
 def feature_spec(source, *, features=None) -> dict:
@@ -122,10 +118,6 @@ def element_spec(source, options: LoaderOptions | None = None, **fields) -> dict
     return tf_spec.element_spec(
         feats, batch_size=opts.batch_size, drop_last=opts.drop_last, return_index=opts.return_index
     )
-
-
-def _is_mixture(source) -> bool:
-    return isinstance(source, (list, tuple)) and bool(source) and all(isinstance(s, Source) for s in source)
 
 
 def _tf_can_open(url: str) -> bool:
@@ -211,19 +203,16 @@ def dataset(
         num_parallel_calls=num_parallel_calls,
         tf_prefetch=tf_prefetch,
     )
-    if _is_mixture(source):
+    kind = classify(source)
+    if kind is SourceKind.MIXTURE:
         if opts.engine is Engine.NATIVE:
             raise ConfigError("a mixture is read by the plan engine; use engine='plan' or 'auto'")
-        return tf_plan.build(list(source), opts, state=state, loader_options=loader_options, element_spec=element_spec)
-    if not _is_dataset_source(source):
+        mixture = list(sources_of(source) or ())
+        return tf_plan.build(mixture, opts, state=state, loader_options=loader_options, element_spec=element_spec)
+    if kind is SourceKind.STREAM:
         if opts.engine is Engine.NATIVE or state is not None or loader_options:
             raise ConfigError(
                 "a stream source is read as it comes: engine='native', state= and loader_options= need a dataset path"
-            )
-        if not hasattr(source, "__iter__"):
-            raise ConfigError(
-                f"source must be a dataset path, a crossfeed.Dataset or an iterable of dict batches, "
-                f"got {type(source).__name__}"
             )
         return tf_plan.build_stream(source, opts, element_spec=element_spec)
     ds = _open(source, opts.split, opts)
@@ -341,5 +330,5 @@ def plan_state(source, options: LoaderOptions | None = None, *, steps: int, epoc
     opts = TFOptions.make(options, fields, epoch=epoch, engine=Engine.PLAN)
     with tf_plan.loader(_open(source, opts.split, opts), opts) as ld:
         state = ld.state_dict()
-        state["position"] = ld.sampler.position_after(0, steps, epoch=epoch)
+        state["position"] = ld.position_after(0, steps, epoch=epoch)
     return state

@@ -46,17 +46,17 @@ from crossfeed.errors import ConfigError
 from crossfeed.read import metrics
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.loader import Loader
-from crossfeed.read.options import LoaderOptions, Source
+from crossfeed.read.options import LoaderOptions
+from crossfeed.read.pipeline import SourceKind, classify
 from crossfeed.read.sources.dataset import Dataset
 
 __all__ = ["StatefulLoader", "TorchDataset", "to_torch"]
 
 
 def is_stream(source) -> bool:
-    """Whether ``source`` is a stream of batches (e.g. ``crossfeed.connect(...)``) rather than a dataset or a mixture."""
-    if isinstance(source, (list, tuple)) and source and all(isinstance(s, Source) for s in source):
-        return False  # a mixture
-    return not isinstance(source, (str, bytes, os.PathLike, Dataset, Source)) and hasattr(source, "__iter__")
+    """Whether ``source`` is a stream of batches (e.g. ``crossfeed.connect(...)``) rather than a
+    dataset or a mixture (`crossfeed.read.pipeline.classify`, the one answer every front end uses)."""
+    return classify(source) is SourceKind.STREAM
 
 
 def _rank_and_world(rank, world_size) -> tuple[int, int]:
@@ -164,7 +164,7 @@ class TorchDataset(IterableDataset):
         if self._stream is not None:
             raise TypeError("a stream source has no length: its servers decide how many batches come")
         epoch, position = self._next_start()
-        return self.loader.sampler.rank_batch_count(position, epoch=epoch)
+        return self.loader.rank_batch_count(position, epoch=epoch)
 
     # -- iteration -------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict]:
@@ -281,7 +281,7 @@ class StatefulLoader:
         if self._running is None:
             return self.dataset.state_dict()
         epoch, position = self._running
-        done = self.dataset.loader.sampler.position_after(position, self._taken, epoch=epoch)
+        done = self.dataset.loader.position_after(position, self._taken, epoch=epoch)
         return self.dataset._state(epoch, done)
 
     def load_state_dict(self, state: dict) -> None:

@@ -83,7 +83,7 @@ def _readers(path: str) -> dict:
     kw = dict(batch_size=BATCH, shuffle="global", seed=0, drop_last=True)
     before = JaxLoader(path, device_prefetch=2, **kw)
     # as before: the Loader's own (unaligned) arrays, copied by jax.device_put
-    before.loader.builder.alloc = before.loader.builder.reader.decoder.alloc = None
+    before.loader.pipeline.set_allocator(None)
     before._assemble = dataclasses.replace(before._assemble, fast=False, alloc=None)
     return {
         "loader": (_epoch_loader, crossfeed.Loader(path, **kw)),

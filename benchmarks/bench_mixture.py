@@ -45,12 +45,12 @@ def _per_source(loader) -> None:
     (`UnionSplit`): a read per source, frames merged back into batch order — the "before"."""
     from crossfeed.read.stages.fetch import MixtureReader, SourceReader
 
-    union = loader.builder.reader.union
+    union = loader.pipeline.builder.reader.union
     readers = [
         SourceReader(sp, union.decoder.features, read=loader.options.read, whole_shards=False, keep_loaded=None)
         for sp in union.frames.split.splits
     ]
-    loader.builder.reader = MixtureReader(readers, loader.builder.reader.starts)
+    loader.pipeline.builder.reader = MixtureReader(readers, loader.pipeline.builder.reader.starts)
 
 
 def run_crossfeed(paths, batches: int, batch: int, shuffle: str, rounds: int) -> dict:

@@ -91,7 +91,7 @@ def reader(name: str, kind: str, d: str, b: int, shuffle: str):
 
         def epoch():  # every epoch decodes its row groups afresh, as the peers do (unless -warm)
             if not warm:
-                loader.builder.reader.frames.clear()
+                loader.pipeline.clear()
             return iter(loader)
 
         return epoch, loader.close

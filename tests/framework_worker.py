@@ -76,7 +76,7 @@ def _rank_tf(job, rank, state):
             import crossfeed
 
             with crossfeed.Loader(source, rank=0, return_index=True, **kw) as ld:
-                ld.start_at(0, ld.sampler.position_after(0, len(ids)))
+                ld.start_at(0, ld.position_after(0, len(ids)))
                 saved = ld.state_dict()
         else:
             saved = cftf.plan_state(source, steps=len(ids), **kw)

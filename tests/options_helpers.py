@@ -84,10 +84,10 @@ def write_token_data(root) -> str:
 def landed_tokens(loader: Loader) -> dict:
     """Where the token options land: the plan (`PackSampler`) and the builder's packed features."""
     return {
-        "sampler": type(loader.sampler).__name__,
-        "pack": loader.sampler.pack,
-        "budget": loader.sampler.budget,
-        "features": [name for name, _ in loader.builder.features],
+        "sampler": type(loader.pipeline.sampler).__name__,
+        "pack": loader.pipeline.sampler.pack,
+        "budget": loader.pipeline.sampler.budget,
+        "features": [name for name, _ in loader.pipeline.builder.features],
     }
 
 
@@ -104,19 +104,19 @@ def expected_tokens(options: LoaderOptions) -> dict:
 def landed(loader: Loader) -> dict:
     """Each option as the stage that uses it holds it: the sampler (plan and share), the split
     and decoder (what is read), the executor and its window (how hard), the error budget."""
-    reader = loader.builder.reader
-    executor = loader.executor
+    reader = loader.pipeline.builder.reader
+    executor = loader.pipeline.executor
     return {
-        "plan": loader.sampler.options,
-        "shard": loader.sampler.shard,
+        "plan": loader.pipeline.sampler.options,
+        "shard": loader.pipeline.sampler.shard,
         "split": loader.split.name if loader.split is not None else None,
         "features": tuple(f.name for f in reader.decoder.features),
         "decode_images": reader.decoder.decode_images,
         "image_fit": getattr(reader.decoder, "fit", None),
-        "return_index": loader.builder.return_index,
+        "return_index": loader.pipeline.builder.return_index,
         "threads": executor.num_threads,
         "window": executor.window,
-        "skips": None if loader.builder.budget is None else loader.builder.budget.max_skips,
+        "skips": None if loader.pipeline.builder.budget is None else loader.pipeline.builder.budget.max_skips,
         "read_timeout": loader.dataset.index_storage.read_timeout,
         "storage_options": loader.dataset.storage.storage_options,
         "log_stats": loader.options.read.log_stats,  # read by `Loader.__iter__` at each epoch's end

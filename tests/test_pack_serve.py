@@ -116,7 +116,7 @@ def _check_epochs(used, path, lengths, *, seed: int, epochs: int) -> list[int]:
         with crossfeed.Loader(path, batch_size=2, seed=seed, pack=crossfeed.Pack(24)) as ld:
             ld.set_epoch(e)
             want = list(ld)
-            rows.append(ld.sampler.epoch_total(e))
+            rows.append(ld.pipeline.sampler.epoch_total(e))
         got = [x for x in used if x[0] == e]
         assert sorted(x[1] - e * PACKED_STRIDE for x in got) == list(range(len(want))), "a batch id lost or twice"
         assert collections.Counter(_key(x[3]) for x in got) == collections.Counter(_key(b) for b in want)
@@ -156,13 +156,13 @@ def test_pack_walker_builds_leased_batches_in_any_order(tmp_path):
 
     path = write_tokens(tmp_path / "t", TWO_EPOCHS)
     with crossfeed.Loader(path, batch_size=2, seed=2, pack=crossfeed.Pack(24)) as ld:
-        walker = PackWalker(ld.sampler)
+        walker = PackWalker(ld.pipeline.sampler)
         for e in (0, 1):
             ld.set_epoch(e)
             want = list(ld)
             n = len(want)
             for b in [0, 1, 4, 2, 3, n - 1, 0, n - 2, 5]:
-                got = ld.builder(walker.batch(e, b))
+                got = ld.pipeline.builder(walker.batch(e, b))
                 assert all(np.array_equal(got[k], want[b][k]) for k in want[b]), (e, b)
             with pytest.raises(ConfigError, match="past the end"):
                 walker.batch(e, n)

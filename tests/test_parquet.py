@@ -110,7 +110,7 @@ def test_shuffles_are_permutations_with_pyarrow_values(pa_dir, shuffle, batch_si
     root, paths = pa_dir
     expected = oracle(paths)
     with Loader(root, batch_size=batch_size, shuffle=shuffle, seed=3, return_index=True) as loader:
-        groups = loader.builder.reader.frames.groups
+        groups = loader.pipeline.builder.reader.frames.groups
         if lru == "two":
             groups.max_bytes = 0  # the LRU keeps its minimum of two row groups: never the whole split
         batches = list(loader)
@@ -118,7 +118,9 @@ def test_shuffles_are_permutations_with_pyarrow_values(pa_dir, shuffle, batch_si
         assert sorted(ids.tolist()) == list(range(N)) and ids.tolist() != list(range(N))
         assert _check_rows(batches, expected, list(expected)) == N
         if lru == "fits":  # the split's 11 row groups fit the LRU: each decoded once, whatever the order
-            assert groups.loads == 11 and loader.builder.reader.frames.split_columns is not None  # ... then one take
+            assert (
+                groups.loads == 11 and loader.pipeline.builder.reader.frames.split_columns is not None
+            )  # ... then one take
         else:
             assert groups.loads >= 11 and len(groups) == 2
         second = np.concatenate([b[INDEX_KEY] for b in loader])
@@ -131,9 +133,9 @@ def test_block_shuffle_windows_over_row_groups(pa_dir):
     root, _ = pa_dir
     kw = dict(batch_size=ROW_GROUP, shuffle="block", block_shards=1, seed=9, return_index=True, num_threads=0)
     with Loader(root, **kw) as loader:
-        loader.builder.reader.frames.groups.max_bytes = 0  # keep the minimum: 2 row groups
+        loader.pipeline.builder.reader.frames.groups.max_bytes = 0  # keep the minimum: 2 row groups
         ids = [b[INDEX_KEY] for b in loader]
-        assert loader.builder.reader.frames.groups.loads == 11
+        assert loader.pipeline.builder.reader.frames.groups.loads == 11
     starts = np.cumsum([0, *(10,) * 5, 3, *(10,) * 4])
     for b in ids:
         groups = np.unique(np.searchsorted(starts, b, side="right") - 1)
@@ -399,9 +401,9 @@ def test_a_thrashing_row_group_cache_is_reported_once(pa_dir, caplog):
         caplog.clear()
         with Loader(root, batch_size=batch_size, shuffle=shuffle, block_shards=1, seed=1, num_threads=0) as loader:
             if small:
-                loader.builder.reader.frames.groups.max_bytes = 0  # two row groups: far less than the split
+                loader.pipeline.builder.reader.frames.groups.max_bytes = 0  # two row groups: far less than the split
             for _ in range(3):
-                loader.builder.reader.frames.clear()
+                loader.pipeline.builder.reader.frames.clear()
                 assert sum(len(b["id"]) for b in loader) == N  # still every row, just slower
         msgs = [r.getMessage() for r in caplog.records if "row-group cache" in r.getMessage()]
         assert len(msgs) == (1 if warned else 0), (shuffle, msgs)

@@ -98,7 +98,7 @@ def test_kept_batches_stay_valid_and_slots_are_reused(mixed_dataset):
         # the abandoned pass's batches still in flight were dropped: the Loader went on after batch 0
         want = epoch_batches(path, batch_size=4, seed=1)
         assert rest[: len(want) - 1] == [b.tolist() for b in want[1:]]
-        slots = loader.executor.slots
+        slots = loader.pipeline.executor.slots
         assert slots <= 2 * (2 + 2) + 1, slots
         _same([kept], [copy])
         del kept
@@ -106,7 +106,7 @@ def test_kept_batches_stay_valid_and_slots_are_reused(mixed_dataset):
         for _ in range(2):
             for _batch in loader:
                 pass
-        assert loader.executor.slots == slots  # nothing kept: the same slots, over and over
+        assert loader.pipeline.executor.slots == slots  # nothing kept: the same slots, over and over
 
 
 def test_transform_error_names_the_batch(mixed_dataset):
@@ -152,7 +152,7 @@ def test_killed_worker_is_an_error_not_a_hang(mixed_dataset):
     with Loader(path, batch_size=2, seed=4, transform="procs_helpers:flip_and_scale", **PROC) as loader:
         it = iter(loader)
         next(it)
-        victim = loader.executor.pids[1]
+        victim = loader.pipeline.executor.pids[1]
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(WorkerError, match=r"killed by SIGKILL while building batch \d+"):
             for _ in it:
@@ -182,7 +182,7 @@ from crossfeed.read.loader import Loader
 loader = Loader({path!r}, batch_size=2, executor="process", processes=2, transform="procs_helpers:flip_and_scale")
 it = iter(loader)
 held = [next(it), next(it)]
-print(" ".join(map(str, loader.executor.pids)), flush=True)
+print(" ".join(map(str, loader.pipeline.executor.pids)), flush=True)
 time.sleep(60)
 """
 
@@ -233,7 +233,7 @@ def test_batches_are_made_in_the_slot_not_copied_into_it(mixed_dataset):
     pool = SlotPool()
     for transform in (None, flip_and_scale):
         with Loader(path, batch_size=4, seed=0, num_threads=0, transform=transform) as loader:
-            build, ids = loader.builder, loader.plan().batch(0)
+            build, ids = loader.pipeline.builder, loader.plan().batch(0)
             writer = SlotWriter(pool.take())
             build.alloc = writer.alloc
             if transform is None:

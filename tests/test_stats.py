@@ -205,7 +205,7 @@ def test_metrics_switched_off_time_nothing(small, monkeypatch):
     """The overhead benchmark's switch: the Loader runs its code paths of before metrics."""
     monkeypatch.setattr(metrics, "ENABLED", False)
     with Loader(small, batch_size=8, transform=plus_one) as loader:
-        assert loader.meter is None and loader.builder.meter is None
+        assert loader.pipeline.meter is None and loader.pipeline.builder.meter is None
         assert sum(len(b["y"]) for b in loader) == N
         assert loader.stats() == Stats()
 

@@ -259,7 +259,7 @@ def test_position_after_matches_what_the_plan_consumed(ids_dataset):
     assert ds.loader.options.plan == cfg
     with StatefulLoader(ds, num_workers=2) as loader:
         _run(loader, stop=3)
-        assert loader.state_dict()["position"] == ds.loader.sampler.position_after(0, 3) == 30
+        assert loader.state_dict()["position"] == ds.loader.position_after(0, 3) == 30
 
 
 def _double_x(sample: dict) -> dict:

@@ -30,12 +30,12 @@ def _ids(path) -> list[int]:
 
 
 def _per_source(loader) -> None:
-    union = loader.builder.reader.union
+    union = loader.pipeline.builder.reader.union
     readers = [
         SourceReader(sp, union.decoder.features, read=loader.options.read, whole_shards=False, keep_loaded=None)
         for sp in union.frames.split.splits
     ]
-    loader.builder.reader = MixtureReader(readers, loader.builder.reader.starts)
+    loader.pipeline.builder.reader = MixtureReader(readers, loader.pipeline.builder.reader.starts)
 
 
 @pytest.mark.parametrize("text", [False, True], ids=["rows", "views"])
@@ -47,8 +47,8 @@ def test_one_pass_over_every_source_reads_what_a_pass_per_source_reads(tmp_path,
     ids = [_ids(p) for p in paths]
     kw = dict(batch_size=16, seed=7, return_index=True, samples_per_epoch=160)
     with crossfeed.Loader(sources, **kw) as one, crossfeed.Loader(sources, **kw) as each:
-        assert isinstance(one.builder.reader.union.frames.split, UnionSplit)
-        assert one.builder.reader.rows is (not text)
+        assert isinstance(one.pipeline.builder.reader.union.frames.split, UnionSplit)
+        assert one.pipeline.builder.reader.rows is (not text)
         _per_source(each)
         for a, b in zip(one, each, strict=True):
             assert a.keys() == b.keys()

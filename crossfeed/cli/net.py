@@ -373,8 +373,7 @@ def dispatch(
     counts = None
     try:
         if packed:  # epoch e has its own count, one walk over its lengths (kept open for every epoch)
-            sampler = loader.sampler
-            counts = EpochCounts(lambda e: sampler.rank_batch_count(0, epoch=e), epochs)
+            counts = EpochCounts(lambda e: loader.rank_batch_count(0, epoch=e), epochs)
             per_rank, batches = counts(0), PACKED_STRIDE
         else:
             per_rank = loader.batch_count()

@@ -49,7 +49,6 @@ from crossfeed.net.keys import ClientKeys, secure_client_socket
 from crossfeed.net.lease import messages as W
 from crossfeed.net.lease.book import PACKED_STRIDE
 from crossfeed.net.stream.producer import Prefetch, ProducerFailed, StreamEnd, encode_item, put_until
-from crossfeed.read.stages.pack import PackWalker
 from crossfeed.read.stages.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -93,7 +92,7 @@ class LeaseSource:
         self._work = threading.Event()  # set when leases arrive
         self._loader = None
         self._samplers: list[Sampler] = []
-        self._walker: PackWalker | None = None  # a packed plan's batches (builder thread only)
+        self._walker: Any = None  # a `PackWalker`: a packed plan's batches (builder thread only)
         self._plans: dict[tuple[int, int], Any] = {}  # (rank, epoch) -> Plan (builder thread only)
         self._builder: threading.Thread | None = None
         self._halt = threading.Event()  # stops the builder thread
@@ -248,7 +247,7 @@ class LeaseSource:
                         f"the dispatcher's packed plan names world_size {world} and a stride of {msg.batches} "
                         f"batches; this server leases packed batches for world_size 1 with a stride of {PACKED_STRIDE}"
                     )
-                self._walker = PackWalker(self._loader.sampler)
+                self._walker = self._loader.pipeline.walker()
                 mine = msg.batches
             else:
                 self._samplers = [
@@ -271,7 +270,7 @@ class LeaseSource:
 
     # ---- the builder thread ----
     def _build(self) -> None:
-        """Build the leased batches through the Loader's executor, one pass per run of leases
+        """Build the leased batches through the Loader's pipeline (`Pipeline.batches`), one pass per run of leases
         already received (a pass ends when none is left), and hand them to the server in order."""
         loader = self._loader
         taken: collections.deque = collections.deque()  # the tasks in the executor, in order
@@ -283,7 +282,7 @@ class LeaseSource:
                     continue
                 taken.clear()
                 self.stats["passes"] += 1
-                for batch in loader.executor.map(loader.builder, self._indices(taken)):
+                for batch in loader.pipeline.batches(self._indices(taken)):
                     task = taken.popleft()
                     if self._halt.is_set():
                         return

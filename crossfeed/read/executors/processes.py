@@ -289,6 +289,7 @@ class ProcessExecutor:
                 "executor='process' needs Linux (anonymous shared memory: memfd_create); use threads here"
             )
         self.processes, self.window, self._name = processes, max(window, processes), name
+        self.num_threads = 0  # no builder threads in this process: the workers build
         self._recipe = recipe.to_json()  # fails here, in the caller's code, if it cannot be sent
         self._workers: list[_Worker] = []
         self._pools = [SlotPool()]  # the current one last; torn-down ones close as their batches go

@@ -42,6 +42,8 @@ class ThreadExecutor:
         if num_threads < 0 or window < 1:
             raise ConfigError(f"an executor needs num_threads >= 0 and window >= 1, got {num_threads}, {window}")
         self.num_threads, self.window, self._name = num_threads, window, name
+        self.processes = 0  # (the `crossfeed.read.pipeline.Executor` contract: no worker processes)
+        self.skipped = 0  # records are skipped by the builder's own budget, in this process
         self._pool: ThreadPoolExecutor | None = None
         self._stops: set[threading.Event] = set()
 

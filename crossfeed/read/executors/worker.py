@@ -1,7 +1,7 @@
 """A worker process of the process executor (`crossfeed.read.executors.processes`):
 ``python -m crossfeed.read.executors.worker FD``, FD its end of a Unix socket to the parent.
 
-It receives the `WorkerRecipe` (JSON), builds its own Loader from it (threads off: this process
+It receives the `WorkerRecipe` (JSON), builds its own `crossfeed.read.pipeline.Pipeline` from it (threads off: this process
 is the parallelism), answers ``["ready", pid]``, then for each ``["build", gen, seq, slot]`` (the
 sample ids in a blob) builds the batch in the slot (`crossfeed.read.executors.slots.SlotWriter`) and
 answers with its layout and its stage times (`crossfeed.read.metrics.Meter.drain`) — or with the
@@ -47,14 +47,17 @@ def _read_tasks(channel, tasks: queue.SimpleQueue) -> None:
         known.add(slot_id)
 
 
-def _builder(recipe):
+def _pipeline(recipe):
+    """This worker's own pipeline, built from the recipe (threads off: this process is the parallelism)."""
     from crossfeed.read.executors.threads import ExecutorKind
-    from crossfeed.read.loader import Loader
+    from crossfeed.read.pipeline import Pipeline
 
     options = recipe.options.replace(executor=ExecutorKind.THREAD, num_threads=0)
-    loader = Loader(recipe.source, options, transform=recipe.transform, batch_transform=recipe.batch_transform)
-    recipe.check_versions(loader.datasets)
-    return loader.builder
+    pipeline = Pipeline.build(
+        recipe.source, options, transform=recipe.transform, batch_transform=recipe.batch_transform
+    )
+    recipe.check_versions(pipeline.datasets)
+    return pipeline
 
 
 def main(fd: int) -> None:
@@ -67,7 +70,7 @@ def main(fd: int) -> None:
     try:
         (_, path, _index, recipe), _ = channel.recv()
         sys.path[:] = path
-        build = _builder(WorkerRecipe.from_json(recipe))
+        pipeline = _pipeline(WorkerRecipe.from_json(recipe))
     except EOFError:
         return
     except BaseException as e:
@@ -87,22 +90,20 @@ def main(fd: int) -> None:
         writer = SlotWriter(slots[slot_id])
         # the batch is made once, in the slot: stacked from the transform's samples, or else
         # decoded straight into it
-        build.alloc = writer.alloc
-        if build.transform is None:
-            build.reader.decoder.alloc = writer.alloc
+        pipeline.set_allocator(writer.alloc)
         blobs = []
         try:
-            layout, nbytes = writer.finish(build(ids))
+            layout, nbytes = writer.finish(pipeline.build_batch(ids))
             rows, blobs = layout_to_json(layout)
         except Exception as e:
             reply = ["error", gen, seq, traceback.format_exc(), exception_to_json(e)]
         else:
-            skipped = build.budget.count if build.budget is not None else 0
+            skipped = pipeline.skipped
             # the batch's stage times (`crossfeed.read.metrics`) go back with it, and when it was done
-            timed = build.meter.drain() if build.meter is not None else None
+            timed = pipeline.drain_meter()
             reply = ["done", gen, seq, slot_id, rows, nbytes, skipped, timed, time.perf_counter_ns()]
         finally:
-            build.alloc = build.reader.decoder.alloc = None
+            pipeline.set_allocator(None)
         try:
             channel.send(reply, blobs)
         except OSError:

@@ -79,7 +79,7 @@ class BatchBuilder:
                 t.n_batch += 1
                 t.last = now
         if self.return_index:
-            if isinstance(self.reader, MixtureReader):
+            if self.reader.mixture:  # which source, and the index within it
                 starts = self.reader.starts
                 src = starts[1:-1].searchsorted(indices, side="right")
                 batch[SOURCE_KEY] = src

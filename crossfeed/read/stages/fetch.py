@@ -25,6 +25,8 @@ class SourceReader:
     """Stages 2 and 3 for one split: global sample indices → ``(batch, kept)``, the decoded batch
     and the positions of the indices that made it into it (all, unless ``on_error`` dropped some)."""
 
+    mixture = False  # ids are the split's own
+
     def __init__(
         self,
         split: Split,
@@ -53,6 +55,10 @@ class SourceReader:
         self.frames.rows = self.decoder.columnar and self.frames.small_records()
         # big records' payload CRCs are checked by the columnar decoder as it copies them
         self._defer = self.decoder.columnar and not self.frames.rows
+
+    def where(self, i: int) -> str:
+        """Where record ``i`` lies: its shard and byte offset."""
+        return self.frames.where(int(i))
 
     def __call__(self, indices: np.ndarray, budget=None, tick=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
         frames = self.frames(indices, on_error=budget, defer_crc=True) if self._defer else self.frames(indices, budget)
@@ -126,6 +132,8 @@ class MixtureReader:
 
     ``names``: ``{a source's name: the mixture's}`` applied to the batch of the first way (the
     sources rename alike there)."""
+
+    mixture = True  # ids are global across the sources (``starts``)
 
     def __init__(
         self,

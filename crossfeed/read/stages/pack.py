@@ -179,7 +179,7 @@ class DocLengths:
 
 def documents(order, lengths, start: int = 0) -> Iterator[tuple[int, int]]:
     """``(document id, length)`` of the epoch's documents from position ``start``, in plan order."""
-    if isinstance(order, TokenMixtureOrder):  # sequential: walked from the epoch's start
+    if order.sequential:  # a token mixture's order: walked from the epoch's start
         skip = start
         for ids, lens in order.walk(lengths):
             if skip >= len(ids):
@@ -209,6 +209,8 @@ class TokenMixtureOrder:
     epoch ``e`` is its draw ``e · n + c`` (``n``: the epoch's documents) — its passes' orders as
     in `MixtureOrder` — so epochs never share draws, and within an epoch a source repeats a
     document only after drawing all of them."""
+
+    sequential = True  # walked from the epoch's start (`documents`)
 
     def __init__(self, mix):
         self.mix, self.n, self.epoch = mix, mix.n, mix.epoch
@@ -453,6 +455,10 @@ class PackSampler:
         left = self.epoch_total(epoch) - position
         return left // self.per_batch if self.options.drop_last else -(-left // self.per_batch)
 
+    def source_positions(self, epoch: int, position: int) -> list[dict] | None:
+        """None: a token plan's positions count rows or documents, not each source's draws."""
+        return None
+
     def position_after(self, position: int, rank_batches_done: int, epoch: int = 0) -> int:
         """The position after every rank delivered ``rank_batches_done`` batches from ``position``."""
         if rank_batches_done <= 0:
@@ -469,6 +475,8 @@ class PackSampler:
 class PackPlan:
     """One rank's (and worker's) batches for the rest of an epoch, as encoded pieces (`_encode`)
     for `PackBuilder`; walked from the lengths as it is iterated."""
+
+    random_access = False  # rows are walked in order: no batch by number (see `PackWalker`)
 
     def __init__(self, sampler: PackSampler, epoch: int, position: int):
         self.sampler, self.epoch, self.position = sampler, epoch, position
@@ -526,7 +534,7 @@ class PackWalker:
     died) restarts the walk from the epoch's start: correct, and slower."""
 
     def __init__(self, sampler: PackSampler):
-        if sampler.pack is None or sampler.shard.world_size != 1:
+        if getattr(sampler, "pack", None) is None or sampler.shard.world_size != 1:
             raise ConfigError("a PackWalker walks the packed rows of a plan for one rank")
         self.sampler = sampler
         self.epoch: int | None = None
@@ -593,8 +601,7 @@ class PackBuilder:
 
     def _where(self, doc: int) -> str:
         """Names a document's record: its shard and offset (a mixture's: its source too)."""
-        where = getattr(self.reader, "where", None) or self.reader.frames.where
-        return where(doc)
+        return self.reader.where(doc)
 
     def __call__(
         self, encoded: np.ndarray, timings: dict[str, float] | None = None, tally=None
@@ -676,11 +683,13 @@ def read_names(options: LoaderOptions, datasets) -> tuple[str, ...] | None:
     return None
 
 
-def token_loader(sampler, builder, splits, stored: list[list[Feature]], features, options: LoaderOptions, transform):
-    """``(PackSampler, PackBuilder)`` over a Loader's document `Sampler` and `BatchBuilder`."""
+def token_stages(sampler, builder, splits, stored: list[list[Feature]], features, options: LoaderOptions):
+    """``(PackSampler, PackBuilder)`` over a pipeline's document `Sampler` and `BatchBuilder`:
+    the stages of a token pipeline (``pack=`` or ``batch_by_tokens=``), satisfying the same
+    contracts (`crossfeed.read.pipeline.SamplerLike`, `Builder`)."""
     plan = options.plan
     what = "pack=" if plan.pack is not None else "batch_by_tokens="
-    if transform is not None:
+    if builder.transform is not None:
         raise ConfigError(
             f"{what} plans from the stored lengths, which a per-sample transform could change; "
             f"use batch_transform= (it gets the packed batch)"

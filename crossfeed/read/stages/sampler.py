@@ -87,6 +87,8 @@ class EpochOrder:
     """``order(positions)``: the samples at those positions of one epoch's order (global,
     shard-major indices). Built in O(shards); evaluated in O(len(positions))."""
 
+    sequential = False  # any position evaluated on its own (`crossfeed.read.stages.pack.documents`)
+
     def __init__(self, counts, *, seed: int, epoch: int, shuffle: Shuffle, block_shards: int = 4):
         self.counts = np.asarray(counts, dtype=np.int64)
         self.n = int(self.counts.sum())
@@ -230,6 +232,8 @@ class MixtureOrder:
     weights say. Sample ids are global across sources: source ``s``'s sample ``i`` is
     ``starts[s] + i``. Everything is O(sources) to build and O(positions) to evaluate.
     """
+
+    sequential = False  # any position evaluated on its own
 
     def __init__(
         self,
@@ -385,6 +389,7 @@ class Plan:
     worker: int = 0
     num_workers: int = 1
     _chunk: dict = field(default_factory=dict, compare=False, repr=False)  # {chunk: indices}, see `batch`
+    random_access = True  # `batch_ids` and `batch`: any batch by number (looked ahead at by the prefetcher)
 
     @property
     def rank_batches(self) -> int:
@@ -510,3 +515,13 @@ class Sampler:
     def position_after(self, position: int, rank_batches_done: int, epoch: int = 0) -> int:
         """The epoch position after every rank delivered ``rank_batches_done`` batches from ``position``."""
         return min(self.total, position + rank_batches_done * self.options.batch_size * self.shard.world_size)
+
+    def source_positions(self, epoch: int, position: int) -> list[dict] | None:
+        """Where each source of a mixture stands at ``position`` of epoch ``epoch``: its pass over
+        its records and the offset in it (None: one dataset)."""
+        if self.weights is None:
+            return None
+        order = self.plan(epoch, position).order
+        n = len(self.weights)
+        draws = order.epoch * order.per_epoch + order.draws(np.full(n, position), np.arange(n))
+        return [{"pass": int(d // k), "offset": int(d % k)} for d, k in zip(draws.tolist(), order.sizes.tolist())]

@@ -5,7 +5,7 @@
 1. **End to end**: the Loader delivers ``batches`` batches; gives samples/s, MB/s of records
    read, time to first batch (from opening the dataset) and the peak RSS of the process.
 2. **Stage by stage**: the same batches built again on one thread by the Loader's own
-   `BatchBuilder` — the very stages the Loader runs — each stage timed on its own: ``read``
+   pipeline (`Pipeline.build_batch`) — the very stages the Loader runs — each stage timed on its own: ``read``
    (locate records, mmap / range reads, every header and payload CRC), ``decode`` (payloads →
    arrays, images included), ``transform`` (the per-sample ``transform`` and
    ``batch_transform``) and ``batch`` (re-stacking samples after a per-sample transform).
@@ -32,6 +32,7 @@ from crossfeed.errors import ConfigError
 from crossfeed.read.loader import Loader
 from crossfeed.read.metrics import Stats
 from crossfeed.read.options import LoaderOptions
+from crossfeed.read.pipeline import Pipeline
 from crossfeed.read.stages.batch import STAGES
 
 
@@ -153,14 +154,14 @@ def bench_loader(
                 break
         seconds = time.perf_counter() - t1
         stats = loader.stats()  # before the stage pass below, which runs the same builder again
-        if hasattr(plan, "batch_ids"):  # the records of the batches delivered
+        if plan.random_access:  # the records of the batches delivered
             delivered = (
                 np.concatenate([plan.batch(b) for b in plan.batch_ids()[:done]]) if done else np.zeros(0, np.int64)
             )
-            nbytes = _record_bytes(loader, delivered)
+            nbytes = loader.pipeline.record_bytes(delivered)
         else:  # packed rows: pieces of documents, the payload bytes the Loader read for them
             nbytes = stats.bytes
-        stages = _stage_times(loader, plan, stage_batches or min(batches, 20))
+        stages = _stage_times(loader.pipeline, plan, stage_batches or min(batches, 20))
         paths = loader.paths()
         notes = []
         if done < batches:
@@ -192,23 +193,12 @@ def _batch_len(batch: dict) -> int:
     return 0
 
 
-def _record_bytes(loader: Loader, indices: np.ndarray) -> int:
-    split, total = loader.split, 0
-    if split is None or split.info.format != "tfrecord":  # a mixture (ids span sources), Parquet: not counted
-        return 0
-    shard = np.searchsorted(split.starts, indices, side="right") - 1
-    for s in np.unique(shard).tolist():
-        local = indices[shard == s] - split.starts[s]
-        total += int(split.index(s)[local, 1].sum())
-    return total
-
-
-def _stage_times(loader: Loader, plan, n: int) -> StageTimes:
-    """Build ``n`` of the plan's batches on this thread with the Loader's own builder, timing each stage."""
+def _stage_times(pipeline: Pipeline, plan, n: int) -> StageTimes:
+    """Build ``n`` of the plan's batches on this thread with the Loader's own pipeline, timing each stage."""
     secs = dict.fromkeys(STAGES, 0.0)
     done = samples = 0
     for indices in itertools.islice(plan, n):
-        batch = loader.builder(indices, timings=secs)
+        batch = pipeline.build_batch(indices, timings=secs)
         done += 1
         samples += _batch_len(batch)
     return StageTimes(secs, done, samples)
