@@ -184,7 +184,7 @@ def test_pickled_source_reopens_in_its_process(tabular):
     state = pickle.dumps(src)
     assert len(state) < 4096  # the source and options, never open shards
     again = pickle.loads(state)
-    assert again._loader is None and len(again) == len(src)
+    assert again._pipeline is None and len(again) == len(src)
     _assert_same(again[4], first, "pickled")
 
 

@@ -345,9 +345,7 @@ class Pipeline:
 
     def walker(self) -> pack.PackWalker:
         """Global batches of a packed plan by number, in any order (a dispatcher's leases)."""
-        if not isinstance(self.sampler, pack.PackSampler):
-            raise ConfigError("only a packed plan (pack=) is walked by batch number; other plans are random access")
-        return pack.PackWalker(self.sampler)
+        return pack.PackWalker(self.sampler)  # refuses any other plan (those are random access: `Plan.batch`)
 
     # -- the two operations -----------------------------------------------------------------------
     def batches(self, index_lists: Iterable[np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
