@@ -118,7 +118,7 @@ def test_resume_is_o1_and_the_state_is_small(tabular):
         for _ in range(4):
             next(it)
         state = loader.state_dict()
-    assert state["position"] == 400 and len(repr(state)) < 200
+    assert state["position"] == 400 and len(repr(state)) < 1000  # its identity included: O(1) in the data
     with Loader(root, batch_size=100, seed=2) as resumed:
         resumed.load_state_dict(state)
         assert len(resumed) == 7  # only the rest of the epoch is planned (and read)

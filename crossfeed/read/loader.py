@@ -21,12 +21,13 @@ import numpy as np
 from crossfeed.errors import ConfigError
 from crossfeed.format.schema import INDEX_KEY, Feature
 from crossfeed.read import metrics
+from crossfeed.read.identity import StreamIdentity
 from crossfeed.read.options import LoaderOptions, ReadOptions, Remainder, Shuffle, Source
 from crossfeed.read.pipeline import Pipeline, PlanLike
 from crossfeed.read.sources.dataset import Dataset, Split
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the stream's identity (`crossfeed.read.identity`); 1 is read, unchecked
 
 __all__ = ["INDEX_KEY", "Loader", "LoaderOptions", "ReadOptions", "Remainder", "Shuffle"]
 
@@ -196,7 +197,9 @@ class Loader:
         return self.batch_count()
 
     def state_dict(self) -> dict:
-        """Small and framework-free: resume with `load_state_dict` in any process, any world size."""
+        """Small and framework-free: resume with `load_state_dict` in any process, any world size.
+        It carries the stream's identity (`crossfeed.read.identity`): a resume under other
+        settings or another dataset is refused by name."""
         state = {
             "version": STATE_VERSION,
             "seed": self.options.plan.seed,
@@ -204,14 +207,23 @@ class Loader:
             "position": self.position,
             "num_samples": self.pipeline.total,
             "batch_size": self.options.plan.batch_size,
+            "identity": self.pipeline.identity.to_json(),
         }
         where = self.pipeline.source_positions(self._epoch, self.position)  # for people: where each source stands
         if where is not None:
             state["sources"] = where
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+    def load_state_dict(self, state: dict, *, on_change: str = "refuse") -> None:
+        """Continue where ``state`` (a `state_dict`) stood. A state saved under settings that
+        decide the stream differently (another dataset, seed, shuffle, packing, tail …; see
+        `crossfeed.read.identity`) is refused with each difference named; with
+        ``on_change="next_epoch"`` it is taken as the end of its epoch instead: the next epoch
+        starts from its beginning under the new settings (the rest of the saved epoch is never
+        delivered). World size, workers, threads, executor, cache and batch size may differ freely."""
+        if on_change not in ("refuse", "next_epoch"):
+            raise ConfigError(f"on_change must be 'refuse' or 'next_epoch', got {on_change!r}")
+        if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
             got = state.get("version") if isinstance(state, dict) else type(state).__name__
             raise ConfigError(f"loader state version {got!r} is not {STATE_VERSION}")
         try:
@@ -223,11 +235,31 @@ class Loader:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"loader state is missing or has a bad field: {e}") from None
-        if seed != self.options.plan.seed or num != self.pipeline.total:
-            raise ConfigError(
-                f"state was saved with seed {seed} over {num} samples; this loader has seed "
-                f"{self.options.plan.seed} over {self.pipeline.total}: resume with the same seed and dataset"
+        now = self.pipeline.identity
+        if state["version"] == 1:  # saved before identities: only its seed and size can be checked
+            log.warning(
+                "a loader state of version 1 carries no stream identity: only its seed and dataset size are "
+                "checked; save a new state to have every setting checked on resume"
             )
+            diffs = []
+        else:
+            diffs = StreamIdentity.from_json(state.get("identity")).differences(now)
+        if not diffs and (seed != self.options.plan.seed or num != self.pipeline.total):
+            diffs = [f"seed was {seed}, is {self.options.plan.seed}"] if seed != self.options.plan.seed else []
+            diffs += [f"samples per epoch were {num}, are {self.pipeline.total}"] if num != self.pipeline.total else []
+        if diffs:
+            if on_change == "refuse":
+                raise ConfigError(
+                    "this state belongs to another stream: " + "; ".join(diffs) + ". Resume with the saved "
+                    "settings and data, or pass on_change='next_epoch' to start the next epoch with the new ones"
+                )
+            log.warning(
+                "resuming under changed settings (%s): epoch %d ends here, epoch %d starts under the new settings",
+                "; ".join(diffs),
+                epoch,
+                epoch + 1,
+            )
+            epoch, position = (epoch + 1, 0) if position > 0 else (epoch, 0)
         self.start_at(epoch, position)
 
     # -- iteration ----------------------------------------------------------------------------

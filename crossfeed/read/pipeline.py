@@ -40,6 +40,7 @@ from crossfeed.policy import ErrorBudget, OnError
 from crossfeed.read import metrics
 from crossfeed.read.executors.processes import ProcessExecutor, WorkerRecipe
 from crossfeed.read.executors.threads import ExecutorKind, ThreadExecutor
+from crossfeed.read.identity import StreamIdentity
 from crossfeed.read.options import LoaderOptions, Shuffle, Source
 from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
 from crossfeed.read.sources.union import UnionSplit
@@ -168,7 +169,8 @@ class Pipeline:
 
     Attributes a front end reads: ``options``, ``kind``, ``sources`` (a mixture's, or None),
     ``datasets``, ``dataset`` (the first), ``split`` (one dataset's, or None), ``features`` (what
-    the batches hold), ``starts`` (each source's first global key and the total at the end)."""
+    the batches hold), ``starts`` (each source's first global key and the total at the end),
+    ``identity`` (the stream's `crossfeed.read.identity.StreamIdentity`)."""
 
     sampler: SamplerLike
     builder: Builder
@@ -313,6 +315,8 @@ class Pipeline:
         if self.meter is not None:
             self.meter.threads = self.executor.num_threads
             self.meter.processes = self.executor.processes
+        # what decides which samples arrive in which order: states carry it, resuming checks it
+        self.identity = StreamIdentity.of(options, self.datasets, self.sources, self.features)
 
     # -- the plan ---------------------------------------------------------------------------------
     @property

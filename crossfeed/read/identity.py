@@ -1,0 +1,161 @@
+"""A stream's identity: everything that decides which samples arrive in which order.
+
+A Loader's state (and so every adapter's, and what ``serve``/``dispatch`` plan from) carries it,
+and resuming checks it: a state saved under one setting is refused under another, naming each
+setting that differs ("pack length was 256, is 512"), instead of training on the wrong samples.
+
+What is in it (`StreamIdentity.of`): each source's dataset by content (its manifest's SHA-256, not
+its path), split, weight, renames and features; the plan (shuffle, seed, block_shards, remainder,
+drop_last, samples_per_epoch); packing (length, split, bins, long, weights_by, features, pad_id) and
+batch_by_tokens; the decode options that change values (decode_images, image_size, channels,
+resize). What is *not* in it may change on resume without loss, because the plan re-splits what is
+left: world size and rank, DataLoader workers, executor, threads, processes, prefetch, cache,
+timeouts, on_error, return_index, and the batch size (a position counts samples, rows or documents,
+never batches) — except under batch_by_tokens, whose budget is the batch.
+
+The fingerprint is the first 16 hex digits of the SHA-256 of the settings as canonical JSON: the
+same in every process, machine and framework.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+
+from crossfeed.errors import ConfigError
+
+VERSION = 1
+MAX_SETTINGS = 4096  # a state read from a file is bounded before it is compared
+_SCALARS = (str, int, float, bool, type(None))
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamIdentity:
+    """``settings``: ``{readable name: JSON value}`` (see the module docstring)."""
+
+    settings: Mapping
+
+    @property
+    def fingerprint(self) -> str:
+        text = json.dumps(dict(self.settings), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def to_json(self) -> dict:
+        return {"version": VERSION, "fingerprint": self.fingerprint, "settings": dict(self.settings)}
+
+    @classmethod
+    def from_json(cls, d, where: str = "the state's identity") -> StreamIdentity:
+        """Parsed strictly: a dict of the fields `to_json` writes, names to JSON scalars or lists of
+        them, the fingerprint matching the settings."""
+        if not isinstance(d, Mapping) or set(d) != {"version", "fingerprint", "settings"}:
+            raise ConfigError(f"{where} is not a stream identity (version, fingerprint, settings): {_short(d)}")
+        if d["version"] != VERSION:
+            raise ConfigError(f"{where} has version {d['version']!r}; this crossfeed reads version {VERSION}")
+        settings = d["settings"]
+        if not isinstance(settings, Mapping) or len(settings) > MAX_SETTINGS:
+            raise ConfigError(f"{where}: its settings are not a mapping of at most {MAX_SETTINGS} entries")
+        for k, v in settings.items():
+            if not isinstance(k, str) or not _json_value(v):
+                raise ConfigError(f"{where}: setting {_short(k)} has a value that is not plain JSON: {_short(v)}")
+        me = cls(dict(settings))
+        if d["fingerprint"] != me.fingerprint:
+            raise ConfigError(
+                f"{where}: its fingerprint {_short(d['fingerprint'])} does not match its settings "
+                f"({me.fingerprint}): the state was edited or damaged"
+            )
+        return me
+
+    def differences(self, now: StreamIdentity) -> list[str]:
+        """Each setting that differs, as "<name> was <saved>, is <now>" (self: the saved one)."""
+        out = []
+        for k in sorted(set(self.settings) | set(now.settings)):
+            a, b = self.settings.get(k, _ABSENT), now.settings.get(k, _ABSENT)
+            if a != b:
+                out.append(f"{k} was {_show(a)}, is {_show(b)}")
+        return out
+
+    @classmethod
+    def of(cls, options, datasets, sources, features) -> StreamIdentity:
+        """The identity of a pipeline over ``datasets`` (one, or a mixture's ``sources``) under
+        ``options`` (`LoaderOptions`), whose batches hold ``features``."""
+        plan, read = options.plan, options.read
+        s: dict = {}
+        if sources is None:
+            s["dataset"] = dataset_id(datasets[0])
+            s["split"] = options.split
+        else:
+            for i, (ds, src) in enumerate(zip(datasets, sources)):
+                s[f"source {i} dataset"] = dataset_id(ds)
+                s[f"source {i} split"] = src.split
+                s[f"source {i} weight"] = src.weight
+                s[f"source {i} rename"] = [list(p) for p in src.rename]
+                s[f"source {i} features"] = None if src.features is None else list(src.features)
+            s["sources"] = len(sources)
+            s["samples per epoch"] = plan.samples_per_epoch
+        s["features"] = [f.name for f in features]
+        s["shuffle"] = plan.shuffle.value
+        s["seed"] = plan.seed
+        s["block shards"] = plan.block_shards
+        s["remainder"] = plan.remainder.value
+        s["drop last"] = plan.drop_last
+        if plan.pack is not None:
+            p = plan.pack
+            s.update(
+                {
+                    "pack length": p.length,
+                    "pack split": p.split.value,
+                    "pack bins": p.bins,
+                    "pack long": p.long.value,
+                    "pack weights by": p.weights_by.value,
+                    "pack pad id": p.pad_id,
+                }
+            )
+        else:
+            s["pack length"] = None  # unpacked: positions count samples (documents), not rows
+        if plan.batch_by_tokens is not None:
+            s["batch by tokens"] = plan.batch_by_tokens
+        s["decode images"] = read.decode_images
+        if read.image_size is not None or read.channels is not None:
+            s["image size"] = None if read.image_size is None else list(read.image_size)
+            s["channels"] = read.channels
+            s["resize"] = read.resize.value
+        return cls(s)
+
+
+def dataset_id(ds) -> str:
+    """A dataset by content: its manifest's SHA-256 (the manifest names every shard's checksum)."""
+    if ds.manifest_sha256 is not None:
+        return f"sha256:{ds.manifest_sha256}"
+    text = json.dumps(ds.manifest.to_json(), sort_keys=True, separators=(",", ":"))
+    return f"sha256:{hashlib.sha256(text.encode()).hexdigest()}"
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "unset"
+
+
+_ABSENT = _Absent()
+
+
+def _show(v) -> str:
+    if v is _ABSENT:
+        return "unset"
+    if isinstance(v, str) and v.startswith("sha256:"):
+        return f"dataset {v[7:19]}…"
+    return _short(v)
+
+
+def _short(v, n: int = 80) -> str:
+    text = repr(v)
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _json_value(v, depth: int = 0) -> bool:
+    if isinstance(v, _SCALARS):
+        return True
+    if isinstance(v, list) and depth < 3 and len(v) <= MAX_SETTINGS:
+        return all(_json_value(x, depth + 1) for x in v)
+    return False
