@@ -166,3 +166,27 @@ def test_identity_differences_read_as_sentences():
     b = StreamIdentity({"pack length": 512, "seed": 0, "batch by tokens": 9})
     assert a.differences(b) == ["batch by tokens was unset, is 9", "pack length was 256, is 512"]
     assert StreamIdentity.from_json(a.to_json()) == a
+
+
+def test_a_dataset_rewritten_under_the_same_names_is_an_error_not_a_mix(tmp_path):
+    """rm the dataset and write a fresh one there (the plain shard names, sizes and index files
+    come back identical; only the values differ): a Loader that had the old one open stops with
+    an error naming the shard, never mixing versions."""
+    import shutil
+
+    from crossfeed.errors import DatasetRewrittenError
+
+    def write(path, base):
+        samples = [{"x": np.full(4, base + i, np.float32)} for i in range(64)]
+        crossfeed.write_dataset(path, samples, num_shards=4).close()
+
+    path = tmp_path / "d"
+    write(path, 0)
+    with crossfeed.Loader(str(path), batch_size=8, shuffle="none") as loader:
+        it = iter(loader)
+        assert next(it)["x"].max() < 64
+        shutil.rmtree(path)
+        write(path, 1000)
+        with pytest.raises(DatasetRewrittenError, match=r"\.tfrecord.*another version.*rewritten"):
+            for batch in it:
+                assert batch["x"].max() < 64, "a batch of the new version"

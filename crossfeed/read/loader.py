@@ -185,11 +185,11 @@ class Loader:
             return rank
         return len(range(self.worker, rank, self.num_workers))
 
-    def rank_batch_count(self, position: int, epoch: int) -> int:
+    def rank_batch_count(self, position: int = 0, epoch: int = 0) -> int:
         """Batches each rank delivers from ``position`` to the end of epoch ``epoch``."""
         return self.pipeline.rank_batch_count(position, epoch=epoch)
 
-    def position_after(self, position: int, rank_batches_done: int, epoch: int) -> int:
+    def position_after(self, position: int, rank_batches_done: int, epoch: int = 0) -> int:
         """The position after every rank delivered ``rank_batches_done`` batches from ``position``."""
         return self.pipeline.position_after(position, rank_batches_done, epoch=epoch)
 

@@ -101,6 +101,30 @@ class Dataset:
         self.manifest = manifest
         self.manifest_sha256 = None if text is None else hashlib.sha256(text).hexdigest()
         self._splits: dict[str, Split] = {}
+        self._stamp = self._manifest_stamp()  # the version opened, as the file system sees it (local)
+
+    def _manifest_stamp(self) -> tuple | None:
+        if self.index_storage.remote or self.manifest_sha256 is None:
+            return None
+        try:
+            st = os.stat(self.index_storage.url(MANIFEST))
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def check_version(self, where: str) -> None:
+        """Raise `DatasetRewrittenError` if the manifest is no longer the one this reader opened
+        (a dataset written again under the same shard names): checked when a shard is first
+        opened, so no batch mixes two versions. A stat of the manifest; hashed only if it changed."""
+        if self._stamp is None:
+            return
+        now = self._manifest_stamp()
+        if now == self._stamp:
+            return
+        err = self.rewritten(where, "the shard belongs to another version of the dataset")
+        if err is not None:
+            raise err
+        self._stamp = now  # touched, not changed
 
     def rewritten(self, where: str, what: str) -> DatasetRewrittenError | None:
         """The error to raise when a file of this version (``where``) is gone or changed
@@ -169,10 +193,20 @@ class _VersionShard(ShardFile):
         self.dataset = dataset
 
     def load(self):
+        first = self._buf is None
+        if first:
+            self.dataset.check_version(self.path)
         try:
-            return super().load()
+            buf = super().load()
         except FileNotFoundError as e:
             self._gone(e)
+        if first and self.size is not None and not self.storage.remote and len(buf) != self.size:
+            if not tfrecord.is_gzip(self.path):
+                err = self.dataset.rewritten(self.path, f"the shard is {len(buf)} bytes, the manifest says {self.size}")
+                raise err or CorruptRecordError(
+                    self.path, min(len(buf), self.size), f"the file is {len(buf)} bytes, the manifest says {self.size}"
+                )
+        return buf
 
     def record(self, offset: int, length: int) -> memoryview:
         try:
