@@ -107,11 +107,47 @@ def verify_dataset(
                     )
                 problems += [_renamed(p, urls) for p in found]
             if shard.lengths_sha256 is not None:
-                problems += _check_lengths(ds.index_storage, shard, len(ds.manifest.lengths))
+                bad = _check_lengths(ds.index_storage, shard, len(ds.manifest.lengths))
+                if not bad and not any(shard.file in p.file for p in found):
+                    bad = _cross_check_lengths(ds, shard)  # the file is the one pinned: does it tell the truth?
+                problems += bad
             done += shard.num_bytes
             if progress is not None:
                 progress(done, total)
         return problems
+
+
+def _cross_check_lengths(ds, shard: ShardInfo, most: int = 20) -> list[Problem]:
+    """Each record's count of values of each lengths feature against its lengths file: a lengths
+    file pinned by the manifest may still lie (written by a buggy tool, or re-pinned), and packing
+    trusts it to place every token (a record said to hold 0 tokens is never read)."""
+    split, k = next(
+        (ds[name], i) for name in sorted(ds.splits) for i, sh in enumerate(ds[name].shards) if sh.file == shard.file
+    )
+    names = list(ds.manifest.lengths)
+    where = ds.index_storage.url(lengths_path(shard.file))
+    data = ds.index_storage.read(lengths_path(shard.file), limit=shard.num_records * len(names) * 4)
+    table = checked_lengths(data, where, shard, len(names))
+    out: list[Problem] = []
+    for r in range(shard.num_records):
+        values = split.decode(k, r, features=names, decode_images=False)
+        for j, name in enumerate(names):
+            have = int(np.size(values[name]))
+            if have != int(table[r, j]):
+                out.append(
+                    Problem(
+                        where,
+                        None,
+                        f"record {r} of {shard.file} holds {have} values of {name!r}, its lengths file says "
+                        f"{int(table[r, j])}; rebuild the lengths (`crossfeed index --force --lengths {name}`)",
+                    )
+                )
+                if len(out) >= most:
+                    out.append(
+                        Problem(where, None, f"more records of {shard.file} disagree with it (stopped at {most})")
+                    )
+                    return out
+    return out
 
 
 def _check_lengths(storage: Storage, shard: ShardInfo, features: int) -> list[Problem]:
