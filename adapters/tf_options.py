@@ -43,6 +43,7 @@ class TFOptions:
     batched: bool = True  # False: batch_size=None — records one by one (native engine)
     seeded: bool = True  # False: seed=None — a fresh shuffle on every worker (native engine)
     whole: bool = False  # the caller passed the LoaderOptions whole: the plan engine reads them
+    tail_chosen: bool = True  # False: drop_last not given: a state='s tail is followed (`identity.follow_tail`)
     engine: Engine = Engine.AUTO
     epoch: int = 0
     shuffle_buffer: int = 4096  # the native engine's shuffle buffer, in records
@@ -77,7 +78,8 @@ class TFOptions:
             fields.pop("seed")
         if "features" in fields and fields["features"] is not None and not fields["features"]:
             raise ConfigError("features must be a non-empty list of feature names, got []")
-        return cls(loader=LoaderOptions.of(**fields), batched=batched, seeded=seeded, **tf_fields)
+        chosen = "drop_last" in fields
+        return cls(loader=LoaderOptions.of(**fields), batched=batched, seeded=seeded, tail_chosen=chosen, **tf_fields)
 
     def replace(self, **changes) -> TFOptions:
         """A copy with TF fields or Loader fields changed by name."""

@@ -125,9 +125,12 @@ def build(
     """The plan engine: pass ``n`` over the dataset iterates the Loader at epoch ``opts.epoch + n``
     (the first pass resumed from ``state``, a ``Loader.state_dict()``, when given). ``ds``: an
     open dataset, or a mixture (a list of `crossfeed.Source`)."""
+    from crossfeed.read.identity import follow_tail
     from crossfeed.read.loader import Loader
 
     options, calls = opts.loader_options(loader_options)
+    if state is not None and not opts.tail_chosen:  # drop_last not given: the state's tail (a JAX state's)
+        options = follow_tail(options, state)
     source = ds if isinstance(ds, (list, tuple)) else ds.path
     first_epoch = opts.epoch if state is None else int(state["epoch"])
     # Every pass has the same number of batches, counted by the very Loader that delivers them;

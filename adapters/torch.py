@@ -45,6 +45,7 @@ from crossfeed.adapters.torch_cursor import Cursor
 from crossfeed.errors import ConfigError
 from crossfeed.read import metrics
 from crossfeed.read.env import rank_and_world
+from crossfeed.read.identity import follow_tail
 from crossfeed.read.loader import Loader
 from crossfeed.read.options import LoaderOptions
 from crossfeed.read.pipeline import SourceKind, classify
@@ -89,8 +90,9 @@ class TorchDataset(IterableDataset):
             return
         if options is None and fields.get("rank") is None and fields.get("world_size") is None:
             fields["rank"], fields["world_size"] = _rank_and_world(None, None)  # torch.distributed first
+        tail_chosen = options is not None or "drop_last" in fields  # else a state's tail is followed
         options = LoaderOptions.given(options, fields, who="TorchDataset (reading a dataset, not a stream)")
-        self.options = options
+        self.options, self._tail_chosen = options, tail_chosen
         self.transform, self.batch_transform = transform, batch_transform
         self.source = source.path if isinstance(source, Dataset) else source  # picklable for spawned workers
         self.rank, self.world_size = options.rank, options.world_size
@@ -147,8 +149,15 @@ class TorchDataset(IterableDataset):
         return self._state(epoch, position)
 
     def load_state_dict(self, state: dict) -> None:
-        """Make the next iteration resume ``state``: its epoch, from its position."""
-        self.loader.load_state_dict(state)  # checks version, seed and dataset size
+        """Make the next iteration resume ``state``: its epoch, from its position. A state saved
+        under other settings is refused by name (`crossfeed.read.identity`); ``drop_last``, when
+        this dataset was not given one, follows the state's (a JAX state drops its epochs' tails)."""
+        if not self._tail_chosen:
+            followed = follow_tail(self.options, state)
+            if followed != self.options:
+                self.close()
+                self._loaders, self.options = {}, followed
+        self.loader.load_state_dict(state)  # checks the stream's identity
         self._cursor.resume(int(state["epoch"]), int(state["position"]))
 
     def _next_start(self) -> tuple[int, int]:

@@ -4,7 +4,8 @@ and TensorFlow are never imported together):
     python tests/framework_worker.py torch|tf|jax JOBS.json
 
 Each job ``{"source", "seed", "batch" (per rank), "world", "steps" (None: to the epoch's end),
-"state_in" (a state file, or None), "state_out" (or None), "out"}`` reads with that framework's
+"state_in" (a state file, or None), "state_out" (or None), "out", "defaults" (True: torch and TF
+without drop_last=, their default)}`` reads with that framework's
 adapter as each rank ``0..world-1`` in turn, resuming ``state_in``, and writes ``{"steps":
 [[ids of rank r at step j, for each r] for each j], "state": the state after "steps" batches}``.
 JAX runs one process of one device here (world 1); its multi-host side is `jax_worker`.
@@ -38,7 +39,7 @@ def _rank_torch(job, rank, state):
         seed=job["seed"],
         rank=rank,
         world_size=job["world"],
-        drop_last=True,
+        **({} if job.get("defaults") else {"drop_last": True}),  # defaults: the adapter's own
         return_index=True,
         features=FEATURES,
     )
@@ -60,7 +61,7 @@ def _rank_tf(job, rank, state):
         batch_size=job["batch"],
         seed=job["seed"],
         world_size=job["world"],
-        drop_last=True,
+        **({} if job.get("defaults") else {"drop_last": True}),  # defaults: the adapter's own
         features=FEATURES,
     )
     ds = cftf.dataset(source_of(job["source"]), engine="plan", rank=rank, return_index=True, state=state, **kw)

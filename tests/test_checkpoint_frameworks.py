@@ -118,3 +118,38 @@ def assert_plan_prefix(steps, order, *, world, batch):
     for j, ranks in enumerate(steps):
         for r, ids in enumerate(ranks):
             assert list(ids) == [order[j * batch * world + i * world + r] for i in range(batch)]
+
+
+def test_jax_torch_tf_round_trips_with_each_adapters_defaults_give_one_stream(tmp_path):
+    """JAX always drops an epoch's last partial batch; its state says so, and PyTorch and TF left
+    at their defaults follow it: JAX → torch (world 2) → JAX, and JAX → TF, are the one stream of
+    the plan, with the tail cut the same way (42 samples: a partial batch at every batch size here)."""
+    src = write_xy(tmp_path / "odd", 42)
+    order = epoch_order(src, SEED)
+    jax_state, torch_state = str(tmp_path / "jax.state"), str(tmp_path / "torch.state")
+
+    def job(framework, tag, **kw):
+        return _job(tmp_path, "odd", src, framework, tag=tag, defaults=True, **kw)
+
+    (saved,) = run_frameworks([("jax", [job("jax", "save", batch=4, world=1, steps=2, state_out=jax_state)])], tmp_path)
+    assert saved[0]["state"]["identity"]["settings"]["drop last"] is True
+    torch_run, tf_run = run_frameworks(
+        [
+            ("torch", [job("torch", "from-jax", batch=2, world=2, steps=3, state_in=jax_state, state_out=torch_state)]),
+            ("tf", [job("tf", "from-jax", batch=4, world=1, steps=None, state_in=jax_state)]),
+        ],
+        tmp_path,
+    )
+    assert_plan(tf_run[0]["steps"], order, position=8, world=1, batch=4)
+    assert_plan_prefix_from(torch_run[0]["steps"], order, position=8, world=2, batch=2)
+    assert torch_run[0]["state"]["position"] == 20
+    ((back,),) = run_frameworks(
+        [("jax", [job("jax", "from-torch", batch=4, world=1, steps=None, state_in=torch_state)])], tmp_path
+    )
+    assert_plan(back["steps"], order, position=20, world=1, batch=4)
+
+
+def assert_plan_prefix_from(steps, order, *, position, world, batch):
+    for j, ranks in enumerate(steps):
+        for r, ids in enumerate(ranks):
+            assert list(ids) == [order[position + j * batch * world + i * world + r] for i in range(batch)]

@@ -31,6 +31,8 @@ SETTINGS = settings(
 class ArrayOrder:
     """An epoch order over ``n`` documents from an array (what `EpochOrder` is to the packer)."""
 
+    sequential = False  # any position evaluated on its own (the order contract)
+
     def __init__(self, ids):
         self.ids = np.asarray(ids, dtype=np.int64)
         self.n = len(self.ids)

@@ -34,6 +34,7 @@ def test_classify_gives_one_answer_for_every_front_end(tab):
     assert classify(crossfeed.Source(tab)) is SourceKind.MIXTURE
     assert classify([crossfeed.Source(tab), crossfeed.Source(tab)]) is SourceKind.MIXTURE
     assert classify(iter([{"x": np.zeros(1)}])) is SourceKind.STREAM
+    assert classify([{"x": np.zeros(1)}]) is SourceKind.STREAM  # batches in hand
     for bad in ([], [tab], (1, 2)):
         with pytest.raises(ConfigError, match="a mixture is a non-empty list of crossfeed.Source"):
             classify(bad)

@@ -159,3 +159,17 @@ def _json_value(v, depth: int = 0) -> bool:
     if isinstance(v, list) and depth < 3 and len(v) <= MAX_SETTINGS:
         return all(_json_value(x, depth + 1) for x in v)
     return False
+
+
+def follow_tail(options, state):
+    """``options`` with the state's ``drop_last`` (how its epochs' tails were cut), for a front end
+    whose user did not choose one: a state saved by the JAX adapter (which always drops the last
+    partial batch) resumes in PyTorch or TF with their defaults to the same stream. A state without
+    an identity, or one that says nothing else, leaves ``options`` as they are."""
+    ident = state.get("identity") if isinstance(state, Mapping) else None
+    if not isinstance(ident, Mapping) or not isinstance(ident.get("settings"), Mapping):
+        return options
+    saved = ident["settings"].get("drop last")
+    if isinstance(saved, bool) and saved != options.plan.drop_last:
+        return options.replace(drop_last=saved)
+    return options

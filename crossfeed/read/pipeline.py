@@ -27,7 +27,7 @@ import enum
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -65,13 +65,15 @@ class SourceKind(str, enum.Enum):
 
 def classify(source) -> SourceKind:
     """What ``source`` is, the one answer every front end uses: a `crossfeed.Source` or a list
-    of them is a mixture; a path, URL or `Dataset` one dataset; any other iterable (not a list)
-    a stream of batches. A list of anything but `Source`\\ s is refused by name."""
+    of them is a mixture; a path, URL or `Dataset` one dataset; a list of batches (dicts) or any
+    other iterable a stream of batches. Any other list (of paths, say) is refused by name."""
     if isinstance(source, Source):
         return SourceKind.MIXTURE
     if isinstance(source, (list, tuple)):
         if source and all(isinstance(s, Source) for s in source):
             return SourceKind.MIXTURE
+        if source and all(isinstance(s, Mapping) for s in source):
+            return SourceKind.STREAM  # batches in hand
         raise ConfigError(
             "a mixture is a non-empty list of crossfeed.Source(path, split=..., weight=...); got a list of "
             f"{sorted({type(s).__name__ for s in source}) or 'nothing'}"
