@@ -290,8 +290,16 @@ def dispatch(
         ),
     ] = 1,
     journal: Annotated[
-        Path, typer.Option(help="Journal file: a restarted dispatcher continues the epoch from it.")
-    ] = Path("crossfeed-dispatch.journal"),
+        Path | None,
+        typer.Option(
+            help="Journal file: a restarted dispatcher continues the epoch from it (default: none, a restart "
+            "starts the plan over). A journal of another dataset or settings, or of a finished run, is refused."
+        ),
+    ] = None,
+    restart: Annotated[
+        bool,
+        typer.Option("--restart", help="Run the plan again from its start on a --journal that holds a run."),
+    ] = False,
     lease_size: Annotated[int, typer.Option("--lease-size", min=1, help="Batches per lease.")] = 8,
     window: Annotated[int, typer.Option(min=1, help="Batches leased to one server and not yet claimed.")] = 64,
     auth_keys: Annotated[
@@ -395,7 +403,9 @@ def dispatch(
         quota=per_rank if world_size > 1 else None,
         lease_timeout=lease_timeout or None,
         claim_timeout=claim_timeout or None,
+        restart=restart,
     )
+    identity = loader.pipeline.identity.fingerprint  # journaled with the plan, checked by every server
     stop = threading.Event()
     previous = {}
     if threading.current_thread() is threading.main_thread():
@@ -403,7 +413,7 @@ def dispatch(
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
         with (
-            LeaseDispatcher(plan, batches, dispatcher_options, keys=keys, counts=counts) as d,
+            LeaseDispatcher(plan, batches, dispatcher_options, keys=keys, counts=counts, identity=identity) as d,
             _metrics_endpoint(metrics, "serve_dispatcher", d),
         ):
             what = f"{per_rank} packed batches in epoch 0 (a count of its own each epoch)" if packed else None

@@ -97,6 +97,7 @@ class LeasedClient(Iterator[Any]):
         self._next_beat = 0.0
         self._finished = False
         self._closed = False
+        self._serverless_since = time.monotonic()  # since when no server is connected (None: one is)
         # the wait window: the loop's phase ("wait" in __next__, "step" outside, None before the
         # first batch and after the end), since when it is not yet counted, and what was counted
         self._phase: str | None = None
@@ -151,7 +152,24 @@ class LeasedClient(Iterator[Any]):
                 if self._finished and not self._granted:  # every batch is done: no DONE to confirm
                     self._count(now)
                     self._phase = None
+                    if self.batches == 0:  # never silent: a trainer that got nothing is told why
+                        raise CrossfeedError(
+                            f"the dispatcher at {self.dispatcher} says every epoch of its plan is done, and this "
+                            "trainer received no batch: the plan finished before it joined (a dispatcher restarted "
+                            "on a finished run's journal, or other trainers used every batch). Start the dispatcher "
+                            "with --restart (or another --journal) for a new run"
+                        )
                     raise StopIteration
+                if self._servers:
+                    self._serverless_since = None
+                elif self._serverless_since is None:
+                    self._serverless_since = now
+                elif now - self._serverless_since > self.options.server_wait and self.batches == 0:
+                    raise CrossfeedError(
+                        f"no server joined the dispatcher at {self.dispatcher} in {self.options.server_wait:g} s "
+                        "(ClientOptions.server_wait): start `crossfeed serve DATASET --dispatcher ...` for it, "
+                        "or raise server_wait"
+                    )
             if self._awaiting and not self._granted:  # a grant is due: wait on the dispatcher
                 event = self._receiver.next_event(timeout=0.0)
                 if event is None:

@@ -89,7 +89,7 @@ class EpochCounts:
 @dataclasses.dataclass(frozen=True)
 class DispatcherOptions:
     address: str
-    journal: Path
+    journal: Path | None  # None: no journal (a restarted dispatcher starts the plan over)
     epochs: int | None = 1
     lease_size: int = 8  # batches per lease
     window: int = 64  # batches leased to one server and not yet claimed, at most
@@ -102,6 +102,8 @@ class DispatcherOptions:
     lease_timeout: float | None = 120.0
     # a trainer holding claimed batches and reporting none used for this long is stalled; None: never
     claim_timeout: float | None = 300.0
+    # run the plan again from its start on a journal that holds a run of it (finished or not)
+    restart: bool = False
 
     def __post_init__(self) -> None:
         if self.epochs is not None and self.epochs < 1:
@@ -124,7 +126,20 @@ def recover(
 ) -> tuple[LeaseBook, Journal]:
     """The book of this plan as its journal left it (see `replay`), and the journal, compacted
     to that state (with its plan line: a restart reads the same plan)."""
+    if options.restart:  # explicit: the journal's run (of this plan or another) is set aside
+        book, journal, _ = replay(plan, batches, dataclasses.replace(options, journal=None), now, counts)
+        journal = Journal(options.journal, plan=journal.plan, counts=counts) if options.journal else journal
+        journal.compact(book.snapshot())
+        if options.journal is not None:
+            logger.info("--restart: the plan starts over; journal %s written afresh", options.journal)
+        return book, journal
     book, journal, records = replay(plan, batches, options, now, counts)
+    if records and book.finished:
+        raise ConfigError(
+            f"journal {options.journal} holds a finished run of this plan (every one of its {options.epochs} "
+            "epochs done): a dispatcher started on it would give its trainers nothing. Pass --restart to run "
+            "the plan again from its start (the journal starts over), or another --journal"
+        )
     journal.compact(book.snapshot())
     if records:
         logger.info("continuing from journal %s: %s", options.journal, book.progress())
@@ -171,7 +186,13 @@ class LeaseDispatcher:
         *,
         keys: ServerKeys | None = None,
         counts: Counts | None = None,
+        identity: str | None = None,
     ):
+        """``identity``: the stream's fingerprint (`crossfeed.read.identity`): journaled with the
+        plan (a journal of another stream is refused, naming both) and sent to every server, which
+        refuses to serve another dataset or version of it."""
+        if identity is not None:
+            plan = {**plan, "identity": identity}
         if keys is None and not options.insecure and not is_local(options.address):
             raise ConfigError(
                 f"refusing to dispatch on {options.address} without authentication: pass CURVE keys "

@@ -172,13 +172,13 @@ class Journal:
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike | None,
         *,
         plan: dict[str, Any] | None = None,
         compact_after: int = 10_000,
         counts: Callable[[int], int] | None = None,
     ):
-        self.path = Path(path)
+        self.path = Path(path) if path is not None else None  # None: no journal (nothing kept)
         self.plan = plan
         self.counts = counts  # epoch -> its batches, when they change with the epoch (see `Replay`)  # None: no plan line (the bare record file of the book's own tests)
         self.compact_after = compact_after
@@ -208,6 +208,8 @@ class Journal:
     def read(self) -> list[dict[str, Any]]:
         """The records after the plan line (every record when there is no plan), each checked;
         [] when there is no journal yet."""
+        if self.path is None:
+            return []
         data = self._read_bytes()
         if not data:
             return []
@@ -241,9 +243,16 @@ class Journal:
         if self.plan is None or not records:  # not records: a lone unfinished line, never answered
             return [r for _, r in records]
         if _canonical(records[0][1]) != _canonical(self.plan):
+            theirs, mine = records[0][1].get("identity"), self.plan.get("identity")
+            what = (
+                f"another stream (identity {str(theirs)[:32]!r}; this dispatcher's is {mine!r}: another dataset, "
+                "version or settings)"
+                if theirs != mine
+                else f"another plan ({records[0][1]}, this one is {self.plan})"
+            )
             raise ConfigError(
-                f"journal {self.path} belongs to another plan ({records[0][1]}, this one is {self.plan}): "
-                "pass another --journal, or move it away to start afresh"
+                f"journal {self.path} belongs to {what}: pass another --journal, or --restart to start "
+                "this plan afresh on it"
             )
         replay = Replay(self.plan["batches"], self.plan["epochs"], self.counts)
         for i, (at, record) in enumerate(records[1:], start=2):
@@ -253,7 +262,7 @@ class Journal:
         return [r for _, r in records[1:]]
 
     def append(self, records: list[dict[str, Any]]) -> None:
-        if not records:
+        if not records or self.path is None:
             return
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -265,10 +274,12 @@ class Journal:
         self._lines += len(records)
 
     def due(self) -> bool:
-        return self._lines >= self.compact_after
+        return self.path is not None and self._lines >= self.compact_after
 
     def compact(self, snapshot: list[dict[str, Any]]) -> None:
         """Replace the journal with the plan line and `snapshot` (see the module docstring)."""
+        if self.path is None:
+            return
         records = snapshot if self.plan is None else [self.plan, *snapshot]
         tmp = self.path.with_name(self.path.name + ".tmp")
         self.path.parent.mkdir(parents=True, exist_ok=True)

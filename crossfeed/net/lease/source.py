@@ -238,8 +238,16 @@ class LeaseSource:
         world = plan.get("world_size", 1)
         if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= 1 << 16:
             raise WireError(f"the dispatcher's plan names world_size {world!r}")
+        identity = plan.pop("identity", None)  # the stream the dispatcher plans (`crossfeed.read.identity`)
         if self._loader is None:
             self._loader = self._make_loader(plan)
+            mine = self._loader.pipeline.identity.fingerprint
+            if identity is not None and identity != mine:
+                raise ConfigError(
+                    f"the dispatcher plans stream {str(identity)[:32]!r}; this server's dataset and options give "
+                    f"{mine!r} (another dataset, another version of it, or other settings): serve the same "
+                    "dataset, by content, that the dispatcher plans"
+                )
             shard = self._loader.options.shard
             if self._loader.options.plan.pack is not None:  # batch b of epoch e: its rows, walked
                 if world != 1 or msg.batches != PACKED_STRIDE:

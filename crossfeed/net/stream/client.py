@@ -57,6 +57,9 @@ class ClientOptions:
     limits: wire.WireLimits = wire.DEFAULT_LIMITS
     with_meta: bool = False  # yield (BatchMeta, batch) instead of batch
     on_loss: OnLoss = OnLoss.RAISE
+    # a dispatcher's trainer that has had no server for this long, and no batch yet, gets an error
+    # (one that connects before its servers register waits for them: this is how long)
+    server_wait: float = 600.0
 
     def __post_init__(self) -> None:
         try:
@@ -69,6 +72,12 @@ class ClientOptions:
             raise ConfigError(f"credit_bytes must be >= 0 (0: no byte limit), got {self.credit_bytes}")
         if self.connect_timeout <= 0:
             raise ConfigError(f"connect_timeout must be > 0, got {self.connect_timeout}")
+        if (
+            not isinstance(self.server_wait, (int, float))
+            or isinstance(self.server_wait, bool)
+            or not (self.server_wait > 0)
+        ):
+            raise ConfigError(f"server_wait must be > 0 seconds, got {self.server_wait!r}")
 
 
 class Client(Iterator[Any]):
