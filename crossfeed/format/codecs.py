@@ -88,6 +88,8 @@ class Codec:
     image = False  # values are encoded images (decoded to uint8/uint16 HWC by readers)
     text = False  # values are bytes or str
     arrow: str  # how a Parquet/Arrow column maps onto it: "binary", "number" or "tensor"
+    default_dtype: str | None = None  # a declared feature's dtype when none is given (None: it must be)
+    default_shape: tuple = ()  # a declared feature's shape when none is given
 
     def __repr__(self) -> str:
         return f"<codec {self.encoding.value}>"
@@ -196,7 +198,7 @@ class _NumberList(Codec):
 class Int64Codec(_NumberList):
     encoding = Encoding.INT64
     wire = ex.INT64
-    stored_dtype = "int64"
+    stored_dtype = default_dtype = "int64"
     dtypes = frozenset(("int64",))
     _encode_list = staticmethod(ex.encode_int64_list)
 
@@ -253,7 +255,7 @@ class Int64Codec(_NumberList):
 class FloatCodec(_NumberList):
     encoding = Encoding.FLOAT
     wire = ex.FLOAT
-    stored_dtype = "float32"
+    stored_dtype = default_dtype = "float32"
     dtypes = frozenset(("float32",))
     _encode_list = staticmethod(ex.encode_float_list)
 
@@ -299,6 +301,7 @@ class BytesCodec(Codec):
     text = True
     dtypes = frozenset(("bytes", "string"))
     arrow = "binary"
+    default_dtype = "bytes"
 
     def check(self, f) -> None:
         if f.dtype not in self.dtypes:
@@ -365,6 +368,8 @@ class ImageCodec(Codec):
     value_kind = "image"
     image = True
     arrow = "binary"
+    default_dtype = "uint8"
+    default_shape = (None, None, None)
 
     def item_shape(self, f) -> tuple:
         return tuple(f.shape) if len(f.shape) == 3 else (None, None, None)
@@ -429,6 +434,7 @@ class TensorCodec(Codec):
     dense = True
     strict_shape = True
     arrow = "tensor"
+    default_shape = (None,)
 
     def slots(self, f) -> tuple[str, ...]:
         return (f.name,) if f.fixed else (f.name, f.name + SHAPE_SUFFIX)
