@@ -307,6 +307,9 @@ class BytesCodec(Codec):
         if f.dtype not in self.dtypes:
             raise SchemaError(f"feature {f.name!r}: bytes encoding takes dtype 'bytes' or 'string'")
 
+    def dtype(self, f) -> np.dtype:
+        return np.dtype(object)  # bytes / str objects
+
     def tf_dtype(self, f, tf):
         return tf.string
 
