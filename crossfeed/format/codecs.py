@@ -85,6 +85,7 @@ class Codec:
     # its entries are never empty (other kinds' empty entries match whatever list kind a record tags)
     stored_dtype: str | None = None  # the one dtype this kind stores; None: the feature's own dtype
     dtypes: frozenset | None = None  # the dtypes a feature of this kind may declare (None: any numpy dtype)
+    manifest_dtypes: frozenset = frozenset()  # the dtypes a manifest (untrusted input) may name for it
     image = False  # values are encoded images (decoded to uint8/uint16 HWC by readers)
     text = False  # values are bytes or str
     arrow: str  # how a Parquet/Arrow column maps onto it: "binary", "number" or "tensor"
@@ -199,7 +200,7 @@ class Int64Codec(_NumberList):
     encoding = Encoding.INT64
     wire = ex.INT64
     stored_dtype = default_dtype = "int64"
-    dtypes = frozenset(("int64",))
+    dtypes = manifest_dtypes = frozenset(("int64",))
     _encode_list = staticmethod(ex.encode_int64_list)
 
     def compile(self, fc) -> None:
@@ -256,7 +257,7 @@ class FloatCodec(_NumberList):
     encoding = Encoding.FLOAT
     wire = ex.FLOAT
     stored_dtype = default_dtype = "float32"
-    dtypes = frozenset(("float32",))
+    dtypes = manifest_dtypes = frozenset(("float32",))
     _encode_list = staticmethod(ex.encode_float_list)
 
     def packed_dtype(self, f) -> np.dtype | None:
@@ -299,7 +300,7 @@ class BytesCodec(Codec):
     value_kind = "bytes"
     listed = True
     text = True
-    dtypes = frozenset(("bytes", "string"))
+    dtypes = manifest_dtypes = frozenset(("bytes", "string"))
     arrow = "binary"
     default_dtype = "bytes"
 
@@ -370,6 +371,7 @@ class ImageCodec(Codec):
     wire = ex.BYTES
     value_kind = "image"
     image = True
+    manifest_dtypes = frozenset(("uint8", "uint16"))
     arrow = "binary"
     default_dtype = "uint8"
     default_shape = (None, None, None)
@@ -436,6 +438,7 @@ class TensorCodec(Codec):
     value_kind = "numeric"
     dense = True
     strict_shape = True
+    manifest_dtypes = NUMERIC_DTYPES
     arrow = "tensor"
     default_shape = (None,)
 
