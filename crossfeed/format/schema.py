@@ -177,12 +177,11 @@ def mix_feature(name: str, defs: list[Feature], where: list[str]) -> Feature:
     return Feature(name, dtype, shape, first.encoding)
 
 
-def _region(f: Feature, parsed: dict) -> tuple[int, memoryview]:
+def _region(f: Feature, parsed: dict, codec: Codec) -> tuple[int, memoryview]:
     """``(kind, list region)`` of feature ``f`` in ``example.decode`` output, kind checked."""
     if f.name not in parsed:
         raise SchemaError(f"record has no feature {f.name!r}; it has {sorted(parsed)}")
     kind, region = parsed[f.name]
-    codec = f.codec
     if kind and not len(region) and not codec.strict_shape:
         kind = 0  # an empty list matches any kind
     if kind not in (0, codec.wire):
@@ -195,15 +194,16 @@ def _region(f: Feature, parsed: dict) -> tuple[int, memoryview]:
 def encoded_image(f: Feature, parsed: dict) -> memoryview | bytes:
     """The encoded bytes of image feature ``f`` as a view into the record (no copy; ``b""`` for
     an empty feature, which fails to decode with a clear error)."""
-    kind, region = _region(f, parsed)
+    kind, region = _region(f, parsed, f.codec)
     vals = ex.kind_values(kind, region)
     return vals[0] if len(vals) == 1 else b""
 
 
 def decode_value(f: Feature, parsed: dict, *, decode_images: bool = True):
     """One feature's value from ``example.decode`` output."""
-    kind, region = _region(f, parsed)
-    return f.codec.decode(f, kind, region, parsed, decode_images)
+    codec = _CODECS[f.encoding]
+    kind, region = _region(f, parsed, codec)
+    return codec.decode(f, kind, region, parsed, decode_images)
 
 
 @dataclass(frozen=True)
