@@ -13,6 +13,8 @@ int64      int64_list              int64 array of ``shape`` (``()`` is a scalar)
 float      float_list              float32 array of ``shape``
 bytes      bytes_list              ``bytes``/``str`` (dtype "bytes"/"string"), or a list of them
 =========  ======================  ===========================================================
+
+Everything that depends on the encoding is its codec's (`crossfeed.format.codecs`, ``Feature.codec``).
 """
 
 from __future__ import annotations
