@@ -35,14 +35,12 @@ import grain
 import numpy as np
 
 from crossfeed.errors import ConfigError
-from crossfeed.format.schema import Encoding
 from crossfeed.read.options import LoaderOptions
 from crossfeed.read.pipeline import Pipeline
 from crossfeed.read.sources.dataset import Dataset
 
 __all__ = ["GrainSource", "mix"]
 
-_DENSE = (Encoding.TENSOR, Encoding.INT64, Encoding.FLOAT)
 # what a random-access source may be told: how to read and decode, never in what order
 READ_FIELDS = (
     "split",
@@ -84,7 +82,7 @@ class GrainSource:
             pipeline.sources is None
             and pipeline.split.info.format == "tfrecord"
             and not pipeline.dataset.storage.remote
-            and all(f.fixed and f.encoding in _DENSE for f in self.features)
+            and all(f.fixed and f.codec.dense for f in self.features)
         )
         self.sources = pipeline.sources  # a mixture's `crossfeed.Source`s (None: one dataset)
         self.starts = _starts(pipeline)

@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from crossfeed.errors import ConfigError, SchemaError
-from crossfeed.format.schema import Encoding, Feature
+from crossfeed.format.schema import Feature
 
 PAD_VALUE = 0  # what pad_to fills with
 ALIGN = 64  # XLA's CPU client uses a host array in place (no copy) when its data is this aligned
@@ -141,7 +141,7 @@ def check_features(features: tuple[Feature, ...], pad_to: dict[str, int], statis
     unknown = sorted(set(pad_to) - set(names))
     if unknown:
         raise ConfigError(f"pad_to names {unknown}, which the batches do not hold; they hold {names}")
-    text = [f.name for f in features if f.encoding is Encoding.BYTES]
+    text = [f.name for f in features if f.codec.text]
     if text:
         keep = [n for n in names if n not in text]
         raise ConfigError(

@@ -18,7 +18,7 @@ import tensorflow as tf
 from crossfeed.adapters import tf as cftf
 from crossfeed.adapters import tf_spec
 from crossfeed.errors import ConfigError
-from crossfeed.format.schema import Encoding
+from crossfeed.format import codecs
 from crossfeed.read.sources.dataset import open_dataset
 
 
@@ -40,10 +40,10 @@ def _inputs(ds, split: str, label: str) -> dict:
     feats = {}
     for f in ds.schema:
         s = stats.get(f.name, {})
-        if f.name == label or f.encoding is Encoding.BYTES:
+        if f.name == label or f.codec.text:
             continue
         shape = tf_spec.item_shape(f)
-        if f.encoding is Encoding.IMAGE:
+        if f.codec.image:
             if None in shape and s.get("shapes"):
                 shape = tuple(int(d) for d in max(s["shapes"], key=s["shapes"].get).split("x"))
             if None not in shape:
@@ -75,12 +75,12 @@ def train_keras_demo(
 
     devices = logical_cpus(num_devices)
     ds = open_dataset(dataset_path)
-    if label not in ds.schema.names or ds.schema[label].encoding is not Encoding.INT64:
+    if label not in ds.schema.names or ds.schema[label].codec is not codecs.INT64:
         raise ConfigError(f"{ds.path}: the demo needs an int64 class feature {label!r}; pass label=")
     num_classes = int(ds.splits[split].statistics.get(label, {}).get("max", 1)) + 1
     scales = _inputs(ds, split, label)
 
-    image = next((k for k in scales if ds.schema[k].encoding is Encoding.IMAGE), None)
+    image = next((k for k in scales if ds.schema[k].codec.image), None)
     if image is not None:  # a small CNN on the image alone
         scales = {image: scales[image]}
 

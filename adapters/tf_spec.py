@@ -1,6 +1,6 @@
 """The manifest's schema in TensorFlow terms: the ``tf.io.parse_example`` spec, the
 ``element_spec`` a reader yields, and the in-graph decoders from parsed Example fields to
-tensors. Nothing here reads data.
+tensors — each feature's codec (`crossfeed.format.codecs`) says its part. Nothing here reads data.
 
 =========  ==================================  ===============================================
 encoding   parsed as                           decoded to
@@ -19,22 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import tensorflow as tf
 
 from crossfeed.errors import SchemaError
-from crossfeed.format.schema import INDEX_KEY, SHAPE_SUFFIX, Encoding, Feature, Schema
-
-# decode_raw has no unsigned 32/64-bit out_type: read the signed twin and bitcast.
-_RAW_TWIN = {tf.uint32: tf.int32, tf.uint64: tf.int64}
+from crossfeed.format.schema import INDEX_KEY, Feature, Schema
 
 
 def tf_dtype(f: Feature) -> tf.DType:
-    if f.encoding is Encoding.BYTES:
-        return tf.string
-    if f.encoding is Encoding.IMAGE:
-        return tf.uint16 if f.dtype == "uint16" else tf.uint8
-    return tf.as_dtype(np.dtype(f.dtype))
+    return f.codec.tf_dtype(f, tf)
 
 
 def select(schema: Schema, features, statistics: dict | None = None) -> list[Feature]:
@@ -55,7 +47,7 @@ def select(schema: Schema, features, statistics: dict | None = None) -> list[Fea
 
 
 def _fixed_by_statistics(f: Feature, stats: dict | None) -> Feature:
-    if f.encoding not in (Encoding.TENSOR, Encoding.IMAGE) or not stats:
+    if f.codec.listed or not stats:
         return f
     known = item_shape(f)
     if None not in known:
@@ -73,46 +65,22 @@ def _fixed_by_statistics(f: Feature, stats: dict | None) -> Feature:
     return dataclasses.replace(f, shape=shape)
 
 
-def image_shape(f: Feature) -> tuple:
-    """An image's shape as the schema knows it: (H, W, C) with None where unknown."""
-    return tuple(f.shape) if len(f.shape) == 3 else (None, None, None)
-
-
 def item_shape(f: Feature) -> tuple:
     """The shape of one decoded record of ``f`` (None where it varies)."""
-    return image_shape(f) if f.encoding is Encoding.IMAGE else tuple(f.shape)
-
-
-def ragged_list(f: Feature) -> bool:
-    """A variable-length int64/float/bytes list: parsed as a RaggedFeature."""
-    if f.encoding in (Encoding.TENSOR, Encoding.IMAGE) or f.fixed:
-        return False
-    if len(f.shape) != 1:
-        raise SchemaError(
-            f"feature {f.name!r}: {f.encoding.value} lists with shape {list(f.shape)} are not "
-            f"supported; only one varying dimension, (None,)"
-        )
-    return True
+    return f.codec.item_shape(f)
 
 
 def per_record(feats) -> bool:
     """True when decoding must run per record before batching: images, and tensors whose
     shape varies (each record carries its own ``<name>/shape``)."""
-    return any(f.encoding is Encoding.IMAGE or (f.encoding is Encoding.TENSOR and not f.fixed) for f in feats)
+    return any(f.codec.tf_per_record(f) for f in feats)
 
 
 def feature_spec(feats) -> dict:
     """``{name: tf.io.*Feature}`` for ``tf.io.parse_example`` (plus ``<name>/shape`` entries)."""
     spec = {}
     for f in feats:
-        if f.encoding in (Encoding.TENSOR, Encoding.IMAGE):
-            spec[f.name] = tf.io.FixedLenFeature([], tf.string)
-            if f.encoding is Encoding.TENSOR and not f.fixed:
-                spec[f.name + SHAPE_SUFFIX] = tf.io.FixedLenFeature([len(f.shape)], tf.int64)
-        elif ragged_list(f):
-            spec[f.name] = tf.io.RaggedFeature(tf_dtype(f), row_splits_dtype=tf.int64)
-        else:
-            spec[f.name] = tf.io.FixedLenFeature(list(f.shape), tf_dtype(f))
+        spec.update(f.codec.tf_parse_spec(f, tf))
     return spec
 
 
@@ -148,49 +116,11 @@ def token_spec(feats, options) -> dict:
     return out
 
 
-def _decode_tensor(f: Feature, raw, shape_vec=None):
-    dt = tf_dtype(f)
-    flat = tf.io.decode_raw(raw, _RAW_TWIN.get(dt, dt), little_endian=True)
-    if dt in _RAW_TWIN:
-        flat = tf.bitcast(flat, dt)
-    if shape_vec is not None:  # one record, its own shape
-        return tf.ensure_shape(tf.reshape(flat, shape_vec), f.shape)
-    lead = tf.shape(raw)  # () for one record, (B,) for a batch
-    return tf.reshape(flat, tf.concat([lead, tf.constant(f.shape, tf.int32)], 0))
-
-
-def _decode_image(f: Feature, data):
-    shape = image_shape(f)
-    channels, dtype = shape[2] or 0, tf_dtype(f)
-
-    def other():
-        return tf.io.decode_image(data, channels=channels, dtype=dtype, expand_animations=False)
-
-    if dtype == tf.uint8:  # JPEG with the accurate integer IDCT: the pixels the Loader (libjpeg, PIL) decodes
-        img = tf.cond(
-            tf.io.is_jpeg(data),
-            lambda: tf.io.decode_jpeg(data, channels=channels, dct_method="INTEGER_ACCURATE"),
-            other,
-        )
-    else:
-        img = other()
-    return tf.ensure_shape(img, shape)
-
-
 def make_decoder(feats):
     """``parsed -> decoded``: runs on one record, or (when not `per_record`) on a batch."""
 
     def decode(parsed: dict) -> dict:
-        out = {}
-        for f in feats:
-            v = parsed[f.name]
-            if f.encoding is Encoding.TENSOR:
-                out[f.name] = _decode_tensor(f, v, None if f.fixed else parsed[f.name + SHAPE_SUFFIX])
-            elif f.encoding is Encoding.IMAGE:
-                out[f.name] = _decode_image(f, v)
-            else:
-                out[f.name] = v
-        return out
+        return {f.name: f.codec.tf_decode(f, parsed[f.name], parsed, tf) for f in feats}
 
     return decode
 

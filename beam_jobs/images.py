@@ -2,7 +2,7 @@
 
 Labels are the positions of the class names in sorted order; the names are stored in the
 manifest metadata (``class_names``). JPEG and PNG files in L or RGB mode are stored byte for byte
-(`Encoding.IMAGE`); anything else (GIF, TIFF, BMP, WebP, RGBA/palette/16-bit PNG, CMYK JPEG) is
+(the `image` kind); anything else (GIF, TIFF, BMP, WebP, RGBA/palette/16-bit PNG, CMYK JPEG) is
 re-encoded when ``convert`` is ``"png"`` or ``"jpeg"`` (to RGB, alpha composited on white, or L
 for grey images), and otherwise reported under the ``on_error`` policy, as is a file Pillow cannot
 decode. Each sample records ``height``, ``width`` and ``channels``, the ``path`` relative to SRC
@@ -20,18 +20,19 @@ import numpy as np
 from crossfeed.beam_jobs.policy import EmptyInputError, ErrorPolicy, Skips
 from crossfeed.beam_jobs.records import SampleBatch
 from crossfeed.errors import ConfigError
-from crossfeed.format.schema import Encoding, Feature, Schema
+from crossfeed.format import codecs
+from crossfeed.format.schema import Feature, Schema
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".tif", ".tiff", ".bmp", ".webp")
 KEEP = {("JPEG", "L"), ("JPEG", "RGB"), ("PNG", "L"), ("PNG", "RGB")}
 SCHEMA = Schema(
     [
-        Feature("image", "uint8", (None, None, None), Encoding.IMAGE),
-        Feature("label", "int64", (), Encoding.INT64),
-        Feature("height", "int64", (), Encoding.INT64),
-        Feature("width", "int64", (), Encoding.INT64),
-        Feature("channels", "int64", (), Encoding.INT64),
-        Feature("path", "string", (), Encoding.BYTES),
+        Feature("image", "uint8", (None, None, None), codecs.IMAGE),
+        Feature("label", "int64", (), codecs.INT64),
+        Feature("height", "int64", (), codecs.INT64),
+        Feature("width", "int64", (), codecs.INT64),
+        Feature("channels", "int64", (), codecs.INT64),
+        Feature("path", "string", (), codecs.BYTES),
     ]
 )
 

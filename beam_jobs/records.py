@@ -20,7 +20,7 @@ import numpy as np
 
 from crossfeed.errors import SampleSchemaError, SchemaError
 from crossfeed.format.encode import encoder_for
-from crossfeed.format.schema import Encoding, Feature, Schema, infer_schema
+from crossfeed.format.schema import Feature, Schema, infer_schema
 from crossfeed.format.stats import FeatureStats, LengthStats
 
 BUCKET_BITS = 16  # the plan counts records per bucket of the top bits of the shuffle hash
@@ -169,11 +169,11 @@ def batch_stats(schema: Schema, batch: SampleBatch, lengths: tuple[str, ...] = (
         st = FeatureStats()
         if f.name in lengths:
             _length_stats(st, col, n)
-        elif f.encoding is Encoding.IMAGE:
+        elif f.codec.image:
             st.count = n
             for shape in batch.shapes.get(f.name, ()):
                 st.add_shape(shape)
-        elif f.encoding is Encoding.BYTES and not f.shape:
+        elif f.codec.text and not f.shape:
             st.count = n
         elif isinstance(col, np.ndarray) and col.dtype.kind in "biuf" and f.fixed:
             _array_stats(st, col, n, f)

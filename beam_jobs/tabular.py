@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from crossfeed.errors import ConfigError
-from crossfeed.format.schema import Encoding, Feature, Schema
+from crossfeed.format import codecs
+from crossfeed.format.schema import Feature, Schema
 
 
 class ColumnType(str, enum.Enum):
@@ -41,9 +42,9 @@ _ALIASES = {
     "string": "string",
 }
 _FEATURE = {
-    ColumnType.INT64: ("int64", Encoding.INT64),
-    ColumnType.FLOAT: ("float32", Encoding.FLOAT),
-    ColumnType.STRING: ("string", Encoding.BYTES),
+    ColumnType.INT64: ("int64", codecs.INT64),
+    ColumnType.FLOAT: ("float32", codecs.FLOAT),
+    ColumnType.STRING: ("string", codecs.BYTES),
 }
 
 

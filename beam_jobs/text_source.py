@@ -41,7 +41,8 @@ from crossfeed.beam_jobs.policy import ErrorPolicy, Skips
 from crossfeed.beam_jobs.records import SampleBatch
 from crossfeed.beam_jobs.sources import list_files
 from crossfeed.errors import ConfigError
-from crossfeed.format.schema import Encoding, Feature, Schema
+from crossfeed.format import codecs
+from crossfeed.format.schema import Feature, Schema
 
 JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
 TEXT = (".txt", ".txt.gz")
@@ -198,8 +199,8 @@ class TextSource:
     def schema(self) -> Schema:
         return Schema(
             [
-                Feature(TOKENS, self.tokenizer.dtype, (None,), Encoding.TENSOR),
-                Feature(ID, "string", (), Encoding.BYTES),
+                Feature(TOKENS, self.tokenizer.dtype, (None,), codecs.TENSOR),
+                Feature(ID, "string", (), codecs.BYTES),
             ]
         )
 

@@ -223,3 +223,29 @@ def test_native_and_plan_deliver_the_same_samples(rich):
     assert [int(r["id"]) for r in native] == [int(r["id"]) for r in plan] == list(range(len(samples)))
     for n, p in zip(native, plan):  # ... the samples and their values do not
         _assert_same(n, p)
+
+
+@pytest.mark.parametrize("name", RICH.names)
+def test_each_codec_tf_spec_reads_what_it_encodes(name):
+    """Each kind's TF parse spec, dtype and in-graph decoding (the codec's) read with TF's own
+    parser what the codec encodes, and give the values crossfeed's own decoder gives."""
+    from crossfeed.format import example as ex
+    from crossfeed.format.encode import encode_sample
+    from crossfeed.format.schema import decode_value
+
+    f = RICH[name]
+    codec = f.codec
+    schema = Schema([f])
+    for s in rich_samples(4):
+        payload = encode_sample(schema, {name: s[name]})
+        spec = codec.tf_parse_spec(f, tf)
+        assert set(spec) == set(codec.slots(f))
+        parsed = tf.io.parse_single_example(payload, spec)
+        got = codec.tf_decode(f, parsed[name], parsed, tf)
+        assert got.dtype == codec.tf_dtype(f, tf)
+        want = decode_value(f, ex.decode(payload))
+        if codec.text:
+            got = [v.decode() if f.dtype == "string" else v for v in np.atleast_1d(got.numpy()).tolist()]
+            assert got == (want if isinstance(want, list) else [want])
+        else:
+            np.testing.assert_array_equal(got.numpy(), want)

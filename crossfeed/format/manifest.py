@@ -19,7 +19,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 from crossfeed.errors import ManifestError, SchemaError
-from crossfeed.format.schema import NUMERIC_DTYPES, SHAPE_SUFFIX, Encoding, Feature, Schema
+from crossfeed.format.codecs import codec_of
+from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema
 
 MANIFEST = "crossfeed.json"
 TMP_MANIFEST_PREFIX = ".tmp-manifest-"
@@ -521,10 +522,4 @@ def short_repr(v) -> str:
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ENCODINGS = {e.value for e in Encoding}
-_DTYPES = {
-    "tensor": NUMERIC_DTYPES,
-    "image": {"uint8", "uint16"},
-    "int64": {"int64"},
-    "float": {"float32"},
-    "bytes": {"bytes", "string"},
-}
+_DTYPES = {e.value: codec_of(e).manifest_dtypes for e in Encoding}

@@ -43,7 +43,8 @@ from typing import NamedTuple
 import numpy as np
 
 from crossfeed.errors import ConfigError, CorruptRecordError, SchemaError
-from crossfeed.format.schema import Encoding, Feature
+from crossfeed.format import codecs
+from crossfeed.format.schema import Feature
 
 PARQUET_EXTS = (".parquet", ".pq", ".parq")
 FORMAT = "parquet"  # the shard ``format`` of a Parquet file in the manifest
@@ -92,7 +93,7 @@ def _is_plain(pa, t) -> bool:
 
 def is_float(f: Feature) -> bool:
     """Whether ``f`` holds floating-point numbers (a null read into it is NaN)."""
-    return f.encoding in (Encoding.FLOAT, Encoding.TENSOR) and np.dtype(f.dtype).kind == "f"
+    return f.codec.value_kind == "numeric" and np.dtype(f.dtype).kind == "f"
 
 
 def is_categorical(t) -> bool:
@@ -177,11 +178,7 @@ def _numpy_dtype(t) -> str:
 
 def scalar_feature(name: str, dtype: str) -> Feature:
     """A number column's feature: its own dtype (int64 and float32 keep their Example encodings)."""
-    if dtype == "int64":
-        return Feature(name, "int64", (), Encoding.INT64)
-    if dtype == "float32":
-        return Feature(name, "float32", (), Encoding.FLOAT)
-    return Feature(name, dtype, (), Encoding.TENSOR)
+    return Feature(name, dtype, (), codecs.number_codec(dtype))
 
 
 def infer_feature(name: str, t, where: str) -> Feature | None:
@@ -190,19 +187,19 @@ def infer_feature(name: str, t, where: str) -> Feature | None:
     type is not supported."""
     pa, _ = pyarrow_modules()
     if is_categorical(t):  # codes into the categories
-        return Feature(name, "int64", (), Encoding.INT64)
+        return Feature(name, "int64", (), codecs.INT64)
     if pa.types.is_dictionary(t):  # other dictionaries are read as their values
         return infer_feature(name, t.value_type, where) if _is_plain(pa, t.value_type) else None
     if pa.types.is_timestamp(t):
-        return Feature(name, "int64", (), Encoding.INT64)
+        return Feature(name, "int64", (), codecs.INT64)
     if _is_number(pa, t):
         return scalar_feature(name, _numpy_dtype(t))
     if _is_binary(pa, t):
-        return Feature(name, "bytes", (), Encoding.BYTES)
+        return Feature(name, "bytes", (), codecs.BYTES)
     if _is_string(pa, t):
-        return Feature(name, "string", (), Encoding.BYTES)
+        return Feature(name, "string", (), codecs.BYTES)
     if _is_hf_image(pa, t):
-        return Feature(name, "uint8", (None, None, None), Encoding.IMAGE)
+        return Feature(name, "uint8", (None, None, None), codecs.IMAGE)
     if _is_list(pa, t):
         leaf, _ = _leaf(pa, t)
         if not _is_number(pa, leaf):
@@ -211,7 +208,7 @@ def infer_feature(name: str, t, where: str) -> Feature | None:
         while _is_list(pa, t):
             dims.append(t.list_size if pa.types.is_fixed_size_list(t) else None)
             t = t.value_type
-        return Feature(name, _numpy_dtype(leaf), tuple(dims), Encoding.TENSOR)
+        return Feature(name, _numpy_dtype(leaf), tuple(dims), codecs.TENSOR)
     return None
 
 
@@ -260,24 +257,25 @@ def column_values(f: Feature, arr, where: str, how: dict | None = None) -> np.nd
     name, t, n = f.name, arr.type, len(arr)
     if not (pa.types.is_floating(t) or (is_float(f) and _is_number(pa, t))):  # a null read as a float is NaN
         _check_nulls(arr, where, name)
-    if f.encoding in (Encoding.BYTES, Encoding.IMAGE):
+    arrow = f.codec.arrow
+    if arrow == "binary":
         if _is_hf_image(pa, t):
             arr = arr.field("bytes")
             _check_nulls(arr, where, name + ".bytes")  # HF images stored by path only have no bytes
             t = arr.type
-        if f.encoding is Encoding.BYTES and f.dtype == "string" and _is_binary(pa, t):
+        if f.dtype == "string" and _is_binary(pa, t):
             arr = arr.cast(pa.string())
-        elif (f.encoding is Encoding.IMAGE or f.dtype == "bytes") and _is_string(pa, t):
+        elif f.dtype != "string" and _is_string(pa, t):
             arr = arr.cast(pa.binary())
         elif not (_is_binary(pa, t) or _is_string(pa, t)):
             raise SchemaError(f"{where}: column {name!r} is {t}, feature {name!r} expects binary or string values")
         return arr.to_numpy(zero_copy_only=False)
-    if f.encoding in (Encoding.INT64, Encoding.FLOAT) or (f.encoding is Encoding.TENSOR and f.shape == ()):
+    if arrow == "number" or (arrow == "tensor" and f.shape == ()):
         if _is_number(pa, t) and f.shape == ():
-            return arr.to_numpy(zero_copy_only=False).astype(_dtype(f), copy=False)
-        if f.encoding is not Encoding.TENSOR and not _is_list(pa, t):
+            return arr.to_numpy(zero_copy_only=False).astype(f.codec.dtype(f), copy=False)
+        if arrow == "number" and not _is_list(pa, t):
             raise SchemaError(f"{where}: column {name!r} is {t}, feature {name!r} expects numbers")
-    if f.encoding is Encoding.TENSOR and _is_binary(pa, t):
+    if arrow == "tensor" and _is_binary(pa, t):
         return _raw_tensors(f, arr, where)
     if not _is_list(pa, t) or not _is_number(pa, _leaf(pa, t)[0]):
         raise SchemaError(f"{where}: column {name!r} is {t}, feature {name!r} expects a (nested) list of numbers")
@@ -285,7 +283,7 @@ def column_values(f: Feature, arr, where: str, how: dict | None = None) -> np.nd
 
 
 def _dtype(f: Feature) -> np.dtype:
-    return np.dtype("int64" if f.encoding is Encoding.INT64 else "float32" if f.encoding is Encoding.FLOAT else f.dtype)
+    return f.codec.dtype(f)
 
 
 def _lists(f: Feature, arr, where: str, n: int) -> np.ndarray:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from crossfeed.errors import CorruptRecordError, SchemaError
-from crossfeed.format.schema import Encoding, Feature, decode_image
+from crossfeed.format import codecs
+from crossfeed.format.schema import Feature, decode_image
 
 FORMAT = "tar"  # the manifest's split format of tar shards
 BLOCK = 512
@@ -325,15 +326,15 @@ def npy_array(data) -> np.ndarray:
 def infer_feature(ext: str, data) -> Feature:
     """The feature a member implies from its extension (see the module docstring)."""
     if ext in IMAGE_EXTS:
-        return Feature(ext, "uint8", image_shape(data), Encoding.IMAGE)
+        return Feature(ext, "uint8", image_shape(data), codecs.IMAGE)
     if ext in INT_EXTS:
-        return Feature(ext, "int64", (), Encoding.INT64)
+        return Feature(ext, "int64", (), codecs.INT64)
     if ext == "txt":
-        return Feature(ext, "string", (), Encoding.BYTES)
+        return Feature(ext, "string", (), codecs.BYTES)
     if ext == "npy":
         dtype, shape, _, _ = npy_header(data)
-        return Feature(ext, dtype.newbyteorder("=").name, shape, Encoding.TENSOR)
-    return Feature(ext, "bytes", (), Encoding.BYTES)
+        return Feature(ext, dtype.newbyteorder("=").name, shape, codecs.TENSOR)
+    return Feature(ext, "bytes", (), codecs.BYTES)
 
 
 def image_shape(data) -> tuple:
@@ -366,21 +367,21 @@ def widen(old: Feature, new: Feature) -> Feature:
 
 def member_value(f: Feature, data, *, decode_images: bool = True):
     """A feature's value from its member's bytes; `SchemaError` when they do not fit ``f``."""
-    if f.encoding is Encoding.IMAGE:
+    if f.codec is codecs.IMAGE:
         return decode_image(data, f) if decode_images else bytes(data)
-    if f.encoding is Encoding.INT64:
+    if f.codec is codecs.INT64:
         try:
             return np.int64(int(bytes(data)))
         except ValueError:
             raise SchemaError(f"{bytes(data[:32])!r} is not an integer") from None
-    if f.encoding is Encoding.TENSOR:
+    if f.codec is codecs.TENSOR:
         arr = npy_array(data)
         if np.dtype(f.dtype) != arr.dtype or len(arr.shape) != len(f.shape):
             raise SchemaError(f"holds {arr.dtype}{list(arr.shape)}, the schema says {f.dtype}{list(f.shape)}")
         if any(d is not None and d != s for d, s in zip(f.shape, arr.shape)):
             raise SchemaError(f"holds {arr.dtype}{list(arr.shape)}, the schema says {f.dtype}{list(f.shape)}")
         return arr
-    if f.encoding is Encoding.BYTES and f.shape == ():
+    if f.codec is codecs.BYTES and f.shape == ():
         if f.dtype == "string":
             try:
                 return bytes(data).decode("utf-8")

@@ -36,7 +36,7 @@ import numpy as np
 
 from crossfeed.errors import CorruptRecordError, CrossfeedError, DatasetNotFoundError, SchemaError
 from crossfeed.format.parquet import column_maps, feature_columns, pyarrow_modules, source_columns
-from crossfeed.format.schema import Encoding, Feature, ImageFit, decode_image
+from crossfeed.format.schema import Feature, ImageFit, decode_image
 
 
 class Split(Protocol):
@@ -192,9 +192,9 @@ class ParquetFiles:
         out = {}
         for f in features:
             v = cols[f.name][j]
-            if f.encoding is Encoding.IMAGE:
+            if f.codec.image:
                 v = decode_image(v, f) if decode_images else v
-            elif f.encoding is not Encoding.BYTES and not isinstance(v, np.ndarray):
+            elif not f.codec.text and not isinstance(v, np.ndarray):
                 v = np.asarray(v)
             out[f.name] = v
         return out
@@ -395,9 +395,8 @@ class ParquetFrameReader:
 
     @staticmethod
     def _empty(f: Feature, n: int) -> np.ndarray:
-        if f.fixed and f.encoding in (Encoding.INT64, Encoding.FLOAT, Encoding.TENSOR):
-            dt = "int64" if f.encoding is Encoding.INT64 else "float32" if f.encoding is Encoding.FLOAT else f.dtype
-            return np.empty((n, *f.shape), dtype=dt)
+        if f.fixed and f.codec.dense:
+            return np.empty((n, *f.shape), dtype=f.codec.dtype(f))
         return np.empty(n, dtype=object)
 
     def close(self) -> None:
@@ -416,7 +415,7 @@ class ParquetDecoder:
         self.features = tuple(features)
         self.decode_images = decode_images
         self.fit = fit  # images brought to one size and channel count as they are decoded (None: as stored)
-        self._ragged = [f for f in self.features if f.encoding is Encoding.TENSOR and not f.fixed]
+        self._ragged = [f for f in self.features if f.codec.arrow == "tensor" and not f.fixed]
 
     def __call__(
         self,
@@ -429,7 +428,7 @@ class ParquetDecoder:
         n = len(frames)
         for f in self._ragged:  # rows of one shape in this batch: one array, as from TFRecords
             batch[f.name] = _stack(list(batch[f.name]))
-        images = [f for f in self.features if f.encoding is Encoding.IMAGE] if self.decode_images else []
+        images = [f for f in self.features if f.codec.image] if self.decode_images else []
         if not images:
             return batch, np.arange(n)
         bad: set[int] = set()

@@ -42,7 +42,7 @@ try:  # libjpeg-turbo decoding straight into numpy; Pillow is the fallback
 except ImportError:  # pragma: no cover - simplejpeg is a core dependency
     _simplejpeg = None
 
-from crossfeed.format.schema import Encoding, Feature, ImageFit, decode_image, decode_value, encoded_image
+from crossfeed.format.schema import Feature, ImageFit, decode_image, decode_value, encoded_image
 from crossfeed.read.stages.frames import Frames, PathCounts
 from crossfeed.read.stages.layout import Layout, fixed_dtype
 
@@ -112,7 +112,7 @@ def make_decoder(
     features = tuple(features)
     if shard_format == "tar":
         return TarDecoder(features, decode_images=decode_images, recycle=recycle, fit=fit)
-    columnar = all(f.fixed and f.encoding in (Encoding.TENSOR, Encoding.INT64, Encoding.FLOAT) for f in features)
+    columnar = all(f.fixed and f.codec.dense for f in features)
     cls = ColumnarDecoder if columnar and features else RecordDecoder
     return cls(features, decode_images=decode_images, recycle=recycle, fit=fit)
 
@@ -131,7 +131,7 @@ class RecordDecoder:
         self.decode_images = decode_images
         self.fit = fit  # images brought to one size and channel count as they are decoded (None: as stored)
         # images this decoder decodes are taken as views into the record (no copy of the bytes)
-        self._views = {f.name for f in self.features if f.encoding is Encoding.IMAGE and decode_images}
+        self._views = {f.name for f in self.features if f.codec.image and decode_images}
         self.alloc: Callable | None = None  # where batch arrays go (None: recycled heap arrays)
 
     def _empty(self, shape: tuple, dtype) -> np.ndarray:
@@ -178,7 +178,7 @@ class RecordDecoder:
         batch = {}
         for f in self.features:
             vals = [s[f.name] for s in samples]
-            if f.encoding is Encoding.IMAGE and self.decode_images:
+            if f.codec.image and self.decode_images:
                 vals, bad, whole = self._images(vals, f, lambda j, kept=kept: where(kept[j]), on_error)
                 if bad:
                     keep = [j for j in range(len(vals)) if j not in bad]
@@ -191,7 +191,7 @@ class RecordDecoder:
                 if whole is not None:  # every image was decoded straight into its row
                     batch[f.name] = whole
                     continue
-            if f.shape == () and f.encoding in (Encoding.INT64, Encoding.FLOAT):  # numpy scalars
+            if f.shape == () and f.codec.dense and f.codec.listed:  # numpy scalars
                 batch[f.name] = self._empty((len(vals),), fixed_dtype(f))
                 batch[f.name][:] = vals
             else:

@@ -12,7 +12,7 @@ from time import perf_counter_ns as _clock
 
 import numpy as np
 
-from crossfeed.format.schema import Encoding, Feature
+from crossfeed.format.schema import Feature
 from crossfeed.io.cache import ShardCache
 from crossfeed.read.options import ReadOptions
 from crossfeed.read.sources.dataset import Split
@@ -251,14 +251,14 @@ class MixtureMerge:
         if arrays and all(
             isinstance(v, np.ndarray) and v.dtype != object and v.shape[1:] == arrays[0].shape[1:] for v in arrays
         ):
-            dtype = arrays[0].dtype if f.encoding is Encoding.IMAGE else np.dtype(f.dtype)
+            dtype = arrays[0].dtype if f.codec.image else np.dtype(f.dtype)
             out = (self.alloc or np.empty)((n, *arrays[0].shape[1:]), dtype)
             for rows, v in vals:
                 out[rows] = v  # a safe cast where a source stores a narrower dtype (`mix_feature`)
             return out
-        if not arrays and f.fixed and f.encoding in (Encoding.TENSOR, Encoding.INT64, Encoding.FLOAT):
+        if not arrays and f.fixed and f.codec.dense:
             return np.empty((0, *f.shape), np.dtype(f.dtype))
-        cast = np.dtype(f.dtype) if f.encoding in (Encoding.TENSOR, Encoding.INT64, Encoding.FLOAT) else None
+        cast = np.dtype(f.dtype) if f.codec.dense else None
         out = np.empty(n, dtype=object)
         for rows, v in vals:
             for r, item in zip(rows.tolist(), v):

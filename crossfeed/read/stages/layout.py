@@ -16,7 +16,7 @@ import numpy as np
 
 from crossfeed.errors import ExampleError
 from crossfeed.format import example as ex
-from crossfeed.format.schema import Encoding, Feature
+from crossfeed.format.schema import Feature
 
 _BIG = 512  # a tensor/float value at least this many bytes is copied record by record, straight into the batch
 _LITTLE = sys.byteorder == "little"
@@ -65,12 +65,11 @@ class Layout:
             if pos + n != e:
                 return None  # more than one value field (unpacked, or several bytes values)
             count = int(np.prod(f.shape, dtype=np.int64))
-            if f.encoding is Encoding.TENSOR and n != count * np.dtype(f.dtype).itemsize:
-                return None
-            if f.encoding is Encoding.FLOAT and n != 4 * count:
+            packed = f.codec.packed_dtype(f)  # None: varints
+            if packed is not None and n != count * packed.itemsize:
                 return None
             widths: tuple[int, ...] = ()
-            if f.encoding is Encoding.INT64:
+            if packed is None:
                 widths, p = [], pos
                 while p < e:
                     q = ex.read_varint(buf, p, e)[1]
@@ -90,7 +89,7 @@ class Layout:
                 (
                     sl
                     for sl in slots
-                    if sl.feature.encoding is not Encoding.INT64 and sl.stop - sl.start >= _BIG and _LITTLE
+                    if sl.feature.codec.packed_dtype(sl.feature) is not None and sl.stop - sl.start >= _BIG and _LITTLE
                 ),
                 key=lambda sl: sl.start,
             )
@@ -153,20 +152,20 @@ class Layout:
         for sl in self.slots:
             f = sl.feature
             block = rows[:, sl.start : sl.stop]
-            if f.encoding is Encoding.INT64:
+            dt = f.codec.packed_dtype(f)
+            if dt is None:
                 vals = _varints(block, sl.widths)
                 if vals is None:
                     return None
                 out[f.name] = vals.reshape((g, *f.shape))
             else:
-                dt = "<f4" if f.encoding is Encoding.FLOAT else np.dtype(f.dtype).newbyteorder("<")
                 arr = np.ascontiguousarray(block).view(dt).reshape((g, *f.shape))
                 out[f.name] = arr.astype(arr.dtype.newbyteorder("="), copy=False)
         return out
 
 
-def fixed_dtype(f: Feature) -> str:
-    return "int64" if f.encoding is Encoding.INT64 else "float32" if f.encoding is Encoding.FLOAT else f.dtype
+def fixed_dtype(f: Feature) -> np.dtype:
+    return f.codec.dtype(f)
 
 
 def _varints(block: np.ndarray, widths: tuple[int, ...]) -> np.ndarray | None:

@@ -62,7 +62,7 @@ import numpy as np
 
 from crossfeed.errors import ConfigError, DatasetNotFoundError, IndexFileError
 from crossfeed.format.lengths import DTYPE, checked_lengths, lengths_path
-from crossfeed.format.schema import Encoding, Feature
+from crossfeed.format.schema import Feature
 from crossfeed.read.options import LoaderOptions, Pack, PackLong, PackSplit, WeightsBy
 from crossfeed.read.stages.batch import timed_apart
 
@@ -697,7 +697,7 @@ def token_stages(sampler, builder, splits, stored: list[list[Feature]], features
     if options.return_index:
         raise ConfigError(f"return_index=True is not available with {what}: a row holds pieces of several records")
     for f in features:
-        if f.encoding not in (Encoding.INT64, Encoding.TENSOR, Encoding.FLOAT) or len(f.shape) != 1:
+        if not f.codec.dense or len(f.shape) != 1:
             raise ConfigError(
                 f"{what} feature {f.name!r} ({f.encoding.value}, shape {list(f.shape)}) is not a list of numbers; "
                 f"{what} reads one-dimensional token features (of any length)"

@@ -19,12 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from crossfeed.errors import ConfigError, DatasetNotFoundError, ExampleError, ManifestError, SchemaError
+from crossfeed.format import codecs, tfrecord
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
-from crossfeed.format import tfrecord
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, check_name, loads, write_manifest
 from crossfeed.format.parquet import is_parquet_name
-from crossfeed.format.schema import NUMERIC_DTYPES, SHAPE_SUFFIX, Encoding, Feature, Schema, decode_value
+from crossfeed.format.schema import NUMERIC_DTYPES, Encoding, Feature, Schema, decode_value
 from crossfeed.format.tar import is_tar_name
 from crossfeed.write.adopt import tfds
 from crossfeed.write.adopt.lengths import RecordLengths, check_features, lengths_features, write_file
@@ -94,11 +94,11 @@ class _Seen:
                     d if len({s[i] for s in self.image_shapes}) == 1 else None
                     for i, d in enumerate(next(iter(self.image_shapes)))
                 ]
-                return Feature(name, "uint8", tuple(dims), Encoding.IMAGE)
-            return Feature(name, "bytes", shape, Encoding.BYTES)
+                return Feature(name, "uint8", tuple(dims), codecs.IMAGE)
+            return Feature(name, "bytes", shape, codecs.BYTES)
         if self.kind == ex.FLOAT:
-            return Feature(name, "float32", shape, Encoding.FLOAT)
-        return Feature(name, "int64", shape, Encoding.INT64)  # also a feature that is always empty
+            return Feature(name, "float32", shape, codecs.FLOAT)
+        return Feature(name, "int64", shape, codecs.INT64)  # also a feature that is always empty
 
 
 def _image_shape(data) -> tuple:
@@ -153,11 +153,11 @@ def _parse_feature(spec: str) -> tuple[Feature, bool]:
             f"--feature {spec!r}: encoding {parts[0]!r} is not one of {', '.join(e.value for e in Encoding)} "
             f"(or a numeric dtype, e.g. {name}=float64)"
         ) from None
-    default_dtype = {Encoding.INT64: "int64", Encoding.FLOAT: "float32", Encoding.IMAGE: "uint8"}.get(enc, "bytes")
-    dtype = parts[1].strip() if len(parts) > 1 and parts[1].strip() else default_dtype
-    dtype = _DTYPE_ALIASES.get(dtype, dtype) if enc is not Encoding.BYTES else dtype
-    if enc is Encoding.FLOAT and dtype in NUMERIC_DTYPES and dtype != "float32":
-        enc = Encoding.TENSOR  # float:float64 means float64 numbers
+    codec = codecs.codec_of(enc)
+    dtype = parts[1].strip() if len(parts) > 1 and parts[1].strip() else codec.default_dtype or "bytes"
+    dtype = _DTYPE_ALIASES.get(dtype, dtype) if not codec.text else dtype
+    if codec is codecs.FLOAT and dtype in NUMERIC_DTYPES and dtype != "float32":
+        codec = codecs.TENSOR  # float:float64 means float64 numbers
     given = len(parts) > 2
     if given:
         try:
@@ -167,11 +167,13 @@ def _parse_feature(spec: str) -> tuple[Feature, bool]:
                 f"--feature {spec!r}: SHAPE must be comma-separated integers or ?, got {parts[2]!r}"
             ) from None
     else:
-        shape = (None, None, None) if enc is Encoding.IMAGE else ((None,) if enc is Encoding.TENSOR else ())
-    if enc is Encoding.TENSOR and dtype == "bytes":
-        raise ConfigError(f"--feature {spec!r}: a tensor needs a dtype, e.g. {name}=tensor:uint8:224,224,3")
+        shape = codec.default_shape
+    if codec.default_dtype is None and dtype == "bytes":
+        raise ConfigError(
+            f"--feature {spec!r}: a {codec.encoding.value} needs a dtype, e.g. {name}=tensor:uint8:224,224,3"
+        )
     try:
-        return Feature(name, dtype, shape, enc), given
+        return Feature(name, dtype, shape, codec), given
     except (SchemaError, ValueError, TypeError) as e:
         raise ConfigError(f"--feature {spec!r}: {e}") from e
 
@@ -217,14 +219,10 @@ class _Inference:
     def schema(self, old: Manifest | None) -> Schema:
         names = set(self.names or ())
         if old is not None:  # re-indexing a crossfeed dataset: its schema knows tensor dtypes
-            expected = set(old.schema.names) | {
-                f.name + SHAPE_SUFFIX for f in old.schema if f.encoding is Encoding.TENSOR and not f.fixed
-            }
+            expected = set(old.schema.names) | {s for f in old.schema for s in f.codec.slots(f)[1:]}
             if expected == names:
                 return old.schema
-        names -= {
-            f.name + SHAPE_SUFFIX for f in self.declared.values() if f.encoding is Encoding.TENSOR and not f.fixed
-        }
+        names -= {s for f in self.declared.values() for s in f.codec.slots(f)[1:]}  # tensors' /shape entries
         return Schema(self.declared[k] if k in self.declared else self.seen[k].feature(k) for k in sorted(names))
 
 
@@ -466,9 +464,9 @@ def _from_tf_spec(name: str, spec) -> Feature:
     fixed = shape is not None and type(spec).__name__ == "FixedLenFeature"
     dims = tuple(int(d) for d in shape) if fixed else (None,)
     if dtype == "string":
-        return Feature(name, "bytes", dims if fixed else (None,), Encoding.BYTES)
+        return Feature(name, "bytes", dims if fixed else (None,), codecs.BYTES)
     if dtype == "int64":
-        return Feature(name, "int64", dims, Encoding.INT64)
+        return Feature(name, "int64", dims, codecs.INT64)
     if dtype == "float32":
-        return Feature(name, "float32", dims, Encoding.FLOAT)
+        return Feature(name, "float32", dims, codecs.FLOAT)
     raise ConfigError(f"features[{name!r}]: a tf.train.Example holds bytes, int64 or float32, not {dtype}")

@@ -19,7 +19,7 @@ import numpy as np
 from crossfeed.errors import ConfigError, SchemaError
 from crossfeed.format import example as ex
 from crossfeed.format.lengths import lengths_path
-from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Schema
+from crossfeed.format.schema import SHAPE_SUFFIX, Schema
 from crossfeed.write.staging import write_lengths
 
 
@@ -39,9 +39,7 @@ def check_features(schema: Schema, names: tuple[str, ...], where: str) -> None:
         if name not in schema.names:
             raise ConfigError(f"{where}: --lengths {name}: no such feature; the features are {schema.names}")
         f = schema[name]
-        integer = f.encoding is Encoding.INT64 or (
-            f.encoding is Encoding.TENSOR and np.dtype(f.dtype).kind in "iu" and f.dtype != "bool"
-        )
+        integer = f.codec.value_kind == "numeric" and f.codec.dtype(f).kind in "iu"
         if not integer or len(f.shape) != 1:
             raise SchemaError(
                 f"{where}: --lengths {name}: the feature is {f.encoding.value} {f.dtype}{list(f.shape)}; lengths are "
@@ -91,7 +89,7 @@ class RecordLengths:
         for j, name in enumerate(self.names):
             f = schema[name]
             seen = np.frombuffer(self.seen[j], dtype=np.int64).reshape(-1, 3)
-            if f.encoding is not Encoding.TENSOR:
+            if f.codec.listed:  # a list's length is its count of values
                 out[:, j] = seen[:, 0]
             elif not f.fixed:
                 out[:, j] = seen[:, 1]

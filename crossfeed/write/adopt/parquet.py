@@ -24,6 +24,7 @@ from dataclasses import replace
 import numpy as np
 
 from crossfeed.errors import CorruptRecordError, SchemaError
+from crossfeed.format import codecs
 from crossfeed.format.manifest import ShardInfo, SplitInfo
 from crossfeed.format.parquet import (
     FORMAT,
@@ -37,7 +38,7 @@ from crossfeed.format.parquet import (
     merge_dims,
     pyarrow_modules,
 )
-from crossfeed.format.schema import Encoding, Feature, Schema
+from crossfeed.format.schema import Feature, Schema
 from crossfeed.write.adopt.lengths import check_features, parquet_lengths, write_file
 from crossfeed.write.adopt.placement import Placement
 
@@ -107,7 +108,7 @@ def index_parquet(
                     lists = [
                         k
                         for k, f in feats.items()
-                        if (k not in declared or k in unshaped) and f.encoding is Encoding.TENSOR and None in f.shape
+                        if (k not in declared or k in unshaped) and f.codec.arrow == "tensor" and None in f.shape
                     ]
                     dicts = [k for k in feats if k not in declared and is_categorical(types[k])]
                     scan = list(dict.fromkeys([*lists, *dicts, *unknown]))
@@ -179,7 +180,7 @@ def _decide(pa, f: Feature, t, nulls: int, cats: list, declared: bool) -> tuple[
     """Column ``f.name``'s features (its own, and a mask where nulls need one), their maps (see
     `crossfeed.format.parquet`) and the line that says what was decided and why."""
     k = f.name
-    kind = f"{f.encoding.value} {f.dtype}{list(f.shape)}" if f.encoding is Encoding.TENSOR else f.dtype
+    kind = f"{f.encoding.value} {f.dtype}{list(f.shape)}" if f.codec.arrow == "tensor" else f.dtype
     line = f"{k}: {'declared ' if declared else ''}{kind} (Parquet {t})"
     how: dict = {}
     if declared:
@@ -197,14 +198,14 @@ def _decide(pa, f: Feature, t, nulls: int, cats: list, declared: bool) -> tuple[
         how = {"as": "epoch", "unit": t.unit, "timezone": t.tz or None}
         zone = f"UTC, time zone {t.tz} in the manifest" if t.tz else "no time zone"
         line = f"{k}: int64 {_UNITS.get(t.unit, t.unit)} since 1970-01-01 (Parquet {t}; {zone}); unit in the manifest"
-    elif f.dtype not in ("int64", "float32") and f.shape == () and f.encoding is Encoding.TENSOR:
+    elif f.dtype not in ("int64", "float32") and f.shape == () and f.codec.arrow == "tensor":
         line += ", dtype kept as stored"
     if not nulls:
         return [f], ({k: how} if how else {}), line
     if pa.types.is_floating(t) or is_float(f):
         return [f], ({k: how} if how else {}), f"{line}; {nulls} nulls become NaN"
-    mask = Feature(f"{k}/valid", "bool", (), Encoding.TENSOR)
-    fill = '""' if f.encoding is Encoding.BYTES else "False" if f.dtype == "bool" else "0"
+    mask = Feature(f"{k}/valid", "bool", (), codecs.TENSOR)
+    fill = '""' if f.codec.text else "False" if f.dtype == "bool" else "0"
     line += f"; {nulls} nulls read as {fill}, and mask feature {mask.name!r} is False there"
     line += (
         f"; --feature {k}=float64 makes them NaN instead" if pa.types.is_integer(t) else "; or fill them before writing"
@@ -231,7 +232,7 @@ def _file_features(
         f = infer_feature(k, t, path)
         if k in declared:
             d = declared[k]
-            if k in unshaped and f is not None and d.encoding is Encoding.TENSOR:  # the column's shape
+            if k in unshaped and f is not None and d.codec.arrow == "tensor":  # the column's shape
                 d = Feature(k, d.dtype, f.shape, d.encoding)
             out[k] = d
         elif f is None:
@@ -274,4 +275,4 @@ def _read(pa, pf, path: str, r: int, columns: list[str]):
 def _show(f: Feature | None) -> str:
     if f is None:
         return "absent"
-    return f"{f.encoding.value} {f.dtype}{list(f.shape)}" if f.encoding is not Encoding.INT64 else "int64"
+    return f"{f.encoding.value} {f.dtype}{list(f.shape)}" if f.codec is not codecs.INT64 else "int64"

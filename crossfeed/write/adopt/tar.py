@@ -19,7 +19,7 @@ from crossfeed.errors import ConfigError, SchemaError
 from crossfeed.format import index as idx
 from crossfeed.format import tar
 from crossfeed.format.manifest import Manifest, ShardInfo, SplitInfo, check_name, write_manifest
-from crossfeed.format.schema import Encoding, Feature, Schema
+from crossfeed.format.schema import Feature, Schema
 from crossfeed.write.adopt.placement import Placement
 from crossfeed.write.commit import dataset_lock
 
@@ -52,11 +52,11 @@ class _Inference:
                     tar.member_value(self.declared[ext], data, decode_images=False)
                     continue
                 old = self.feats.get(ext)
-                if old is not None and old.encoding is Encoding.IMAGE and not any(old.shape):
+                if old is not None and old.codec.image and not any(old.shape):
                     continue  # every dimension already varies: no need to read more headers
                 f = tar.infer_feature(ext, data)
                 self.feats[ext] = f = f if old is None else tar.widen(old, f)
-                if f.encoding is not Encoding.IMAGE:  # the value must parse: an integer, UTF-8, an array
+                if not f.codec.image:  # the value must parse: an integer, UTF-8, an array
                     tar.member_value(f, data, decode_images=False)
             except SchemaError as e:
                 raise SchemaError(f"{path}: member {m.name!r} at byte offset {m.start}: {e}") from e

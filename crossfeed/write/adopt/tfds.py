@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from crossfeed.errors import ConfigError, DatasetNotFoundError, SchemaError
+from crossfeed.format import codecs
 from crossfeed.format.manifest import (
     MAX_DEPTH,
     MAX_DIM,
@@ -58,7 +59,7 @@ from crossfeed.format.manifest import (
     plain_segment,
     short_repr,
 )
-from crossfeed.format.schema import NUMERIC_DTYPES, Encoding, Feature
+from crossfeed.format.schema import NUMERIC_DTYPES, Feature
 
 DATASET_INFO = "dataset_info.json"
 FEATURES = "features.json"
@@ -307,7 +308,7 @@ class _Mapper:
                 raise SchemaError(
                     self.refuse(name, kind, f"an image of shape {list(dims)} is not (height, width, channels)")
                 )
-            return [Feature(name, dtype, dims or (None, None, None), Encoding.IMAGE)]
+            return [Feature(name, dtype, dims or (None, None, None), codecs.IMAGE)]
         raise SchemaError(
             self.refuse(
                 name,
@@ -335,9 +336,9 @@ class _Mapper:
             raise SchemaError(self.refuse(name, kind, f"shape {list(dims)} has a variable dimension among others"))
         shape = tuple(dims)
         if dtype == "string":
-            return Feature(name, "string", shape, Encoding.BYTES)
+            return Feature(name, "string", shape, codecs.BYTES)
         if dtype in ("bytes", "object", "str"):
-            return Feature(name, "bytes", shape, Encoding.BYTES)
+            return Feature(name, "bytes", shape, codecs.BYTES)
         if dtype not in NUMERIC_DTYPES:  # only known names reach numpy
             raise SchemaError(self.refuse(name, kind, f"unknown dtype {short_repr(dtype)}"))
         np_dtype = np.dtype(dtype)
@@ -346,11 +347,11 @@ class _Mapper:
                 raise SchemaError(self.refuse(name, kind, "uint64 is stored bit-cast into int64"))
             if dtype != "int64":
                 self.dtypes[name] = dtype
-            return Feature(name, "int64", shape, Encoding.INT64)
+            return Feature(name, "int64", shape, codecs.INT64)
         if np_dtype.kind == "f":
             if dtype != "float32":
                 self.dtypes[name] = dtype
-            return Feature(name, "float32", shape, Encoding.FLOAT)
+            return Feature(name, "float32", shape, codecs.FLOAT)
         raise SchemaError(self.refuse(name, kind, f"dtype {dtype} has no tf.train.Example list"))
 
     def tensor(self, name: str, kind: str, dtype: str, dims: tuple, encoding: str, seq: tuple) -> Feature:
@@ -370,7 +371,7 @@ class _Mapper:
             raise SchemaError(
                 self.refuse(name, kind, f"dtype {short_repr(dtype)} is not a numeric dtype crossfeed stores")
             )
-        return Feature(name, dtype, dims, Encoding.TENSOR)
+        return Feature(name, dtype, dims, codecs.TENSOR)
 
     def labels(self, name: str, file_name: str | None) -> None:
         label_file = f"{file_name or name}.labels.txt"
