@@ -326,3 +326,18 @@ def test_fuzzed_parquet_damage_ends_in_one_crossfeed_error_or_skips(tmp_path_fac
         _read_all(src, tok_path, "skip")
     except CrossfeedError as e:  # what the scan refuses: the footer parses, the column is not text
         assert "column" in str(e), e
+
+
+def test_a_batch_of_documents_is_bounded_by_its_text(tmp_path, tok, monkeypatch):
+    """The tokenizer encodes a batch at once and holds ~85 bytes per byte of it: a batch closes
+    once it holds `BATCH_TEXT` characters, not only at `BATCH_DOCS` documents."""
+    from crossfeed.beam_jobs import text_source
+
+    monkeypatch.setattr(text_source, "BATCH_TEXT", 100)
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "docs.jsonl").write_text("".join(json.dumps({"text": "the fox " * 8}) + "\n" for _ in range(7)))
+    source = TextSource.scan(str(src), tokenizer=str(tok))
+    batches = [b for u in source.units() for b in source.read(u)]
+    assert [len(b) for b in batches] == [2, 2, 2, 1]
+    assert all(sum(map(len, b.columns["text"])) < 100 + 64 for b in batches)

@@ -258,9 +258,9 @@ def text(
         str,
         typer.Option(
             "--max-document-bytes",
-            help="The most bytes one document (line, row, file) may hold (64MiB, 1G); a longer one is a bad record.",
+            help="The most bytes one document (line, row, file) may hold (16MiB, 1G); a longer one is a bad record.",
         ),
-    ] = "64MiB",
+    ] = "16MiB",
     *,
     common: dict,
     bad_records: dict,
