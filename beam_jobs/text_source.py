@@ -277,12 +277,13 @@ class TextSource:
                 units.append(("lines", number, rel))
             elif kind == "text":
                 whole.append(rel)
-            elif kind == "csv":
-                _csv_column(path, column, limit)  # the header names it
-                units.append(("csv", number, rel))
             else:
                 try:
-                    units += [("parquet", number, rel, g, start) for g, start in _row_groups(path, column)]
+                    if kind == "csv":
+                        _csv_column(path, column, limit)  # the header names it
+                        units.append(("csv", number, rel))
+                    else:
+                        units += [("parquet", number, rel, g, start) for g, start in _row_groups(path, column)]
                 except BadInputError as e:  # damaged: one bad record (raised now, or skipped when read)
                     if on_error.mode is OnError.RAISE:
                         raise BadInputError(f"{e} (pass --on-error skip to leave such files out)") from e
@@ -582,8 +583,8 @@ def _csv_column(path: str, column: str, limit: int = MAX_DOCUMENT_BYTES) -> None
                 )
                 or []
             )
-        except (_BadLine, _Unreadable, csv.Error) as e:
-            raise ConfigError(f"{path}:1: the CSV header is not readable ({e})") from None
+        except (_BadLine, _Unreadable, csv.Error) as e:  # damage (a bad record), not a wrong option
+            raise BadInputError(f"{path}:1: the CSV header is not readable ({e})") from None
     if column not in [h.strip() for h in head]:
         raise ConfigError(f"{path}: no column {column!r} in the header {head[:20]}; name the text column with --column")
 
