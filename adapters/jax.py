@@ -187,6 +187,7 @@ class JaxLoader:
                 "step would retrace for: use pack=crossfeed.Pack(length=...) for dense (B, length) rows"
             )
         self.global_batch_size = opts.plan.batch_size
+        pad = check_pad_to(pad_to, self.global_batch_size)  # (B, length) of each padded feature: bounded
         local = self._local_batch(self.global_batch_size)
         self.options = opts.replace(batch_size=local, rank=self.rank, world_size=self.world_size)
         # batches built straight into aligned buffers (a worker process's slots are aligned already)

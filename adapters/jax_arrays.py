@@ -41,6 +41,7 @@ import numpy as np
 
 from crossfeed.errors import ConfigError, SchemaError
 from crossfeed.format.schema import Feature
+from crossfeed.read.options import MAX_BATCH_TOKENS, MAX_PACK_LENGTH
 
 PAD_VALUE = 0  # what pad_to fills with
 ALIGN = 64  # XLA's CPU client uses a host array in place (no copy) when its data is this aligned
@@ -117,8 +118,10 @@ def batch_shards(sharding: jax.sharding.Sharding) -> int | None:
     return math.prod(sharding.mesh.shape[a] for a in axes)
 
 
-def check_pad_to(pad_to) -> dict[str, int]:
-    """``pad_to`` as ``{feature: length}``, validated."""
+def check_pad_to(pad_to, batch_size: int | None = None) -> dict[str, int]:
+    """``pad_to`` as ``{feature: length}``, validated: each length at most `MAX_PACK_LENGTH` (a
+    padded feature is allocated whole, ``(batch, length)``) and, with ``batch_size`` (the global
+    batch, where known), ``batch_size × length`` at most `MAX_BATCH_TOKENS` values."""
     if pad_to is None:
         return {}
     if not isinstance(pad_to, Mapping):
@@ -127,6 +130,16 @@ def check_pad_to(pad_to) -> dict[str, int]:
     for name, length in pad_to.items():
         if not isinstance(name, str) or isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ConfigError(f"pad_to: {name!r}: {length!r} is not a feature name and a length >= 1")
+        if length > MAX_PACK_LENGTH:
+            raise ConfigError(
+                f"pad_to={{{name!r}: {length:,}}} is past the most crossfeed pads a feature to, {MAX_PACK_LENGTH:,} "
+                f"(2^24)"
+            )
+        if batch_size is not None and batch_size * length > MAX_BATCH_TOKENS:
+            raise ConfigError(
+                f"pad_to={{{name!r}: {length:,}}} with batch_size={batch_size:,} is {batch_size * length:,} values a "
+                f"batch, past the most crossfeed allocates, {MAX_BATCH_TOKENS:,} (2^32); lower one of them"
+            )
         out[name] = int(length)
     return out
 

@@ -18,6 +18,23 @@ Inputs, by extension (any mix, any number of files, folders and globs):
 A document that is empty or whitespace only (a null too), or that tokenizes to no ids, is not
 written: it is counted (``dropped_records.empty_documents`` in the manifest) and reported.
 
+What a hostile or damaged input can do is bounded, and each such input is one bad record naming
+its file and line/row (the ``on_error`` policy: raised as one line, or skipped, counted, logged):
+
+* a document (a JSONL, CSV or .txt line, a .txt file, a Parquet value) holds at most
+  ``max_document_bytes`` (16 MiB unless told, ``--max-document-bytes``), checked while reading:
+  lines are read with a bounded ``readline`` (a 1 GiB line, or a small ``.gz`` holding one, is
+  never in memory whole), the rest of a longer line is read past in small pieces;
+* JSON nested too deep or with an integer past Python's digit limit, text that is not UTF-8, a
+  CSV field past the bound (an ordinary field of a few hundred KB is fine: the csv module's
+  field limit is raised to the bound), a damaged gzip stream;
+* a Parquet file whose footer does not parse with crossfeed's own bounded reader
+  (`crossfeed.format.parquet.footer_row_groups`, before pyarrow trusts it), or a row group
+  pyarrow cannot read;
+* a token id that does not fit the tokens' dtype: the width comes from the tokenizer's id space
+  (its vocabulary, added tokens and post-processor special tokens) unless ``token_dtype`` forces
+  one; a document whose ids do not fit is a bad record naming the id and ``--token-dtype``.
+
 Tokenizing is a Beam step of its own (`TokenizeDoFn`): the tokenizer's JSON travels with the
 job (its sha256 recorded in the metadata), is loaded once per worker in ``setup`` and encodes a
 batch of documents at a time (``encode_batch_fast``: the Rust tokenizer's threads). By default
@@ -27,21 +44,26 @@ the tokenizer's post-processor adds its special tokens, as ``tokenizer.encode(te
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import hashlib
 import json
+import mmap
 import os
+import zlib
 from dataclasses import dataclass, field
 
 import apache_beam as beam
 import numpy as np
 
-from crossfeed.beam_jobs.policy import ErrorPolicy, Skips
+from crossfeed.beam_jobs.policy import ErrorPolicy, OnError, Skips
 from crossfeed.beam_jobs.records import SampleBatch
 from crossfeed.beam_jobs.sources import list_files
-from crossfeed.errors import ConfigError
+from crossfeed.config import parse_size
+from crossfeed.errors import BadInputError, ConfigError, CorruptRecordError
 from crossfeed.format import codecs
+from crossfeed.format.parquet import check_footer, footer_row_groups
 from crossfeed.format.schema import Feature, Schema
 
 JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
@@ -50,8 +72,15 @@ PARQUET = (".parquet", ".pq")
 CSV = (".csv", ".tsv")
 EMPTY = "empty_documents"  # the reason documents are dropped, in the manifest's dropped_records
 TOKENS, ID = "tokens", "id"
-BATCH_DOCS = 1024  # documents per batch (one encode_batch call)
+BATCH_DOCS = 1024  # documents per batch (one encode_batch call) …
+BATCH_TEXT = 16 << 20  # … or fewer, once they hold this many characters (a larger document: a batch of its own)
 FILES_PER_UNIT = 256  # whole-file text documents read per work unit
+# The default bound of one document (line, row, value or file), in bytes. The Rust tokenizer holds
+# about 85 bytes per byte of text while it encodes (5.6 GB for 64 MiB of English), so 16 MiB — a
+# long book is 1-2 MiB — keeps one document's encoding near 1.4 GB.
+MAX_DOCUMENT_BYTES = 16 << 20
+_PAST = 4 << 20  # the piece size in which the rest of an over-long line is read past
+TOKEN_DTYPES = ("uint16", "uint32")
 
 
 def kind_of(name: str) -> str:
@@ -73,22 +102,40 @@ class TokenizerSpec:
     add_special_tokens: bool = True
     eos_id: int | None = None
     text: str = field(default="", repr=False)
+    token_dtype: str | None = None  # forced (``--token-dtype``); None: from ``vocab_size``
 
     def __post_init__(self):
         if self.vocab_size < 1:
             raise ConfigError(f"tokenizer {self.name}: an empty vocabulary")
+        if self.token_dtype is not None and self.token_dtype not in TOKEN_DTYPES:
+            raise ConfigError(f"--token-dtype {self.token_dtype!r}: use one of {', '.join(TOKEN_DTYPES)}")
         if self.eos_id is not None and not 0 <= self.eos_id < self.vocab_size:
             raise ConfigError(f"tokenizer {self.name}: eos id {self.eos_id} is outside its {self.vocab_size} ids")
 
     @property
     def dtype(self) -> str:
-        """``uint16`` when every id fits in 16 bits, else ``uint32``."""
+        """``token_dtype`` when forced, else ``uint16`` when every id fits in 16 bits, else ``uint32``."""
+        if self.token_dtype is not None:
+            return self.token_dtype
         return "uint16" if self.vocab_size <= 1 << 16 else "uint32"
 
+    @property
+    def id_limit(self) -> int:
+        """The first id the tokens' dtype cannot hold."""
+        return 1 << (16 if self.dtype == "uint16" else 32)
+
     @classmethod
-    def load(cls, path, *, add_special_tokens: bool = True, eos: str | int | None = None) -> TokenizerSpec:
+    def load(
+        cls,
+        path,
+        *,
+        add_special_tokens: bool = True,
+        eos: str | int | None = None,
+        token_dtype: str | None = None,
+    ) -> TokenizerSpec:
         """The tokenizer saved at ``path`` (``tokenizer.save(path)``, a ``tokenizer.json``);
-        ``eos``: a token (or id) appended to every document."""
+        ``eos``: a token (or id) appended to every document; ``token_dtype``: ``uint16`` or
+        ``uint32`` forced (default: the narrowest that holds the tokenizer's id space)."""
         path = os.fspath(path)
         try:
             with open(path, "rb") as f:
@@ -102,7 +149,7 @@ class TokenizerSpec:
                 f"--tokenizer {path}: not UTF-8 JSON (byte {e.start}); save one with tokenizer.save(path)"
             ) from e
         tok = _from_str(text, path)
-        ids = list(tok.get_vocab(with_added_tokens=True).values())
+        ids = list(tok.get_vocab(with_added_tokens=True).values()) + _post_processor_ids(text)
         vocab = max(max(ids, default=-1) + 1, tok.get_vocab_size(with_added_tokens=True))
         eos_id = None
         if isinstance(eos, str) and not eos.isdigit():
@@ -112,7 +159,15 @@ class TokenizerSpec:
                 raise ConfigError(f"--eos {eos!r}: {path} has no such token; its added tokens are {special}")
         elif eos is not None:
             eos_id = int(eos)
-        return cls(os.path.basename(path), hashlib.sha256(data).hexdigest(), vocab, add_special_tokens, eos_id, text)
+        return cls(
+            os.path.basename(path),
+            hashlib.sha256(data).hexdigest(),
+            vocab,
+            add_special_tokens,
+            eos_id,
+            text,
+            token_dtype,
+        )
 
     def open(self):
         """The tokenizer itself (what a worker's `TokenizeDoFn.setup` calls once)."""
@@ -124,9 +179,35 @@ class TokenizerSpec:
             "sha256": self.sha256,
             "vocab_size": self.vocab_size,
             "dtype": self.dtype,
+            "dtype_forced": self.token_dtype is not None,
             "add_special_tokens": self.add_special_tokens,
             "eos_id": self.eos_id,
         }
+
+
+def _post_processor_ids(text: str) -> list[int]:
+    """The ids a tokenizer JSON's post-processor adds (its special tokens: ``TemplateProcessing``'s
+    ``special_tokens``, ``BertProcessing``/``RobertaProcessing``'s ``sep`` and ``cls``, those of a
+    ``Sequence``): they need not be in the vocabulary, yet land in the tokens."""
+    try:
+        proc = json.loads(text).get("post_processor")
+    except (ValueError, RecursionError, AttributeError):
+        return []  # Tokenizer.from_str has the last word on the file
+    out: list[int] = []
+    todo, seen = [proc], 0
+    while todo and seen < 10_000:
+        p, seen = todo.pop(), seen + 1
+        if not isinstance(p, dict):
+            continue
+        todo += [x for x in p.get("processors") or [] if isinstance(x, dict)]
+        for pair in (p.get("sep"), p.get("cls")):
+            if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[1], int):
+                out.append(pair[1])
+        special = p.get("special_tokens")
+        for tok in special.values() if isinstance(special, dict) else []:
+            ids = tok.get("ids") if isinstance(tok, dict) else None
+            out += [i for i in ids or [] if isinstance(i, int) and not isinstance(i, bool)]
+    return out
 
 
 def _from_str(text: str, where: str):
@@ -152,6 +233,13 @@ class TextSource:
     per_line: bool = False
     on_error: ErrorPolicy = ErrorPolicy()
     length_features: tuple[str, ...] = (TOKENS,)
+    max_document_bytes: int = MAX_DOCUMENT_BYTES
+
+    def __post_init__(self):
+        if isinstance(self.max_document_bytes, bool) or not isinstance(self.max_document_bytes, int):
+            raise ConfigError(f"--max-document-bytes must be a whole number of bytes, got {self.max_document_bytes!r}")
+        if self.max_document_bytes < 1:
+            raise ConfigError(f"--max-document-bytes must be at least 1, got {self.max_document_bytes}")
 
     @classmethod
     def scan(
@@ -164,15 +252,19 @@ class TextSource:
         per_line: bool = False,
         add_special_tokens: bool = True,
         eos: str | int | None = None,
+        token_dtype: str | None = None,
         on_error: ErrorPolicy = ErrorPolicy(),
+        max_document_bytes: int | str = MAX_DOCUMENT_BYTES,
     ) -> TextSource:
-        """``src``: files, folders (every text input under them), globs, or a list of these."""
+        """``src``: files, folders (every text input under them), globs, or a list of these;
+        ``max_document_bytes``: the most bytes of one document (``"16MiB"`` or a number)."""
         if not field or not column:
             raise ConfigError("--field and --column name a JSON field and a column; they cannot be empty")
+        limit = parse_size(max_document_bytes, "--max-document-bytes")
         spec = (
             tokenizer
             if isinstance(tokenizer, TokenizerSpec)
-            else TokenizerSpec.load(tokenizer, add_special_tokens=add_special_tokens, eos=eos)
+            else TokenizerSpec.load(tokenizer, add_special_tokens=add_special_tokens, eos=eos, token_dtype=token_dtype)
         )
         root, files = list_files(src, JSONL + TEXT + PARQUET + CSV, "text")
         units: list[tuple] = []
@@ -186,14 +278,20 @@ class TextSource:
                 units.append(("lines", number, rel))
             elif kind == "text":
                 whole.append(rel)
-            elif kind == "csv":
-                _csv_column(path, column)  # the header names it
-                units.append(("csv", number, rel))
             else:
-                units += [("parquet", number, rel, g, start) for g, start in _row_groups(path, column)]
+                try:
+                    if kind == "csv":
+                        _csv_column(path, column, limit)  # the header names it
+                        units.append(("csv", number, rel))
+                    else:
+                        units += [("parquet", number, rel, g, start) for g, start in _row_groups(path, column)]
+                except BadInputError as e:  # damaged: one bad record (raised now, or skipped when read)
+                    if on_error.mode is OnError.RAISE:
+                        raise BadInputError(f"{e} (pass --on-error skip to leave such files out)") from e
+                    units.append(("bad", number, rel, str(e)))
         for c in range(0, len(whole), FILES_PER_UNIT):
             units.append(("files", len(files) + c, tuple(whole[c : c + FILES_PER_UNIT])))
-        return cls(root, tuple(units), spec, field, column, per_line, on_error)
+        return cls(root, tuple(units), spec, field, column, per_line, on_error, max_document_bytes=limit)
 
     @property
     def schema(self) -> Schema:
@@ -206,10 +304,16 @@ class TextSource:
 
     @property
     def metadata(self) -> dict:
-        kinds = sorted({u[0] for u in self.units_})
+        kinds = sorted({u[0] for u in self.units_} - {"bad"})
         return {
             "source": "text",
-            "text": {"field": self.field, "column": self.column, "per_line": self.per_line, "inputs": kinds},
+            "text": {
+                "field": self.field,
+                "column": self.column,
+                "per_line": self.per_line,
+                "inputs": kinds,
+                "max_document_bytes": self.max_document_bytes,
+            },
             "tokenizer": self.tokenizer.metadata(),
         }
 
@@ -229,8 +333,9 @@ class TextSource:
                     "parquet": f"Parquet column {self.column!r} per row",
                     "csv": f"CSV column {self.column!r} per row",
                 }[k]
-                for k in sorted({u[0] for u in self.units_})
+                for k in sorted({u[0] for u in self.units_} - {"bad"})
             ),
+            f"a document holds at most {self.max_document_bytes:,} bytes (--max-document-bytes)",
         ]
 
     def describe(self) -> str:
@@ -240,7 +345,7 @@ class TextSource:
         return list(self.units_)
 
     def steps(self) -> list[tuple[str, beam.DoFn]]:
-        return [("Tokenize", TokenizeDoFn(self.tokenizer))]
+        return [("Tokenize", TokenizeDoFn(self.tokenizer, self.on_error))]
 
     def read(self, unit):
         """Batches of ``{"text", "id"}`` (tokenized by the next step) with their skips and drops."""
@@ -248,30 +353,37 @@ class TextSource:
         skips = Skips(self.on_error)
         if kind == "files":
             docs = self._files(unit[2], skips)
+        elif kind == "bad":  # a file the scan found damaged (under skip)
+            skips.bad(unit[3])
+            docs = iter(())
         elif kind == "parquet":
-            docs = self._parquet(unit[2], unit[3], unit[4])
+            docs = self._parquet(unit[2], unit[3], unit[4], skips)
         elif kind == "csv":
             docs = self._csv(unit[2], skips)
         else:
             docs = self._lines(unit[2], kind == "jsonl", skips)
         sub = f"{unit[3]:06d}" if kind == "parquet" else "0"
-        chunk, keys, texts, empty, reported = 0, [], [], 0, 0
+        chunk, keys, texts, empty, reported, size = 0, [], [], 0, 0, 0
         for key, text in docs:
             if text is None or not text.strip():
                 empty += 1
             else:
                 keys.append(key)
                 texts.append(text)
-            if len(keys) >= BATCH_DOCS:
+                size += len(text)
+            if len(keys) >= BATCH_DOCS or size >= BATCH_TEXT:  # the tokenizer's memory follows a batch's text
                 yield _batch(f"text-{number:05d}-{sub}-{chunk:06d}", keys, texts, skips.count - reported, empty)
-                chunk, keys, texts, empty, reported = chunk + 1, [], [], 0, skips.count
+                chunk, keys, texts, empty, reported, size = chunk + 1, [], [], 0, skips.count, 0
         if keys or empty or skips.count - reported:
             yield _batch(f"text-{number:05d}-{sub}-{chunk:06d}", keys, texts, skips.count - reported, empty)
 
     def _lines(self, rel: str, jsonl: bool, skips: Skips):
         path = os.path.join(self.root, rel)
+        limit = self.max_document_bytes
         with _open(path) as f:
-            for line, raw in enumerate(f, 1):
+            lines = _Lines(f, limit, path)
+            for raw in _good_lines(lines, skips):
+                line = lines.line
                 if jsonl:
                     if not raw.strip():
                         continue
@@ -287,37 +399,144 @@ class TextSource:
                 yield f"{rel}:{line}", text
 
     def _files(self, rels: tuple[str, ...], skips: Skips):
+        limit = self.max_document_bytes
         for rel in rels:
             path = os.path.join(self.root, rel)
-            with _open(path) as f:
-                data = f.read()
+            try:
+                with _open(path) as f:
+                    data = f.read(limit + 1)  # bounded: a small .gz may inflate to GBs
+            except (OSError, EOFError, zlib.error) as e:
+                skips.bad(f"{path}: not readable ({e})")
+                continue
+            if len(data) > limit:
+                skips.bad(
+                    f"{path}: more than {limit:,} bytes of text, the most a document holds (--max-document-bytes)"
+                )
+                continue
             try:
                 yield rel, data.decode("utf-8")
             except UnicodeDecodeError as e:
                 skips.bad(f"{path}: not UTF-8 text (byte {e.start}); convert it to UTF-8 or leave it out")
 
-    def _parquet(self, rel: str, group: int, start: int):
+    def _parquet(self, rel: str, group: int, start: int, skips: Skips):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table = pq.ParquetFile(os.path.join(self.root, rel)).read_row_group(group, columns=[self.column])
-        for i, text in enumerate(table.column(self.column).to_pylist()):
+        path, limit = os.path.join(self.root, rel), self.max_document_bytes
+        try:
+            with pq.ParquetFile(path) as pf:
+                table = pf.read_row_group(group, columns=[self.column])
+            texts = table.column(self.column).to_pylist()
+        except (pa.ArrowException, OSError, ValueError) as e:
+            skips.bad(f"{path}: row group {group} (rows from {start}) is not readable ({e})")
+            return
+        for i, text in enumerate(texts):
+            if text is not None and len(text) * 4 > limit and len(text.encode("utf-8", "surrogatepass")) > limit:
+                skips.bad(f"{path}:{start + i}: a document of more than {limit:,} bytes (--max-document-bytes)")
+                continue
             yield f"{rel}:{start + i}", text
 
     def _csv(self, rel: str, skips: Skips):
         path = os.path.join(self.root, rel)
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.reader(f, delimiter="\t" if rel.lower().endswith(".tsv") else ",")
-            head = next(reader, None) or []
-            at, width = [h.strip() for h in head].index(self.column), len(head)
-            line = reader.line_num
-            for row in reader:
-                first, line = line + 1, reader.line_num
+        _raise_csv_field_limit(self.max_document_bytes)
+        with open(path, "rb") as f:
+            lines = _Lines(f, self.max_document_bytes, path, decode=True)
+            reader = csv.reader(lines, delimiter="\t" if rel.lower().endswith(".tsv") else ",")
+            try:
+                head = next(reader, None) or []
+            except (_BadLine, csv.Error) as e:
+                skips.bad(f"{path}:1: the header is not readable ({e})")
+                return
+            names = [h.strip() for h in head]
+            if self.column not in names:
+                skips.bad(f"{path}: no column {self.column!r} in the header {head[:20]}")
+                return
+            at, width = names.index(self.column), len(head)
+            while True:
+                first = lines.line + 1
+                try:
+                    row = next(reader)
+                except StopIteration:
+                    break
+                except _BadLine as e:
+                    skips.bad(f"{path}:{lines.line}: {e}")
+                    continue
+                except csv.Error as e:
+                    skips.bad(f"{path}:{first}: not valid CSV ({e})")
+                    continue
                 if not row:
                     continue
                 if len(row) != width:
                     skips.bad(f"{path}:{first}: expected {width} fields, got {len(row)}")
                     continue
                 yield f"{rel}:{first}", row[at]
+
+
+class _BadLine(Exception):
+    """A line that is no document: longer than the bound, or not UTF-8 (its message says which)."""
+
+
+class _Lines:
+    """The lines of an open binary file, each read with a bounded ``readline``: a line longer than
+    ``limit`` bytes is never held whole (its rest is read past in small pieces) and raises
+    `_BadLine`, as does one that is not UTF-8 when ``decode``; the iteration goes on after either
+    (a class, not a generator: a generator that raised is finished), which is what `csv.reader`
+    needs to start its next record on the next line. ``line``: the number of the last line read."""
+
+    def __init__(self, f, limit: int, path: str, *, decode: bool = False):
+        self.f, self.limit, self.path, self.decode, self.line = f, limit, path, decode, 0
+        self._inside = False  # within an over-long line (read past it first: only when going on)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            while self._inside:
+                rest = self.f.readline(_PAST)
+                self._inside = bool(rest) and not rest.endswith(b"\n")
+            raw = self.f.readline(self.limit + 1)
+            if not raw:
+                raise StopIteration
+            self.line += 1
+            if len(raw) > self.limit and not raw.endswith(b"\n"):
+                self._inside = True
+                raise _BadLine(
+                    f"a line of more than {self.limit:,} bytes, longer than a document may be (--max-document-bytes)"
+                )
+        except (OSError, EOFError, zlib.error) as e:  # a damaged gzip stream: nothing after it can be read
+            raise _Unreadable(f"{self.path}: not readable after line {self.line} ({e})") from e
+        if not self.decode:
+            return raw
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _BadLine(f"not UTF-8 text (byte {e.start} of the line)") from None
+
+
+class _Unreadable(Exception):
+    """The rest of a file cannot be read (a damaged gzip stream)."""
+
+
+def _good_lines(lines: _Lines, skips: Skips):
+    """The lines of ``lines`` that are not `_BadLine` (those go to ``skips``, named file:line)."""
+    while True:
+        try:
+            yield next(lines)
+        except StopIteration:
+            return
+        except _BadLine as e:
+            skips.bad(f"{lines.path}:{lines.line}: {e}")
+        except _Unreadable as e:
+            skips.bad(str(e))
+            return
+
+
+def _raise_csv_field_limit(limit: int) -> None:
+    """Let a CSV field be as long as a document may be (Python's default is 128 KiB: an ordinary
+    200 KB document failed); the csv module's limit is one per process, so it only grows."""
+    if csv.field_size_limit() < limit:
+        csv.field_size_limit(min(limit, (1 << 31) - 1))
 
 
 def _batch(batch_id: str, keys: list[str], texts: list[str], skipped: int, empty: int) -> SampleBatch:
@@ -334,6 +553,10 @@ def _json_text(raw: bytes, name: str) -> tuple[str | None, str | None]:
         return None, f"not UTF-8 text (byte {e.start} of the line)"
     except json.JSONDecodeError as e:
         return None, f"not valid JSON ({e.msg} at column {e.colno})"
+    except RecursionError:
+        return None, "JSON nested too deep to read"
+    except ValueError as e:  # an integer past Python's digit limit, and the like
+        return None, f"not readable JSON ({e})"
     if not isinstance(obj, dict):
         return None, f"expected a JSON object, got {type(obj).__name__}"
     if name not in obj:
@@ -348,28 +571,59 @@ def _open(path: str):
     return gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")
 
 
-def _csv_column(path: str, column: str) -> None:
-    with open(path, newline="", encoding="utf-8") as f:
-        head = next(csv.reader(f, delimiter="\t" if path.lower().endswith(".tsv") else ","), None) or []
+def _csv_column(path: str, column: str, limit: int = MAX_DOCUMENT_BYTES) -> None:
+    _raise_csv_field_limit(limit)
+    with open(path, "rb") as f:
+        try:
+            head = (
+                next(
+                    csv.reader(
+                        _Lines(f, limit, path, decode=True), delimiter="\t" if path.lower().endswith(".tsv") else ","
+                    ),
+                    None,
+                )
+                or []
+            )
+        except (_BadLine, _Unreadable, csv.Error) as e:  # damage (a bad record), not a wrong option
+            raise BadInputError(f"{path}:1: the CSV header is not readable ({e})") from None
     if column not in [h.strip() for h in head]:
-        raise ConfigError(f"{path}: no column {column!r} in the header {head}; name the text column with --column")
+        raise ConfigError(f"{path}: no column {column!r} in the header {head[:20]}; name the text column with --column")
 
 
 def _row_groups(path: str, column: str) -> list[tuple[int, int]]:
+    """``(row group, its first row)`` of each row group, once crossfeed's bounded footer reader
+    and pyarrow agree on the footer (a damaged one is a `BadInputError` naming the file)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
-    schema = pf.schema_arrow
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else contextlib.nullcontext(b"") as buf:
+            try:  # before pyarrow: it trusts what a footer says
+                groups, damage = footer_row_groups(buf, path), None
+            except CorruptRecordError as e:  # kept as text: its frames hold views of the map
+                groups, damage = (), str(e)
+    if damage is not None:
+        raise BadInputError(damage)
+    try:
+        with pq.ParquetFile(path) as pf:
+            check_footer(groups, pf.metadata, path)
+            schema = pf.schema_arrow
+    except CorruptRecordError as e:
+        raise BadInputError(str(e)) from e
+    except (pa.ArrowException, OSError, ValueError, UnicodeDecodeError) as e:
+        if isinstance(e, FileNotFoundError | PermissionError):
+            raise
+        raise BadInputError(f"{path}: not a readable Parquet file ({e})") from e
     if column not in schema.names:
         raise ConfigError(f"{path}: no column {column!r}; it has {schema.names}; name the text column with --column")
     t = schema.field(column).type
     if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
         raise ConfigError(f"{path}: column {column!r} is {t}, not text; name a string column with --column")
     out, start = [], 0
-    for g in range(pf.num_row_groups):
+    for g, (rows, _) in enumerate(groups):
         out.append((g, start))
-        start += pf.metadata.row_group(g).num_rows
+        start += rows
     return out
 
 
@@ -378,8 +632,9 @@ class TokenizeDoFn(beam.DoFn):
     per worker (``setup``) and encodes each batch at once; documents with no ids are dropped and
     counted as empty."""
 
-    def __init__(self, spec: TokenizerSpec):
+    def __init__(self, spec: TokenizerSpec, on_error: ErrorPolicy = ErrorPolicy()):
         self.spec = spec
+        self.on_error = on_error
         self._tok = None
 
     def setup(self):
@@ -390,24 +645,34 @@ class TokenizeDoFn(beam.DoFn):
         texts = batch.columns["text"]
         encodings = self._encode(texts, batch.keys) if texts else []
         dtype = np.dtype(spec.dtype).newbyteorder("<")
-        keep, tokens = [], []
+        skips = Skips(self.on_error)
+        keep, tokens, empty = [], [], 0
         for i, enc in enumerate(encodings):
             ids = enc.ids
             if spec.eos_id is not None:
                 ids = [*ids, spec.eos_id]
             if not ids:
+                empty += 1
+                continue
+            top = max(ids)
+            if top >= spec.id_limit or min(ids) < 0:
+                how = "--token-dtype" if spec.token_dtype is not None else "chosen from its vocabulary size"
+                skips.bad(
+                    f"{batch.keys[i]}: tokenizer {spec.name} gave id {top if top >= spec.id_limit else min(ids):,}, "
+                    f"which {spec.dtype} tokens cannot hold ({spec.dtype} {how}); pass --token-dtype uint32"
+                )
                 continue
             keep.append(i)
             tokens.append(np.asarray(ids, dtype=dtype))
         dropped = dict(batch.dropped)
-        if len(keep) != len(batch):
-            dropped[EMPTY] = dropped.get(EMPTY, 0) + len(batch) - len(keep)
+        if empty:
+            dropped[EMPTY] = dropped.get(EMPTY, 0) + empty
         keys = [batch.keys[i] for i in keep]
         yield SampleBatch(
             batch.batch_id,
             keys,
             {TOKENS: tokens, ID: [batch.columns[ID][i] for i in keep]},
-            skipped=batch.skipped,
+            skipped=batch.skipped + skips.count,
             dropped=dropped,
         )
 

@@ -1,8 +1,14 @@
 """crossfeed: convert a dataset once, read it from TensorFlow and PyTorch, serve it over the network.
 
 The public surface is the names below; everything else lives in submodules. Importing crossfeed
-never imports tensorflow, torch or apache_beam.
+never imports tensorflow, torch or apache_beam, and imports nothing heavy at all until a name is
+used: the errors are here at once, every other name (the Loader, the options, the Dataset, the
+writer, the network plane) is imported on first use (`__getattr__`), so that a program built on
+crossfeed — the ``crossfeed`` CLI first of all — runs its own first lines (its Ctrl-C handler)
+before numpy and the rest load.
 """
+
+from typing import TYPE_CHECKING
 
 from crossfeed.errors import (
     ConfigError,
@@ -21,32 +27,52 @@ from crossfeed.errors import (
     WireError,
     WorkerError,
 )
-from crossfeed.format.schema import Encoding, Feature, Schema
-from crossfeed.read.loader import Loader
-from crossfeed.read.options import (
-    LoaderOptions,
-    Pack,
-    PlanOptions,
-    ReadOptions,
-    Remainder,
-    ShardOptions,
-    Shuffle,
-    Source,
-)
-from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
-from crossfeed.write.writer import write_samples
+
+if TYPE_CHECKING:
+    from crossfeed.format.schema import Encoding, Feature, Schema
+    from crossfeed.read.loader import Loader
+    from crossfeed.read.options import (
+        LoaderOptions,
+        Pack,
+        PlanOptions,
+        ReadOptions,
+        Remainder,
+        ShardOptions,
+        Shuffle,
+        Source,
+    )
+    from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
 
 __version__ = "0.1.0"
 
 
-def write_dataset(path, samples, **options) -> Dataset:
+def write_dataset(path, samples, **options) -> "Dataset":
     """Write ``samples`` as a split of the dataset at ``path`` and return it opened: the options
     and the atomic commit are `crossfeed.write.writer.write_samples`'s."""
+    from crossfeed.read.sources.dataset import open_dataset
+    from crossfeed.write.writer import write_samples
+
     return open_dataset(write_samples(path, samples, **options))
 
 
-# The network plane pulls in pyzmq: imported on first use, so `import crossfeed` stays light.
+# Imported on first use, so `import crossfeed` stays light (the network plane pulls in pyzmq).
 _LAZY = {
+    "Encoding": "crossfeed.format.schema",
+    "Feature": "crossfeed.format.schema",
+    "Schema": "crossfeed.format.schema",
+    "Loader": "crossfeed.read.loader",
+    "LoaderOptions": "crossfeed.read.options",
+    "Pack": "crossfeed.read.options",
+    "PlanOptions": "crossfeed.read.options",
+    "ReadOptions": "crossfeed.read.options",
+    "Remainder": "crossfeed.read.options",
+    "ShardOptions": "crossfeed.read.options",
+    "Shuffle": "crossfeed.read.options",
+    "Source": "crossfeed.read.options",
+    "Dataset": "crossfeed.read.sources.dataset",
+    "Split": "crossfeed.read.sources.dataset",
+    "open_dataset": "crossfeed.read.sources.dataset",
+    "write_samples": "crossfeed.write.writer",
     "connect": "crossfeed.net.connect",
     "Client": "crossfeed.net.stream.client",
     "ClientKeys": "crossfeed.net.keys",
@@ -58,7 +84,9 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # the next use is a plain lookup
+        return value
     raise AttributeError(f"module 'crossfeed' has no attribute {name!r}")
 
 

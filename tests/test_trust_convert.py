@@ -74,3 +74,35 @@ def test_ctrl_c_during_convert_is_interrupted_exit_130(big_csv, tmp_path, delay)
     assert "Traceback" not in err and "RuntimeError" not in err, err[-4000:]
     assert code == EXIT_INTERRUPTED and err.rstrip().endswith("interrupted"), (code, err[-4000:])
     assert not os.path.exists(tmp_path / "out" / "crossfeed.json")  # nothing committed
+
+
+def _interrupt_at(argv: list[str], delay: float) -> tuple[int, str]:
+    """Start ``argv``, send SIGINT ``delay`` seconds after the start (no waiting for any output:
+    the CLI may still be loading), and return ``(exit code, stderr)``."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(delay)
+        if proc.poll() is not None:
+            pytest.fail(f"convert ended (exit {proc.returncode}) before the SIGINT at +{delay}s: {proc.stderr.read()}")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("delay", [0.15, 0.3, 0.45, 0.6, 0.75, 0.9, 1.2])
+@pytest.mark.parametrize("how", ["script", "module"])
+def test_ctrl_c_in_the_first_second_is_interrupted_exit_130(big_csv, tmp_path, delay, how):
+    """Issue 35, item 13: the first second of a run (Python importing the CLI, numpy, typer, the
+    command groups, then Beam) is covered too — a SIGINT there used to give a raw KeyboardInterrupt
+    traceback (or an ImportError out of numpy) and exit -2. (Before 0.15 s the signal may land while
+    Python itself starts, before any crossfeed code runs: Python's own, see docs/security.md.)"""
+    script = os.path.join(os.path.dirname(sys.executable), "crossfeed")
+    head = [script] if how == "script" else [sys.executable, "-m", "crossfeed.cli.main"]
+    code, err = _interrupt_at([*head, "convert", "csv", str(big_csv), str(tmp_path / "out")], delay)
+    assert "Traceback" not in err and "Error" not in err, err[-4000:]
+    assert code == EXIT_INTERRUPTED and err.rstrip().endswith("interrupted"), (code, err[-4000:])
+    assert not os.path.exists(tmp_path / "out" / "crossfeed.json")

@@ -53,6 +53,12 @@ class OnError(str, enum.Enum):
     skip = "skip"
 
 
+class TokenDtype(str, enum.Enum):
+    auto = "auto"
+    uint16 = "uint16"
+    uint32 = "uint32"
+
+
 class ConvertTo(str, enum.Enum):
     png = "png"
     jpeg = "jpeg"
@@ -241,6 +247,20 @@ def text(
     eos: Annotated[
         str | None, typer.Option("--eos", help="A token (e.g. '</s>') or id appended to every document.")
     ] = None,
+    token_dtype: Annotated[
+        TokenDtype,
+        typer.Option(
+            "--token-dtype",
+            help="The tokens' dtype: auto (uint16 when the tokenizer's ids fit 16 bits, else uint32) or forced.",
+        ),
+    ] = TokenDtype.auto,
+    max_document_bytes: Annotated[
+        str,
+        typer.Option(
+            "--max-document-bytes",
+            help="The most bytes one document (line, row, file) may hold (16MiB, 1G); a longer one is a bad record.",
+        ),
+    ] = "16MiB",
     *,
     common: dict,
     bad_records: dict,
@@ -260,6 +280,8 @@ def text(
         per_line=per_line,
         add_special_tokens=special_tokens,
         eos=eos,
+        token_dtype=None if token_dtype is TokenDtype.auto else token_dtype.value,
+        max_document_bytes=max_document_bytes,
     )
 
 

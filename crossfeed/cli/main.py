@@ -6,7 +6,10 @@ The one error boundary of the CLI is `_Boundary.invoke`, around every command:
 * a `CrossfeedError` (what a user can cause: a bad path, option, file or address), or an OSError
   naming a file (missing, not permitted) → one line ``error: …`` on stderr, exit status 2;
 * a closed stdout (``crossfeed info … | head``) → quiet, exit status 141 (128 + SIGPIPE);
-* Ctrl-C → exit status 130, no traceback;
+* Ctrl-C → ``interrupted`` on stderr, exit status 130, no traceback — at any moment: while the
+  CLI itself is still loading (typer, numpy, the command groups: the first second of a run), a
+  SIGINT ends the process at once the same way (`_exit_interrupted`), since nothing has started
+  that needs cleaning up;
 * anything else is a bug in crossfeed and keeps its traceback.
 
 Commands therefore raise and never print their own ``error:`` lines.
@@ -14,20 +17,47 @@ Commands therefore raise and never print their own ``error:`` lines.
 
 from __future__ import annotations
 
-import importlib
-import logging
 import os
+import signal
 import sys
-from typing import Annotated
-
-import typer
-from typer.core import TyperGroup, TyperOption
-
-from crossfeed.errors import CrossfeedError
+import threading
 
 EXIT_ERROR = 2
 EXIT_SIGPIPE = 141
 EXIT_INTERRUPTED = 130
+
+
+def _exit_interrupted(signum, frame) -> None:
+    """SIGINT before the boundary stands (the CLI's imports, parsing the command line): nothing
+    has started, so say so and leave at once (a KeyboardInterrupt raised inside an import can come
+    out as another error: numpy turns it into an ImportError)."""
+    os.write(2, b"interrupted\n")
+    os._exit(EXIT_INTERRUPTED)
+
+
+def _set_sigint(handler):
+    """Install ``handler`` for SIGINT and return the one it replaces; None (nothing done) outside
+    the main thread, where signal handlers cannot be set."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, handler)
+    return previous
+
+
+# Loading the CLI takes a while (the first second of a run): a Ctrl-C during it ends the process
+# as the boundary would. Only where SIGINT still has Python's default handler (a program starting),
+# and only until the import is done (a test process that imports the app keeps its own).
+_LOADING = signal.getsignal(signal.SIGINT) is signal.default_int_handler and _set_sigint(_exit_interrupted)
+
+import importlib  # noqa: E402  (after the handler: these imports are the slow part)
+import logging  # noqa: E402
+from typing import Annotated  # noqa: E402
+
+import typer  # noqa: E402
+from typer.core import TyperGroup, TyperOption  # noqa: E402
+
+from crossfeed.errors import CrossfeedError  # noqa: E402
 
 # OSErrors that name a path the user gave: an error of the environment, not a bug.
 _PATH_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -68,6 +98,7 @@ class _Boundary(TyperGroup):
         return sorted(names, key=lambda n: rank.get(n, len(rank)))
 
     def invoke(self, ctx):
+        previous = _set_sigint(signal.default_int_handler)  # from here a Ctrl-C is a KeyboardInterrupt
         try:
             return super().invoke(ctx)
         except BrokenPipeError:
@@ -79,6 +110,9 @@ class _Boundary(TyperGroup):
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(EXIT_INTERRUPTED) from None
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
 
 
 # typer's rich help prints a type for every option, `<bool>` for flags too (its plain help does
@@ -149,8 +183,12 @@ GROUPS = (
 for _name in GROUPS:
     importlib.import_module(_name).register(app)
 
+if _LOADING:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # loaded: SIGINT as it was
+
 
 def main() -> None:
+    _set_sigint(_exit_interrupted)  # until the boundary stands (parsing the command line)
     app(prog_name="crossfeed")
 
 

@@ -42,6 +42,15 @@ class Resize(str, enum.Enum):
     PAD = "pad"  # scaled to fit inside (H, W), aspect kept, the rest filled with zeros
 
 
+# Bounds of what an option makes a reader allocate, checked where the option is made (a batch is
+# allocated whole): a batch of at most 2^24 samples, a packed row of at most 2^24 tokens, a batch of
+# at most 2^32 tokens (packed: batch_size × length; batch_by_tokens). What the dataset bounds (a
+# pad_id within the token dtype) is checked where the dataset is known, before the first batch.
+MAX_BATCH_SIZE = 1 << 24
+MAX_PACK_LENGTH = 1 << 24
+MAX_BATCH_TOKENS = 1 << 32
+
+
 class PackSplit(str, enum.Enum):
     """How `Pack` cuts the epoch's documents into rows (docs/sequences.md)."""
 
@@ -82,7 +91,7 @@ class Pack:
     weights_by: WeightsBy = WeightsBy.DOCUMENTS
 
     def __post_init__(self):
-        object.__setattr__(self, "length", _int(self.length, "pack length", 1))
+        object.__setattr__(self, "length", _int(self.length, "pack length", 1, MAX_PACK_LENGTH))
         feats = self.features
         if isinstance(feats, str) or not isinstance(feats, Sequence) or not feats:
             raise ConfigError(f"pack features must be a non-empty list of feature names, got {feats!r}")
@@ -96,6 +105,8 @@ class Pack:
         object.__setattr__(self, "weights_by", choice(WeightsBy, self.weights_by, "pack weights_by"))
         if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int):
             raise ConfigError(f"pack pad_id must be an integer, got {self.pad_id!r}")
+        if not -(1 << 63) <= self.pad_id < 1 << 64:
+            raise ConfigError(f"pack pad_id={self.pad_id} fits no integer dtype (-2^63 to 2^64 - 1)")
         object.__setattr__(self, "bins", _int(self.bins, "pack bins", 1))
 
     @classmethod
@@ -136,12 +147,16 @@ def choice(cls: type[enum.Enum], value, name: str):
         raise ConfigError(f"{name}={value!r} is not one of {choices}") from None
 
 
-def _int(value, name: str, lo: int) -> int:
+def _int(value, name: str, lo: int, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
         raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
     value = int(value.__index__())
     if value < lo:
         raise ConfigError(f"{name} must be an integer >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ConfigError(
+            f"{name}={value:,} is past the most crossfeed allocates for it, {hi:,} (2^{hi.bit_length() - 1})"
+        )
     return value
 
 
@@ -183,7 +198,7 @@ class PlanOptions:
             object.__setattr__(self, "shuffle", Shuffle.GLOBAL if self.shuffle else Shuffle.NONE)
         object.__setattr__(self, "shuffle", choice(Shuffle, self.shuffle, "shuffle"))
         object.__setattr__(self, "remainder", choice(Remainder, self.remainder, "remainder"))
-        object.__setattr__(self, "batch_size", _int(self.batch_size, "batch_size", 1))
+        object.__setattr__(self, "batch_size", _int(self.batch_size, "batch_size", 1, MAX_BATCH_SIZE))
         if not isinstance(self.seed, int) and not hasattr(self.seed, "__index__") or int(self.seed) < 0:
             raise ConfigError(
                 f"seed must be a non-negative integer, got {self.seed!r}; pick one and keep it to reproduce the order"
@@ -195,8 +210,16 @@ class PlanOptions:
             object.__setattr__(self, "samples_per_epoch", _int(self.samples_per_epoch, "samples_per_epoch", 1))
         if self.pack is not None:
             object.__setattr__(self, "pack", Pack.of(self.pack))
+            if self.batch_size * self.pack.length > MAX_BATCH_TOKENS:
+                raise ConfigError(
+                    f"batch_size={self.batch_size:,} rows of pack length={self.pack.length:,} tokens is "
+                    f"{self.batch_size * self.pack.length:,} tokens a batch, past the most crossfeed allocates, "
+                    f"{MAX_BATCH_TOKENS:,} (2^32); lower batch_size or the pack length"
+                )
         if self.batch_by_tokens is not None:
-            object.__setattr__(self, "batch_by_tokens", _int(self.batch_by_tokens, "batch_by_tokens", 1))
+            object.__setattr__(
+                self, "batch_by_tokens", _int(self.batch_by_tokens, "batch_by_tokens", 1, MAX_BATCH_TOKENS)
+            )
             if self.pack is not None:
                 raise ConfigError(
                     "pass pack= or batch_by_tokens=, not both: packed rows already hold a fixed token count"

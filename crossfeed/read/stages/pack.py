@@ -61,7 +61,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from crossfeed.errors import ConfigError, DatasetNotFoundError, IndexFileError
-from crossfeed.format.lengths import DTYPE, checked_lengths, lengths_path
+from crossfeed.format.lengths import DTYPE, check_bound, checked_lengths, lengths_path, record_bound
 from crossfeed.format.schema import Feature
 from crossfeed.read.options import LoaderOptions, Pack, PackLong, PackSplit, WeightsBy
 from crossfeed.read.stages.batch import timed_apart
@@ -171,7 +171,12 @@ class DocLengths:
             raise IndexFileError(f"{where}: lengths file is missing; {fix}") from e
         except OSError as e:
             raise IndexFileError(f"{where}: cannot read the lengths file ({e.strerror or e}); {fix}") from e
-        return checked_lengths(data, where, info, width, digest)[:, col]
+        lengths = checked_lengths(data, where, info, width, digest)[:, col]
+        name = self.names[s]
+        feature = next((f for f in ds.schema if f.name == name), None)
+        if feature is not None:  # bounded by what a record can hold, before a plan sizes rows by it
+            check_bound(lengths, record_bound(info, feature, sp.info.format), where, name)
+        return lengths
 
 
 # ---- packing: every row of an epoch -------------------------------------------------------------
@@ -683,6 +688,36 @@ def read_names(options: LoaderOptions, datasets) -> tuple[str, ...] | None:
     return None
 
 
+def check_token_batch(plan, features) -> None:
+    """Before the first batch, where the dataset is known: ``pack.pad_id`` must fit every packed
+    feature's dtype (70000 or -1 in uint16 tokens would wrap or overflow), and one packed batch
+    (``batch_size`` rows of ``length``, every feature plus int32 segment ids and positions) must
+    fit in this machine's memory. Raises `ConfigError` naming the option and the bound."""
+    if plan.pack is None:
+        return
+    pad = plan.pack.pad_id
+    for f in features:
+        dtype = np.dtype(f.dtype)
+        if dtype.kind in "iu":
+            lo, hi = int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)
+            if not lo <= pad <= hi:
+                raise ConfigError(
+                    f"pack pad_id={pad} does not fit feature {f.name!r} ({dtype.name}: {lo} to {hi:,}); "
+                    f"pick a pad_id in that range"
+                )
+    per_token = sum(np.dtype(f.dtype).itemsize for f in features) + 8  # + segment_ids, positions (int32)
+    need = plan.batch_size * plan.pack.length * per_token
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not known here: the option bounds stand alone
+        return
+    if memory > 0 and need > memory:
+        raise ConfigError(
+            f"batch_size={plan.batch_size:,} packed rows of length={plan.pack.length:,} take {need:,} bytes a "
+            f"batch, more than this machine's {memory:,} bytes of memory; lower batch_size or the pack length"
+        )
+
+
 def token_stages(sampler, builder, splits, stored: list[list[Feature]], features, options: LoaderOptions):
     """``(PackSampler, PackBuilder)`` over a pipeline's document `Sampler` and `BatchBuilder`:
     the stages of a token pipeline (``pack=`` or ``batch_by_tokens=``), satisfying the same
@@ -702,6 +737,7 @@ def token_stages(sampler, builder, splits, stored: list[list[Feature]], features
                 f"{what} feature {f.name!r} ({f.encoding.value}, shape {list(f.shape)}) is not a list of numbers; "
                 f"{what} reads one-dimensional token features (of any length)"
             )
+    check_token_batch(plan, features)
     lengths = DocLengths(splits, [st[0].name for st in stored])
     pad = plan.pack.pad_id if plan.pack is not None else 0
     return PackSampler(sampler, lengths, options), PackBuilder(builder, features, lengths, pad)
