@@ -218,3 +218,54 @@ def test_servers_pages_stay_under_a_message_and_reach_every_server(tmp_path):
             del fakes
     finally:
         ctx.destroy(linger=0)
+
+
+def fake_ipc_server(ctx, address: str, sender: int, root) -> RawPeer:
+    """A raw DEALER registering the most allowed: 8 ipc:// endpoints of 256 bytes (serving nothing)."""
+    peer = RawPeer(ctx, address, sender)
+    stem = f"ipc://{root}/{sender:x}-"
+    names = [(stem + f"{i}-").ljust(W.MAX_ENDPOINT, "p") for i in range(W.MAX_ENDPOINTS)]
+    peer.send(W.Kind.HELLO, payload=" ".join(names))
+    return peer
+
+
+def test_a_status_answer_longer_than_a_message_lists_fewer_servers_and_the_dispatcher_lives_on(tmp_path, dataset):
+    """40 fakes registering 8 ipc:// endpoints of 256 bytes each (80 KiB of addresses, past a
+    status answer's 60,000 bytes), then status requests (what `crossfeed top` sends): each answer
+    fits, lists fewer servers than it counts, and the dispatcher lives on, so a trainer started
+    afterwards gets the whole epoch (the fakes' leases go to the real server at the deadline)."""
+    from crossfeed.net.status import MAX_STATUS, DispatcherStatus, query
+
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0", "--lease-timeout", "3")
+    procs = [d]
+    ctx = zmq.Context()
+    stop_beats = threading.Event()
+    try:
+        fakes = [fake_ipc_server(ctx, address, 0x4000 + i, tmp_path) for i in range(40)]
+
+        def beat() -> None:
+            while not stop_beats.wait(0.1):
+                for peer in fakes:
+                    peer.send(W.Kind.BEAT, role=SERVER)
+                    peer.drain()
+
+        beats = threading.Thread(target=beat, daemon=True)
+        beats.start()
+        wait_until(lambda: DispatcherStatus.parse(query(address)).servers_total == 40, 30, "40 fakes registered", procs)
+        for _ in range(3):
+            status = DispatcherStatus.parse(query(address, timeout=10))
+            assert status.servers_total == 40 and 0 < len(status.servers) < 40, len(status.servers)
+            assert sum(len(s.address) for s in status.servers) < MAX_STATUS
+        assert d.poll() is None, logs(tmp_path, "d")
+        procs.append(start_server(tmp_path, dataset, address, "s0"))
+        out = tmp_path / "t0.out"
+        trainer = spawn("trainer", address, str(out), log=tmp_path / "t0.log")
+        procs.append(trainer)
+        assert trainer.wait(90) == 0, logs(tmp_path, "t0", "d")
+        assert d.wait(30) == 0, logs(tmp_path, "d")
+    finally:
+        stop_beats.set()
+        stop(*procs)
+        ctx.destroy(linger=0)
+    assert used([out]) == collections.Counter(range(N))
+    assert "exceeds" not in (tmp_path / "d.log").read_text()
