@@ -335,7 +335,12 @@ def test_top_shows_endpoints_a_peer_registered_as_inert_text(tmp_path, dataset):
         beats = threading.Thread(target=beat, daemon=True)
         beats.start()
         try:
-            wait_until(lambda: S.DispatcherStatus.parse(S.query(address)).servers_total == 3, 30, "3 peers", [d])
+
+            def registered() -> bool:  # polled gently: the dispatcher answers 20 status requests a second
+                time.sleep(0.1)
+                return S.DispatcherStatus.parse(S.query(address, timeout=5)).servers_total == 3
+
+            wait_until(registered, 30, "3 registrations", [d])
             env = {"FORCE_COLOR": "1", "TERM": "xterm-256color", "COLUMNS": "250", "PATH": "/usr/bin:/bin"}
             out = subprocess.run(
                 [sys.executable, "-m", "crossfeed.cli.main", "top", address, "--once", "--timeout", "10"],
