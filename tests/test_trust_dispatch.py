@@ -372,3 +372,28 @@ def test_a_flood_of_fake_trainer_ids_is_counted_not_logged_line_by_line(tmp_path
         stop(d)
     lines = (tmp_path / "d.log").read_text().count("declared dead")
     assert 0 < lines <= LOG_BURST * (elapsed // 5 + 2), (lines, elapsed)
+
+
+def test_a_message_whose_handling_breaks_is_dropped_and_the_dispatcher_answers_on(tmp_path):
+    """A claim that meets a bug (the book raises a RuntimeError, standing in for any) is counted
+    as dropped and logged; the dispatcher's loop lives on and answers the next BEAT."""
+    options = DispatcherOptions(f"ipc://{tmp_path}/d.sock", tmp_path / "journal", heartbeat=Heartbeat(0.5, 30.0))
+    ctx = zmq.Context()
+    try:
+        with LeaseDispatcher({"split": "train"}, 10, options) as d:
+
+            def broken(*args, **kwargs):
+                raise RuntimeError("a bug met on a peer's bytes")
+
+            d.book.claim = broken
+            trainer = RawPeer(ctx, d.endpoint, sender=0x78)
+            trainer.send(W.Kind.BEAT, role=TRAINER, sent_ms=1)
+            trainer.send(W.Kind.CLAIM, role=TRAINER, payload=[(0, 1)])
+            trainer.send(W.Kind.BEAT, role=TRAINER, sent_ms=2)
+            answers = []
+            while len(answers) < 2 and trainer.sock.poll(10_000):
+                answers.append(W.unpack(trainer.sock.recv_multipart(), W.TO_TRAINER).kind)
+            assert answers == [W.Kind.SERVERS, W.Kind.SERVERS]
+            assert d.stats["dropped_messages"] == 1 and d.error is None and not d.wait(0)
+    finally:
+        ctx.destroy(linger=0)

@@ -153,7 +153,7 @@ class RateLimitedLog:
     def warning(self, key: str, msg: str, *args: Any) -> None:
         self.log(logging.WARNING, key, msg, *args)
 
-    def log(self, level: int, key: str, msg: str, *args: Any) -> None:
+    def log(self, level: int, key: str, msg: str, *args: Any, **kwargs: Any) -> None:
         now = time.monotonic()
         start, logged = self._window.get(key, (-1e18, 0))
         if now - start >= self._interval:
@@ -164,7 +164,7 @@ class RateLimitedLog:
         self._window[key] = (start, logged + 1)
         held = self._held.pop(key, 0)
         suffix = f" ({held} similar messages suppressed)" if held else ""
-        self._logger.log(level, msg + suffix, *args)
+        self._logger.log(level, msg + suffix, *args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
