@@ -14,8 +14,12 @@ book) is read at scrape time by a custom collector, so nothing is counted twice;
 counted before (how long a training loop waits for each batch) is observed by `watch`.
 
 The endpoint is plain, unauthenticated HTTP and binds 127.0.0.1 unless told otherwise: whoever
-reaches it reads the counters (ids, addresses, rates; never data). Bind another address only on
-a network you trust, or put it behind a proxy that authenticates.
+reaches it reads the counters (ids, addresses, rates; never data). An address other machines can
+reach (a wildcard, an interface's) is refused unless `insecure=True` (`--insecure`) says the
+network is trusted: the rule of `serve` and `dispatch` (`crossfeed.net.addresses.is_local`), or
+put it behind a proxy that authenticates. It answers with WORKERS threads at most, QUEUED
+connections wait for one (more are closed at once), and a connection that sends no complete
+request within IDLE seconds is closed: idle connections cannot pin a thread each.
 
 Metric names (`docs/serve-and-dispatch.md#metrics-and-crossfeed-top` lists them with their labels):
     crossfeed_batches_total, _samples_total, _bytes_total   delivered (server) / consumed (rank)
@@ -34,12 +38,15 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from crossfeed.errors import ConfigError
+from crossfeed.net.addresses import is_local
 from crossfeed.net.observe import batch_nbytes, batch_size
 from crossfeed.net.status import DispatcherStatus, loader_stats, split_stats
 
@@ -47,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 # seconds a training loop waits for one batch: from a prefetched batch (~µs) to a stalled input
 WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+WORKERS = 4  # threads answering scrapes
+QUEUED = 32  # accepted connections waiting for a thread, at most (more are closed at once)
+IDLE = 5.0  # seconds a connection may take to send its request (and to read the answer)
 _ADDRESS = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9.-]*)):(?P<port>[0-9]{1,5})")
 
 
@@ -68,21 +78,79 @@ def parse_address(text: str, option: str = "--metrics") -> tuple[str, int]:
     return (m["v6"] or m["host"] or "127.0.0.1"), int(m["port"])
 
 
+def check_address(host: str, port: int, *, insecure: bool, option: str = "--metrics") -> None:
+    """ConfigError for an address other machines can reach, unless `insecure` (the rule every
+    crossfeed listener follows: `crossfeed.net.addresses.is_local`)."""
+    shown = f"[{host}]" if ":" in host else host
+    if not insecure and not is_local(f"tcp://{shown}:{port}"):
+        raise ConfigError(
+            f"refusing to serve metrics on {shown}:{port}: it is unauthenticated HTTP that other machines can "
+            f"reach; bind 127.0.0.1 ({option} 127.0.0.1:{port}), put an authenticating proxy in front, or pass "
+            "--insecure (insecure=True) on a trusted network"
+        )
+
+
+def _server(port: int, addr: str, app: Any):
+    """A WSGI server of WORKERS threads (see the module docstring); (server, its accept thread)."""
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+    class Handler(WSGIRequestHandler):
+        timeout = IDLE  # a socket timeout on the request read and the answer write
+
+        def log_message(self, *args: Any) -> None:  # scrapes are not news
+            pass
+
+    class Server(WSGIServer):
+        address_family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
+        request_queue_size = 128  # the listen backlog (socketserver's 5 makes a burst of clients wait seconds)
+
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="crossfeed-metrics")
+            self._waiting = threading.BoundedSemaphore(WORKERS + QUEUED)
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not self._waiting.acquire(blocking=False):
+                self.shutdown_request(request)  # too many connections already: this one is closed
+                return
+            self._pool.submit(self._answer, request, client_address)
+
+        def _answer(self, request: Any, client_address: Any) -> None:
+            try:
+                self.finish_request(request, client_address)
+            except Exception as e:  # a peer that timed out or hung up: only its connection ends
+                logger.debug("metrics connection from %s: %s", client_address, e)
+            finally:
+                self.shutdown_request(request)
+                self._waiting.release()
+
+        def server_close(self) -> None:
+            super().server_close()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    httpd = Server((addr, port), Handler)
+    httpd.set_app(app)
+    thread = threading.Thread(target=httpd.serve_forever, name="crossfeed-metrics-accept", daemon=True)
+    thread.start()
+    return httpd, thread
+
+
 class Endpoint:
     """One HTTP endpoint serving one registry (`serve` starts it); `close()` stops it."""
 
-    def __init__(self, port: int = 0, addr: str = "127.0.0.1"):
+    def __init__(self, port: int = 0, addr: str = "127.0.0.1", *, insecure: bool = False):
         client = _client()
+        check_address(addr, port, insecure=insecure)
         self.registry = client.CollectorRegistry(auto_describe=True)
         try:
-            self._httpd, self._thread = client.start_http_server(port, addr=addr, registry=self.registry)
+            self._httpd, self._thread = _server(port, addr, client.make_wsgi_app(self.registry))
         except OSError as e:
             raise ConfigError(f"cannot serve metrics on {addr}:{port}: {e.strerror or e}") from e
         self.host, self.port = addr, int(self._httpd.server_port)
         self._watched: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._closed = False
-        if addr not in ("127.0.0.1", "::1", "localhost"):
+        if not is_local(f"tcp://{'[' + addr + ']' if ':' in addr else addr}:{self.port}"):
             logger.warning(
                 "metrics on %s:%d are unauthenticated HTTP: anyone who reaches it reads them", addr, self.port
             )
@@ -166,11 +234,12 @@ class Endpoint:
         self.close()
 
 
-def serve(port: int = 0, addr: str = "127.0.0.1") -> Endpoint:
+def serve(port: int = 0, addr: str = "127.0.0.1", *, insecure: bool = False) -> Endpoint:
     """Serve Prometheus metrics on http://ADDR:PORT/metrics (port 0: any free one, see
     `Endpoint.port`) from a registry of this endpoint's own; unauthenticated, so loopback by
-    default. Feed it with `Endpoint.watch(batches, rank=...)`; `close()` when done."""
-    return Endpoint(port, addr)
+    default (another address needs `insecure=True`, see `check_address`). Feed it with
+    `Endpoint.watch(batches, rank=...)`; `close()` when done."""
+    return Endpoint(port, addr, insecure=insecure)
 
 
 # ---- collectors: read at scrape time ----
@@ -316,16 +385,18 @@ class DispatcherCollector:
 
 
 def serve_server(server: Any, address: str) -> Endpoint:
-    """`crossfeed serve --metrics ADDRESS`: an endpoint collecting `server`."""
+    """`crossfeed serve --metrics ADDRESS`: an endpoint collecting `server` (a reachable ADDRESS
+    needs the server's own --insecure)."""
     host, port = parse_address(address)
-    endpoint = Endpoint(port, host)
+    endpoint = Endpoint(port, host, insecure=server.options.insecure)
     endpoint.add(ServerCollector(server))
     return endpoint
 
 
 def serve_dispatcher(dispatcher: Any, address: str) -> Endpoint:
-    """`crossfeed dispatch --metrics ADDRESS`: an endpoint collecting `dispatcher`."""
+    """`crossfeed dispatch --metrics ADDRESS`: an endpoint collecting `dispatcher` (a reachable
+    ADDRESS needs the dispatcher's own --insecure)."""
     host, port = parse_address(address)
-    endpoint = Endpoint(port, host)
+    endpoint = Endpoint(port, host, insecure=dispatcher.options.insecure)
     endpoint.add(DispatcherCollector(dispatcher))
     return endpoint

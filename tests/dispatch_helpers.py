@@ -197,3 +197,47 @@ def used(outs) -> collections.Counter:
 def served_by(outs, proc) -> int:
     """How many batches the trainers used from the server process `proc`."""
     return sum(server.endswith(f":{proc.pid}") for out in outs for _ids, server in read_batches(out))
+
+
+def fd_trainer(dispatcher: str, out_file: str, pace: str, fd_file: str, connect_timeout: float) -> None:
+    """`trainer` (pace from a file) that also appends its open file descriptors (/proc/self/fd)
+    to `fd_file`, one count a line, every 0.1 s until it ends."""
+    import logging
+    import threading
+
+    from crossfeed import connect
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    done = threading.Event()
+
+    def count() -> None:
+        with open(fd_file, "a", buffering=1) as f:
+            while not done.wait(0.1):
+                f.write(f"{len(os.listdir('/proc/self/fd'))}\n")
+
+    counter = threading.Thread(target=count, daemon=True)
+    counter.start()
+    with (
+        open(out_file, "a", buffering=1) as out,
+        connect(
+            dispatcher=dispatcher,
+            credits=2,
+            with_meta=True,
+            heartbeat_interval=0.1,
+            heartbeat_timeout=1.5,
+            connect_timeout=connect_timeout,
+        ) as c,
+    ):
+        for meta, _batch in c:
+            out.write(json.dumps([meta.sample_ids.tolist(), meta.server_id]) + "\n")
+            out.flush()
+            time.sleep(float(Path(pace).read_text()))
+        out.write(f"END {c.refused} {c.duplicates}\n")
+    done.set()
+    counter.join()
+
+
+def fds_of(fd_file: Path) -> list[int]:
+    """The counts an `fd_trainer` wrote (a last line cut short is left out)."""
+    text = fd_file.read_text() if fd_file.exists() else ""
+    return [int(x) for x in text.split("\n")[:-1] if x]

@@ -169,3 +169,63 @@ def test_a_dispatcher_exports_each_trainers_wait_share(tmp_path, dataset):
     assert "# TYPE crossfeed_trainer_wait_ratio gauge" in text, text
     assert 'crossfeed_trainer_wait_ratio{trainer="0000000000000009"} 0.25' in text, text
     assert 'trainer="000000000000000a"' not in text, text  # never reported: no sample
+
+
+def test_metrics_on_an_address_other_machines_reach_needs_insecure_like_serve_and_dispatch(tmp_path, dataset):
+    """One rule for every listener (`crossfeed.net.addresses.is_local`): a wildcard metrics
+    address is refused without --insecure / insecure=True, by the library and by both commands,
+    before anything starts; loopback needs nothing."""
+    from typer.testing import CliRunner
+
+    from crossfeed.cli.main import app
+
+    for addr in ("0.0.0.0", "::"):
+        with pytest.raises(ConfigError, match="insecure"):
+            crossfeed.metrics.serve(0, addr)
+    with crossfeed.metrics.serve(0, "0.0.0.0", insecure=True) as endpoint:
+        assert urllib.request.urlopen(f"http://127.0.0.1:{endpoint.port}/metrics", timeout=10).status == 200
+    with crossfeed.metrics.serve(0, "127.0.0.2") as endpoint:  # loopback: no flag needed
+        assert endpoint.port > 0
+    journal = str(tmp_path / "journal")
+    for argv in (
+        ["serve", dataset, "tcp://127.0.0.1:0", "--metrics", "0.0.0.0:0"],
+        ["dispatch", dataset, "tcp://127.0.0.1:0", "--journal", journal, "--metrics", "0.0.0.0:0"],
+    ):
+        result = CliRunner().invoke(app, argv)
+        assert result.exit_code != 0 and "--insecure" in result.output, result.output
+        assert "refusing to serve metrics on 0.0.0.0:0" in result.output, result.output
+    assert not (tmp_path / "journal").exists()  # refused before the dispatcher started
+
+
+def test_idle_connections_do_not_hold_a_thread_each_and_scrapes_go_on(tmp_path):
+    """300 connections that never send a request: the endpoint's threads stay at its few
+    workers (it closes what it cannot queue, and each idle one after IDLE s), and once they
+    are gone a scrape is answered."""
+    import socket
+    import threading
+
+    with crossfeed.metrics.serve(0) as endpoint:
+        before = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", endpoint.port), timeout=30) for _ in range(300)]
+        try:
+            for s in idle:
+                s.setblocking(False)
+
+            def closed_by_the_server() -> int:
+                n = 0
+                for s in idle:
+                    try:
+                        n += s.recv(1) == b""
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        n += 1
+                return n
+
+            wait_until(lambda: closed_by_the_server() >= 300 - crossfeed.metrics.QUEUED - 8, 60, "the surplus closed")
+            assert threading.active_count() - before <= crossfeed.metrics.WORKERS + 1
+        finally:
+            for s in idle:
+                s.close()
+        text = urllib.request.urlopen(endpoint.url, timeout=60).read().decode()
+        assert "# HELP" in text or text == "", text

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -300,3 +301,87 @@ def test_the_trainers_table_shows_wait_shares_and_an_input_bound_fleet_names_its
     assert len(bound) == 1 and "0000000000000001 38%" in bound[0] and "prep-3 (tcp://h:1)" in bound[0], text
     calm = _frame([(0.09, 0.5), (None, None)])
     assert "9%" in calm and "input-bound" not in calm, calm
+
+
+HOSTILE = ["ipc://[/x]", "ipc://[link=http://evil.example]click[/link]", "ipc://[reverse]x"]
+
+
+def test_top_shows_endpoints_a_peer_registered_as_inert_text(tmp_path, dataset):
+    """Raw peers register endpoints that are rich markup (a stray closing tag, an OSC 8
+    hyperlink, a style) with a real dispatcher: `crossfeed top --once`, in a colour terminal,
+    prints each literally, with no hyperlink escape and no traceback."""
+    from crossfeed.net.lease import messages as W
+
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0")
+    ctx = zmq.Context()
+    try:
+        peers = []
+        for i, endpoint in enumerate(HOSTILE):
+            peer = ctx.socket(zmq.DEALER)
+            peer.linger = 0
+            peer.connect(address)
+            peer.send_multipart(W.pack(W.Kind.HELLO, sender=0x5000 + i, payload=endpoint))
+            peers.append(peer)
+
+        stop_beats = threading.Event()
+
+        def beat() -> None:  # the peers beat on (else they are declared dead) until top has run
+            while not stop_beats.wait(0.1):
+                for i, peer in enumerate(peers):
+                    peer.send_multipart(W.pack(W.Kind.BEAT, sender=0x5000 + i, role=1))
+                    while peer.poll(0):
+                        peer.recv_multipart()
+
+        beats = threading.Thread(target=beat, daemon=True)
+        beats.start()
+        try:
+
+            def registered() -> bool:  # polled gently: the dispatcher answers 20 status requests a second
+                time.sleep(0.1)
+                return S.DispatcherStatus.parse(S.query(address, timeout=5)).servers_total == 3
+
+            wait_until(registered, 30, "3 registrations", [d])
+            env = {"FORCE_COLOR": "1", "TERM": "xterm-256color", "COLUMNS": "250", "PATH": "/usr/bin:/bin"}
+            out = subprocess.run(
+                [sys.executable, "-m", "crossfeed.cli.main", "top", address, "--once", "--timeout", "10"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env=env,
+            )
+        finally:
+            stop_beats.set()
+            beats.join(10)
+    finally:
+        ctx.destroy(linger=0)
+        stop(d)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "\x1b[" in out.stdout, "not a colour terminal: the test proves nothing"
+    assert "\x1b]8;" not in out.stdout, repr(out.stdout)  # no OSC 8 hyperlink
+    plain = S.re.sub(r"\x1b\[[0-9;]*m", "", out.stdout)
+    for endpoint in HOSTILE:
+        assert endpoint in plain, plain
+
+
+def test_control_characters_a_peer_names_never_reach_the_terminal():
+    """A status whose names carry an ESC sequence, a carriage return and markup (what a peer
+    might send past a future check): the frame shows their printable rest only, and no ESC
+    but rich's own colour codes."""
+    import io
+
+    from rich.console import Console
+
+    from crossfeed.cli.top import Snapshot, render
+
+    evil = "ipc://x\x1b]8;;http://evil\x1b\\click\x1b]8;;\x1b\\\r[/x]"
+    entry = S.ServerEntry("00000000000000ab", evil, 0.1, 1, 2, 3)
+    st = S.DispatcherStatus.parse(_dispatcher_status())
+    st = S.dataclasses.replace(st, servers=(entry,))
+    server = S.ServerStatus("prep\x1b[2J-3[link=x]", 10.0, 50, 400, 4000, 50, 0, 2, 0, 0, True, None)
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, color_system="truecolor", width=250)
+    console.print(render("tcp://d:1", Snapshot(0.0, st, {evil.split(" ")[0]: server}), None))
+    text = out.getvalue()
+    assert "\x1b]" not in text and "\r" not in text and "\x1b[2J" not in text, repr(text)
+    plain = S.re.sub(r"\x1b\[[0-9;]*m", "", text)
+    assert "ipc://x]8;;http://evil\\click]8;;\\[/x]" in plain and "prep[2J-3[link=x]" in plain, plain

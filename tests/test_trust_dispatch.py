@@ -218,3 +218,182 @@ def test_servers_pages_stay_under_a_message_and_reach_every_server(tmp_path):
             del fakes
     finally:
         ctx.destroy(linger=0)
+
+
+def status_of(address: str):
+    """The dispatcher's parsed status, or None when it did not answer in time (it answers 20 a
+    second at most: a caller polling faster is refused some)."""
+    from crossfeed.errors import CrossfeedError
+    from crossfeed.net.status import DispatcherStatus, query
+
+    try:
+        return DispatcherStatus.parse(query(address, timeout=5))
+    except CrossfeedError:
+        return None
+    finally:
+        time.sleep(0.1)
+
+
+def fake_ipc_server(ctx, address: str, sender: int, root) -> RawPeer:
+    """A raw DEALER registering the most allowed: 8 ipc:// endpoints of 256 bytes (serving nothing)."""
+    peer = RawPeer(ctx, address, sender)
+    stem = f"ipc://{root}/{sender:x}-"
+    names = [(stem + f"{i}-").ljust(W.MAX_ENDPOINT, "p") for i in range(W.MAX_ENDPOINTS)]
+    peer.send(W.Kind.HELLO, payload=" ".join(names))
+    return peer
+
+
+def test_a_status_answer_longer_than_a_message_lists_fewer_servers_and_the_dispatcher_lives_on(tmp_path, dataset):
+    """40 fakes registering 8 ipc:// endpoints of 256 bytes each (80 KiB of addresses, past a
+    status answer's 60,000 bytes), then status requests (what `crossfeed top` sends): each answer
+    fits, lists fewer servers than it counts, and the dispatcher lives on, so a trainer started
+    afterwards gets the whole epoch (the fakes' leases go to the real server at the deadline)."""
+    from crossfeed.net.status import MAX_STATUS, DispatcherStatus, query
+
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0", "--lease-timeout", "3")
+    procs = [d]
+    ctx = zmq.Context()
+    stop_beats = threading.Event()
+    try:
+        fakes = [fake_ipc_server(ctx, address, 0x4000 + i, tmp_path) for i in range(40)]
+
+        def beat() -> None:
+            while not stop_beats.wait(0.1):
+                for peer in fakes:
+                    peer.send(W.Kind.BEAT, role=SERVER)
+                    peer.drain()
+
+        beats = threading.Thread(target=beat, daemon=True)
+        beats.start()
+        wait_until(lambda: getattr(status_of(address), "servers_total", 0) == 40, 30, "40 fakes registered", procs)
+        for _ in range(3):
+            status = DispatcherStatus.parse(query(address, timeout=10))
+            assert status.servers_total == 40 and 0 < len(status.servers) < 40, len(status.servers)
+            assert sum(len(s.address) for s in status.servers) < MAX_STATUS
+        assert d.poll() is None, logs(tmp_path, "d")
+        procs.append(start_server(tmp_path, dataset, address, "s0"))
+        out = tmp_path / "t0.out"
+        trainer = spawn("trainer", address, str(out), log=tmp_path / "t0.log")
+        procs.append(trainer)
+        assert trainer.wait(90) == 0, logs(tmp_path, "t0", "d")
+        assert d.wait(30) == 0, logs(tmp_path, "d")
+    finally:
+        stop_beats.set()
+        stop(*procs)
+        ctx.destroy(linger=0)
+    assert used([out]) == collections.Counter(range(N))
+    assert "exceeds" not in (tmp_path / "d.log").read_text()
+
+
+def test_a_trainer_closes_dropped_server_links_and_bounds_what_it_holds(tmp_path, dataset):
+    """A trainer's open files over a bounded run: 5 real servers started and killed one after
+    another (preemptions), then 20 fakes announcing 8 endpoints each where nothing listens.
+    Each dropped server's socket is closed (the count after each drop stays where it was), the
+    unreachable endpoints are tried again only after a backoff (the count stays bounded), and
+    a real replacement server, started last, still delivers the rest of the epoch."""
+    from dispatch_helpers import fd_trainer, fds_of  # noqa: F401 (fd_trainer runs in the child)
+
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0", "--lease-timeout", "3")
+    procs = [d]
+    ctx = zmq.Context()
+    stop_beats = threading.Event()
+    out, pace, fd_file = tmp_path / "t0.out", tmp_path / "pace", tmp_path / "fds"
+    pace.write_text("0.3")
+    trainer = spawn("fd_trainer", address, str(out), str(pace), str(fd_file), 1.0, log=tmp_path / "t0.log")
+    procs.append(trainer)
+    after_drop = []
+    try:
+        for k in range(5):
+            s = start_server(tmp_path, dataset, address, f"p{k}")
+            procs.append(s)
+            wait_until(lambda s=s: served_by([out], s) >= 1, 60, f"a batch from server {k}", procs)
+            s.kill()
+            s.wait(10)
+            procs.remove(s)  # killed on purpose
+            drops = lambda k=k: (tmp_path / "t0.log").read_text().count(" dropped (") >= k + 1  # noqa: E731
+            wait_until(drops, 30, f"the trainer to drop server {k}", procs)
+            seen = len(fds_of(fd_file))
+            wait_until(lambda seen=seen: len(fds_of(fd_file)) > seen + 2, 30, "a later fd count", procs)
+            after_drop.append(fds_of(fd_file)[-1])
+        assert max(after_drop) - min(after_drop) <= 2, f"fds after each drop: {after_drop}"
+        assert len(read_batches(out)) < N // BATCH, "the epoch ended before the fakes came"
+
+        fakes = []
+        for i in range(20):
+            peer = RawPeer(ctx, address, 0x6000 + i)
+            names = [f"ipc://{tmp_path}/nobody-{i}-{j}" for j in range(W.MAX_ENDPOINTS)]
+            peer.send(W.Kind.HELLO, payload=" ".join(names))
+            fakes.append(peer)
+
+        def beat() -> None:
+            while not stop_beats.wait(0.1):
+                for peer in fakes:
+                    peer.send(W.Kind.BEAT, role=SERVER)
+                    peer.drain()
+
+        beats = threading.Thread(target=beat, daemon=True)
+        beats.start()
+        start = len(fds_of(fd_file))
+        wait_until(lambda: len(fds_of(fd_file)) > start + 100, 60, "10 s of fd counts with the fakes", procs)
+        real = start_server(tmp_path, dataset, address, "real")
+        procs.append(real)
+        pace.write_text("0")
+        assert trainer.wait(90) == 0, logs(tmp_path, "t0", "d")
+        assert d.wait(30) == 0, logs(tmp_path, "d")
+    finally:
+        stop_beats.set()
+        stop(*procs)
+        ctx.destroy(linger=0)
+    counts = fds_of(fd_file)
+    assert max(counts[start:]) <= max(after_drop) + 2 * 20 * W.MAX_ENDPOINTS + 40, (after_drop, max(counts))
+    assert used([out]) == collections.Counter(range(N))
+    assert served_by([out], real) > 0
+
+
+def test_a_flood_of_fake_trainer_ids_is_counted_not_logged_line_by_line(tmp_path, dataset):
+    """3,000 trainer ids that beat once each are all declared dead (the status counts them), and
+    the dispatcher's log says so at most LOG_BURST times per 5 s window, not 3,000 times."""
+    from crossfeed.net.lease.book import LOG_BURST
+
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0")
+    ctx = zmq.Context()
+    try:
+        start = time.monotonic()
+        peer = RawPeer(ctx, address, sender=1)
+        for i in range(3000):
+            peer.sender = 0x10000 + i
+            peer.send(W.Kind.BEAT, role=TRAINER, sent_ms=1)
+        lost = lambda: getattr(status_of(address), "counters", {}).get("trainers_lost") == 3000  # noqa: E731
+        wait_until(lost, 60, "3000 trainers declared dead", [d])
+        elapsed = time.monotonic() - start
+        assert d.poll() is None
+    finally:
+        ctx.destroy(linger=0)
+        stop(d)
+    lines = (tmp_path / "d.log").read_text().count("declared dead")
+    assert 0 < lines <= LOG_BURST * (elapsed // 5 + 2), (lines, elapsed)
+
+
+def test_a_message_whose_handling_breaks_is_dropped_and_the_dispatcher_answers_on(tmp_path):
+    """A claim that meets a bug (the book raises a RuntimeError, standing in for any) is counted
+    as dropped and logged; the dispatcher's loop lives on and answers the next BEAT."""
+    options = DispatcherOptions(f"ipc://{tmp_path}/d.sock", tmp_path / "journal", heartbeat=Heartbeat(0.5, 30.0))
+    ctx = zmq.Context()
+    try:
+        with LeaseDispatcher({"split": "train"}, 10, options) as d:
+
+            def broken(*args, **kwargs):
+                raise RuntimeError("a bug met on a peer's bytes")
+
+            d.book.claim = broken
+            trainer = RawPeer(ctx, d.endpoint, sender=0x78)
+            trainer.send(W.Kind.BEAT, role=TRAINER, sent_ms=1)
+            trainer.send(W.Kind.CLAIM, role=TRAINER, payload=[(0, 1)])
+            trainer.send(W.Kind.BEAT, role=TRAINER, sent_ms=2)
+            answers = []
+            while len(answers) < 2 and trainer.sock.poll(10_000):
+                answers.append(W.unpack(trainer.sock.recv_multipart(), W.TO_TRAINER).kind)
+            assert answers == [W.Kind.SERVERS, W.Kind.SERVERS]
+            assert d.stats["dropped_messages"] == 1 and d.error is None and not d.wait(0)
+    finally:
+        ctx.destroy(linger=0)

@@ -328,3 +328,31 @@ def test_the_dispatch_command_stops_on_a_damaged_journal_and_on_a_planted_link(t
 
 def test_journal_error_is_a_crossfeed_error():
     assert issubclass(JournalError, CrossfeedError)
+
+
+def test_a_fifo_at_the_journal_path_is_refused_at_once_and_sigterm_stops_a_waiting_dispatcher(tmp_path):
+    """A FIFO planted at the journal path (whose open() would wait for a writer forever) is
+    refused by name without blocking; with a regular journal, a dispatcher waiting for servers
+    stops on SIGTERM (bounded waits: a hang fails the test, the time is not measured)."""
+    import signal
+
+    dataset = str(tmp_path / "ds")
+    write_dataset(dataset, 40)
+    journal = tmp_path / "journal"
+    os.mkfifo(journal)
+    blocked, _ = dispatch(tmp_path, dataset, "fifo")
+    try:
+        assert blocked.wait(60) != 0
+    finally:
+        stop(blocked)
+    log = (tmp_path / "fifo.log").read_text()
+    assert f"journal {journal} is not a regular file (a FIFO)" in log, log[-2000:]
+    assert "Traceback" not in log, log[-2000:]
+    journal.unlink()
+    waiting, ep = dispatch(tmp_path, dataset, "d")
+    try:
+        wait_until(lambda: ep.exists(), 60, "the dispatcher's endpoint", [waiting])
+        waiting.send_signal(signal.SIGTERM)
+        assert waiting.wait(30) == 0, (tmp_path / "d.log").read_text()[-2000:]
+    finally:
+        stop(waiting)

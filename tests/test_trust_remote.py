@@ -202,3 +202,54 @@ def test_an_unreachable_s3_endpoint_is_one_error_line_at_the_cli():
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr[-3000:]
     assert "s3://bucket/ds" in out.stderr or "bucket/ds" in out.stderr
+
+
+_READ_TIMED = """
+import sys, time
+import crossfeed
+url, cache = sys.argv[1], sys.argv[2]
+start = time.time()
+with crossfeed.Loader(url, batch_size=10, shuffle="none", cache_dir=cache) as ld:
+    try:
+        print("read", sum(len(b["id"]) for b in ld))
+    except crossfeed.CrossfeedError as e:
+        print(type(e).__name__, "|", e)
+    print("failed after", time.time() - start, "at", time.time(), flush=True)
+"""
+
+
+def test_download_ahead_stops_after_a_remote_read_fails_so_the_process_exits(tmp_path):
+    """16 shards over HTTP, all but the first trickling, a read deadline of 3 s: the read fails
+    (a RemoteError naming a shard), and the process exits soon after, not once the downloads
+    ahead started meanwhile have run their own 3 tries (9 s; the bound is on a hang, generous
+    for a loaded machine)."""
+    root = tmp_path / "ds"
+    crossfeed.write_dataset(
+        root, [{"x": np.full(8, i, np.float32), "id": i} for i in range(320)], num_shards=16
+    ).close()
+    stop = threading.Event()
+    shards = sorted(f for f in os.listdir(root) if f.endswith(".tfrecord"))
+    handler = type("H", (_Hostile,), {"modes": dict.fromkeys(shards[1:], "trickle"), "stop": stop})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        env = {**os.environ, "CROSSFEED_READ_TIMEOUT": "3"}
+        proc = subprocess.run(
+            [sys.executable, "-c", _READ_TIMED, url, str(tmp_path / "c")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        ended = time.time()
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.startswith("RemoteError |") and "read deadline of 3 s" in out, out
+    failed_at = float(out.split(" at ")[-1])
+    assert ended - failed_at < 6, f"{ended - failed_at:.1f}s from the failure to the exit"

@@ -25,7 +25,7 @@ Metrics = Annotated[
     typer.Option(
         "--metrics",
         help="Serve Prometheus metrics on HOST:PORT (port 0: any free one), unauthenticated HTTP: keep it on "
-        "127.0.0.1 unless the network is trusted.",
+        "127.0.0.1; another address needs --insecure (a trusted network).",
     ),
 ]
 
@@ -166,9 +166,9 @@ def serve(
         insecure=insecure,
     )
     if metrics is not None:
-        from crossfeed.metrics import parse_address
+        from crossfeed.metrics import check_address, parse_address
 
-        parse_address(metrics)  # a bad address fails before anything starts
+        check_address(*parse_address(metrics), insecure=insecure)  # fails before anything starts
     if (rank is None) != (world_size is None):
         raise ConfigError("--rank and --world-size go together")
     if rank is not None:
@@ -357,9 +357,9 @@ def dispatch(
     from crossfeed.read.loader import Loader
 
     if metrics is not None:
-        from crossfeed.metrics import parse_address
+        from crossfeed.metrics import check_address, parse_address
 
-        parse_address(metrics)  # a bad address fails before anything starts
+        check_address(*parse_address(metrics), insecure=insecure)  # fails before anything starts
     options = options.replace(rank=0, world_size=world_size)
     packed = options.plan.pack is not None
     if options.plan.batch_by_tokens is not None:

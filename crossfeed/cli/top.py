@@ -11,6 +11,10 @@ last report, see `crossfeed.net.lease.client`; with its age once older than STAL
 slowest server by name. When some trainer waits INPUT_BOUND or more of its time, a line says the
 fleet is input-bound and names the slowest server (the one server, when there is one).
 
+Everything a peer names (endpoints, ids, stage names, verdicts) is shown as inert text
+(`_inert`): rich `Text` objects, never markup (no `[link=...]` becomes a terminal hyperlink, no
+`[/x]` breaks the frame), with control characters (an ESC sequence, a carriage return) left out.
+
 `--once` prints one frame and exits (scripts, tests); Ctrl-C leaves the live view cleanly.
 """
 
@@ -101,6 +105,14 @@ def _verdict(status, before) -> str | None:
     if status is None:
         return None
     return loader_verdict(status.loader, before.loader if before is not None else None)
+
+
+def _inert(text: str):
+    """`text` as rich `Text` (never parsed as markup) without its unprintable characters (ESC,
+    CR, other control codes): what a peer names cannot style, link or move the operator's terminal."""
+    from rich.text import Text
+
+    return Text("".join(c for c in str(text) if c.isprintable()))
 
 
 def _age(seconds: float | None) -> str:
@@ -214,7 +226,7 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
             f"server {st.server_id} at {address}  up {st.uptime:.0f}s  epochs {st.epochs}  "
             f"errors: malformed {st.dropped_messages} trainers fenced {st.fenced}"
         )
-    parts.append(Text(head))
+    parts.extend(_inert(line) for line in head.split("\n"))  # each line inert (a newline is not printable)
     table = Table(title=None, expand=False)
     for name, justify in (
         ("server", "left"),
@@ -230,7 +242,7 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
         table.add_column(name, justify=justify, no_wrap=name != "stages")
     found = rows(snap, prev)
     for r in found:
-        table.add_row(
+        cells = (
             r.name,
             r.endpoint,
             _num(r.rate),
@@ -241,26 +253,29 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
             _age(r.beat),
             r.stages,
         )
+        table.add_row(*map(_inert, cells))
     parts.append(table)
     if isinstance(st, DispatcherStatus):
         if st.servers_total > len(st.servers):
             parts.append(Text(f"(showing {len(st.servers)} of {st.servers_total} servers)"))
+        if st.trainers_total > len(st.trainers):
+            parts.append(Text(f"(showing {len(st.trainers)} of {st.trainers_total} trainers)"))
         trainers = Table(expand=False)
         for name in ("trainer", "claimed (epoch)", "holding", "last beat", "wait"):
             trainers.add_column(name, justify="left" if name in ("trainer", "wait") else "right", no_wrap=True)
         for t in st.trainers:
-            trainers.add_row(t.id, str(t.claimed), str(t.holding), _age(t.age), _wait(t))
+            trainers.add_row(*map(_inert, (t.id, str(t.claimed), str(t.holding), _age(t.age), _wait(t))))
         parts.append(trainers)
     rated = [r for r in found if r.rate is not None]
     if len(rated) > 1:
         slow = min(rated, key=lambda r: r.rate)
-        parts.append(Text(f"slowest server: {slow.name} ({slow.endpoint}) at {slow.rate:.1f} batches/s"))
+        parts.append(_inert(f"slowest server: {slow.name} ({slow.endpoint}) at {slow.rate:.1f} batches/s"))
         if slow.verdict:
-            parts.append(Text(f"  its Loader: {slow.verdict}"))
+            parts.append(_inert(f"  its Loader: {slow.verdict}"))
     elif found and not rated:
         parts.append(Text("slowest server: — (no rates yet)"))
     if len(found) == 1 and found[0].verdict:
-        parts.append(Text(f"verdict: {found[0].verdict}"))
+        parts.append(_inert(f"verdict: {found[0].verdict}"))
     if isinstance(st, DispatcherStatus):
         waiting = [t for t in st.trainers if t.wait is not None and t.wait >= INPUT_BOUND]
         if waiting:
@@ -268,7 +283,7 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
             slow = min(rated, key=lambda r: r.rate) if rated else None
             named = f"{slow.name} ({slow.endpoint}) at {slow.rate:.1f} batches/s" if slow else "— (no rates yet)"
             parts.append(
-                Text(
+                _inert(
                     f"input-bound: {len(waiting)} trainer(s) wait {100 * INPUT_BOUND:.0f}% or more of their time "
                     f"for batches (most: {worst.id} {100 * worst.wait:.0f}%); slowest server: {named}"
                 )
@@ -316,7 +331,7 @@ def top(
                     try:
                         prev, snap = snap, snapshot(address, client_keys, other_keys, timeout, pool)
                     except CrossfeedError as e:  # gone for now: say so, keep trying
-                        live.update(f"{address}: {e}", refresh=True)
+                        live.update(_inert(f"{address}: {e}"), refresh=True)
                         time.sleep(interval)
                         continue
                     live.update(render(address, snap, prev), refresh=True)

@@ -59,7 +59,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from crossfeed.config import parse_size
-from crossfeed.errors import ConfigError, CorruptRecordError, CrossfeedError
+from crossfeed.errors import ConfigError, CorruptRecordError, CrossfeedError, RemoteError
 from crossfeed.format import tfrecord
 from crossfeed.io.storage import ATTEMPTS, retrying
 
@@ -559,19 +559,27 @@ def _alive(pid: int) -> bool:
 
 class Prefetcher:
     """Downloads shards into a `ShardCache` ahead of use, ``workers`` at a time; ``want(jobs)``
-    queues ``(storage, rel, sha256, size)`` jobs not already cached or in flight."""
+    queues ``(storage, rel, sha256, size)`` jobs not already cached or in flight.
+
+    Once a download ahead fails (after its tries) or `close` is called, downloading ahead stops:
+    queued jobs are dropped and each one in flight ends at its next request instead of trying
+    again (`_Stoppable`), so a remote that fails does not keep the process busy (or from
+    exiting) for everyone's tries; the reader fetches what it needs and reports the error."""
 
     def __init__(self, cache: ShardCache, workers: int = 4):
         self.cache = cache
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="crossfeed-prefetch")
         self._inflight: dict[str, tuple[Future, int]] = {}  # name → (download, size)
         self._lock = threading.Lock()
+        self._stopped = threading.Event()
 
     def want(self, jobs) -> None:
         """Queue the jobs, in order, while the cache has room for them beside the entries in use
         and the downloads in flight (a job that does not fit is left to the reader, which
         fetches it when it needs it: a bounded cache stays within one shard of its limit)."""
         for storage, rel, sha256, size in jobs:
+            if self._stopped.is_set():
+                return
             name = self.cache.name_of(sha256, rel)
             with self._lock:
                 self._inflight = {n: fs for n, fs in self._inflight.items() if not fs[0].done()}
@@ -583,10 +591,46 @@ class Prefetcher:
                 self._inflight[name] = (self._pool.submit(self._one, storage, rel, sha256, size, name), size)
 
     def _one(self, storage, rel, sha256, size, name) -> None:
+        if self._stopped.is_set():
+            return
         try:
-            self.cache.release(self.cache.fetch(storage, rel, sha256, size))
+            self.cache.release(self.cache.fetch(_Stoppable(storage, self._stopped), rel, sha256, size))
         except Exception as e:  # the reader fetches it again and reports the error where it is needed
-            log.warning("prefetching %s failed: %s", storage.url(rel), e)
+            if not self._stopped.is_set():
+                log.warning("prefetching %s failed: %s; downloading ahead stops", storage.url(rel), e)
+                self.stop()
+
+    def stop(self) -> None:
+        """Stop downloading ahead: queued jobs are dropped, those in flight end at their next request."""
+        self._stopped.set()
+        with self._lock:
+            for future, _size in self._inflight.values():
+                future.cancel()
 
     def close(self) -> None:
+        self.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Stoppable:
+    """A storage for one download ahead: each request first checks `stopped`, and once it is set
+    fails without trying again (a non-transient `RemoteError`), so a stopped `Prefetcher`'s
+    downloads end at their next request."""
+
+    def __init__(self, storage, stopped: threading.Event):
+        self._storage, self._stopped = storage, stopped
+
+    def __getattr__(self, name: str):
+        return getattr(self._storage, name)
+
+    def _check(self, rel: str) -> None:
+        if self._stopped.is_set():
+            raise RemoteError(self._storage.url(rel), "downloading ahead stopped", transient=False)
+
+    def download_into(self, rel: str, fd: int, size: int) -> int:
+        self._check(rel)
+        return self._storage.download_into(rel, fd, size)
+
+    def write_range(self, rel: str, start: int, stop: int, fd: int) -> int:
+        self._check(rel)
+        return self._storage.write_range(rel, start, stop, fd)

@@ -142,22 +142,29 @@ def recv_bounded(sock: zmq.Socket, max_frames: int, max_bytes: int) -> list[zmq.
 
 
 class RateLimitedLog:
-    """Logs at most one message per `interval` seconds per key; counts the ones it holds back."""
+    """Logs at most `burst` messages per `interval` seconds per key; counts the ones it holds
+    back and says how many with the next one it logs."""
 
-    def __init__(self, logger: logging.Logger, interval: float = 5.0):
-        self._logger, self._interval = logger, interval
-        self._last: dict[str, float] = {}
+    def __init__(self, logger: logging.Logger, interval: float = 5.0, burst: int = 1):
+        self._logger, self._interval, self._burst = logger, interval, burst
+        self._window: dict[str, tuple[float, int]] = {}  # key -> (its window's start, messages logged in it)
         self._held: dict[str, int] = {}
 
     def warning(self, key: str, msg: str, *args: Any) -> None:
+        self.log(logging.WARNING, key, msg, *args)
+
+    def log(self, level: int, key: str, msg: str, *args: Any, **kwargs: Any) -> None:
         now = time.monotonic()
-        if now - self._last.get(key, -1e18) < self._interval:
+        start, logged = self._window.get(key, (-1e18, 0))
+        if now - start >= self._interval:
+            start, logged = now, 0
+        if logged >= self._burst:
             self._held[key] = self._held.get(key, 0) + 1
             return
+        self._window[key] = (start, logged + 1)
         held = self._held.pop(key, 0)
-        self._last[key] = now
         suffix = f" ({held} similar messages suppressed)" if held else ""
-        self._logger.warning(msg + suffix, *args)
+        self._logger.log(level, msg + suffix, *args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,12 +69,27 @@ def request_id(frames: list) -> int:
 
 
 def pack_answer(rid: int, status: Mapping[str, Any]) -> list[bytes]:
-    """The frames answering request `rid` with `status` (the dispatcher and server build it within
-    MAX_STATUS; a larger one is a bug of theirs)."""
-    text = json.dumps(status, separators=(",", ":"), allow_nan=False).encode()
+    """The frames answering request `rid` with `status`, within MAX_STATUS bytes: a dispatcher's
+    answer too long for it lists fewer servers, then fewer trainers (the last ones of its lists;
+    ``servers_total`` and ``trainers_total`` still count them all, so `top` says how many are not
+    shown). What its peers registered decides the length, so it is never an error; anything else
+    too long is a bug of the answering side (ValueError)."""
+    text = _json(status)
+    if len(text) > MAX_STATUS and isinstance(status.get("servers"), list):
+        status = {**status, "servers": list(status["servers"]), "trainers": list(status.get("trainers", []))}
+        over = len(text) - MAX_STATUS
+        for key in ("servers", "trainers"):
+            entries = status[key]
+            while over > 0 and entries:
+                over -= len(_json(entries.pop())) + 1  # the entry and its comma
+        text = _json(status)
     if len(text) > MAX_STATUS:
         raise ValueError(f"a status answer of {len(text)} bytes exceeds {MAX_STATUS}")
     return [_ENVELOPE.pack(MAGIC, VERSION, ANSWER, 0, rid), text]
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _unpack(frame: Any, kind: int) -> int:

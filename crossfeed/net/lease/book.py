@@ -46,11 +46,13 @@ from collections.abc import Callable
 from typing import Any
 
 from crossfeed.errors import ConfigError
+from crossfeed.net.protocol import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
 PENDING, LEASED, CLAIMED, DONE = 0, 1, 2, 3
 MAX_REMEMBERED = 4096  # dead ids remembered (to fence them)
+LOG_BURST = 20  # lines of one kind (servers declared dead, ...) per 5 s, at most; the rest are counted
 MAX_SERVERS = 4096  # live servers at once; a HELLO beyond is refused (RESET) until one goes
 # a plan whose batch count changes with the epoch (packed rows): global ids e * PACKED_STRIDE + b,
 # within an int64 for every epoch below MAX_PACKED_EPOCHS
@@ -135,6 +137,9 @@ class LeaseBook:
         self.counts = {"leases_revoked": 0, "batches_re_leased": 0, "servers_lost": 0, "trainers_lost": 0}
         self.claimed_from: dict[int, int] = {}  # live server -> its batches claimed by trainers
         self._cursor = 0  # no PENDING batch below it (a hint for `_take`)
+        # what peers make happen is logged at most LOG_BURST times per 5 s per kind (a flood of fake
+        # ids must not flood the log): joins, and servers or trainers leaving, dead or stalled
+        self._log = RateLimitedLog(logger, burst=LOG_BURST)
 
     # ---- members ----
     def server_seen(self, server: int, now: float, address: str | None = None) -> bool:
@@ -147,10 +152,10 @@ class LeaseBook:
             if address is None:
                 return False  # unknown: it must say hello first
             if len(self.servers) >= MAX_SERVERS:
-                logger.warning("server %016x refused: %d servers are live already", server, MAX_SERVERS)
+                self._log.warning("full", "server %016x refused: %d servers are live already", server, MAX_SERVERS)
                 return False
             self.servers[server] = Member(now, address)
-            logger.info("server %016x joined at %s", server, address)
+            self._log.log(logging.INFO, "joined", "server %016x joined at %s", server, address)
         else:
             m.last_seen = now
             if address is not None:
@@ -177,8 +182,9 @@ class LeaseBook:
         back = 0
         for lid in [lid for lid, lease in self.leases.items() if lease.server == server]:
             back += self._revoke(lid)
-        logger.log(
+        self._log.log(
             logging.INFO if reason == "left" else logging.WARNING,
+            "server " + reason.rsplit(" ", 1)[-1],  # left, dead, stalled: each its own budget
             "server %016x %s: %d leased batches go to the others",
             server,
             reason,
@@ -201,8 +207,9 @@ class LeaseBook:
                     back += 1
         if back:
             self.records.append({"t": "unclaim", "trainer": trainer, "epoch": self.epoch})
-        logger.log(
+        self._log.log(
             logging.INFO if reason == "left" else logging.WARNING,
+            "trainer " + reason.rsplit(" ", 1)[-1],
             "trainer %016x %s: %d claimed batches go out again",
             trainer,
             reason,
@@ -229,7 +236,8 @@ class LeaseBook:
             overtaken = [x for x in self.leases.values() if x.overtaken is not None and now - x.overtaken > limit]
             for lease in overtaken:
                 back = self._revoke(lease.id)
-                logger.warning(
+                self._log.warning(
+                    "overtaken",
                     "server %016x: %d batches of a lease were overtaken by later ones for more than %gs "
                     "(lost on the way, or unclaimed at a stalled trainer): leased again",
                     lease.server,

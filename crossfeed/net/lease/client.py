@@ -46,13 +46,15 @@ from crossfeed.net import protocol as P
 from crossfeed.net.keys import ClientKeys
 from crossfeed.net.lease import messages as W
 from crossfeed.net.stream.events import Delivery, Lost, ReceiverFailed
-from crossfeed.net.stream.receiver import Receiver
+from crossfeed.net.stream.receiver import MAX_LINKS, Receiver
 
 logger = logging.getLogger(__name__)
 TRAINER = 2
 TOKEN_END = 1 << 63  # claim tokens travel in the dispatcher's signed 64-bit slots
 CLAIM_RETRY = 1.0  # seconds before an unanswered claim is sent again
 WAIT_WINDOW = 1.0  # seconds of the training loop's time over which one BEAT's wait share is measured
+MAX_BACKOFF = 300.0  # seconds, at most, before an announced server that never answered is tried again
+MAX_UNANSWERED = 4096  # such servers remembered (the oldest forgotten first)
 
 
 class LeasedClient(Iterator[Any]):
@@ -82,6 +84,9 @@ class LeasedClient(Iterator[Any]):
         self._lock = threading.Lock()  # the dispatcher socket and the state below
         self._id = P.new_instance()
         self._servers: dict[str, int] = {}  # address -> receiver index of its live link
+        # address -> (times it never answered in a row, when it may be connected again): an
+        # unreachable announced endpoint is tried again after connect_timeout, 2x, 4x... MAX_BACKOFF
+        self._unanswered: dict[str, tuple[int, float]] = {}
         # (seq, lease) -> (delivery, when its claim was sent): copies of one batch under two leases
         # (one revoked) are two entries; the dispatcher grants at most one of them
         self._awaiting: dict[tuple[int, int], tuple[Delivery, float]] = {}
@@ -191,7 +196,7 @@ class LeasedClient(Iterator[Any]):
                     "token",
                     "dropped batch %d from %s: its claim token %d is no dispatcher's",
                     seq,
-                    self._receiver.addresses[event.server],
+                    self._receiver.address_of(event.server),
                     event.token,
                 )
                 return
@@ -207,6 +212,15 @@ class LeasedClient(Iterator[Any]):
                 for address, index in list(self._servers.items()):
                     if index == event.server:
                         del self._servers[address]  # connected afresh if it is announced again
+                address = event.info.address
+                if event.info.answered:
+                    self._unanswered.pop(address, None)
+                else:  # unreachable (or not a server): connected again only after a backoff
+                    failures = self._unanswered.pop(address, (0, 0.0))[0] + 1
+                    delay = min(self.options.connect_timeout * 2 ** min(failures - 1, 16), MAX_BACKOFF)
+                    self._unanswered[address] = (failures, time.monotonic() + delay)
+                    while len(self._unanswered) > MAX_UNANSWERED:
+                        del self._unanswered[next(iter(self._unanswered))]
         elif isinstance(event, ReceiverFailed):
             raise CrossfeedError(f"client I/O failed: {event.message}")
 
@@ -281,15 +295,25 @@ class LeasedClient(Iterator[Any]):
                 self._awaiting.clear()
                 self._granted.clear()
                 self._done.clear()
+            now = time.monotonic()
             for address in msg.payload.split() if msg.payload else ():
-                if address not in self._servers:
-                    try:  # one bad address is skipped; the page's others are still connected
-                        W.endpoints(address)
-                        self._servers[address] = self._receiver.add(address)
-                    except (WireError, zmq.ZMQError) as e:
-                        logger.warning("skipped server address %r announced by the dispatcher: %s", address[:80], e)
-                        continue
-                    logger.info("connected server %s (announced by the dispatcher)", address)
+                if address in self._servers or now < self._unanswered.get(address, (0, 0.0))[1]:
+                    continue
+                try:  # one bad address is skipped; the page's others are still connected
+                    W.endpoints(address)
+                    index = self._receiver.add(address)
+                except (WireError, zmq.ZMQError) as e:
+                    self._log.warning(
+                        "address", "skipped server address %r announced by the dispatcher: %s", address[:80], e
+                    )
+                    continue
+                if index is None:  # as many links as a trainer holds: the next page tries again
+                    self._log.warning(
+                        "links", "not connecting %s yet: %d server links are live already", address[:80], MAX_LINKS
+                    )
+                    break
+                self._servers[address] = index
+                logger.info("connected server %s (announced by the dispatcher)", address)
         elif msg.kind is W.Kind.GRANTS:
             for seq, token, ok in msg.payload:
                 entry = self._awaiting.pop((int(seq), int(token)), None)

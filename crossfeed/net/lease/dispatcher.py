@@ -19,7 +19,9 @@ a damaged one (a record that fails its checksum or its checks, see `journal`) st
 dispatcher with `JournalError` naming the line, rather than serve a used batch again.
 
 Every message is validated (`leasewire.unpack`, `LeaseBook` refuses unknown ids, wrong claim
-tokens and out-of-range batch numbers); a malformed one is counted and dropped.
+tokens and out-of-range batch numbers); a malformed one is counted and dropped, and so is one
+whose handling raises anything else (logged with its traceback, rate-limited): nothing a peer
+sends ends the dispatcher (a status answer too long for a message lists fewer entries).
 """
 
 from __future__ import annotations
@@ -337,6 +339,9 @@ class LeaseDispatcher:
                 self._handle(frames[0].bytes, frames[1:])
             except WireError as e:
                 self._bad(e)
+            except Exception as e:  # a bug met on a peer's bytes: that message goes, not the dispatcher
+                self.stats["dropped_messages"] += 1
+                self._log.log(logging.ERROR, "broken", "a message could not be handled; dropped it", exc_info=e)
 
     def _bad(self, error: Exception) -> None:
         self.stats["dropped_messages"] += 1

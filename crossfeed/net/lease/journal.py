@@ -189,8 +189,8 @@ class Journal:
         return JournalError(f"journal {self.path} line {line} (byte {offset}): {reason}. {_FIX}")
 
     def _read_bytes(self) -> bytes | None:
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:  # O_NONBLOCK: a FIFO planted there must not block the open (and the dispatcher) forever
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -201,9 +201,18 @@ class Journal:
                 ) from e
             raise
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise JournalError(f"journal {self.path} is not a regular file")
+            self._check_regular(f.fileno())
+            os.set_blocking(f.fileno(), True)
             return f.read()
+
+    def _check_regular(self, fd: int) -> None:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a file"
+            raise JournalError(
+                f"journal {self.path} is not a regular file ({kind}); the dispatcher reads and appends only a "
+                "regular file: remove it, or pass another path as --journal"
+            )
 
     def read(self) -> list[dict[str, Any]]:
         """The records after the plan line (every record when there is no plan), each checked;
@@ -266,7 +275,16 @@ class Journal:
             return
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            except OSError as e:  # a FIFO nobody reads (ENXIO), a link (ELOOP), a directory
+                raise JournalError(f"cannot append to journal {self.path}: {e.strerror or e}") from e
+            try:
+                self._check_regular(fd)
+                os.set_blocking(fd, True)
+            except BaseException:
+                os.close(fd)
+                raise
             self._file = os.fdopen(fd, "ab")
         self._file.write(b"".join(encode(r) for r in records))
         self._file.flush()

@@ -46,6 +46,7 @@ class LostServer:
     unacked_batches: int
     last_epoch: int | None
     last_seq: int | None
+    answered: bool = True  # False: it never answered (unreachable, or not a server)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -187,6 +187,7 @@ class Link:
             unacked_batches=len(self.unacked),
             last_epoch=self.last_epoch,
             last_seq=self.last_seq,
+            answered=self.heard,
         )
         logger.warning(
             "server %s dropped (%s): %d of its batches were outstanding (received, not yet "

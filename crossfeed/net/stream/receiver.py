@@ -27,6 +27,11 @@ A malformed message (WireError) is dropped and counted (`dropped_messages`), and
 on; a message whose handling raises anything else drops its server (counted, logged with the
 traceback, reported as Lost): what one server sends never ends the stream from the others.
 
+A dropped server's socket is closed at once (its queued deliveries stay usable), and where
+servers come and go (`add`, a dispatcher's) a dropped link is forgotten once nothing queued
+refers to it: a trainer holds at most MAX_LINKS live links and MAX_LOST dropped ones' reports,
+however many servers were announced, preempted or unreachable over its life.
+
 This module holds that polling loop; the events are defined in `crossfeed.net.stream.events`, and one
 server's connection (socket, liveness, what came from it) is `crossfeed.net.stream.link.Link`.
 """
@@ -49,6 +54,8 @@ from crossfeed.net.stream.events import AllDone, Delivery, EpochDone, Lost, Lost
 from crossfeed.net.stream.link import Link
 
 logger = logging.getLogger(__name__)
+MAX_LINKS = 256  # live server links of one receiver (each a socket, ~2 fds); `add` refuses more
+MAX_LOST = 1024  # reports of dropped servers kept in `lost` (the latest)
 
 
 class Receiver:
@@ -75,7 +82,7 @@ class Receiver:
         self._tick = min(heartbeat.interval / 2, 0.1)
         self._events: collections.deque[Any] = collections.deque()  # appended under the lock
         self._acks: collections.deque[tuple[int, int]] = collections.deque()  # (server, seq)
-        self.lost: list[LostServer] = []
+        self.lost: collections.deque[LostServer] = collections.deque(maxlen=MAX_LOST)
         self.dropped_messages = 0
         self.fenced = 0  # how many times a server fenced this client (it rejoined each time)
         self.stale_dropped = 0  # deliveries dropped unused because their lease was fenced
@@ -83,7 +90,9 @@ class Receiver:
         self._ctx = zmq.Context()
         self._lock = threading.Lock()  # held by whoever pumps the sockets
         self._stop = threading.Event()
-        self._links: list[Link] = []
+        self._links: dict[int, Link] = {}  # index (never reused) -> link; events name the index
+        self._next_index = 0
+        self._forget: set[int] = set()  # dropped links to forget once no queued event names them
         self._poller = zmq.Poller()
         self._polled: set[zmq.Socket] = set()
         self._next_beat = 0.0
@@ -98,20 +107,41 @@ class Receiver:
         try:
             now = time.monotonic()
             for a in self.addresses:
-                self._links.append(self._open(a, now))
+                self._links[self._new_index()] = self._open(a, now)
         except Exception as e:  # reported by the first next_event(), like any later failure
             self._fail(e)
         self._thread.start()
         return self
 
-    def add(self, address: str) -> int:
-        """Connect one more server (a dispatcher announced it); returns its index."""
+    def _new_index(self) -> int:
+        self._next_index += 1
+        return self._next_index - 1
+
+    def add(self, address: str) -> int | None:
+        """Connect one more server (a dispatcher announced it); returns its index, or None while
+        MAX_LINKS links are live (the caller tries again later)."""
         with self._lock:
+            live = self._live()
+            if live >= MAX_LINKS:
+                return None
             link = self._open(address, time.monotonic())
-            self.addresses.append(address)
-            self._links.append(link)
-            self._buffer = self._credits * len(self._links) + 1
-            return len(self._links) - 1
+            index = self._new_index()
+            self._links[index] = link
+            self._buffer = self._credits * (live + 1) + 1
+            return index
+
+    def _live(self) -> int:
+        return sum(link.state in ("live", "fenced") for link in self._links.values())
+
+    def address_of(self, index: int) -> str:
+        """The address of server `index` (or a placeholder for one dropped and forgotten)."""
+        link = self._links.get(index)
+        return link.address if link is not None else f"(dropped server #{index})"
+
+    @property
+    def links(self) -> int:
+        """Links held: live, fenced, ended, and dropped ones not yet forgotten (see the module docstring)."""
+        return len(self._links)
 
     @property
     def alive(self) -> bool:
@@ -157,7 +187,9 @@ class Receiver:
             event = self._events[0]
             if not isinstance(event, Delivery) or self._broadcast:
                 return self._events.popleft()
-            link = self._links[event.server]
+            link = self._links.get(event.server)
+            if link is None:  # dropped and forgotten (nothing queued named it): not leased either
+                return self._events.popleft()
             if event.lease != link.lease or link.state == "fenced":
                 self._events.popleft()
                 self.stale_dropped += 1
@@ -181,7 +213,7 @@ class Receiver:
 
     def _rejoin_fenced(self) -> None:
         now = time.monotonic()
-        for link in self._links:
+        for link in self._links.values():
             if link.state == "fenced":
                 link.rejoin(self._open(link.address, now).sock, now)
                 logger.warning("rejoined %s under a new identity after it fenced us", link.address)
@@ -201,7 +233,7 @@ class Receiver:
                     self._flush_acks()
                 except Exception:  # closing anyway; what was not acknowledged is redelivered
                     logger.exception("could not send the last acknowledgements")
-            for link in self._links:
+            for link in self._links.values():
                 link.close(bye=not self._broadcast)
             self._ctx.term()
 
@@ -227,7 +259,7 @@ class Receiver:
         if self._failed or self._closed:
             return
         now = time.monotonic()
-        for link in self._links:
+        for link in self._links.values():
             if link.state == "live" and now - self._last_pump > self._stall_limit(link):
                 link.suspect = True  # sticky until a probe answers: see _ready_event
         self._last_pump = now
@@ -242,7 +274,7 @@ class Receiver:
     def _read(self, wait: float) -> None:
         room = len(self._events) < self._buffer
         # a link we asked for a lease probe is read even when full: its answer frees the queue
-        want = {link.sock for link in self._links if link.state == "live" and (room or link.probe)}
+        want = {link.sock for link in self._links.values() if link.state == "live" and (room or link.probe)}
         if want != self._polled:
             for sock in self._polled - want:
                 self._poller.unregister(sock)
@@ -259,26 +291,37 @@ class Receiver:
         if not ready:
             return
         ready_socks = {sock for sock, _ in ready}
-        for i, link in enumerate(self._links):
+        for i, link in list(self._links.items()):
             if link.sock in ready_socks and link.state == "live":
                 self._drain(i, link)
 
     def _housekeeping(self, now: float) -> None:
         if now >= self._next_beat:
             self._next_beat = now + self._hb.interval
-            for link in self._links:
+            for link in self._links.values():
                 if link.state == "live" and not self._broadcast:
                     link.send(P.pack(P.Kind.HEARTBEAT, self._credits, self._credit_bytes))
-        for link in self._links:
+        for link in list(self._links.values()):
             if link.state == "live":
                 reason = link.silence(now, self._hb.timeout, self._connect_timeout)
                 if reason is not None:
                     self._lose(link, reason)
         if self.open_ended:  # more servers may come (a dispatcher's): never all done
+            self._forget_dropped()
             return
-        if not self._done_signalled and all(link.state in ("ended", "lost") for link in self._links):
+        if not self._done_signalled and all(link.state in ("ended", "lost") for link in self._links.values()):
             self._done_signalled = True
             self._events.append(AllDone())
+
+    def _forget_dropped(self) -> None:
+        """Forget the dropped links no queued event names any more (their sockets are closed
+        already; an ack of one of their deliveries is ignored, see `_flush_acks`)."""
+        if not self._forget:
+            return
+        named = {getattr(e, "server", None) for e in self._events}
+        for index in [i for i in self._forget if i not in named]:
+            self._forget.discard(index)
+            self._links.pop(index, None)
 
     def _open(self, address: str, now: float) -> Link:
         return Link.open(
@@ -300,7 +343,8 @@ class Receiver:
         by_server: dict[int, list[int]] = {}
         while self._acks:
             server, seq, lease = self._acks.popleft()
-            if lease == self._links[server].lease:  # an older lease's batches went to others
+            link = self._links.get(server)
+            if link is not None and lease == link.lease:  # an older lease's batches went to others
                 by_server.setdefault(server, []).append(seq)
         now = time.monotonic()
         for server, seqs in by_server.items():
@@ -337,9 +381,17 @@ class Receiver:
             self._lose(link, f"its message could not be handled ({type(error).__name__}: {error})")
 
     def _lose(self, link: Link, reason: str) -> None:
+        """Drop `link`: reported (`lost`, a Lost event), its socket closed at once (what it
+        delivered stays queued and usable)."""
         info = link.lose(reason, leased=self.open_ended)  # open-ended: a dispatcher's servers
         self.lost.append(info)
-        self._events.append(Lost(next(i for i, x in enumerate(self._links) if x is link), info))
+        index = next(i for i, x in self._links.items() if x is link)
+        self._events.append(Lost(index, info))
+        if link.sock in self._polled:
+            self._poller.unregister(link.sock)
+            self._polled.discard(link.sock)
+        link.sock.close(linger=0)
+        self._forget.add(index)
 
     def _handle(self, index: int, link: Link, frames: list) -> None:
         env = P.unpack(frames[0], P.SERVER_KINDS)
