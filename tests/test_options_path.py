@@ -117,7 +117,7 @@ def captured(monkeypatch):
             raise SystemExit(0)
 
     class Dispatcher:
-        def __init__(self, plan, batches, options, *, keys=None, counts=None):
+        def __init__(self, plan, batches, options, *, keys=None, counts=None, identity=None):
             got["dispatch"] = plan
             raise SystemExit(0)
 
