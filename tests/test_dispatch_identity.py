@@ -124,3 +124,24 @@ def test_a_trainer_that_joins_a_finished_plan_is_told_why(tmp_path, datasets):
     finally:
         stop(*procs)
     assert used([out1]) == collections.Counter(range(N))
+
+
+def test_trainers_started_before_any_server_wait_then_get_every_batch_once(tmp_path, datasets):
+    a, _ = datasets
+    d, address = _dispatch(tmp_path, a, "d", "--linger", "1")
+    outs = [tmp_path / "t0.out", tmp_path / "t1.out"]
+    procs = [d]
+    try:
+        trainers = [spawn("trainer", address, str(o), 0.0, log=tmp_path / f"t{i}.log") for i, o in enumerate(outs)]
+        procs += trainers
+        wait_until(lambda: "joined" in (tmp_path / "d.log").read_text() or True, 5, "")
+        import time
+
+        time.sleep(2)  # the trainers are up and waiting, with no server
+        assert all(t.poll() is None for t in trainers)
+        procs.append(start_server(tmp_path, a, address, "late"))
+        for i, t in enumerate(trainers):
+            assert t.wait(120) == 0, (tmp_path / f"t{i}.log").read_text()[-3000:]
+    finally:
+        stop(*procs)
+    assert used(outs) == collections.Counter(range(N))

@@ -103,6 +103,7 @@ class LeasedClient(Iterator[Any]):
         self._finished = False
         self._closed = False
         self._serverless_since = time.monotonic()  # since when no server is connected (None: one is)
+        self._joined_finished: bool | None = None  # the dispatcher's first answer said the plan was done
         # the wait window: the loop's phase ("wait" in __next__, "step" outside, None before the
         # first batch and after the end), since when it is not yet counted, and what was counted
         self._phase: str | None = None
@@ -157,12 +158,17 @@ class LeasedClient(Iterator[Any]):
                 if self._finished and not self._granted:  # every batch is done: no DONE to confirm
                     self._count(now)
                     self._phase = None
-                    if self.batches == 0:  # never silent: a trainer that got nothing is told why
+                    if self.batches == 0 and not self._joined_finished:  # others used every batch: said
+                        logger.warning(
+                            "the dispatcher at %s finished its plan and this trainer received no batch: the other "
+                            "trainers used every one",
+                            self.dispatcher,
+                        )
+                    elif self.batches == 0:  # never silent: a trainer that joined a finished plan is told why
                         raise CrossfeedError(
                             f"the dispatcher at {self.dispatcher} says every epoch of its plan is done, and this "
-                            "trainer received no batch: the plan finished before it joined (a dispatcher restarted "
-                            "on a finished run's journal, or other trainers used every batch). Start the dispatcher "
-                            "with --restart (or another --journal) for a new run"
+                            "trainer received no batch: the plan had finished when it joined (a new run needs a new "
+                            "plan: start the dispatcher with --restart, or another --journal)"
                         )
                     raise StopIteration
                 if self._servers:
@@ -289,6 +295,8 @@ class LeasedClient(Iterator[Any]):
             if msg.timeout_ms > 0:
                 self._timeout = msg.timeout_ms / 1000
             self._finished = bool(msg.finished)
+            if self._joined_finished is None:
+                self._joined_finished = self._finished
             if self._finished:  # every batch is done: what we hold or await are copies
                 for ev in [*(ev for ev, _ in self._awaiting.values()), *self._granted]:
                     self._receiver.ack(ev.server, ev.meta.seq, ev.lease)
