@@ -79,7 +79,7 @@ class Endpoint:
         except OSError as e:
             raise ConfigError(f"cannot serve metrics on {addr}:{port}: {e.strerror or e}") from e
         self.host, self.port = addr, int(self._httpd.server_port)
-        self._watched: dict[str, Any] = {}
+        self._watched: dict[str | tuple[str, str], Any] = {}
         self._lock = threading.Lock()
         self._closed = False
         if addr not in ("127.0.0.1", "::1", "localhost"):
