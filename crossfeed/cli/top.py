@@ -174,7 +174,11 @@ def rows(snap: Snapshot, prev: Snapshot | None) -> list[Row]:
         if s is not None:
             rate = _rate(s.delivered, before.delivered if before else None, dt, s.uptime)
         else:  # no answer from it: what the dispatcher saw of it, between two frames
-            old = {e.id: e.claimed for e in prev.status.servers} if prev and isinstance(prev.status, DispatcherStatus) else {}
+            old = (
+                {e.id: e.claimed for e in prev.status.servers}
+                if prev and isinstance(prev.status, DispatcherStatus)
+                else {}
+            )
             rate = (entry.claimed - old[entry.id]) / dt if entry.id in old and dt > 0 else None
         out.append(
             Row(
@@ -274,7 +278,9 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
             worst = max(waiting, key=lambda t: t.wait or 0.0)  # `waiting`: every wait is a float
             slowest = min(rated, key=lambda r: r.rate or 0.0) if rated else None
             named = (
-                f"{slowest.name} ({slowest.endpoint}) at {slowest.rate:.1f} batches/s" if slowest else "— (no rates yet)"
+                f"{slowest.name} ({slowest.endpoint}) at {slowest.rate:.1f} batches/s"
+                if slowest
+                else "— (no rates yet)"
             )
             parts.append(
                 Text(
