@@ -83,6 +83,13 @@ class Feature:
         """True when every record has the same shape (no ``None`` dimension)."""
         return None not in self.shape
 
+    @property
+    def fixed_shape(self) -> tuple[int, ...]:
+        """``shape`` of a `fixed` feature, typed as such (a shape with a ``None`` dimension: SchemaError)."""
+        if not self.fixed:
+            raise SchemaError(f"feature {self.name!r}: shape {list(self.shape)} varies; a fixed shape is needed here")
+        return tuple(d for d in self.shape if d is not None)
+
     def to_json(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "encoding": self.encoding.value}
 
@@ -286,9 +293,8 @@ def decode_value(f: Feature, parsed: dict, *, decode_images: bool = True):
         data = bytes(vals[0]) if len(vals) == 1 else b""
         return decode_image(data, f) if decode_images else data
     if f.encoding is Encoding.BYTES:
-        items = [bytes(v) for v in vals]
-        if f.dtype == "string":
-            items = [b.decode("utf-8") for b in items]
+        raw = [bytes(v) for v in vals]
+        items: list = [b.decode("utf-8") for b in raw] if f.dtype == "string" else raw
         if f.shape == ():
             if len(items) != 1:
                 raise SchemaError(f"feature {f.name!r} must hold one value, got {len(items)}")
@@ -296,7 +302,7 @@ def decode_value(f: Feature, parsed: dict, *, decode_images: bool = True):
         return items
     arr = np.asarray(vals, dtype=np.int64 if f.encoding is Encoding.INT64 else np.float32)
     if f.fixed:
-        if arr.size != math.prod(f.shape):
+        if arr.size != math.prod(f.fixed_shape):
             raise SchemaError(f"feature {f.name!r} holds {arr.size} values, the schema says shape {list(f.shape)}")
         return arr.reshape(f.shape)
     return arr
@@ -366,13 +372,13 @@ class ImageFit:
 
         (H, W), (w, h) = size, im.size
         if self.mode == "stretch":
-            return im.resize((W, H), Image.BILINEAR)
+            return im.resize((W, H), Image.Resampling.BILINEAR)
         if self.mode == "crop":  # the centre region of the target's aspect ratio, scaled in one step
             cw, ch = min(w, h * W / H), min(h, w * H / W)
             box = ((w - cw) / 2, (h - ch) / 2, (w + cw) / 2, (h + ch) / 2)
-            return im.resize((W, H), Image.BILINEAR, box=box)
+            return im.resize((W, H), Image.Resampling.BILINEAR, box=box)
         scale = min(H / h, W / w)  # pad
-        inner = im.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BILINEAR)
+        inner = im.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.Resampling.BILINEAR)
         out = Image.new(im.mode, (W, H))
         out.paste(inner, ((W - inner.size[0]) // 2, (H - inner.size[1]) // 2))
         return out

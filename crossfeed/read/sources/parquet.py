@@ -43,11 +43,15 @@ class Split(Protocol):
     """What a Parquet reader reads of a `crossfeed.read.sources.dataset.Split` (a protocol: the
     dataset module imports this one, so this one does not import it)."""
 
-    name: str
-    shards: Sequence
-    dataset: Any
+    @property
+    def name(self) -> str: ...
+    @property
+    def shards(self) -> Sequence: ...
+    @property
+    def dataset(self) -> Any: ...
 
     def file(self, shard: int) -> Any: ...
+    def __len__(self) -> int: ...
 
 
 log = logging.getLogger(__name__)
@@ -397,7 +401,7 @@ class ParquetFrameReader:
     def _empty(f: Feature, n: int) -> np.ndarray:
         if f.fixed and f.encoding in (Encoding.INT64, Encoding.FLOAT, Encoding.TENSOR):
             dt = "int64" if f.encoding is Encoding.INT64 else "float32" if f.encoding is Encoding.FLOAT else f.dtype
-            return np.empty((n, *f.shape), dtype=dt)
+            return np.empty((n, *f.fixed_shape), dtype=dt)
         return np.empty(n, dtype=object)
 
     def close(self) -> None:
