@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import struct
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -84,7 +86,7 @@ class FeatureCodec:
         self.f = f
         self.slots = (f.name, f.name + SHAPE_SUFFIX) if f.encoding is Encoding.TENSOR and not f.fixed else (f.name,)
         self.one = self._generic
-        self.column = None
+        self.column: Callable[[Any, int], Any] | None = None
         getattr(self, "_compile_" + f.encoding.value)()
 
     def _generic(self, v):
@@ -273,7 +275,7 @@ class FeatureCodec:
         if not f.fixed or not _LITTLE:
             return
         dt = np.dtype(f.dtype)
-        nbytes = dt.itemsize * int(np.prod(f.shape, dtype=np.int64))
+        nbytes = dt.itemsize * int(np.prod(f.fixed_shape, dtype=np.int64))
         pre = ex.entry_prefix(f.name, ex.BYTES, 1 + len(ex.varint(nbytes)) + nbytes) + b"\x0a" + ex.varint(nbytes)
         shape = f.shape
 
