@@ -90,7 +90,7 @@ def main(fd: int) -> None:
         build.alloc = writer.alloc
         if build.transform is None:
             build.reader.decoder.alloc = writer.alloc
-        blobs = []
+        blobs: list = []
         try:
             layout, nbytes = writer.finish(build(ids))
             rows, blobs = layout_to_json(layout)
