@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import numpy as np
 
@@ -35,7 +36,7 @@ from crossfeed.read.sources.union import UnionSplit
 from crossfeed.read.stages import pack
 from crossfeed.read.stages.batch import BatchBuilder
 from crossfeed.read.stages.fetch import MixtureMerge, MixtureReader, SourceReader
-from crossfeed.read.stages.sampler import Plan, Sampler
+from crossfeed.read.stages.sampler import MixtureOrder, Plan, Sampler
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
@@ -98,8 +99,8 @@ class Loader:
                 storage_options=read.storage_options,
             )
             self.datasets = [self.dataset]
-            self.split = self.dataset[options.split]
-            splits = [self.split]
+            self.split: Split | None = self.dataset[options.split]
+            splits = [self.dataset[options.split]]
         else:
             if plan.samples_per_epoch is None and not self.sources:
                 raise ConfigError("a mixture needs at least one Source")
@@ -133,13 +134,20 @@ class Loader:
             and all(sp.info.format == "tfrecord" for sp in splits)
         )
         readers = []
-        for i, (ds, sp) in enumerate([(self.datasets[0], UnionSplit(splits))] if union else zip(self.datasets, splits)):
+        # a UnionSplit reads as a Split (duck-typed: it has what the readers use of one, local shards only)
+        pairs: list[tuple[Dataset, Split]] = (
+            [(self.datasets[0], cast(Split, UnionSplit(splits)))] if union else list(zip(self.datasets, splits))
+        )
+        for i, (ds, sp) in enumerate(pairs):
             cache, whole, keep = _remote_mode(ds, sp, plan, self.cache)
             readers.append(SourceReader(sp, stored[i], read=read, whole_shards=whole, keep_loaded=keep, cache=cache))
         self._readers = readers
-        self.prefetcher = Prefetcher(self.cache) if any(r.frames.cache for r in readers) else None
+        self.prefetcher = (
+            Prefetcher(self.cache) if self.cache is not None and any(r.frames.cache for r in readers) else None
+        )
+        reader: SourceReader | MixtureReader
         if self.sources is None:
-            self.sampler = Sampler(self.split.block_counts, plan, options.shard)
+            self.sampler = Sampler(splits[0].block_counts, plan, options.shard)
             reader = readers[0]
             rows = reader.frames.rows
         else:
@@ -180,7 +188,7 @@ class Loader:
                 trusted = options.replace(allowed_roots=(*read.allowed_roots, *source.allowed_roots))
                 recipe = dataclasses.replace(recipe, source=source.path, options=trusted)
             recipe = dataclasses.replace(recipe, manifests=tuple(ds.manifest_sha256 for ds in self.datasets))
-            self.executor = ProcessExecutor(recipe, read.processes, read.processes + read.prefetch, meter=self.meter)
+            self.executor: ProcessExecutor | ThreadExecutor = ProcessExecutor(recipe, read.processes, read.processes + read.prefetch, meter=self.meter)
         else:
             self.executor = ThreadExecutor(threads, max(1, read.num_threads + read.prefetch))
         if self.meter is not None:
@@ -274,7 +282,7 @@ class Loader:
 
     def state_dict(self) -> dict:
         """Small and framework-free: resume with `load_state_dict` in any process, any world size."""
-        state = {
+        state: dict[str, Any] = {
             "version": STATE_VERSION,
             "seed": self.options.plan.seed,
             "epoch": self._epoch,
@@ -284,12 +292,13 @@ class Loader:
         }
         if self.sources is not None and isinstance(self.sampler, Sampler):  # for people: where each source stands
             order = self.sampler.plan(self._epoch, self.position).order
-            draws = order.epoch * order.per_epoch + order.draws(
-                np.full(len(self.sources), self.position), np.arange(len(self.sources))
-            )
-            state["sources"] = [
-                {"pass": int(d // n), "offset": int(d % n)} for d, n in zip(draws.tolist(), order.sizes.tolist())
-            ]
+            if isinstance(order, MixtureOrder):  # (a mixture's Sampler: always)
+                draws = order.epoch * order.per_epoch + order.draws(
+                    np.full(len(self.sources), self.position), np.arange(len(self.sources))
+                )
+                state["sources"] = [
+                    {"pass": int(d // n), "offset": int(d % n)} for d, n in zip(draws.tolist(), order.sizes.tolist())
+                ]
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -354,7 +363,8 @@ class Loader:
                 # built on threads: each batch stamped when done (its hand-over starts); in worker
                 # processes the executor times the hand-over
                 threads = isinstance(self.executor, ThreadExecutor) and self.executor.num_threads > 0
-                built = self.executor.map(self._stamped if threads else self.builder, meter.timed(batches))
+                # batches, or (threads) ``(batch, when it was done)``
+                built: Iterator[Any] = self.executor.map(self._stamped if threads else self.builder, meter.timed(batches))
                 asked = clock()
                 for batch in built:
                     got = clock()
@@ -381,7 +391,7 @@ class Loader:
     def _stamped(self, indices: np.ndarray) -> tuple[dict[str, np.ndarray], int]:
         """A batch built by an executor thread, and when it was done (its hand-over starts: the
         clock read that ended its last stage)."""
-        t = self.meter.tally()
+        t = self.meter.tally()  # type: ignore[union-attr]  # called only while the Loader has a meter
         return self.builder(indices, None, t), t.last
 
     def epochs(self, count: int | None = None) -> Iterator[dict[str, np.ndarray]]:
@@ -414,11 +424,11 @@ class Loader:
         if self.sources is None:
             parts = [(self._readers[0], indices)]
         else:
-            starts = self.builder.reader.starts
+            starts = self.builder.reader.starts  # type: ignore[union-attr]  # sources: a MixtureReader
             src = np.searchsorted(starts, indices, side="right") - 1
             parts = [(self._readers[s], indices[src == s] - starts[s]) for s in np.unique(src).tolist()]
         for reader, ids in parts:
-            if reader.frames.cache is not None:
+            if reader.frames.cache is not None and self.prefetcher is not None:  # (a cache: a prefetcher)
                 split = reader.frames.split
                 shards = np.unique(np.searchsorted(split.starts, ids, side="right") - 1).tolist()
                 self.prefetcher.want(reader.frames.jobs(shards))
