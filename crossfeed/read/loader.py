@@ -188,7 +188,9 @@ class Loader:
                 trusted = options.replace(allowed_roots=(*read.allowed_roots, *source.allowed_roots))
                 recipe = dataclasses.replace(recipe, source=source.path, options=trusted)
             recipe = dataclasses.replace(recipe, manifests=tuple(ds.manifest_sha256 for ds in self.datasets))
-            self.executor: ProcessExecutor | ThreadExecutor = ProcessExecutor(recipe, read.processes, read.processes + read.prefetch, meter=self.meter)
+            self.executor: ProcessExecutor | ThreadExecutor = ProcessExecutor(
+                recipe, read.processes, read.processes + read.prefetch, meter=self.meter
+            )
         else:
             self.executor = ThreadExecutor(threads, max(1, read.num_threads + read.prefetch))
         if self.meter is not None:
@@ -364,7 +366,9 @@ class Loader:
                 # processes the executor times the hand-over
                 threads = isinstance(self.executor, ThreadExecutor) and self.executor.num_threads > 0
                 # batches, or (threads) ``(batch, when it was done)``
-                built: Iterator[Any] = self.executor.map(self._stamped if threads else self.builder, meter.timed(batches))
+                built: Iterator[Any] = self.executor.map(
+                    self._stamped if threads else self.builder, meter.timed(batches)
+                )
                 asked = clock()
                 for batch in built:
                     got = clock()

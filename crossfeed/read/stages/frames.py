@@ -579,7 +579,9 @@ class FrameReader:
                 self._u8.pop(old, None)  # its arrays view the buffer about to be closed
                 self.split.file(old).close()
                 local = self._cached.pop(old, None)
-                if local is not None and self.cache is not None:  # the cache may now evict it (this process no longer uses it)
+                if (
+                    local is not None and self.cache is not None
+                ):  # the cache may now evict it (this process no longer uses it)
                     # not closed: a batch on another thread may still read its mapping, which
                     # goes when the last reference to it does
                     self.cache.release(local.path)

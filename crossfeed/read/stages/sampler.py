@@ -31,9 +31,9 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterator
-from typing import Any
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
