@@ -64,21 +64,21 @@ class Layout:
             n, pos = ex.read_varint(buf, s + 1, e)
             if pos + n != e:
                 return None  # more than one value field (unpacked, or several bytes values)
-            count = int(np.prod(f.shape, dtype=np.int64))
+            count = int(np.prod(f.fixed_shape, dtype=np.int64))
             if f.encoding is Encoding.TENSOR and n != count * np.dtype(f.dtype).itemsize:
                 return None
             if f.encoding is Encoding.FLOAT and n != 4 * count:
                 return None
             widths: tuple[int, ...] = ()
             if f.encoding is Encoding.INT64:
-                widths, p = [], pos
+                each, p = [], pos
                 while p < e:
                     q = ex.read_varint(buf, p, e)[1]
-                    widths.append(q - p)
+                    each.append(q - p)
                     p = q
-                if len(widths) != count:
+                if len(each) != count:
                     return None
-                widths = tuple(widths)
+                widths = tuple(each)
             slots.append(_Slot(f, pos, e, widths))
             covered[pos:e] = True
         wanted = {f.name for f in features}
