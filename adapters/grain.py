@@ -39,6 +39,7 @@ from crossfeed.format.schema import Encoding
 from crossfeed.read.loader import Loader
 from crossfeed.read.options import LoaderOptions
 from crossfeed.read.sources.dataset import Dataset
+from crossfeed.read.stages.fetch import MixtureReader
 
 __all__ = ["GrainSource", "mix"]
 
@@ -81,7 +82,7 @@ class GrainSource:
         # one record of fixed-shape numbers (the Loader's columnar layout) in a local TFRecord split:
         # the split's own record read (CRC checked) costs a third of a one-record batch
         self._direct = (
-            loader.sources is None
+            loader.split is not None  # one dataset (a mixture has no one split)
             and loader.split.info.format == "tfrecord"
             and not loader.dataset.storage.remote
             and all(f.fixed and f.encoding in _DENSE for f in self.features)
@@ -107,8 +108,9 @@ class GrainSource:
     def __getitem__(self, record_key: int) -> dict[str, np.ndarray]:
         key = self._key(record_key)
         loader = self._open()
-        if self._direct:
-            values = loader.split.decode(*loader.split.locate(key), features=[f.name for f in self.features])
+        split = loader.split
+        if self._direct and split is not None:
+            values = split.decode(*split.locate(key), features=[f.name for f in self.features])
             return {f.name: np.array(values[f.name], dtype=f.dtype) for f in self.features}
         batch, _ = loader.builder.reader(np.array([key], dtype=np.int64))
         return {k: _item(v, 0) for k, v in batch.items()}
@@ -135,7 +137,7 @@ class GrainSource:
         """Where record ``record_key`` lies (shard and byte offset; a mixture's source too)."""
         reader = self._open().builder.reader
         key = self._key(record_key)
-        return reader.where(key) if self.sources is not None else reader.frames.where(key)
+        return reader.where(key) if isinstance(reader, MixtureReader) else reader.frames.where(key)
 
     def source_of(self, record_key: int) -> int:
         """Which source of a mixture record ``record_key`` comes from (0 for one dataset)."""
@@ -175,9 +177,10 @@ def _item(column: np.ndarray, i: int):
 
 def _starts(loader: Loader) -> np.ndarray:
     """Each source's first record key, and the total at the end (one dataset: ``[0, N]``)."""
-    if loader.sources is None:
-        return np.array([0, len(loader.split)], dtype=np.int64)
-    return np.asarray(loader.builder.reader.starts, dtype=np.int64)
+    reader = loader.builder.reader
+    if isinstance(reader, MixtureReader):
+        return np.asarray(reader.starts, dtype=np.int64)
+    return np.array([0, len(reader.frames.split)], dtype=np.int64)
 
 
 def mix(source: GrainSource, *, seed: int | None = None, weights: Sequence[float] | None = None) -> grain.MapDataset:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, cast
 
 import numpy as np
@@ -324,7 +324,7 @@ class Loader:
         self.start_at(epoch, position)
 
     # -- iteration ----------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+    def __iter__(self) -> Generator[dict[str, np.ndarray], None, None]:
         self._position, self._delivered = self.position, 0
         step = self.num_workers if self.num_workers > 1 else 1
         plan = self.plan()
