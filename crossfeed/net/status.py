@@ -111,7 +111,7 @@ def query(address: str, *, keys: ClientKeys | None = None, timeout: float = 2.0)
     {"v": 1, "kind": ...}; `parse_status` checks the rest). CrossfeedError if none comes in time."""
     import secrets
 
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_STATUS + ENVELOPE_SIZE)

@@ -147,7 +147,7 @@ class Loader:
         )
         reader: SourceReader | MixtureReader
         if self.sources is None:
-            self.sampler = Sampler(splits[0].block_counts, plan, options.shard)
+            self.sampler: Sampler | pack.PackSampler = Sampler(splits[0].block_counts, plan, options.shard)
             reader = readers[0]
             rows = reader.frames.rows
         else:
@@ -263,7 +263,7 @@ class Loader:
         """Start epoch ``epoch`` from its beginning on the next iteration (like DistributedSampler)."""
         self.start_at(epoch, 0)
 
-    def plan(self) -> Plan:
+    def plan(self) -> Plan | pack.PackPlan:
         """This rank's and worker's batches for the rest of the current epoch."""
         return self.sampler.plan(self._epoch, self.position)
 
@@ -328,8 +328,11 @@ class Loader:
         self._position, self._delivered = self.position, 0
         step = self.num_workers if self.num_workers > 1 else 1
         plan = self.plan()
-        ahead = self.prefetcher is not None and isinstance(plan, Plan) and self._uncached()
-        batches = self._prefetching(plan) if ahead else iter(plan)
+        batches: Iterator[np.ndarray]
+        if self.prefetcher is not None and isinstance(plan, Plan) and self._uncached():
+            batches = self._prefetching(plan)
+        else:
+            batches = iter(plan)
         meter = self.meter
         if meter is None:
             for batch in self.executor.map(self.builder, batches):
