@@ -394,7 +394,7 @@ def loader_stats(loader: Any) -> dict[str, float] | None:
     if not callable(stats):
         return None
     flat = stats().as_dict()
-    out = {}
+    out: dict[str, float] = {}
     for k, v in flat.items():
         if len(out) >= MAX_STATS:
             break
@@ -446,7 +446,7 @@ def _stats_of(flat: Mapping[str, float]):
     """The `crossfeed.read.metrics.Stats` whose ``as_dict()`` gave ``flat`` (keys it lacks: 0)."""
     from crossfeed.read.metrics import STAGES, StageStat, Stats
 
-    fields = {
+    fields: dict[str, Any] = {
         f.name: type(f.default)(flat.get(f.name, 0))
         for f in dataclasses.fields(Stats)
         if f.name != "stages" and isinstance(f.default, (int, float))

@@ -33,6 +33,7 @@ from crossfeed.read.loader import Loader
 from crossfeed.read.metrics import Stats
 from crossfeed.read.options import LoaderOptions
 from crossfeed.read.stages.batch import STAGES
+from crossfeed.read.stages.sampler import Plan
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def bench_loader(
                 break
         seconds = time.perf_counter() - t1
         stats = loader.stats()  # before the stage pass below, which runs the same builder again
-        if hasattr(plan, "batch_ids"):  # the records of the batches delivered
+        if isinstance(plan, Plan):  # the records of the batches delivered (a packed plan's are rows)
             delivered = (
                 np.concatenate([plan.batch(b) for b in plan.batch_ids()[:done]]) if done else np.zeros(0, np.int64)
             )
