@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
@@ -379,7 +380,7 @@ class TokenizeDoFn(beam.DoFn):
 
     def __init__(self, spec: TokenizerSpec):
         self.spec = spec
-        self._tok = None
+        self._tok: Any = None  # the tokenizer, opened by setup
 
     def setup(self):
         self._tok = self.spec.open()
