@@ -144,6 +144,7 @@ class JaxLoader:
             raise ConfigError(f"sharding must be a jax.sharding.Sharding, got {type(sharding).__name__}")
         self.sharding = sharding if sharding is not None else default_sharding()
         if device_prefetch is None:
+            # (jaxlib's Device is not typed for mypy)
             cpu = all(d.platform == "cpu" for d in self.sharding.device_set)  # type: ignore[attr-defined]
             device_prefetch = 0 if cpu else DEVICE_PREFETCH
         self.device_prefetch = device_prefetch
