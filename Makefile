@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # the full packages through the extras (crossfeed[tf], crossfeed[torch]).
 DEV_PINS := "tensorflow-cpu==2.21.0" "torch==2.13.0"
 
-.PHONY: install prometheus demo shell test bench bench-env mutants lint clean
+.PHONY: install prometheus demo shell test typecheck bench bench-env mutants lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +39,19 @@ shell:
 test: install prometheus
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(MAKE) typecheck
 	$(PY) -m pytest -q
+
+# mypy cannot follow setuptools' package-dir mapping (adapters/ and beam_jobs/ install as
+# crossfeed.adapters and crossfeed.beam_jobs), so it checks a tree of links laid out as installed
+TYPECHECK_TREE := build/typecheck
+typecheck: install
+	rm -rf $(TYPECHECK_TREE)/crossfeed
+	mkdir -p $(TYPECHECK_TREE)/crossfeed
+	ln -s $(CURDIR)/crossfeed/* $(TYPECHECK_TREE)/crossfeed/
+	ln -s $(CURDIR)/adapters $(TYPECHECK_TREE)/crossfeed/adapters
+	ln -s $(CURDIR)/beam_jobs $(TYPECHECK_TREE)/crossfeed/beam_jobs
+	cd $(TYPECHECK_TREE) && $(abspath $(PY)) -m mypy --config-file $(CURDIR)/pyproject.toml -p crossfeed
 
 bench: install
 	$(PY) -m benchmarks.run_all

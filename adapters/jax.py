@@ -48,7 +48,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
 
 import jax
 
@@ -90,11 +91,11 @@ def _rank_and_world(rank, world_size) -> tuple[int, int]:
 
 def _statistics(loader: Loader) -> list[dict]:
     """Each source's split statistics (manifest), under the names the batches use."""
-    if loader.sources is None:
+    if loader.split is not None:  # one dataset
         return [loader.split.info.statistics]
     return [
         {src.name_of(k): v for k, v in ds[src.split].info.statistics.items()}
-        for ds, src in zip(loader.datasets, loader.sources)
+        for ds, src in zip(loader.datasets, loader.sources or ())
     ]
 
 
@@ -132,14 +133,15 @@ class JaxLoader:
             raise ConfigError(f"sharding must be a jax.sharding.Sharding, got {type(sharding).__name__}")
         self.sharding = sharding if sharding is not None else default_sharding()
         if device_prefetch is None:
-            cpu = all(d.platform == "cpu" for d in self.sharding.device_set)
+            # (jaxlib's Device is not typed for mypy)
+            cpu = all(d.platform == "cpu" for d in self.sharding.device_set)  # type: ignore[attr-defined]
             device_prefetch = 0 if cpu else DEVICE_PREFETCH
         self.device_prefetch = device_prefetch
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         pad = check_pad_to(pad_to)
         # batch buffers the devices use in place; a few big ones reused once nothing holds them
         self._alloc = AlignedArrays(keep=8 + device_prefetch)  # as many as the core recycler, + the thread's
-        self._stream = source if is_stream(source) else None
+        self._stream: Any = source if is_stream(source) else None
         self._meter = metrics.Meter()  # the training loop's own wait and step, timed in `_run`
         self._running: _Ahead | None = None
         self.loader: Loader | None = None
@@ -217,7 +219,7 @@ class JaxLoader:
         if shards is not None and global_batch % shards:
             raise ConfigError(
                 f"batch_size {global_batch} does not divide by the {shards} devices the sharding splits the batch "
-                f"axis over ({self.sharding.spec}); make it a multiple of {shards}"
+                f"axis over ({getattr(self.sharding, 'spec', self.sharding)}); make it a multiple of {shards}"
             )
         return global_batch // self.world_size
 
@@ -290,11 +292,12 @@ class JaxLoader:
 
     def _run(self, count: int | None) -> Iterator[dict]:
         self._stop()  # one producer at a time: a new iteration replaces a broken-off one
-        if self._stream is not None:
+        items: Generator[tuple, None, None]
+        if self.loader is None:  # a stream source
             items = (("batch", self._convert(b), None) for b in self._stream)
         else:
             self.loader.load_state_dict(self._state)  # from the consumer's place, not the prefetcher's
-            items = self._produce(count)
+            items = self._produce(self.loader, count)
         ahead = _Ahead(items, self.device_prefetch) if self.device_prefetch else None
         self._running = ahead
         meter = self._meter
@@ -316,18 +319,18 @@ class JaxLoader:
             else:
                 items.close()
 
-    def _produce(self, count: int | None) -> Iterator[tuple]:
+    def _produce(self, loader: Loader, count: int | None) -> Generator[tuple, None, None]:
         """``("batch", arrays, state after it)`` for each batch, ``("end", None, state)`` after each epoch."""
         done = 0
         while count is None or done < count:
-            epoch = iter(self.loader)
+            epoch = iter(loader)
             try:
                 for batch in epoch:
-                    yield "batch", self._assemble(batch), self.loader.state_dict()
+                    yield "batch", self._assemble(batch), loader.state_dict()
             finally:
                 epoch.close()
             done += 1
-            yield "end", None, self.loader.state_dict()
+            yield "end", None, loader.state_dict()
 
     def _convert(self, item):
         if isinstance(item, tuple):  # connect(with_meta=True): (meta, batch)

@@ -164,7 +164,7 @@ def check_features(features: tuple[Feature, ...], pad_to: dict[str, int], statis
     for f in features:
         if f.fixed or f.name in pad_to:
             continue
-        shapes = set()
+        shapes: set[str] = set()
         for stats in statistics:
             st = stats.get(f.name) or {}
             seen = st.get("shapes") or {}
@@ -338,7 +338,7 @@ class Assembler:
             held = self.sharding.addressable_devices_indices_map(shape)
         except ValueError as e:
             raise ConfigError(f"feature {name!r} of global shape {shape} does not fit the sharding: {e}") from None
-        covered = set()
+        covered: set[int] = set()
         for index in held.values():
             first = index[0] if index else slice(None)
             covered.update(range(*first.indices(shape[0])))

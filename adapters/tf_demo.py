@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -140,4 +141,5 @@ def train_keras_demo(
 
 
 if __name__ == "__main__":
-    print(json.dumps(train_keras_demo(sys.argv[1], **{k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])})))
+    given: dict[str, Any] = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}
+    print(json.dumps(train_keras_demo(sys.argv[1], **given)))

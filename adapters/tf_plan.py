@@ -144,9 +144,9 @@ def build(
     if element_spec is None and tokens:
         element_spec = tf_spec.token_spec(feats, options)
     if element_spec is None:
-        feats = tf_spec.select(Schema(feats), None, stats)
+        chosen = tf_spec.select(Schema(feats), None, stats)
         element_spec = tf_spec.element_spec(
-            feats, batch_size=options.batch_size, drop_last=options.plan.drop_last, return_index=options.return_index
+            chosen, batch_size=options.batch_size, drop_last=options.plan.drop_last, return_index=options.return_index
         )
         if counter.sources is not None and options.return_index:
             element_spec[SOURCE_KEY] = tf.TensorSpec(element_spec[INDEX_KEY].shape, tf.int64)
@@ -211,7 +211,7 @@ def _statistics(loader) -> dict:
     out = {}
     for f in loader.features:
         shapes = [(st.get(f.name) or {}).get("shapes") or {} for st in per]
-        counts = [(st.get(f.name) or {}).get("count") for st in per]
+        counts: list = [(st.get(f.name) or {}).get("count") for st in per]  # ints where the shapes agree
         if (
             all(len(sh) == 1 and sum(sh.values()) == c for sh, c in zip(shapes, counts))
             and len({next(iter(sh)) for sh in shapes}) == 1

@@ -36,6 +36,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -103,6 +104,8 @@ class TorchDataset(IterableDataset):
         if os.getpid() != self._pid:  # a forked worker: the parent's loaders (and threads) are not ours
             self._loaders, self._pid = {}, os.getpid()
         key = (worker, num_workers)
+        if self.options is None:
+            raise ConfigError("a TorchDataset of a stream source reads the stream; it has no Loader")
         if key not in self._loaders:
             self._loaders[key] = Loader(
                 self.source,
@@ -176,7 +179,7 @@ class TorchDataset(IterableDataset):
         return self.loader.rank_batch_count(position, epoch=epoch)
 
     # -- iteration -------------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[Any]:  # batch dicts; (meta, batch) pairs from a stream read with_meta
         info = get_worker_info()
         if self._stream is not None:
             if info is not None:

@@ -46,7 +46,7 @@ def fit_image(img: np.ndarray, size: int) -> np.ndarray:
         img = np.repeat(img, 3, axis=2)
     img = np.ascontiguousarray(img[:, :, :3], dtype=np.uint8)
     if img.shape[:2] != (size, size):
-        img = np.asarray(Image.fromarray(img).resize((size, size), Image.BILINEAR))
+        img = np.asarray(Image.fromarray(img).resize((size, size), Image.Resampling.BILINEAR))
     return img
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import zipfile
 from dataclasses import dataclass
+from typing import IO
 
 import numpy as np
 
@@ -60,6 +61,8 @@ class NumpySource:
                 schema = feats
             elif sorted(schema.to_json(), key=str) != sorted(feats.to_json(), key=str):
                 raise ConfigError(f"{gname}: arrays {names} differ in name, dtype or shape from {groups[0][0]}'s")
+        if schema is None:  # (list_files found files: a group at least)
+            raise ConfigError(f"{src}: no arrays to convert")
         if label is not None and "label" not in schema.names:
             raise ConfigError(f"label array {label!r} not found; the arrays are {[n for n, _ in groups[0][1]]}")
         return cls(root, tuple(groups), tuple(lengths), schema, label, batch_rows)
@@ -120,7 +123,7 @@ def _header(f):
         return np.lib.format.read_array_header_1_0(f)
     if version == (2, 0):
         return np.lib.format.read_array_header_2_0(f)
-    return np.lib.format._read_array_header(f, version)  # (3, 0): utf-8 field names
+    return np.lib.format._read_array_header(f, version)  # type: ignore[attr-defined]  # (3, 0): utf-8 field names
 
 
 def _name(name: str, label: str | None) -> str:
@@ -182,7 +185,8 @@ class _StreamedArray:
         self.path, self.member = path, member
         self.ndim = len(self.shape)
         self._row = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
-        self._zip = self._f = None
+        self._zip: zipfile.ZipFile | None = None
+        self._f: IO[bytes] | None = None
         self._pos = 0
 
     def __getitem__(self, sl: slice) -> np.ndarray:
@@ -201,5 +205,6 @@ class _StreamedArray:
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
+        if self._zip is not None:
             self._zip.close()
         self._f = self._zip = None

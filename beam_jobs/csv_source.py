@@ -18,6 +18,8 @@ import itertools
 import os
 from dataclasses import dataclass
 
+import numpy as np
+
 from crossfeed.beam_jobs.policy import EmptyInputError, ErrorPolicy, Skips
 from crossfeed.beam_jobs.records import SampleBatch
 from crossfeed.beam_jobs.sources import list_files
@@ -183,6 +185,7 @@ class CsvSource:
     def _batch(self, batch_id: str, rows: list[list[str]], keys: list[str], path: str, skips: Skips) -> SampleBatch:
         columns, bad = {}, set()
         for (name, typ), values in zip(self.columns, zip(*rows) if rows else [()] * len(self.columns)):
+            col: np.ndarray | list
             if self.classes is not None and name == self.label:
                 col, errors = encode_labels(list(values), self.classes, name)
             else:

@@ -134,6 +134,7 @@ class ParquetSource:
         skips = Skips(self.on_error)
         columns, bad = {}, set()
         for name, typ in self.columns:
+            col: np.ndarray | list
             if self.classes is not None and name == self.label:
                 col, errors = encode_labels(
                     ["" if v is None else str(v) for v in table.column(name).to_pylist()], self.classes, name
@@ -169,7 +170,7 @@ def _arrow_type(name: str, t) -> ColumnType:
     )
 
 
-def _convert(column, typ: ColumnType, name: str) -> tuple[object, dict[int, str]]:
+def _convert(column, typ: ColumnType, name: str) -> tuple[np.ndarray | list, dict[int, str]]:
     """An arrow column → a typed column and ``{row: why}`` for values that cannot be stored."""
     import pyarrow as pa
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +41,7 @@ class SampleBatch:
 
     batch_id: str
     keys: list[str]
-    columns: dict[str, object]
+    columns: dict[str, Any]  # an array or a list per feature
     shapes: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
     skipped: int = 0
     dropped: dict[str, int] = field(default_factory=dict)

@@ -24,8 +24,10 @@ from crossfeed.format.schema import Schema
 
 @runtime_checkable
 class Source(Protocol):
-    schema: Schema
-    metadata: dict
+    @property
+    def schema(self) -> Schema: ...
+    @property
+    def metadata(self) -> dict: ...
 
     def units(self) -> list: ...
 

@@ -268,7 +268,7 @@ class CommitDoFn(beam.DoFn):
                 meta["dropped_records"] = dict(sorted(info.dropped.items()))
             manifest = commit_splits(
                 cfg.root,
-                staged,
+                {n: [s for s in lst if s is not None] for n, lst in staged.items()},  # (none missing)
                 info.schema,
                 statistics=info.statistics,
                 metadata=meta,

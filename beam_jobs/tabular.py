@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -162,7 +163,7 @@ def encode_labels(values: list[str], classes: tuple[str, ...], name: str) -> tup
     return out, bad
 
 
-def convert_strings(values: list[str], typ: ColumnType, name: str) -> tuple[object, dict[int, str]]:
+def convert_strings(values: list[str], typ: ColumnType, name: str) -> tuple[np.ndarray | list, dict[int, str]]:
     """Text cells → a typed column, and ``{row: why}`` for cells that do not parse."""
     if typ is ColumnType.STRING:
         return list(values), {}
@@ -221,7 +222,7 @@ def table_metadata(
     return meta
 
 
-def drop_rows(columns: dict[str, object], keys: list[str], bad: set[int]) -> tuple[dict[str, object], list[str]]:
+def drop_rows(columns: dict[str, Any], keys: list[str], bad: set[int]) -> tuple[dict[str, Any], list[str]]:
     """The columns and keys without the rows in ``bad``."""
     if not bad:
         return columns, keys

@@ -26,7 +26,7 @@ import secrets
 
 import apache_beam as beam
 
-from crossfeed.beam_jobs.policy import ErrorPolicy
+from crossfeed.beam_jobs.policy import ErrorPolicy, OnError
 from crossfeed.beam_jobs.records import SampleBatch
 from crossfeed.beam_jobs.splits import SplitSpec
 from crossfeed.beam_jobs.steps import CommitDoFn, EncodeDoFn, PlanDoFn, WriteConfig, WriteShardDoFn, route_batch
@@ -87,7 +87,7 @@ class WriteDataset(beam.PTransform):
             compress=compress,
             metadata=dict(metadata or {}),
             seed=seed,
-            policy=ErrorPolicy("skip", max_skips),
+            policy=ErrorPolicy(OnError.SKIP, max_skips),
             progress=progress,
             overwrite=overwrite,
             add_split=add_split,

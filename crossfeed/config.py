@@ -10,6 +10,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from crossfeed.errors import ConfigError
 
@@ -45,7 +46,7 @@ def resolve_callable(spec: str, *, option: str = "transform", search_cwd: bool =
     if search_cwd and os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        fn = importlib.import_module(module_name)
+        fn: Any = importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(
             f"{option} {spec!r}: cannot import {module_name} ({e}); run from the folder holding "

@@ -80,7 +80,7 @@ def main(out: str = "demo_out") -> None:
                 first = first or time.perf_counter() - start
         secs = time.perf_counter() - start
     print(
-        f"Loader: {n} samples in {secs:.2f} s = {n / secs:,.0f} samples/s (JPEG/PNG decoded), first batch after {first * 1e3:.0f} ms"
+        f"Loader: {n} samples in {secs:.2f} s = {n / secs:,.0f} samples/s (JPEG/PNG decoded), first batch after {(first or 0.0) * 1e3:.0f} ms"
     )
 
     _step(4, "serve over ZeroMQ; train PyTorch from the stream while `crossfeed mon` watches")
@@ -128,7 +128,7 @@ def main(out: str = "demo_out") -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 print(f"{name} saw too few batches and was stopped")
-        mon_out = mon.stdout.read()
+        mon_out = mon.stdout.read() if mon.stdout is not None else ""
         print("crossfeed mon (last lines):", *mon_out.strip().splitlines()[-3:], sep="\n  ")
     finally:
         server.send_signal(signal.SIGINT)

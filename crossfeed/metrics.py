@@ -147,7 +147,7 @@ class Endpoint:
         except OSError as e:
             raise ConfigError(f"cannot serve metrics on {addr}:{port}: {e.strerror or e}") from e
         self.host, self.port = addr, int(self._httpd.server_port)
-        self._watched: dict[str, Any] = {}
+        self._watched: dict[str | tuple[str, str], Any] = {}
         self._lock = threading.Lock()
         self._closed = False
         if not is_local(f"tcp://{'[' + addr + ']' if ':' in addr else addr}:{self.port}"):

@@ -317,7 +317,8 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict,
     from crossfeed.beam_jobs.policy import ErrorPolicy
 
     logging.getLogger("apache_beam.runners.common").setLevel(logging.CRITICAL)  # our error line says it
-    if common.get("shards") is not None and ctx.get_parameter_source("shard_size").name == "COMMANDLINE":
+    shard_size_from = ctx.get_parameter_source("shard_size")
+    if common.get("shards") is not None and shard_size_from is not None and shard_size_from.name == "COMMANDLINE":
         raise typer.BadParameter("give --shards or --shard-size, not both", param_hint="--shard-size")
     if kind == "images" and len(src) != 1:
         raise typer.BadParameter("convert images takes one image folder", param_hint="INPUT")

@@ -270,7 +270,7 @@ def _show(v) -> str:
     return f"{arr.dtype}{list(arr.shape)} [{', '.join(str(x) for x in flat[:6].tolist())}, …] min {flat.min()} max {flat.max()}"
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -69,7 +69,8 @@ _NOISY = ("apache_beam", "distributed", "dask", "bokeh", "tornado", "fsspec")
 def _message(e: BaseException) -> str:
     if isinstance(e, CrossfeedError):
         return str(e)
-    return f"{e.filename}: {e.strerror}" if getattr(e, "filename", None) else str(e)
+    filename = getattr(e, "filename", None)
+    return f"{filename}: {getattr(e, 'strerror', None)}" if filename else str(e)
 
 
 def _silence_stdout() -> None:
@@ -124,7 +125,7 @@ def _no_placeholder_for_flags(self: TyperOption, ctx) -> str | None:
     return None if self.is_flag else _option_type(self, ctx)
 
 
-TyperOption.display_type_rich = _no_placeholder_for_flags
+TyperOption.display_type_rich = _no_placeholder_for_flags  # type: ignore[method-assign]  # patched on purpose
 
 app = typer.Typer(
     name="crossfeed",

@@ -61,7 +61,8 @@ class LoaderEpochs:
         from crossfeed.read.loader import Loader
         from crossfeed.read.sources.mixture_file import is_mixture_spec, load_mixture_spec
 
-        source, more = dataset, {}
+        source: str | list = dataset
+        more: dict = {}
         if is_mixture_spec(dataset):  # a mixture: batches also carry "__source__"
             source, n = load_mixture_spec(dataset)
             more = {"samples_per_epoch": n}

@@ -62,7 +62,7 @@ def with_options(*groups: Group):
             return fn(*args, **values)
 
         params = own + added
-        command.__signature__ = sig.replace(parameters=params)
+        command.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]  # read by inspect
         command.__annotations__ = {p.name: p.annotation for p in params if p.annotation is not p.empty}
         del command.__wrapped__  # typer must read the signature above, not fn's
         return command

@@ -10,7 +10,10 @@ terminal, so logs and pipes stay clean.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.progress import Progress as RichProgress
 
 
 class Phase:
@@ -43,7 +46,7 @@ class Progress:
 
     def __init__(self, enabled: bool | None = None):
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self._rich = None
+        self._rich: RichProgress | None = None
 
     def __enter__(self) -> Progress:
         if self.enabled:

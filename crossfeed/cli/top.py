@@ -25,11 +25,16 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from crossfeed.errors import CrossfeedError, WireError
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
+
+    from crossfeed.net.status import DispatcherStatus, ServerStatus
 
 logger = logging.getLogger(__name__)
 MAX_ASKED = 16  # servers asked at once
@@ -42,8 +47,8 @@ class Snapshot:
     """One round of answers: the address's status, and (for a dispatcher) each listed server's by address."""
 
     at: float
-    status: object  # ServerStatus | DispatcherStatus
-    servers: dict[str, object]  # first endpoint -> ServerStatus, or None when it did not answer
+    status: ServerStatus | DispatcherStatus
+    servers: dict[str, ServerStatus | None]  # first endpoint -> its status, or None when it did not answer
 
 
 def _ask(address: str, keys, timeout: float):
@@ -52,7 +57,7 @@ def _ask(address: str, keys, timeout: float):
     return parse_status(query(address, keys=keys, timeout=timeout))
 
 
-def _ask_server(address: str, keys, timeout: float):
+def _ask_server(address: str, keys, timeout: float) -> ServerStatus | None:
     from crossfeed.net.status import ServerStatus
 
     try:
@@ -67,7 +72,7 @@ def snapshot(address: str, keys, server_keys, timeout: float, pool) -> Snapshot:
     from crossfeed.net.status import DispatcherStatus
 
     status = _ask(address, keys, timeout)
-    servers: dict[str, object] = {}
+    servers: dict[str, ServerStatus | None] = {}
     if isinstance(status, DispatcherStatus):
         endpoints = [s.address.split(" ")[0] for s in status.servers]
         answers = pool.map(lambda a: _ask_server(a, server_keys, min(timeout, 1.0)), endpoints)
@@ -146,10 +151,11 @@ class Row:
 
 
 def rows(snap: Snapshot, prev: Snapshot | None) -> list[Row]:
-    from crossfeed.net.status import ServerStatus
+    from crossfeed.net.status import DispatcherStatus, ServerStatus
 
     dt = snap.at - prev.at if prev is not None else 0.0
     out = []
+    s: ServerStatus | None
     if isinstance(snap.status, ServerStatus):
         s = snap.status
         before = prev.status if prev is not None and isinstance(prev.status, ServerStatus) else None
@@ -180,7 +186,11 @@ def rows(snap: Snapshot, prev: Snapshot | None) -> list[Row]:
         if s is not None:
             rate = _rate(s.delivered, before.delivered if before else None, dt, s.uptime)
         else:  # no answer from it: what the dispatcher saw of it, between two frames
-            old = {e.id: e.claimed for e in prev.status.servers} if prev is not None else {}
+            old = (
+                {e.id: e.claimed for e in prev.status.servers}
+                if prev and isinstance(prev.status, DispatcherStatus)
+                else {}
+            )
             rate = (entry.claimed - old[entry.id]) / dt if entry.id in old and dt > 0 else None
         out.append(
             Row(
@@ -228,7 +238,7 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
         )
     parts.extend(_inert(line) for line in head.split("\n"))  # each line inert (a newline is not printable)
     table = Table(title=None, expand=False)
-    for name, justify in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("server", "left"),
         ("endpoint", "left"),
         ("batches/s", "right"),
@@ -238,7 +248,8 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
         ("leased", "right"),
         ("last beat", "right"),
         ("stages", "left"),
-    ):
+    )
+    for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=name != "stages")
     found = rows(snap, prev)
     for r in found:
@@ -279,13 +290,17 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
     if isinstance(st, DispatcherStatus):
         waiting = [t for t in st.trainers if t.wait is not None and t.wait >= INPUT_BOUND]
         if waiting:
-            worst = max(waiting, key=lambda t: t.wait)
-            slow = min(rated, key=lambda r: r.rate) if rated else None
-            named = f"{slow.name} ({slow.endpoint}) at {slow.rate:.1f} batches/s" if slow else "— (no rates yet)"
+            worst = max(waiting, key=lambda t: t.wait or 0.0)  # `waiting`: every wait is a float
+            slowest = min(rated, key=lambda r: r.rate or 0.0) if rated else None
+            named = (
+                f"{slowest.name} ({slowest.endpoint}) at {slowest.rate:.1f} batches/s"
+                if slowest
+                else "— (no rates yet)"
+            )
             parts.append(
                 _inert(
                     f"input-bound: {len(waiting)} trainer(s) wait {100 * INPUT_BOUND:.0f}% or more of their time "
-                    f"for batches (most: {worst.id} {100 * worst.wait:.0f}%); slowest server: {named}"
+                    f"for batches (most: {worst.id} {100 * (worst.wait or 0.0):.0f}%); slowest server: {named}"
                 )
             )
     return Group(*parts)

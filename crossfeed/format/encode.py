@@ -62,14 +62,14 @@ class Encoder:
         if self._multi:
             for name, one, slot in self._plan:
                 got = one(sample[name])
-                if type(slot) is int:
+                if isinstance(slot, int):
                     entries[slot] = got
                 else:
                     for s, e in zip(slot, got):
                         entries[s] = e
         else:
             for name, one, slot in self._plan:
-                entries[slot] = one(sample[name])
+                entries[slot] = one(sample[name])  # type: ignore[index]  # not _multi: every slot is an int
         entries[0] = ex.header(sum(map(len, entries)))
         return b"".join(entries)
 

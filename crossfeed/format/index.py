@@ -70,11 +70,11 @@ def parse_index(data: bytes, path: str) -> np.ndarray:
             if arr.min() >= 0 and not np.any(arr[:, 1] < 16) and arr.max() <= 1 << 56:
                 return arr
     text = data.decode("ascii", errors="replace")
-    lines = text.split()
-    if len(lines) % 2:
+    fields = text.split()
+    if len(fields) % 2:
         raise IndexFileError(f"{path}: odd number of fields; expected 'offset length' per line")
     try:
-        arr = np.array(lines, dtype=np.int64).reshape(-1, 2)
+        arr = np.array(fields, dtype=np.int64).reshape(-1, 2)
     except (ValueError, OverflowError) as e:
         raise IndexFileError(
             f"{path}: not an index file of 'offset length' lines ({e}); rebuild it with `crossfeed index`"

@@ -17,6 +17,7 @@ import re
 import secrets
 import urllib.parse
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from crossfeed.errors import ManifestError, SchemaError
 from crossfeed.format.codecs import codec_of
@@ -286,7 +287,7 @@ class _Validator:
     def __init__(self, where: str):
         self.where = where
 
-    def fail(self, field_: str, what: str):
+    def fail(self, field_: str, what: str) -> NoReturn:
         raise ManifestError(
             f"{self.where}: {field_}: {what}; fix the manifest or rebuild it with `crossfeed index --force`"
         )
@@ -338,7 +339,8 @@ class _Validator:
             self.fail("splits", "no splits")
         if len(splits_d) > MAX_SPLITS:
             self.fail("splits", f"{len(splits_d)} splits, more than {MAX_SPLITS}")
-        splits, seen = {}, {}
+        splits: dict[str, SplitInfo] = {}
+        seen: dict = {}
         for name, s in splits_d.items():
             if not name or len(name) > MAX_NAME_BYTES:
                 self.fail(f"splits.{name}", "a split name must be 1 to 255 characters")

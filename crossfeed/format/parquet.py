@@ -38,7 +38,7 @@ filled column, a mask) is a small JSON dict, kept in the manifest's metadata und
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -298,9 +298,12 @@ def _lists(f: Feature, arr, where: str, n: int) -> np.ndarray:
     outer = None
     level = 0
     while _is_list(pa, arr.type):
-        fixed = pa.types.is_fixed_size_list(arr.type)
-        lengths = None if fixed else arr.value_lengths().to_numpy(zero_copy_only=False)
-        size = arr.type.list_size if fixed else int(lengths[0]) if len(lengths) else 0
+        lengths: np.ndarray | None = None
+        if pa.types.is_fixed_size_list(arr.type):
+            size = arr.type.list_size
+        else:
+            lengths = arr.value_lengths().to_numpy(zero_copy_only=False)
+            size = int(lengths[0]) if len(lengths) else 0
         if level == 0 and ragged:
             outer = lengths if lengths is not None else np.full(n, size, dtype=np.int64)
         elif lengths is not None and len(lengths) and (lengths != size).any():
@@ -315,7 +318,7 @@ def _lists(f: Feature, arr, where: str, n: int) -> np.ndarray:
         _check_nulls(arr, where, f.name)
         level += 1
     values = arr.to_numpy(zero_copy_only=False).astype(f.dtype, copy=False)
-    shape = f.shape[1:] if ragged else f.shape
+    shape = tuple(d for d in (f.shape[1:] if ragged else f.shape) if d is not None)  # no None left (checked above)
     if len(values) and math.prod(dims) != math.prod(shape):
         raise SchemaError(
             f"{where}: column {f.name!r}: each row holds lists of {dims} numbers, feature {f.name!r} expects shape "
@@ -337,7 +340,7 @@ def _raw_tensors(f: Feature, arr, where: str) -> np.ndarray:
             f"{where}: column {f.name!r} holds raw bytes; declare its full shape, e.g. tensor:uint8:28,28"
         )
     dt = np.dtype(f.dtype).newbyteorder("<")
-    size = math.prod(f.shape) * dt.itemsize
+    size = math.prod(f.fixed_shape) * dt.itemsize
     pa, _ = pyarrow_modules()
     import pyarrow.compute as pc
 
@@ -440,21 +443,22 @@ def _value(b, pos: int, t: int, depth: int):
             out.append((k, v))
         return out, pos
     if t == 12:
-        out, fid = {}, 0
+        fields: dict[int, Any] = {}
+        fid = 0
         while True:
             if pos >= len(b):
                 raise ValueError("a struct runs past the footer")
             h = b[pos]
             pos += 1
             if h == 0:
-                return out, pos
+                return fields, pos
             ft = h & 0x0F
             if h >> 4:
                 fid += h >> 4
             else:
                 v, pos = _varint(b, pos)
                 fid = _zigzag(v)
-            out[fid], pos = _value(b, pos, ft, depth + 1)
+            fields[fid], pos = _value(b, pos, ft, depth + 1)
     if t == 13:  # uuid
         if pos + 16 > len(b):
             raise ValueError("truncated")

@@ -69,6 +69,13 @@ class Feature:
         """True when every record has the same shape (no ``None`` dimension)."""
         return None not in self.shape
 
+    @property
+    def fixed_shape(self) -> tuple[int, ...]:
+        """``shape`` of a `fixed` feature, typed as such (a shape with a ``None`` dimension: SchemaError)."""
+        if not self.fixed:
+            raise SchemaError(f"feature {self.name!r}: shape {list(self.shape)} varies; a fixed shape is needed here")
+        return tuple(d for d in self.shape if d is not None)
+
     def to_json(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "encoding": self.encoding.value}
 
@@ -252,13 +259,13 @@ class ImageFit:
 
         (H, W), (w, h) = size, im.size
         if self.mode == "stretch":
-            return im.resize((W, H), Image.BILINEAR)
+            return im.resize((W, H), Image.Resampling.BILINEAR)
         if self.mode == "crop":  # the centre region of the target's aspect ratio, scaled in one step
             cw, ch = min(w, h * W / H), min(h, w * H / W)
             box = ((w - cw) / 2, (h - ch) / 2, (w + cw) / 2, (h + ch) / 2)
-            return im.resize((W, H), Image.BILINEAR, box=box)
+            return im.resize((W, H), Image.Resampling.BILINEAR, box=box)
         scale = min(H / h, W / w)  # pad
-        inner = im.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BILINEAR)
+        inner = im.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.Resampling.BILINEAR)
         out = Image.new(im.mode, (W, H))
         out.paste(inner, ((W - inner.size[0]) // 2, (H - inner.size[1]) // 2))
         return out

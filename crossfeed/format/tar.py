@@ -207,7 +207,7 @@ def sample_key(m: Member) -> tuple[str, str] | None:
     if not m.regular or _SKIP_META.match(m.name):
         return None
     key, ext = split_key(m.name)
-    return None if key is None else (key, ext)
+    return None if key is None or ext is None else (key, ext)  # both None, or neither
 
 
 def sample_ranges(buf, path: str, on_sample: Callable[[str, dict[str, Member]], None]) -> list[tuple[int, int]]:
@@ -216,14 +216,15 @@ def sample_ranges(buf, path: str, on_sample: Callable[[str, dict[str, Member]], 
     A duplicate extension within a sample is an error naming the member."""
     size = len(memoryview(buf))
     starts: list[int] = []
-    key, current = None, {}
+    key: str | None = None
+    current: dict[str, Member] = {}
     for m in members(buf, 0, size, path):
         got = sample_key(m)
         if got is None:
             continue
         k, ext = got
         if k != key:
-            if current:
+            if current and key is not None:  # a sample so far: its key is set
                 on_sample(key, current)
             key, current = k, {}
             starts.append(m.start)
@@ -233,7 +234,7 @@ def sample_ranges(buf, path: str, on_sample: Callable[[str, dict[str, Member]], 
                 f"each extension may appear once per sample"
             )
         current[ext] = m
-    if current:
+    if current and key is not None:
         on_sample(key, current)
     if starts:
         starts[0] = 0

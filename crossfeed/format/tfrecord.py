@@ -314,7 +314,9 @@ class RecordWriter:
         raw = _HashingFile(open(self.path, "wb"))
         self._raw = raw
         # mtime=0 keeps GZIP output byte-identical from run to run.
-        self._f: BinaryIO = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) if compress else raw
+        self._f: gzip.GzipFile | _HashingFile = (
+            gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) if compress else raw
+        )
         self.offsets: list[tuple[int, int]] = []
         self._pos = 0
 

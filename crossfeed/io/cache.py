@@ -347,7 +347,7 @@ class ShardCache:
     def _download(self, storage, rel: str, name: str, sha256: str, size: int) -> None:
         where = storage.url(rel)
         with self._folder(name[:2], create=True) as folder:
-            self._clean_temporaries(folder)
+            self._clean_temporaries(folder)  # type: ignore[arg-type]  # (create=True: never None)
             tmp = f"{_TMP}{os.getpid()}-{secrets.token_hex(4)}"
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder)
             try:

@@ -30,6 +30,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from crossfeed.errors import (
     ConfigError,
@@ -83,6 +84,8 @@ class FsOptions(Mapping):
     change it. Its repr hides the values of secret-looking keys (it ends up in logs)."""
 
     __slots__ = ("_json", "_keys")
+    _json: str
+    _keys: tuple[str, ...]
 
     def __init__(self, value: Mapping | None = None, *, where: str = "storage_options"):
         if isinstance(value, FsOptions):
@@ -147,7 +150,7 @@ class Storage:
         self.root = root.rstrip("/") if is_remote(root) else os.path.abspath(root)
         self.remote = is_remote(root)
         self.read_timeout = read_deadline(read_timeout)
-        self._fs = None
+        self._fs: Any = None  # fsspec's filesystem, for a URL
         if self.remote:
             import fsspec
 

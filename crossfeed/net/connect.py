@@ -42,8 +42,9 @@ def connect(
     work to are found through it, and every batch is used exactly once across its trainers
     (`crossfeed.net.lease.client`; `keys` serve for the dispatcher and the servers alike).
     """
+    one_of = "pass server addresses or dispatcher=, not both (nor neither)"
     if (addresses is None) == (dispatcher is None):
-        raise ConfigError("pass server addresses or dispatcher=, not both (nor neither)")
+        raise ConfigError(one_of)
     options = ClientOptions(
         credits=credits,
         credit_bytes=credit_bytes,
@@ -56,4 +57,6 @@ def connect(
     )
     if dispatcher is not None:
         return LeasedClient(dispatcher, keys=as_client_keys(keys), options=options)
+    if addresses is None:  # (refused above)
+        raise ConfigError(one_of)
     return Client(addresses, keys=keys, options=options)

@@ -249,7 +249,7 @@ def image_grid(
         scale = tile / max(im.size)
         im = im.resize(
             (max(1, round(im.size[0] * scale)), max(1, round(im.size[1] * scale))),
-            Image.NEAREST if scale >= 1 else Image.BILINEAR,
+            Image.Resampling.NEAREST if scale >= 1 else Image.Resampling.BILINEAR,
         )
         x0, y0 = (i % cols) * tile, (i // cols) * (tile + pad)
         grid.paste(im, (x0 + (tile - im.size[0]) // 2, y0 + (tile - im.size[1]) // 2))

@@ -126,7 +126,7 @@ def query(address: str, *, keys: ClientKeys | None = None, timeout: float = 2.0)
     {"v": 1, "kind": ...}; `parse_status` checks the rest). CrossfeedError if none comes in time."""
     import secrets
 
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_STATUS + ENVELOPE_SIZE)
@@ -409,7 +409,7 @@ def loader_stats(loader: Any) -> dict[str, float] | None:
     if not callable(stats):
         return None
     flat = stats().as_dict()
-    out = {}
+    out: dict[str, float] = {}
     for k, v in flat.items():
         if len(out) >= MAX_STATS:
             break
@@ -461,7 +461,7 @@ def _stats_of(flat: Mapping[str, float]):
     """The `crossfeed.read.metrics.Stats` whose ``as_dict()`` gave ``flat`` (keys it lacks: 0)."""
     from crossfeed.read.metrics import STAGES, StageStat, Stats
 
-    fields = {
+    fields: dict[str, Any] = {
         f.name: type(f.default)(flat.get(f.name, 0))
         for f in dataclasses.fields(Stats)
         if f.name != "stages" and isinstance(f.default, (int, float))

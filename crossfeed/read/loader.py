@@ -14,7 +14,7 @@ built once; the Loader is the cursor over its epochs: where it stands, its state
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import numpy as np
 
@@ -263,7 +263,7 @@ class Loader:
         self.start_at(epoch, position)
 
     # -- iteration ----------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+    def __iter__(self) -> Generator[dict[str, np.ndarray], None, None]:
         self._position, self._delivered = self.position, 0
         step = self.num_workers if self.num_workers > 1 else 1
         for batch in self.pipeline.epoch(self._epoch, self._position):

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
+from typing import TypeGuard
 
 from crossfeed.errors import ConfigError
 
@@ -253,6 +254,27 @@ class Tally:
     Stage ``s`` adds to the slots ``s`` (ns) and ``n_s`` (count); ``wait``/``consumer`` are ns."""
 
     __slots__ = (*_SUMS, "start", "last")
+    # the slots, spelled out for the type checker (`_SUMS` builds them)
+    plan: int
+    read: int
+    decode: int
+    transform: int
+    batch: int
+    handover: int
+    n_plan: int
+    n_read: int
+    n_decode: int
+    n_transform: int
+    n_batch: int
+    n_handover: int
+    bytes: int
+    batches: int
+    samples: int
+    wait: int
+    consumer: int
+    epochs: int
+    start: int
+    last: int
 
     def __init__(self) -> None:
         for k in self.__slots__:
@@ -420,7 +442,7 @@ class Meter:
         )
 
 
-def _count(v) -> bool:
+def _count(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 

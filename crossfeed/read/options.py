@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, cast
 
 from crossfeed.config import parse_size
 from crossfeed.errors import ConfigError
@@ -233,10 +234,17 @@ class ShardOptions:
     None: from the environment (RANK/WORLD_SIZE as torchrun sets them, else TF_CONFIG, else 0/1),
     resolved when the options are made."""
 
-    rank: int | None = None
-    world_size: int | None = None
+    # ints once made: None (the default) is resolved from the environment by __post_init__
+    rank: int = None  # type: ignore[assignment]
+    world_size: int = None  # type: ignore[assignment]
     worker: int = 0
     num_workers: int = 1
+
+    if TYPE_CHECKING:  # the constructor's signature: it also takes None for rank/world_size
+
+        def __init__(
+            self, *, rank: int | None = None, world_size: int | None = None, worker: int = 0, num_workers: int = 1
+        ) -> None: ...
 
     def __post_init__(self):
         rank, world = rank_and_world(self.rank, self.world_size)
@@ -345,7 +353,19 @@ class Source:
     weight: float = 1.0
     rename: tuple[tuple[str, str], ...] = ()  # given as a dict; kept as sorted pairs (hashable)
     features: tuple[str, ...] | None = None
-    storage_options: Mapping | None = None  # given as a dict; kept frozen (`FsOptions`)
+    storage_options: FsOptions | None = None  # given as a dict; kept frozen (`FsOptions`)
+
+    if TYPE_CHECKING:  # the constructor's signature: it takes the dicts and lists __post_init__ freezes
+
+        def __init__(
+            self,
+            path: object,
+            split: str = "train",
+            weight: float = 1.0,
+            rename: Mapping[str, str] | Iterable[tuple[str, str]] = (),
+            features: Sequence[str] | None = None,
+            storage_options: Mapping | None = None,
+        ) -> None: ...
 
     def __post_init__(self):
         if self.storage_options is not None:
@@ -378,7 +398,8 @@ class Source:
         """The source as JSON values (a worker process or a mixture file rebuilds it: `from_json`)."""
         features = None if self.features is None else list(self.features)
         return {
-            "path": os.fspath(self.path),
+            # only a path travels as JSON (a worker's recipe never holds an open Dataset)
+            "path": os.fspath(cast("str | os.PathLike[str]", self.path)),
             "split": self.split,
             "weight": self.weight,
             "rename": dict(self.rename),

@@ -19,7 +19,7 @@ import numpy as np
 from crossfeed.errors import ConfigError, CrossfeedError, SchemaError
 from crossfeed.format.encode import SampleSchemaError, encoder_for
 from crossfeed.format.encode_codec import FLOAT_SCALARS, INT_SCALARS
-from crossfeed.format.schema import Schema, infer_feature, widen
+from crossfeed.format.schema import Feature, Schema, infer_feature, widen
 from crossfeed.format.stats import FeatureStats, merge_all
 from crossfeed.write.commit import check_target, commit_split, writer_lock
 from crossfeed.write.staging import ShardSink, StagedShard, discard
@@ -92,7 +92,7 @@ def _write(
     overwrite,
     add_split,
 ) -> None:
-    feats = {f.name: f for f in schema} if schema is not None else None
+    feats: dict[str, Feature] = {f.name: f for f in schema} if schema is not None else {}
     inferred = schema is None
     sinks: list[ShardSink] = []
     staged: list[StagedShard] = []
@@ -180,7 +180,7 @@ def _write(
 
 
 _CHUNK = 1024
-_STAT_SCALARS = {**FLOAT_SCALARS, **INT_SCALARS}  # the scalar types whose columns are summed by numpy
+_STAT_SCALARS: dict = {**FLOAT_SCALARS, **INT_SCALARS}  # the scalar types whose columns are summed by numpy
 
 
 def _add_stats(stats: dict[str, FeatureStats], chunk: list) -> None:

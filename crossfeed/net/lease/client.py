@@ -147,14 +147,14 @@ class LeasedClient(Iterator[Any]):
                 now = time.monotonic()
                 standing = now - self._confirmed_at < self._timeout / 2 and self._confirmed_at >= self._back_at
                 if self._granted and standing:
-                    event = self._granted.popleft()
-                    self._held = event
-                    self.last_meta = event.meta
+                    granted = self._granted.popleft()
+                    self._held = granted
+                    self.last_meta = granted.meta
                     self.batches += 1
                     self._returned_at = now
                     self._count(now)
                     self._phase = "step"
-                    return (event.meta, event.batch) if self.options.with_meta else event.batch
+                    return (granted.meta, granted.batch) if self.options.with_meta else granted.batch
                 if self._finished and not self._granted:  # every batch is done: no DONE to confirm
                     self._count(now)
                     self._phase = None

@@ -36,7 +36,7 @@ import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from crossfeed.errors import ConfigError, JournalError
 from crossfeed.format.tfrecord import masked_crc
@@ -183,7 +183,7 @@ class Journal:
         self.counts = counts  # epoch -> its batches, when they change with the epoch (see `Replay`)  # None: no plan line (the bare record file of the book's own tests)
         self.compact_after = compact_after
         self._lines = 0
-        self._file = None
+        self._file: BinaryIO | None = None  # opened at the first append
 
     def _error(self, line: int, offset: int, reason: str) -> JournalError:
         return JournalError(f"journal {self.path} line {line} (byte {offset}): {reason}. {_FIX}")

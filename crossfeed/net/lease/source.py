@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -51,11 +51,14 @@ from crossfeed.net.lease.book import PACKED_STRIDE
 from crossfeed.net.stream.producer import Prefetch, ProducerFailed, StreamEnd, encode_item, put_until
 from crossfeed.read.stages.sampler import Sampler
 
+if TYPE_CHECKING:
+    from crossfeed.read.loader import Loader
+
 logger = logging.getLogger(__name__)
 SERVER = 1
 
 # builds the Loader for the dispatcher's plan (`LoaderOptions.plan_fields`, a dict of option fields) -> Loader
-LoaderFactory = Callable[[dict], object]
+LoaderFactory = Callable[[dict], "Loader"]
 
 
 def advertised(endpoints: list[str]) -> str:
@@ -90,7 +93,7 @@ class LeaseSource:
         self._todo: collections.deque[tuple[int, int, int, int, int, int]] = collections.deque()
         self._joins = 0  # bumped by each RESET: tasks of an earlier join are void
         self._work = threading.Event()  # set when leases arrive
-        self._loader = None
+        self._loader: Loader | None = None
         self._samplers: list[Sampler] = []
         self._walker: Any = None  # a `PackWalker`: a packed plan's batches (builder thread only)
         self._plans: dict[tuple[int, int], Any] = {}  # (rank, epoch) -> Plan (builder thread only)
@@ -106,7 +109,7 @@ class LeaseSource:
         self.stats = {"leases": 0, "built": 0, "resets": 0, "dropped": 0, "passes": 0}
 
     @property
-    def loader(self):
+    def loader(self) -> Loader | None:
         """The Loader building the leases (None until the dispatcher welcomed us)."""
         return self._loader
 
@@ -258,10 +261,11 @@ class LeaseSource:
                 self._walker = self._loader.pipeline.walker()
                 mine = msg.batches
             else:
+                split = self._loader.split
+                if split is None:
+                    raise ConfigError("a dispatcher leases the batches of one dataset; this server reads a mixture")
                 self._samplers = [
-                    Sampler(
-                        self._loader.split.counts, self._loader.options.plan, replace(shard, rank=r, world_size=world)
-                    )
+                    Sampler(split.counts, self._loader.options.plan, replace(shard, rank=r, world_size=world))
                     for r in range(world)
                 ]
                 mine = world * self._samplers[0].rank_batch_count()
@@ -271,16 +275,17 @@ class LeaseSource:
                     f"{mine} with the same options: serve the same dataset the dispatcher plans"
                 )
             self._batches = msg.batches
-            self._builder = threading.Thread(target=self._build, name="crossfeed-lease-builder", daemon=True)
+            self._builder = threading.Thread(
+                target=self._build, args=(self._loader,), name="crossfeed-lease-builder", daemon=True
+            )
             self._builder.start()
         self._welcomed = True
         logger.info("joined the dispatcher at %s as %016x", self._dispatcher, self._id)
 
     # ---- the builder thread ----
-    def _build(self) -> None:
+    def _build(self, loader) -> None:
         """Build the leased batches through the Loader's pipeline (`Pipeline.batches`), one pass per run of leases
         already received (a pass ends when none is left), and hand them to the server in order."""
-        loader = self._loader
         taken: collections.deque = collections.deque()  # the tasks in the executor, in order
         try:
             while not self._halt.is_set():

@@ -22,7 +22,7 @@ import enum
 import logging
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from crossfeed.errors import ConfigError, CrossfeedError, ServerLostError
 from crossfeed.format import wire
@@ -60,6 +60,20 @@ class ClientOptions:
     # a dispatcher's trainer that has had no server for this long, and no batch yet, gets an error
     # (one that connects before its servers register waits for them: this is how long)
     server_wait: float = 600.0
+
+    if TYPE_CHECKING:  # the constructor's signature: on_loss may be given as its string too
+
+        def __init__(
+            self,
+            credits: int = DEFAULT_CREDITS,
+            credit_bytes: int = DEFAULT_CREDIT_BYTES,
+            broadcast: bool = False,
+            heartbeat: P.Heartbeat = P.Heartbeat(),
+            connect_timeout: float = 60.0,
+            limits: wire.WireLimits = wire.DEFAULT_LIMITS,
+            with_meta: bool = False,
+            on_loss: OnLoss | str = OnLoss.RAISE,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         try:

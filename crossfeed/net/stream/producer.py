@@ -132,7 +132,7 @@ class Prefetch:
         return self.get_nowait()
 
 
-def put_until(q: queue.Queue, item: Any, stop, on_put=None, void=None) -> bool:
+def put_until(q: queue.Queue | Prefetch, item: Any, stop, on_put=None, void=None) -> bool:
     """Put ``item`` on the server's queue, waiting for room in short steps so ``stop`` (an Event)
     is heard; ``on_put()`` wakes the server. False, and nothing put, once ``stop`` is set or
     ``void()`` turns true (the item is no longer wanted)."""

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -37,6 +37,9 @@ from crossfeed.net.status import loader_stats
 from crossfeed.net.stream.credits import Item
 from crossfeed.net.stream.distribute import Distribution
 from crossfeed.net.stream.producer import BatchFactory, EpochEnd, Producer, ProducerFailed, StreamEnd
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +142,7 @@ class Server:
         self._source = source
         self._keys = keys
         self._ctx = zmq.Context()
-        self._auth = None
+        self._auth: ThreadAuthenticator | None = None
         self._stop = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -190,15 +193,17 @@ class Server:
         wake = self._distribution.wake if self._distribution is not None else None
         if self._source is not None:
             self._producer = self._source(list(self.endpoints), wake)
+        elif self._factory is not None:
+            self._producer = self._start_producer(self._factory, wake)
         else:
-            self._producer = self._start_producer(wake)
+            raise ConfigError("a Server needs a batch factory or a source of batches")
         self._thread = threading.Thread(target=self._loop, name="crossfeed-server", daemon=True)
         self._thread.start()
         return self
 
-    def _start_producer(self, wake) -> Producer:
+    def _start_producer(self, factory: BatchFactory, wake) -> Producer:
         return Producer(
-            self._factory,
+            factory,
             server_id=self.options.server_id,
             epochs=self.options.epochs,
             start_epoch=self.options.start_epoch,

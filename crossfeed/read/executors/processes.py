@@ -38,6 +38,7 @@ import sys
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
+from typing import Any, cast
 
 import numpy as np
 
@@ -65,7 +66,7 @@ class Channel:
 
     def send(self, obj, blobs=(), fds: tuple[int, ...] = ()) -> None:
         head = json.dumps(obj).encode()
-        parts = [head]
+        parts: list[bytes | memoryview] = [head]
         for b in blobs:
             b = memoryview(b).cast("B")
             parts += [_BLOB.pack(len(b)), b]
@@ -76,7 +77,7 @@ class Channel:
         if msg:
             self.sock.sendall(msg)
 
-    def recv(self, timeout: float | None = None) -> tuple[object, list[bytes]]:
+    def recv(self, timeout: float | None = None) -> tuple[Any, list[bytes]]:
         """The next message; EOFError when the other side is gone, TimeoutError after ``timeout``."""
         self.sock.settimeout(timeout)
         while True:
@@ -104,7 +105,7 @@ class Channel:
         self.sock.close()
 
 
-def _parse(body: bytes, text: int, count: int) -> tuple[object, list[bytes]]:
+def _parse(body: bytes, text: int, count: int) -> tuple[Any, list[bytes]]:
     """``(value, blobs)`` of a message body: ``text`` bytes of JSON, then ``count`` blobs, each
     length-prefixed."""
     bad = "a malformed message between the process executor's processes"
@@ -154,7 +155,7 @@ class WorkerRecipe:
         worker could not rebuild (a lambda, a closure, a function defined in ``__main__``)."""
         sources = _sources(self.source)
         return {
-            "source": os.fspath(self.source) if sources is None else sources,
+            "source": os.fspath(cast("str | os.PathLike[str]", self.source)) if sources is None else sources,
             "options": self.options.flat(),
             "transform": _reference("transform", self.transform),
             "batch_transform": _reference("batch_transform", self.batch_transform),
@@ -453,7 +454,8 @@ def _worker_exception(w: _Worker, what: str, text: str, exc) -> BaseException:
     where = f"in worker process {w.index} (pid {w.proc.pid}) while {what}"
     e = exception_from_json(exc)
     if e is not None:
-        e.add_note(f"raised {where}")
+        if sys.version_info >= (3, 11):  # no notes before 3.11
+            e.add_note(f"raised {where}")
         return e
     return WorkerError(f"an exception was raised {where}:\n{text}")
 

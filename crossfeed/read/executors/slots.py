@@ -26,11 +26,13 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 ALIGN = 64
-SlotLayout = list[tuple[str, object, object, int]]
+# (key, dtype, shape, offset) of an array in the slot; (key, None, the value itself, -1) of any other
+SlotLayout = list[tuple[str, "np.dtype | None", Any, int]]
 
 
 class Slot:
@@ -94,7 +96,7 @@ class SlotWriter:
 
     def finish(self, batch: dict) -> tuple[SlotLayout, int]:
         """The layout of ``batch`` in the slot and the bytes it spans."""
-        layout = []
+        layout: SlotLayout = []
         for k, v in batch.items():
             if not isinstance(v, np.ndarray) or v.dtype.hasobject:
                 layout.append((k, None, v, -1))

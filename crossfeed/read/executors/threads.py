@@ -68,8 +68,11 @@ class ThreadExecutor:
                     break
             while pending:
                 result = pending.popleft().result()
-                nxt = next(it, _END)
-                if nxt is not _END:
+                try:
+                    nxt = next(it)
+                except StopIteration:
+                    pass
+                else:
                     pending.append(pool.submit(build, nxt))
                 yield result
         finally:

@@ -15,6 +15,7 @@ import hashlib
 import os
 import stat
 from collections.abc import Iterator, Mapping
+from typing import NoReturn
 
 import numpy as np
 
@@ -220,7 +221,7 @@ class _VersionShard(ShardFile):
         except FileNotFoundError as e:
             self._gone(e)
 
-    def _gone(self, e: FileNotFoundError):
+    def _gone(self, e: FileNotFoundError) -> NoReturn:
         err = self.dataset.rewritten(self.path, "the shard file is gone")
         if err is None:
             raise e
@@ -254,7 +255,7 @@ class Split:
         """The record counts of the units a block shuffle windows over: the shards, or the row
         groups of Parquet files (global sample numbers are the same either way)."""
         if self.info.format == "parquet":
-            return np.asarray([n for s in self.shards for n in s.row_groups], dtype=np.int64)
+            return np.asarray([n for s in self.shards for n in s.row_groups or ()], dtype=np.int64)
         return self.counts
 
     def __len__(self) -> int:

@@ -43,11 +43,15 @@ class Split(Protocol):
     """What a Parquet reader reads of a `crossfeed.read.sources.dataset.Split` (a protocol: the
     dataset module imports this one, so this one does not import it)."""
 
-    name: str
-    shards: Sequence
-    dataset: Any
+    @property
+    def name(self) -> str: ...
+    @property
+    def shards(self) -> Sequence: ...
+    @property
+    def dataset(self) -> Any: ...
 
     def file(self, shard: int) -> Any: ...
+    def __len__(self) -> int: ...
 
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ re-stacked samples → ``__index__``/``__source__`` → the batch transform — 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from time import perf_counter_ns as _clock
 
 import numpy as np
@@ -46,7 +47,9 @@ class BatchBuilder:
         self.transform, self.batch_transform = transform, batch_transform
         self.return_index = return_index
         self.budget = budget
-        self.alloc = None  # collate's allocator (None: np.empty); a worker process's puts batches in shared memory
+        self.alloc: Callable[..., np.ndarray] | None = (
+            None  # collate's allocator (None: np.empty); a worker process's puts batches in shared memory
+        )
 
     def __call__(
         self, indices: np.ndarray, timings: dict[str, float] | None = None, tally: Tally | None = None

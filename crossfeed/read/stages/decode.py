@@ -23,12 +23,14 @@ value (``str``/``bytes``/``np.ndarray``) per sample.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -168,14 +170,14 @@ class RecordDecoder:
         samples, kept = [], []
         for i, p in enumerate(payloads):
             try:
-                samples.append(self.parse(p, lambda i=i: where(i)))
+                samples.append(self.parse(p, functools.partial(where, i)))
                 kept.append(i)
             except (SchemaError, ExampleError) as e:
                 if on_error is None:
                     raise
                 on_error(e)
         kept_arr = np.asarray(kept, dtype=np.int64)
-        batch = {}
+        batch: dict[str, Any] = {}
         for f in self.features:
             vals = [s[f.name] for s in samples]
             if f.codec.image and self.decode_images:
@@ -213,11 +215,11 @@ class RecordDecoder:
                 return SchemaError(f"{where(j)}: {e}")
 
         items = list(enumerate(datas))
-        pool = _image_pool() if len(items) >= SPLIT_IMAGES else None
-        if pool is None:
+        pooled = _image_pool() if len(items) >= SPLIT_IMAGES else None
+        if pooled is None:
             results = list(map(one, items))
         else:  # a big batch: its images decoded by every core at once (libjpeg-turbo releases the GIL)
-            pool, threads = pool
+            pool, threads = pooled
             step = -(-len(items) // threads)
             parts = pool.map(
                 lambda part: [one(x) for x in part], [items[i : i + step] for i in range(0, len(items), step)]
@@ -347,7 +349,7 @@ class ColumnarDecoder(RecordDecoder):
     def _parse_into(self, group, out, pos: np.ndarray, where, on_error, bad: list[int]) -> None:
         for j, p in zip(pos.tolist(), group):
             try:
-                vals = self.parse(p, lambda j=j: where(j))
+                vals = self.parse(p, functools.partial(where, j))
             except (SchemaError, ExampleError) as e:
                 if on_error is None:
                     raise

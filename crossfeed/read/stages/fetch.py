@@ -7,8 +7,9 @@ the decoded batch (``dict[str, np.ndarray]``) and the positions of the ids that 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from time import perf_counter_ns as _clock
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,10 @@ class SourceReader:
         keep_loaded: int | None,
         cache: ShardCache | None = None,
     ):
+        # the decoder and the frame reader of the split's format (Parquet's take and give columns, the
+        # others' records: the two pairs are not interchangeable, so neither attribute has one type)
+        self.decoder: Any
+        self.frames: Any
         self._defer = False
         self._framed = split.info.format != "parquet"  # its frames are `Frames` (Parquet's: columns)
         if split.info.format == "parquet":  # row groups read in place (crossfeed.read.sources.parquet)
@@ -148,7 +153,7 @@ class MixtureReader:
         which reads a mixture batch in one pass — then ``readers`` may be empty."""
         self.readers, self.starts, self.union, self.merge = readers, starts, union, merge
         self.names = {k: v for k, v in (names or {}).items() if k != v} or None
-        self.decoder = merge or (union or readers[0]).decoder
+        self.decoder: Any = merge or (union or readers[0]).decoder  # MixtureMerge, or one of SourceReader's
         if merge is not None:
             self.rows = False
         else:
@@ -162,7 +167,7 @@ class MixtureReader:
 
     def __call__(self, ids: np.ndarray, budget=None, tick=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
         if self.merge is not None:
-            return self._decoded_parts(ids, budget, tick)
+            return self._decoded_parts(self.merge, ids, budget, tick)
         if self.union is not None:  # ids are the union's record ids: one read, one decode
             batch, kept = self.union(ids, budget, tick)
         else:
@@ -171,7 +176,9 @@ class MixtureReader:
             batch = {self.names.get(k, k): v for k, v in batch.items()}
         return batch, kept
 
-    def _decoded_parts(self, ids: np.ndarray, budget, tick) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def _decoded_parts(
+        self, merge: MixtureMerge, ids: np.ndarray, budget, tick
+    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
         src = np.searchsorted(self.starts, ids, side="right") - 1
         parts = []  # (source, batch positions of its kept samples, its decoded batch)
         for s in np.unique(src).tolist():
@@ -179,7 +186,7 @@ class MixtureReader:
             batch, kept = self.readers[s](ids[m] - self.starts[s], budget, tick)
             parts.append((s, m[kept], batch))
         kept = np.sort(np.concatenate([p for _, p, _ in parts])) if parts else np.zeros(0, np.int64)
-        out = self.merge(parts, kept, len(ids))
+        out = merge(parts, kept, len(ids))
         if tick is not None:  # the merge: decode time (each source's decode counted it already)
             now = _clock()
             tick.decode += now - tick.last
@@ -203,7 +210,9 @@ class MixtureReader:
             for p, fr in parts:
                 for pos, mat in fr.rows:
                     by_len.setdefault(mat.shape[1], []).append((slot[p if pos is None else p[pos]], mat))
-            rows = [(np.concatenate([q for q, _ in g]), np.concatenate([mt for _, mt in g])) for g in by_len.values()]
+            rows: list[tuple[np.ndarray | None, np.ndarray]] = [
+                (np.concatenate([q for q, _ in g]), np.concatenate([mt for _, mt in g])) for g in by_len.values()
+            ]
             merged = Frames(ids[kept[order]], rows=rows)
         else:
             payloads: list = [None] * len(kept)
@@ -214,7 +223,7 @@ class MixtureReader:
         if tick is not None:
             tick.bytes += payload_bytes(merged)
             tick.tick("read")
-        batch, ok = self.decoder(merged, where=lambda j: self.where(merged.indices[j]), on_error=budget)
+        batch, ok = self.decoder(merged, where=lambda j: self.where(int(merged.indices[j])), on_error=budget)
         if tick is not None:
             tick.tick("decode")
         return batch, kept[order][ok]
@@ -233,7 +242,9 @@ class MixtureMerge:
 
     def __init__(self, features: Sequence[Feature], sources: list[list[str]], *, decode_images: bool):
         self.features, self.sources, self.decode_images = tuple(features), sources, decode_images
-        self.alloc = None  # where dense batch arrays go (None: np.empty); a worker process's shared memory
+        self.alloc: Callable[..., np.ndarray] | None = (
+            None  # where dense batch arrays go (None: np.empty); a worker process's shared memory
+        )
 
     def __call__(self, parts: list, kept: np.ndarray, n: int) -> dict[str, np.ndarray]:
         """``parts``: ``(source, sorted batch positions, its batch)``; ``kept``: every part's

@@ -113,7 +113,7 @@ class Frames:
         if self.payloads is not None:
             return self.payloads
         payloads: list = [None] * len(self)
-        for pos, matrix in self.rows:
+        for pos, matrix in self.rows or ():  # (exactly one of payloads and rows is set)
             for j, row in zip(range(len(matrix)) if pos is None else pos.tolist(), matrix):
                 payloads[j] = row
         return payloads
@@ -142,7 +142,8 @@ class Span:
         end = max(addr[s] + len(a) for s, a in self.arrays.items())
         for s, at in addr.items():
             self.base[s] = at - lo
-        self.u8 = np.frombuffer((ctypes.c_char * (end - lo)).from_address(lo), dtype=np.uint8)
+        # numpy's stubs do not list ctypes arrays among buffers (they are)
+        self.u8 = np.frombuffer((ctypes.c_char * (end - lo)).from_address(lo), dtype=np.uint8)  # type: ignore[call-overload]
 
     def rows(self, shard: np.ndarray, offsets: np.ndarray, width: int) -> np.ndarray:
         """``(n, width)`` copy of the bytes at ``offsets`` of shards ``shard`` (see the class
@@ -275,7 +276,7 @@ class FrameReader:
             per = np.bincount(shard, minlength=len(self.split.counts))
             present = np.flatnonzero(per).tolist()
         ready = self._ready
-        entries = [ready.get(s) for s in present]
+        entries: list = [ready.get(s) for s in present]  # each shard's (buffer, u8), or None
         if None in entries:  # a shard not loaded (or not local, or not yet checked) yet
             bufs = [self._buffer(s) for s in present]
             if any(b is None for b in bufs):  # remote range reads: checked record by record as they arrive
@@ -391,12 +392,13 @@ class FrameReader:
         None if one fails (`_diagnose` names it)."""
         if bad_headers(rows[:, :HEADER], lens).any():
             return None
+        groups: list[tuple[np.ndarray | None, np.ndarray]]
         if lo == hi:
             groups = [(None, rows)]
         else:
             present = np.flatnonzero(np.bincount(lens - lo)) + lo
             groups = [(pos, rows[pos]) for pos in (np.flatnonzero(lens == k) for k in present.tolist())]
-        out = []
+        out: list[tuple[np.ndarray | None, np.ndarray]] = []
         for pos, framed in groups:
             k = int(lens[0 if pos is None else pos[0]])
             payload = framed[:, HEADER : k - FOOTER]
@@ -471,11 +473,11 @@ class FrameReader:
         if not self._in_memory(f):
             return None
         if f.storage.remote and self.cache is not None:
-            buf = self._local_copy(s).load()
+            buf = self._local_copy(s, self.cache).load()
         else:
             buf = f.load()
         if f.storage.remote and self.keep_loaded:
-            self._evict(s)
+            self._evict(s, self.keep_loaded)
         if s not in self._fits:
             index = self.split.lazy_index(s) if self._large else self.split.index(s)
             if isinstance(index, np.ndarray):
@@ -486,7 +488,7 @@ class FrameReader:
                 self._fits.add(s)
         return buf
 
-    def _local_copy(self, s: int) -> ShardFile:
+    def _local_copy(self, s: int, cache: ShardCache) -> ShardFile:
         """Remote shard ``s`` through the cache: downloaded (once, shared by every process on
         the node), checked against the manifest's sha256, and handed over already
         memory-mapped: the mapping stays valid while anything holds it, whatever the cache (or
@@ -495,7 +497,7 @@ class FrameReader:
         if got is None:  # no reader lock held while downloading: other shards go on meanwhile
             info, f = self.split.shards[s], self.split.file(s)
             try:
-                path, stream = self.cache.open(
+                path, stream = cache.open(
                     f.storage, info.file, info.sha256, info.num_bytes, stream_limit=f.stream_limit()
                 )
             except FileNotFoundError as e:  # gone: a rewrite of the dataset, or the file's own fault
@@ -511,7 +513,7 @@ class FrameReader:
                         os.path.basename(path), buffer=stream, stream_bytes=self.split.file(s).stream_bytes
                     )
                 else:  # another thread got there first: one pin is enough
-                    self.cache.release(path)
+                    cache.release(path)
         return got
 
     def jobs(self, shards) -> list[tuple]:
@@ -529,7 +531,8 @@ class FrameReader:
         self._span, self._whole = Span({}, len(self.split.counts)), None
         for _s, f in list(self._cached.items()):
             f.close()
-            self.cache.release(f.path)
+            if self.cache is not None:  # (shards are cached only with a cache)
+                self.cache.release(f.path)
         self._cached.clear()
 
     def _entry(self, s: int, buf) -> tuple:
@@ -565,18 +568,20 @@ class FrameReader:
     def _concat_index(self) -> np.ndarray:
         return np.concatenate([self.split.index(s) for s in range(len(self.split.counts))])
 
-    def _evict(self, s: int) -> None:
+    def _evict(self, s: int, keep_loaded: int) -> None:
         """Keep at most ``keep_loaded`` remote shards in memory (the oldest go first)."""
         with self._lock:
             if s in self._loaded:
                 return
             self._loaded.append(s)
-            while len(self._loaded) > self.keep_loaded:
+            while len(self._loaded) > keep_loaded:
                 old = self._loaded.pop(0)
                 self._u8.pop(old, None)  # its arrays view the buffer about to be closed
                 self.split.file(old).close()
                 local = self._cached.pop(old, None)
-                if local is not None:  # the cache may now evict it (this process no longer uses it)
+                if (
+                    local is not None and self.cache is not None
+                ):  # the cache may now evict it (this process no longer uses it)
                     # not closed: a batch on another thread may still read its mapping, which
                     # goes when the last reference to it does
                     self.cache.release(local.path)

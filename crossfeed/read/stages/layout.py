@@ -70,14 +70,15 @@ class Layout:
                 return None
             widths: tuple[int, ...] = ()
             if packed is None:
-                widths, p = [], pos
+                each: list[int] = []
+                p = pos
                 while p < e:
                     q = ex.read_varint(buf, p, e)[1]
-                    widths.append(q - p)
+                    each.append(q - p)
                     p = q
-                if len(widths) != count:
+                if len(each) != count:
                     return None
-                widths = tuple(widths)
+                widths = tuple(each)
             slots.append(_Slot(f, pos, e, widths))
             covered[pos:e] = True
         wanted = {f.name for f in features}

@@ -54,6 +54,7 @@ import logging
 import math
 import mmap
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -163,7 +164,7 @@ class DocLengths:
                     if size and getattr(
                         info, "lengths_sha256", None
                     ):  # hashed as read: only the pages used stay mapped
-                        digest = hashlib.file_digest(f, "sha256").hexdigest()
+                        digest = _sha256(f)
                     data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
                 if size:
                     self._maps.append(data)
@@ -294,11 +295,22 @@ class _BestFit:
         return list(self.open.values())
 
 
+def _sha256(f) -> str:
+    """The hex sha256 of the rest of open file ``f``."""
+    if sys.version_info >= (3, 11):
+        return hashlib.file_digest(f, "sha256").hexdigest()
+    h = hashlib.sha256()  # Python 3.10 has no file_digest
+    for chunk in iter(lambda: f.read(8 << 20), b""):
+        h.update(chunk)
+    return h.hexdigest()
+
+
 class _Chunks:
     """Concatenate and chunk: documents end to end, cut at every ``length`` tokens."""
 
     def __init__(self, length: int):
-        self.length, self.row, self.fill = length, [], 0
+        self.length, self.fill = length, 0
+        self.row: list[tuple[int, int, int, int]] = []  # (document, start, tokens, its length) pieces
 
     def add(self, doc: int, n: int, out: list) -> None:
         start = 0
@@ -380,6 +392,20 @@ class PackSampler:
         self._lock = threading.Lock()
 
     @property
+    def packing(self) -> Pack:
+        """``pack`` of a packing sampler (one under a token budget has none)."""
+        if self.pack is None:
+            raise ConfigError("this token Loader batches documents by batch_by_tokens; it packs no rows")
+        return self.pack
+
+    @property
+    def token_budget(self) -> int:
+        """``batch_by_tokens`` of a sampler under a token budget (a packing one has none)."""
+        if self.budget is None:
+            raise ConfigError("this token Loader packs rows (pack=); it has no batch_by_tokens budget")
+        return self.budget
+
+    @property
     def per_batch(self) -> int:
         """Global rows per step (``pack``): every rank's batch."""
         return self.options.batch_size * self.shard.world_size
@@ -391,7 +417,7 @@ class PackSampler:
         return order
 
     def rows(self, epoch: int) -> Iterator[list]:
-        return packed_rows(self.order(epoch), self.lengths, self.pack)
+        return packed_rows(self.order(epoch), self.lengths, self.packing)
 
     def epoch_total(self, epoch: int) -> int:
         """Positions in epoch ``epoch``: its rows (``pack``; one walk over its lengths, kept), or documents."""
@@ -437,7 +463,10 @@ class PackSampler:
             got = self._counts.get(key)
         if got is None:
             got = sum(
-                1 for _ in token_batches(self.order(epoch), self.lengths, position, self.budget, self.shard.world_size)
+                1
+                for _ in token_batches(
+                    self.order(epoch), self.lengths, position, self.token_budget, self.shard.world_size
+                )
             )
             with self._lock:
                 self._counts[key] = got
@@ -471,7 +500,7 @@ class PackSampler:
         if self.pack is not None:
             return self.rows_upto(epoch, position + rank_batches_done * self.per_batch)
         done = position
-        batches = token_batches(self.order(epoch), self.lengths, position, self.budget, self.shard.world_size)
+        batches = token_batches(self.order(epoch), self.lengths, position, self.token_budget, self.shard.world_size)
         for _, batch in zip(range(rank_batches_done), batches):
             done += len(batch)
         return done
@@ -500,9 +529,10 @@ class PackPlan:
 
     def _packed(self) -> Iterator[np.ndarray]:
         s = self.sampler
-        B, W, p, L = s.options.batch_size, self.world_size, self.position, s.pack.length
+        B, W, p, L = s.options.batch_size, self.world_size, self.position, s.packing.length
         per = B * W
-        current, g_now, k = None, -1, -1
+        current: list[list] | None = None  # the rows of this rank's batch being filled
+        g_now, k = -1, -1
         for k, row in enumerate(s.rows(self.epoch)):
             if k < p:
                 continue
@@ -522,7 +552,7 @@ class PackPlan:
     def _by_tokens(self) -> Iterator[np.ndarray]:
         s = self.sampler
         W, r = self.world_size, self.rank
-        batches = token_batches(s.order(self.epoch), s.lengths, self.position, s.budget, W)
+        batches = token_batches(s.order(self.epoch), s.lengths, self.position, s.token_budget, W)
         for g, batch in enumerate(batches):
             if not self._mine(g):
                 continue
@@ -567,7 +597,7 @@ class PackWalker:
                 "dataset the dispatcher plans"
             )
         rows += [[] for _ in range(B - len(rows))]
-        return _encode(rows, s.pack.length)
+        return _encode(rows, s.packing.length)
 
 
 # ---- building a batch ---------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
@@ -379,7 +380,7 @@ def num_batches(n: int, batch_size: int, drop_last: bool) -> int:
 class Plan:
     """One rank's (and worker's) batches for the rest of an epoch, computed batch by batch."""
 
-    order: EpochOrder
+    order: EpochOrder | MixtureOrder
     position: int  # samples of the epoch all ranks consumed before this plan
     per_rank: int  # samples this rank delivers (all its workers together)
     rank: int
@@ -454,6 +455,7 @@ class Sampler:
         one per source), a list of such arrays, one per source."""
         self.options, self.shard = plan, shard
         self.weights = integer_weights(weights) if weights is not None else None
+        self.counts: Any  # the shards' record counts (an int64 array), or a mixture's: one array per source
         if self.weights is None:
             self.counts = np.asarray(counts, dtype=np.int64)
             self.total = int(self.counts.sum())

@@ -19,7 +19,7 @@ import hashlib
 import os
 import stat
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -454,6 +454,8 @@ def _scan(path: str, schema: Schema, problems: list[Problem]) -> tuple[np.ndarra
 
     with contextlib.ExitStack() as stack:
         chunks = None
+        records: Iterator[tuple[int, bytes | memoryview]] | None = None
+        payload: bytes | memoryview | None = None
         try:
             if tfrecord.is_gzip(path):
                 chunks = tfrecord.inflate(stack.enter_context(open(path, "rb")).read, path)

@@ -342,12 +342,14 @@ def index_dataset(
             check_name(n, root)  # a manifest names plain files only
     inference = _Inference(declared)
     splits = {}
-    seen_lengths: dict[str, RecordLengths] = {}
+    seen_lengths: dict[str, RecordLengths] = {}  # each shard's, when names_with_lengths
     for s, members in sorted(groups.items()):
         shards = []
         for _, n in sorted(members):
-            seen_lengths[n] = RecordLengths(names_with_lengths) if names_with_lengths else None
-            info = _index_shard(place, n, inference, seen_lengths[n])
+            shard_lengths = RecordLengths(names_with_lengths) if names_with_lengths else None
+            if shard_lengths is not None:
+                seen_lengths[n] = shard_lengths
+            info = _index_shard(place, n, inference, shard_lengths)
             shards.append(info)
             if progress is not None:
                 progress(info.num_bytes)
@@ -462,7 +464,7 @@ def _from_tf_spec(name: str, spec) -> Feature:
         raise ConfigError(f"features[{name!r}]: expected a tf.io.FixedLenFeature/VarLenFeature or a spec string")
     shape = getattr(spec, "shape", None)
     fixed = shape is not None and type(spec).__name__ == "FixedLenFeature"
-    dims = tuple(int(d) for d in shape) if fixed else (None,)
+    dims = tuple(int(d) for d in shape) if fixed and shape is not None else (None,)
     if dtype == "string":
         return Feature(name, "bytes", dims if fixed else (None,), codecs.BYTES)
     if dtype == "int64":

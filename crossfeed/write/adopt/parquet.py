@@ -143,7 +143,9 @@ def index_parquet(
             if progress is not None:
                 progress(size)
         splits[split] = SplitInfo(split, tuple(shards), format=FORMAT)
-    features, maps, lines = [], {}, {}
+    features: list[Feature] = []
+    maps: dict = {}
+    lines: dict = {}
     for k, f in inferred.items():
         if k in dims:
             shape = tuple(d if d is not None and d >= 0 else None for d in dims[k])
@@ -153,8 +155,8 @@ def index_parquet(
                     f"reads a list column as a tensor whose first dimension alone may vary; leave it out with --feature"
                 )
             f = Feature(k, f.dtype, shape, f.encoding)
-        feats, how, lines[k] = _decide(pa, f, types[k], nulls.get(k, 0), list(cats.get(k, ())), k in declared)
-        features += feats
+        made, how, lines[k] = _decide(pa, f, types[k], nulls.get(k, 0), list(cats.get(k, ())), k in declared)
+        features += made
         maps.update(how)
     for line in lines.values():
         log.log(logging.WARNING if "null" in line else logging.INFO, "%s", line)

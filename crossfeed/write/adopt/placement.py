@@ -115,7 +115,7 @@ class Placement:
         return self._fs().isfile(where) if self.remote else os.path.isfile(where)
 
     @contextlib.contextmanager
-    def open_records(self, name: str) -> Iterator[tuple[Iterator[tuple[int, object]], int, str]]:
+    def open_records(self, name: str) -> Iterator[tuple[Iterator[tuple[int, bytes | memoryview]], int, str]]:
         """``(records, file size, file sha256)`` of a TFRecord data file; ``records`` yields
         ``(offset, payload)`` with both CRCs checked. A plain local file is memory-mapped; a GZIP
         one is inflated as it is walked (`crossfeed.format.tfrecord.stream_records`: no index

@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -133,7 +134,7 @@ def read_layout(place) -> TfdsLayout:
         raise ConfigError(f"{where}: no split with shards; prepare the dataset first")
     mapper = _Mapper(place)
     features = tuple(mapper.features(tree))
-    tfds_meta = {"name": name, "version": j.str_(info, "version", "version") or None}
+    tfds_meta: dict[str, Any] = {"name": name, "version": j.str_(info, "version", "version") or None}
     config = j.str_(info, "configName", "configName")
     if config:
         tfds_meta["config"] = config
