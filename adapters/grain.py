@@ -79,7 +79,7 @@ class GrainSource:
         # one record of fixed-shape numbers (the Loader's columnar layout) in a local TFRecord split:
         # the split's own record read (CRC checked) costs a third of a one-record batch
         self._direct = (
-            pipeline.sources is None
+            pipeline.split is not None
             and pipeline.split.info.format == "tfrecord"
             and not pipeline.dataset.storage.remote
             and all(f.fixed and f.codec.dense for f in self.features)
@@ -106,7 +106,9 @@ class GrainSource:
         key = self._key(record_key)
         pipeline = self._open()
         if self._direct:
-            values = pipeline.split.decode(*pipeline.split.locate(key), features=[f.name for f in self.features])
+            split = pipeline.split
+            assert split is not None  # `_direct`: one dataset
+            values = split.decode(*split.locate(key), features=[f.name for f in self.features])
             return {f.name: np.array(values[f.name], dtype=f.dtype) for f in self.features}
         batch = pipeline.records([key])
         return {k: _item(v, 0) for k, v in batch.items()}

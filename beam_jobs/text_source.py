@@ -53,6 +53,7 @@ import mmap
 import os
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
@@ -635,7 +636,7 @@ class TokenizeDoFn(beam.DoFn):
     def __init__(self, spec: TokenizerSpec, on_error: ErrorPolicy = ErrorPolicy()):
         self.spec = spec
         self.on_error = on_error
-        self._tok = None
+        self._tok: Any = None  # the tokenizer, opened by setup
 
     def setup(self):
         self._tok = self.spec.open()

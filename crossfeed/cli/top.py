@@ -279,7 +279,7 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
         parts.append(trainers)
     rated = [r for r in found if r.rate is not None]
     if len(rated) > 1:
-        slow = min(rated, key=lambda r: r.rate)
+        slow = min(rated, key=lambda r: r.rate or 0.0)  # every one rated
         parts.append(_inert(f"slowest server: {slow.name} ({slow.endpoint}) at {slow.rate:.1f} batches/s"))
         if slow.verdict:
             parts.append(_inert(f"  its Loader: {slow.verdict}"))

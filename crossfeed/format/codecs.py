@@ -15,6 +15,7 @@ import enum
 import math
 import struct
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -170,6 +171,8 @@ class _NumberList(Codec):
     dense = True
     listed = True
     arrow = "number"
+
+    _encode_list: Any  # each number kind's own encoder of an array (int64: varints, float: float32)
 
     def check(self, f) -> None:
         if f.dtype != self.stored_dtype:
@@ -354,7 +357,7 @@ class BytesCodec(Codec):
         fc.column = column
 
     def decode(self, f, kind, region, parsed, decode_images=True):
-        items = [bytes(v) for v in ex.kind_values(kind, region)]
+        items: list = [bytes(v) for v in ex.kind_values(kind, region)]
         if f.dtype == "string":
             items = [b.decode("utf-8") for b in items]
         if f.shape == ():

@@ -19,8 +19,9 @@ Everything that depends on the encoding is its codec's (`crossfeed.format.codecs
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -48,8 +49,14 @@ class Feature:
 
     name: str
     dtype: str
-    shape: tuple[int | None, ...]
+    shape: tuple[int | None, ...]  # given as any sequence; kept as a tuple
     encoding: Encoding  # an Encoding, its value, or a codec (e.g. ``codecs.INT64``)
+
+    if TYPE_CHECKING:  # the constructor's signature: it takes an Encoding, its value or a codec
+
+        def __init__(
+            self, name: str, dtype: str, shape: Sequence[int | None], encoding: Encoding | Codec | str
+        ) -> None: ...
 
     def __post_init__(self):
         enc = self.encoding

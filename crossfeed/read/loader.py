@@ -271,7 +271,7 @@ class Loader:
             yield batch
         self._epoch, self._position, self._delivered = self._epoch + 1, 0, 0
         meter = self.pipeline.meter
-        if meter is not None and self.options.read.log_stats:
+        if meter is not None and self._mark is not None and self.options.read.log_stats:
             now = meter.stats()
             log.info("crossfeed epoch %d: %s", self._epoch - 1, now.since(self._mark).line())
             self._mark = now

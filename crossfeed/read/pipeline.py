@@ -115,6 +115,7 @@ class SamplerLike(Protocol):
     """Stage 1: the epoch plan on integers (`Sampler`, or `pack.PackSampler` over one)."""
 
     total: int  # samples (documents) per epoch: which data a state was saved for
+    options: Any  # the `PlanOptions` it plans with
 
     def plan(self, epoch: int, position: int = 0) -> PlanLike: ...
 
@@ -133,6 +134,8 @@ class Reader(Protocol):
     """Stages 2 and 3: global ids → ``(decoded batch, kept positions)`` (`SourceReader`, `MixtureReader`)."""
 
     decoder: Any
+    mixture: bool  # ids global across a mixture's sources (``starts``)
+    starts: np.ndarray  # each source's first global id, and the total at the end (one dataset: [0, N])
 
     def __call__(self, ids: np.ndarray, budget=None, tick=None) -> tuple[dict[str, np.ndarray], np.ndarray]: ...
 
@@ -142,7 +145,7 @@ class Reader(Protocol):
 class Builder(Protocol):
     """Stage 4: one batch (`BatchBuilder`, or `pack.PackBuilder` over one)."""
 
-    reader: Reader
+    reader: Any  # a `Reader`
     transform: Callable | None
     budget: ErrorBudget | None
     meter: metrics.Meter | None
@@ -154,9 +157,14 @@ class Builder(Protocol):
 class Executor(Protocol):
     """Where batches are built, in order and bounded (`ThreadExecutor`, `ProcessExecutor`)."""
 
-    num_threads: int  # builder threads of this process (0: built in the consumer's thread when asked)
-    processes: int  # worker processes (0: none)
-    skipped: int
+    @property
+    def num_threads(self) -> int: ...  # builder threads of this process (0: built in the consumer's thread)
+
+    @property
+    def processes(self) -> int: ...  # worker processes (0: none)
+
+    @property
+    def skipped(self) -> int: ...  # records skipped in worker processes
 
     def map(self, build: Callable, items: Iterable) -> Iterator: ...
 
@@ -265,8 +273,10 @@ class Pipeline:
             cache, whole, keep = _remote_mode(ds, sp, plan, self.cache)
             readers.append(SourceReader(sp, stored[i], read=read, whole_shards=whole, keep_loaded=keep, cache=cache))
         self._readers = readers
-        self.prefetcher = Prefetcher(self.cache) if any(r.frames.cache for r in readers) else None
-        reader: Reader
+        self.prefetcher = (
+            Prefetcher(self.cache) if self.cache is not None and any(r.frames.cache for r in readers) else None
+        )
+        reader: SourceReader | MixtureReader
         if self.sources is None:
             sampler = Sampler(splits[0].block_counts, plan, options.shard)
             reader = readers[0]

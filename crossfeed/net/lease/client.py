@@ -102,7 +102,7 @@ class LeasedClient(Iterator[Any]):
         self._next_beat = 0.0
         self._finished = False
         self._closed = False
-        self._serverless_since = time.monotonic()  # since when no server is connected (None: one is)
+        self._serverless_since: float | None = time.monotonic()  # since when no server is connected (None: one is)
         self._joined_finished: bool | None = None  # the dispatcher's first answer said the plan was done
         # the wait window: the loop's phase ("wait" in __next__, "step" outside, None before the
         # first batch and after the end), since when it is not yet counted, and what was counted

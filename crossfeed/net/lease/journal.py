@@ -189,6 +189,7 @@ class Journal:
         return JournalError(f"journal {self.path} line {line} (byte {offset}): {reason}. {_FIX}")
 
     def _read_bytes(self) -> bytes | None:
+        assert self.path is not None  # `read` asks only when there is a journal
         try:  # O_NONBLOCK: a FIFO planted there must not block the open (and the dispatcher) forever
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:

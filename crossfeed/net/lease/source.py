@@ -244,11 +244,11 @@ class LeaseSource:
         identity = plan.pop("identity", None)  # the stream the dispatcher plans (`crossfeed.read.identity`)
         if self._loader is None:
             self._loader = self._make_loader(plan)
-            mine = self._loader.pipeline.identity.fingerprint
-            if identity is not None and identity != mine:
+            ours = self._loader.pipeline.identity.fingerprint
+            if identity is not None and identity != ours:
                 raise ConfigError(
                     f"the dispatcher plans stream {str(identity)[:32]!r}; this server's dataset and options give "
-                    f"{mine!r} (another dataset, another version of it, or other settings): serve the same "
+                    f"{ours!r} (another dataset, another version of it, or other settings): serve the same "
                     "dataset, by content, that the dispatcher plans"
                 )
             shard = self._loader.options.shard

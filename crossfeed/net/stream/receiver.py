@@ -81,7 +81,7 @@ class Receiver:
         self._ack_every = max(credits // 2, 1)
         self._tick = min(heartbeat.interval / 2, 0.1)
         self._events: collections.deque[Any] = collections.deque()  # appended under the lock
-        self._acks: collections.deque[tuple[int, int]] = collections.deque()  # (server, seq)
+        self._acks: collections.deque[tuple[int, int, int]] = collections.deque()  # (server, seq, lease)
         self.lost: collections.deque[LostServer] = collections.deque(maxlen=MAX_LOST)
         self.dropped_messages = 0
         self.fenced = 0  # how many times a server fenced this client (it rejoined each time)

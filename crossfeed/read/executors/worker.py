@@ -91,7 +91,7 @@ def main(fd: int) -> None:
         # the batch is made once, in the slot: stacked from the transform's samples, or else
         # decoded straight into it
         pipeline.set_allocator(writer.alloc)
-        blobs = []
+        blobs: list = []
         try:
             layout, nbytes = writer.finish(pipeline.build_batch(ids))
             rows, blobs = layout_to_json(layout)

@@ -400,7 +400,7 @@ class ParquetFrameReader:
     @staticmethod
     def _empty(f: Feature, n: int) -> np.ndarray:
         if f.fixed and f.codec.dense:
-            return np.empty((n, *f.shape), dtype=f.codec.dtype(f))
+            return np.empty((n, *f.fixed_shape), dtype=f.codec.dtype(f))
         return np.empty(n, dtype=object)
 
     def close(self) -> None:

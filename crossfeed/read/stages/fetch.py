@@ -26,7 +26,7 @@ class SourceReader:
     """Stages 2 and 3 for one split: global sample indices → ``(batch, kept)``, the decoded batch
     and the positions of the indices that made it into it (all, unless ``on_error`` dropped some)."""
 
-    mixture = False  # ids are the split's own
+    mixture = False  # ids are the split's own (``starts``: [0, N])
 
     def __init__(
         self,
@@ -42,6 +42,7 @@ class SourceReader:
         # others' records: the two pairs are not interchangeable, so neither attribute has one type)
         self.decoder: Any
         self.frames: Any
+        self.starts = np.array([0, len(split)], dtype=np.int64)
         self._defer = False
         self._framed = split.info.format != "parquet"  # its frames are `Frames` (Parquet's: columns)
         if split.info.format == "parquet":  # row groups read in place (crossfeed.read.sources.parquet)
@@ -268,7 +269,7 @@ class MixtureMerge:
                 out[rows] = v  # a safe cast where a source stores a narrower dtype (`mix_feature`)
             return out
         if not arrays and f.fixed and f.codec.dense:
-            return np.empty((0, *f.shape), np.dtype(f.dtype))
+            return np.empty((0, *f.fixed_shape), np.dtype(f.dtype))
         cast = np.dtype(f.dtype) if f.codec.dense else None
         out = np.empty(n, dtype=object)
         for rows, v in vals:

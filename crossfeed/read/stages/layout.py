@@ -64,7 +64,7 @@ class Layout:
             n, pos = ex.read_varint(buf, s + 1, e)
             if pos + n != e:
                 return None  # more than one value field (unpacked, or several bytes values)
-            count = int(np.prod(f.shape, dtype=np.int64))
+            count = int(np.prod(f.fixed_shape, dtype=np.int64))
             packed = f.codec.packed_dtype(f)  # None: varints
             if packed is not None and n != count * packed.itemsize:
                 return None

@@ -58,6 +58,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -568,7 +569,7 @@ class PackWalker:
     epoch's rows (O(batch + bins) memory); a batch behind the walk (leased again after its server
     died) restarts the walk from the epoch's start: correct, and slower."""
 
-    def __init__(self, sampler: PackSampler):
+    def __init__(self, sampler: Any):
         if getattr(sampler, "pack", None) is None or sampler.shard.world_size != 1:
             raise ConfigError("a PackWalker walks the packed rows of a plan for one rank")
         self.sampler = sampler

@@ -523,7 +523,7 @@ class Sampler:
         its records and the offset in it (None: one dataset)."""
         if self.weights is None:
             return None
-        order = self.plan(epoch, position).order
+        order: Any = self.plan(epoch, position).order  # a `MixtureOrder`: weights are given
         n = len(self.weights)
         draws = order.epoch * order.per_epoch + order.draws(np.full(n, position), np.arange(n))
         return [{"pass": int(d // k), "offset": int(d % k)} for d, k in zip(draws.tolist(), order.sizes.tolist())]

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -154,9 +155,10 @@ def bench_loader(
                 break
         seconds = time.perf_counter() - t1
         stats = loader.stats()  # before the stage pass below, which runs the same builder again
-        if plan.random_access:  # the records of the batches delivered
+        if plan.random_access:  # the records of the batches delivered (`Plan.batch`)
+            ids: Any = plan
             delivered = (
-                np.concatenate([plan.batch(b) for b in plan.batch_ids()[:done]]) if done else np.zeros(0, np.int64)
+                np.concatenate([ids.batch(b) for b in ids.batch_ids()[:done]]) if done else np.zeros(0, np.int64)
             )
             nbytes = loader.pipeline.record_bytes(delivered)
         else:  # packed rows: pieces of documents, the payload bytes the Loader read for them
