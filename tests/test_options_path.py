@@ -122,8 +122,8 @@ def captured(monkeypatch):
             raise SystemExit(0)
 
     monkeypatch.setattr("crossfeed.read.tools.profile.bench_loader", bench_loader)
-    monkeypatch.setattr("crossfeed.cli.net.LoaderEpochs", Epochs)
-    monkeypatch.setattr("crossfeed.net.lease.dispatcher.LeaseDispatcher", Dispatcher)
+    monkeypatch.setattr("crossfeed.net.run.LoaderEpochs", Epochs)
+    monkeypatch.setattr("crossfeed.net.run.LeaseDispatcher", Dispatcher)
     return got
 
 
