@@ -34,6 +34,7 @@ from crossfeed.read.options import (
     Source,
 )
 from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
+from crossfeed.write.options import WriteOptions
 from crossfeed.write.writer import write_samples
 
 __version__ = "0.1.0"
@@ -41,7 +42,8 @@ __version__ = "0.1.0"
 
 def write_dataset(path, samples, **options) -> Dataset:
     """Write ``samples`` as a split of the dataset at ``path`` and return it opened: the options
-    and the atomic commit are `crossfeed.write.writer.write_samples`'s."""
+    (a `WriteOptions`, whole as ``options=`` or as its fields: ``shard_size="64MB"`` …) and the
+    atomic commit are `crossfeed.write.writer.write_samples`'s."""
     return open_dataset(write_samples(path, samples, **options))
 
 
@@ -95,6 +97,7 @@ __all__ = [
     "SplitNotFoundError",
     "WireError",
     "WorkerError",
+    "WriteOptions",
     "connect",
     "open_dataset",
     "write_dataset",

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from crossfeed.cli.options import LOADER, with_options
+from crossfeed.cli.options import LOADER, default_of, with_options
 from crossfeed.config import resolve_callable
 from crossfeed.errors import ConfigError
 from crossfeed.net import run
@@ -52,11 +52,6 @@ def _metrics_endpoint(address: str | None, how: str, target):
         endpoint.close()
 
 
-def _default(cls, name: str):
-    """The default of field ``name`` of dataclass ``cls``: the CLI's default too (never restated)."""
-    return cls.__dataclass_fields__[name].default
-
-
 def _seconds_or_none(value: float) -> float | None:
     """A deadline flag: 0 means never (None in the options)."""
     return value or None
@@ -88,7 +83,7 @@ def _write_endpoint_file(path: Path | None, text: str) -> None:
 def serve(
     dataset: Annotated[str, typer.Argument(help="Dataset path or remote URL, or a mixture spec .json file.")],
     addresses: Annotated[list[str], typer.Argument(help="Addresses to bind; brace patterns expand.")],
-    epochs: Annotated[int | None, typer.Option(min=1, help="End after N epochs (default: never).")] = _default(
+    epochs: Annotated[int | None, typer.Option(min=1, help="End after N epochs (default: never).")] = default_of(
         ServerOptions, "epochs"
     ),
     start_epoch: Annotated[
@@ -96,13 +91,13 @@ def serve(
         typer.Option(
             "--start-epoch", min=0, help="First epoch to serve (to resume a run: the same seed gives the same order)."
         ),
-    ] = _default(ServerOptions, "start_epoch"),
+    ] = default_of(ServerOptions, "start_epoch"),
     transform: Annotated[str | None, typer.Option(help="module:function applied to each sample.")] = None,
     rank: Annotated[int | None, typer.Option(min=0, help="This server's share: rank R of --world-size M.")] = None,
     world_size: Annotated[
         int | None, typer.Option("--world-size", min=1, help="How many servers share the dataset.")
     ] = None,
-    mode: Annotated[Mode, typer.Option(help="distribute: each batch to one trainer; broadcast: PUB.")] = _default(
+    mode: Annotated[Mode, typer.Option(help="distribute: each batch to one trainer; broadcast: PUB.")] = default_of(
         ServerOptions, "mode"
     ),
     broadcast: Annotated[list[str] | None, typer.Option(help="PUB address(es) for mon/stat/show.")] = None,
@@ -114,14 +109,14 @@ def serve(
     ] = None,
     heartbeat_interval: Annotated[
         float, typer.Option(min=0.01, help="Seconds between liveness messages to each trainer.")
-    ] = _default(Heartbeat, "interval"),
+    ] = default_of(Heartbeat, "interval"),
     heartbeat_timeout: Annotated[
         float,
         typer.Option(
             min=0.05,
             help="Seconds of silence after which a trainer counts as gone (its unacknowledged batches go to others).",
         ),
-    ] = _default(Heartbeat, "timeout"),
+    ] = default_of(Heartbeat, "timeout"),
     progress_timeout: Annotated[
         float,
         typer.Option(
@@ -129,14 +124,14 @@ def serve(
             min=0,
             help="Fence a trainer that holds batches and acknowledges none for S s (0: never); above your longest pause between batches.",
         ),
-    ] = _default(ServerOptions, "progress_timeout"),
+    ] = default_of(ServerOptions, "progress_timeout"),
     insecure: Annotated[
         bool,
         typer.Option(
             "--insecure",
             help="Serve without --auth-keys on addresses other machines can reach (trusted networks only).",
         ),
-    ] = _default(ServerOptions, "insecure"),
+    ] = default_of(ServerOptions, "insecure"),
     endpoint_file: Annotated[Path | None, typer.Option(help="Write the bound addresses here (for scripts).")] = None,
     dispatcher: Annotated[
         str | None,
@@ -233,7 +228,7 @@ def register(app: typer.Typer) -> None:
 def dispatch(
     dataset: Annotated[str, typer.Argument(help="Dataset path or remote URL (its manifest sizes the plan).")],
     address: Annotated[str, typer.Argument(help="Address to bind, e.g. tcp://0.0.0.0:7870.")],
-    epochs: Annotated[int, typer.Option(min=1, help="Epochs to hand out.")] = _default(DispatcherOptions, "epochs"),
+    epochs: Annotated[int, typer.Option(min=1, help="Epochs to hand out.")] = default_of(DispatcherOptions, "epochs"),
     world_size: Annotated[
         int,
         typer.Option(
@@ -245,10 +240,10 @@ def dispatch(
     journal: Annotated[
         Path, typer.Option(help="Journal file: a restarted dispatcher continues the epoch from it.")
     ] = Path("crossfeed-dispatch.journal"),
-    lease_size: Annotated[int, typer.Option("--lease-size", min=1, help="Batches per lease.")] = _default(
+    lease_size: Annotated[int, typer.Option("--lease-size", min=1, help="Batches per lease.")] = default_of(
         DispatcherOptions, "lease_size"
     ),
-    window: Annotated[int, typer.Option(min=1, help="Batches leased to one server and not yet claimed.")] = _default(
+    window: Annotated[int, typer.Option(min=1, help="Batches leased to one server and not yet claimed.")] = default_of(
         DispatcherOptions, "window"
     ),
     auth_keys: Annotated[
@@ -257,19 +252,19 @@ def dispatch(
     server_key: Annotated[
         Path | None, typer.Option("--server-key", help="Dispatcher .key_secret (default AUTH_KEYS/server.key_secret).")
     ] = None,
-    heartbeat_interval: Annotated[float, typer.Option(min=0.01, help="Seconds between liveness messages.")] = _default(
-        Heartbeat, "interval"
-    ),
+    heartbeat_interval: Annotated[
+        float, typer.Option(min=0.01, help="Seconds between liveness messages.")
+    ] = default_of(Heartbeat, "interval"),
     heartbeat_timeout: Annotated[
         float, typer.Option(min=0.05, help="Seconds of silence after which a server or trainer is declared dead.")
-    ] = _default(Heartbeat, "timeout"),
+    ] = default_of(Heartbeat, "timeout"),
     insecure: Annotated[
         bool, typer.Option("--insecure", help="Bind a reachable address without --auth-keys.")
-    ] = _default(DispatcherOptions, "insecure"),
+    ] = default_of(DispatcherOptions, "insecure"),
     endpoint_file: Annotated[Path | None, typer.Option(help="Write the bound address here (for scripts).")] = None,
     linger: Annotated[
         float, typer.Option(min=0, help="After the last epoch, seconds to keep telling latecomers it is done.")
-    ] = _default(DispatcherOptions, "linger"),
+    ] = default_of(DispatcherOptions, "linger"),
     lease_timeout: Annotated[
         float,
         typer.Option(
@@ -280,7 +275,7 @@ def dispatch(
             "overtaken by later ones for S s is leased again (0: never). At least the heartbeat timeout; above "
             "the longest a server takes to build a batch (its first included).",
         ),
-    ] = _default(DispatcherOptions, "lease_timeout"),
+    ] = default_of(DispatcherOptions, "lease_timeout"),
     claim_timeout: Annotated[
         float,
         typer.Option(
@@ -290,7 +285,7 @@ def dispatch(
             "declared stalled (they go to the others, its client rejoins) (0: never). At least the heartbeat "
             "timeout; above the longest pause of your training loop between two batches.",
         ),
-    ] = _default(DispatcherOptions, "claim_timeout"),
+    ] = default_of(DispatcherOptions, "claim_timeout"),
     metrics: Metrics = None,
     *,
     options: LoaderOptions,

@@ -23,7 +23,7 @@ from crossfeed.format.schema import ImageFit
 from crossfeed.io import roots
 from crossfeed.io.cache import ENV as CACHE_ENV
 from crossfeed.io.storage import FsOptions, read_deadline
-from crossfeed.policy import OnError
+from crossfeed.policy import DEFAULT_MAX_SKIPS, OnError, check_max_skips, on_error_choice
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.executors.threads import ExecutorKind
 
@@ -250,7 +250,7 @@ class ReadOptions:
     prefetch: int = 2
     decode_images: bool = True
     on_error: OnError = OnError.RAISE
-    max_skips: int = 1000
+    max_skips: int = DEFAULT_MAX_SKIPS  # the write side's default too (crossfeed.policy)
     cache_dir: str | None = None  # remote shards are cached here (default: $CROSSFEED_CACHE_DIR when set)
     cache_limit: int | str | None = None  # bytes, or a size such as "50GB" (None: unbounded)
     executor: ExecutorKind = ExecutorKind.THREAD
@@ -287,8 +287,8 @@ class ReadOptions:
         object.__setattr__(self, "executor", choice(ExecutorKind, self.executor, "executor"))
         object.__setattr__(self, "processes", _int(self.processes, "processes", 1))
         object.__setattr__(self, "prefetch", _int(self.prefetch, "prefetch", 0))
-        object.__setattr__(self, "on_error", choice(OnError, self.on_error, "on_error"))
-        object.__setattr__(self, "max_skips", _int(self.max_skips, "max_skips", 0))
+        object.__setattr__(self, "on_error", on_error_choice(self.on_error))
+        object.__setattr__(self, "max_skips", check_max_skips(self.max_skips))
         if self.cache_dir is None and os.environ.get(CACHE_ENV):
             object.__setattr__(self, "cache_dir", os.environ[CACHE_ENV])
         if self.cache_dir is not None:
