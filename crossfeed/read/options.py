@@ -136,6 +136,16 @@ def choice(cls: type[enum.Enum], value, name: str):
         raise ConfigError(f"{name}={value!r} is not one of {choices}") from None
 
 
+def check_seed(seed) -> int:
+    """``seed`` as an int >= 0: the plan is a pure function of it, so None (a fresh order each
+    time) is refused — by every front end, with this message."""
+    if isinstance(seed, bool) or not hasattr(seed, "__index__") or int(seed.__index__()) < 0:
+        raise ConfigError(
+            f"seed must be a non-negative integer, got {seed!r}; pick one and keep it to reproduce the order"
+        )
+    return int(seed.__index__())
+
+
 def _int(value, name: str, lo: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
         raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
@@ -184,11 +194,7 @@ class PlanOptions:
         object.__setattr__(self, "shuffle", choice(Shuffle, self.shuffle, "shuffle"))
         object.__setattr__(self, "remainder", choice(Remainder, self.remainder, "remainder"))
         object.__setattr__(self, "batch_size", _int(self.batch_size, "batch_size", 1))
-        if not isinstance(self.seed, int) and not hasattr(self.seed, "__index__") or int(self.seed) < 0:
-            raise ConfigError(
-                f"seed must be a non-negative integer, got {self.seed!r}; pick one and keep it to reproduce the order"
-            )
-        object.__setattr__(self, "seed", int(self.seed))
+        object.__setattr__(self, "seed", check_seed(self.seed))
         object.__setattr__(self, "block_shards", _int(self.block_shards, "block_shards", 1))
         object.__setattr__(self, "drop_last", bool(self.drop_last))
         if self.samples_per_epoch is not None:
