@@ -115,6 +115,25 @@ def test_connect_takes_one_client_options_with_its_defaults(tmp_path):
         connect(f"ipc://{tmp_path}/none", options=ClientOptions(), credits=4)
 
 
+CONNECT_BAD = [
+    ("credits", 0),
+    ("credits", "4"),
+    ("credit_bytes", "lots"),
+    ("credit_bytes", -1),
+    ("connect_timeout", 0),
+    ("on_loss", "maybe"),
+]
+
+
+@pytest.mark.parametrize("field, value", CONNECT_BAD)
+def test_connect_refuses_what_its_options_refuse_by_name(tmp_path, field, value):
+    with pytest.raises(ConfigError) as a:
+        ClientOptions(**{field: value})
+    with pytest.raises(ConfigError) as b:
+        connect(f"ipc://{tmp_path}/none", **{field: value})
+    assert str(a.value) == str(b.value) and field in str(b.value)
+
+
 SIZES = [
     (WriteOptions, "shard_size", {}),
     (ClientOptions, "credit_bytes", {}),

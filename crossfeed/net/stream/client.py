@@ -65,11 +65,15 @@ class ClientOptions:
             object.__setattr__(self, "on_loss", OnLoss(self.on_loss))
         except ValueError as e:
             raise ConfigError(f"on_loss must be 'raise' or 'continue', got {self.on_loss!r}") from e
-        if not 1 <= self.credits <= 64:
-            raise ConfigError(f"credits must be in 1..64, got {self.credits}")
+        if isinstance(self.credits, bool) or not isinstance(self.credits, int) or not 1 <= self.credits <= 64:
+            raise ConfigError(f"credits must be an integer in 1..64, got {self.credits!r}")
         object.__setattr__(self, "credit_bytes", parse_size(self.credit_bytes, "credit_bytes", zero=True))
-        if self.connect_timeout <= 0:
-            raise ConfigError(f"connect_timeout must be > 0, got {self.connect_timeout}")
+        if (
+            isinstance(self.connect_timeout, bool)
+            or not isinstance(self.connect_timeout, (int, float))
+            or self.connect_timeout <= 0
+        ):
+            raise ConfigError(f"connect_timeout must be a number of seconds > 0, got {self.connect_timeout!r}")
 
 
 class Client(Iterator[Any]):
