@@ -161,7 +161,9 @@ class DispatchPlan:
 
 
 @contextlib.contextmanager
-def plan_dispatch(dataset: str, options: LoaderOptions, *, epochs: int | None, world_size: int = 1):
+def plan_dispatch(
+    dataset: str, options: LoaderOptions, *, epochs: int | None, world_size: int = 1
+) -> Iterator[DispatchPlan]:
     """The `DispatchPlan` of ``dataset`` under ``options`` for ``world_size`` lockstep trainers;
     a packed plan keeps the dataset open (its epochs' counts are walked lazily) until the block
     ends. Refuses what a dispatcher cannot lease (token budgets; packed plans in lockstep DDP or
