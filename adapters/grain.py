@@ -19,14 +19,16 @@
 * Picklable for Grain's worker processes: what travels is the source and its options; each
   process opens the dataset again on its first read.
 
-Only the reading options apply (``split``, ``features``, ``decode_images``, ``image_size``,
-``channels``, ``resize``, ``allowed_roots``, ``storage_options``, ``read_timeout``, ``cache_dir``,
-``cache_limit``); order, shuffling, sharding and batching are Grain's. Never imports tensorflow
-or torch.
+Options: a `crossfeed.LoaderOptions` or its fields as keywords, through the Loader's one entry
+point. Only what to read and how to decode it applies (``split``, ``features``, the `ReadOptions`
+fields: ``decode_images``, ``image_size``, ``storage_options``, ``cache_dir`` …); order,
+shuffling, sharding and batching are Grain's, and a plan or shard field away from its default is
+refused by name. Never imports tensorflow or torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Sequence
@@ -35,42 +37,58 @@ import grain
 import numpy as np
 
 from crossfeed.errors import ConfigError
-from crossfeed.read.options import LoaderOptions
+from crossfeed.read.options import LoaderOptions, PlanOptions, ShardOptions
 from crossfeed.read.pipeline import Pipeline
 from crossfeed.read.sources.dataset import Dataset
 
 __all__ = ["GrainSource", "mix"]
 
-# what a random-access source may be told: how to read and decode, never in what order
-READ_FIELDS = (
-    "split",
-    "features",
-    "decode_images",
-    "image_size",
-    "channels",
-    "resize",
-    "allowed_roots",
-    "storage_options",
-    "read_timeout",
-    "cache_dir",
-    "cache_limit",
+# the fields that say in what order, by whom or in what batches records are read: derived from
+# the option groups that hold them, so a new plan or shard option is refused here without a list
+_ORDER = (
+    *(f.name for f in dataclasses.fields(PlanOptions)),
+    *(f.name for f in dataclasses.fields(ShardOptions)),
+    "return_index",
 )
 
 
-class GrainSource:
-    """A crossfeed split (or mixture) as a Grain random-access data source; see the module docstring."""
+def _order_fields(options: LoaderOptions) -> list[str]:
+    """The order fields of a whole ``options`` away from their defaults (``batch_size`` aside:
+    a LoaderOptions always has one, and a random-access source never uses it)."""
+    plan, shard = options.plan, options.shard
+    away = [
+        f.name for f in dataclasses.fields(plan) if getattr(plan, f.name) != getattr(PlanOptions(batch_size=1), f.name)
+    ]
+    away += [f.name for f in dataclasses.fields(shard) if getattr(shard, f.name) != getattr(ShardOptions(), f.name)]
+    return [k for k in away if k != "batch_size"] + (["return_index"] if options.return_index else [])
 
-    def __init__(self, source, **fields):
-        unknown = sorted(set(fields) - set(READ_FIELDS))
-        if unknown:
+
+class GrainSource:
+    """A crossfeed split (or mixture) as a Grain random-access data source; see the module docstring.
+
+    ``options``: a `crossfeed.LoaderOptions`, or its fields as keywords — not both (the Loader's
+    one entry point, `LoaderOptions.given`, with its defaults and refusals; ``batch_size`` may be
+    left out). What to read and how to decode it applies (``split``, ``features``, the
+    `ReadOptions` fields); order, shuffling, sharding and batching are the Grain pipeline's, so
+    a plan or shard field (given as a keyword, or away from its default in a whole
+    LoaderOptions) is refused by name."""
+
+    def __init__(self, source, options: LoaderOptions | None = None, **fields):
+        away = sorted(set(fields) & set(_ORDER))
+        if not away:
+            if options is None:
+                fields["batch_size"] = 1  # the Loader's entry point wants one; never used (Grain batches)
+            options = LoaderOptions.given(options, fields, who="GrainSource")
+            away = _order_fields(options)
+        if away:
             raise ConfigError(
-                f"GrainSource takes the reading options {list(READ_FIELDS)}, not {unknown}: order, shuffling, "
-                f"sharding and batching are the Grain pipeline's (MapDataset.shuffle/batch, IndexSampler)"
+                f"GrainSource reads records by key, so {away} do not apply: order, shuffling, sharding and "
+                f"batching are the Grain pipeline's (MapDataset.shuffle/batch, IndexSampler)"
             )
         if isinstance(source, Dataset):  # other processes open it again by path, trusting what it was opened with
-            fields["allowed_roots"] = (*fields.get("allowed_roots", ()), *source.allowed_roots)
+            options = options.replace(allowed_roots=(*options.read.allowed_roots, *source.allowed_roots))
             source = source.path
-        self.source, self.fields = source, fields
+        self.source, self.options = source, options
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._pipeline: Pipeline | None = None
@@ -95,7 +113,7 @@ class GrainSource:
         with self._lock:
             if self._pipeline is None or self._pid != os.getpid():
                 # batch_size only satisfies the options: the plan is never used, only `Pipeline.records`
-                options = LoaderOptions.of(batch_size=1, shuffle="none", num_threads=0, prefetch=0, **self.fields)
+                options = self.options.replace(batch_size=1, shuffle="none", num_threads=0, prefetch=0)
                 self._pipeline, self._pid = Pipeline.build(self.source, options), os.getpid()
         return self._pipeline
 

@@ -103,8 +103,11 @@ class JaxLoader:
     """Global ``jax.Array`` batches of a dataset, a mixture or a stream; see the module docstring.
 
     ``options``: a `crossfeed.LoaderOptions` (its ``batch_size`` read as the global batch, its
-    ``drop_last`` True), or its fields as keywords (``split``, ``shuffle``, ``seed``,
-    ``features``, ``return_index``, ``remainder``, ``num_threads``, ``prefetch`` …) — not both.
+    ``drop_last`` True), or its fields as keywords (``batch_size``, ``split``, ``shuffle``,
+    ``seed``, ``features``, ``rank``, ``world_size``, ``num_threads`` …) — not both: the
+    Loader's one entry point (`LoaderOptions.given`), its defaults and its refusals, except that
+    ``drop_last`` defaults to True and the share (``rank`` of ``world_size``; a whole
+    LoaderOptions' default 0 of 1) to ``jax.process_index()`` of ``jax.process_count()``.
     ``transform``/``batch_transform``/``epoch`` are the Loader's. Iterating yields one epoch
     and moves to the next, as the Loader does; `epochs` runs several without a pause.
     """
@@ -114,12 +117,9 @@ class JaxLoader:
         source,
         options: LoaderOptions | None = None,
         *,
-        batch_size: int | None = None,
         sharding: jax.sharding.Sharding | None = None,
         device_prefetch: int | None = None,
         pad_to: dict[str, int] | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
         transform: Callable[[dict], dict] | None = None,
         batch_transform: Callable[[dict], dict] | None = None,
         epoch: int = 0,
@@ -137,7 +137,6 @@ class JaxLoader:
             cpu = all(d.platform == "cpu" for d in self.sharding.device_set)  # type: ignore[attr-defined]
             device_prefetch = 0 if cpu else DEVICE_PREFETCH
         self.device_prefetch = device_prefetch
-        self.rank, self.world_size = _rank_and_world(rank, world_size)
         pad = check_pad_to(pad_to)
         # batch buffers the devices use in place; a few big ones reused once nothing holds them
         self._alloc = AlignedArrays(keep=8 + device_prefetch)  # as many as the core recycler, + the thread's
@@ -145,7 +144,9 @@ class JaxLoader:
         self._meter = metrics.Meter()  # the training loop's own wait and step, timed in `_run`
         self._running: _Ahead | None = None
         self.loader: Loader | None = None
-        if self._stream is not None:
+        if self._stream is not None:  # of the options, only the batch and the share mean anything here
+            batch_size = fields.pop("batch_size", None)
+            self.rank, self.world_size = _rank_and_world(fields.pop("rank", None), fields.pop("world_size", None))
             extra = sorted(
                 k for k, v in {"options": options, "transform": transform, **fields}.items() if v is not None
             )
@@ -160,24 +161,15 @@ class JaxLoader:
             self.global_batch_size = batch_size
             self._assemble = Assembler(self.sharding, self.world_size, local, pad, alloc=self._alloc)
             return
+        # one entry point for the options (the Loader's); the share defaults to JAX's processes
         if options is None:
             fields.setdefault("drop_last", True)
-            if batch_size is not None:
-                fields["batch_size"] = batch_size
-        elif batch_size is not None and batch_size != options.plan.batch_size:
-            raise ConfigError(
-                f"batch_size={batch_size} and the options' batch_size {options.plan.batch_size} disagree; pass one"
-            )
+            if fields.get("rank") is None and fields.get("world_size") is None:
+                fields.update(rank=jax.process_index(), world_size=jax.process_count())
+        elif isinstance(options, LoaderOptions) and options.world_size == 1 and not fields:
+            options = options.replace(rank=jax.process_index(), world_size=jax.process_count())
         opts = LoaderOptions.given(options, fields, who="JaxLoader")
-        if (
-            options is not None
-            and opts.world_size != 1
-            and (opts.rank, opts.world_size) != (self.rank, self.world_size)
-        ):
-            raise ConfigError(
-                f"the options say rank {opts.rank} of {opts.world_size}, JAX this process is {self.rank} of "
-                f"{self.world_size}: pass rank=/world_size= to JaxLoader (not in the options)"
-            )
+        self.rank, self.world_size = opts.rank, opts.world_size
         if not opts.plan.drop_last:
             raise ConfigError(
                 "JaxLoader keeps shapes static, so the partial last batch is dropped: drop_last=True "

@@ -50,7 +50,7 @@ ParameterServerStrategy
 Its workers run the dataset function themselves, all with ``input_pipeline_id == 0``, so nothing
 shards across workers; TF's recipe is an endless dataset and a fixed number of scheduled steps::
 
-    fn = cftf.input_fn("data/", global_batch_size=64, repeat=True, seed=None)   # native engine
+    fn = cftf.input_fn("data/", global_batch_size=64, repeat=True, seed=None, engine="native")
     per_worker = coordinator.create_per_worker_dataset(
         lambda: strategy.distribute_datasets_from_function(fn))
     it = iter(per_worker)
@@ -58,8 +58,8 @@ shards across workers; TF's recipe is an endless dataset and a fixed number of s
         coordinator.schedule(train_step, args=(it,))
     coordinator.join()
 
-``seed=None`` lets every worker shuffle differently (with an int seed all workers read the same
-order). When a worker restarts, the coordinator rebuilds its dataset from the function and its
+``seed=None`` (with ``engine="native"`` said: an unseeded order is never picked for you) lets every
+worker shuffle differently (with an int seed all workers read the same order). When a worker restarts, the coordinator rebuilds its dataset from the function and its
 iterator starts over from the beginning of a fresh shuffle; the steps it was running are
 re-scheduled on other workers. Data is therefore seen "about uniformly", not exactly once per
 epoch: PS training gives no epoch boundary. Use the plan engine on a single host, or the native
@@ -181,7 +181,8 @@ def dataset(
     fields as keywords (``split``, ``batch_size``, ``shuffle``, ``seed``, ``drop_last``,
     ``features``, ``rank``, ``world_size``, ``return_index``, ``num_threads`` …), with the
     Loader's defaults and validation — not both. TensorFlow's own: ``batch_size`` left out (or
-    None) reads records; ``seed=None`` shuffles differently on every worker (native engine);
+    None) reads records; ``seed=None`` with ``engine="native"`` shuffles differently on every
+    worker (refused otherwise, as every front end refuses it);
     ``tf_prefetch`` is tf.data's prefetch (None: AUTOTUNE), ``prefetch`` the Loader's. ``source`` may
     also be a mixture, a list of `crossfeed.Source` (plan engine).
 

@@ -7,7 +7,9 @@ buffer, repetition).
 through `LoaderOptions.of` — the same defaults and the same validation as ``crossfeed.Loader`` —
 and two values only TensorFlow gives a meaning to are kept beside it: ``batch_size=None``
 (records, not batches: tf.data's unbatched form) and ``seed=None`` (every worker shuffles its
-own way: ParameterServerStrategy), both for the native engine.
+own way: ParameterServerStrategy), both for the native engine. ``seed=None`` is refused, with
+the Loader's message, unless ``engine="native"`` is said: as in every other front end, an
+unseeded order is never picked for the user.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import dataclasses
 import enum
 
 from crossfeed.errors import ConfigError
-from crossfeed.read.options import LoaderOptions, Shuffle, choice
+from crossfeed.read.options import LoaderOptions, Shuffle, check_seed, choice
 
 
 class Engine(str, enum.Enum):
@@ -75,6 +77,15 @@ class TFOptions:
         batched, seeded = fields.get("batch_size") is not None, "seed" not in fields or fields["seed"] is not None
         fields["batch_size"] = fields.get("batch_size") if batched else 1
         if not seeded:
+            if choice(Engine, tf_fields.get("engine", Engine.AUTO), "engine") is not Engine.NATIVE:
+                try:
+                    check_seed(None)  # every front end refuses it with the Loader's words …
+                except ConfigError as e:
+                    raise ConfigError(
+                        f"{e} (… but TensorFlow's native engine, whose order is tf.data's own shuffle, takes "
+                        "seed=None as tf.data does: a fresh order on every worker, for ParameterServerStrategy; "
+                        "say engine='native' to choose it)"
+                    ) from None
             fields.pop("seed")
         if "features" in fields and fields["features"] is not None and not fields["features"]:
             raise ConfigError("features must be a non-empty list of feature names, got []")

@@ -18,10 +18,9 @@ from crossfeed.beam_jobs.runner import run_pipeline
 from crossfeed.beam_jobs.sources import ReadSource, Source
 from crossfeed.beam_jobs.splits import SplitSpec
 from crossfeed.beam_jobs.write import WriteDataset
-from crossfeed.config import parse_size
 from crossfeed.errors import ConfigError
 from crossfeed.write.commit import check_target, read_manifest
-from crossfeed.write.writer import DEFAULT_SHARD_SIZE
+from crossfeed.write.options import WriteOptions
 
 log = logging.getLogger(__name__)
 
@@ -51,23 +50,25 @@ def convert(
     *,
     split: str = "train",
     splits: SplitSpec | str | None = None,
-    num_shards: int | None = None,
-    shard_size: int | str = DEFAULT_SHARD_SIZE,
-    compress: bool = False,
     seed: int = 0,
-    max_skips: int | None = None,
     runner: str | None = None,
     beam_args: Sequence[str] = (),
     on_progress: Callable[[int, int, float], None] | None = None,
     overwrite: bool = False,
+    options: WriteOptions | None = None,
+    **fields,
 ) -> ConvertResult:
     """Convert ``source`` into split(s) of the dataset at ``out``; returns what was written.
 
+    How it is laid out is one `WriteOptions` (``options=``, or its fields as keywords:
+    ``num_shards``, ``shard_size="64MB"``, ``compress``, ``max_skips`` — the job-wide budget of
+    bad records; the source's own ``on_error=ErrorPolicy.of(options)`` says whether it skips).
     ``on_progress(samples, bytes, seconds)`` is called about twice a second while the job runs
     (samples encoded so far; works on any runner whose workers share ``out``'s filesystem). On
     failure the job's temporary files are removed and the error propagates. ``out`` must be new or
     empty; ``overwrite=True`` replaces the dataset there, all of it, in one atomic commit.
     """
+    options = WriteOptions.given(options, fields, who="convert")
     out = os.path.abspath(os.fspath(out))
     os.makedirs(out, exist_ok=True)
     check_target(out, overwrite=overwrite, clean=True)  # refuse before any work
@@ -76,18 +77,15 @@ def convert(
         out,
         split=split,
         splits=splits,
-        num_shards=num_shards,
-        shard_size=parse_size(shard_size, "shard size"),
         schema=source.schema,
-        compress=compress,
         metadata=source.metadata,
         seed=seed,
         batched=True,
-        max_skips=max_skips,
         token=token,
         progress=on_progress is not None,
         overwrite=overwrite,
         lengths=getattr(source, "length_features", ()),
+        options=options,
     )
     read = ReadSource(source)
     watcher = _Watcher(write.cfg.progress_dir, on_progress) if on_progress is not None else None

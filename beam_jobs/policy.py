@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from crossfeed.errors import BadInputError, CrossfeedError, DuplicateKeyError, EmptyInputError
-from crossfeed.policy import ErrorBudget, OnError
+from crossfeed.errors import BadInputError, DuplicateKeyError, EmptyInputError
+from crossfeed.policy import DEFAULT_MAX_SKIPS, ErrorBudget, OnError, check_max_skips, on_error_choice
+from crossfeed.write.options import WriteOptions
 
 log = logging.getLogger(__name__)
 __all__ = ["BadInputError", "DuplicateKeyError", "EmptyInputError", "ErrorPolicy", "OnError", "Skips"]
@@ -22,19 +23,24 @@ __all__ = ["BadInputError", "DuplicateKeyError", "EmptyInputError", "ErrorPolicy
 @dataclass(frozen=True)
 class ErrorPolicy:
     """What to do with a bad input record: raise (default) or skip, at most ``max_skips`` of them
-    (None: no limit)."""
+    (the read side's default budget); `of` takes both from a `WriteOptions`. A bad value is a
+    `ConfigError` naming the option, as everywhere."""
 
     mode: OnError = OnError.RAISE
-    max_skips: int | None = None
+    max_skips: int = DEFAULT_MAX_SKIPS
 
     def __post_init__(self):
-        object.__setattr__(self, "mode", OnError(self.mode))
-        if self.max_skips is not None and self.max_skips < 0:
-            raise CrossfeedError(f"max_skips must be >= 0 or None, got {self.max_skips}")
+        object.__setattr__(self, "mode", on_error_choice(self.mode))
+        object.__setattr__(self, "max_skips", check_max_skips(self.max_skips))
+
+    @classmethod
+    def of(cls, options: WriteOptions) -> ErrorPolicy:
+        """The policy of a write's options (``on_error``, ``max_skips``)."""
+        return cls(options.on_error, options.max_skips)
 
     def check_total(self, skipped: int, where: str) -> None:
         """Raise when the whole job skipped more records than the budget allows."""
-        if self.max_skips is not None and skipped > self.max_skips:
+        if skipped > self.max_skips:
             raise BadInputError(
                 f"{where}: {skipped} bad records were skipped, more than the budget of {self.max_skips}; "
                 f"fix the input or raise --max-skips"

@@ -28,6 +28,7 @@ from crossfeed.beam_jobs.splits import SplitSpec
 from crossfeed.errors import ConfigError, CrossfeedError, SchemaError
 from crossfeed.format.schema import Schema, widen
 from crossfeed.format.stats import FeatureStats
+from crossfeed.write.options import WriteOptions
 from crossfeed.write.staging import ShardSink, StagedShard
 
 log = logging.getLogger(__name__)
@@ -40,23 +41,18 @@ class WriteConfig:
     root: str
     token: str
     splits: SplitSpec
-    num_shards: int | None = None
-    shard_size: int = 256 << 20
+    options: WriteOptions = WriteOptions()  # shards, compression, the job-wide bad-record budget
     schema: Schema | None = None
-    compress: bool = False
     metadata: dict = field(default_factory=dict)
     seed: int = 0
-    policy: ErrorPolicy = ErrorPolicy()
     progress: bool = False
     overwrite: bool = False
     add_split: bool = False
     lengths: tuple[str, ...] = ()  # features whose per-record lengths go into lengths files
 
     def __post_init__(self):
-        if self.num_shards is not None and self.num_shards < 1:
-            raise ConfigError(f"num_shards must be >= 1, got {self.num_shards}")
-        if self.shard_size < 1:
-            raise ConfigError(f"shard_size must be >= 1 byte, got {self.shard_size}")
+        if not isinstance(self.options, WriteOptions):
+            raise ConfigError(f"options must be a WriteOptions, got {type(self.options).__name__}")
         if not self.token or not self.token.isalnum():
             raise ConfigError(f"job token must be alphanumeric, got {self.token!r}")
         object.__setattr__(self, "lengths", tuple(self.lengths))
@@ -64,6 +60,10 @@ class WriteConfig:
             unknown = [n for n in self.lengths if n not in self.schema.names]
             if unknown:
                 raise ConfigError(f"lengths of {unknown} asked for; the schema's features are {self.schema.names}")
+
+    @property
+    def policy(self) -> ErrorPolicy:
+        return ErrorPolicy.of(self.options)
 
     @property
     def progress_dir(self) -> str:
@@ -156,7 +156,9 @@ class PlanDoFn(beam.DoFn):
                     f"{cfg.root}: split {name!r} received none of the {total} samples; "
                     f"give it a larger ratio or convert more data"
                 )
-            n = planning.num_shards_for(name, count, nbytes[name], num_shards=cfg.num_shards, shard_size=cfg.shard_size)
+            n = planning.num_shards_for(
+                name, count, nbytes[name], num_shards=cfg.options.num_shards, shard_size=cfg.options.shard_size
+            )
             num_shards[name] = n
             plans = planning.plan_split(name, hist[name], n)
             tables[name] = planning.route_table(plans)
@@ -218,7 +220,7 @@ class WriteShardDoFn(beam.DoFn):
             )
         order = planning.sorted_order(hashes, keys, split)
         os.makedirs(self.cfg.root, exist_ok=True)
-        sink = ShardSink(self.cfg.root, f"{self.cfg.token}-{split}-{index:05d}", compress=self.cfg.compress)
+        sink = ShardSink(self.cfg.root, f"{self.cfg.token}-{split}-{index:05d}", compress=self.cfg.options.compress)
         mine = order[p.lo - p.first_offset : p.hi - p.first_offset]
         try:
             for i in mine.tolist():

@@ -26,13 +26,12 @@ import secrets
 
 import apache_beam as beam
 
-from crossfeed.beam_jobs.policy import ErrorPolicy, OnError
 from crossfeed.beam_jobs.records import SampleBatch
 from crossfeed.beam_jobs.splits import SplitSpec
 from crossfeed.beam_jobs.steps import CommitDoFn, EncodeDoFn, PlanDoFn, WriteConfig, WriteShardDoFn, route_batch
 from crossfeed.errors import ConfigError, SchemaError
 from crossfeed.format.schema import Schema
-from crossfeed.write.writer import DEFAULT_SHARD_SIZE
+from crossfeed.write.options import WriteOptions
 
 PAIR_BATCH = 1024
 
@@ -41,14 +40,16 @@ class WriteDataset(beam.PTransform):
     """Write the input as split ``split`` (or as ``splits``, a `SplitSpec` or ``"a=0.9,b=0.1"``)
     of the dataset at ``path`` (a local or shared-filesystem directory every worker can reach).
 
-    ``num_shards`` fixes the shard count; otherwise it is ``ceil(bytes / shard_size)``. ``schema``
-    is inferred when not given. ``seed`` changes the write-time shuffle (not split membership).
-    ``max_skips`` is the job-wide budget of bad records sources may skip. ``key_groups`` sets how
-    many groups ``(key, sample)`` input is batched in (each group is held in memory once).
-    ``path`` must hold no dataset: ``overwrite=True`` replaces one whole, ``add_split=True`` adds
-    new splits to it (`crossfeed.write.writer.check_target`); the commit is one atomic rename.
-    ``lengths`` names variable-length features whose per-record lengths (number of values) are
-    written beside each shard (``NAME.len``, `crossfeed.format.lengths`), pinned by the manifest.
+    How it is laid out is one `WriteOptions`, whole (``options=``) or as its fields (``num_shards``
+    fixes the shard count, otherwise it is ``ceil(bytes / shard_size)``; ``compress``;
+    ``max_skips``, the job-wide budget of bad records the sources may skip). ``schema`` is
+    inferred when not given. ``seed`` changes the write-time shuffle (not split membership).
+    ``key_groups`` sets how many groups ``(key, sample)`` input is batched in (each group is held
+    in memory once). ``path`` must hold no dataset: ``overwrite=True`` replaces one whole,
+    ``add_split=True`` adds new splits to it (`crossfeed.write.writer.check_target`); the commit
+    is one atomic rename. ``lengths`` names variable-length features whose per-record lengths
+    (number of values) are written beside each shard (``NAME.len``, `crossfeed.format.lengths`),
+    pinned by the manifest.
     """
 
     def __init__(
@@ -57,22 +58,21 @@ class WriteDataset(beam.PTransform):
         *,
         split: str = "train",
         splits: SplitSpec | str | None = None,
-        num_shards: int | None = None,
-        shard_size: int = DEFAULT_SHARD_SIZE,
         schema: Schema | None = None,
-        compress: bool = False,
         metadata: dict | None = None,
         seed: int = 0,
         batched: bool = False,
-        max_skips: int | None = None,
         key_groups: int = 64,
         token: str | None = None,
         progress: bool = False,
         overwrite: bool = False,
         add_split: bool = False,
         lengths: tuple[str, ...] = (),
+        options: WriteOptions | None = None,
+        **fields,
     ):
         super().__init__()
+        options = WriteOptions.given(options, fields, who="WriteDataset")
         if isinstance(splits, str):
             splits = SplitSpec.parse(splits)
         if key_groups < 1:
@@ -81,13 +81,10 @@ class WriteDataset(beam.PTransform):
             root=str(path),
             token=token or secrets.token_hex(6),
             splits=splits or SplitSpec.single(split),
-            num_shards=num_shards,
-            shard_size=shard_size,
+            options=options,
             schema=schema,
-            compress=compress,
             metadata=dict(metadata or {}),
             seed=seed,
-            policy=ErrorPolicy(OnError.SKIP, max_skips),
             progress=progress,
             overwrite=overwrite,
             add_split=add_split,

@@ -41,14 +41,17 @@ if TYPE_CHECKING:
         Shuffle,
         Source,
     )
+    from crossfeed.read.pipeline import Pipeline
     from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
+    from crossfeed.write.options import WriteOptions
 
 __version__ = "0.1.0"
 
 
 def write_dataset(path, samples, **options) -> "Dataset":
     """Write ``samples`` as a split of the dataset at ``path`` and return it opened: the options
-    and the atomic commit are `crossfeed.write.writer.write_samples`'s."""
+    (a `WriteOptions`, whole as ``options=`` or as its fields: ``shard_size="64MB"`` …) and the
+    atomic commit are `crossfeed.write.writer.write_samples`'s."""
     from crossfeed.read.sources.dataset import open_dataset
     from crossfeed.write.writer import write_samples
 
@@ -61,6 +64,8 @@ _LAZY = {
     "Feature": "crossfeed.format.schema",
     "Schema": "crossfeed.format.schema",
     "Loader": "crossfeed.read.loader",
+    "Pipeline": "crossfeed.read.pipeline",
+    "WriteOptions": "crossfeed.write.options",
     "LoaderOptions": "crossfeed.read.options",
     "Pack": "crossfeed.read.options",
     "PlanOptions": "crossfeed.read.options",
@@ -108,6 +113,7 @@ __all__ = [
     "LoaderOptions",
     "ManifestError",
     "Pack",
+    "Pipeline",
     "PlanOptions",
     "ReadOptions",
     "Remainder",
@@ -123,6 +129,7 @@ __all__ = [
     "SplitNotFoundError",
     "WireError",
     "WorkerError",
+    "WriteOptions",
     "connect",
     "open_dataset",
     "write_dataset",

@@ -19,20 +19,25 @@ _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*([kmgt]?)(i?b)?\s*", re.IGNORECASE)
 
 
-def parse_size(value, what: str = "size") -> int:
+def parse_size(value, what: str = "size", *, zero: bool = False) -> int:
     """Bytes from a positive int or a string such as ``"50GB"``, ``"512M"``, ``"1.5GiB"``,
-    ``"4096"`` (K, M, G, T: powers of 1024). ``what`` names the option in the error."""
-    if isinstance(value, bool):
+    ``"4096"`` (K, M, G, T: powers of 1024). ``what`` names the option in the error. ``zero``:
+    0 is accepted too (the options where 0 means "no byte limit")."""
+    lo = 0 if zero else 1
+    if isinstance(value, float) and value.is_integer():  # 1e9 reads as a byte count
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, str)) and not hasattr(value, "__index__"):
         raise ConfigError(f"{what} must be a size such as '50GB' or a byte count, got {value!r}")
-    if isinstance(value, int):
-        if value < 1:
-            raise ConfigError(f"{what} must be positive, got {value}")
+    if not isinstance(value, str):
+        value = int(value.__index__())
+        if value < lo:
+            raise ConfigError(f"{what} must be {'>= 0' if zero else 'positive'}, got {value}")
         return value
-    m = _SIZE.fullmatch(str(value))
+    m = _SIZE.fullmatch(value)
     if not m:
         raise ConfigError(f"{what} {value!r} is not a size such as '50GB', '1.5GiB', '512M' or a byte count")
     n = int(float(m[1]) * 1024 ** _UNITS[m[2].lower()])
-    if n < 1:
+    if n < lo or (n == 0 and float(m[1]) != 0):
         raise ConfigError(f"{what} must be at least one byte, got {value!r}")
     return n
 

@@ -1,7 +1,8 @@
 """The bad-data policy, one implementation for readers and writers: ``on_error="raise"`` (the
 default) raises at the first bad record; ``on_error="skip"`` drops bad records, each counted and
 logged (rate-limited: the first few, then every 100th), until more than ``max_skips`` were
-dropped — then it raises with the last one's message."""
+dropped — then it raises with the last one's message. One default budget (`DEFAULT_MAX_SKIPS`)
+and one check for both sides (`ReadOptions`, `WriteOptions`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,31 @@ import enum
 import logging
 import threading
 
-from crossfeed.errors import CrossfeedError
+from crossfeed.errors import ConfigError, CrossfeedError
+
+# the most bad records ``on_error="skip"`` drops before it raises, reading or writing
+DEFAULT_MAX_SKIPS = 1000
 
 
 class OnError(str, enum.Enum):
     RAISE = "raise"  # the first bad record raises, naming its file and place
     SKIP = "skip"  # bad records are dropped, counted and logged, up to a budget
+
+
+def on_error_choice(value) -> OnError:
+    """``value`` ("raise", "skip" or a member) as an `OnError`, or a ConfigError naming the option."""
+    try:
+        return OnError(value.value if isinstance(value, enum.Enum) else value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in OnError)
+        raise ConfigError(f"on_error={value!r} is not one of {choices}") from None
+
+
+def check_max_skips(value) -> int:
+    """``max_skips`` as an int >= 0, or a ConfigError naming the option."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or int(value.__index__()) < 0:
+        raise ConfigError(f"max_skips must be an integer >= 0, got {value!r}")
+    return int(value.__index__())
 
 
 class ErrorBudget:

@@ -174,7 +174,7 @@ def test_serving_a_dataset_with_a_variable_length_list(tmp_path):
     """`crossfeed serve`'s batch source (the Loader) over a dataset with a ragged feature: every
     sample's list arrives intact, whatever its length (empty included)."""
     import crossfeed
-    from crossfeed.cli.net import LoaderEpochs
+    from crossfeed.net.run import LoaderEpochs
 
     n = 23
     crossfeed.write_dataset(

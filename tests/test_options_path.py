@@ -1,7 +1,9 @@
 """One options path: every front end without a framework — the Loader, the process-worker recipe,
 a dispatcher's plan as a server rebuilds it, ``crossfeed bench``, ``serve`` and ``dispatch`` —
 makes one `LoaderOptions` with the library's defaults and validation, and each option reaches the
-stage that uses it. (The torch and TF adapters: test_options_path_torch.py / _tf.py.)"""
+stage that uses it. (The torch, TF, JAX and Grain adapters: test_options_path_torch.py / _tf.py /
+_jax.py / _grain.py; the network options of serve, dispatch and connect: _net.py; the write side:
+_write.py.)"""
 
 from __future__ import annotations
 
@@ -122,8 +124,8 @@ def captured(monkeypatch):
             raise SystemExit(0)
 
     monkeypatch.setattr("crossfeed.read.tools.profile.bench_loader", bench_loader)
-    monkeypatch.setattr("crossfeed.cli.net.LoaderEpochs", Epochs)
-    monkeypatch.setattr("crossfeed.net.lease.dispatcher.LeaseDispatcher", Dispatcher)
+    monkeypatch.setattr("crossfeed.net.run.LoaderEpochs", Epochs)
+    monkeypatch.setattr("crossfeed.net.run.LeaseDispatcher", Dispatcher)
     return got
 
 

@@ -51,7 +51,21 @@ def test_tf_refuses_what_the_loader_refuses(options_data, field, value):
         LoaderOptions.of(**{"batch_size": 3, **{field: value}})
     with pytest.raises(ConfigError) as b:
         cftf.dataset(options_data, **{"batch_size": 3, **{field: value}})
-    assert str(a.value) == str(b.value)
+    if (field, value) == ("seed", None):  # the Loader's words, then where TF's own shuffle takes it
+        assert str(b.value).startswith(str(a.value)) and "engine='native'" in str(b.value)
+    else:
+        assert str(a.value) == str(b.value)
+
+
+def test_seed_none_is_tfs_own_shuffle_only_when_the_native_engine_is_chosen(options_data):
+    for make in (cftf.dataset, cftf.input_fn):
+        size = {"batch_size": 3} if make is cftf.dataset else {"global_batch_size": 3}
+        with pytest.raises(ConfigError, match="seed must be a non-negative integer, got None"):
+            make(options_data, seed=None, **size)
+        with pytest.raises(ConfigError, match="seed must be a non-negative integer, got None"):
+            make(options_data, seed=None, engine="plan", **size)
+    records = cftf.dataset(options_data, seed=None, engine="native", batch_size=3)
+    assert len(list(records)) == 8  # 24 train records, a fresh order: TF's shuffle, said out loud
 
 
 def test_tf_reads_what_the_loader_reads(options_data):

@@ -314,8 +314,8 @@ def test_parquet_sources_mix(pa_dir, tmp_path):
 def test_serve_streams_parquet_batches(pa_dir, tmp_path):
     """`crossfeed serve`'s own factory over Parquet, to a client on ipc://: every row once per
     epoch, with pyarrow's values."""
-    from crossfeed.cli.net import LoaderEpochs
     from crossfeed.net import Server, ServerOptions, connect
+    from crossfeed.net.run import LoaderEpochs
     from crossfeed.read.options import LoaderOptions
 
     root, paths = pa_dir

@@ -94,7 +94,7 @@ def test_parameter_server_strategy_in_process_cluster(separable):
         strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
         coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
 
-        fn = cftf.input_fn(sys.argv[1], global_batch_size=32, repeat=True, seed=None)
+        fn = cftf.input_fn(sys.argv[1], global_batch_size=32, repeat=True, seed=None, engine="native")
         per_worker = coordinator.create_per_worker_dataset(lambda: strategy.distribute_datasets_from_function(fn))
         it = iter(per_worker)
         with strategy.scope():

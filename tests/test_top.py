@@ -81,7 +81,7 @@ def test_top_once_against_a_plain_server(tmp_path):
 
 def test_top_gives_the_verdict_of_a_served_loader(tmp_path, dataset):
     from crossfeed import connect
-    from crossfeed.cli.net import LoaderEpochs
+    from crossfeed.net.run import LoaderEpochs
     from crossfeed.read.options import LoaderOptions
 
     factory = LoaderEpochs(dataset, LoaderOptions.of(batch_size=8, num_threads=1))

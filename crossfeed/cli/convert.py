@@ -22,9 +22,11 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand
 
-from crossfeed.cli.options import Group, with_options
+from crossfeed.cli.options import Group, default_of, with_options
 from crossfeed.cli.progress import Progress
 from crossfeed.errors import ConfigError
+from crossfeed.policy import OnError
+from crossfeed.write.options import DEFAULT_SHARD_SIZE, WriteOptions
 
 log = logging.getLogger(__name__)
 _BEAM_ARGS = "crossfeed.beam_args"
@@ -46,11 +48,6 @@ class _BeamCommand(TyperCommand):
 class Compress(str, enum.Enum):
     none = "none"
     gzip = "gzip"
-
-
-class OnError(str, enum.Enum):
-    raise_ = "raise"
-    skip = "skip"
 
 
 class TokenDtype(str, enum.Enum):
@@ -78,7 +75,9 @@ Out = Annotated[
 SplitOpt = Annotated[str, typer.Option("--split", help="The split to write everything to.")]
 SplitsOpt = Annotated[str | None, typer.Option("--splits", help="Deterministic ratios, e.g. train=0.9,validation=0.1.")]
 ShardsOpt = Annotated[int | None, typer.Option("--shards", min=1, help="Exactly this many shards per split.")]
-SizeOpt = Annotated[str, typer.Option("--shard-size", help="Target shard size when --shards is not given (256MB, 1G).")]
+SizeOpt = Annotated[
+    str, typer.Option("--shard-size", help="Target shard size when --shards is not given (256MB, 1G, 1.5GiB).")
+]
 CompressOpt = Annotated[Compress, typer.Option("--compress", help="GZIP the shards.")]
 RunnerOpt = Annotated[str | None, typer.Option("--runner", help="Beam runner (default: in-process, offline).")]
 SeedOpt = Annotated[
@@ -87,7 +86,7 @@ SeedOpt = Annotated[
 OnErrorOpt = Annotated[
     OnError, typer.Option("--on-error", help="A bad record stops the job (raise) or is dropped (skip).")
 ]
-MaxSkipsOpt = Annotated[int | None, typer.Option("--max-skips", min=0, help="Most bad records to skip before failing.")]
+MaxSkipsOpt = Annotated[int, typer.Option("--max-skips", min=0, help="Most bad records to skip before failing.")]
 LabelOpt = Annotated[str | None, typer.Option("--label", help="Column/array stored as the feature 'label'.")]
 TypesOpt = Annotated[str | None, typer.Option("--types", help="Column types, e.g. age:int64,name:string.")]
 LabelClassesOpt = Annotated[
@@ -108,9 +107,9 @@ COMMON = Group(
     {
         "split": (SplitOpt, "train"),
         "splits": (SplitsOpt, None),
-        "shards": (ShardsOpt, None),
-        "shard_size": (SizeOpt, "256MB"),
-        "compress": (CompressOpt, Compress.none),
+        "shards": (ShardsOpt, default_of(WriteOptions, "num_shards")),
+        "shard_size": (SizeOpt, f"{DEFAULT_SHARD_SIZE >> 20}MB"),  # WriteOptions' default, as a user writes it
+        "compress": (CompressOpt, Compress.gzip if default_of(WriteOptions, "compress") else Compress.none),
         "runner": (RunnerOpt, None),
         "seed": (SeedOpt, 0),
         "verify": (VerifyOpt, True),
@@ -119,7 +118,14 @@ COMMON = Group(
     dict,
 )
 # the bad-record policy of the sources that parse (images, CSV, Parquet)
-BAD_RECORDS = Group("bad_records", {"on_error": (OnErrorOpt, OnError.raise_), "max_skips": (MaxSkipsOpt, None)}, dict)
+BAD_RECORDS = Group(
+    "bad_records",
+    {
+        "on_error": (OnErrorOpt, default_of(WriteOptions, "on_error")),
+        "max_skips": (MaxSkipsOpt, default_of(WriteOptions, "max_skips")),
+    },
+    dict,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -323,8 +329,14 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict,
     if kind == "images" and len(src) != 1:
         raise typer.BadParameter("convert images takes one image folder", param_hint="INPUT")
     _check_paths(src, out)
+    write_options = WriteOptions(
+        num_shards=common["shards"],
+        shard_size=common["shard_size"],
+        compress=common["compress"] is Compress.gzip,
+        **{k: common[k] for k in ("on_error", "max_skips") if k in common},
+    )
     if "on_error" in common:
-        source_options["on_error"] = ErrorPolicy(common["on_error"].value, common["max_skips"])
+        source_options["on_error"] = ErrorPolicy.of(write_options)
     options = {k: v for k, v in source_options.items() if v is not None}
     try:
         source = job.make_source(kind, src[0] if kind == "images" else src, **options)
@@ -341,15 +353,12 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict,
             out,
             split=common["split"],
             splits=common["splits"],
-            num_shards=common["shards"],
-            shard_size=common["shard_size"],
-            compress=common["compress"] is Compress.gzip,
             seed=common["seed"],
-            max_skips=common.get("max_skips"),
             runner=common["runner"],
             beam_args=list(ctx.meta.get(_BEAM_ARGS, [])),
             on_progress=lambda samples, nbytes, seconds: bar.update(samples),
             overwrite=common["overwrite"],
+            options=write_options,
         )
         bar.update(result.total_samples, result.total_samples)
         per_split = ", ".join(f"{k}: {v:,} in {result.shards[k]} shards" for k, v in result.samples.items())

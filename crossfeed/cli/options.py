@@ -27,7 +27,7 @@ from crossfeed.policy import OnError
 from crossfeed.read.options import LoaderOptions, Pack, PackSplit, PlanOptions, ReadOptions, Remainder, Resize, Shuffle
 
 
-def _default(cls, name: str):
+def default_of(cls, name: str):
     """A field's default, read off its dataclass: the CLI never re-states the library's."""
     return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
@@ -88,7 +88,7 @@ def _loader_options(v: dict) -> LoaderOptions:
         num_threads=v["threads"],
         prefetch=v["prefetch"],
         executor="thread" if v["procs"] is None else "process",
-        processes=v["procs"] or _default(ReadOptions, "processes"),
+        processes=v["procs"] or default_of(ReadOptions, "processes"),
         decode_images=v["decode_images"],
         image_size=v["image_size"],
         channels=v["channels"],
@@ -118,8 +118,8 @@ def _pack(v: dict) -> dict | None:
     features = tuple(f for item in v["pack_features"] or () for f in item.split(",") if f)
     return {
         "length": v["pack_length"],
-        "features": features or _default(Pack, "features"),
-        "split": _value(v["pack_split"] or _default(Pack, "split")),
+        "features": features or default_of(Pack, "features"),
+        "split": _value(v["pack_split"] or default_of(Pack, "split")),
     }
 
 
@@ -190,7 +190,7 @@ LOADER = Group(
     {
         "split": (
             Annotated[str, typer.Option("--split", "-s", help="Split to read.")],
-            _default(LoaderOptions, "split"),
+            default_of(LoaderOptions, "split"),
         ),
         "batch_size": (
             Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Samples per batch.")],
@@ -200,15 +200,15 @@ LOADER = Group(
             Annotated[
                 Shuffle, typer.Option("--shuffle", help="Order: exact global permutation, shard blocks, or file order.")
             ],
-            _default(PlanOptions, "shuffle"),
+            default_of(PlanOptions, "shuffle"),
         ),
         "seed": (
             Annotated[int, typer.Option("--seed", min=0, help="Shuffle seed (the same seed gives the same order).")],
-            _default(PlanOptions, "seed"),
+            default_of(PlanOptions, "seed"),
         ),
         "drop_last": (
             Annotated[bool, typer.Option("--drop-last/--keep-last", help="Drop a last partial batch.")],
-            _default(PlanOptions, "drop_last"),
+            default_of(PlanOptions, "drop_last"),
         ),
         "remainder": (
             Annotated[
@@ -217,19 +217,19 @@ LOADER = Group(
                     "--remainder", help="Over several ranks: pad the epoch's tail from its start, or drop it."
                 ),
             ],
-            _default(PlanOptions, "remainder"),
+            default_of(PlanOptions, "remainder"),
         ),
         "block_shards": (
             Annotated[int, typer.Option("--block-shards", min=1, help="With --shuffle block: shards read together.")],
-            _default(PlanOptions, "block_shards"),
+            default_of(PlanOptions, "block_shards"),
         ),
         "threads": (
             Annotated[int, typer.Option("--threads", "-t", min=0, help="Loader threads building batches in parallel.")],
-            _default(ReadOptions, "num_threads"),
+            default_of(ReadOptions, "num_threads"),
         ),
         "prefetch": (
             Annotated[int, typer.Option("--prefetch", min=0, help="Batches kept ready beyond the ones being built.")],
-            _default(ReadOptions, "prefetch"),
+            default_of(ReadOptions, "prefetch"),
         ),
         "procs": (
             Annotated[
@@ -246,7 +246,7 @@ LOADER = Group(
             Annotated[
                 bool, typer.Option("--decode-images/--no-decode-images", help="Decode JPEG/PNG features to arrays.")
             ],
-            _default(ReadOptions, "decode_images"),
+            default_of(ReadOptions, "decode_images"),
         ),
         "image_size": (
             Annotated[
@@ -267,15 +267,15 @@ LOADER = Group(
                 Resize,
                 typer.Option("--resize", help="How images reach --image-size: stretch, crop (centre) or pad."),
             ],
-            _default(ReadOptions, "resize"),
+            default_of(ReadOptions, "resize"),
         ),
         "on_error": (
             Annotated[OnError, typer.Option("--on-error", help="A bad record stops the reader (raise) or is skipped.")],
-            _default(ReadOptions, "on_error"),
+            default_of(ReadOptions, "on_error"),
         ),
         "max_skips": (
             Annotated[int, typer.Option("--max-skips", min=0, help="With --on-error skip: most records to skip.")],
-            _default(ReadOptions, "max_skips"),
+            default_of(ReadOptions, "max_skips"),
         ),
         "cache_dir": (
             Annotated[
@@ -296,7 +296,7 @@ LOADER = Group(
                     help="Log each epoch's stage times and verdict (is the consumer waiting on input?) at INFO.",
                 ),
             ],
-            _default(ReadOptions, "log_stats"),
+            default_of(ReadOptions, "log_stats"),
         ),
         "pack_length": (
             Annotated[

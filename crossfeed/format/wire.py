@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from crossfeed.config import parse_size
 from crossfeed.errors import ConfigError, WireError
 
 # the field kinds are part of this module's public surface (wire.RAGGED, ...)
@@ -58,19 +59,23 @@ _IDS = np.dtype("<i8")
 
 @dataclasses.dataclass(frozen=True)
 class WireLimits:
-    """Bounds a decoder enforces before it allocates anything."""
+    """Bounds a decoder enforces before it allocates anything (the ``*_bytes`` ones: byte
+    counts or sizes such as ``"64MB"``)."""
 
-    max_message_bytes: int = 1 << 31
+    max_message_bytes: int | str = 1 << 31
     max_fields: int = 256
     max_ndim: int = 16
-    max_name_bytes: int = 256
+    max_name_bytes: int | str = 256
     max_items: int = 1 << 24
-    max_header_bytes: int = 1 << 20
+    max_header_bytes: int | str = 1 << 20
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int) or value < 1:
+            if f.name.endswith("_bytes"):  # sizes: a byte count or "64MB", as every size option
+                object.__setattr__(self, f.name, parse_size(value, f"WireLimits.{f.name}"))
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"WireLimits.{f.name} must be a positive int, got {value!r}")
 
     @property

@@ -24,7 +24,7 @@ from crossfeed.format.schema import ImageFit
 from crossfeed.io import roots
 from crossfeed.io.cache import ENV as CACHE_ENV
 from crossfeed.io.storage import FsOptions, read_deadline
-from crossfeed.policy import OnError
+from crossfeed.policy import DEFAULT_MAX_SKIPS, OnError, check_max_skips, on_error_choice
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.executors.threads import ExecutorKind
 
@@ -148,6 +148,16 @@ def choice(cls: type[enum.Enum], value, name: str):
         raise ConfigError(f"{name}={value!r} is not one of {choices}") from None
 
 
+def check_seed(seed) -> int:
+    """``seed`` as an int >= 0: the plan is a pure function of it, so None (a fresh order each
+    time) is refused — by every front end, with this message."""
+    if isinstance(seed, bool) or not hasattr(seed, "__index__") or int(seed.__index__()) < 0:
+        raise ConfigError(
+            f"seed must be a non-negative integer, got {seed!r}; pick one and keep it to reproduce the order"
+        )
+    return int(seed.__index__())
+
+
 def _int(value, name: str, lo: int, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
         raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
@@ -200,11 +210,7 @@ class PlanOptions:
         object.__setattr__(self, "shuffle", choice(Shuffle, self.shuffle, "shuffle"))
         object.__setattr__(self, "remainder", choice(Remainder, self.remainder, "remainder"))
         object.__setattr__(self, "batch_size", _int(self.batch_size, "batch_size", 1, MAX_BATCH_SIZE))
-        if not isinstance(self.seed, int) and not hasattr(self.seed, "__index__") or int(self.seed) < 0:
-            raise ConfigError(
-                f"seed must be a non-negative integer, got {self.seed!r}; pick one and keep it to reproduce the order"
-            )
-        object.__setattr__(self, "seed", int(self.seed))
+        object.__setattr__(self, "seed", check_seed(self.seed))
         object.__setattr__(self, "block_shards", _int(self.block_shards, "block_shards", 1))
         object.__setattr__(self, "drop_last", bool(self.drop_last))
         if self.samples_per_epoch is not None:
@@ -281,7 +287,7 @@ class ReadOptions:
     prefetch: int = 2
     decode_images: bool = True
     on_error: OnError = OnError.RAISE
-    max_skips: int = 1000
+    max_skips: int = DEFAULT_MAX_SKIPS  # the write side's default too (crossfeed.policy)
     cache_dir: str | None = None  # remote shards are cached here (default: $CROSSFEED_CACHE_DIR when set)
     cache_limit: int | str | None = None  # bytes, or a size such as "50GB" (None: unbounded)
     executor: ExecutorKind = ExecutorKind.THREAD
@@ -318,8 +324,8 @@ class ReadOptions:
         object.__setattr__(self, "executor", choice(ExecutorKind, self.executor, "executor"))
         object.__setattr__(self, "processes", _int(self.processes, "processes", 1))
         object.__setattr__(self, "prefetch", _int(self.prefetch, "prefetch", 0))
-        object.__setattr__(self, "on_error", choice(OnError, self.on_error, "on_error"))
-        object.__setattr__(self, "max_skips", _int(self.max_skips, "max_skips", 0))
+        object.__setattr__(self, "on_error", on_error_choice(self.on_error))
+        object.__setattr__(self, "max_skips", check_max_skips(self.max_skips))
         if self.cache_dir is None and os.environ.get(CACHE_ENV):
             object.__setattr__(self, "cache_dir", os.environ[CACHE_ENV])
         if self.cache_dir is not None:

@@ -21,10 +21,11 @@ from crossfeed.format.encode import SampleSchemaError, encoder_for
 from crossfeed.format.encode_codec import FLOAT_SCALARS, INT_SCALARS
 from crossfeed.format.schema import Feature, Schema, infer_feature, widen
 from crossfeed.format.stats import FeatureStats, merge_all
+from crossfeed.policy import OnError
 from crossfeed.write.commit import check_target, commit_split, writer_lock
+from crossfeed.write.options import WriteOptions
 from crossfeed.write.staging import ShardSink, StagedShard, discard
 
-DEFAULT_SHARD_SIZE = 256 << 20
 log = logging.getLogger(__name__)
 
 
@@ -33,30 +34,36 @@ def write_samples(
     samples: Iterable[Mapping],
     *,
     split: str = "train",
-    num_shards: int | None = None,
-    shard_size: int = DEFAULT_SHARD_SIZE,
     schema: Schema | None = None,
-    compress: bool = False,
     metadata: dict | None = None,
     overwrite: bool = False,
     add_split: bool = False,
+    options: WriteOptions | None = None,
+    **fields,
 ):
     """Write ``samples`` (dicts of numpy arrays, scalars, bytes or str) as split ``split`` of the
     dataset at ``path``, and return its root (``crossfeed.write_dataset`` returns it opened).
 
-    With ``num_shards`` samples go round-robin, so shard counts differ by at most one; without it
-    a new shard starts every ``shard_size`` bytes. The schema is inferred unless given (list
-    lengths may vary; tensor shapes may not unless the schema says ``None``).
+    How it is laid out is one `WriteOptions`, given whole (``options=``) or as its fields
+    (``num_shards=``, ``shard_size="64MB"``, ``compress=True``): with ``num_shards`` samples go
+    round-robin, so shard counts differ by at most one; without it a new shard starts every
+    ``shard_size`` bytes. Every sample is the caller's: there is no bad-record policy here (a
+    sample that does not fit the schema raises), so ``on_error="skip"`` is refused. The schema
+    is inferred unless given (list lengths may vary; tensor shapes may not unless the schema
+    says ``None``).
 
     ``path`` must be a new or empty directory. ``overwrite=True`` replaces the dataset there, all of
     its splits; ``add_split=True`` adds ``split`` to it, keeping its other splits (same schema).
     The commit is atomic (`commit_splits`): on any error, or if the process dies, readers see the
     old dataset or the new one, never a mix, and nothing of a failed write is left behind.
     """
-    if num_shards is not None and num_shards < 1:
-        raise ConfigError(f"num_shards must be >= 1, got {num_shards}")
-    if shard_size < 1:
-        raise ConfigError(f"shard_size must be >= 1 byte, got {shard_size}")
+    opts = WriteOptions.given(options, fields)
+    if opts.on_error is OnError.SKIP:
+        raise ConfigError(
+            "write_dataset has no bad-record policy (on_error='skip' applies to the convert sources, which "
+            "parse their input): leave out the samples you do not want before writing"
+        )
+    num_shards, shard_size, compress = opts.num_shards, opts.shard_size, opts.compress
     root = os.fspath(path)
     os.makedirs(root, exist_ok=True)
     check_target(root, overwrite=overwrite, add_split=add_split, splits=[split], clean=True)  # fail before the work

@@ -24,6 +24,7 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from crossfeed.config import parse_size
 from crossfeed.errors import ConfigError, CrossfeedError, ServerLostError
 from crossfeed.format import wire
 from crossfeed.net import protocol as P
@@ -50,7 +51,8 @@ class OnLoss(str, enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class ClientOptions:
     credits: int = DEFAULT_CREDITS  # batches in flight per server, the one being consumed included
-    credit_bytes: int = DEFAULT_CREDIT_BYTES  # and bytes in flight per server (one batch always); 0: any
+    # and bytes in flight per server (one batch always), or a size such as "64MB"; 0: any
+    credit_bytes: int | str = DEFAULT_CREDIT_BYTES
     broadcast: bool = False  # subscribe to a PUB stream instead of taking a share
     heartbeat: P.Heartbeat = P.Heartbeat()
     connect_timeout: float = 60.0
@@ -80,12 +82,15 @@ class ClientOptions:
             object.__setattr__(self, "on_loss", OnLoss(self.on_loss))
         except ValueError as e:
             raise ConfigError(f"on_loss must be 'raise' or 'continue', got {self.on_loss!r}") from e
-        if not 1 <= self.credits <= 64:
-            raise ConfigError(f"credits must be in 1..64, got {self.credits}")
-        if self.credit_bytes < 0:
-            raise ConfigError(f"credit_bytes must be >= 0 (0: no byte limit), got {self.credit_bytes}")
-        if self.connect_timeout <= 0:
-            raise ConfigError(f"connect_timeout must be > 0, got {self.connect_timeout}")
+        if isinstance(self.credits, bool) or not isinstance(self.credits, int) or not 1 <= self.credits <= 64:
+            raise ConfigError(f"credits must be an integer in 1..64, got {self.credits!r}")
+        object.__setattr__(self, "credit_bytes", parse_size(self.credit_bytes, "credit_bytes", zero=True))
+        if (
+            isinstance(self.connect_timeout, bool)
+            or not isinstance(self.connect_timeout, (int, float))
+            or self.connect_timeout <= 0
+        ):
+            raise ConfigError(f"connect_timeout must be a number of seconds > 0, got {self.connect_timeout!r}")
         if (
             not isinstance(self.server_wait, (int, float))
             or isinstance(self.server_wait, bool)

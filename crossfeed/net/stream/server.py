@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from crossfeed.config import parse_size
 from crossfeed.errors import ConfigError, CrossfeedError
 from crossfeed.net import protocol as P
 from crossfeed.net.addresses import expand_all, is_local
@@ -82,7 +83,7 @@ class ServerOptions:
     start_epoch: int = 0
     max_credit: int = 64
     prefetch: int = 32  # encoded batches made ahead of demand, at most `prefetch_bytes` of them
-    prefetch_bytes: int = 64 << 20  # (but for the first); 0: no byte bound
+    prefetch_bytes: int | str = 64 << 20  # (but for the first), or a size such as "64MB"; 0: no byte bound
     pub_hwm: int = 8
     heartbeat: P.Heartbeat = P.Heartbeat()
     linger: float = 5.0  # after END_OF_STREAM, how long to wait for trainers to say BYE
@@ -101,8 +102,7 @@ class ServerOptions:
             raise ConfigError(f"epochs must be >= 1 or None (until stopped), got {self.epochs}")
         if self.max_credit < 1 or self.prefetch < 1 or self.pub_hwm < 1:
             raise ConfigError("max_credit, prefetch and pub_hwm must be >= 1")
-        if self.prefetch_bytes < 0:
-            raise ConfigError(f"prefetch_bytes must be >= 0 (0: no byte bound), got {self.prefetch_bytes}")
+        object.__setattr__(self, "prefetch_bytes", parse_size(self.prefetch_bytes, "prefetch_bytes", zero=True))
         if self.progress_timeout is not None and self.progress_timeout <= self.heartbeat.interval:
             raise ConfigError(
                 f"progress_timeout ({self.progress_timeout}) must be above the heartbeat interval "
