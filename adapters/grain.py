@@ -85,10 +85,11 @@ class GrainSource:
                 f"GrainSource reads records by key, so {away} do not apply: order, shuffling, sharding and "
                 f"batching are the Grain pipeline's (MapDataset.shuffle/batch, IndexSampler)"
             )
+        assert options is not None  # made above whenever nothing was refused
         if isinstance(source, Dataset):  # other processes open it again by path, trusting what it was opened with
             options = options.replace(allowed_roots=(*options.read.allowed_roots, *source.allowed_roots))
             source = source.path
-        self.source, self.options = source, options
+        self.source, self.options = source, options  # the read options (the plan's fields never used)
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._pipeline: Pipeline | None = None

@@ -62,12 +62,12 @@ class WireLimits:
     """Bounds a decoder enforces before it allocates anything (the ``*_bytes`` ones: byte
     counts or sizes such as ``"64MB"``)."""
 
-    max_message_bytes: int | str = 1 << 31
+    max_message_bytes: int = 1 << 31  # each *_bytes given as bytes or a size; kept as bytes
     max_fields: int = 256
     max_ndim: int = 16
-    max_name_bytes: int | str = 256
+    max_name_bytes: int = 256
     max_items: int = 1 << 24
-    max_header_bytes: int | str = 1 << 20
+    max_header_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

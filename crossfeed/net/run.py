@@ -51,7 +51,8 @@ class LoaderEpochs:
         from crossfeed.read.loader import Loader
         from crossfeed.read.sources.mixture_file import is_mixture_spec, load_mixture_spec
 
-        source, more = dataset, {}
+        source: str | list = dataset
+        more: dict = {}
         if isinstance(dataset, str) and is_mixture_spec(dataset):
             source, n = load_mixture_spec(dataset)
             more = {"samples_per_epoch": n}

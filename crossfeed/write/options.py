@@ -34,9 +34,9 @@ class WriteOptions:
     """
 
     num_shards: int | None = None
-    shard_size: int | str = DEFAULT_SHARD_SIZE
+    shard_size: int = DEFAULT_SHARD_SIZE  # given as bytes or a size such as "256MB"; kept as bytes
     compress: bool = False
-    on_error: OnError | str = OnError.RAISE
+    on_error: OnError = OnError.RAISE  # given as the enum or its value
     max_skips: int = DEFAULT_MAX_SKIPS
 
     def __post_init__(self):

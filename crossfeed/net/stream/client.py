@@ -52,7 +52,7 @@ class OnLoss(str, enum.Enum):
 class ClientOptions:
     credits: int = DEFAULT_CREDITS  # batches in flight per server, the one being consumed included
     # and bytes in flight per server (one batch always), or a size such as "64MB"; 0: any
-    credit_bytes: int | str = DEFAULT_CREDIT_BYTES
+    credit_bytes: int = DEFAULT_CREDIT_BYTES  # given as bytes or a size; kept as bytes
     broadcast: bool = False  # subscribe to a PUB stream instead of taking a share
     heartbeat: P.Heartbeat = P.Heartbeat()
     connect_timeout: float = 60.0
@@ -68,13 +68,14 @@ class ClientOptions:
         def __init__(
             self,
             credits: int = DEFAULT_CREDITS,
-            credit_bytes: int = DEFAULT_CREDIT_BYTES,
+            credit_bytes: int | str = DEFAULT_CREDIT_BYTES,
             broadcast: bool = False,
             heartbeat: P.Heartbeat = P.Heartbeat(),
             connect_timeout: float = 60.0,
             limits: wire.WireLimits = wire.DEFAULT_LIMITS,
             with_meta: bool = False,
             on_loss: OnLoss | str = OnLoss.RAISE,
+            server_wait: float = 600.0,
         ) -> None: ...
 
     def __post_init__(self) -> None:

@@ -83,7 +83,9 @@ class ServerOptions:
     start_epoch: int = 0
     max_credit: int = 64
     prefetch: int = 32  # encoded batches made ahead of demand, at most `prefetch_bytes` of them
-    prefetch_bytes: int | str = 64 << 20  # (but for the first), or a size such as "64MB"; 0: no byte bound
+    prefetch_bytes: int = (
+        64 << 20
+    )  # given as bytes or a size; (but for the first), or a size such as "64MB"; 0: no byte bound
     pub_hwm: int = 8
     heartbeat: P.Heartbeat = P.Heartbeat()
     linger: float = 5.0  # after END_OF_STREAM, how long to wait for trainers to say BYE
