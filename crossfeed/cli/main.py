@@ -23,7 +23,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperGroup, TyperOption
 
-from crossfeed.errors import CrossfeedError
+from crossfeed.errors import CrossfeedError, redact
 
 EXIT_ERROR = 2
 EXIT_SIGPIPE = 141
@@ -39,7 +39,7 @@ _NOISY = ("apache_beam", "distributed", "dask", "bokeh", "tornado", "fsspec")
 def _message(e: BaseException) -> str:
     if isinstance(e, CrossfeedError):
         return str(e)
-    return f"{e.filename}: {e.strerror}" if getattr(e, "filename", None) else str(e)
+    return redact(f"{e.filename}: {e.strerror}" if getattr(e, "filename", None) else str(e))
 
 
 def _silence_stdout() -> None:

@@ -59,7 +59,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from crossfeed.config import parse_size
-from crossfeed.errors import ConfigError, CorruptRecordError, CrossfeedError
+from crossfeed.errors import ConfigError, CorruptRecordError, CrossfeedError, redact
 from crossfeed.format import tfrecord
 from crossfeed.io.storage import ATTEMPTS, retrying
 
@@ -375,7 +375,7 @@ class ShardCache:
         with self._lock:
             self.downloads += 1
             self.downloaded_bytes += size
-        log.debug("cached %s (%d bytes) as %s", where, size, self.path_of(name))
+        log.debug("cached %s (%d bytes) as %s", redact(where), size, self.path_of(name))
 
     def _download_ranges(self, storage, rel: str, fd: int, size: int):
         """A large shard as ``chunk_bytes`` range requests, ``window`` of them in flight (on a pool
@@ -586,7 +586,7 @@ class Prefetcher:
         try:
             self.cache.release(self.cache.fetch(storage, rel, sha256, size))
         except Exception as e:  # the reader fetches it again and reports the error where it is needed
-            log.warning("prefetching %s failed: %s", storage.url(rel), e)
+            log.warning("prefetching %s failed: %s", redact(storage.url(rel)), e)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

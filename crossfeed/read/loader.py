@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from crossfeed.config import resolve_callable
-from crossfeed.errors import ConfigError, SchemaError
+from crossfeed.errors import ConfigError, SchemaError, redact
 from crossfeed.format.schema import INDEX_KEY, Feature, mix_feature
 from crossfeed.io.cache import Prefetcher, ShardCache
 from crossfeed.policy import ErrorBudget, OnError
@@ -534,7 +534,7 @@ def _remote_mode(
                 "%s split %r is %.1f GB, more than the cache limit of %.1f GB: a global shuffle would read one "
                 "range request per record (slow on object stores). Use shuffle='block' (each shard downloaded "
                 "once per epoch, %d shards in memory), or raise cache_limit above %.1f GB.",
-                ds.path,
+                redact(ds.path),
                 split.name,
                 total / 1e9,
                 cache.limit / 1e9,

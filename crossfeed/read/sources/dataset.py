@@ -28,6 +28,7 @@ from crossfeed.errors import (
     ManifestError,
     RootNotAllowedError,
     SplitNotFoundError,
+    redact,
 )
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
@@ -147,7 +148,7 @@ class Dataset:
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{k}={v.num_records}" for k, v in self.splits.items())
-        return f"Dataset({self.path!r}, {counts}, features={self.schema.names})"
+        return f"Dataset({redact(self.path)!r}, {counts}, features={self.schema.names})"
 
     def close(self) -> None:
         for s in self._splits.values():

@@ -60,7 +60,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from crossfeed.errors import ConfigError, DatasetNotFoundError, IndexFileError
+from crossfeed.errors import ConfigError, DatasetNotFoundError, IndexFileError, redact
 from crossfeed.format.lengths import DTYPE, checked_lengths, lengths_path
 from crossfeed.format.schema import Encoding, Feature
 from crossfeed.read.options import LoaderOptions, Pack, PackLong, PackSplit, WeightsBy
@@ -98,7 +98,7 @@ class DocLengths:
                     "%s split %r has no lengths files for %r: each shard is decoded once to learn its documents' "
                     "lengths (the whole shard is read; 4 bytes per record kept in memory). Write lengths files "
                     "(crossfeed convert text does) to plan from integers alone.",
-                    sp.dataset.path,
+                    redact(sp.dataset.path),
                     sp.name,
                     name,
                 )
