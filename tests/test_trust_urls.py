@@ -184,3 +184,60 @@ def test_log_lines_hide_the_password(secret_dataset, tmp_path, caplog):
     assert "prefetching" in caplog.text and "HTTP 500" in caplog.text, caplog.text  # the prefetcher's warning
     assert "cached http://***@" in caplog.text  # the cache's debug line of the shards that came
     assert SECRET not in caplog.text
+
+
+# ---- item 3: no redirect to another origin -----------------------------------------------------
+
+
+@pytest.fixture
+def two_servers(tmp_path, servers):
+    """Server A (the one named) and server B (another origin) each hold a dataset of the same
+    file names but other values; ``(a, b, names)``, ``names`` the URL paths of A's files."""
+    for name, value in (("a", 0), ("b", 1000)):
+        _dataset(tmp_path / name, value=value)
+    a, b = servers(tmp_path / "a"), servers(tmp_path / "b")
+    return a, b, sorted("/" + f for f in os.listdir(tmp_path / "a"))
+
+
+def _read_ids(url, **kw):
+    with crossfeed.Loader(url, batch_size=30, shuffle="none", **kw) as ld:
+        return [float(v) for b in ld for v in b["x"][:, 0]]
+
+
+@pytest.mark.parametrize("what", ["manifest", "index", "shard", "shard-cached", "everything"])
+def test_a_redirect_to_another_origin_is_refused_and_names_both(two_servers, tmp_path, what):
+    a, b, names = two_servers
+    shard = "/train-00001-of-00003.tfrecord"
+    moved = {
+        "manifest": ["/crossfeed.json"],
+        "index": [shard + ".idx"],
+        "shard": [shard],
+        "shard-cached": [shard],
+        "everything": names,
+    }[what]
+    a.handler.redirect.update({p: b.origin + p for p in moved})
+    url = a.origin.replace("http://", f"http://{USER}:{SECRET}@")
+    with pytest.raises(crossfeed.RemoteError) as info:
+        _read_ids(url, cache_dir=tmp_path / "c" if what == "shard-cached" else None)
+    message = str(info.value)
+    assert "redirects to another origin" in message, message
+    assert f"{b.origin}" in message and f"(from {a.origin})" in message, message
+    assert SECRET not in message
+    assert sum(b.handler.seen.values()) == 0  # nothing was read from the other server
+
+
+def test_a_redirect_to_another_origin_is_one_error_line_at_the_cli(two_servers):
+    a, b, names = two_servers
+    a.handler.redirect.update({p: b.origin + p for p in names})
+    out = _cli("head", a.origin)
+    assert out.returncode == 2 and out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
+    assert "redirects to another origin" in out.stderr and b.origin in out.stderr
+    assert sum(b.handler.seen.values()) == 0
+
+
+def test_a_redirect_within_the_origin_is_followed(two_servers, tmp_path):
+    a, _, names = two_servers
+    os.rename(tmp_path / "a" / "train-00001-of-00003.tfrecord", tmp_path / "a" / "moved.bin")
+    a.handler.redirect["/train-00001-of-00003.tfrecord"] = "/moved.bin"
+    assert sorted(_read_ids(a.origin)) == [float(i) for i in range(90)]
+    assert a.handler.seen["/moved.bin"] >= 1

@@ -126,6 +126,58 @@ class FsOptions(Mapping):
         return f"FsOptions({_masked(self.to_dict())!r})"
 
 
+def filesystem(url: str, storage_options: Mapping | None = None):
+    """The fsspec filesystem of ``url``, made with ``storage_options`` (`FsOptions`). Over HTTP(S)
+    its client follows a redirect only within the origin it was sent to (the same scheme, host
+    and port): a redirect elsewhere is a `RemoteError` naming both origins, so a server cannot
+    hand a dataset's reads to another host, around the roots a dataset is confined to
+    (`crossfeed.io.roots`)."""
+    import fsspec
+
+    options = FsOptions(storage_options).to_dict()
+    if url.split("://", 1)[0].lower() in ("http", "https"):
+        options["get_client"] = _same_origin_client
+    return fsspec.core.url_to_fs(url, **options)[0]
+
+
+def origin(url) -> str:
+    """``scheme://host:port`` of a URL (a str or ``yarl.URL``), its userinfo left out."""
+    import yarl
+
+    u = url if isinstance(url, yarl.URL) else yarl.URL(str(url))
+    return f"{(u.scheme or '').lower()}://{(u.host or '').lower()}:{u.port}"
+
+
+async def _same_origin_client(**kwargs):
+    """fsspec's HTTP client session (``get_client``) with `_refuse_other_origins` on every redirect."""
+    import aiohttp
+    from fsspec.implementations.http import get_client
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_redirect.append(_refuse_other_origins)
+    kwargs["trace_configs"] = [*kwargs.get("trace_configs", ()), trace]
+    return await get_client(**kwargs)
+
+
+async def _refuse_other_origins(session, context, params) -> None:
+    import yarl
+
+    here = params.url
+    try:
+        there = here.join(yarl.URL(params.response.headers.get("Location", "")))
+    except ValueError:
+        there = None
+    if there is None or origin(there) != origin(here):
+        to = "an unreadable Location" if there is None else origin(there)
+        raise RemoteError(
+            str(here),
+            f"the server redirects to another origin, {to} (from {origin(here)}); crossfeed follows redirects only "
+            f"within the origin it asked, so a server cannot send its reads elsewhere: use the final URL itself "
+            f"(and allow its root where it lies outside the dataset)",
+            transient=False,
+        )
+
+
 def _masked(value):
     if isinstance(value, dict):
         return {
@@ -149,10 +201,8 @@ class Storage:
         self.read_timeout = read_deadline(read_timeout)
         self._fs = None
         if self.remote:
-            import fsspec
-
             try:
-                self._fs, _ = fsspec.core.url_to_fs(self.root, **self.storage_options.to_dict())
+                self._fs = filesystem(self.root, self.storage_options)
             except (ImportError, ValueError) as e:  # an unknown protocol, or its package not installed
                 raise ConfigError(
                     f"{self.root}: cannot open this URL ({type(e).__name__}: {e}); install the fsspec "
