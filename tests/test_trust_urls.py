@@ -15,11 +15,13 @@ import base64
 import collections
 import functools
 import http.server
+import json
 import logging
 import os
 import subprocess
 import sys
 import threading
+import urllib.parse
 
 import numpy as np
 import pytest
@@ -241,3 +243,37 @@ def test_a_redirect_within_the_origin_is_followed(two_servers, tmp_path):
     a.handler.redirect["/train-00001-of-00003.tfrecord"] = "/moved.bin"
     assert sorted(_read_ids(a.origin)) == [float(i) for i in range(90)]
     assert a.handler.seen["/moved.bin"] >= 1
+
+
+# ---- item 13: a shard's name is a file name, not URL syntax ------------------------------------
+
+ODD_NAMES = ("a#b.tfrecord", "a?b=1.tfrecord", "a b%41%zz.tfrecord")
+
+
+def _renamed_dataset(root) -> list[str]:
+    """A 3-shard dataset whose shards (and index files) are renamed to `ODD_NAMES` in its
+    manifest; beside them a decoy ``a`` (what ``a#b`` and ``a?b`` fetched unquoted)."""
+    old = _dataset(root)
+    manifest = json.loads((root / "crossfeed.json").read_text())
+    for shard, new in zip(manifest["splits"]["train"]["shards"], ODD_NAMES):
+        os.rename(root / shard["file"], root / new)
+        os.rename(root / (shard["file"] + ".idx"), root / (new + ".idx"))
+        shard["file"] = new
+    (root / "crossfeed.json").write_text(json.dumps(manifest))
+    (root / "a").write_bytes((root / ODD_NAMES[1]).read_bytes())
+    return old
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_names_with_url_syntax_are_fetched_as_named(tmp_path, servers, cached):
+    root = tmp_path / "ds"
+    _renamed_dataset(root)
+    server = servers(root)
+    got = _read_ids(server.origin, cache_dir=tmp_path / "c" if cached else None)
+    assert sorted(got) == [float(i) for i in range(90)]
+    files = collections.Counter()  # the files the server was asked for, as it reads the paths
+    for path, n in server.handler.seen.items():
+        files[urllib.parse.unquote(path)] += n
+    assert not any(p == "/a" or p.startswith(("/a?", "/a#")) for p in server.handler.seen), server.handler.seen
+    for name in ODD_NAMES:
+        assert files[f"/{name}"] >= 1 and files[f"/{name}.idx"] == 1, files

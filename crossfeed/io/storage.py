@@ -29,6 +29,7 @@ import os
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 
 from crossfeed.errors import (
@@ -46,6 +47,9 @@ TIMEOUT_ENV = "CROSSFEED_READ_TIMEOUT"
 READ_TIMEOUT = 60.0  # seconds a remote request may take to answer, and each piece of its body to arrive
 PIECE = 1 << 20  # bytes: the unit of progress a remote read must make within the deadline
 ATTEMPTS = 3  # tries of a remote read that failed transiently (a stall, a reset, a 5xx)
+# What a file name keeps unquoted in an HTTP(S) URL: RFC 3986's path-segment characters ('?', '#',
+# '%', '/' and spaces are quoted)
+_SEGMENT_SAFE = "!$&'()*+,;=:@~"
 
 
 def is_remote(path) -> bool:
@@ -126,6 +130,18 @@ class FsOptions(Mapping):
         return f"FsOptions({_masked(self.to_dict())!r})"
 
 
+def join_url(root: str, name: str) -> str:
+    """``root/name`` for a remote ``root``; over HTTP(S) ``name`` is percent-quoted first (a
+    file name, not URL syntax: ``a#b`` → ``a%23b``, ``a b`` → ``a%20b``, ``%`` → ``%25``)."""
+    if _is_http(root):
+        name = urllib.parse.quote(name, safe=_SEGMENT_SAFE)
+    return f"{root}/{name}"
+
+
+def _is_http(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in ("http", "https")
+
+
 def filesystem(url: str, storage_options: Mapping | None = None):
     """The fsspec filesystem of ``url``, made with ``storage_options`` (`FsOptions`). Over HTTP(S)
     its client follows a redirect only within the origin it was sent to (the same scheme, host
@@ -135,7 +151,7 @@ def filesystem(url: str, storage_options: Mapping | None = None):
     import fsspec
 
     options = FsOptions(storage_options).to_dict()
-    if url.split("://", 1)[0].lower() in ("http", "https"):
+    if _is_http(url):
         options["get_client"] = _same_origin_client
     return fsspec.core.url_to_fs(url, **options)[0]
 
@@ -216,12 +232,14 @@ class Storage:
 
     def url(self, rel: str) -> str:
         """``rel`` (a plain file name: the manifest's names are checked) inside the root; a name
-        that is not one path segment, even percent-decoded, never joins a URL (``%2e%2e``)."""
+        that is not one path segment, even percent-decoded, never joins a URL (``%2e%2e``). Over
+        HTTP(S) the name is percent-quoted as it joins: ``a#b`` is fetched as ``a#b`` (``a%23b``),
+        never as ``a`` with a fragment (``?``, ``%``, spaces likewise)."""
         if not self.remote:
             return os.path.join(self.root, rel)
         if not plain_segment(rel):
             raise ManifestError(f"{self.root}: {rel!r} is not a plain file name; a URL join would leave the root")
-        return f"{self.root}/{rel}"
+        return join_url(self.root, rel)
 
     def read(self, rel: str, *, limit: int, too_long: Callable[[int], Exception] | None = None) -> bytes:
         """The whole file ``rel``, at most ``limit`` bytes: a longer one raises ``too_long(n)``

@@ -27,7 +27,7 @@ from crossfeed.errors import ConfigError, DatasetNotFoundError
 from crossfeed.format import tfrecord
 from crossfeed.format.manifest import MANIFEST
 from crossfeed.io.files import file_sha256, map_file
-from crossfeed.io.storage import FsOptions, filesystem, is_remote
+from crossfeed.io.storage import FsOptions, filesystem, is_remote, join_url
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Placement:
         return os.path.join(self.root, MANIFEST)
 
     def data_url(self, name: str) -> str:
-        return f"{self.data}/{name}" if self.remote else os.path.join(self.data, name)
+        return join_url(self.data, name) if self.remote else os.path.join(self.data, name)
 
     def index_path(self, name: str) -> str:
         """Where the index file of data file ``name`` goes."""
