@@ -251,9 +251,10 @@ class Storage:
                 data = b"".join(self._pieces(rel, 0, None, limit=limit, too_long=too_long))
             else:
                 with open(where, "rb") as f:
-                    data = f.read(limit + 1)
-                if len(data) > limit:
-                    raise too_long(len(data))
+                    size = os.fstat(f.fileno()).st_size
+                    if size > limit:  # a regular file says its size: refused before a byte is read
+                        raise too_long(size)
+                    data = _read_bounded(f, limit, too_long)
             return data
         except FileNotFoundError as e:
             raise DatasetNotFoundError(f"{where}: no such file") from e
@@ -453,6 +454,21 @@ def retrying(read: Callable[[], object], where: str, attempts: int = ATTEMPTS, *
                 ) from e
             time.sleep(0.1 * 2**attempt)
     raise ConfigError(f"attempts must be >= 1, got {attempts}")
+
+
+def _read_bounded(f, limit: int, too_long: Callable[[int], Exception]) -> bytes:
+    """The rest of the binary file ``f``, at most ``limit`` bytes, read in pieces of `PIECE`: the
+    memory taken grows with the bytes that come, never with the ``limit`` a file declared (one
+    ``f.read(limit + 1)`` allocates ``limit`` bytes first); more raises ``too_long(n)``."""
+    parts, got = [], 0
+    while True:
+        data = f.read(min(PIECE, limit + 1 - got))
+        if not data:
+            return b"".join(parts)
+        got += len(data)
+        if got > limit:
+            raise too_long(got)
+        parts.append(data)
 
 
 def _too_long(where: str, limit: int) -> Callable[[int], Exception]:
