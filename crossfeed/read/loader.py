@@ -525,8 +525,21 @@ def _remote_mode(
     if cache is not None:
         if cache.limit is None or total <= cache.limit:
             return cache, True, None
-        if plan.shuffle is not Shuffle.GLOBAL:
-            return cache, True, window
+        if plan.shuffle is not Shuffle.GLOBAL:  # the window the cache can hold: its entries are pinned
+            holds = cache.holds(max(s.num_bytes for s in split.shards))
+            thrash = plan.shuffle is Shuffle.BLOCK and holds < plan.block_shards
+            if thrash and f"{ds.path}/{split.name}/block" not in _warned:
+                _warned.add(f"{ds.path}/{split.name}/block")
+                log.warning(
+                    "%s split %r: cache_limit holds %d of its shards, a block shuffle reads %d at once "
+                    "(block_shards): shards will be downloaded again within an epoch. Raise cache_limit or "
+                    "lower block_shards.",
+                    redact(ds.path),
+                    split.name,
+                    holds,
+                    plan.block_shards,
+                )
+            return cache, True, min(window, holds)
         key = f"{ds.path}/{split.name}"
         if key not in _warned:
             _warned.add(key)
