@@ -3,9 +3,36 @@
 
 from __future__ import annotations
 
+import re
+
+# A URL's userinfo (``scheme://user:password@``, up to its last ``@`` before the path) and the
+# values of query parameters whose names look like credentials (``?token=``, ``&X-Amz-Signature=``,
+# ``sig``, ``key``, ``password`` …): what `redact` hides.
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
+_SECRET_QUERY = re.compile(
+    r"(?P<name>[?&;](?:x-amz-[^=&#\s]*|x-goog-[^=&#\s]*|[^=&#\s]*(?:token|sig|signature|key|password|passwd|pwd"
+    r"|secret|credential|auth|session)[^=&#\s]*))=[^&#\s]*",
+    re.IGNORECASE,
+)
+REDACTED = "***"
+
+
+def redact(text: str) -> str:
+    """``text`` with every URL's userinfo and credential-looking query values replaced by
+    ``***`` (``http://alice:hunter2@host/d?token=t&n=1`` → ``http://***@host/d?token=***&n=1``):
+    what crossfeed does to any text it shows or logs that may hold a URL. Every
+    `CrossfeedError` message passes through it; the URL that is fetched keeps its secrets."""
+    if "@" not in text and "=" not in text:
+        return text
+    return _SECRET_QUERY.sub(rf"\g<name>={REDACTED}", _USERINFO.sub(rf"\g<scheme>{REDACTED}@", text))
+
 
 class CrossfeedError(Exception):
-    """Base of every error crossfeed raises on purpose."""
+    """Base of every error crossfeed raises on purpose. Its message is `redact`-ed: a URL's
+    password or token never reaches a traceback, a log line or the CLI's ``error:`` line."""
+
+    def __init__(self, *args):
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
 
 class ConfigError(CrossfeedError, ValueError):
@@ -45,9 +72,9 @@ class CorruptRecordError(CrossfeedError):
     """A TFRecord frame failed its checks; names the file and the byte offset."""
 
     def __init__(self, path: str, offset: int, reason: str):
-        self.path = str(path)
+        self.path = redact(str(path))
         self.offset = int(offset)
-        self.reason = reason
+        self.reason = redact(reason)
         super().__init__(f"{self.path}: corrupt record at byte offset {self.offset}: {reason}")
 
     def __reduce__(self):  # its constructor's arguments: it crosses from a worker process as data
@@ -101,7 +128,7 @@ class RemoteError(CrossfeedError):
     may help (the shard cache tries such reads again)."""
 
     def __init__(self, url: str, reason: str, transient: bool = True):
-        self.url, self.reason, self.transient = str(url), reason, bool(transient)
+        self.url, self.reason, self.transient = redact(str(url)), redact(reason), bool(transient)
         super().__init__(f"{self.url}: {reason}")
 
     def __reduce__(self):  # its constructor's arguments: it crosses from a worker process as data

@@ -5,10 +5,14 @@ against a real HTTP server."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import subprocess
 import sys
+import threading
 
+import numpy as np
 import pytest
 
 import crossfeed
@@ -17,6 +21,7 @@ from crossfeed.io.cache import MARKER, ShardCache
 pytest.importorskip("aiohttp")
 
 import test_cache  # noqa: E402
+from http_helpers import serving  # noqa: E402
 
 served = test_cache.served  # the fixture: a 6-shard dataset over HTTP
 
@@ -168,3 +173,62 @@ def test_an_entry_removed_after_it_was_opened_stays_readable(served, tmp_path):
     assert ShardCache(tmp_path / "c").clear() == info.num_bytes and not os.path.exists(path)
     assert bytes(stream) == (root / info.file).read_bytes()
     cache.release(path)
+
+
+# ---- issue 35, item 11: a bounded cache stays within one shard of its limit ------------------
+
+
+def _cache_bytes(cache_dir) -> int:
+    """Every byte under the cache directory (entries, downloads in progress, locks), its marker aside."""
+    total = 0
+    for d, _, files in os.walk(cache_dir):
+        for f in files:
+            if f != MARKER:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(d, f)).st_size
+    return total
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(block_shards=4),  # the default: a window of 8 shards against a cache of 3
+        dict(block_shards=4, num_threads=4),
+        dict(block_shards=2, num_threads=1, prefetch=0),
+        dict(block_shards=1),
+    ],
+)
+def test_a_block_shuffle_keeps_the_cache_within_one_shard_of_its_limit(tmp_path, caplog, kw):
+    """10 shards of ~0.2 MB over HTTP, a cache of 3: the directory, sampled all through two epochs
+    (downloads in progress included), never holds more than the limit plus one shard; every
+    sample comes once per epoch; no download had to give up waiting for room."""
+    root = tmp_path / "ds"
+    rng = np.random.default_rng(0)
+    crossfeed.write_dataset(
+        root, [{"x": rng.integers(0, 255, 2000, dtype=np.uint8), "id": i} for i in range(1000)], num_shards=10
+    ).close()
+    shard = max(os.path.getsize(root / f) for f in os.listdir(root) if f.endswith(".tfrecord"))
+    limit, cache_dir = 3 * shard, tmp_path / "c"
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _cache_bytes(cache_dir))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        with caplog.at_level(logging.WARNING, "crossfeed"), serving(root) as url:
+            with crossfeed.Loader(
+                url, batch_size=20, shuffle="block", seed=1, cache_dir=cache_dir, cache_limit=limit, **kw
+            ) as ld:
+                for epoch in range(2):
+                    ld.set_epoch(epoch)
+                    assert sorted(int(i) for b in ld for i in b["id"]) == list(range(1000))
+    finally:
+        stop.set()
+        sampler.join()
+    assert 0 < peak[0] <= limit + shard, f"peak {peak[0]} bytes, limit {limit}, shards of {shard}"
+    assert "no room under cache_limit" not in caplog.text
+    if kw["block_shards"] > 3:  # the cache holds fewer shards than a block reads at once: said once
+        assert caplog.text.count("cache_limit holds 3 of its shards, a block shuffle reads 4") == 1

@@ -14,6 +14,7 @@ import typer
 
 from crossfeed.cli.options import ALLOW_ROOT, STORAGE_OPTION, storage_options
 from crossfeed.cli.progress import Progress
+from crossfeed.errors import redact
 
 DatasetArg = Annotated[str, typer.Argument(help="Dataset directory (or fsspec URL) holding crossfeed.json.")]
 SplitOpt = Annotated[str | None, typer.Option("--split", "-s", help="Only this split (default: all).")]
@@ -138,9 +139,9 @@ def info(
         if as_json:
             typer.echo(ds.manifest.dumps().rstrip())
             return
-        typer.echo(f"dataset {ds.path}")
+        typer.echo(f"dataset {redact(ds.path)}")
         if ds.manifest.data_root is not None:
-            typer.echo(f"data    {ds.manifest.data_root} (shards read in place)")
+            typer.echo(f"data    {redact(ds.manifest.data_root)} (shards read in place)")
         typer.echo("splits:")
         for name, s in sorted(ds.splits.items()):
             typer.echo(f"  {name:<12} {s.num_records:>12,} records {len(s.shards):>5} shards {_size(s.num_bytes):>10}")

@@ -21,6 +21,12 @@ import os
 import signal
 import sys
 import threading
+from typing import Annotated
+
+import typer
+from typer.core import TyperGroup, TyperOption
+
+from crossfeed.errors import CrossfeedError, redact
 
 EXIT_ERROR = 2
 EXIT_SIGPIPE = 141
@@ -52,12 +58,6 @@ _LOADING = signal.getsignal(signal.SIGINT) is signal.default_int_handler and _se
 
 import importlib  # noqa: E402  (after the handler: these imports are the slow part)
 import logging  # noqa: E402
-from typing import Annotated  # noqa: E402
-
-import typer  # noqa: E402
-from typer.core import TyperGroup, TyperOption  # noqa: E402
-
-from crossfeed.errors import CrossfeedError  # noqa: E402
 
 # OSErrors that name a path the user gave: an error of the environment, not a bug.
 _PATH_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -70,7 +70,7 @@ def _message(e: BaseException) -> str:
     if isinstance(e, CrossfeedError):
         return str(e)
     filename = getattr(e, "filename", None)
-    return f"{filename}: {getattr(e, 'strerror', None)}" if filename else str(e)
+    return redact(f"{filename}: {getattr(e, 'strerror', None)}" if filename else str(e))
 
 
 def _silence_stdout() -> None:

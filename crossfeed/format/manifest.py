@@ -33,7 +33,14 @@ MAX_MANIFEST_BYTES = 256 << 20
 MAX_DEPTH = 32
 MAX_NAME_BYTES = 255
 MAX_SPLITS = 1024
-MAX_SHARDS = 1 << 20
+MAX_SHARDS = 1 << 20  # per split; the manifest's byte cap holds about 950,000 shards of crossfeed's naming
+# Records per shard: a shard's index is read whole into 16 bytes per record (a 64 GiB array at
+# this cap), and its lengths into 4 per feature: a shard of more is data to split into more shards
+MAX_SHARD_RECORDS = 1 << 32
+# JSON values (counted before parsing, as the commas, '[' and '{' of the text: strings holding them
+# count too): what parsing allocates is bounded by this, not only by the bytes (``[{},{},…]`` is
+# 64 bytes of memory per 3 bytes of text). A shard is about 7 values, so 2^20 shards fit
+MAX_VALUES = 16 << 20
 MAX_FEATURES = 4096
 MAX_RANK = 32
 MAX_DIM = 1 << 40
@@ -45,6 +52,7 @@ MAX_INT = 1 << 62
 SPLIT_FORMATS = ("tfrecord", "tar", "parquet")
 MAX_DATA_ROOT = 4096
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_NOT_IN_SEGMENT = re.compile(r"[/\\\x00-\x1f\x7f]")  # a separator or a control character
 
 
 def shard_name(split: str, i: int, n: int, *, compress: bool = False, generation: int = 0) -> str:
@@ -89,7 +97,7 @@ def plain_segment(name: str) -> bool:
     character. Each decoding round shortens the text, so the loop ends."""
     form = name
     while True:
-        if form in (".", "..") or "/" in form or "\\" in form or any(ord(c) < 32 or ord(c) == 127 for c in form):
+        if form in (".", "..") or _NOT_IN_SEGMENT.search(form):
             return False
         decoded = urllib.parse.unquote(form, errors="surrogateescape") if "%" in form else form
         if decoded == form:
@@ -267,9 +275,19 @@ def loads(text: str | bytes, where: str) -> Manifest:
             f"{where}: {len(text)} bytes, more than a manifest may hold ({MAX_MANIFEST_BYTES}); "
             f"rebuild it with `crossfeed index --force`"
         )
-    if isinstance(text, (bytes, bytearray, memoryview)):
+    if isinstance(text, (bytearray, memoryview)):
+        text = bytes(text)
+    raw = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
+    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")  # every JSON value but the first of each container
+    if values > MAX_VALUES:
+        raise ManifestError(
+            f"{where}: {values} JSON values (',', '[' and '{{' characters), more than a manifest may hold "
+            f"({MAX_VALUES}: room for {MAX_SHARDS} shards per split and their fields); it is not parsed (each "
+            f"value costs memory once parsed): rebuild it with `crossfeed index --force`"
+        )
+    if isinstance(text, bytes):
         try:
-            text = bytes(text).decode("utf-8")
+            text = text.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ManifestError(f"{where}: not UTF-8 text ({e}); rebuild it with `crossfeed index --force`") from e
     try:
@@ -448,45 +466,50 @@ class _Validator:
         return info
 
     def shard(self, at: str, sh, seen: dict, fmt: str) -> ShardInfo:
-        self.dict_(sh, at)
-        unknown = set(sh) - {
-            "file",
-            "num_records",
-            "num_bytes",
-            "sha256",
-            "index_sha256",
-            "row_groups",
-            "lengths_sha256",
-        }
-        missing = {"file", "num_records", "num_bytes", "sha256"} - set(sh)
-        if unknown or missing:
+        # one of up to MAX_SHARDS per split: the common case is checked inline, each field's
+        # own check (and its message) runs only where the quick one fails
+        if type(sh) is not dict:
+            self.dict_(sh, at)
+        keys = sh.keys()
+        if not (keys <= _SHARD_FIELDS and _SHARD_REQUIRED <= keys):
+            unknown, missing = set(keys) - _SHARD_FIELDS, _SHARD_REQUIRED - set(keys)
             self.fail(
                 at, f"unknown field {sorted(unknown)[0]!r}" if unknown else f"missing field {sorted(missing)[0]!r}"
             )
-        name = check_name(sh["file"], f"{self.where}: {at}.file")
+        name = sh["file"]
+        if not (type(name) is str and _SIMPLE_NAME.fullmatch(name) and name != MANIFEST and name[-4:] not in _INDEXES):
+            name = check_name(name, f"{self.where}: {at}.file")
         if name in seen:
             self.fail(f"{at}.file", f"{name!r} is listed twice (also at {seen[name]}); each shard belongs to one place")
         seen[name] = at
-        nbytes = self.int_(sh["num_bytes"], f"{at}.num_bytes", 0, MAX_BYTES)
+        nbytes = sh["num_bytes"]
+        if not (type(nbytes) is int and 0 <= nbytes <= MAX_BYTES):
+            nbytes = self.int_(nbytes, f"{at}.num_bytes", 0, MAX_BYTES)
         # A record is at least 16 bytes and deflate inflates at most ~1032:1 (adopted GZIP shards
         # need not end in .gz, so this bound holds for every shard; the index pins plain ones exactly).
-        most = (nbytes * 1100) // 16 + 64
         # Parquet encodes runs of equal values in a few bytes: its row count has no byte bound (the
-        # Loader checks it against the file's footer)
-        n = self.int_(sh["num_records"], f"{at}.num_records", 0, MAX_INT if fmt == "parquet" else most)
+        # Loader checks it against the file's footer). Neither holds more than MAX_SHARD_RECORDS.
+        most = MAX_SHARD_RECORDS if fmt == "parquet" else min(MAX_SHARD_RECORDS, (nbytes * 1100) // 16 + 64)
+        n = sh["num_records"]
+        if not (type(n) is int and 0 <= n <= most):
+            n = self.int_(n, f"{at}.num_records", 0, most)
         index_sha = sh.get("index_sha256")
-        row_groups = self.row_groups(at, sh, fmt, n)
+        row_groups = self.row_groups(at, sh, fmt, n) if fmt == "parquet" or "row_groups" in sh else None
         if fmt == "parquet" and index_sha is not None:
             self.fail(f"{at}.index_sha256", "a parquet shard has no index file")
+        lengths_sha = sh.get("lengths_sha256")
         return ShardInfo(
             name,
             n,
             nbytes,
-            self.hex_(sh["sha256"], f"{at}.sha256"),
-            None if index_sha is None else self.hex_(index_sha, f"{at}.index_sha256"),
+            self._sha(sh["sha256"], at, "sha256"),
+            None if index_sha is None else self._sha(index_sha, at, "index_sha256"),
             row_groups,
-            None if sh.get("lengths_sha256") is None else self.hex_(sh["lengths_sha256"], f"{at}.lengths_sha256"),
+            None if lengths_sha is None else self._sha(lengths_sha, at, "lengths_sha256"),
         )
+
+    def _sha(self, v, at: str, key: str) -> str:
+        return v if type(v) is str and _SHA256.fullmatch(v) else self.hex_(v, f"{at}.{key}")
 
     def row_groups(self, at: str, sh: dict, fmt: str, n: int) -> tuple[int, ...] | None:
         """A Parquet shard's row counts per row group (they add up to its ``num_records``)."""
@@ -523,5 +546,12 @@ def short_repr(v) -> str:
 
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_SHARD_FIELDS = frozenset(
+    {"file", "num_records", "num_bytes", "sha256", "index_sha256", "row_groups", "lengths_sha256"}
+)
+_SHARD_REQUIRED = frozenset({"file", "num_records", "num_bytes", "sha256"})
+# a file name that needs no further check (`check_name` passes it): plain characters, no leading dot
+_SIMPLE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,254}")
+_INDEXES = (".idx", ".len")
 _ENCODINGS = {e.value for e in Encoding}
 _DTYPES = {e.value: codec_of(e).manifest_dtypes for e in Encoding}

@@ -59,7 +59,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from crossfeed.config import parse_size
-from crossfeed.errors import ConfigError, CorruptRecordError, CrossfeedError, RemoteError
+from crossfeed.errors import ConfigError, CorruptRecordError, CrossfeedError, RemoteError, redact
 from crossfeed.format import tfrecord
 from crossfeed.io.storage import ATTEMPTS, retrying
 
@@ -70,6 +70,7 @@ STREAMS = 32  # range requests in flight per process: object stores cap one stre
 WINDOW = 8  # range requests in flight or queued per shard (memory: the requests in flight, up to STREAMS)
 MARKER = ".crossfeed-cache"  # the file that marks a directory as a crossfeed cache
 OPEN_TRIES = 4  # downloads of one entry that other processes may evict before it is opened
+ROOM_WAIT = 30.0  # seconds a download waits for the entries in use to make room under the limit
 _TMP = ".tmp-"
 _LOCKS = ".locks"
 _ENTRY = re.compile(r"[0-9a-f]{64}(\.gz)?")  # an entry: the shard's sha256 (and .gz)
@@ -111,8 +112,11 @@ class ShardCache:
         self._claim()
         self._pinned: dict[str, int] = {}  # entries this process has open → open count
         self._pinned_sizes: dict[str, int] = {}  # … → its size (what `room` subtracts)
+        self._downloading: dict[str, int] = {}  # entries this process is downloading → size (room made first)
+        self._waiting: set[str] = set()  # … waiting for room to download (pinned, nothing on disk yet)
         self._verified: set[str] = set()  # entries this process downloaded or hashed
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when a pin or a download ends
         self.downloads = 0  # shards this process downloaded (for tests, `bench` and `Loader.stats`)
         self.downloaded_bytes = 0  # … their bytes
         self.hits = 0  # opens served by an entry already in the cache (`Loader.stats`)
@@ -259,6 +263,7 @@ class ShardCache:
                 return
             self._pinned.pop(name, None)
             self._pinned_sizes.pop(name, None)
+            self._room.notify_all()
         with contextlib.suppress(OSError):  # a root gone meanwhile is reported by the next use
             self._evict()
 
@@ -266,6 +271,14 @@ class ShardCache:
         with self._lock:
             self._pinned[name] = self._pinned.get(name, 0) + 1
             self._pinned_sizes[name] = size
+
+    def holds(self, size: int) -> int:
+        """How many entries of ``size`` bytes a reader may keep pinned at once (at least one): as
+        many as fit the limit, so its window and the one download beside it stay within the limit
+        plus one shard. Unbounded: as many as it likes."""
+        if self.limit is None:
+            return 1 << 62
+        return max(1, self.limit // max(1, size))
 
     def room(self, besides: frozenset[str] | set[str] = frozenset()) -> int | None:
         """Bytes of ``limit`` not held by this process's pinned entries other than ``besides``
@@ -345,6 +358,50 @@ class ShardCache:
             os.close(fd)  # releases the lock
 
     def _download(self, storage, rel: str, name: str, sha256: str, size: int) -> None:
+        """Download the entry ``name``, room made for it first: the unpinned entries its temporary
+        file would push over the limit go before it grows (not after it is complete)."""
+        with self._room:
+            deadline = time.monotonic() + ROOM_WAIT
+            self._waiting.add(name)
+            try:
+                while not self._fits(name) and (left := deadline - time.monotonic()) > 0:
+                    self._room.wait(left)
+            finally:
+                self._waiting.discard(name)
+            if not self._fits(name):
+                log.warning(
+                    "%s: no room under cache_limit=%d after %g s (the readers sharing this cache keep more "
+                    "shards open than it holds); downloading %s anyway: raise cache_limit",
+                    self.root,
+                    self.limit,
+                    ROOM_WAIT,
+                    redact(storage.url(rel)),
+                )
+            self._downloading[name] = size
+        try:
+            self._evict()
+            self._download_now(storage, rel, name, sha256, size)
+        finally:
+            with self._room:
+                self._downloading.pop(name, None)
+                self._room.notify_all()
+
+    def _fits(self, name: str) -> bool:
+        """(lock held) Whether one more download may start: the entries in use and the downloads
+        in flight fit the limit, so this one is at most the one shard over it. Otherwise it waits
+        for a pin or a download to end (at most `ROOM_WAIT`: readers that pin more than the limit
+        holds, several sharing one cache, go over it rather than stall)."""
+        if self.limit is None:
+            return True
+        busy = sum(self._downloading.values())
+        used = sum(
+            n
+            for e, n in self._pinned_sizes.items()
+            if e != name and e not in self._downloading and e not in self._waiting
+        )
+        return busy == 0 and used <= self.limit or used + busy <= self.limit
+
+    def _download_now(self, storage, rel: str, name: str, sha256: str, size: int) -> None:
         where = storage.url(rel)
         with self._folder(name[:2], create=True) as folder:
             self._clean_temporaries(folder)  # type: ignore[arg-type]  # (create=True: never None)
@@ -375,7 +432,7 @@ class ShardCache:
         with self._lock:
             self.downloads += 1
             self.downloaded_bytes += size
-        log.debug("cached %s (%d bytes) as %s", where, size, self.path_of(name))
+        log.debug("cached %s (%d bytes) as %s", redact(where), size, self.path_of(name))
 
     def _download_ranges(self, storage, rel: str, fd: int, size: int):
         """A large shard as ``chunk_bytes`` range requests, ``window`` of them in flight (on a pool
@@ -464,7 +521,8 @@ class ShardCache:
         if self.limit is None:
             return
         entries = self.entries()
-        total = sum(e.size for e in entries)
+        with self._lock:  # the downloads in flight will take their size: room for them counts
+            total = sum(e.size for e in entries) + sum(self._downloading.values())
         if total <= self.limit:
             return
         with self._lock:
@@ -593,11 +651,14 @@ class Prefetcher:
     def _one(self, storage, rel, sha256, size, name) -> None:
         if self._stopped.is_set():
             return
+        room = self.cache.room()
+        if room is not None and size > room:  # the reader's window took the room meanwhile: the reader fetches it
+            return
         try:
             self.cache.release(self.cache.fetch(_Stoppable(storage, self._stopped), rel, sha256, size))
         except Exception as e:  # the reader fetches it again and reports the error where it is needed
             if not self._stopped.is_set():
-                log.warning("prefetching %s failed: %s; downloading ahead stops", storage.url(rel), e)
+                log.warning("prefetching %s failed: %s; downloading ahead stops", redact(storage.url(rel)), e)
                 self.stop()
 
     def stop(self) -> None:

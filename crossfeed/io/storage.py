@@ -29,6 +29,7 @@ import os
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -47,6 +48,9 @@ TIMEOUT_ENV = "CROSSFEED_READ_TIMEOUT"
 READ_TIMEOUT = 60.0  # seconds a remote request may take to answer, and each piece of its body to arrive
 PIECE = 1 << 20  # bytes: the unit of progress a remote read must make within the deadline
 ATTEMPTS = 3  # tries of a remote read that failed transiently (a stall, a reset, a 5xx)
+# What a file name keeps unquoted in an HTTP(S) URL: RFC 3986's path-segment characters ('?', '#',
+# '%', '/' and spaces are quoted)
+_SEGMENT_SAFE = "!$&'()*+,;=:@~"
 
 
 def is_remote(path) -> bool:
@@ -129,6 +133,70 @@ class FsOptions(Mapping):
         return f"FsOptions({_masked(self.to_dict())!r})"
 
 
+def join_url(root: str, name: str) -> str:
+    """``root/name`` for a remote ``root``; over HTTP(S) ``name`` is percent-quoted first (a
+    file name, not URL syntax: ``a#b`` → ``a%23b``, ``a b`` → ``a%20b``, ``%`` → ``%25``)."""
+    if _is_http(root):
+        name = urllib.parse.quote(name, safe=_SEGMENT_SAFE)
+    return f"{root}/{name}"
+
+
+def _is_http(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in ("http", "https")
+
+
+def filesystem(url: str, storage_options: Mapping | None = None):
+    """The fsspec filesystem of ``url``, made with ``storage_options`` (`FsOptions`). Over HTTP(S)
+    its client follows a redirect only within the origin it was sent to (the same scheme, host
+    and port): a redirect elsewhere is a `RemoteError` naming both origins, so a server cannot
+    hand a dataset's reads to another host, around the roots a dataset is confined to
+    (`crossfeed.io.roots`)."""
+    import fsspec
+
+    options = FsOptions(storage_options).to_dict()
+    if _is_http(url):
+        options["get_client"] = _same_origin_client
+    return fsspec.core.url_to_fs(url, **options)[0]
+
+
+def origin(url) -> str:
+    """``scheme://host:port`` of a URL (a str or ``yarl.URL``), its userinfo left out."""
+    import yarl
+
+    u = url if isinstance(url, yarl.URL) else yarl.URL(str(url))
+    return f"{(u.scheme or '').lower()}://{(u.host or '').lower()}:{u.port}"
+
+
+async def _same_origin_client(**kwargs):
+    """fsspec's HTTP client session (``get_client``) with `_refuse_other_origins` on every redirect."""
+    import aiohttp
+    from fsspec.implementations.http import get_client
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_redirect.append(_refuse_other_origins)
+    kwargs["trace_configs"] = [*kwargs.get("trace_configs", ()), trace]
+    return await get_client(**kwargs)
+
+
+async def _refuse_other_origins(session, context, params) -> None:
+    import yarl
+
+    here = params.url
+    try:
+        there = here.join(yarl.URL(params.response.headers.get("Location", "")))
+    except ValueError:
+        there = None
+    if there is None or origin(there) != origin(here):
+        to = "an unreadable Location" if there is None else origin(there)
+        raise RemoteError(
+            str(here),
+            f"the server redirects to another origin, {to} (from {origin(here)}); crossfeed follows redirects only "
+            f"within the origin it asked, so a server cannot send its reads elsewhere: use the final URL itself "
+            f"(and allow its root where it lies outside the dataset)",
+            transient=False,
+        )
+
+
 def _masked(value):
     if isinstance(value, dict):
         return {
@@ -152,10 +220,8 @@ class Storage:
         self.read_timeout = read_deadline(read_timeout)
         self._fs: Any = None  # fsspec's filesystem, for a URL
         if self.remote:
-            import fsspec
-
             try:
-                self._fs, _ = fsspec.core.url_to_fs(self.root, **self.storage_options.to_dict())
+                self._fs = filesystem(self.root, self.storage_options)
             except (ImportError, ValueError) as e:  # an unknown protocol, or its package not installed
                 raise ConfigError(
                     f"{self.root}: cannot open this URL ({type(e).__name__}: {e}); install the fsspec "
@@ -169,12 +235,14 @@ class Storage:
 
     def url(self, rel: str) -> str:
         """``rel`` (a plain file name: the manifest's names are checked) inside the root; a name
-        that is not one path segment, even percent-decoded, never joins a URL (``%2e%2e``)."""
+        that is not one path segment, even percent-decoded, never joins a URL (``%2e%2e``). Over
+        HTTP(S) the name is percent-quoted as it joins: ``a#b`` is fetched as ``a#b`` (``a%23b``),
+        never as ``a`` with a fragment (``?``, ``%``, spaces likewise)."""
         if not self.remote:
             return os.path.join(self.root, rel)
         if not plain_segment(rel):
             raise ManifestError(f"{self.root}: {rel!r} is not a plain file name; a URL join would leave the root")
-        return f"{self.root}/{rel}"
+        return join_url(self.root, rel)
 
     def read(self, rel: str, *, limit: int, too_long: Callable[[int], Exception] | None = None) -> bytes:
         """The whole file ``rel``, at most ``limit`` bytes: a longer one raises ``too_long(n)``
@@ -186,9 +254,10 @@ class Storage:
                 data = b"".join(self._pieces(rel, 0, None, limit=limit, too_long=too_long))
             else:
                 with open(where, "rb") as f:
-                    data = f.read(limit + 1)
-                if len(data) > limit:
-                    raise too_long(len(data))
+                    size = os.fstat(f.fileno()).st_size
+                    if size > limit:  # a regular file says its size: refused before a byte is read
+                        raise too_long(size)
+                    data = _read_bounded(f, limit, too_long)
             return data
         except FileNotFoundError as e:
             raise DatasetNotFoundError(f"{where}: no such file") from e
@@ -388,6 +457,22 @@ def retrying(read: Callable[[], object], where: str, attempts: int = ATTEMPTS, *
                 ) from e
             time.sleep(0.1 * 2**attempt)
     raise ConfigError(f"attempts must be >= 1, got {attempts}")
+
+
+def _read_bounded(f, limit: int, too_long: Callable[[int], Exception]) -> bytes:
+    """The rest of the binary file ``f``, at most ``limit`` bytes, read in pieces of `PIECE`: the
+    memory taken grows with the bytes that come, never with the ``limit`` a file declared (one
+    ``f.read(limit + 1)`` allocates ``limit`` bytes first); more raises ``too_long(n)``."""
+    parts: list[bytes] = []
+    got = 0
+    while True:
+        data = f.read(min(PIECE, limit + 1 - got))
+        if not data:
+            return b"".join(parts)
+        got += len(data)
+        if got > limit:
+            raise too_long(got)
+        parts.append(data)
 
 
 def _too_long(where: str, limit: int) -> Callable[[int], Exception]:

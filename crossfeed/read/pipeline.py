@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from crossfeed.config import resolve_callable
-from crossfeed.errors import ConfigError, SchemaError
+from crossfeed.errors import ConfigError, SchemaError, redact
 from crossfeed.format.schema import Feature, mix_feature
 from crossfeed.io.cache import Prefetcher, ShardCache
 from crossfeed.policy import ErrorBudget, OnError
@@ -627,8 +627,21 @@ def _remote_mode(
     if cache is not None:
         if cache.limit is None or total <= cache.limit:
             return cache, True, None
-        if plan.shuffle is not Shuffle.GLOBAL:
-            return cache, True, window
+        if plan.shuffle is not Shuffle.GLOBAL:  # the window the cache can hold: its entries are pinned
+            holds = cache.holds(max(s.num_bytes for s in split.shards))
+            thrash = plan.shuffle is Shuffle.BLOCK and holds < plan.block_shards
+            if thrash and f"{ds.path}/{split.name}/block" not in _warned:
+                _warned.add(f"{ds.path}/{split.name}/block")
+                log.warning(
+                    "%s split %r: cache_limit holds %d of its shards, a block shuffle reads %d at once "
+                    "(block_shards): shards will be downloaded again within an epoch. Raise cache_limit or "
+                    "lower block_shards.",
+                    redact(ds.path),
+                    split.name,
+                    holds,
+                    plan.block_shards,
+                )
+            return cache, True, min(window, holds)
         key = f"{ds.path}/{split.name}"
         if key not in _warned:
             _warned.add(key)
@@ -636,7 +649,7 @@ def _remote_mode(
                 "%s split %r is %.1f GB, more than the cache limit of %.1f GB: a global shuffle would read one "
                 "range request per record (slow on object stores). Use shuffle='block' (each shard downloaded "
                 "once per epoch, %d shards in memory), or raise cache_limit above %.1f GB.",
-                ds.path,
+                redact(ds.path),
                 split.name,
                 total / 1e9,
                 cache.limit / 1e9,

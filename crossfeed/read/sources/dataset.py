@@ -29,6 +29,7 @@ from crossfeed.errors import (
     ManifestError,
     RootNotAllowedError,
     SplitNotFoundError,
+    redact,
 )
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
@@ -172,7 +173,7 @@ class Dataset:
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{k}={v.num_records}" for k, v in self.splits.items())
-        return f"Dataset({self.path!r}, {counts}, features={self.schema.names})"
+        return f"Dataset({redact(self.path)!r}, {counts}, features={self.schema.names})"
 
     def close(self) -> None:
         for s in self._splits.values():
@@ -239,12 +240,7 @@ class Split:
         self.shards: tuple[ShardInfo, ...] = info.shards
         self.counts = np.array([s.num_records for s in info.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
-        self._files = [
-            _VersionShard(
-                dataset, dataset.storage, s.file, size=s.num_bytes, stream_bytes=functools.partial(self.stream_end, i)
-            )
-            for i, s in enumerate(info.shards)
-        ]
+        self._files: dict[int, _VersionShard] = {}  # made on first use: a split may list 2^20 shards
         self._index: list[np.ndarray | None] = [None] * len(info.shards)
         self._parquet: ParquetFiles | None = None
         self._lazy: list = [None] * len(info.shards)  # shard → its `LazyIndex`, or False: read whole
@@ -262,7 +258,20 @@ class Split:
         return int(self.starts[-1])
 
     def file(self, shard: int) -> ShardFile:
-        return self._files[shard]
+        f = self._files.get(shard)
+        if f is None:  # (setdefault: two threads at once keep one; neither has opened anything yet)
+            s = self.shards[shard]
+            f = self._files.setdefault(
+                shard,
+                _VersionShard(
+                    self.dataset,
+                    self.dataset.storage,
+                    s.file,
+                    size=s.num_bytes,
+                    stream_bytes=functools.partial(self.stream_end, shard),
+                ),
+            )
+        return f
 
     def index(self, shard: int) -> np.ndarray:
         """``(n, 2)`` int64 ``(offset, length)`` of each record of a shard, checked against the manifest."""
@@ -329,7 +338,7 @@ class Split:
         except OSError:
             return None  # reported by `index`, which names the problem
         self._fds.append(fd)
-        gz = self._files[shard].rel.endswith(".gz") or self._is_gzip(shard)
+        gz = self.file(shard).rel.endswith(".gz") or self._is_gzip(shard)
         return idx.LazyIndex.open(
             lambda off, n: os.pread(fd, n, off),
             os.fstat(fd).st_size,
@@ -343,7 +352,7 @@ class Split:
         block the reader forever, a device never end; a symlink is followed only where it stays
         inside the dataset (or its data root) or under an allowed root (`crossfeed.io.roots`)."""
         checks = (
-            (self.dataset.storage, self._files[shard].path, None),
+            (self.dataset.storage, self.file(shard).path, None),
             (self.dataset.index_storage, index_where, True),
         )
         for storage, where, error in checks:
@@ -365,7 +374,7 @@ class Split:
                 )
 
     def _is_gzip(self, shard: int) -> bool:
-        f = self._files[shard]
+        f = self.file(shard)
         if f.rel.endswith(".gz"):
             return True
         storage = f.storage
@@ -387,7 +396,7 @@ class Split:
 
     def payload(self, shard: int, k: int) -> memoryview:
         off, length = self.index(shard)[k]
-        return self._files[shard].record(int(off), int(length))
+        return self.file(shard).record(int(off), int(length))
 
     def parse(self, shard: int, k: int) -> dict:
         """``example.decode`` of a record; a malformed Example names shard and offset."""
@@ -397,14 +406,14 @@ class Split:
         except ExampleError as e:
             off = int(self.index(shard)[k][0])
             raise CrossfeedError(
-                f"{self._files[shard].path}: record at byte offset {off} is not a tf.train.Example: {e}"
+                f"{self.file(shard).path}: record at byte offset {off} is not a tf.train.Example: {e}"
             ) from e
 
     def decode(self, shard: int, k: int, *, features=None, decode_images: bool = True) -> dict:
         feats = self.schema if features is None else [self.schema[n] for n in features]
         if self.info.format == tar.FORMAT:  # WebDataset tar shards, read in place
             off, length = (int(x) for x in self.index(shard)[k])
-            sf = self._files[shard]
+            sf = self.file(shard)
             buf, base = sf.raw(off, length)
             return tar.decode_sample(buf, off - base, length, sf.path, feats, decode_images=decode_images, base=base)
         if self.info.format == "parquet":
@@ -416,7 +425,7 @@ class Split:
             return {f.name: decode_value(f, parsed, decode_images=decode_images) for f in feats}
         except (SchemaError, ExampleError) as e:
             off = int(self.index(shard)[k][0])
-            raise type(e)(f"{self._files[shard].path}: record at byte offset {off}: {e}") from e
+            raise type(e)(f"{self.file(shard).path}: record at byte offset {off}: {e}") from e
 
     def __getitem__(self, i: int) -> dict:
         return self.decode(*self.locate(int(i)))
@@ -427,7 +436,7 @@ class Split:
                 yield self.decode(s, k)
 
     def close(self) -> None:
-        for f in self._files:
+        for f in list(self._files.values()):
             f.close()
         if self._parquet is not None:
             self._parquet.close()

@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from crossfeed.errors import ConfigError, DatasetNotFoundError, IndexFileError
+from crossfeed.errors import ConfigError, DatasetNotFoundError, IndexFileError, redact
 from crossfeed.format.lengths import DTYPE, check_bound, checked_lengths, lengths_path, record_bound
 from crossfeed.format.schema import Feature
 from crossfeed.read.options import LoaderOptions, Pack, PackLong, PackSplit, WeightsBy
@@ -100,7 +100,7 @@ class DocLengths:
                     "%s split %r has no lengths files for %r: each shard is decoded once to learn its documents' "
                     "lengths (the whole shard is read; 4 bytes per record kept in memory). Write lengths files "
                     "(crossfeed convert text does) to plan from integers alone.",
-                    sp.dataset.path,
+                    redact(sp.dataset.path),
                     sp.name,
                     name,
                 )

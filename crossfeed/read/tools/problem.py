@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from crossfeed.errors import redact
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -15,4 +17,4 @@ class Problem:
 
     def __str__(self) -> str:
         where = f"{self.file}: byte offset {self.offset}" if self.offset is not None else self.file
-        return f"{where}: {self.reason}"
+        return redact(f"{where}: {self.reason}")

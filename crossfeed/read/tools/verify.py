@@ -31,6 +31,7 @@ from crossfeed.errors import (
     ExampleError,
     IndexFileError,
     SchemaError,
+    redact,
 )
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
@@ -166,7 +167,7 @@ def _check_lengths(storage: Storage, shard: ShardInfo, features: int) -> list[Pr
     except DatasetNotFoundError:
         return [Problem(where, None, f"lengths file is missing; {fix}")]
     except IndexFileError as e:
-        return [Problem(where, None, str(e).removeprefix(f"{where}: "))]
+        return [Problem(where, None, str(e).removeprefix(f"{redact(where)}: "))]
     return []
 
 
@@ -320,7 +321,7 @@ def _load_index(ipath: str, shard: ShardInfo, size: int | None) -> tuple[np.ndar
     try:
         entries = idx.parse_index(data, ipath)
     except IndexFileError as e:
-        return None, _IndexProblems([Problem(ipath, None, str(e).removeprefix(f"{ipath}: "))], True)
+        return None, _IndexProblems([Problem(ipath, None, str(e).removeprefix(f"{redact(ipath)}: "))], True)
     problems = []
     if len(entries) != shard.num_records:
         problems.append(Problem(ipath, None, f"{len(entries)} entries, the manifest says {shard.num_records} records"))

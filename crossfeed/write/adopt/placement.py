@@ -27,7 +27,7 @@ from crossfeed.errors import ConfigError, DatasetNotFoundError
 from crossfeed.format import tfrecord
 from crossfeed.format.manifest import MANIFEST
 from crossfeed.io.files import file_sha256, map_file
-from crossfeed.io.storage import FsOptions, is_remote
+from crossfeed.io.storage import FsOptions, filesystem, is_remote, join_url
 
 
 @dataclass(frozen=True)
@@ -63,16 +63,14 @@ class Placement:
         return os.path.join(self.root, MANIFEST)
 
     def data_url(self, name: str) -> str:
-        return f"{self.data}/{name}" if self.remote else os.path.join(self.data, name)
+        return join_url(self.data, name) if self.remote else os.path.join(self.data, name)
 
     def index_path(self, name: str) -> str:
         """Where the index file of data file ``name`` goes."""
         return os.path.join(self.root, name + ".idx")
 
     def _fs(self):
-        import fsspec
-
-        return fsspec.core.url_to_fs(self.data, **self.storage_options)[0]
+        return filesystem(self.data, self.storage_options)
 
     def listdir(self) -> list[str]:
         """The plain file names in the data directory."""
@@ -179,9 +177,7 @@ def placement(path, index_dir=None, storage_options: Mapping | None = None) -> P
         raw = raw[len("file://") :]
     data = raw.rstrip("/") if is_remote(raw) else os.path.abspath(raw)
     if is_remote(data):
-        import fsspec
-
-        fs = fsspec.core.url_to_fs(data, **storage_options)[0]
+        fs = filesystem(data, storage_options)
         if not fs.isdir(data):
             raise DatasetNotFoundError(f"{data}: not a directory; pass the directory that holds the data files")
         if index_dir is None:
