@@ -175,6 +175,10 @@ class Heartbeat:
     timeout: float = 10.0
 
     def __post_init__(self) -> None:
+        for name in ("interval", "timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise ConfigError(f"heartbeat {name} must be a number of seconds, got {value!r}")
         if not 0 < self.interval < self.timeout:
             raise ConfigError(
                 f"heartbeat interval ({self.interval}) must be > 0 and below the timeout ({self.timeout})"
