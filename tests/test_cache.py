@@ -502,5 +502,8 @@ def test_downloads_ahead_never_push_the_entries_in_use_over_the_limit(served, tm
         cache.release(path)
     prefetcher = Prefetcher(cache)
     prefetcher.want([(storage, s.file, s.sha256, s.num_bytes) for s in shards[2:]])
+    deadline = time.monotonic() + 30  # (close() stops downloads in flight: let them finish first)
+    while cache.downloads < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
     prefetcher.close()
     assert cache.downloads == 4 and cache.size() <= cache.limit  # two fit once nothing is in use
