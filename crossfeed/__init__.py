@@ -1,40 +1,51 @@
 """crossfeed: convert a dataset once, read it from TensorFlow and PyTorch, serve it over the network.
 
 The public surface is the names below; everything else lives in submodules. Importing crossfeed
-never imports tensorflow, torch or apache_beam.
+never imports tensorflow, torch or apache_beam, and imports no submodule until one of its names is
+first used: ``import crossfeed.errors`` (what every worker process and CLI start pays) loads the
+errors module alone, not the Loader, the writer and the network plane behind the other names.
 """
 
-from crossfeed.errors import (
-    ConfigError,
-    CorruptRecordError,
-    CrossfeedError,
-    DatasetNotFoundError,
-    DatasetRewrittenError,
-    ExampleError,
-    IndexFileError,
-    ManifestError,
-    RemoteError,
-    RootNotAllowedError,
-    SchemaError,
-    ServerLostError,
-    SplitNotFoundError,
-    WireError,
-    WorkerError,
-)
-from crossfeed.format.schema import Encoding, Feature, Schema
-from crossfeed.read.loader import Loader
-from crossfeed.read.options import (
-    LoaderOptions,
-    Pack,
-    PlanOptions,
-    ReadOptions,
-    Remainder,
-    ShardOptions,
-    Shuffle,
-    Source,
-)
-from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
-from crossfeed.write.writer import write_samples
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names as a type checker (and a reader) sees them; at run time: `_LAZY`
+    from crossfeed.errors import (
+        ConfigError,
+        CorruptRecordError,
+        CrossfeedError,
+        DatasetNotFoundError,
+        DatasetRewrittenError,
+        ExampleError,
+        IndexFileError,
+        ManifestError,
+        RemoteError,
+        RootNotAllowedError,
+        SchemaError,
+        ServerLostError,
+        SplitNotFoundError,
+        WireError,
+        WorkerError,
+    )
+    from crossfeed.format.schema import Encoding, Feature, Schema
+    from crossfeed.format.wire import BatchMeta
+    from crossfeed.net.connect import connect
+    from crossfeed.net.keys import ClientKeys
+    from crossfeed.net.stream.client import Client
+    from crossfeed.read.loader import Loader
+    from crossfeed.read.options import (
+        LoaderOptions,
+        Pack,
+        PlanOptions,
+        ReadOptions,
+        Remainder,
+        ShardOptions,
+        Shuffle,
+        Source,
+    )
+    from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
 
 __version__ = "0.1.0"
 
@@ -42,11 +53,43 @@ __version__ = "0.1.0"
 def write_dataset(path, samples, **options) -> Dataset:
     """Write ``samples`` as a split of the dataset at ``path`` and return it opened: the options
     and the atomic commit are `crossfeed.write.writer.write_samples`'s."""
+    from crossfeed.read.sources.dataset import open_dataset
+    from crossfeed.write.writer import write_samples
+
     return open_dataset(write_samples(path, samples, **options))
 
 
-# The network plane pulls in pyzmq: imported on first use, so `import crossfeed` stays light.
+# Each public name and the module that defines it, imported on the name's first use (PEP 562), so
+# `import crossfeed` and `import crossfeed.errors` stay light (the network plane would pull in pyzmq,
+# the Loader numpy and the whole read side).
 _LAZY = {
+    **dict.fromkeys(
+        (
+            "ConfigError",
+            "CorruptRecordError",
+            "CrossfeedError",
+            "DatasetNotFoundError",
+            "DatasetRewrittenError",
+            "ExampleError",
+            "IndexFileError",
+            "ManifestError",
+            "RemoteError",
+            "RootNotAllowedError",
+            "SchemaError",
+            "ServerLostError",
+            "SplitNotFoundError",
+            "WireError",
+            "WorkerError",
+        ),
+        "crossfeed.errors",
+    ),
+    **dict.fromkeys(("Encoding", "Feature", "Schema"), "crossfeed.format.schema"),
+    **dict.fromkeys(
+        ("LoaderOptions", "Pack", "PlanOptions", "ReadOptions", "Remainder", "ShardOptions", "Shuffle", "Source"),
+        "crossfeed.read.options",
+    ),
+    **dict.fromkeys(("Dataset", "Split", "open_dataset"), "crossfeed.read.sources.dataset"),
+    "Loader": "crossfeed.read.loader",
     "connect": "crossfeed.net.connect",
     "Client": "crossfeed.net.stream.client",
     "ClientKeys": "crossfeed.net.keys",
@@ -56,10 +99,14 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # once: later uses are a plain attribute
+        return value
     raise AttributeError(f"module 'crossfeed' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 __all__ = [
