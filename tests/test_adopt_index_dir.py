@@ -17,15 +17,12 @@ from pathlib import Path
 
 import fsspec
 import numpy as np
-import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
-import webdataset as wds
 from adopt_helpers import INDEX_AUDITED, read_only, snapshot, trusted_roots  # noqa: F401 (autouse)
-from conftest import run_python
+from conftest import lazy_import, run_python
 from parquet_data import ROWS, assert_row_equal, oracle, write_pyarrow_files
 from PIL import Image
-from skimage import data as skdata
 
 from crossfeed.errors import ConfigError, CorruptRecordError
 from crossfeed.format.manifest import MANIFEST
@@ -33,6 +30,10 @@ from crossfeed.read.loader import INDEX_KEY, Loader
 from crossfeed.read.sources.dataset import open_dataset
 from crossfeed.read.tools.verify import verify_dataset
 from crossfeed.write.adopt.index import index_dataset
+
+pads = lazy_import("pyarrow.dataset")
+wds = lazy_import("webdataset")
+skdata = lazy_import("skimage.data")
 
 N_TAR = 11  # samples; 4 per tar → 3 tars
 
