@@ -312,6 +312,7 @@ def test_remote_parquet_is_read_where_it_lies(parquet_files, tmp_path, bucket):
 # ---- S3 (moto's server, through s3fs): real range requests; the CLI in processes of its own ----
 
 
+@pytest.mark.slow
 def test_s3_tars_and_parquet_through_moto(tars, parquet_files, tmp_path, monkeypatch):
     moto_server = pytest.importorskip("moto.server")
     pytest.importorskip("s3fs")

@@ -16,6 +16,7 @@ from crossfeed.write.adopt.index import index_dataset
 
 tf = lazy_import("tensorflow")
 cftf = lazy_import("crossfeed.adapters.tf")
+pytestmark = pytest.mark.slow  # TensorFlow imported
 
 
 def test_tf_dataset_reads_tar_shards_with_the_plan_engine(tmp_path):

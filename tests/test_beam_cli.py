@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from crossfeed import open_dataset
 from crossfeed.beam_jobs.sample_data import make_image_folder
 
-pytestmark = requires("apache_beam")
+pytestmark = [pytest.mark.slow, requires("apache_beam")]  # slow: real Beam pipelines through the CLI
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from crossfeed.beam_jobs.sample_data import make_image_folder
 
 distributed = lazy_import("distributed")
 beam_job = lazy_import("crossfeed.beam_jobs.job")
-pytestmark = requires("apache_beam", "distributed")
+pytestmark = [pytest.mark.slow, requires("apache_beam", "distributed")]  # slow: a real Dask cluster
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from conftest import lazy_import, requires
 from crossfeed import DatasetNotFoundError, open_dataset
 
 beam_job = lazy_import("crossfeed.beam_jobs.job")
-pytestmark = requires("apache_beam")
+pytestmark = [pytest.mark.slow, requires("apache_beam")]  # slow: kill tests
 
 KILLER = textwrap.dedent("""
     import os, signal, sys

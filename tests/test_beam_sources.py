@@ -16,7 +16,7 @@ from crossfeed.beam_jobs.sample_data import make_image_folder
 from crossfeed.errors import ConfigError
 
 beam_job = lazy_import("crossfeed.beam_jobs.job")
-pytestmark = requires("apache_beam")
+pytestmark = [pytest.mark.slow, requires("apache_beam")]  # slow: real Beam pipelines
 
 SKIP = ErrorPolicy("skip")
 

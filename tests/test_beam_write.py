@@ -23,6 +23,7 @@ beam_arrays = lazy_import("crossfeed.beam_jobs.arrays")
 beam_job = lazy_import("crossfeed.beam_jobs.job")
 beam_steps = lazy_import("crossfeed.beam_jobs.steps")
 beam_write = lazy_import("crossfeed.beam_jobs.write")
+pytestmark = pytest.mark.slow  # real Beam pipelines
 
 
 def pipeline():

@@ -20,6 +20,7 @@ from crossfeed.cli.main import app
 from crossfeed.format.schema import Encoding, Feature, Schema
 
 tf = lazy_import("tensorflow")
+pytestmark = pytest.mark.slow  # TensorFlow imported: tf.data and tfrecord compatibility
 
 
 def _png(arr):

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from crossfeed import Loader, open_dataset
 from crossfeed.format.lengths import checked_lengths, lengths_path
 
-pytestmark = requires("apache_beam", "tokenizers")
+pytestmark = [pytest.mark.slow, requires("apache_beam", "tokenizers")]  # slow: real Beam pipelines
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards hex jolly quartz boxes".split()
 

@@ -25,6 +25,7 @@ from crossfeed import Encoding, Feature, ReadOptions, Schema
 from crossfeed.cli.main import app
 
 tf = lazy_import("tensorflow")
+pytestmark = pytest.mark.slow  # TensorFlow imported: its parser as the reference
 
 
 CODES = (0, 127, 128, 2**40, -1)  # varints of 1, 1, 2, 6 and 10 bytes

@@ -27,6 +27,7 @@ from crossfeed.write.adopt.index import index_dataset
 
 grain = lazy_import("grain")
 cfgrain = lazy_import("crossfeed.adapters.grain")
+pytestmark = pytest.mark.slow  # Grain and JAX imported, worker processes
 
 N_TAB = 301
 

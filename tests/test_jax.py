@@ -23,6 +23,7 @@ from crossfeed.errors import ConfigError, SchemaError
 jax = lazy_import("jax")
 jax_sharding = lazy_import("jax.sharding")
 cfjax = lazy_import("crossfeed.adapters.jax")
+pytestmark = pytest.mark.slow  # JAX imported
 
 DENSE = ["image", "label", "score"]
 

@@ -21,7 +21,7 @@ import crossfeed
 tf = lazy_import("tensorflow")
 cftf = lazy_import("crossfeed.adapters.tf")
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: TensorFlow imported
 
 
 def _model():

@@ -16,7 +16,7 @@ torch = lazy_import("torch")
 torch_data = lazy_import("torch.utils.data")
 cftorch = lazy_import("crossfeed.adapters.torch")
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # slow: torch imported, worker processes
 KW = dict(batch_size=8, seed=5, samples_per_epoch=40, image_size=(32, 32), channels=3, return_index=True)
 
 

@@ -21,6 +21,7 @@ from crossfeed.net.stream.producer import encode_item
 pytestmark = pytest.mark.timeout(90)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stall_after", [1, 3])
 def test_a_killed_trainers_batches_go_to_the_survivor(tmp_path, stall_after):
     n = 200

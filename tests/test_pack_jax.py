@@ -20,6 +20,7 @@ from crossfeed.errors import ConfigError
 
 jax = lazy_import("jax")
 cfjax = lazy_import("crossfeed.adapters.jax")
+pytestmark = pytest.mark.slow  # a fresh interpreter per framework
 
 LENGTHS = [5, 9, 30, 2, 17, 8, 40, 3, 11, 25, 1, 14, 6, 19, 33, 4]
 

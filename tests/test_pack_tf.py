@@ -6,6 +6,7 @@ Loader's)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from conftest import lazy_import
 from token_data import write_language, write_tokens
 
@@ -13,6 +14,7 @@ import crossfeed
 
 tf = lazy_import("tensorflow")
 cftf = lazy_import("crossfeed.adapters.tf")
+pytestmark = pytest.mark.slow  # TensorFlow imported: Keras training
 
 
 def test_tf_gets_the_loaders_packed_rows_with_a_static_shape(tmp_path):

@@ -13,6 +13,7 @@ import crossfeed
 
 torch = lazy_import("torch")
 cftorch = lazy_import("crossfeed.adapters.torch")
+pytestmark = pytest.mark.slow  # torch imported: training
 
 OPTS = dict(batch_size=4, seed=2, pack=crossfeed.Pack(length=32))
 

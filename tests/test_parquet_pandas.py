@@ -15,6 +15,7 @@ from crossfeed.cli.main import app
 from crossfeed.write.adopt.index import index_dataset, parse_feature
 
 pd = lazy_import("pandas")
+pytestmark = pytest.mark.slow  # pandas imported
 
 
 N = 40

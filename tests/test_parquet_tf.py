@@ -12,6 +12,7 @@ from crossfeed.errors import ConfigError
 from crossfeed.write.adopt.index import index_dataset
 
 cftf = lazy_import("crossfeed.adapters.tf")
+pytestmark = pytest.mark.slow  # TensorFlow imported
 
 
 def test_tf_dataset_reads_parquet_through_the_loader(tmp_path):

@@ -4,6 +4,7 @@ yields the Loader's batches, with pyarrow's values."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from conftest import lazy_import
 from parquet_data import ROWS, assert_row_equal, oracle, write_pyarrow_files
 
@@ -13,6 +14,7 @@ from crossfeed.write.adopt.index import index_dataset
 torch = lazy_import("torch")
 torch_data = lazy_import("torch.utils.data")
 cftorch = lazy_import("crossfeed.adapters.torch")
+pytestmark = pytest.mark.slow  # torch imported, worker processes
 
 
 def test_two_workers_yield_the_loaders_batches_with_pyarrow_values(tmp_path):

@@ -8,7 +8,7 @@ from conftest import lazy_import
 
 import crossfeed
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # slow: TensorFlow imported, worker processes
 tf = lazy_import("tensorflow")
 cftf = lazy_import("crossfeed.adapters.tf")
 

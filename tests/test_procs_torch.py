@@ -13,7 +13,7 @@ torch = lazy_import("torch")
 torch_data = lazy_import("torch.utils.data")
 cftorch = lazy_import("crossfeed.adapters.torch")
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # slow: torch imported, worker processes
 
 
 def test_torch_dataset_reads_through_worker_processes(tmp_path):

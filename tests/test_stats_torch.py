@@ -16,6 +16,7 @@ from crossfeed.read.metrics import STAGES
 
 torch = lazy_import("torch")
 cftorch = lazy_import("crossfeed.adapters.torch")
+pytestmark = pytest.mark.slow  # torch imported
 
 N = 24
 

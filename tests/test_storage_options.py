@@ -25,7 +25,7 @@ from crossfeed.write.adopt.index import index_dataset
 
 moto_server = lazy_import("moto.server")
 boto3 = lazy_import("boto3")
-pytestmark = requires("moto", "s3fs", "boto3")
+pytestmark = [pytest.mark.slow, requires("moto", "s3fs", "boto3")]  # slow: an S3 server (moto) in a process
 
 N = 60
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}

@@ -16,7 +16,7 @@ from conftest import (
 
 import crossfeed
 
-pytestmark = requires("tensorflow")
+pytestmark = [pytest.mark.slow, requires("tensorflow")]  # slow: Keras under tf.distribute strategies
 
 
 def _separable(n: int, seed: int = 0) -> list[dict]:

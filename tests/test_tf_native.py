@@ -13,6 +13,7 @@ from crossfeed import ConfigError, DatasetNotFoundError, Encoding, Feature, Sche
 
 tf = lazy_import("tensorflow")
 cftf = lazy_import("crossfeed.adapters.tf")
+pytestmark = pytest.mark.slow  # TensorFlow imported
 
 
 def _png(arr: np.ndarray) -> bytes:

@@ -12,6 +12,7 @@ from crossfeed.read.loader import Loader
 
 tf = lazy_import("tensorflow")
 cftf = lazy_import("crossfeed.adapters.tf")
+pytestmark = pytest.mark.slow  # TensorFlow imported
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import crossfeed
 
 tf = lazy_import("tensorflow")
 cftf = lazy_import("crossfeed.adapters.tf")
+pytestmark = pytest.mark.slow  # TensorFlow imported: the user walkthrough
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import crossfeed
 from crossfeed.errors import ConfigError
 from crossfeed.format.schema import Encoding, Feature, Schema
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # slow: torch training demo
 SCHEMA = Schema(
     [Feature("image", "uint8", (None, None, 3), Encoding.IMAGE), Feature("label", "int64", (), Encoding.INT64)]
 )

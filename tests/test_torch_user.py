@@ -14,6 +14,7 @@ import crossfeed
 
 torch = lazy_import("torch")
 cftorch = lazy_import("crossfeed.adapters.torch")
+pytestmark = pytest.mark.slow  # torch imported: the user walkthrough
 
 
 @pytest.fixture(scope="module")

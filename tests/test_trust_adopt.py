@@ -171,6 +171,7 @@ def _mutated(pristine: Path, name: str, mutate) -> str | bytes:
     return out if isinstance(out, (str, bytes)) else json.dumps(out)
 
 
+@pytest.mark.slow
 @needs_tfds
 @pytest.mark.parametrize("case", sorted(MUTATIONS))
 def test_hostile_tfds_json_is_refused_by_index_and_cli(prepared, tfds_dir, case):

@@ -16,7 +16,7 @@ import pytest
 
 from crossfeed.cli.main import EXIT_INTERRUPTED
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # slow: Ctrl-C at several points of a real convert
 
 ROWS = 400_000  # enough that the job is still running at the last moment below
 
