@@ -116,6 +116,7 @@ def _data_files(root: Path) -> list[str]:
 # ---- WebDataset tars ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_read_only_tar_dir_is_indexed_untouched_and_reads_as_in_place(tars, tmp_path):
     data, idx_dir = _copy(tars, tmp_path / "data"), tmp_path / "index"
     beside = _indexed_in_place(tars, tmp_path / "beside")
@@ -215,6 +216,7 @@ def test_remote_tar_dir_is_read_where_it_lies(tars, tmp_path, bucket):
 # ---- Parquet -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_read_only_parquet_dir_is_indexed_untouched_and_reads_as_in_place(parquet_files, tmp_path):
     data, idx_dir = _copy(parquet_files, tmp_path / "data"), tmp_path / "index"
     beside = _indexed_in_place(parquet_files, tmp_path / "beside")
@@ -248,6 +250,7 @@ def test_read_only_parquet_dir_is_indexed_untouched_and_reads_as_in_place(parque
         assert snapshot(data) == before
 
 
+@pytest.mark.slow
 def test_parquet_index_notes_the_pyarrow_dataset_clash_and_file_urls_work(parquet_files, tmp_path):
     beside = _copy(parquet_files, tmp_path / "beside")
     out = _cli("index", beside)

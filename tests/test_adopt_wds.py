@@ -187,6 +187,7 @@ def test_torch_dataset_with_two_workers(wds_dir):
     assert got == expected
 
 
+@pytest.mark.slow
 def test_cli_info_verify_head(wds_dir):
     info = _cli("info", wds_dir)
     assert info.returncode == 0, info.stderr

@@ -284,6 +284,7 @@ def test_s3_through_moto_and_s3fs(tmp_path, monkeypatch):
         server.stop()
 
 
+@pytest.mark.slow
 def test_cache_command_lists_prunes_and_clears(served, tmp_path):
     url, _, _ = served
     with crossfeed.Loader(url, batch_size=600, shuffle="none", cache_dir=tmp_path / "c") as ld:

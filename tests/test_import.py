@@ -1,5 +1,8 @@
 """`import crossfeed` (and the CLI module) stays framework-neutral: no tensorflow, torch or apache_beam."""
 
+from pathlib import Path
+
+import pytest
 from conftest import run_python
 
 
@@ -60,3 +63,22 @@ def test_public_names_resolve_on_first_use_and_stay_listed():
         "all",
         "missing: module 'crossfeed' has no attribute 'NoSuchName'",
     ]
+
+
+@pytest.mark.slow
+def test_collecting_the_suite_imports_no_framework():
+    """Collecting every test (what each `pytest` run pays before its first test) imports no
+    framework: test modules reach TensorFlow, torch, Beam, JAX and Grain through
+    `conftest.lazy_import` and `requires`, in the tests that use them."""
+    tests = str(Path(__file__).parent)
+    out = run_python(
+        """
+        import sys, pytest
+        code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", sys.argv[1]])
+        heavy = ("tensorflow", "torch", "apache_beam", "jax", "grain", "pandas", "distributed")
+        print("exit", int(code), ",".join(sorted(m for m in heavy if m in sys.modules)) or "none")
+        """,
+        tests,
+        timeout=600,
+    )
+    assert out.stdout.splitlines()[-1] == "exit 0 none", out.stdout[-2000:]

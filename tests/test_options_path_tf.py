@@ -14,7 +14,10 @@ from crossfeed.read.options import LoaderOptions
 
 cftf = lazy_import("crossfeed.adapters.tf")
 tf_plan = lazy_import("crossfeed.adapters.tf_plan")
-pytestmark = requires("tensorflow")
+pytestmark = [
+    pytest.mark.slow,
+    requires("tensorflow"),
+]  # slow: TensorFlow (and JAX) imported: the options path through tf.data
 
 
 def test_tf_options_are_the_loaders_options_plus_tfs_own(options_data):

@@ -11,6 +11,7 @@ from crossfeed.errors import ConfigError
 from crossfeed.read.options import LoaderOptions
 
 cftorch = lazy_import("crossfeed.adapters.torch")
+pytestmark = pytest.mark.slow  # torch imported: the options path through the torch adapter
 
 
 def test_torch_dataset_builds_the_loaders_options(options_data):
