@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # the full packages through the extras (crossfeed[tf], crossfeed[torch]).
 DEV_PINS := "tensorflow-cpu==2.21.0" "torch==2.13.0"
 
-.PHONY: install prometheus demo shell test typecheck bench bench-env mutants lint clean
+.PHONY: install prometheus demo shell test test-fast typecheck bench bench-env mutants lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ test: install prometheus
 	$(PY) -m ruff format --check .
 	$(MAKE) typecheck
 	$(PY) -m pytest -q
+
+# the fast tier, to run while editing: every test not marked `slow` (pyproject's markers: fresh
+# interpreters per framework, real clusters, kill and soak tests, multihost, fault matrices)
+test-fast: install prometheus
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest -q -m "not slow"
 
 # mypy cannot follow setuptools' package-dir mapping (adapters/ and beam_jobs/ install as
 # crossfeed.adapters and crossfeed.beam_jobs), so it checks a tree of links laid out as installed

@@ -1,35 +1,39 @@
 """crossfeed: convert a dataset once, read it from TensorFlow and PyTorch, serve it over the network.
 
 The public surface is the names below; everything else lives in submodules. Importing crossfeed
-never imports tensorflow, torch or apache_beam, and imports nothing heavy at all until a name is
-used: the errors are here at once, every other name (the Loader, the options, the Dataset, the
-writer, the network plane) is imported on first use (`__getattr__`), so that a program built on
-crossfeed — the ``crossfeed`` CLI first of all — runs its own first lines (its Ctrl-C handler)
-before numpy and the rest load.
+never imports tensorflow, torch or apache_beam, and imports no submodule until one of its names is
+first used: ``import crossfeed.errors`` (what every worker process and CLI start pays) loads the
+errors module alone, not the Loader, the writer and the network plane behind the other names.
 """
 
+from __future__ import annotations
+
+import importlib
 from typing import TYPE_CHECKING
 
-from crossfeed.errors import (
-    ConfigError,
-    CorruptRecordError,
-    CrossfeedError,
-    DatasetNotFoundError,
-    DatasetRewrittenError,
-    ExampleError,
-    IndexFileError,
-    ManifestError,
-    RemoteError,
-    RootNotAllowedError,
-    SchemaError,
-    ServerLostError,
-    SplitNotFoundError,
-    WireError,
-    WorkerError,
-)
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the names as a type checker (and a reader) sees them; at run time: `_LAZY`
+    from crossfeed.errors import (
+        ConfigError,
+        CorruptRecordError,
+        CrossfeedError,
+        DatasetNotFoundError,
+        DatasetRewrittenError,
+        ExampleError,
+        IndexFileError,
+        ManifestError,
+        RemoteError,
+        RootNotAllowedError,
+        SchemaError,
+        ServerLostError,
+        SplitNotFoundError,
+        WireError,
+        WorkerError,
+    )
     from crossfeed.format.schema import Encoding, Feature, Schema
+    from crossfeed.format.wire import BatchMeta
+    from crossfeed.net.connect import connect
+    from crossfeed.net.keys import ClientKeys
+    from crossfeed.net.stream.client import Client
     from crossfeed.read.loader import Loader
     from crossfeed.read.options import (
         LoaderOptions,
@@ -48,7 +52,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 
-def write_dataset(path, samples, **options) -> "Dataset":
+def write_dataset(path, samples, **options) -> Dataset:
     """Write ``samples`` as a split of the dataset at ``path`` and return it opened: the options
     (a `WriteOptions`, whole as ``options=`` or as its fields: ``shard_size="64MB"`` …) and the
     atomic commit are `crossfeed.write.writer.write_samples`'s."""
@@ -58,26 +62,39 @@ def write_dataset(path, samples, **options) -> "Dataset":
     return open_dataset(write_samples(path, samples, **options))
 
 
-# Imported on first use, so `import crossfeed` stays light (the network plane pulls in pyzmq).
+# Each public name and the module that defines it, imported on the name's first use (PEP 562), so
+# `import crossfeed` and `import crossfeed.errors` stay light (the network plane would pull in pyzmq,
+# the Loader numpy and the whole read side).
 _LAZY = {
-    "Encoding": "crossfeed.format.schema",
-    "Feature": "crossfeed.format.schema",
-    "Schema": "crossfeed.format.schema",
+    **dict.fromkeys(
+        (
+            "ConfigError",
+            "CorruptRecordError",
+            "CrossfeedError",
+            "DatasetNotFoundError",
+            "DatasetRewrittenError",
+            "ExampleError",
+            "IndexFileError",
+            "ManifestError",
+            "RemoteError",
+            "RootNotAllowedError",
+            "SchemaError",
+            "ServerLostError",
+            "SplitNotFoundError",
+            "WireError",
+            "WorkerError",
+        ),
+        "crossfeed.errors",
+    ),
+    **dict.fromkeys(("Encoding", "Feature", "Schema"), "crossfeed.format.schema"),
+    **dict.fromkeys(
+        ("LoaderOptions", "Pack", "PlanOptions", "ReadOptions", "Remainder", "ShardOptions", "Shuffle", "Source"),
+        "crossfeed.read.options",
+    ),
+    **dict.fromkeys(("Dataset", "Split", "open_dataset"), "crossfeed.read.sources.dataset"),
     "Loader": "crossfeed.read.loader",
     "Pipeline": "crossfeed.read.pipeline",
     "WriteOptions": "crossfeed.write.options",
-    "LoaderOptions": "crossfeed.read.options",
-    "Pack": "crossfeed.read.options",
-    "PlanOptions": "crossfeed.read.options",
-    "ReadOptions": "crossfeed.read.options",
-    "Remainder": "crossfeed.read.options",
-    "ShardOptions": "crossfeed.read.options",
-    "Shuffle": "crossfeed.read.options",
-    "Source": "crossfeed.read.options",
-    "Dataset": "crossfeed.read.sources.dataset",
-    "Split": "crossfeed.read.sources.dataset",
-    "open_dataset": "crossfeed.read.sources.dataset",
-    "write_samples": "crossfeed.write.writer",
     "connect": "crossfeed.net.connect",
     "Client": "crossfeed.net.stream.client",
     "ClientKeys": "crossfeed.net.keys",
@@ -87,12 +104,14 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # the next use is a plain lookup
+        globals()[name] = value  # once: later uses are a plain attribute
         return value
     raise AttributeError(f"module 'crossfeed' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 __all__ = [

@@ -3,12 +3,38 @@ process (for checks that need an interpreter of their own, e.g. what `import cro
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+
+
+class lazy_import:  # noqa: N801 (used like a module)
+    """A module imported on its first attribute use, so that collecting a test module costs no
+    TensorFlow, torch or Beam import (``tf = lazy_import("tensorflow")`` at the top, ``tf.constant``
+    in a test); a test that uses a module not installed is skipped, as `pytest.importorskip` would."""
+
+    def __init__(self, name: str):
+        self.__name = name
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("_"):  # what collection asks of every name (`_mock_name`, `__test__`): no import
+            raise AttributeError(attr)
+        module = sys.modules.get(self.__name) or pytest.importorskip(self.__name)
+        return getattr(module, attr)
+
+    def __repr__(self) -> str:
+        return f"<lazy_import {self.__name!r}>"
+
+
+def requires(*names: str):
+    """Skip a test (or, as ``pytestmark``, a test module) unless every module named is installed,
+    without importing any: collection stays cheap."""
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}")
 
 
 def mixed_samples(n: int, seed: int = 0) -> list[dict]:

@@ -17,15 +17,12 @@ from pathlib import Path
 
 import fsspec
 import numpy as np
-import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
-import webdataset as wds
 from adopt_helpers import INDEX_AUDITED, read_only, snapshot, trusted_roots  # noqa: F401 (autouse)
-from conftest import run_python
+from conftest import lazy_import, run_python
 from parquet_data import ROWS, assert_row_equal, oracle, write_pyarrow_files
 from PIL import Image
-from skimage import data as skdata
 
 from crossfeed.errors import ConfigError, CorruptRecordError
 from crossfeed.format.manifest import MANIFEST
@@ -33,6 +30,10 @@ from crossfeed.read.loader import INDEX_KEY, Loader
 from crossfeed.read.sources.dataset import open_dataset
 from crossfeed.read.tools.verify import verify_dataset
 from crossfeed.write.adopt.index import index_dataset
+
+pads = lazy_import("pyarrow.dataset")
+wds = lazy_import("webdataset")
+skdata = lazy_import("skimage.data")
 
 N_TAR = 11  # samples; 4 per tar → 3 tars
 
@@ -115,6 +116,7 @@ def _data_files(root: Path) -> list[str]:
 # ---- WebDataset tars ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_read_only_tar_dir_is_indexed_untouched_and_reads_as_in_place(tars, tmp_path):
     data, idx_dir = _copy(tars, tmp_path / "data"), tmp_path / "index"
     beside = _indexed_in_place(tars, tmp_path / "beside")
@@ -214,6 +216,7 @@ def test_remote_tar_dir_is_read_where_it_lies(tars, tmp_path, bucket):
 # ---- Parquet -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_read_only_parquet_dir_is_indexed_untouched_and_reads_as_in_place(parquet_files, tmp_path):
     data, idx_dir = _copy(parquet_files, tmp_path / "data"), tmp_path / "index"
     beside = _indexed_in_place(parquet_files, tmp_path / "beside")
@@ -247,6 +250,7 @@ def test_read_only_parquet_dir_is_indexed_untouched_and_reads_as_in_place(parque
         assert snapshot(data) == before
 
 
+@pytest.mark.slow
 def test_parquet_index_notes_the_pyarrow_dataset_clash_and_file_urls_work(parquet_files, tmp_path):
     beside = _copy(parquet_files, tmp_path / "beside")
     out = _cli("index", beside)
@@ -311,6 +315,7 @@ def test_remote_parquet_is_read_where_it_lies(parquet_files, tmp_path, bucket):
 # ---- S3 (moto's server, through s3fs): real range requests; the CLI in processes of its own ----
 
 
+@pytest.mark.slow
 def test_s3_tars_and_parquet_through_moto(tars, parquet_files, tmp_path, monkeypatch):
     moto_server = pytest.importorskip("moto.server")
     pytest.importorskip("s3fs")

@@ -28,9 +28,12 @@ from crossfeed.read.tools.verify import verify_dataset
 from crossfeed.write.adopt.index import index_dataset
 from crossfeed.write.adopt.placement import placement
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("tensorflow_datasets") is None, reason="needs tensorflow-datasets to build the data"
-)
+pytestmark = [
+    pytest.mark.slow,  # tensorflow-datasets and TensorFlow in processes of their own
+    pytest.mark.skipif(
+        importlib.util.find_spec("tensorflow_datasets") is None, reason="needs tensorflow-datasets to build the data"
+    ),
+]
 HERE = Path(__file__).parent
 
 

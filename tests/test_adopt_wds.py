@@ -16,11 +16,10 @@ import tarfile
 
 import numpy as np
 import pytest
-import webdataset as wds
+from conftest import lazy_import
 from loader_helpers import assert_resumes_identically, epoch_batches
 from net_helpers import FAST_HB, child, read_endpoint, stop
 from PIL import Image
-from skimage import data as skdata
 
 import crossfeed
 from crossfeed.errors import CorruptRecordError, ManifestError, SchemaError
@@ -28,6 +27,9 @@ from crossfeed.format.manifest import MANIFEST
 from crossfeed.net import connect
 from crossfeed.read.loader import INDEX_KEY, Loader
 from crossfeed.write.adopt.index import index_dataset
+
+wds = lazy_import("webdataset")
+skdata = lazy_import("skimage.data")
 
 N = 23  # samples; 4 per shard → 6 shards, the last one short
 
@@ -185,6 +187,7 @@ def test_torch_dataset_with_two_workers(wds_dir):
     assert got == expected
 
 
+@pytest.mark.slow
 def test_cli_info_verify_head(wds_dir):
     info = _cli("info", wds_dir)
     assert info.returncode == 0, info.stderr

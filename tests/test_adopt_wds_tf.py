@@ -8,13 +8,15 @@ import tarfile
 
 import numpy as np
 import pytest
+from conftest import lazy_import
 
 import crossfeed
 from crossfeed.read.loader import Loader
 from crossfeed.write.adopt.index import index_dataset
 
-tf = pytest.importorskip("tensorflow")
-cftf = pytest.importorskip("crossfeed.adapters.tf")
+tf = lazy_import("tensorflow")
+cftf = lazy_import("crossfeed.adapters.tf")
+pytestmark = pytest.mark.slow  # TensorFlow imported
 
 
 def test_tf_dataset_reads_tar_shards_with_the_plan_engine(tmp_path):

@@ -7,12 +7,13 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import requires
 from typer.testing import CliRunner
 
-pytest.importorskip("apache_beam")
+from crossfeed import open_dataset
+from crossfeed.beam_jobs.sample_data import make_image_folder
 
-from crossfeed import open_dataset  # noqa: E402
-from crossfeed.beam_jobs.sample_data import make_image_folder  # noqa: E402
+pytestmark = [pytest.mark.slow, requires("apache_beam")]  # slow: real Beam pipelines through the CLI
 
 
 @pytest.fixture

@@ -8,13 +8,14 @@ import os
 
 import numpy as np
 import pytest
+from conftest import lazy_import, requires
 
-pytest.importorskip("apache_beam")
-distributed = pytest.importorskip("distributed")
+from crossfeed import open_dataset
+from crossfeed.beam_jobs.sample_data import make_image_folder
 
-from crossfeed import open_dataset  # noqa: E402
-from crossfeed.beam_jobs.job import convert, make_source  # noqa: E402
-from crossfeed.beam_jobs.sample_data import make_image_folder  # noqa: E402
+distributed = lazy_import("distributed")
+beam_job = lazy_import("crossfeed.beam_jobs.job")
+pytestmark = [pytest.mark.slow, requires("apache_beam", "distributed")]  # slow: a real Dask cluster
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +44,16 @@ def test_dask_and_direct_write_identical_datasets(cluster, tmp_path):
         rows = "\n".join(f"{f * 1000 + i},{rng.normal():.5f},w{i % 7}" for i in range(400))
         (tmp_path / "csv" / f"p{f}.csv").write_text("id,x,word\n" + rows + "\n")
     jobs = {
-        "images": (make_source("images", img, batch_files=8), dict(splits="train=0.8,validation=0.2", num_shards=3)),
-        "csv": (make_source("csv", tmp_path / "csv", batch_rows=100), dict(shard_size="8K", compress=True)),
+        "images": (
+            beam_job.make_source("images", img, batch_files=8),
+            dict(splits="train=0.8,validation=0.2", num_shards=3),
+        ),
+        "csv": (beam_job.make_source("csv", tmp_path / "csv", batch_rows=100), dict(shard_size="8K", compress=True)),
     }
     before = sum(executed(cluster))
     for name, (source, options) in jobs.items():
-        direct = convert(source, tmp_path / f"{name}-direct", **options)
-        dask = convert(
+        direct = beam_job.convert(source, tmp_path / f"{name}-direct", **options)
+        dask = beam_job.convert(
             source,
             tmp_path / f"{name}-dask",
             runner="DaskRunner",
@@ -70,8 +74,8 @@ def test_dask_and_direct_write_identical_datasets(cluster, tmp_path):
 def test_dask_failure_is_raised_and_cleaned_up(cluster, tmp_path):
     (tmp_path / "bad.csv").write_text("a,b\n1,2\n3\n")
     with pytest.raises(Exception, match="bad.csv:3"):
-        convert(
-            make_source("csv", tmp_path / "bad.csv"),
+        beam_job.convert(
+            beam_job.make_source("csv", tmp_path / "bad.csv"),
             tmp_path / "out",
             runner="DaskRunner",
             beam_args=[f"--dask_address={cluster.scheduler_address}"],

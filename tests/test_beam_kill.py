@@ -11,11 +11,12 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import lazy_import, requires
 
-pytest.importorskip("apache_beam")
+from crossfeed import DatasetNotFoundError, open_dataset
 
-from crossfeed import DatasetNotFoundError, open_dataset  # noqa: E402
-from crossfeed.beam_jobs.job import convert, make_source  # noqa: E402
+beam_job = lazy_import("crossfeed.beam_jobs.job")
+pytestmark = [pytest.mark.slow, requires("apache_beam")]  # slow: kill tests
 
 KILLER = textwrap.dedent("""
     import os, signal, sys
@@ -49,7 +50,7 @@ def test_killed_conversion_leaves_nothing_readable_and_rerun_is_clean(tmp_path):
     assert any(f.startswith(".tmp-") for f in leftovers) and "crossfeed.json" not in leftovers
     with pytest.raises(DatasetNotFoundError):
         open_dataset(out)
-    r = convert(make_source("numpy", tmp_path / "x.npy"), out, num_shards=4)
+    r = beam_job.convert(beam_job.make_source("numpy", tmp_path / "x.npy"), out, num_shards=4)
     assert r.total_samples == 400
     assert sorted(os.listdir(out)) == sorted(
         ["crossfeed.json"] + [f"train-{i:05d}-of-00004.tfrecord{x}" for i in range(4) for x in ("", ".idx")]
@@ -59,12 +60,12 @@ def test_killed_conversion_leaves_nothing_readable_and_rerun_is_clean(tmp_path):
 def test_killed_rewrite_keeps_the_old_dataset_whole(tmp_path):
     np.save(tmp_path / "x.npy", np.arange(100, dtype=np.int64))
     out = tmp_path / "out"
-    convert(make_source("numpy", tmp_path / "x.npy"), out, num_shards=2)
+    beam_job.convert(beam_job.make_source("numpy", tmp_path / "x.npy"), out, num_shards=2)
     np.save(tmp_path / "x.npy", np.arange(1000, 1300, dtype=np.int64))
     run_killed(tmp_path, tmp_path / "x.npy", out)
     old = open_dataset(out)  # the commit never started: the old dataset is intact and consistent
     assert sorted(int(s["x"]) for s in old["train"]) == list(range(100))
-    convert(make_source("numpy", tmp_path / "x.npy"), out, num_shards=3, overwrite=True)
+    beam_job.convert(beam_job.make_source("numpy", tmp_path / "x.npy"), out, num_shards=3, overwrite=True)
     new = open_dataset(out)
     assert sorted(int(s["x"]) for s in new["train"]) == list(range(1000, 1300))
     assert not [f for f in os.listdir(out) if f.startswith(".tmp-") or "-of-00002" in f]

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import requires
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("apache_beam")
+from crossfeed.beam_jobs import plan as planning
+from crossfeed.beam_jobs.policy import DuplicateKeyError
+from crossfeed.beam_jobs.records import BUCKET_BITS, NUM_BUCKETS, Part, key_hashes
+from crossfeed.beam_jobs.splits import SplitSpec
+from crossfeed.config import parse_size
+from crossfeed.errors import ConfigError
 
-from crossfeed.beam_jobs import plan as planning  # noqa: E402
-from crossfeed.beam_jobs.policy import DuplicateKeyError  # noqa: E402
-from crossfeed.beam_jobs.records import BUCKET_BITS, NUM_BUCKETS, Part, key_hashes  # noqa: E402
-from crossfeed.beam_jobs.splits import SplitSpec  # noqa: E402
-from crossfeed.config import parse_size  # noqa: E402
-from crossfeed.errors import ConfigError  # noqa: E402
+pytestmark = requires("apache_beam")
 
 
 def test_key_hashes_are_stable_blake2b():

@@ -7,16 +7,16 @@ import os
 
 import numpy as np
 import pytest
+from conftest import lazy_import, requires
+from PIL import Image
 
-pytest.importorskip("apache_beam")
+from crossfeed import open_dataset
+from crossfeed.beam_jobs.policy import BadInputError, EmptyInputError, ErrorPolicy
+from crossfeed.beam_jobs.sample_data import make_image_folder
+from crossfeed.errors import ConfigError
 
-from PIL import Image  # noqa: E402
-
-from crossfeed import open_dataset  # noqa: E402
-from crossfeed.beam_jobs.job import convert, make_source  # noqa: E402
-from crossfeed.beam_jobs.policy import BadInputError, EmptyInputError, ErrorPolicy  # noqa: E402
-from crossfeed.beam_jobs.sample_data import make_image_folder  # noqa: E402
-from crossfeed.errors import ConfigError  # noqa: E402
+beam_job = lazy_import("crossfeed.beam_jobs.job")
+pytestmark = [pytest.mark.slow, requires("apache_beam")]  # slow: real Beam pipelines
 
 SKIP = ErrorPolicy("skip")
 
@@ -40,7 +40,9 @@ def folder(tmp_path):
 
 
 def test_image_folder_keeps_bytes_and_records_shapes(folder, tmp_path):
-    r = convert(make_source("images", folder), tmp_path / "out", splits="train=0.75,validation=0.25", num_shards=2)
+    r = beam_job.convert(
+        beam_job.make_source("images", folder), tmp_path / "out", splits="train=0.75,validation=0.25", num_shards=2
+    )
     assert r.total_samples == 20 and r.skipped == 0
     ds = open_dataset(tmp_path / "out")
     assert ds.metadata["class_names"] == ["circle", "square", "triangle"]
@@ -60,16 +62,16 @@ def test_image_folder_keeps_bytes_and_records_shapes(folder, tmp_path):
 def test_rgba_is_reported_or_converted_and_corrupt_is_reported_or_skipped(folder, tmp_path):
     Image.new("RGBA", (8, 8), (255, 0, 0, 0)).save(folder / "triangle" / "alpha.png")
     with raises(BadInputError, "alpha.png.*convert"):
-        convert(make_source("images", folder), tmp_path / "a")
-    r = convert(make_source("images", folder, convert="png"), tmp_path / "b")
+        beam_job.convert(beam_job.make_source("images", folder), tmp_path / "a")
+    r = beam_job.convert(beam_job.make_source("images", folder, convert="png"), tmp_path / "b")
     alpha = by_path(open_dataset(tmp_path / "b"))["triangle/alpha.png"]
     assert alpha["image"].shape == (8, 8, 3) and np.all(alpha["image"] == 255)  # transparent → white
     (folder / "circle" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     with raises(BadInputError, "broken.jpg"):
-        convert(make_source("images", folder, convert="png"), tmp_path / "c")
+        beam_job.convert(beam_job.make_source("images", folder, convert="png"), tmp_path / "c")
     assert not (tmp_path / "c" / "crossfeed.json").exists()
     assert not [f for f in os.listdir(tmp_path / "c") if f.startswith(".tmp-")]
-    r = convert(make_source("images", folder, convert="png", on_error=SKIP), tmp_path / "d")
+    r = beam_job.convert(beam_job.make_source("images", folder, convert="png", on_error=SKIP), tmp_path / "d")
     assert r.skipped == 1 and r.total_samples == 21
     assert open_dataset(tmp_path / "d").metadata["skipped_records"] == 1
 
@@ -77,10 +79,10 @@ def test_rgba_is_reported_or_converted_and_corrupt_is_reported_or_skipped(folder
 def test_empty_inputs_are_clear_errors(tmp_path):
     (tmp_path / "img" / "cls").mkdir(parents=True)
     with pytest.raises(EmptyInputError, match="no image files"):
-        make_source("images", tmp_path / "img")
+        beam_job.make_source("images", tmp_path / "img")
     (tmp_path / "only_header.csv").write_text("a,b\n")
     with raises(EmptyInputError, "no samples"):
-        convert(make_source("csv", tmp_path / "only_header.csv"), tmp_path / "out")
+        beam_job.convert(beam_job.make_source("csv", tmp_path / "only_header.csv"), tmp_path / "out")
     assert not (tmp_path / "out" / "crossfeed.json").exists()
 
 
@@ -90,14 +92,16 @@ CSV = "id,score,name,label\n1,0.5,ann,3\n2,,bob,1\n3,1.5,cy\n4,x,dee,2\n5,2.5,ev
 def test_csv_bad_row_reported_with_file_and_line(tmp_path):
     (tmp_path / "t.csv").write_text(CSV)
     with raises(BadInputError, r"t\.csv:4: expected 4 fields, got 3"):
-        convert(make_source("csv", tmp_path / "t.csv", types="score:float"), tmp_path / "out")
+        beam_job.convert(beam_job.make_source("csv", tmp_path / "t.csv", types="score:float"), tmp_path / "out")
     with raises(BadInputError, "more than 1 bad records"):
-        convert(
-            make_source("csv", tmp_path / "t.csv", types="score:float", on_error=ErrorPolicy("skip", 1)),
+        beam_job.convert(
+            beam_job.make_source("csv", tmp_path / "t.csv", types="score:float", on_error=ErrorPolicy("skip", 1)),
             tmp_path / "out",
         )
-    r = convert(
-        make_source("csv", tmp_path / "t.csv", types="score:float", label="label", on_error=ErrorPolicy("skip", 2)),
+    r = beam_job.convert(
+        beam_job.make_source(
+            "csv", tmp_path / "t.csv", types="score:float", label="label", on_error=ErrorPolicy("skip", 2)
+        ),
         tmp_path / "out",
     )
     assert r.skipped == 2 and r.total_samples == 3
@@ -112,7 +116,7 @@ def test_csv_bad_row_reported_with_file_and_line(tmp_path):
 
 def test_csv_headerless_and_odd_header(tmp_path):
     (tmp_path / "h.tsv").write_text("# exported 2024\n# by a tool\n7\t1.25\tq\n8\t2.5\tr\n")
-    src = make_source(
+    src = beam_job.make_source(
         "csv",
         tmp_path / "h.tsv",
         header=False,
@@ -122,21 +126,21 @@ def test_csv_headerless_and_odd_header(tmp_path):
         label="tag",
         label_classes=False,
     )  # keep the label strings
-    convert(src, tmp_path / "out")
+    beam_job.convert(src, tmp_path / "out")
     ds = open_dataset(tmp_path / "out")
     assert sorted((int(s["n"]), float(s["w"]), s["label"]) for s in ds["train"]) == [(7, 1.25, "q"), (8, 2.5, "r")]
     keys = sorted(f"{s}" for s in ("h.tsv:3", "h.tsv:4"))
     assert keys == ["h.tsv:3", "h.tsv:4"]
-    src = make_source("csv", tmp_path / "h.tsv", header=False, skip_rows=2, delimiter="\t")
+    src = beam_job.make_source("csv", tmp_path / "h.tsv", header=False, skip_rows=2, delimiter="\t")
     assert [n for n, _ in src.columns] == ["col0", "col1", "col2"]
     with pytest.raises(ConfigError, match="unknown columns"):
-        make_source("csv", tmp_path / "h.tsv", header=False, skip_rows=2, delimiter="\t", types="nope:int64")
+        beam_job.make_source("csv", tmp_path / "h.tsv", header=False, skip_rows=2, delimiter="\t", types="nope:int64")
 
 
 def test_csv_missing_int_is_a_bad_row(tmp_path):
     (tmp_path / "m.csv").write_text("a,b\n1,2\n,3\n")
     with raises(BadInputError, r"m\.csv:3: column 'a': empty value in an int64 column"):
-        convert(make_source("csv", tmp_path / "m.csv", types={"a": "int64"}), tmp_path / "out")
+        beam_job.convert(beam_job.make_source("csv", tmp_path / "m.csv", types={"a": "int64"}), tmp_path / "out")
 
 
 def test_parquet_row_groups_types_and_nulls(tmp_path):
@@ -152,9 +156,9 @@ def test_parquet_row_groups_types_and_nulls(tmp_path):
         }
     )
     pq.write_table(table, tmp_path / "t.parquet", row_group_size=2)
-    src = make_source("parquet", tmp_path / "t.parquet", types="num:int64", label="y", on_error=SKIP)
+    src = beam_job.make_source("parquet", tmp_path / "t.parquet", types="num:int64", label="y", on_error=SKIP)
     assert len(src.units()) == 3
-    r = convert(src, tmp_path / "out", num_shards=2)
+    r = beam_job.convert(src, tmp_path / "out", num_shards=2)
     assert r.total_samples == 4 and r.skipped == 2  # a null int and an unparsable "x"
     rows = sorted(
         (int(s["k"]), float(s["f"]), s["s"], int(s["num"]), int(s["label"]))
@@ -163,7 +167,7 @@ def test_parquet_row_groups_types_and_nulls(tmp_path):
     assert rows[0][0] == 1 and rows[1][:3] == (2, rows[1][1], "b") and np.isnan(rows[1][1])
     assert rows[2] == (4, 2.0, "", 40, 1) and rows[3] == (6, 4.0, "f", 60, 1)
     with raises(BadInputError, r"t\.parquet: row 2: column 'k': null"):
-        convert(make_source("parquet", tmp_path / "t.parquet"), tmp_path / "o2")
+        beam_job.convert(beam_job.make_source("parquet", tmp_path / "t.parquet"), tmp_path / "o2")
 
 
 def test_numpy_npz_stored_and_compressed_memory_mapped(tmp_path, monkeypatch):
@@ -184,8 +188,8 @@ def test_numpy_npz_stored_and_compressed_memory_mapped(tmp_path, monkeypatch):
         return a
 
     monkeypatch.setattr(arrays, "open_array", spy)
-    src = make_source("numpy", tmp_path / "d", label="y", batch_rows=8)
-    convert(src, tmp_path / "out", num_shards=3)
+    src = beam_job.make_source("numpy", tmp_path / "d", label="y", batch_rows=8)
+    beam_job.convert(src, tmp_path / "out", num_shards=3)
     assert set(opened) == {"memmap", "_StreamedArray"}  # never np.load of a whole array
     ds = open_dataset(tmp_path / "out")
     assert ds.schema["x"].shape == (4, 3) and ds.schema["w"].encoding.value == "float"
@@ -202,13 +206,13 @@ def test_numpy_directory_of_npy_files_is_one_feature_each(tmp_path):
     (tmp_path / "n").mkdir()
     np.save(tmp_path / "n" / "features.npy", np.arange(40, dtype=np.float32).reshape(10, 4))
     np.save(tmp_path / "n" / "target.npy", np.arange(10))
-    convert(make_source("numpy", tmp_path / "n", label="target"), tmp_path / "out")
+    beam_job.convert(beam_job.make_source("numpy", tmp_path / "n", label="target"), tmp_path / "out")
     ds = open_dataset(tmp_path / "out")
     assert sorted(ds.schema.names) == ["features", "label"]
     assert sorted((int(s["label"]), s["features"].tolist()) for s in ds["train"])[3] == (3, [12.0, 13.0, 14.0, 15.0])
     np.save(tmp_path / "n" / "short.npy", np.arange(9))
     with pytest.raises(ConfigError, match="same first"):
-        make_source("numpy", tmp_path / "n")
+        beam_job.make_source("numpy", tmp_path / "n")
 
 
 def test_inspect_image_formats():

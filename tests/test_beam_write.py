@@ -7,26 +7,27 @@ import os
 
 import numpy as np
 import pytest
+from conftest import lazy_import
 
-beam = pytest.importorskip("apache_beam")
+from crossfeed import DatasetNotFoundError, open_dataset
+from crossfeed.beam_jobs.policy import DuplicateKeyError, EmptyInputError
+from crossfeed.beam_jobs.records import SampleBatch, key_hashes
+from crossfeed.beam_jobs.splits import SplitSpec
+from crossfeed.format.schema import Encoding, Feature, Schema
 
-from apache_beam.runners.portability.fn_api_runner import FnApiRunner  # noqa: E402
-from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline  # noqa: E402
-from apache_beam.testing.util import assert_that, equal_to  # noqa: E402
-
-from crossfeed import DatasetNotFoundError, open_dataset  # noqa: E402
-from crossfeed.beam_jobs.arrays import NumpySource  # noqa: E402
-from crossfeed.beam_jobs.job import convert  # noqa: E402
-from crossfeed.beam_jobs.policy import DuplicateKeyError, EmptyInputError  # noqa: E402
-from crossfeed.beam_jobs.records import SampleBatch, key_hashes  # noqa: E402
-from crossfeed.beam_jobs.splits import SplitSpec  # noqa: E402
-from crossfeed.beam_jobs.steps import EncodeDoFn, WriteConfig  # noqa: E402
-from crossfeed.beam_jobs.write import WriteDataset  # noqa: E402
-from crossfeed.format.schema import Encoding, Feature, Schema  # noqa: E402
+beam = lazy_import("apache_beam")
+fn_api_runner = lazy_import("apache_beam.runners.portability.fn_api_runner")
+beam_testing = lazy_import("apache_beam.testing.test_pipeline")
+beam_util = lazy_import("apache_beam.testing.util")
+beam_arrays = lazy_import("crossfeed.beam_jobs.arrays")
+beam_job = lazy_import("crossfeed.beam_jobs.job")
+beam_steps = lazy_import("crossfeed.beam_jobs.steps")
+beam_write = lazy_import("crossfeed.beam_jobs.write")
+pytestmark = pytest.mark.slow  # real Beam pipelines
 
 
 def pipeline():
-    return BeamTestPipeline(runner=FnApiRunner())
+    return beam_testing.TestPipeline(runner=fn_api_runner.FnApiRunner())
 
 
 def pairs(n, offset=0):
@@ -46,7 +47,7 @@ def shard_files(root):
 
 def test_encode_step_splits_each_batch_by_key_hash(tmp_path):
     schema = Schema([Feature("x", "int64", (), Encoding.INT64)])
-    cfg = WriteConfig(str(tmp_path), "t0", SplitSpec.parse("a=0.5,b=0.5"), schema=schema)
+    cfg = beam_steps.WriteConfig(str(tmp_path), "t0", SplitSpec.parse("a=0.5,b=0.5"), schema=schema)
     batches = [SampleBatch(f"b{j}", [f"k{j}-{i}" for i in range(50)], {"x": np.arange(50)}) for j in range(3)]
 
     def summarise(kv):
@@ -65,16 +66,17 @@ def test_encode_step_splits_each_batch_by_key_hash(tmp_path):
             (b.batch_id, sorted((n, int(np.sum(which == i))) for i, n in enumerate(names) if np.any(which == i)), 50)
         )
     with pipeline() as p:
-        out = p | beam.Create(batches) | beam.ParDo(EncodeDoFn(cfg)) | beam.Map(summarise)
-        assert_that(out, equal_to(expected))
+        out = p | beam.Create(batches) | beam.ParDo(beam_steps.EncodeDoFn(cfg)) | beam.Map(summarise)
+        beam_util.assert_that(out, beam_util.equal_to(expected))
 
 
 def test_write_dataset_from_pairs(tmp_path):
     data = pairs(300)
     with pipeline() as p:
-        result = p | beam.Create(data) | WriteDataset(tmp_path, splits="train=0.8,test=0.2", num_shards=4)
-        assert_that(
-            result | beam.Map(lambda r: (sum(r.samples.values()), r.shards)), equal_to([(300, {"train": 4, "test": 4})])
+        result = p | beam.Create(data) | beam_write.WriteDataset(tmp_path, splits="train=0.8,test=0.2", num_shards=4)
+        beam_util.assert_that(
+            result | beam.Map(lambda r: (sum(r.samples.values()), r.shards)),
+            beam_util.equal_to([(300, {"train": 4, "test": 4})]),
         )
     ds = open_dataset(tmp_path)
     assert ds.schema.names == ["x", "v", "name"]
@@ -100,9 +102,9 @@ def test_same_input_gives_identical_shards_whatever_the_batching(tmp_path):
     np.savez(tmp_path / "a.npz", x=rng.normal(size=(700, 2, 3)).astype(np.float32), y=rng.integers(0, 5, 700))
     outs = []
     for i, rows in enumerate((64, 1000)):
-        src = NumpySource.scan(tmp_path / "a.npz", label="y", batch_rows=rows)
+        src = beam_arrays.NumpySource.scan(tmp_path / "a.npz", label="y", batch_rows=rows)
         assert len(src.units()) == (11 if rows == 64 else 1)
-        convert(src, tmp_path / f"out{i}", splits="train=0.7,validation=0.3", num_shards=3)
+        beam_job.convert(src, tmp_path / f"out{i}", splits="train=0.7,validation=0.3", num_shards=3)
         outs.append(shard_files(tmp_path / f"out{i}"))
     assert outs[0] == outs[1] and len(outs[0]) == 12
     m0, m1 = ((tmp_path / f"out{i}" / "crossfeed.json").read_text() for i in range(2))
@@ -111,7 +113,7 @@ def test_same_input_gives_identical_shards_whatever_the_batching(tmp_path):
 
 def test_shard_size_derives_the_count_and_gzip_reads_back(tmp_path):
     with pipeline() as p:
-        p | beam.Create(pairs(200)) | WriteDataset(tmp_path, shard_size=2000, compress=True)
+        p | beam.Create(pairs(200)) | beam_write.WriteDataset(tmp_path, shard_size=2000, compress=True)
     ds = open_dataset(tmp_path)
     info = ds.splits["train"]
     assert len(info.shards) > 3 and all(s.file.endswith(".tfrecord.gz") for s in info.shards)
@@ -124,7 +126,7 @@ def test_duplicate_keys_fail_and_leave_nothing(tmp_path):
     data = pairs(50) + [("s00007", {"x": np.int64(1), "v": np.zeros(3, np.float32), "name": "dup"})]
     with pytest.raises(Exception, match="s00007") as info:
         with pipeline() as p:
-            p | beam.Create(data) | WriteDataset(tmp_path, num_shards=2)
+            p | beam.Create(data) | beam_write.WriteDataset(tmp_path, num_shards=2)
     assert isinstance(info.value, DuplicateKeyError) or "DuplicateKeyError" in str(info.value)
     with pytest.raises(DatasetNotFoundError):
         open_dataset(tmp_path)
@@ -133,7 +135,7 @@ def test_duplicate_keys_fail_and_leave_nothing(tmp_path):
 def test_empty_input_is_a_clear_error(tmp_path):
     with pytest.raises(Exception, match="no samples") as info:
         with pipeline() as p:
-            p | beam.Create([]) | WriteDataset(tmp_path / "out", num_shards=2)
+            p | beam.Create([]) | beam_write.WriteDataset(tmp_path / "out", num_shards=2)
     assert isinstance(info.value, EmptyInputError) or "EmptyInputError" in str(info.value)
 
 
@@ -142,7 +144,7 @@ def test_rerun_adds_a_split_or_replaces_the_whole_dataset(tmp_path):
     # it); replacing one split beside another conversion's splits is refused.
     for split, n, mode in (("train", 100, {}), ("test", 30, {"add_split": True}), ("train", 60, {"overwrite": True})):
         with pipeline() as p:
-            p | beam.Create(pairs(n)) | WriteDataset(tmp_path, split=split, num_shards=3, **mode)
+            p | beam.Create(pairs(n)) | beam_write.WriteDataset(tmp_path, split=split, num_shards=3, **mode)
     ds = open_dataset(tmp_path)
     assert len(ds["train"]) == 60 and "test" not in ds
     names = sorted(os.listdir(tmp_path))  # the third commit: generation 2's names
@@ -151,12 +153,12 @@ def test_rerun_adds_a_split_or_replaces_the_whole_dataset(tmp_path):
     )
     with pytest.raises(Exception, match="already holds a dataset"):
         with pipeline() as p:
-            p | beam.Create(pairs(10)) | WriteDataset(tmp_path, split="train", num_shards=1)
+            p | beam.Create(pairs(10)) | beam_write.WriteDataset(tmp_path, split="train", num_shards=1)
     assert len(open_dataset(tmp_path)["train"]) == 60
 
 
 def test_more_shards_than_samples_gives_empty_shards(tmp_path):
     with pipeline() as p:
-        p | beam.Create(pairs(3)) | WriteDataset(tmp_path, num_shards=5)
+        p | beam.Create(pairs(3)) | beam_write.WriteDataset(tmp_path, num_shards=5)
     counts = [s.num_records for s in open_dataset(tmp_path).splits["train"].shards]
     assert sorted(counts) == [0, 0, 1, 1, 1]

@@ -164,6 +164,7 @@ def test_the_cache_stays_under_its_limit_by_at_most_one_shard(served, tmp_path):
         assert n == 600
 
 
+@pytest.mark.slow
 def test_global_shuffle_larger_than_the_cache_says_so_and_still_reads(served, tmp_path, caplog):
     url, root, _ = served
     with caplog.at_level("WARNING", "crossfeed.read.loader"):
@@ -197,6 +198,7 @@ with crossfeed.Loader(sys.argv[1], batch_size=600, shuffle="none", cache_dir=sys
 """
 
 
+@pytest.mark.slow
 def test_kill_9_mid_download_leaves_nothing_accepted(served, tmp_path):
     url, root, handler = served
     handler.chunk_delay = 0.05  # downloads crawl: the kill lands mid-download
@@ -222,6 +224,7 @@ with crossfeed.Loader(sys.argv[1], batch_size=100, shuffle="global", cache_dir=s
 """
 
 
+@pytest.mark.slow
 def test_two_processes_sharing_a_cache_download_each_shard_once(served, tmp_path):
     url, root, handler = served
     handler.chunk_delay = 0.005
@@ -241,6 +244,7 @@ def test_sizes_parse():
         parse_size("lots")
 
 
+@pytest.mark.slow
 def test_s3_through_moto_and_s3fs(tmp_path, monkeypatch):
     moto_server = pytest.importorskip("moto.server")
     pytest.importorskip("s3fs")
@@ -280,6 +284,7 @@ def test_s3_through_moto_and_s3fs(tmp_path, monkeypatch):
         server.stop()
 
 
+@pytest.mark.slow
 def test_cache_command_lists_prunes_and_clears(served, tmp_path):
     url, _, _ = served
     with crossfeed.Loader(url, batch_size=600, shuffle="none", cache_dir=tmp_path / "c") as ld:
@@ -295,6 +300,7 @@ def test_cache_command_lists_prunes_and_clears(served, tmp_path):
     assert bad.returncode != 0 and "no such cache directory" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow
 def test_bench_reads_through_the_cache(served, tmp_path):
     url, _, handler = served
     cmd = [
@@ -376,6 +382,7 @@ with crossfeed.Loader(sys.argv[1], batch_size=100, shuffle=sys.argv[3], cache_di
 """
 
 
+@pytest.mark.slow
 def test_kill_9_mid_chunked_download_leaves_nothing_accepted(served, tmp_path):
     url, root, handler = served
     handler.chunk_delay = 0.3  # every range request crawls: the kill lands mid-download
@@ -398,6 +405,7 @@ def test_kill_9_mid_chunked_download_leaves_nothing_accepted(served, tmp_path):
     assert not [f for _, _, fs in os.walk(cache_dir) for f in fs if ".tmp-" in f]
 
 
+@pytest.mark.slow
 def test_two_processes_sharing_a_cache_download_each_chunked_shard_once(served, tmp_path):
     url, root, handler = served
     handler.chunk_delay = 0.005
@@ -413,6 +421,7 @@ def test_two_processes_sharing_a_cache_download_each_chunked_shard_once(served, 
     assert {k: handler.sent[k] for k in sizes} == sizes  # each shard's bytes crossed the link once
 
 
+@pytest.mark.slow
 def test_a_failed_range_request_is_tried_again_and_a_dead_server_is_a_clear_error(served, tmp_path, monkeypatch):
     url, root, handler = served
     monkeypatch.setattr("crossfeed.io.cache.CHUNK", 2048)
@@ -448,6 +457,7 @@ print(os.waitstatus_to_exitcode(status))
 """
 
 
+@pytest.mark.slow
 def test_a_forked_worker_downloads_with_a_range_pool_of_its_own(served, tmp_path):
     url, root, handler = served
     rel = sorted(_shard_sizes(root))[0]

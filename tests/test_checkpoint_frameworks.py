@@ -13,10 +13,13 @@ import pytest
 from framework_helpers import assert_plan, epoch_order, run_frameworks, run_jax_hosts, write_xy
 
 # each framework is imported in its own process only (never torch and tensorflow together)
-pytestmark = pytest.mark.skipif(
-    any(importlib.util.find_spec(m) is None for m in ("torch", "tensorflow", "jax")),
-    reason="needs torch, tensorflow and jax installed",
-)
+pytestmark = [
+    pytest.mark.slow,  # a fresh interpreter per framework
+    pytest.mark.skipif(
+        any(importlib.util.find_spec(m) is None for m in ("torch", "tensorflow", "jax")),
+        reason="needs torch, tensorflow and jax installed",
+    ),
+]
 
 SEED = 7
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 import crossfeed
@@ -150,6 +151,7 @@ def test_reindex_keeps_tensor_schema(mixed_dataset):
         np.testing.assert_array_equal(ds["train"][0]["image"], samples[0]["image"])
 
 
+@pytest.mark.slow
 def test_real_subprocess_run(mixed_dataset):
     root, _ = mixed_dataset
     exe = shutil.which("crossfeed", path=os.path.dirname(sys.executable))

@@ -125,6 +125,7 @@ def test_transform_modules_are_found_in_the_current_directory(tmp_path, monkeypa
 # -- convert -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_convert_takes_several_inputs_and_globs(tmp_path):
     parts = parquet_parts(tmp_path / "pq")
     r = run_cli("convert", "parquet", *parts, tmp_path / "a", "--label", "y")  # the shell expanded the glob
@@ -139,6 +140,7 @@ def test_convert_takes_several_inputs_and_globs(tmp_path):
     assert "━" not in r.stderr and "ETA" not in r.stderr  # no progress bar when stderr is not a terminal
 
 
+@pytest.mark.slow
 def test_convert_rejects_stray_arguments(tmp_path):
     csv = wine_csv(tmp_path / "wine.csv")
 
@@ -165,6 +167,7 @@ def test_convert_rejects_stray_arguments(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 def test_csv_inference_reports_decisions_with_file_and_line(tmp_path):
     csv = wine_csv(tmp_path / "wine.csv")
     r = run_cli("convert", "csv", csv, tmp_path / "out", "--label", "cultivar")
@@ -200,6 +203,7 @@ def test_csv_inference_reports_decisions_with_file_and_line(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_convert_warns_about_empty_shards(tmp_path):
     csv = wine_csv(tmp_path / "wine.csv", rows=12)
     r = run_cli("convert", "csv", csv, tmp_path / "out", "--splits", "train=0.8,validation=0.2", "--shards", "8")
@@ -235,6 +239,7 @@ def test_mon_at_a_distribution_address_fails_and_says_why():
     assert r.exit_code == 2 and "broadcast" in r.output and "error:" in r.output
 
 
+@pytest.mark.slow
 def test_stat_and_show_on_photos_of_different_sizes(tmp_path):
     from net_helpers import child, read_endpoint, stop
     from PIL import Image

@@ -14,6 +14,8 @@ import pytest
 import crossfeed
 from crossfeed.format.manifest import MANIFEST
 
+pytestmark = pytest.mark.slow  # kill -9 at every step of a commit
+
 
 def _write_new(root, base: int, mode: str) -> None:
     def samples(split, n):

@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_python
+from conftest import lazy_import, run_python
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -19,7 +19,8 @@ import crossfeed
 from crossfeed.cli.main import app
 from crossfeed.format.schema import Encoding, Feature, Schema
 
-tf = pytest.importorskip("tensorflow")
+tf = lazy_import("tensorflow")
+pytestmark = pytest.mark.slow  # TensorFlow imported: tf.data and tfrecord compatibility
 
 
 def _png(arr):

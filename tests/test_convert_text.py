@@ -8,13 +8,13 @@ import json
 
 import numpy as np
 import pytest
+from conftest import requires
 from typer.testing import CliRunner
 
-pytest.importorskip("apache_beam")
-tokenizers = pytest.importorskip("tokenizers")
+from crossfeed import Loader, open_dataset
+from crossfeed.format.lengths import checked_lengths, lengths_path
 
-from crossfeed import Loader, open_dataset  # noqa: E402
-from crossfeed.format.lengths import checked_lengths, lengths_path  # noqa: E402
+pytestmark = [pytest.mark.slow, requires("apache_beam", "tokenizers")]  # slow: real Beam pipelines
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards hex jolly quartz boxes".split()
 

@@ -13,7 +13,7 @@ import pytest
 from dispatch_helpers import HB, ROOT, TESTS, spawn, start_server, used, write_dataset
 from net_helpers import stop, wait_until
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # real dispatchers, servers and trainers
 
 N, BATCH = 48, 4
 

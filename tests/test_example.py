@@ -238,6 +238,7 @@ def _reference_or_error(schema, rows):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @settings(max_examples=400, deadline=None)
 @given(_schema_and_columns())

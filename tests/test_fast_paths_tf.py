@@ -17,13 +17,16 @@ import struct
 
 import numpy as np
 import pytest
+from conftest import lazy_import
 from typer.testing import CliRunner
 
 import crossfeed
 from crossfeed import Encoding, Feature, ReadOptions, Schema
 from crossfeed.cli.main import app
 
-tf = pytest.importorskip("tensorflow")
+tf = lazy_import("tensorflow")
+pytestmark = pytest.mark.slow  # TensorFlow imported: its parser as the reference
+
 
 CODES = (0, 127, 128, 2**40, -1)  # varints of 1, 1, 2, 6 and 10 bytes
 LABEL0 = 2**20

@@ -11,20 +11,23 @@ import io
 import pickle
 import tarfile
 
-import grain
 import numpy as np
 import pytest
 from adopt_helpers import trusted_roots  # noqa: F401  (autouse: the temporary roots are allowed)
+from conftest import lazy_import
 from parquet_data import png, write_pyarrow_files
 
 import crossfeed
 from crossfeed import Source
-from crossfeed.adapters.grain import GrainSource, mix
 from crossfeed.errors import ConfigError, CorruptRecordError
 from crossfeed.format.index import read_index
 from crossfeed.format.schema import INDEX_KEY, SOURCE_KEY
 from crossfeed.read.loader import Loader
 from crossfeed.write.adopt.index import index_dataset
+
+grain = lazy_import("grain")
+cfgrain = lazy_import("crossfeed.adapters.grain")
+pytestmark = pytest.mark.slow  # Grain and JAX imported, worker processes
 
 N_TAB = 301
 
@@ -116,7 +119,7 @@ def _keys_after_shuffle(n: int, seed: int) -> list[int]:
 def test_shuffled_map_dataset_gives_the_loaders_values_by_id(kind, tabular, dense, tar_dir, parquet_dir):
     root = {"tfrecord": tabular, "dense": dense, "tar": tar_dir, "parquet": parquet_dir}[kind]
     want = _by_id(root)
-    src = GrainSource(root)
+    src = cfgrain.GrainSource(root)
     assert len(src) == len(want)
     ds = grain.MapDataset.source(src).shuffle(seed=5)
     keys = _keys_after_shuffle(len(src), 5)
@@ -130,7 +133,7 @@ def test_batched_reads_in_threads_give_the_loaders_values(kind, tabular, dense, 
     """``batch`` after ``to_iter_dataset``: Grain's reader threads; ``_getitems``: the batched read."""
     root = {"tfrecord": tabular, "dense": dense, "parquet": parquet_dir}[kind]
     want = _by_id(root)
-    src = GrainSource(root, features=["id", "x"] if kind != "parquet" else ["id", "vec", "mat"])
+    src = cfgrain.GrainSource(root, features=["id", "x"] if kind != "parquet" else ["id", "vec", "mat"])
     ds = grain.MapDataset.source(src).shuffle(seed=1).to_iter_dataset(grain.ReadOptions(num_threads=4)).batch(16)
     keys = iter(_keys_after_shuffle(len(src), 1))
     seen = 0
@@ -157,7 +160,7 @@ def absl_flags():
 def test_dataloader_with_two_worker_processes(dense, absl_flags):
     """The classic API: the source pickled to two Grain worker processes, read in the sampler's order."""
     want = _by_id(dense)
-    src = GrainSource(dense)
+    src = cfgrain.GrainSource(dense)
     sampler = grain.samplers.IndexSampler(
         len(src), shard_options=grain.sharding.NoSharding(), shuffle=True, num_epochs=1, seed=3
     )
@@ -179,7 +182,7 @@ def test_dataloader_with_two_worker_processes(dense, absl_flags):
 
 
 def test_pickled_source_reopens_in_its_process(tabular):
-    src = GrainSource(tabular)
+    src = cfgrain.GrainSource(tabular)
     first = src[4]
     state = pickle.dumps(src)
     assert len(state) < 4096  # the source and options, never open shards
@@ -192,25 +195,25 @@ def test_mixture_keys_run_over_the_sources_in_order_and_mix_weighs_them(tabular,
     other = _write_tabular(tmp_path / "other", n=40, prefix="other")
     sources = [Source(tabular, weight=3), Source(other, weight=1)]
     alone = [_by_id(tabular, features=["id", "x", "name"]), _by_id(other, features=["id", "x", "name"])]
-    src = GrainSource(sources, features=["id", "x", "name"])
+    src = cfgrain.GrainSource(sources, features=["id", "x", "name"])
     assert src.starts.tolist() == [0, N_TAB, N_TAB + 40] and len(src) == N_TAB + 40
     for key in range(len(src)):  # key = source 0's records, then source 1's: each as that source alone gives it
         s = src.source_of(key)
         assert s == (key >= N_TAB)
         _assert_same(src[key], alone[s][key - int(src.starts[s])], key)
     assert src.where(N_TAB).startswith("source 1: ")
-    names = [str(m["name"]) for m in mix(src, seed=0)]
+    names = [str(m["name"]) for m in cfgrain.mix(src, seed=0)]
     # Grain's mix, 3:1, stops when the 40 records of weight 1 are used up: 120 + 40 records
     assert len(names) == 160 and sum(n.startswith("other") for n in names) == 40
     ours = {f"row {i}" for i in range(N_TAB)} | {f"other {i}" for i in range(40)}
     assert set(names) <= ours and len(set(names)) == 160  # each record at most once
     assert [n.split()[0] for n in names[:8]] != ["row"] * 8  # interleaved, not concatenated
     with pytest.raises(ConfigError, match="2 sources"):
-        mix(src, weights=[1.0])
+        cfgrain.mix(src, weights=[1.0])
     with pytest.raises(ConfigError, match="not a mixture"):
-        mix(GrainSource(tabular))
+        cfgrain.mix(cfgrain.GrainSource(tabular))
     # a tar source beside a TFRecord one: each decoded by its own reader, merged under one name
-    tar_mix = GrainSource([Source(tar_dir, rename={"cls": "label"}), Source(other, rename={"id": "label"})])
+    tar_mix = cfgrain.GrainSource([Source(tar_dir, rename={"cls": "label"}), Source(other, rename={"id": "label"})])
     assert [int(tar_mix[k]["label"]) for k in (0, 13, 14, 15)] == [0, 13, *(int(alone[1][k]["id"]) for k in (0, 1))]
 
 
@@ -225,7 +228,7 @@ def test_corrupt_record_raises_through_grain_naming_the_shard(kind, dense, tabul
         b = f.read(1)
         f.seek(int(off) + 20)
         f.write(bytes([b[0] ^ 0xFF]))
-    src = GrainSource(dense)
+    src = cfgrain.GrainSource(dense)
     bad = int(src._open().split.starts[1]) + 5
     with pytest.raises(CorruptRecordError) as err:
         grain.MapDataset.source(src)[bad]
@@ -238,12 +241,12 @@ def test_corrupt_record_raises_through_grain_naming_the_shard(kind, dense, tabul
 
 def test_options_are_reading_options_only(tabular):
     with pytest.raises(ConfigError, match="shuffle"):
-        GrainSource(tabular, shuffle="global")
+        cfgrain.GrainSource(tabular, shuffle="global")
     with pytest.raises(ConfigError, match="batch_size"):
-        GrainSource(tabular, batch_size=8)
+        cfgrain.GrainSource(tabular, batch_size=8)
     with pytest.raises(ConfigError, match="'nope'"):
-        GrainSource(tabular, features=["nope"])
-    src = GrainSource(tabular, features=["id"])
+        cfgrain.GrainSource(tabular, features=["nope"])
+    src = cfgrain.GrainSource(tabular, features=["id"])
     assert set(src[0]) == {"id"}
     with pytest.raises(IndexError, match="outside"):
         src[len(src)]

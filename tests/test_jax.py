@@ -12,25 +12,27 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
+from conftest import lazy_import
+from loader_helpers import ids_of
 
-jax = pytest.importorskip("jax")
+import crossfeed
+from crossfeed.errors import ConfigError, SchemaError
 
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from loader_helpers import ids_of  # noqa: E402
-
-import crossfeed  # noqa: E402
-from crossfeed.adapters.jax import JaxLoader  # noqa: E402
-from crossfeed.errors import ConfigError, SchemaError  # noqa: E402
+jax = lazy_import("jax")
+jax_sharding = lazy_import("jax.sharding")
+cfjax = lazy_import("crossfeed.adapters.jax")
+pytestmark = pytest.mark.slow  # JAX imported
 
 DENSE = ["image", "label", "score"]
 
 
-def _mesh_sharding(n: int | None = None) -> NamedSharding:
+def _mesh_sharding(n: int | None = None) -> jax_sharding.NamedSharding:
     devices = jax.devices()[: n or jax.device_count()]
-    return NamedSharding(Mesh(np.array(devices), ("batch",)), P("batch"))
+    return jax_sharding.NamedSharding(
+        jax_sharding.Mesh(np.array(devices), ("batch",)), jax_sharding.PartitionSpec("batch")
+    )
 
 
 def _loader_batches(path, **kw):
@@ -43,7 +45,7 @@ def test_batches_equal_the_loaders_sample_for_sample(mixed_dataset):
     n = min(4, jax.device_count())
     sharding = _mesh_sharding(n)
     kw = dict(batch_size=4 * n if n > 1 else 4, seed=5, features=DENSE, return_index=True)
-    with JaxLoader(path, sharding=sharding, **kw) as data:
+    with cfjax.JaxLoader(path, sharding=sharding, **kw) as data:
         got = list(data)
     want = _loader_batches(path, **kw)
     assert len(got) == len(want) == 30 // kw["batch_size"]
@@ -64,7 +66,7 @@ def test_a_mixture_equals_the_loaders(tmp_path):
     a.close(), b.close()
     sources = [crossfeed.Source(tmp_path / "a", weight=2), crossfeed.Source(tmp_path / "b")]
     kw = dict(batch_size=4, seed=2, return_index=True)
-    with JaxLoader(sources, sharding=_mesh_sharding(1), **kw) as data:
+    with cfjax.JaxLoader(sources, sharding=_mesh_sharding(1), **kw) as data:
         got = list(data)
     want = _loader_batches(sources, **kw)
     assert len(got) == len(want) == 8
@@ -82,7 +84,7 @@ def test_state_is_the_consumers_not_the_prefetchers_and_resumes_exactly(mixed_da
 
     kw = dict(batch_size=2, seed=9, features=DENSE, return_index=True, shuffle="global")
     full = ids_of(_loader_batches(path, **kw))
-    data = JaxLoader(path, sharding=_mesh_sharding(1), device_prefetch=3, batch_transform=count, **kw)
+    data = cfjax.JaxLoader(path, sharding=_mesh_sharding(1), device_prefetch=3, batch_transform=count, **kw)
     it = iter(data)
     taken = [np.asarray(next(it)["__index__"]) for _ in range(4)]
     deadline = time.monotonic() + 30
@@ -96,7 +98,7 @@ def test_state_is_the_consumers_not_the_prefetchers_and_resumes_exactly(mixed_da
     # the same object continues where the consumer stopped, not where the prefetcher did
     rest_here = [np.asarray(b["__index__"]) for b in data]
     data.close()
-    with JaxLoader(path, sharding=_mesh_sharding(1), **kw) as again:
+    with cfjax.JaxLoader(path, sharding=_mesh_sharding(1), **kw) as again:
         again.load_state_dict(state)
         assert len(again) == len(full) - 4
         rest_there = [np.asarray(b["__index__"]) for b in again]
@@ -108,7 +110,7 @@ def test_state_is_the_consumers_not_the_prefetchers_and_resumes_exactly(mixed_da
 
 def test_epochs_run_on_across_the_boundary(mixed_dataset):
     path, _ = mixed_dataset
-    with JaxLoader(
+    with cfjax.JaxLoader(
         path, batch_size=5, seed=1, features=["label"], return_index=True, sharding=_mesh_sharding(1)
     ) as data:
         batches = [np.asarray(b["__index__"]) for b in data.epochs(2)]
@@ -131,7 +133,7 @@ def test_an_error_in_the_prefetch_thread_reaches_the_consumer(mixed_dataset):
             raise RuntimeError("transform failed on batch 3")
         return batch
 
-    data = JaxLoader(
+    data = cfjax.JaxLoader(
         path, batch_size=3, features=DENSE, batch_transform=boom, sharding=_mesh_sharding(1), device_prefetch=2
     )
     got = []
@@ -145,7 +147,7 @@ def test_an_error_in_the_prefetch_thread_reaches_the_consumer(mixed_dataset):
 
 def test_breaking_off_and_close_stop_the_thread(mixed_dataset):
     path, _ = mixed_dataset
-    data = JaxLoader(path, batch_size=2, features=DENSE, sharding=_mesh_sharding(1), device_prefetch=2)
+    data = cfjax.JaxLoader(path, batch_size=2, features=DENSE, sharding=_mesh_sharding(1), device_prefetch=2)
     for _ in data:
         break
     data.close()
@@ -155,21 +157,21 @@ def test_breaking_off_and_close_stop_the_thread(mixed_dataset):
 def test_strings_and_ragged_features_are_refused_by_name(mixed_dataset):
     path, _ = mixed_dataset
     with pytest.raises(ConfigError, match=r"\['name'\].*features="):
-        JaxLoader(path, batch_size=4)
+        cfjax.JaxLoader(path, batch_size=4)
     with pytest.raises(ConfigError, match="'tokens' has shape \\(None,\\).*vary.*pad_to"):
-        JaxLoader(path, batch_size=2, features=["label", "tokens"], sharding=_mesh_sharding(1))
+        cfjax.JaxLoader(path, batch_size=2, features=["label", "tokens"], sharding=_mesh_sharding(1))
     # a transform may make anything dense, so the batches are checked too
-    with JaxLoader(path, batch_size=10, features=["tokens"], transform=dict, sharding=_mesh_sharding(1)) as data:
+    with cfjax.JaxLoader(path, batch_size=10, features=["tokens"], transform=dict, sharding=_mesh_sharding(1)) as data:
         with pytest.raises(SchemaError, match="'tokens' varies in shape.*pad_to"):
             next(iter(data))
     with pytest.raises(ConfigError, match=r"pad_to names \['nope'\]"):
-        JaxLoader(path, batch_size=4, features=["tokens"], pad_to={"nope": 2})
+        cfjax.JaxLoader(path, batch_size=4, features=["tokens"], pad_to={"nope": 2})
 
 
 @pytest.mark.parametrize("length", [2, 5])
 def test_pad_to_pads_with_zero_and_truncates(mixed_dataset, length):
     path, samples = mixed_dataset
-    with JaxLoader(
+    with cfjax.JaxLoader(
         path, batch_size=6, features=["tokens", "label"], pad_to={"tokens": length}, sharding=_mesh_sharding(1)
     ) as d:
         batches = list(d)
@@ -187,16 +189,16 @@ def test_pad_to_pads_with_zero_and_truncates(mixed_dataset, length):
 def test_batch_size_is_global_and_checked(mixed_dataset):
     path, _ = mixed_dataset
     with pytest.raises(ConfigError, match="does not divide by the 3 processes"):
-        JaxLoader(path, batch_size=4, rank=0, world_size=3, features=DENSE)
+        cfjax.JaxLoader(path, batch_size=4, rank=0, world_size=3, features=DENSE)
     if jax.device_count() >= 2:
         with pytest.raises(ConfigError, match="does not divide by the 2 devices"):
-            JaxLoader(path, batch_size=3, sharding=_mesh_sharding(2), features=DENSE)
+            cfjax.JaxLoader(path, batch_size=3, sharding=_mesh_sharding(2), features=DENSE)
     with pytest.raises(ConfigError, match="drop_last=True"):
-        JaxLoader(path, batch_size=4, drop_last=False, features=DENSE)
+        cfjax.JaxLoader(path, batch_size=4, drop_last=False, features=DENSE)
     with pytest.raises(ConfigError, match="drop_last=True"):
-        JaxLoader(path, crossfeed.LoaderOptions.of(batch_size=4, features=DENSE))
+        cfjax.JaxLoader(path, crossfeed.LoaderOptions.of(batch_size=4, features=DENSE))
     # one process claiming to be rank 0 of 2, but holding every device of the sharding
-    with JaxLoader(path, batch_size=4, rank=0, world_size=2, features=DENSE, sharding=_mesh_sharding(1)) as data:
+    with cfjax.JaxLoader(path, batch_size=4, rank=0, world_size=2, features=DENSE, sharding=_mesh_sharding(1)) as data:
         assert data.local_batch_size == 2 and data.loader.options.plan.batch_size == 2
         with pytest.raises(ConfigError, match="gives this process 4 of the 4 rows.*reads 2"):
             next(iter(data))
@@ -205,7 +207,7 @@ def test_batch_size_is_global_and_checked(mixed_dataset):
 def test_options_passed_whole_read_batch_size_as_global(mixed_dataset):
     path, _ = mixed_dataset
     opts = crossfeed.LoaderOptions.of(batch_size=6, drop_last=True, seed=4, features=DENSE, return_index=True)
-    with JaxLoader(path, opts, sharding=_mesh_sharding(1)) as data:
+    with cfjax.JaxLoader(path, opts, sharding=_mesh_sharding(1)) as data:
         got = ids_of([{k: np.asarray(v) for k, v in b.items()} for b in data])
     assert [len(g) for g in got] == [6] * 5
     for a, b in zip(got, ids_of(_loader_batches(path, batch_size=6, seed=4, features=DENSE, return_index=True))):
@@ -216,7 +218,7 @@ def test_a_stream_becomes_global_arrays(mixed_dataset):
     path, _ = mixed_dataset
     with crossfeed.Loader(path, batch_size=4, features=DENSE, drop_last=True, seed=0) as ld:
         batches = list(ld)
-    data = JaxLoader(iter(batches), sharding=_mesh_sharding(1))
+    data = cfjax.JaxLoader(iter(batches), sharding=_mesh_sharding(1))
     got = list(data)
     assert len(got) == len(batches)
     for g, w in zip(got, batches):
@@ -225,9 +227,9 @@ def test_a_stream_becomes_global_arrays(mixed_dataset):
         data.state_dict()
     short = [batches[0], {k: v[:3] for k, v in batches[1].items()}]
     with pytest.raises(SchemaError, match="3 rows where 4 were expected"):
-        list(JaxLoader(iter(short), batch_size=4, sharding=_mesh_sharding(1)))
+        list(cfjax.JaxLoader(iter(short), batch_size=4, sharding=_mesh_sharding(1)))
     with pytest.raises(ConfigError, match="a stream is read as its servers send it"):
-        JaxLoader(iter(batches), seed=3)
+        cfjax.JaxLoader(iter(batches), seed=3)
 
 
 # -- zero copy: batch buffers the devices use in place, never changed under a held batch --------
@@ -255,7 +257,7 @@ def test_a_held_batch_is_never_changed_by_later_batches(tmp_path, executor):
     path, images = _photos(tmp_path)
     kw = dict(batch_size=8, seed=4, shuffle="global", executor=executor, prefetch=4)
     want = _loader_batches(path, **dict(kw, executor="thread"))
-    with JaxLoader(path, sharding=_mesh_sharding(1), device_prefetch=3, **kw) as data:
+    with cfjax.JaxLoader(path, sharding=_mesh_sharding(1), device_prefetch=3, **kw) as data:
         held, in_place = [], 0
         for epoch in range(3):  # later epochs reuse the buffers earlier ones dropped
             for i, batch in enumerate(data):
@@ -284,9 +286,12 @@ def test_the_per_device_transfer_equals_device_put(tmp_path, layout):
     if layout == "batch":
         sharding = _mesh_sharding(4)
     else:
-        sharding = NamedSharding(Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("batch", "model")), P("batch"))
+        sharding = jax_sharding.NamedSharding(
+            jax_sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("batch", "model")),
+            jax_sharding.PartitionSpec("batch"),
+        )
     kw = dict(batch_size=8, seed=2, features=["image", "label"], sharding=sharding)
-    with JaxLoader(path, **kw) as fast, JaxLoader(path, **kw) as public:
+    with cfjax.JaxLoader(path, **kw) as fast, cfjax.JaxLoader(path, **kw) as public:
         public._assemble = dataclasses.replace(public._assemble, fast=False)
         pairs = list(zip(fast, public))
         plans = fast._assemble._checked
@@ -327,7 +332,7 @@ def test_a_crossfeed_serve_stream_becomes_global_arrays(tmp_path):
     try:
         address = read_endpoint(ep, procs=[proc])
         with connect(address, with_meta=True, **FAST_HB) as client:
-            got = [(meta.sample_ids.tolist(), batch) for meta, batch in JaxLoader(client, sharding=sharding)]
+            got = [(meta.sample_ids.tolist(), batch) for meta, batch in cfjax.JaxLoader(client, sharding=sharding)]
         assert proc.wait(30) == 0, (tmp_path / "serve.log").read_text()
     finally:
         stop(proc)
@@ -345,12 +350,12 @@ def test_a_crossfeed_serve_stream_becomes_global_arrays(tmp_path):
 def test_no_prefetch_thread_by_default_on_cpu_devices(mixed_dataset):
     """CPU devices use the Loader's arrays in place: nothing to overlap, so no thread by default."""
     path, _ = mixed_dataset
-    with JaxLoader(path, batch_size=2, features=DENSE, sharding=_mesh_sharding(1)) as data:
+    with cfjax.JaxLoader(path, batch_size=2, features=DENSE, sharding=_mesh_sharding(1)) as data:
         assert data.device_prefetch == 0
         next(iter(data))
         assert not any(t.name == "crossfeed-jax-prefetch" for t in threading.enumerate())
     with pytest.raises(ConfigError, match="device_prefetch must be"):
-        JaxLoader(path, batch_size=2, features=DENSE, device_prefetch=-1)
+        cfjax.JaxLoader(path, batch_size=2, features=DENSE, device_prefetch=-1)
 
 
 def test_a_failing_or_different_per_device_transfer_falls_back_to_device_put(mixed_dataset, monkeypatch):
@@ -371,7 +376,7 @@ def test_a_failing_or_different_per_device_transfer_falls_back_to_device_put(mix
     want = [b["label"] for b in _loader_batches(path, **{k: v for k, v in kw.items() if k != "sharding"})]
     for fake in (broken, wrong):
         monkeypatch.setattr(jax_arrays, "_PUT", (fake, aval))
-        with JaxLoader(path, **kw) as data:
+        with cfjax.JaxLoader(path, **kw) as data:
             got = [np.asarray(b["label"]) for b in data]
             assert list(data._assemble._checked.values()) == [None]  # jax.device_put from now on
         assert len(got) == len(want) == 5
@@ -382,7 +387,9 @@ def test_a_failing_or_different_per_device_transfer_falls_back_to_device_put(mix
 def test_stats_time_the_training_loop_with_or_without_device_prefetch(mixed_dataset):
     path, _ = mixed_dataset
     for ahead in (None, 2):
-        with JaxLoader(path, batch_size=4, features=DENSE, device_prefetch=ahead, sharding=_mesh_sharding(1)) as jl:
+        with cfjax.JaxLoader(
+            path, batch_size=4, features=DENSE, device_prefetch=ahead, sharding=_mesh_sharding(1)
+        ) as jl:
             n = sum(1 for _ in jl)
             stats = jl.stats()
         assert stats.batches == n > 0 and stats.epochs == 1

@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 from framework_helpers import assert_plan, epoch_order, run_jax_hosts, write_xy
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax"),
+]  # slow: two JAX hosts (multihost)
 SEED = 3
 
 

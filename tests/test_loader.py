@@ -309,6 +309,7 @@ def test_memory_filesystem_source(tabular):
         assert sorted(np.concatenate(remote).tolist()) == list(range(1001))
 
 
+@pytest.mark.slow
 def test_http_source_with_range_reads(tabular):
     pytest.importorskip("aiohttp")
     root, samples = tabular

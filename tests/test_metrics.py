@@ -18,7 +18,7 @@ import crossfeed
 import crossfeed.metrics
 from crossfeed.errors import ConfigError
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # slow: a real Prometheus server
 
 N, BATCH = 96, 4  # 24 batches
 

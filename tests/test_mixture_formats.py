@@ -108,6 +108,7 @@ def test_photos_of_any_size_and_channels_batch_densely_at_the_image_size(paths, 
             assert halves(im, y), (resize, y)
 
 
+@pytest.mark.slow
 def test_the_process_executor_fits_and_merges_as_the_threads_do(paths):
     kw = dict(batch_size=5, seed=3, image_size=(7, 7), channels=1, samples_per_epoch=30, return_index=True)
     with crossfeed.Loader(sources(paths), **kw) as ld:

@@ -9,17 +9,19 @@ import os
 
 import numpy as np
 import pytest
+from conftest import lazy_import
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-tf = pytest.importorskip("tensorflow")
 
-from adopt_helpers import trusted_roots  # noqa: E402, F401 (autouse: the tests' data roots are trusted)
-from photo_data import CLASSES, sources, write_all  # noqa: E402
+from adopt_helpers import trusted_roots  # noqa: F401 (autouse: the tests' data roots are trusted)
+from photo_data import CLASSES, sources, write_all
 
-import crossfeed  # noqa: E402
-import crossfeed.adapters.tf as cftf  # noqa: E402
+import crossfeed
 
-pytestmark = pytest.mark.timeout(300)
+tf = lazy_import("tensorflow")
+cftf = lazy_import("crossfeed.adapters.tf")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: TensorFlow imported
 
 
 def _model():

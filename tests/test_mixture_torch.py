@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from adopt_helpers import trusted_roots  # noqa: F401 (autouse: the tests' data roots are trusted)
+from conftest import lazy_import
 from photo_data import CLASSES, sources, write_all
-from torch.utils.data import DataLoader
 
 import crossfeed
-from crossfeed.adapters.torch import StatefulLoader, TorchDataset
 
-pytestmark = pytest.mark.timeout(180)
+torch = lazy_import("torch")
+torch_data = lazy_import("torch.utils.data")
+cftorch = lazy_import("crossfeed.adapters.torch")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # slow: torch imported, worker processes
 KW = dict(batch_size=8, seed=5, samples_per_epoch=40, image_size=(32, 32), channels=3, return_index=True)
 
 
@@ -22,8 +24,8 @@ def test_photos_of_any_size_train_a_torch_model_from_the_loaders_batches(tmp_pat
     mix = sources(write_all(tmp_path))
     with crossfeed.Loader(mix, **KW) as ld:
         want = list(ld)
-    ds = TorchDataset(mix, **KW)
-    got = list(StatefulLoader(ds, num_workers=2))
+    ds = cftorch.TorchDataset(mix, **KW)
+    got = list(cftorch.StatefulLoader(ds, num_workers=2))
     assert len(got) == len(want) == 5
     for a, b in zip(got, want):
         assert a["image"].shape == (8, 32, 32, 3) and a["image"].dtype == torch.uint8
@@ -34,7 +36,7 @@ def test_photos_of_any_size_train_a_torch_model_from_the_loaders_batches(tmp_pat
         torch.nn.Conv2d(3, 4, 3, stride=2), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(CLASSES)
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for batch in DataLoader(ds, batch_size=None):
+    for batch in torch_data.DataLoader(ds, batch_size=None):
         x = batch["image"].permute(0, 3, 1, 2).float() / 255
         loss = torch.nn.functional.cross_entropy(model(x), batch["label"])
         opt.zero_grad()

@@ -44,6 +44,7 @@ def _set(path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("curve", [False, True])
 def test_a_killed_a_stopped_and_a_new_server_mid_epoch_every_sample_once(tmp_path, dataset, curve):
     keys_extra, server_extra, trainer_keys = curve_keys(tmp_path) if curve else ([], [], "")
@@ -85,6 +86,7 @@ def test_a_killed_a_stopped_and_a_new_server_mid_epoch_every_sample_once(tmp_pat
     assert served_by(outs, victim) < N // BATCH
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("curve", [False, True])
 def test_a_restarted_dispatcher_continues_the_epoch_exactly_once(tmp_path, dataset, curve):
     keys_extra, server_extra, trainer_keys = curve_keys(tmp_path) if curve else ([], [], "")
@@ -115,6 +117,7 @@ def test_a_restarted_dispatcher_continues_the_epoch_exactly_once(tmp_path, datas
     assert "continuing from journal" in (tmp_path / "d2.log").read_text()
 
 
+@pytest.mark.slow
 def test_hostile_messages_are_dropped_and_the_epoch_completes(tmp_path, dataset):
     d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0")
     procs = [d]
@@ -155,6 +158,7 @@ def test_hostile_messages_are_dropped_and_the_epoch_completes(tmp_path, dataset)
     assert "dropped a malformed message" in (tmp_path / "d.log").read_text()
 
 
+@pytest.mark.slow
 def test_lockstep_ranks_get_equal_batch_counts_each_sample_once(tmp_path, dataset):
     """--world-size 2: a fast and a slow trainer each use the Loader's per-rank count (35 batches
     of 7 of the 240 samples a rank gets, the last one short), every sample exactly once."""
@@ -177,6 +181,7 @@ def test_lockstep_ranks_get_equal_batch_counts_each_sample_once(tmp_path, datase
     assert used(outs) == collections.Counter(range(N))
 
 
+@pytest.mark.slow
 def test_a_stalled_server_that_wakes_up_is_fenced(tmp_path, dataset):
     """SIGSTOP a server past the heartbeat timeout (its leases go to the other), SIGCONT it: what
     it still sends under its revoked leases is refused at the trainers, never used twice."""
@@ -215,6 +220,7 @@ def labels_by_index(dataset: str) -> dict[int, int]:
         return {int(i): int(v) for b in loader for i, v in zip(b["__index__"], b["label"])}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", [["--procs", "2"], ["--threads", "2"]], ids=["procs", "threads"])
 def test_leased_batches_are_built_by_the_servers_executor(tmp_path, dataset, executor):
     """`serve --dispatcher --procs 2 / --threads 2 --transform mod:fn`: the leased batches are built
@@ -249,6 +255,7 @@ def test_leased_batches_are_built_by_the_servers_executor(tmp_path, dataset, exe
         assert len(pids) >= 2, "one worker process built every batch"
 
 
+@pytest.mark.slow
 def test_a_transform_that_raises_in_a_worker_process_stops_the_server_with_its_error(tmp_path, dataset):
     """`--procs 2` and a transform that raises at one sample: the server exits non-zero naming the
     transform's error (crossed from the worker process), having handed its leases back."""

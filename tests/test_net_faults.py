@@ -21,6 +21,7 @@ from crossfeed.net.stream.producer import encode_item
 pytestmark = pytest.mark.timeout(90)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stall_after", [1, 3])
 def test_a_killed_trainers_batches_go_to_the_survivor(tmp_path, stall_after):
     n = 200
@@ -201,7 +202,7 @@ def test_a_server_sending_oversized_messages_is_dropped_and_the_others_read_on()
     assert [x.address for x in lost] == [addresses[0]]
 
 
-@pytest.mark.parametrize("credits", [4, 16])
+@pytest.mark.parametrize("credits", [4, pytest.param(16, marks=pytest.mark.slow)])
 def test_batched_acks_redeliver_exactly_the_unacknowledged_batches(tmp_path, credits):
     n, consumed = 240, 7
     opts = ServerOptions(("tcp://127.0.0.1:0",), epochs=1, heartbeat=Heartbeat(0.1, 2.0))

@@ -43,6 +43,7 @@ def _ids(path) -> list[int]:
 # ---- 1. a squatted routing id cannot abort the server (for honest trainers; see docs-net.md) ----
 
 
+@pytest.mark.slow
 def test_a_squatter_on_the_next_generated_routing_id_does_not_abort_the_server(tmp_path):
     spec = {"address": "tcp://127.0.0.1:0", "num_samples": 40, "batch_size": 4}
     server = child("run_server_with", str(tmp_path / "ep"), spec, log=tmp_path / "server.log")
@@ -203,6 +204,7 @@ def _rss_after_flood(tmp_path, spec, flood_bytes):
     return server, address, after - before, sent
 
 
+@pytest.mark.slow
 def test_a_multipart_flood_does_not_grow_a_curve_servers_memory(tmp_path, curve_dirs):
     server_dir, client_dir = curve_dirs
     spec = {"address": "tcp://127.0.0.1:0", "num_samples": 40, "batch_size": 4, "keys": str(server_dir), "epochs": 1}
@@ -218,6 +220,7 @@ def test_a_multipart_flood_does_not_grow_a_curve_servers_memory(tmp_path, curve_
         stop(server)
 
 
+@pytest.mark.slow
 def test_the_same_flood_does_grow_an_unauthenticated_server(tmp_path):
     """The control: the flood measured above is real, and NULL servers are exposed to it (which
     is why they bind only local addresses unless --insecure)."""
@@ -292,6 +295,7 @@ def _fenced_run(tmp_path, *, progress_timeout, heartbeat, stall):
     return lines
 
 
+@pytest.mark.slow
 def test_a_stalled_trainer_never_trains_on_batches_given_to_others(tmp_path):
     lines = _fenced_run(tmp_path, progress_timeout=None, heartbeat=(0.1, 1.0), stall=True)
     stats = lines[-1].split()
@@ -299,6 +303,7 @@ def test_a_stalled_trainer_never_trains_on_batches_given_to_others(tmp_path):
     # (fenced, then rejoined under a new identity and read on to the end of the stream)
 
 
+@pytest.mark.slow
 def test_a_hung_training_loop_is_fenced_after_the_progress_deadline(tmp_path):
     # silence cannot be the cause (A's network thread heartbeats; 30 s timeout): the progress
     # deadline is, and B finishes the epoch instead of waiting at its end for A forever

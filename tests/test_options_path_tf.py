@@ -5,23 +5,28 @@ the plan engine's Loaders put each option in its stage."""
 from __future__ import annotations
 
 import pytest
+from conftest import lazy_import, requires
+from options_helpers import BAD, CHANGED, IMAGES, expected, keep, landed
 
-pytest.importorskip("tensorflow")
+from crossfeed.adapters.tf_options import TFOptions
+from crossfeed.errors import ConfigError
+from crossfeed.read.options import LoaderOptions
 
-from options_helpers import BAD, CHANGED, IMAGES, expected, keep, landed  # noqa: E402
-
-import crossfeed.adapters.tf as cftf  # noqa: E402
-from crossfeed.adapters import tf_plan  # noqa: E402
-from crossfeed.adapters.tf_options import TFOptions  # noqa: E402
-from crossfeed.errors import ConfigError  # noqa: E402
-from crossfeed.read.options import LoaderOptions  # noqa: E402
+cftf = lazy_import("crossfeed.adapters.tf")
+tf_plan = lazy_import("crossfeed.adapters.tf_plan")
+pytestmark = [
+    pytest.mark.slow,
+    requires("tensorflow"),
+]  # slow: TensorFlow (and JAX) imported: the options path through tf.data
 
 
 def test_tf_options_are_the_loaders_options_plus_tfs_own(options_data):
     want = LoaderOptions.of(**CHANGED)
     opts = TFOptions.make(None, CHANGED, engine="plan")
     assert opts.loader == want and opts.batch_size == 3 and opts.seed == 7
-    with tf_plan.loader(cftf._open(options_data, "val"), opts, {"transform": keep}) as loader:
+    from crossfeed.adapters.tf import _open
+
+    with tf_plan.loader(_open(options_data, "val"), opts, {"transform": keep}) as loader:
         assert landed(loader) == expected(want)
     whole = TFOptions.make(want)
     assert whole.loader is want and whole.whole
@@ -31,7 +36,9 @@ def test_tf_passes_the_image_options_to_the_plan_engine(options_data):
     want = LoaderOptions.of(batch_size=3, **IMAGES)
     opts = TFOptions.make(None, {"batch_size": 3, **IMAGES})
     assert opts.loader == want
-    with tf_plan.loader(cftf._open(options_data, "train"), opts, {"transform": keep}) as loader:
+    from crossfeed.adapters.tf import _open
+
+    with tf_plan.loader(_open(options_data, "train"), opts, {"transform": keep}) as loader:
         assert landed(loader) == expected(want)
     with pytest.raises(ConfigError, match="image_size="):  # the native engine does not fit images
         cftf.dataset(options_data, engine="native", batch_size=3, **IMAGES)

@@ -288,6 +288,7 @@ def test_a_packed_mixture_has_exact_document_shares_and_resumes(
     assert sorted((s, d) for b in done + rest for s, d, _, _ in pieces(b)) == want
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(
     sizes=st.tuples(st.integers(1, 12), st.integers(1, 12)),

@@ -11,15 +11,16 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import lazy_import
+from pack_framework_worker import KEYS, OPTS
+from token_data import write_tokens
 
-jax = pytest.importorskip("jax")
+import crossfeed
+from crossfeed.errors import ConfigError
 
-from pack_framework_worker import KEYS, OPTS  # noqa: E402
-from token_data import write_tokens  # noqa: E402
-
-import crossfeed  # noqa: E402
-from crossfeed.adapters.jax import JaxLoader  # noqa: E402
-from crossfeed.errors import ConfigError  # noqa: E402
+jax = lazy_import("jax")
+cfjax = lazy_import("crossfeed.adapters.jax")
+pytestmark = pytest.mark.slow  # a fresh interpreter per framework
 
 LENGTHS = [5, 9, 30, 2, 17, 8, 40, 3, 11, 25, 1, 14, 6, 19, 33, 4]
 
@@ -40,7 +41,7 @@ def test_jax_loader_packs_the_loaders_rows_and_resumes(tmp_path):
     path = write_tokens(tmp_path / "t", LENGTHS)
     want = loader_rows(path)
     assert len(want) > 3
-    with JaxLoader(path, sharding=_one_device(), **OPTS) as jl:
+    with cfjax.JaxLoader(path, sharding=_one_device(), **OPTS) as jl:
         assert len(jl) == len(want)
         got = []
         for b in jl:
@@ -55,7 +56,7 @@ def test_jax_loader_packs_the_loaders_rows_and_resumes(tmp_path):
         and len(rest) != len(want)
         or any(not np.array_equal(np.asarray(a["tokens"]), b["tokens"]) for a, b in zip(rest, want))
     )
-    with JaxLoader(path, sharding=_one_device(), **OPTS) as jl:
+    with cfjax.JaxLoader(path, sharding=_one_device(), **OPTS) as jl:
         jl.load_state_dict(state)
         again = [{k: np.asarray(b[k]).astype(np.int64).tolist() for k in KEYS} for b in jl]
     assert again == [{k: v.tolist() for k, v in b.items()} for b in want[2:]]
@@ -64,7 +65,7 @@ def test_jax_loader_packs_the_loaders_rows_and_resumes(tmp_path):
 def test_jax_loader_refuses_token_budgets(tmp_path):
     path = write_tokens(tmp_path / "t", LENGTHS)
     with pytest.raises(ConfigError, match="varying shape"):
-        JaxLoader(path, batch_size=1, batch_by_tokens=64)
+        cfjax.JaxLoader(path, batch_size=1, batch_by_tokens=64)
 
 
 @pytest.mark.timeout(300)

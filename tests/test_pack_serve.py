@@ -20,7 +20,7 @@ from token_data import write_tokens
 import crossfeed
 from crossfeed.net import connect
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # slow: dispatch with servers killed
 
 
 def test_serve_streams_packed_rows_every_token_once(tmp_path):

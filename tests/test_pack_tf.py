@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import lazy_import
+from token_data import write_language, write_tokens
 
-tf = pytest.importorskip("tensorflow")
+import crossfeed
 
-from token_data import write_language, write_tokens  # noqa: E402
-
-import crossfeed  # noqa: E402
-import crossfeed.adapters.tf as cftf  # noqa: E402
+tf = lazy_import("tensorflow")
+cftf = lazy_import("crossfeed.adapters.tf")
+pytestmark = pytest.mark.slow  # TensorFlow imported: Keras training
 
 
 def test_tf_gets_the_loaders_packed_rows_with_a_static_shape(tmp_path):

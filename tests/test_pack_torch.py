@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+from conftest import lazy_import
 from token_data import write_language, write_tokens
 
 import crossfeed
-from crossfeed.adapters.torch import StatefulLoader, TorchDataset
+
+torch = lazy_import("torch")
+cftorch = lazy_import("crossfeed.adapters.torch")
+pytestmark = pytest.mark.slow  # torch imported: training
 
 OPTS = dict(batch_size=4, seed=2, pack=crossfeed.Pack(length=32))
 
@@ -26,8 +29,8 @@ def test_torch_gets_the_loaders_packed_rows_with_workers_and_resumes(tmp_path):
     path = write_tokens(tmp_path / "t", np.arange(1, 60) % 23 + 1)
     with crossfeed.Loader(path, **OPTS) as ld:
         want = list(ld)
-    with TorchDataset(path, rank=0, world_size=1, **OPTS) as ds:
-        loader = StatefulLoader(ds, num_workers=2)
+    with cftorch.TorchDataset(path, rank=0, world_size=1, **OPTS) as ds:
+        loader = cftorch.StatefulLoader(ds, num_workers=2)
         got = []
         for b in loader:
             assert b["tokens"].shape == (4, 32) and b["segment_ids"].dtype == torch.int32
@@ -36,21 +39,17 @@ def test_torch_gets_the_loaders_packed_rows_with_workers_and_resumes(tmp_path):
                 state = loader.state_dict()
         assert _equal(got, want) and len(ds) == len(want)
         loader.close()
-    with TorchDataset(path, rank=0, world_size=1, **OPTS) as ds:
-        loader = StatefulLoader(ds, num_workers=1)
+    with cftorch.TorchDataset(path, rank=0, world_size=1, **OPTS) as ds:
+        loader = cftorch.StatefulLoader(ds, num_workers=1)
         loader.load_state_dict(state)
         assert _equal(list(loader), want[3:])
         loader.close()
 
 
-class NextToken(torch.nn.Module):
-    def __init__(self, vocab: int):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, 32)
-        self.out = torch.nn.Linear(32, vocab)
-
-    def forward(self, tokens):
-        return self.out(self.embed(tokens))
+def next_token_model(vocab: int):
+    """Embedding, then a linear layer back to the vocabulary (built in the test: collecting this
+    module imports no torch)."""
+    return torch.nn.Sequential(torch.nn.Embedding(vocab, 32), torch.nn.Linear(32, vocab))
 
 
 def masked_loss(model, batch) -> torch.Tensor:
@@ -65,11 +64,11 @@ def masked_loss(model, batch) -> torch.Tensor:
 def test_a_small_language_model_learns_from_packed_rows(tmp_path):
     torch.manual_seed(0)
     path = write_language(tmp_path / "lm")
-    model = NextToken(32)
+    model = next_token_model(32)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     losses = []
-    with TorchDataset(path, rank=0, world_size=1, batch_size=8, seed=0, pack=crossfeed.Pack(64)) as ds:
-        loader = StatefulLoader(ds, num_workers=0)
+    with cftorch.TorchDataset(path, rank=0, world_size=1, batch_size=8, seed=0, pack=crossfeed.Pack(64)) as ds:
+        loader = cftorch.StatefulLoader(ds, num_workers=0)
         for _ in range(4):  # epochs
             for batch in loader:
                 loss = masked_loss(model, batch)

@@ -249,6 +249,7 @@ def test_manifest_format_is_validated(pa_dir):
             loads(json.dumps(bad), "m")
 
 
+@pytest.mark.slow
 def test_cli_info_verify_head(pa_dir):
     root, _ = pa_dir
     out = _cli("info", root)

@@ -7,13 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from conftest import lazy_import
 from typer.testing import CliRunner
 
 from crossfeed import Loader, open_dataset
 from crossfeed.cli.main import app
 from crossfeed.write.adopt.index import index_dataset, parse_feature
 
-pd = pytest.importorskip("pandas")
+pd = lazy_import("pandas")
+pytestmark = pytest.mark.slow  # pandas imported
+
 
 N = 40
 

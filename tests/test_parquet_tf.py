@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import lazy_import
 from parquet_data import ROWS, oracle, write_pyarrow_files
 
-from crossfeed.adapters import tf as cftf
 from crossfeed.errors import ConfigError
 from crossfeed.write.adopt.index import index_dataset
+
+cftf = lazy_import("crossfeed.adapters.tf")
+pytestmark = pytest.mark.slow  # TensorFlow imported
 
 
 def test_tf_dataset_reads_parquet_through_the_loader(tmp_path):

@@ -4,13 +4,17 @@ yields the Loader's batches, with pyarrow's values."""
 from __future__ import annotations
 
 import numpy as np
-import torch
+import pytest
+from conftest import lazy_import
 from parquet_data import ROWS, assert_row_equal, oracle, write_pyarrow_files
-from torch.utils.data import DataLoader
 
-from crossfeed.adapters.torch import TorchDataset
 from crossfeed.read.loader import INDEX_KEY, Loader
 from crossfeed.write.adopt.index import index_dataset
+
+torch = lazy_import("torch")
+torch_data = lazy_import("torch.utils.data")
+cftorch = lazy_import("crossfeed.adapters.torch")
+pytestmark = pytest.mark.slow  # torch imported, worker processes
 
 
 def test_two_workers_yield_the_loaders_batches_with_pyarrow_values(tmp_path):
@@ -20,9 +24,9 @@ def test_two_workers_yield_the_loaders_batches_with_pyarrow_values(tmp_path):
     kw = dict(batch_size=8, seed=4, shuffle="global", features=["id", "vec", "text"], return_index=True)
     with Loader(tmp_path, **kw) as loader:
         want = [b[INDEX_KEY].tolist() for b in loader]
-    ds = TorchDataset(tmp_path, rank=0, world_size=1, **kw)
+    ds = cftorch.TorchDataset(tmp_path, rank=0, world_size=1, **kw)
     got = []
-    for b in DataLoader(ds, batch_size=None, num_workers=2):
+    for b in torch_data.DataLoader(ds, batch_size=None, num_workers=2):
         assert isinstance(b["vec"], torch.Tensor) and b["vec"].shape[1:] == (3,)
         ids = b[INDEX_KEY].tolist()
         for j, i in enumerate(ids):

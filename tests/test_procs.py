@@ -74,6 +74,7 @@ def test_python_transforms_picklable_or_by_name(mixed_dataset):
     )
 
 
+@pytest.mark.slow
 def test_resume_is_exact(mixed_dataset):
     path, _ = mixed_dataset
     assert_resumes_identically(path, stops=[0, 1, 4, 8], batch_size=4, seed=9, **PROC)
@@ -127,6 +128,7 @@ def test_transform_error_names_the_batch(mixed_dataset):
             next(iter(loader))
 
 
+@pytest.mark.slow
 def test_corrupt_data_is_the_same_crossfeed_error(mixed_dataset):
     path, _ = mixed_dataset
     shard = sorted(p for p in path.rglob("*") if p.is_file() and "tfrecord" in p.name)[0]
@@ -187,6 +189,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_parent_leaves_no_worker_and_no_shared_memory(mixed_dataset):
     path, _ = mixed_dataset
     shm_before = sorted(os.listdir("/dev/shm"))

@@ -7,7 +7,7 @@ from net_helpers import serve_child, served_batches, write_image_dataset
 
 from crossfeed.read.loader import Loader
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]  # slow: serve with worker processes
 
 
 def test_serve_procs_streams_the_loaders_batches(tmp_path):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import lazy_import
 
-tf = pytest.importorskip("tensorflow")
-pytestmark = pytest.mark.timeout(120)
+import crossfeed
 
-import crossfeed  # noqa: E402
-import crossfeed.adapters.tf as cftf  # noqa: E402
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # slow: TensorFlow imported, worker processes
+tf = lazy_import("tensorflow")
+cftf = lazy_import("crossfeed.adapters.tf")
 
 
 def _rows(ds) -> list[tuple]:

@@ -5,22 +5,27 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from torch.utils.data import DataLoader
+from conftest import lazy_import
 
 import crossfeed
-from crossfeed.adapters.torch import TorchDataset
 
-pytestmark = pytest.mark.timeout(120)
+torch = lazy_import("torch")
+torch_data = lazy_import("torch.utils.data")
+cftorch = lazy_import("crossfeed.adapters.torch")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # slow: torch imported, worker processes
 
 
 def test_torch_dataset_reads_through_worker_processes(tmp_path):
     root = tmp_path / "ids"
     crossfeed.write_dataset(root, [{"id": i, "x": np.full(3, i, np.float32)} for i in range(53)], num_shards=3).close()
-    want = [b["id"].tolist() for b in DataLoader(TorchDataset(root, batch_size=4, seed=1), batch_size=None)]
-    ds = TorchDataset(root, batch_size=4, seed=1, executor="process", processes=2)
+    want = [
+        b["id"].tolist()
+        for b in torch_data.DataLoader(cftorch.TorchDataset(root, batch_size=4, seed=1), batch_size=None)
+    ]
+    ds = cftorch.TorchDataset(root, batch_size=4, seed=1, executor="process", processes=2)
     got, kept = [], []
-    for b in DataLoader(ds, batch_size=None):
+    for b in torch_data.DataLoader(ds, batch_size=None):
         assert isinstance(b["x"], torch.Tensor)
         got.append(b["id"].tolist())
         kept.append(b["x"][:, 0])  # a view of the slot, held past its batch

@@ -8,13 +8,15 @@ import time
 
 import numpy as np
 import pytest
+from conftest import lazy_import
 
-torch = pytest.importorskip("torch")
+import crossfeed
+from crossfeed.errors import ConfigError
+from crossfeed.read.metrics import STAGES
 
-import crossfeed  # noqa: E402
-from crossfeed.adapters.torch import StatefulLoader, TorchDataset  # noqa: E402
-from crossfeed.errors import ConfigError  # noqa: E402
-from crossfeed.read.metrics import STAGES  # noqa: E402
+torch = lazy_import("torch")
+cftorch = lazy_import("crossfeed.adapters.torch")
+pytestmark = pytest.mark.slow  # torch imported
 
 N = 24
 
@@ -30,8 +32,8 @@ def small(tmp_path):
 
 
 def test_the_dataset_and_the_stateful_loader_count_the_same_batches_in_process(small):
-    with TorchDataset(small, batch_size=4, rank=0, world_size=1) as ds:
-        loader = StatefulLoader(ds, num_workers=0)
+    with cftorch.TorchDataset(small, batch_size=4, rank=0, world_size=1) as ds:
+        loader = cftorch.StatefulLoader(ds, num_workers=0)
         for _ in loader:
             time.sleep(0.01)
         mine, trainer = ds.stats(), loader.stats()
@@ -42,8 +44,8 @@ def test_the_dataset_and_the_stateful_loader_count_the_same_batches_in_process(s
 
 
 def test_with_dataloader_workers_the_trainer_s_wait_is_still_timed(small):
-    with TorchDataset(small, batch_size=4, rank=0, world_size=1) as ds:
-        loader = StatefulLoader(ds, num_workers=1)
+    with cftorch.TorchDataset(small, batch_size=4, rank=0, world_size=1) as ds:
+        loader = cftorch.StatefulLoader(ds, num_workers=1)
         assert sum(len(b["y"]) for b in loader) == N
         st = loader.stats()
         assert ds.stats().batches == 0  # the workers' Loaders are in their processes
@@ -54,4 +56,4 @@ def test_with_dataloader_workers_the_trainer_s_wait_is_still_timed(small):
 
 def test_a_stream_has_no_loader_stats():
     with pytest.raises(ConfigError):
-        TorchDataset(iter([{"x": np.zeros(2)}])).stats()
+        cftorch.TorchDataset(iter([{"x": np.zeros(2)}])).stats()

@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import lazy_import, requires
 from typer.testing import CliRunner
 
 import crossfeed
@@ -22,9 +23,9 @@ from crossfeed.read.sources.dataset import open_dataset
 from crossfeed.read.tools.verify import verify_dataset
 from crossfeed.write.adopt.index import index_dataset
 
-moto_server = pytest.importorskip("moto.server")
-pytest.importorskip("s3fs")
-boto3 = pytest.importorskip("boto3")
+moto_server = lazy_import("moto.server")
+boto3 = lazy_import("boto3")
+pytestmark = [pytest.mark.slow, requires("moto", "s3fs", "boto3")]  # slow: an S3 server (moto) in a process
 
 N = 60
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}

@@ -9,12 +9,14 @@ import json
 
 import numpy as np
 import pytest
+from conftest import (
+    requires,
+    run_python,
+)
 
-pytest.importorskip("tensorflow")
+import crossfeed
 
-from conftest import run_python  # noqa: E402
-
-import crossfeed  # noqa: E402
+pytestmark = [pytest.mark.slow, requires("tensorflow")]  # slow: Keras under tf.distribute strategies
 
 
 def _separable(n: int, seed: int = 0) -> list[dict]:

@@ -6,12 +6,14 @@ import io
 
 import numpy as np
 import pytest
+from conftest import lazy_import
 
-tf = pytest.importorskip("tensorflow")
+import crossfeed
+from crossfeed import ConfigError, DatasetNotFoundError, Encoding, Feature, Schema, SchemaError
 
-import crossfeed  # noqa: E402
-import crossfeed.adapters.tf as cftf  # noqa: E402
-from crossfeed import ConfigError, DatasetNotFoundError, Encoding, Feature, Schema, SchemaError  # noqa: E402
+tf = lazy_import("tensorflow")
+cftf = lazy_import("crossfeed.adapters.tf")
+pytestmark = pytest.mark.slow  # TensorFlow imported
 
 
 def _png(arr: np.ndarray) -> bytes:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import lazy_import
 
-tf = pytest.importorskip("tensorflow")
+import crossfeed
+from crossfeed import ConfigError
+from crossfeed.read.loader import Loader
 
-import crossfeed  # noqa: E402
-import crossfeed.adapters.tf as cftf  # noqa: E402
-from crossfeed import ConfigError  # noqa: E402
-from crossfeed.read.loader import Loader  # noqa: E402
+tf = lazy_import("tensorflow")
+cftf = lazy_import("crossfeed.adapters.tf")
+pytestmark = pytest.mark.slow  # TensorFlow imported
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import lazy_import
+from user_data import crossfeed as run_cli
+from user_data import digits_folder, photos_folder
 
-tf = pytest.importorskip("tensorflow")
+import crossfeed
 
-from user_data import crossfeed as run_cli  # noqa: E402
-from user_data import digits_folder, photos_folder  # noqa: E402
-
-import crossfeed  # noqa: E402
-import crossfeed.adapters.tf as cftf  # noqa: E402
+tf = lazy_import("tensorflow")
+cftf = lazy_import("crossfeed.adapters.tf")
+pytestmark = pytest.mark.slow  # TensorFlow imported: the user walkthrough
 
 
 @pytest.fixture(scope="module")

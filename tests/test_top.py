@@ -20,7 +20,7 @@ from crossfeed.errors import WireError
 from crossfeed.net import status as S
 from crossfeed.net.stream.server import Server, ServerOptions
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # slow: crossfeed top in tmux, several servers
 TMUX = shutil.which("tmux")
 
 

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from conftest import run_python
-from torch.utils.data import DataLoader
+from conftest import lazy_import, run_python
 
 import crossfeed
-from crossfeed.adapters.torch import StatefulLoader, TorchDataset, to_torch
 from crossfeed.errors import ConfigError
 from crossfeed.read.loader import Loader
 from crossfeed.read.options import PlanOptions
 
-pytestmark = pytest.mark.timeout(120)
+torch = lazy_import("torch")
+torch_data = lazy_import("torch.utils.data")
+cftorch = lazy_import("crossfeed.adapters.torch")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(120),
+]  # slow: torch imported, worker processes (spawn), fresh interpreters
 
 
 @pytest.fixture
@@ -41,7 +45,7 @@ def test_batches_are_tensors_sharing_the_loaders_arrays(mixed_dataset):
         seen.append(batch)
         return batch
 
-    ds = TorchDataset(path, batch_size=7, shuffle="none", batch_transform=keep, rank=0, world_size=1)
+    ds = cftorch.TorchDataset(path, batch_size=7, shuffle="none", batch_transform=keep, rank=0, world_size=1)
     batches = list(ds)
     assert len(batches) == len(ds) == 5
     b = batches[0]
@@ -64,12 +68,12 @@ def test_to_torch_handles_read_only_and_negative_strides():
     ro = np.arange(6, dtype=np.float32)
     ro.flags.writeable = False
     flipped = np.arange(4)[::-1]
-    out = to_torch({"ro": ro, "flip": flipped, "s": np.array(["a", "b"]), "l": [b"x", b"y"], "n": np.int64(3)})
+    out = cftorch.to_torch({"ro": ro, "flip": flipped, "s": np.array(["a", "b"]), "l": [b"x", b"y"], "n": np.int64(3)})
     assert np.shares_memory(out["ro"].numpy(), ro)
     assert out["flip"].tolist() == [3, 2, 1, 0]
     assert out["s"] == ["a", "b"] and out["l"] == [b"x", b"y"] and out["n"].item() == 3
     with pytest.raises(ConfigError, match="'t'"):
-        to_torch({"t": np.array(["2020-01-01"], dtype="datetime64[D]")})
+        cftorch.to_torch({"t": np.array(["2020-01-01"], dtype="datetime64[D]")})
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -77,11 +81,11 @@ def test_workers_yield_exactly_the_ranks_batches_in_order(ids_dataset, world_siz
     """DataLoader's round-robin over 2 worker processes gives each rank's Loader sequence."""
     per_rank = []
     for rank in range(world_size):
-        ds = TorchDataset(ids_dataset, batch_size=5, seed=11, rank=rank, world_size=world_size)
+        ds = cftorch.TorchDataset(ids_dataset, batch_size=5, seed=11, rank=rank, world_size=world_size)
         expected = _ids(Loader(ids_dataset, batch_size=5, seed=11, rank=rank, world_size=world_size))
-        assert _ids(DataLoader(ds, batch_size=None, num_workers=0)) == expected
-        assert _ids(DataLoader(ds, batch_size=None, num_workers=2)) == expected
-        assert len(ds) == len(expected) == len(DataLoader(ds, batch_size=None, num_workers=2))
+        assert _ids(torch_data.DataLoader(ds, batch_size=None, num_workers=0)) == expected
+        assert _ids(torch_data.DataLoader(ds, batch_size=None, num_workers=2)) == expected
+        assert len(ds) == len(expected) == len(torch_data.DataLoader(ds, batch_size=None, num_workers=2))
         per_rank.append(expected)
         ds.close()
     assert len({len(b) for b in per_rank}) == 1  # every rank the same number of batches
@@ -92,8 +96,10 @@ def test_workers_yield_exactly_the_ranks_batches_in_order(ids_dataset, world_siz
 
 @pytest.mark.parametrize("context", [None, "spawn"])
 def test_set_epoch_reaches_persistent_workers(ids_dataset, context):
-    ds = TorchDataset(ids_dataset, batch_size=8, seed=5, rank=0, world_size=1)
-    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context=context)
+    ds = cftorch.TorchDataset(ids_dataset, batch_size=8, seed=5, rank=0, world_size=1)
+    loader = torch_data.DataLoader(
+        ds, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context=context
+    )
     orders = []
     for epoch in (0, 1, 2, 0):
         ds.set_epoch(epoch)
@@ -118,8 +124,8 @@ def _run(loader, stop=None):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_stateful_loader_resumes_exactly_from_every_checkpoint(ids_dataset, num_workers):
     def make(workers):
-        return StatefulLoader(
-            TorchDataset(ids_dataset, batch_size=6, seed=3, rank=0, world_size=1),
+        return cftorch.StatefulLoader(
+            cftorch.TorchDataset(ids_dataset, batch_size=6, seed=3, rank=0, world_size=1),
             num_workers=workers,
             persistent_workers=workers > 0,
         )
@@ -145,13 +151,13 @@ def test_stateful_loader_resumes_exactly_from_every_checkpoint(ids_dataset, num_
 def test_state_resumes_at_another_world_size(ids_dataset):
     """Saved by 2 ranks after 4 steps, resumed by 3: together they finish the same epoch."""
     cfg = dict(batch_size=5, seed=9)
-    loaders = [StatefulLoader(TorchDataset(ids_dataset, rank=r, world_size=2, **cfg)) for r in range(2)]
+    loaders = [cftorch.StatefulLoader(cftorch.TorchDataset(ids_dataset, rank=r, world_size=2, **cfg)) for r in range(2)]
     before = [_run(ld, stop=4) for ld in loaders]
     states = [ld.state_dict() for ld in loaders]
     assert states[0] == states[1] and states[0]["position"] == 4 * 5 * 2
     after = []
     for r in range(3):
-        ld = StatefulLoader(TorchDataset(ids_dataset, rank=r, world_size=3, **cfg))
+        ld = cftorch.StatefulLoader(cftorch.TorchDataset(ids_dataset, rank=r, world_size=3, **cfg))
         ld.load_state_dict(states[0])
         after.append(_run(ld))
     assert len({len(a) for a in after}) == 1
@@ -161,24 +167,24 @@ def test_state_resumes_at_another_world_size(ids_dataset):
 
 def test_options_are_validated(ids_dataset, monkeypatch):
     with pytest.raises(ConfigError, match="batch_size"):
-        TorchDataset(ids_dataset)
+        cftorch.TorchDataset(ids_dataset)
     with pytest.raises(ConfigError, match="shuffle"):
-        TorchDataset(ids_dataset, batch_size=4, shuffle="sometimes")
+        cftorch.TorchDataset(ids_dataset, batch_size=4, shuffle="sometimes")
     with pytest.raises(ConfigError, match="rank"):
-        TorchDataset(ids_dataset, batch_size=4, rank=2, world_size=2)
-    ds = TorchDataset(ids_dataset, batch_size=4, seed=1, rank=0, world_size=1)
+        cftorch.TorchDataset(ids_dataset, batch_size=4, rank=2, world_size=2)
+    ds = cftorch.TorchDataset(ids_dataset, batch_size=4, seed=1, rank=0, world_size=1)
     with pytest.raises(ConfigError, match="batch_size"):
-        StatefulLoader(ds, batch_size=4)
+        cftorch.StatefulLoader(ds, batch_size=4)
     with pytest.raises(ConfigError, match="shuffle"):
-        StatefulLoader(ds, shuffle=True)
+        cftorch.StatefulLoader(ds, shuffle=True)
     with pytest.raises(ConfigError, match="epoch"):
         ds.set_epoch(-1)
-    other = TorchDataset(ids_dataset, batch_size=4, seed=2, rank=0, world_size=1)
+    other = cftorch.TorchDataset(ids_dataset, batch_size=4, seed=2, rank=0, world_size=1)
     with pytest.raises(ConfigError, match="seed"):
         ds.load_state_dict(other.state_dict())
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    env = TorchDataset(ids_dataset, batch_size=4)
+    env = cftorch.TorchDataset(ids_dataset, batch_size=4)
     assert (env.rank, env.world_size) == (1, 2)
     assert len(env) == 13  # ceil(ceil(103 / 2) / 4)
 
@@ -192,19 +198,19 @@ def _stream(n=20, batch=6):
 
 
 def test_a_stream_source_is_converted_without_splitting():
-    ds = TorchDataset(_stream())
-    got = list(DataLoader(ds, batch_size=None))
+    ds = cftorch.TorchDataset(_stream())
+    got = list(torch_data.DataLoader(ds, batch_size=None))
     assert _flat(_ids(got)) == list(range(20))
     assert got[0]["x"].dtype == torch.float32 and got[0]["name"] == [f"s{i}" for i in range(6)]
     with pytest.raises(TypeError):
         len(ds)
     with pytest.raises(ConfigError, match="num_workers=0"):
-        list(DataLoader(TorchDataset(_stream()), batch_size=None, num_workers=1))
+        list(torch_data.DataLoader(cftorch.TorchDataset(_stream()), batch_size=None, num_workers=1))
 
 
 def test_a_stream_source_goes_through_stateful_loader():
     # the README says streams are sources: StatefulLoader(TorchDataset(stream), num_workers=0) reads it
-    with StatefulLoader(TorchDataset(_stream()), num_workers=0) as loader:
+    with cftorch.StatefulLoader(cftorch.TorchDataset(_stream()), num_workers=0) as loader:
         got = list(loader)
         assert _flat(_ids(got)) == list(range(20))
         with pytest.raises(ConfigError, match="stream"):
@@ -222,7 +228,7 @@ def test_a_crossfeed_connect_stream_is_a_source():
     opts = ServerOptions(("tcp://127.0.0.1:0",), epochs=1, heartbeat=hb)
     with Server(Synthetic(num_samples=40, batch_size=8), opts) as server:
         with connect(server.endpoints, with_meta=True, **slow) as client:
-            got = list(DataLoader(TorchDataset(client), batch_size=None))
+            got = list(torch_data.DataLoader(cftorch.TorchDataset(client), batch_size=None))
         assert server.wait(60)
     ids = []
     for meta, batch in got:  # with_meta streams keep their (meta, batch) pairs
@@ -255,9 +261,9 @@ def test_position_after_matches_what_the_plan_consumed(ids_dataset):
     """The StatefulLoader's position formula is the core's: after k rank batches (of the two
     ranks in lockstep) the plan's remaining samples are exactly the unseen ones."""
     cfg = PlanOptions(batch_size=5, seed=4)
-    ds = TorchDataset(ids_dataset, batch_size=5, seed=4, rank=0, world_size=2)
+    ds = cftorch.TorchDataset(ids_dataset, batch_size=5, seed=4, rank=0, world_size=2)
     assert ds.loader.options.plan == cfg
-    with StatefulLoader(ds, num_workers=2) as loader:
+    with cftorch.StatefulLoader(ds, num_workers=2) as loader:
         _run(loader, stop=3)
         assert loader.state_dict()["position"] == ds.loader.position_after(0, 3) == 30
 
@@ -268,8 +274,8 @@ def _double_x(sample: dict) -> dict:
 
 def test_a_per_sample_transform_keeps_scalars_as_tensors(ids_dataset):
     """The Loader's per-sample transform sees numpy scalars; they must batch as numbers again."""
-    ds = TorchDataset(ids_dataset, batch_size=10, shuffle="none", transform=_double_x, rank=0, world_size=1)
-    for b in DataLoader(ds, batch_size=None, num_workers=1):
+    ds = cftorch.TorchDataset(ids_dataset, batch_size=10, shuffle="none", transform=_double_x, rank=0, world_size=1)
+    for b in torch_data.DataLoader(ds, batch_size=None, num_workers=1):
         assert b["id"].dtype == torch.int64 and b["x"].shape == (len(b["id"]), 3)
         assert torch.equal(b["x"][:, 0], 2 * b["id"].float())
 
@@ -282,8 +288,8 @@ def test_a_mixture_through_dataloader_workers_is_the_loaders_sequence(ids_datase
     kw = dict(batch_size=6, seed=4, samples_per_epoch=90, rank=0, world_size=1, return_index=True)
     with Loader(sources, **kw) as loader:
         want = [(b["__source__"].tolist(), b["__index__"].tolist(), b["id"].tolist()) for b in loader]
-    ds = TorchDataset(sources, **kw)
-    with StatefulLoader(ds, num_workers=2) as dl:
+    ds = cftorch.TorchDataset(sources, **kw)
+    with cftorch.StatefulLoader(ds, num_workers=2) as dl:
         got = [(b["__source__"].tolist(), b["__index__"].tolist(), b["id"].tolist()) for b in dl]
     assert got == want and len(got) == 15
     assert sum(s.count(1) for s, _, _ in got) == 30  # a third of the samples from the small source

@@ -133,7 +133,7 @@ def _rank_main(cfg: dict) -> None:
 
 
 # -- tests ------------------------------------------------------------------------------------------
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: 2-process DDP training
 
 
 def _all_ids(reports) -> list[int]:

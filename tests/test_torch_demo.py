@@ -7,16 +7,18 @@ import io
 
 import numpy as np
 import pytest
+from conftest import lazy_import
 
 import crossfeed
-from crossfeed.adapters.torch_demo import ResizeImage, train
 from crossfeed.errors import ConfigError
 from crossfeed.format.schema import Encoding, Feature, Schema
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # slow: torch training demo
 SCHEMA = Schema(
     [Feature("image", "uint8", (None, None, 3), Encoding.IMAGE), Feature("label", "int64", (), Encoding.INT64)]
 )
+
+torch_demo = lazy_import("crossfeed.adapters.torch_demo")
 
 
 def _images(n: int, seed: int):
@@ -43,7 +45,7 @@ def demo_dataset(tmp_path_factory):
 
 
 def test_demo_trains_and_reports_held_out_accuracy(demo_dataset):
-    result = train(demo_dataset, steps=60, batch_size=16, image_size=16)
+    result = torch_demo.train(demo_dataset, steps=60, batch_size=16, image_size=16)
     assert result["steps"] == 60 and result["accuracy_on"] == "test"
     assert result["accuracy"] > 0.8  # chance is 1/3
     assert result["samples_per_s"] > 0 and np.isfinite(result["final_loss"])
@@ -55,7 +57,9 @@ def test_demo_trains_from_a_crossfeed_connect_stream(demo_dataset):
     from crossfeed.net import Heartbeat, Server, ServerOptions, connect
     from crossfeed.read.loader import Loader
 
-    loader = Loader(demo_dataset, batch_size=16, seed=0, rank=0, world_size=1, transform=ResizeImage("image", 16))
+    loader = Loader(
+        demo_dataset, batch_size=16, seed=0, rank=0, world_size=1, transform=torch_demo.ResizeImage("image", 16)
+    )
 
     def epochs(epoch):
         loader.set_epoch(epoch)
@@ -65,7 +69,7 @@ def test_demo_trains_from_a_crossfeed_connect_stream(demo_dataset):
     with Server(epochs, ServerOptions(("tcp://127.0.0.1:0",), epochs=4, heartbeat=hb)) as server:
         with connect(server.endpoints, **FAST_HB) as client:
             with pytest.raises(ConfigError, match="num_classes"):
-                train(client, steps=5)
-            result = train(client, steps=50, batch_size=16, image_size=16, num_classes=3)
+                torch_demo.train(client, steps=5)
+            result = torch_demo.train(client, steps=50, batch_size=16, image_size=16, num_classes=3)
     loader.close()
     assert result["steps"] == 50 and result["accuracy"] > 0.6  # on the last training batches

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import lazy_import
+from user_data import crossfeed as run_cli
+from user_data import digits_folder, photos_folder
 
-torch = pytest.importorskip("torch")
+import crossfeed
 
-from user_data import crossfeed as run_cli  # noqa: E402
-from user_data import digits_folder, photos_folder  # noqa: E402
-
-import crossfeed  # noqa: E402
-from crossfeed.adapters.torch import StatefulLoader, TorchDataset  # noqa: E402
+torch = lazy_import("torch")
+cftorch = lazy_import("crossfeed.adapters.torch")
+pytestmark = pytest.mark.slow  # torch imported: the user walkthrough
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,8 @@ def test_digits_and_photos_match_the_loader(images):
     for path in images:
         with crossfeed.Loader(path, batch_size=4, shuffle="none") as ld:
             want = list(ld)
-        with StatefulLoader(
-            TorchDataset(path, batch_size=4, shuffle="none", rank=0, world_size=1), num_workers=0
+        with cftorch.StatefulLoader(
+            cftorch.TorchDataset(path, batch_size=4, shuffle="none", rank=0, world_size=1), num_workers=0
         ) as loader:
             got = list(loader)
         assert len(got) == len(want) and len(want[-1]["label"]) < 4  # the partial last batch is kept

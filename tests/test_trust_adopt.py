@@ -171,6 +171,7 @@ def _mutated(pristine: Path, name: str, mutate) -> str | bytes:
     return out if isinstance(out, (str, bytes)) else json.dumps(out)
 
 
+@pytest.mark.slow
 @needs_tfds
 @pytest.mark.parametrize("case", sorted(MUTATIONS))
 def test_hostile_tfds_json_is_refused_by_index_and_cli(prepared, tfds_dir, case):
@@ -188,6 +189,7 @@ def test_hostile_tfds_json_is_refused_by_index_and_cli(prepared, tfds_dir, case)
     assert str(tfds_dir) in str(err) or name in str(err) or "TFDS feature" in str(err), err
 
 
+@pytest.mark.slow
 @needs_tfds
 @pytest.mark.parametrize("case", ["shardLengths 'abc'", "features 5000 deep", "labels not UTF-8", "dims 'x'"])
 def test_the_real_cli_prints_one_line(prepared, tfds_dir, case):

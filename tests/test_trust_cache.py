@@ -23,6 +23,8 @@ pytest.importorskip("aiohttp")
 import test_cache  # noqa: E402
 from http_helpers import serving  # noqa: E402
 
+pytestmark = pytest.mark.slow  # remote fault matrix
+
 served = test_cache.served  # the fixture: a 6-shard dataset over HTTP
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from crossfeed.cli.main import EXIT_INTERRUPTED
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # slow: Ctrl-C at several points of a real convert
 
 ROWS = 400_000  # enough that the job is still running at the last moment below
 
@@ -68,7 +68,9 @@ def _convert_and_interrupt(src, out, delay: float) -> tuple[int, str]:
     return code, "".join(lines)
 
 
-@pytest.mark.parametrize("delay", [0.0, 1.0, 2.0, 3.0, 4.5])
+# as it starts, early in the job and late in it: 1.0 and 3.0 s were dropped, clock moments between
+# these that a loaded machine maps onto the same phases of the job (no failure mode of their own)
+@pytest.mark.parametrize("delay", [0.0, 2.0, 4.5])
 def test_ctrl_c_during_convert_is_interrupted_exit_130(big_csv, tmp_path, delay):
     code, err = _convert_and_interrupt(big_csv, tmp_path / "out", delay)
     assert "Traceback" not in err and "RuntimeError" not in err, err[-4000:]

@@ -19,7 +19,7 @@ from crossfeed.net.lease import messages as W
 from crossfeed.net.lease.dispatcher import DispatcherOptions, LeaseDispatcher
 from crossfeed.net.protocol import Heartbeat
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # slow: lease deadlines with several processes
 
 N, BATCH = 240, 4  # 60 batches
 DEADLINES = ["--lease-timeout", "3", "--claim-timeout", "3"]

@@ -267,6 +267,7 @@ def test_a_gzip_bomb_is_refused_by_the_loader_at_the_length_its_index_declares(g
     assert f"inflates past the {stream_len} bytes its index declares" in out.stdout
 
 
+@pytest.mark.slow
 def test_a_gzip_bomb_is_streamed_by_verify(gz_dataset):
     root, shard, stream_len = gz_dataset
     out = _limited([sys.executable, "-m", "crossfeed.cli.main", "verify", str(root)])

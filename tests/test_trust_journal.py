@@ -298,6 +298,7 @@ def dispatch(tmp_path, dataset, name):
     return proc, ep
 
 
+@pytest.mark.slow
 def test_the_dispatch_command_stops_on_a_damaged_journal_and_on_a_planted_link(tmp_path):
     dataset = str(tmp_path / "ds")
     write_dataset(dataset, 40)

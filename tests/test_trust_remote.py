@@ -131,6 +131,7 @@ def test_a_shard_longer_than_the_manifest_says_is_an_error_not_a_buffer(hostile,
         assert _tmp_bytes(tmp_path / "c") <= 3 * size  # nothing of the endless file stayed on disk
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cached", [False, True])
 def test_a_trickling_server_is_a_remote_error_naming_the_url(hostile, tmp_path, cached):
     url, root, modes = hostile
@@ -189,6 +190,7 @@ def test_an_unreachable_http_url_is_one_error_line_at_the_cli():
     assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1 and url in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_an_unreachable_s3_endpoint_is_one_error_line_at_the_cli():
     pytest.importorskip("s3fs")
     env = {

@@ -159,6 +159,7 @@ def test_an_unexpected_error_decoding_one_servers_message_drops_that_server_only
 N, BATCH = 96, 4  # 24 batches
 
 
+@pytest.mark.slow
 def test_a_fake_server_registered_with_the_dispatcher_does_not_kill_the_trainers(tmp_path):
     dataset = str(tmp_path / "ds")
     write_dataset(dataset, N)
