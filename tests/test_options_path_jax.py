@@ -19,22 +19,30 @@ from crossfeed.read.options import LoaderOptions  # noqa: E402
 GLOBAL = {**CHANGED, "batch_size": 2 * CHANGED["batch_size"]}  # JAX's batch_size is the global batch
 
 
+def _one_device():
+    """A batch sharding over one device, whatever device count another module forced."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    return NamedSharding(Mesh(jax.devices()[:1], ("batch",)), P("batch"))
+
+
 def test_jax_builds_the_loaders_options_as_keywords_or_whole(options_data):
     want = LoaderOptions.of(**CHANGED)  # this process's share of the global batch
-    with JaxLoader(options_data, transform=keep, **GLOBAL) as data:
+    with JaxLoader(options_data, transform=keep, sharding=_one_device(), **GLOBAL) as data:
         assert data.options == want and data.global_batch_size == GLOBAL["batch_size"]
         assert (data.rank, data.world_size) == (CHANGED["rank"], CHANGED["world_size"])
         assert landed(data.loader) == expected(want)
-    with JaxLoader(options_data, LoaderOptions.of(**GLOBAL), transform=keep) as data:
+    with JaxLoader(options_data, LoaderOptions.of(**GLOBAL), transform=keep, sharding=_one_device()) as data:
         assert data.options == want and landed(data.loader) == expected(want)
 
 
 def test_jax_defaults_are_the_options_defaults_but_drop_last_and_the_share(options_data):
     share = {"rank": jax.process_index(), "world_size": jax.process_count()}
-    with JaxLoader(options_data, batch_size=2) as data:
+    with JaxLoader(options_data, batch_size=2, sharding=_one_device()) as data:
         assert data.options == LoaderOptions.of(batch_size=2 // share["world_size"], drop_last=True, **share)
     whole = LoaderOptions.of(batch_size=2, drop_last=True, rank=0, world_size=1)
-    with JaxLoader(options_data, whole) as data:
+    with JaxLoader(options_data, whole, sharding=_one_device()) as data:
         assert data.options == whole.replace(**share)
 
 

@@ -91,7 +91,7 @@ class EpochCounts:
 @dataclasses.dataclass(frozen=True)
 class DispatcherOptions:
     address: str
-    journal: Path | None  # None: no journal (a restarted dispatcher starts the plan over)
+    journal: Path | None = None  # None: no journal (a restarted dispatcher starts the plan over)
     epochs: int | None = 1
     lease_size: int = 8  # batches per lease
     window: int = 64  # batches leased to one server and not yet claimed, at most
