@@ -104,7 +104,9 @@ class JaxLoader:
     ``options``: a `crossfeed.LoaderOptions` (its ``batch_size`` read as the global batch, its
     ``drop_last`` True), or its fields as keywords (``split``, ``shuffle``, ``seed``,
     ``features``, ``return_index``, ``remainder``, ``num_threads``, ``prefetch`` …) — not both.
-    ``transform``/``batch_transform``/``epoch`` are the Loader's. Iterating yields one epoch
+    ``transform``/``batch_transform``/``epoch`` are the Loader's. Unsigned integers past uint8
+    (token ids) arrive as int32, checked to fit (``keep_dtypes=True``: as stored; see
+    `crossfeed.adapters.int_dtypes`). Iterating yields one epoch
     and moves to the next, as the Loader does; `epochs` runs several without a pause.
     """
 
@@ -122,6 +124,7 @@ class JaxLoader:
         transform: Callable[[dict], dict] | None = None,
         batch_transform: Callable[[dict], dict] | None = None,
         epoch: int = 0,
+        keep_dtypes: bool = False,
         **fields,
     ):
         if device_prefetch is not None and (
@@ -156,7 +159,9 @@ class JaxLoader:
             if batch_size is not None:
                 local = self._local_batch(batch_size)
             self.global_batch_size = batch_size
-            self._assemble = Assembler(self.sharding, self.world_size, local, pad, alloc=self._alloc)
+            self._assemble = Assembler(
+                self.sharding, self.world_size, local, pad, alloc=self._alloc, keep_dtypes=bool(keep_dtypes)
+            )
             return
         if options is None:
             fields.setdefault("drop_last", True)
@@ -199,7 +204,9 @@ class JaxLoader:
             packed = opts.plan.pack is not None  # packed rows are dense: (B, length) of every feature
             if transform is None and batch_transform is None and not packed:  # a transform may make anything dense
                 check_features(self.loader.features, pad, _statistics(self.loader))
-            self._assemble = Assembler(self.sharding, self.world_size, local, pad, alloc=self._alloc)
+            self._assemble = Assembler(
+                self.sharding, self.world_size, local, pad, alloc=self._alloc, keep_dtypes=bool(keep_dtypes)
+            )
         except BaseException:
             self.loader.close()
             raise

@@ -102,9 +102,14 @@ def feature_spec(source, *, features=None) -> dict:
     return tf_spec.feature_spec(tf_spec.select(_open(source).schema, features))
 
 
-def element_spec(source, options: LoaderOptions | None = None, **fields) -> dict:
+def element_spec(source, options: LoaderOptions | None = None, *, keep_dtypes: bool = False, **fields) -> dict:
     """The ``element_spec`` that `dataset` yields for these options (as `dataset` takes them),
     read off the manifest."""
+    spec = _stored_spec(source, options, fields)
+    return spec if keep_dtypes else tf_spec.widen_spec(spec)
+
+
+def _stored_spec(source, options: LoaderOptions | None, fields: dict) -> dict:
     opts = TFOptions.make(options, fields)
     ds = _open(source, opts.split, opts)
     plan = opts.loader.plan
@@ -169,6 +174,7 @@ def dataset(
     repeat: bool = False,
     num_parallel_calls: int | None = None,
     tf_prefetch: int | None = None,
+    keep_dtypes: bool = False,
     state: dict | None = None,
     loader_options: dict | None = None,
     element_spec: dict | None = None,
@@ -182,7 +188,10 @@ def dataset(
     ``features``, ``rank``, ``world_size``, ``return_index``, ``num_threads`` …), with the
     Loader's defaults and validation — not both. TensorFlow's own: ``batch_size`` left out (or
     None) reads records; ``seed=None`` shuffles differently on every worker (native engine);
-    ``tf_prefetch`` is tf.data's prefetch (None: AUTOTUNE), ``prefetch`` the Loader's. ``source`` may
+    ``tf_prefetch`` is tf.data's prefetch (None: AUTOTUNE), ``prefetch`` the Loader's. Unsigned
+    integers past uint8 (token ids stored as uint16/uint32) arrive as int32 (uint16) or int64,
+    what Keras embeddings and sparse losses take; ``keep_dtypes=True`` keeps them as stored
+    (`crossfeed.adapters.int_dtypes`). ``source`` may
     also be a mixture, a list of `crossfeed.Source` (plan engine).
 
     ``source``: a dataset path/URL or an open `crossfeed.Dataset`; or a stream — any iterable of
@@ -202,6 +211,7 @@ def dataset(
         repeat=repeat,
         num_parallel_calls=num_parallel_calls,
         tf_prefetch=tf_prefetch,
+        keep_dtypes=keep_dtypes,
     )
     kind = classify(source)
     if kind is SourceKind.MIXTURE:
@@ -237,6 +247,7 @@ def input_fn(
     repeat: bool = False,
     num_parallel_calls: int | None = None,
     tf_prefetch: int | None = None,
+    keep_dtypes: bool = False,
     loader_options: dict | None = None,
     **fields,
 ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
@@ -261,6 +272,7 @@ def input_fn(
         repeat=repeat,
         num_parallel_calls=num_parallel_calls,
         tf_prefetch=tf_prefetch,
+        keep_dtypes=keep_dtypes,
     )
     base = TFOptions.make(
         None,

@@ -9,7 +9,8 @@
             ckpt["data"] = loader.state_dict()   # exact mid-epoch position; loader.load_state_dict(...)
 
 * Each item is one batch (``DataLoader(batch_size=None)``): the Loader's numpy arrays as tensors
-  sharing their memory (`crossfeed.adapters.torch_convert`).
+  sharing their memory (`crossfeed.adapters.torch_convert`); unsigned integers past uint8 (token
+  ids) as int64, what ``nn.Embedding`` and ``cross_entropy`` take (``keep_dtypes=True``: as stored).
 * Splitting: by DDP rank (``torch.distributed`` if initialised when the dataset is made, else
   RANK/WORLD_SIZE, else one process; or pass ``rank``/``world_size``) and, inside ``__iter__``, by
   DataLoader worker: worker ``w`` of ``K`` builds the rank's batches ``w, w+K, …``, so the
@@ -79,8 +80,10 @@ class TorchDataset(IterableDataset):
         transform: Callable[[dict], dict] | None = None,
         batch_transform: Callable[[dict], dict] | None = None,
         epoch: int = 0,
+        keep_dtypes: bool = False,
         **fields,
     ):
+        self.keep_dtypes = bool(keep_dtypes)
         self._stream = source if is_stream(source) else None
         self._loaders: dict[tuple[int, int], Loader] = {}
         self._pid = os.getpid()
@@ -184,14 +187,18 @@ class TorchDataset(IterableDataset):
                     "a stream source is read in the main process: use DataLoader(num_workers=0); "
                     "the servers already run the loading in parallel"
                 )
-            return (to_torch(b) if not isinstance(b, tuple) else (b[0], to_torch(b[1])) for b in self._stream)
+            keep = self.keep_dtypes
+            return (
+                to_torch(b, keep_dtypes=keep) if not isinstance(b, tuple) else (b[0], to_torch(b[1], keep_dtypes=keep))
+                for b in self._stream
+            )
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return self._batches(self._loader(worker, num_workers), *self._next_start())
 
     def _batches(self, loader: Loader, epoch: int, position: int) -> Iterator[dict]:
         loader.load_state_dict(self._state(epoch, position, loader))
         for batch in loader:
-            yield to_torch(batch)
+            yield to_torch(batch, keep_dtypes=self.keep_dtypes)
 
     # -- pickling (DataLoader workers started with spawn/forkserver) -----------------------------
     def __getstate__(self):
