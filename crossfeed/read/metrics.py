@@ -237,7 +237,8 @@ def _advice(stage: str | None, st: Stats) -> str:
         return f"try {more}"
     if stage == "transform":
         cpu = st.stages["transform"].cpu_share
-        if cpu is not None and st.busy("transform") < WAITING:  # it waits (sleep, I/O: the GIL released): threads overlap that
+        # a transform that waits (sleep, I/O: the GIL released): more threads overlap the waits
+        if cpu is not None and st.busy("transform") < WAITING:
             more = f"processes (now {st.processes})" if st.processes else f"num_threads (now {st.threads})"
             return (
                 f"the transform waits most of its time (on the CPU {cpu:.0%} of it: sleep or I/O, the GIL "
