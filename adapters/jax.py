@@ -50,7 +50,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-import jax
+try:
+    import jax
+except ModuleNotFoundError as e:  # one line naming the extra that installs it
+    from crossfeed.errors import missing_extra
+
+    raise missing_extra(e, "crossfeed.adapters.jax") from None
 
 from crossfeed.adapters.jax_arrays import (
     AlignedArrays,

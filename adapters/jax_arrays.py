@@ -38,7 +38,13 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 
-import jax
+try:
+    import jax
+except ModuleNotFoundError as e:  # one line naming the extra that installs it
+    from crossfeed.errors import missing_extra
+
+    raise missing_extra(e, "crossfeed.adapters.jax") from None
+
 import numpy as np
 
 from crossfeed.adapters.int_dtypes import jax_dtype, widen

@@ -70,7 +70,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import tensorflow as tf
+try:
+    import tensorflow as tf
+except ModuleNotFoundError as e:  # one line naming the extra that installs it
+    from crossfeed.errors import missing_extra
+
+    raise missing_extra(e, "crossfeed.adapters.tf") from None
 
 from crossfeed.adapters import tf_native, tf_plan, tf_spec
 from crossfeed.adapters.tf_options import Engine, TFOptions

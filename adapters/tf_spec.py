@@ -19,7 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import tensorflow as tf
+try:
+    import tensorflow as tf
+except ModuleNotFoundError as e:  # one line naming the extra that installs it
+    from crossfeed.errors import missing_extra
+
+    raise missing_extra(e, "crossfeed.adapters.tf") from None
 
 from crossfeed.adapters import int_dtypes
 from crossfeed.errors import SchemaError

@@ -38,8 +38,13 @@ import os
 import time
 from collections.abc import Callable, Iterator
 
-import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+try:
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+except ModuleNotFoundError as e:  # one line naming the extra that installs it
+    from crossfeed.errors import missing_extra
+
+    raise missing_extra(e, "crossfeed.adapters.torch") from None
 
 from crossfeed.adapters.torch_convert import to_torch
 from crossfeed.adapters.torch_cursor import Cursor

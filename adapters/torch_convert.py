@@ -14,7 +14,13 @@ import warnings
 from collections.abc import Mapping
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ModuleNotFoundError as e:  # one line naming the extra that installs it
+    from crossfeed.errors import missing_extra
+
+    raise missing_extra(e, "crossfeed.adapters.torch") from None
 
 from crossfeed.adapters.int_dtypes import torch_dtype, widen
 from crossfeed.errors import ConfigError
