@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from crossfeed.errors import ConfigError, DatasetNotFoundError, ExampleError, ManifestError, SchemaError
-from crossfeed.format import codecs, tfrecord
+from crossfeed.format import codecs, hf, tfrecord
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, check_name, loads, write_manifest
@@ -299,6 +299,9 @@ def index_dataset(
             with open(manifest_path, "rb") as f:
                 old = loads(f.read(), manifest_path)
     listing = place.listdir()
+    found = hf.kind(listing)
+    if found is not None:  # Arrow IPC files, not TFRecords: say what they are and what to do
+        raise ConfigError(hf.advice(root, found))
     layout = tfds.read_layout(place) if tfds.is_tfds(listing) else None
     if layout is not None:
         declared = declared_features(features)
