@@ -136,6 +136,4 @@ class TFOptions:
         calls = {k: extra.pop(k) for k in ("transform", "batch_transform") if k in extra}
         if not self.seeded:
             raise ConfigError("the plan engine needs an int seed (its order is a pure function of it); pass seed=")
-        if not self.batched:
-            raise ConfigError("the plan engine yields batches; pass batch_size= (or use engine='native' for records)")
         return (self.loader.replace(**extra) if extra else self.loader), calls

@@ -8,7 +8,8 @@
             ...
             ckpt["data"] = loader.state_dict()   # exact mid-epoch position; loader.load_state_dict(...)
 
-* Each item is one batch (``DataLoader(batch_size=None)``): the Loader's numpy arrays as tensors
+* Each item is one batch (``DataLoader(batch_size=None)``) — or, with ``batch_size=None``, one
+  sample (the Loader's per-sample rule; lengths and states count samples): the Loader's numpy arrays as tensors
   sharing their memory (`crossfeed.adapters.torch_convert`); unsigned integers past uint8 (token
   ids) as int64, what ``nn.Embedding`` and ``cross_entropy`` take (``keep_dtypes=True``: as stored).
 * Splitting: by DDP rank (``torch.distributed`` if initialised when the dataset is made, else
@@ -52,7 +53,7 @@ from crossfeed.errors import ConfigError
 from crossfeed.read import metrics
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.identity import follow_tail
-from crossfeed.read.loader import Loader
+from crossfeed.read.loader import Loader, sample_of
 from crossfeed.read.options import LoaderOptions
 from crossfeed.read.pipeline import SourceKind, classify
 from crossfeed.read.sources.dataset import Dataset
@@ -88,7 +89,7 @@ class TorchDataset(IterableDataset):
         keep_dtypes: bool = False,
         **fields,
     ):
-        self.keep_dtypes = bool(keep_dtypes)
+        self.keep_dtypes, self.per_sample = bool(keep_dtypes), False
         self._stream = source if is_stream(source) else None
         self._loaders: dict[tuple[int, int], Loader] = {}
         self._pid = os.getpid()
@@ -96,6 +97,12 @@ class TorchDataset(IterableDataset):
         if self._stream is not None:
             self.source, self.rank, self.world_size, self.options = None, 0, 1, None
             return
+        # batch_size=None: one sample at a time (DataLoader(batch_size=None)'s items; the Loader's rule)
+        self.per_sample = options is None and "batch_size" in fields and fields["batch_size"] is None
+        if self.per_sample:
+            if fields.get("batch_by_tokens") is not None:
+                raise ConfigError("batch_by_tokens= makes batches of documents; it takes a batch_size, not None")
+            fields["batch_size"] = 1
         if options is None and fields.get("rank") is None and fields.get("world_size") is None:
             fields["rank"], fields["world_size"] = _rank_and_world(None, None)  # torch.distributed first
         tail_chosen = options is not None or "drop_last" in fields  # else a state's tail is followed
@@ -202,8 +209,9 @@ class TorchDataset(IterableDataset):
 
     def _batches(self, loader: Loader, epoch: int, position: int) -> Iterator[dict]:
         loader.load_state_dict(self._state(epoch, position, loader))
+        one = self.per_sample
         for batch in loader:
-            yield to_torch(batch, keep_dtypes=self.keep_dtypes)
+            yield to_torch(sample_of(batch) if one else batch, keep_dtypes=self.keep_dtypes)
 
     # -- pickling (DataLoader workers started with spawn/forkserver) -----------------------------
     def __getstate__(self):
