@@ -118,7 +118,9 @@ def index(
             typer.echo(
                 f"to read it, allow its data directory (it lies outside {index_dir}): {roots.how_to_allow(data)}"
             )
-    if index_dir is None and any(s.format == "parquet" for s in manifest.splits.values()):
+    if index_dir is None and any(
+        s.format == "parquet" and not sh.file.endswith(".arrow") for s in manifest.splits.values() for sh in s.shards
+    ):
         typer.echo(
             f"note: crossfeed.json now sits beside the Parquet files, and pyarrow.dataset({path!r}) fails on it (it "
             f"opens every file of a directory): give pyarrow the *.parquet files, or index with --index-dir DIR to "
