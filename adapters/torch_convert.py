@@ -49,6 +49,8 @@ def _convert(value, key: str = "", keep: bool = False):
             return [_convert(v, key, keep) if isinstance(v, np.ndarray) else v for v in value.tolist()]
         return _from_numpy(value if keep else widen(key, value, torch_dtype(value.dtype)))
     if isinstance(value, np.generic):
+        if value.dtype.kind in "USVO":  # a per-sample text value: as Python
+            return value.item()
         return _convert(np.asarray(value), key, keep)
     if isinstance(value, list):
         return [_convert(v, key, keep) if isinstance(v, np.ndarray) else v for v in value]
