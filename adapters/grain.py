@@ -33,7 +33,13 @@ import os
 import threading
 from collections.abc import Sequence
 
-import grain
+try:
+    import grain
+except ModuleNotFoundError as e:  # one line naming the extra that installs it
+    from crossfeed.errors import missing_extra
+
+    raise missing_extra(e, "crossfeed.adapters.grain") from None
+
 import numpy as np
 
 from crossfeed.errors import ConfigError

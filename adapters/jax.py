@@ -51,7 +51,12 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
-import jax
+try:
+    import jax
+except ModuleNotFoundError as e:  # one line naming the extra that installs it
+    from crossfeed.errors import missing_extra
+
+    raise missing_extra(e, "crossfeed.adapters.jax") from None
 
 from crossfeed.adapters.jax_arrays import (
     AlignedArrays,
@@ -108,7 +113,9 @@ class JaxLoader:
     Loader's one entry point (`LoaderOptions.given`), its defaults and its refusals, except that
     ``drop_last`` defaults to True and the share (``rank`` of ``world_size``; a whole
     LoaderOptions' default 0 of 1) to ``jax.process_index()`` of ``jax.process_count()``.
-    ``transform``/``batch_transform``/``epoch`` are the Loader's. Iterating yields one epoch
+    ``transform``/``batch_transform``/``epoch`` are the Loader's. Unsigned integers past uint8
+    (token ids) arrive as int32, checked to fit (``keep_dtypes=True``: as stored; see
+    `crossfeed.adapters.int_dtypes`). Iterating yields one epoch
     and moves to the next, as the Loader does; `epochs` runs several without a pause.
     """
 
@@ -123,6 +130,7 @@ class JaxLoader:
         transform: Callable[[dict], dict] | None = None,
         batch_transform: Callable[[dict], dict] | None = None,
         epoch: int = 0,
+        keep_dtypes: bool = False,
         **fields,
     ):
         if device_prefetch is not None and (
@@ -159,7 +167,9 @@ class JaxLoader:
             if batch_size is not None:
                 local = self._local_batch(batch_size)
             self.global_batch_size = batch_size
-            self._assemble = Assembler(self.sharding, self.world_size, local, pad, alloc=self._alloc)
+            self._assemble = Assembler(
+                self.sharding, self.world_size, local, pad, alloc=self._alloc, keep_dtypes=bool(keep_dtypes)
+            )
             return
         # one entry point for the options (the Loader's); the share defaults to JAX's processes
         if options is None:
@@ -193,7 +203,9 @@ class JaxLoader:
             packed = opts.plan.pack is not None  # packed rows are dense: (B, length) of every feature
             if transform is None and batch_transform is None and not packed:  # a transform may make anything dense
                 check_features(self.loader.features, pad, _statistics(self.loader))
-            self._assemble = Assembler(self.sharding, self.world_size, local, pad, alloc=self._alloc)
+            self._assemble = Assembler(
+                self.sharding, self.world_size, local, pad, alloc=self._alloc, keep_dtypes=bool(keep_dtypes)
+            )
         except BaseException:
             self.loader.close()
             raise

@@ -22,7 +22,9 @@ unless it is 64-byte aligned, in which case the device buffer *is* the host memo
   ``jax.device_put`` (sharding, shards, values); where it is missing, fails or differs, the
   public ``jax.device_put`` is used (``fast=False`` forces that).
 
-64-bit values become 32-bit unless ``jax_enable_x64`` is on (JAX's rule), a conversion on the host.
+64-bit values become 32-bit unless ``jax_enable_x64`` is on (JAX's rule), a conversion on the host;
+unsigned integers past uint8 (token ids stored as uint16/uint32) become int32, checked to fit,
+unless ``keep_dtypes`` (`crossfeed.adapters.int_dtypes`).
 
 Imports jax and the crossfeed core, never torch or tensorflow.
 """
@@ -36,9 +38,16 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 
-import jax
+try:
+    import jax
+except ModuleNotFoundError as e:  # one line naming the extra that installs it
+    from crossfeed.errors import missing_extra
+
+    raise missing_extra(e, "crossfeed.adapters.jax") from None
+
 import numpy as np
 
+from crossfeed.adapters.int_dtypes import jax_dtype, widen
 from crossfeed.errors import ConfigError, SchemaError
 from crossfeed.format.schema import Feature
 from crossfeed.read.options import MAX_BATCH_TOKENS, MAX_PACK_LENGTH
@@ -260,6 +269,7 @@ class Assembler:
     pad_to: Mapping[str, int] = dataclasses.field(default_factory=dict)
     fast: bool = True
     alloc: Callable | None = None
+    keep_dtypes: bool = False  # unsigned integers as stored (else int32: `crossfeed.adapters.int_dtypes`)
     # (name, shape, dtype) -> None (jax.device_put), or [aval, devices, their indices, verified]
     _checked: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
@@ -274,6 +284,8 @@ class Assembler:
                     f"feature {name!r}: a batch of {rows.shape[0]} rows where {self.local_rows} were expected "
                     f"(static shapes: partial batches must be dropped, drop_last=True)"
                 )
+            if not self.keep_dtypes:
+                rows = widen(name, rows, jax_dtype(rows.dtype))
             if single:
                 rows = self._canonical(rows)
             key = (name, rows.shape, rows.dtype)

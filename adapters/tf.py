@@ -70,7 +70,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import tensorflow as tf
+try:
+    import tensorflow as tf
+except ModuleNotFoundError as e:  # one line naming the extra that installs it
+    from crossfeed.errors import missing_extra
+
+    raise missing_extra(e, "crossfeed.adapters.tf") from None
 
 from crossfeed.adapters import tf_native, tf_plan, tf_spec
 from crossfeed.adapters.tf_options import Engine, TFOptions
@@ -102,9 +107,14 @@ def feature_spec(source, *, features=None) -> dict:
     return tf_spec.feature_spec(tf_spec.select(_open(source).schema, features))
 
 
-def element_spec(source, options: LoaderOptions | None = None, **fields) -> dict:
+def element_spec(source, options: LoaderOptions | None = None, *, keep_dtypes: bool = False, **fields) -> dict:
     """The ``element_spec`` that `dataset` yields for these options (as `dataset` takes them),
     read off the manifest."""
+    spec = _stored_spec(source, options, fields)
+    return spec if keep_dtypes else tf_spec.widen_spec(spec)
+
+
+def _stored_spec(source, options: LoaderOptions | None, fields: dict) -> dict:
     opts = TFOptions.make(options, fields)
     ds = _open(source, opts.split, opts)
     plan = opts.loader.plan
@@ -169,6 +179,7 @@ def dataset(
     repeat: bool = False,
     num_parallel_calls: int | None = None,
     tf_prefetch: int | None = None,
+    keep_dtypes: bool = False,
     state: dict | None = None,
     loader_options: dict | None = None,
     element_spec: dict | None = None,
@@ -183,7 +194,10 @@ def dataset(
     Loader's defaults and validation — not both. TensorFlow's own: ``batch_size`` left out (or
     None) reads records; ``seed=None`` with ``engine="native"`` shuffles differently on every
     worker (refused otherwise, as every front end refuses it);
-    ``tf_prefetch`` is tf.data's prefetch (None: AUTOTUNE), ``prefetch`` the Loader's. ``source`` may
+    ``tf_prefetch`` is tf.data's prefetch (None: AUTOTUNE), ``prefetch`` the Loader's. Unsigned
+    integers past uint8 (token ids stored as uint16/uint32) arrive as int32 (uint16) or int64,
+    what Keras embeddings and sparse losses take; ``keep_dtypes=True`` keeps them as stored
+    (`crossfeed.adapters.int_dtypes`). ``source`` may
     also be a mixture, a list of `crossfeed.Source` (plan engine).
 
     ``source``: a dataset path/URL or an open `crossfeed.Dataset`; or a stream — any iterable of
@@ -203,6 +217,7 @@ def dataset(
         repeat=repeat,
         num_parallel_calls=num_parallel_calls,
         tf_prefetch=tf_prefetch,
+        keep_dtypes=keep_dtypes,
     )
     kind = classify(source)
     if kind is SourceKind.MIXTURE:
@@ -238,6 +253,7 @@ def input_fn(
     repeat: bool = False,
     num_parallel_calls: int | None = None,
     tf_prefetch: int | None = None,
+    keep_dtypes: bool = False,
     loader_options: dict | None = None,
     **fields,
 ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
@@ -262,6 +278,7 @@ def input_fn(
         repeat=repeat,
         num_parallel_calls=num_parallel_calls,
         tf_prefetch=tf_prefetch,
+        keep_dtypes=keep_dtypes,
     )
     base = TFOptions.make(
         None,

@@ -52,6 +52,7 @@ class TFOptions:
     repeat: bool = False
     num_parallel_calls: int | None = None  # None: tf.data.AUTOTUNE
     tf_prefetch: int | None = None  # tf.data's prefetch, in elements (None: AUTOTUNE; 0: none)
+    keep_dtypes: bool = False  # unsigned integers as stored (else int32/int64: `crossfeed.adapters.int_dtypes`)
 
     def __post_init__(self):
         object.__setattr__(self, "engine", choice(Engine, self.engine, "engine"))
@@ -63,6 +64,7 @@ class TFOptions:
             raise ConfigError(f"shuffle_buffer must be an int >= 1 records, got {self.shuffle_buffer!r}")
         _count(self.num_parallel_calls, "num_parallel_calls", 1)
         _count(self.tf_prefetch, "tf_prefetch", 0)
+        object.__setattr__(self, "keep_dtypes", bool(self.keep_dtypes))
 
     @classmethod
     def make(cls, options: LoaderOptions | None = None, fields: dict | None = None, **tf_fields) -> TFOptions:
@@ -145,6 +147,4 @@ class TFOptions:
         calls = {k: extra.pop(k) for k in ("transform", "batch_transform") if k in extra}
         if not self.seeded:
             raise ConfigError("the plan engine needs an int seed (its order is a pure function of it); pass seed=")
-        if not self.batched:
-            raise ConfigError("the plan engine yields batches; pass batch_size= (or use engine='native' for records)")
         return (self.loader.replace(**extra) if extra else self.loader), calls

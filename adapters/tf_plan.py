@@ -126,7 +126,7 @@ def build(
     (the first pass resumed from ``state``, a ``Loader.state_dict()``, when given). ``ds``: an
     open dataset, or a mixture (a list of `crossfeed.Source`)."""
     from crossfeed.read.identity import follow_tail
-    from crossfeed.read.loader import Loader
+    from crossfeed.read.loader import Loader, sample_of
 
     options, calls = opts.loader_options(loader_options)
     if state is not None and not opts.tail_chosen:  # drop_last not given: the state's tail (a JAX state's)
@@ -143,10 +143,13 @@ def build(
         stats = _statistics(counter)
     if element_spec is None and tokens:
         element_spec = tf_spec.token_spec(feats, options)
+    one = not opts.batched  # batch_size=None: records one by one, as the native engine gives them
+    if element_spec is None and tokens and one:  # one packed row at a time
+        element_spec = {k: tf.TensorSpec(s.shape[1:], s.dtype) for k, s in tf_spec.token_spec(feats, options).items()}
     if element_spec is None:
         chosen = tf_spec.select(Schema(feats), None, stats)
         element_spec = tf_spec.element_spec(
-            chosen, batch_size=options.batch_size, drop_last=options.plan.drop_last, return_index=options.return_index
+            chosen, batch_size=opts.batch_size, drop_last=options.plan.drop_last, return_index=options.return_index
         )
         if counter.sources is not None and options.return_index:
             element_spec[SOURCE_KEY] = tf.TensorSpec(element_spec[INDEX_KEY].shape, tf.int64)
@@ -157,7 +160,8 @@ def build(
         loader = Loader(source, options, start=(first_epoch + n, 0), **calls)  # its own files: passes may overlap
         if n == 0 and state is not None:
             loader.load_state_dict(state)
-        return _closing(loader, passes)
+        it = _closing(loader, passes)
+        return _samples(it, sample_of) if one else it
 
     out = from_batches(make_iter, element_spec, opts, take_batches=take_batches, cardinality=cardinality)
     PASSES[out] = passes
@@ -218,6 +222,15 @@ def _statistics(loader) -> dict:
         ):
             out[f.name] = {"shapes": {next(iter(shapes[0])): sum(counts)}, "count": sum(counts)}
     return out
+
+
+def _samples(it, sample_of):
+    """The samples of ``it``'s batches of one (``batch_size=None``); closing it closes ``it``."""
+    try:
+        for batch in it:
+            yield sample_of(batch)
+    finally:
+        it.close()
 
 
 class _closing:

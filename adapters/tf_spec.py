@@ -19,8 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import tensorflow as tf
+try:
+    import tensorflow as tf
+except ModuleNotFoundError as e:  # one line naming the extra that installs it
+    from crossfeed.errors import missing_extra
 
+    raise missing_extra(e, "crossfeed.adapters.tf") from None
+
+from crossfeed.adapters import int_dtypes
 from crossfeed.errors import SchemaError
 from crossfeed.format.schema import INDEX_KEY, Feature, Schema
 
@@ -133,9 +139,49 @@ def batches(records: int, opts) -> int:
     return records // opts.batch_size if opts.drop_last else -(-records // opts.batch_size)
 
 
+def widen_ints(out: tf.data.Dataset) -> tf.data.Dataset:
+    """``out`` with every uint16 feature as int32 and uint32/uint64 as int64, the index dtypes
+    TensorFlow's and Keras's ops take (`crossfeed.adapters.int_dtypes`); unchanged without any."""
+    spec = out.element_spec
+    to = _widened(spec) if isinstance(spec, dict) else {}
+    if not to:
+        return out
+    return out.map(
+        lambda e: {k: (tf.cast(v, to[k]) if k in to else v) for k, v in e.items()},
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
+
+
+def _widened(spec: dict) -> dict:
+    """``{name: tf.DType}`` of the features of ``spec`` that `widen_ints` casts."""
+    to = {}
+    for name, s in spec.items():
+        target = int_dtypes.tf_dtype(s.dtype.as_numpy_dtype) if s.dtype.is_integer else None
+        if target is not None:
+            to[name] = tf.as_dtype(target)
+    return to
+
+
+def widen_spec(spec: dict) -> dict:
+    """``spec`` as `widen_ints` leaves it."""
+    to = _widened(spec)
+    out = dict(spec)
+    for name, dtype in to.items():
+        s = spec[name]
+        if isinstance(s, tf.RaggedTensorSpec):
+            out[name] = tf.RaggedTensorSpec(s.shape, dtype, s.ragged_rank, s.row_splits_dtype)
+        else:
+            out[name] = tf.TensorSpec(s.shape, dtype, s.name)
+    return out
+
+
 def finish(out: tf.data.Dataset, opts, take_batches: int | None, cardinality: int | None = None) -> tf.data.Dataset:
-    """The tail both engines share: the exact cardinality (what Keras counts steps and metrics
-    by; checked while iterating), a fixed number of batches, repetition, prefetch."""
+    """The tail both engines share: unsigned integers past uint8 widened (`widen_ints`), the
+    exact cardinality (what Keras counts steps and metrics by; checked while iterating), a fixed
+    number of batches, repetition, prefetch."""
+    if not getattr(opts, "keep_dtypes", False):
+        out = widen_ints(out)
     if cardinality is not None:
         out = out.apply(tf.data.experimental.assert_cardinality(cardinality))
     if take_batches is not None:

@@ -8,8 +8,10 @@
             ...
             ckpt["data"] = loader.state_dict()   # exact mid-epoch position; loader.load_state_dict(...)
 
-* Each item is one batch (``DataLoader(batch_size=None)``): the Loader's numpy arrays as tensors
-  sharing their memory (`crossfeed.adapters.torch_convert`).
+* Each item is one batch (``DataLoader(batch_size=None)``) — or, with ``batch_size=None``, one
+  sample (the Loader's per-sample rule; lengths and states count samples): the Loader's numpy arrays as tensors
+  sharing their memory (`crossfeed.adapters.torch_convert`); unsigned integers past uint8 (token
+  ids) as int64, what ``nn.Embedding`` and ``cross_entropy`` take (``keep_dtypes=True``: as stored).
 * Splitting: by DDP rank (``torch.distributed`` if initialised when the dataset is made, else
   RANK/WORLD_SIZE, else one process; or pass ``rank``/``world_size``) and, inside ``__iter__``, by
   DataLoader worker: worker ``w`` of ``K`` builds the rank's batches ``w, w+K, …``, so the
@@ -38,8 +40,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+try:
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+except ModuleNotFoundError as e:  # one line naming the extra that installs it
+    from crossfeed.errors import missing_extra
+
+    raise missing_extra(e, "crossfeed.adapters.torch") from None
 
 from crossfeed.adapters.torch_convert import to_torch
 from crossfeed.adapters.torch_cursor import Cursor
@@ -47,7 +54,7 @@ from crossfeed.errors import ConfigError
 from crossfeed.read import metrics
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.identity import follow_tail
-from crossfeed.read.loader import Loader
+from crossfeed.read.loader import Loader, sample_of
 from crossfeed.read.options import LoaderOptions
 from crossfeed.read.pipeline import SourceKind, classify
 from crossfeed.read.sources.dataset import Dataset
@@ -80,8 +87,10 @@ class TorchDataset(IterableDataset):
         transform: Callable[[dict], dict] | None = None,
         batch_transform: Callable[[dict], dict] | None = None,
         epoch: int = 0,
+        keep_dtypes: bool = False,
         **fields,
     ):
+        self.keep_dtypes, self.per_sample = bool(keep_dtypes), False
         self._stream = source if is_stream(source) else None
         self._loaders: dict[tuple[int, int], Loader] = {}
         self._pid = os.getpid()
@@ -89,6 +98,12 @@ class TorchDataset(IterableDataset):
         if self._stream is not None:
             self.source, self.rank, self.world_size, self.options = None, 0, 1, None
             return
+        # batch_size=None: one sample at a time (DataLoader(batch_size=None)'s items; the Loader's rule)
+        self.per_sample = options is None and "batch_size" in fields and fields["batch_size"] is None
+        if self.per_sample:
+            if fields.get("batch_by_tokens") is not None:
+                raise ConfigError("batch_by_tokens= makes batches of documents; it takes a batch_size, not None")
+            fields["batch_size"] = 1
         if options is None and fields.get("rank") is None and fields.get("world_size") is None:
             fields["rank"], fields["world_size"] = _rank_and_world(None, None)  # torch.distributed first
         tail_chosen = options is not None or "drop_last" in fields  # else a state's tail is followed
@@ -187,14 +202,19 @@ class TorchDataset(IterableDataset):
                     "a stream source is read in the main process: use DataLoader(num_workers=0); "
                     "the servers already run the loading in parallel"
                 )
-            return (to_torch(b) if not isinstance(b, tuple) else (b[0], to_torch(b[1])) for b in self._stream)
+            keep = self.keep_dtypes
+            return (
+                to_torch(b, keep_dtypes=keep) if not isinstance(b, tuple) else (b[0], to_torch(b[1], keep_dtypes=keep))
+                for b in self._stream
+            )
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return self._batches(self._loader(worker, num_workers), *self._next_start())
 
     def _batches(self, loader: Loader, epoch: int, position: int) -> Iterator[dict]:
         loader.load_state_dict(self._state(epoch, position, loader))
+        one = self.per_sample
         for batch in loader:
-            yield to_torch(batch)
+            yield to_torch(sample_of(batch) if one else batch, keep_dtypes=self.keep_dtypes)
 
     # -- pickling (DataLoader workers started with spawn/forkserver) -----------------------------
     def __getstate__(self):

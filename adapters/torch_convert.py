@@ -3,7 +3,9 @@
 Yields the same keys: a numeric ``np.ndarray`` becomes a tensor sharing its memory
 (`torch.from_numpy`); strings and bytes (1-D ``object`` or ``U``/``S`` arrays, or lists) become
 Python lists; a ragged feature (an ``object`` array of arrays) becomes a list of tensors.
-Imports torch, never tensorflow.
+Unsigned integers past ``uint8`` (token ids stored as uint16/uint32), which ``nn.Embedding`` and
+``cross_entropy`` refuse, become int64 (a copy) unless ``keep_dtypes=True``
+(`crossfeed.adapters.int_dtypes`). Imports torch, never tensorflow.
 """
 
 from __future__ import annotations
@@ -12,17 +14,25 @@ import warnings
 from collections.abc import Mapping
 
 import numpy as np
-import torch
 
+try:
+    import torch
+except ModuleNotFoundError as e:  # one line naming the extra that installs it
+    from crossfeed.errors import missing_extra
+
+    raise missing_extra(e, "crossfeed.adapters.torch") from None
+
+from crossfeed.adapters.int_dtypes import torch_dtype, widen
 from crossfeed.errors import ConfigError
 
 
-def to_torch(batch: Mapping) -> dict:
-    """``dict[str, np.ndarray | list]`` → ``dict[str, torch.Tensor | list]``."""
+def to_torch(batch: Mapping, *, keep_dtypes: bool = False) -> dict:
+    """``dict[str, np.ndarray | list]`` → ``dict[str, torch.Tensor | list]``; ``keep_dtypes``:
+    unsigned integers as stored (else int64, the dtype torch's indexing ops take)."""
     out = {}
     for key, value in batch.items():
         try:
-            out[key] = _convert(value)
+            out[key] = _convert(value, key, keep_dtypes)
         except TypeError as e:
             raise ConfigError(
                 f"feature {key!r}: {getattr(value, 'dtype', type(value).__name__)} has no torch equivalent ({e}); "
@@ -31,17 +41,19 @@ def to_torch(batch: Mapping) -> dict:
     return out
 
 
-def _convert(value):
+def _convert(value, key: str = "", keep: bool = False):
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, np.ndarray):
         if value.dtype == object or value.dtype.kind in "USV":
-            return [_convert(v) if isinstance(v, np.ndarray) else v for v in value.tolist()]
-        return _from_numpy(value)
+            return [_convert(v, key, keep) if isinstance(v, np.ndarray) else v for v in value.tolist()]
+        return _from_numpy(value if keep else widen(key, value, torch_dtype(value.dtype)))
     if isinstance(value, np.generic):
-        return _from_numpy(np.asarray(value))
+        if value.dtype.kind in "USVO":  # a per-sample text value: as Python
+            return value.item()
+        return _convert(np.asarray(value), key, keep)
     if isinstance(value, list):
-        return [_convert(v) if isinstance(v, np.ndarray) else v for v in value]
+        return [_convert(v, key, keep) if isinstance(v, np.ndarray) else v for v in value]
     return value
 
 

@@ -62,7 +62,7 @@ from crossfeed.beam_jobs.policy import ErrorPolicy, OnError, Skips
 from crossfeed.beam_jobs.records import SampleBatch
 from crossfeed.beam_jobs.sources import list_files
 from crossfeed.config import parse_size
-from crossfeed.errors import BadInputError, ConfigError, CorruptRecordError
+from crossfeed.errors import BadInputError, ConfigError, CorruptRecordError, require
 from crossfeed.format import codecs
 from crossfeed.format.parquet import check_footer, footer_row_groups
 from crossfeed.format.schema import Feature, Schema
@@ -212,10 +212,7 @@ def _post_processor_ids(text: str) -> list[int]:
 
 
 def _from_str(text: str, where: str):
-    try:
-        from tokenizers import Tokenizer
-    except ImportError as e:
-        raise ConfigError("crossfeed convert text needs Hugging Face tokenizers: pip install 'crossfeed[text]'") from e
+    Tokenizer = require("tokenizers", "crossfeed convert text (Hugging Face tokenizers)").Tokenizer
     try:
         return Tokenizer.from_str(text)
     except Exception as e:  # the Rust side raises plain Exceptions for a bad file

@@ -154,3 +154,64 @@ class EmptyInputError(CrossfeedError):
 class JournalError(CrossfeedError):
     """A dispatcher journal cannot be trusted: a record failed its checksum or its checks, or the
     file is a link; the message names the file, the line and its byte offset, and the way out."""
+
+
+# The optional extras (pyproject's [project.optional-dependencies]) by the top-level module that
+# needs them: what `MissingExtraError` names when that module cannot be imported.
+EXTRAS = {
+    "apache_beam": "beam",
+    "dask": "beam",
+    "distributed": "beam",
+    "pyarrow": "beam",
+    "tensorflow": "tf",
+    "torch": "torch",
+    "jax": "jax",
+    "jaxlib": "jax",
+    "grain": "grain",
+    "tokenizers": "text",
+    "prometheus_client": "metrics",
+    "rich": "metrics",
+    "aiohttp": "http",
+    "requests": "http",
+}
+
+
+class MissingExtraError(CrossfeedError, ImportError):
+    """Something needs an optional package that is not installed: the message names the package
+    and the extra that installs it, in one line (``pip install 'crossfeed[beam]'``). Also an
+    ImportError, so ``try: import crossfeed.adapters.torch except ImportError`` keeps working."""
+
+    def __init__(self, what: str, module: str, extra: str | None = None):
+        self.what, self.module = what, module
+        self.extra = extra or EXTRAS.get(module.partition(".")[0])
+        how = f"pip install 'crossfeed[{self.extra}]'" if self.extra else f"pip install {module}"
+        super().__init__(f"{what} needs {module}, which is not installed: {how}")
+        self.name = module
+
+    def __reduce__(self):
+        return type(self), (self.what, self.module, self.extra)
+
+
+def missing_extra(error: ImportError, what: str) -> ImportError:
+    """``error`` (an import that failed) as a `MissingExtraError` for ``what`` when the missing
+    module is one an extra installs; else ``error`` itself (a broken install: keep its story).
+    Use: ``except ModuleNotFoundError as e: raise missing_extra(e, "crossfeed.adapters.torch") from None``."""
+    if isinstance(error, MissingExtraError):
+        return error
+    name = getattr(error, "name", None) or ""
+    if name.partition(".")[0] in EXTRAS:
+        return MissingExtraError(what, name.partition(".")[0])
+    return error
+
+
+def require(module: str, what: str, extra: str | None = None):
+    """``import module`` (returned), or a `MissingExtraError` saying ``what`` needs it and which
+    extra installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != module.partition(".")[0]:
+            raise  # the module is there but one of its own imports is missing: keep its story
+        raise MissingExtraError(what, module.partition(".")[0], extra) from None

@@ -45,7 +45,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from crossfeed.errors import ConfigError
+from crossfeed.errors import ConfigError, require
 from crossfeed.net.addresses import is_local
 from crossfeed.net.observe import batch_nbytes, batch_size
 from crossfeed.net.status import DispatcherStatus, loader_stats, split_stats
@@ -61,13 +61,7 @@ _ADDRESS = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9.-]*)):
 
 
 def _client():
-    try:
-        import prometheus_client
-    except ImportError as e:
-        raise ConfigError(
-            "Prometheus metrics need the prometheus_client package: pip install 'crossfeed[metrics]'"
-        ) from e
-    return prometheus_client
+    return require("prometheus_client", "Prometheus metrics (--metrics)")
 
 
 def parse_address(text: str, option: str = "--metrics") -> tuple[str, int]:
@@ -80,7 +74,8 @@ def parse_address(text: str, option: str = "--metrics") -> tuple[str, int]:
 
 def check_address(host: str, port: int, *, insecure: bool, option: str = "--metrics") -> None:
     """ConfigError for an address other machines can reach, unless `insecure` (the rule every
-    crossfeed listener follows: `crossfeed.net.addresses.is_local`)."""
+    crossfeed listener follows: `crossfeed.net.addresses.is_local`); `MissingExtraError` when
+    prometheus_client is not installed — both before anything starts."""
     shown = f"[{host}]" if ":" in host else host
     if not insecure and not is_local(f"tcp://{shown}:{port}"):
         raise ConfigError(
@@ -88,6 +83,7 @@ def check_address(host: str, port: int, *, insecure: bool, option: str = "--metr
             f"reach; bind 127.0.0.1 ({option} 127.0.0.1:{port}), put an authenticating proxy in front, or pass "
             "--insecure (insecure=True) on a trusted network"
         )
+    _client()
 
 
 def _server(port: int, addr: str, app: Any):

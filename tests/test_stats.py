@@ -6,6 +6,7 @@ stage is named when one stage is made far slower than the others."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -75,6 +76,14 @@ def plus_one(sample: dict) -> dict:
 
 def slow_transform(sample: dict) -> dict:
     time.sleep(0.005)
+    return sample
+
+
+def busy_transform(sample: dict) -> dict:
+    """A transform that computes in Python for about 5 ms, holding the GIL."""
+    end = time.thread_time() + 0.005
+    while time.thread_time() < end:
+        pass
     return sample
 
 
@@ -222,12 +231,36 @@ def test_a_slow_decode_is_named(pngs):
 
 
 @pytest.mark.parametrize("executor", ["thread", "process"])
-def test_a_slow_transform_is_named(small, executor):
+def test_a_slow_transform_is_named_and_the_advice_follows_its_cpu_time(small, executor):
+    """A transform that waits (sleeps: the GIL released) gets more threads or processes as advice,
+    never executor='process'; one that computes in Python keeps executor='process' on threads."""
+    with Loader(small, batch_size=4, transform=busy_transform, executor=executor) as loader:
+        list(loader)
+        st = loader.stats()
+    v = st.verdict()
+    assert v.input_bound and v.bottleneck == "transform" and v.share > 0.5
+    assert st.busy("transform") > metrics.WAITING
+    assert ("executor='process'" in v.advice) == (executor == "thread") and "waits" not in v.advice
     with Loader(small, batch_size=4, transform=slow_transform, executor=executor) as loader:
         list(loader)
-        v = loader.stats().verdict()
-    assert v.input_bound and v.bottleneck == "transform" and v.share > 0.5
-    assert ("executor='process'" in v.advice) == (executor == "thread")
+        st = loader.stats()
+    v = st.verdict()
+    assert v.input_bound and v.bottleneck == "transform" and st.busy("transform") < metrics.WAITING
+    assert "executor='process'" not in v.advice and "the transform waits most of its time" in v.advice
+    assert ("more num_threads (now 2)" in v.advice) == (executor == "thread")
+    assert ("more processes (now 2)" in v.advice) == (executor == "process")
+
+
+def test_a_waiting_batch_transform_is_told_apart_too(small):
+    def waits(batch):
+        time.sleep(0.02)
+        return batch
+
+    with Loader(small, batch_size=4, batch_transform=waits) as loader:
+        list(loader)
+        st = loader.stats()
+    assert st.stages["transform"].count == st.stages["transform"].count > 0
+    assert st.busy("transform") < metrics.WAITING and "num_threads" in st.verdict().advice
 
 
 def test_a_slow_consumer_is_not_input_bound(small):
@@ -268,6 +301,17 @@ def test_the_verdict_from_the_numbers():
     assert _stats(0.0, 0.0).verdict() == Verdict(False, 0.0, None, 0.0, _stats(0, 0).verdict().advice, "2 threads")
     # the hand-over is not build time: a large one does not make it the bottleneck
     assert _stats(5, 5, read=1.0, handover=50.0).verdict().bottleneck == "read"
+    # the transform's CPU time decides its advice; unknown, the GIL's
+    waits = dataclasses.replace(_stats(5, 5), stages={"transform": StageStat(4.0, 10, 0.2)})
+    gil = dataclasses.replace(_stats(5, 5), stages={"transform": StageStat(4.0, 10, 1.9)})  # 2 threads, one GIL
+    assert gil.busy("transform") == pytest.approx(0.95) and "executor='process'" in gil.verdict().advice
+    computes = dataclasses.replace(_stats(5, 5), stages={"transform": StageStat(4.0, 10, 3.9)})
+    unknown = dataclasses.replace(_stats(5, 5), stages={"transform": StageStat(4.0, 10)})
+    assert "more num_threads (now 2)" in waits.verdict().advice and "5%" in waits.verdict().advice
+    assert "executor='process'" in computes.verdict().advice == unknown.verdict().advice
+    assert waits.since(_stats(0, 0)).stages["transform"].cpu_seconds == 0.2
+    assert metrics.combine([waits, computes]).stages["transform"] == StageStat(8.0, 20, 4.1)
+    assert metrics.combine([waits, unknown]).stages["transform"].cpu_seconds is None
 
 
 def test_as_dict_is_flat_json_with_stable_keys():

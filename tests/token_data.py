@@ -75,3 +75,21 @@ def write_language(root, *, docs: int = 200, vocab: int = 32, seed: int = 0) -> 
     crossfeed.write_dataset(root, samples, num_shards=2).close()
     add_lengths(str(root), ("tokens",))
     return str(root)
+
+
+def write_stored_ids(root, *, docs: int = 60, vocab: int = 32, dtype: str = "uint16", top: int | None = None) -> str:
+    """`write_language`'s corpus with its ids stored as ``convert text`` stores them: a ``tensor``
+    feature of ``dtype`` (uint16 or uint32) with lengths files. ``top``: one document holds this id."""
+    rng = np.random.default_rng(0)
+    samples = []
+    for d in range(docs):
+        t = [int(rng.integers(vocab))]
+        for _ in range(int(rng.integers(2, 40)) - 1):
+            t.append((3 * t[-1] + 1) % vocab)
+        if top is not None and d == 0:
+            t[0] = top
+        samples.append({"tokens": np.asarray(t, dtype=dtype)})
+    schema = crossfeed.Schema([crossfeed.Feature("tokens", dtype, (None,), "tensor")])
+    crossfeed.write_dataset(root, samples, num_shards=2, schema=schema).close()
+    add_lengths(str(root), ("tokens",))
+    return str(root)

@@ -7,6 +7,8 @@ are raised and turned into one line on stderr by the CLI's one boundary (`crossf
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import Annotated
 
 import numpy as np
@@ -117,7 +119,9 @@ def index(
             typer.echo(
                 f"to read it, allow its data directory (it lies outside {index_dir}): {roots.how_to_allow(data)}"
             )
-    if index_dir is None and any(s.format == "parquet" for s in manifest.splits.values()):
+    if index_dir is None and any(
+        s.format == "parquet" and not sh.file.endswith(".arrow") for s in manifest.splits.values() for sh in s.shards
+    ):
         typer.echo(
             f"note: crossfeed.json now sits beside the Parquet files, and pyarrow.dataset({path!r}) fails on it (it "
             f"opens every file of a directory): give pyarrow the *.parquet files, or index with --index-dir DIR to "
@@ -154,13 +158,22 @@ def info(
                 + ")"
             )
             typer.echo(f"  {f.name:<20} {f.dtype:<8} {shape:<16} {f.encoding.value}")
+        from crossfeed.read.tools.lengths import length_percentiles, percentiles_line
+
         for name, s in sorted(ds.splits.items()):
-            if s.statistics:
+            counted = list(ds.manifest.lengths or ())  # features with lengths files: percentiles from them
+            if s.statistics or counted:
                 typer.echo(f"statistics ({name}):")
-                for feature, st in s.statistics.items():
+                for feature, st in (s.statistics or {}).items():
                     typer.echo(f"  {feature:<20} {_stats_line(st)}")
+                    if isinstance(st.get("lengths"), dict) and feature not in counted:
+                        counted.append(feature)
                     if isinstance(st.get("lengths"), dict):
                         typer.echo(f"  {'':<20} {_lengths_line(st['lengths'])}")
+                for feature in counted:
+                    p = length_percentiles(ds[name], feature)
+                    if p is not None:
+                        typer.echo(f"  {feature:<20} {percentiles_line(p)}")
         if ds.metadata:
             typer.echo("metadata:")
             for k, v in sorted(ds.metadata.items()):
@@ -221,17 +234,74 @@ def head(
     ] = None,
     allow_root: ALLOW_ROOT = None,
     storage_option: STORAGE_OPTION = None,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(
+            "--tokenizer",
+            help="The tokenizer.json the tokens were made with, to show them as text (default: the file the "
+            "manifest records, when it lies beside the dataset or here).",
+        ),
+    ] = None,
 ) -> None:
-    """Show the first samples of a split: shape, dtype and small values; bytes truncated."""
+    """Show the first samples of a split: shape, dtype and small values; bytes truncated; token ids
+    as text too when the dataset records its tokenizer (`crossfeed convert text`) and it is found."""
     from crossfeed.read.sources.dataset import open_dataset
 
     with open_dataset(dataset, allowed_roots=allow_root or (), storage_options=storage_options(storage_option)) as ds:
         name = split or ("train" if "train" in ds.splits else sorted(ds.splits)[0])
         s = ds[name]
+        decode, note = _token_decoder(ds, tokenizer)
+        if note:
+            typer.echo(note, err=True)
         for i in range(min(n, len(s))):
             typer.echo(f"[{name} {i}]")
             for key, value in s[i].items():
                 typer.echo(f"  {key}: {_show(value)}")
+                if decode is not None and key == "tokens":
+                    typer.echo(f"  {'':<{len(key)}}  text: {_text(decode(np.asarray(value).tolist()))}")
+
+
+def _token_decoder(ds, given: Path | None):
+    """``(decode, note)``: the tokenizer's ``decode`` for the ``tokens`` feature when the manifest
+    records a tokenizer and its file is found (``given``, else the recorded name beside the dataset
+    or in the current directory) with the recorded sha256; else None and, where a tokenizer is
+    recorded, one line saying why the tokens are not shown as text."""
+    import hashlib
+
+    from crossfeed.errors import ConfigError, require
+
+    meta = ds.metadata.get("tokenizer") if isinstance(ds.metadata, dict) else None
+    if not isinstance(meta, dict) or "tokens" not in ds.schema.names:
+        if given is not None:
+            raise ConfigError(
+                f"--tokenizer {given}: the dataset has no tokens feature made by `crossfeed convert text`"
+            )
+        return None, None
+    recorded, sha = str(meta.get("file") or ""), meta.get("sha256")
+    if given is not None:
+        candidates = [given]
+    elif recorded and os.path.basename(recorded) == recorded and not ds.storage.remote:
+        candidates = [Path(ds.path) / recorded, Path(recorded)]
+    else:
+        candidates = []
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        if given is not None:
+            raise ConfigError(f"--tokenizer {given}: no such file")
+        return None, f"note: tokens shown as ids: pass --tokenizer {recorded or 'tokenizer.json'} to see them as text"
+    data = path.read_bytes()
+    if sha and hashlib.sha256(data).hexdigest() != sha:
+        msg = f"{path} is not the tokenizer the tokens were made with (its sha256 differs from the manifest's {sha[:12]}…)"
+        if given is not None:
+            raise ConfigError(f"--tokenizer {msg}")
+        return None, f"note: tokens shown as ids: {msg}"
+    tokenizers = require("tokenizers", "decoding tokens (crossfeed head)")
+    tok = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+    return (lambda ids: tok.decode(ids, skip_special_tokens=False)), None
+
+
+def _text(text: str, limit: int = 120) -> str:
+    return repr(text[:limit]) + ("…" if len(text) > limit else "")
 
 
 def _stats_line(st: dict) -> str:

@@ -5,6 +5,9 @@ The one error boundary of the CLI is `_Boundary.invoke`, around every command:
 
 * a `CrossfeedError` (what a user can cause: a bad path, option, file or address), or an OSError
   naming a file (missing, not permitted) → one line ``error: …`` on stderr, exit status 2;
+* a missing optional package (an import of apache_beam, torch … that an extra installs,
+  `crossfeed.errors.EXTRAS`) → one line naming the package and ``pip install 'crossfeed[extra]'``,
+  exit status 2;
 * a closed stdout (``crossfeed info … | head``) → quiet, exit status 141 (128 + SIGPIPE);
 * Ctrl-C → ``interrupted`` on stderr, exit status 130, no traceback — at any moment: while the
   CLI itself is still loading (typer, numpy, the command groups: the first second of a run), a
@@ -21,12 +24,6 @@ import os
 import signal
 import sys
 import threading
-from typing import Annotated
-
-import typer
-from typer.core import TyperGroup, TyperOption
-
-from crossfeed.errors import CrossfeedError, redact
 
 EXIT_ERROR = 2
 EXIT_SIGPIPE = 141
@@ -58,6 +55,12 @@ _LOADING = signal.getsignal(signal.SIGINT) is signal.default_int_handler and _se
 
 import importlib  # noqa: E402  (after the handler: these imports are the slow part)
 import logging  # noqa: E402
+from typing import Annotated  # noqa: E402
+
+import typer  # noqa: E402
+from typer.core import TyperGroup, TyperOption  # noqa: E402
+
+from crossfeed.errors import CrossfeedError, missing_extra, redact  # noqa: E402
 
 # OSErrors that name a path the user gave: an error of the environment, not a bug.
 _PATH_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -90,6 +93,18 @@ COMMAND_ORDER = (
 )  # fmt: skip
 
 
+def _command(ctx) -> list[str]:
+    """The command words of this invocation (``convert images``), from the group's arguments."""
+    words = []
+    for arg in [*getattr(ctx, "_protected_args", []), *ctx.args]:
+        if arg.startswith("-"):
+            continue
+        words.append(arg)
+        if len(words) == 2 or words[0] != "convert":
+            break
+    return words
+
+
 class _Boundary(TyperGroup):
     """The top-level group: every command (and sub-group) runs inside its `invoke`."""
 
@@ -100,6 +115,7 @@ class _Boundary(TyperGroup):
 
     def invoke(self, ctx):
         previous = _set_sigint(signal.default_int_handler)  # from here a Ctrl-C is a KeyboardInterrupt
+        command = " ".join(["crossfeed", *_command(ctx)])  # before invoking: click consumes the arguments
         try:
             return super().invoke(ctx)
         except BrokenPipeError:
@@ -107,6 +123,12 @@ class _Boundary(TyperGroup):
             raise typer.Exit(EXIT_SIGPIPE) from None
         except (CrossfeedError, *_PATH_ERRORS) as e:
             typer.echo(f"error: {_message(e)}", err=True)
+            raise typer.Exit(EXIT_ERROR) from None
+        except ModuleNotFoundError as e:
+            missing = missing_extra(e, command)
+            if missing is e:
+                raise  # not an extra's module: a broken install keeps its traceback
+            typer.echo(f"error: {missing}", err=True)
             raise typer.Exit(EXIT_ERROR) from None
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)

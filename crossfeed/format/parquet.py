@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from crossfeed.errors import ConfigError, CorruptRecordError, SchemaError
+from crossfeed.errors import CorruptRecordError, SchemaError, require
 from crossfeed.format import codecs
 from crossfeed.format.schema import Feature
 
@@ -59,12 +59,7 @@ def is_parquet_name(name: str) -> bool:
 
 def pyarrow_modules():
     """``(pyarrow, pyarrow.parquet)``, imported on first use; a clear error when missing."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as e:  # pragma: no cover - pyarrow is installed wherever Parquet is read
-        raise ConfigError("reading Parquet needs pyarrow: pip install pyarrow") from e
-    return pa, pq
+    return require("pyarrow", "reading Parquet"), require("pyarrow.parquet", "reading Parquet")
 
 
 def _is_list(pa, t) -> bool:

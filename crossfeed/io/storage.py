@@ -39,6 +39,7 @@ from crossfeed.errors import (
     CrossfeedError,
     DatasetNotFoundError,
     ManifestError,
+    MissingExtraError,
     RemoteError,
 )
 from crossfeed.format import tfrecord
@@ -223,6 +224,8 @@ class Storage:
             try:
                 self._fs = filesystem(self.root, self.storage_options)
             except (ImportError, ValueError) as e:  # an unknown protocol, or its package not installed
+                if isinstance(e, ImportError) and self.root.split("://")[0].lower() in ("http", "https"):
+                    raise MissingExtraError(f"{self.root}: reading over HTTP", "aiohttp") from None
                 raise ConfigError(
                     f"{self.root}: cannot open this URL ({type(e).__name__}: {e}); install the fsspec "
                     f"backend for its protocol (s3fs, gcsfs, adlfs, aiohttp) or check the URL"

@@ -45,6 +45,12 @@ class Loader:
     ``(epoch, position)`` to begin at (``epoch=`` alone: that epoch's start). ``alloc``:
     ``alloc(shape, dtype)`` makes the batch arrays (default ``np.empty``).
 
+    ``batch_size=None`` (as keywords) iterates one sample at a time, as ``DataLoader(batch_size=None)``
+    and an unbatched ``tf.data`` pipeline do: each item is one sample's dict — arrays without the
+    batch dimension (0-d for scalars; views into the batch of one it was built as), ``str``/``bytes``
+    for text, one row with ``pack=`` — and lengths, positions and states count samples
+    (`sample_of`; the plan is the ``batch_size=1`` one).
+
     ``source``: a dataset (TFRecord, WebDataset tar or Parquet; a path, URL or `Dataset`), or a
     mixture — a list of `crossfeed.Source`, of any of those formats, their features renamed to
     one set of names (``Source("wds/", rename={"jpg": "image", "cls": "label"})``); `features`
@@ -70,6 +76,12 @@ class Loader:
         alloc: Callable | None = None,
         **fields,
     ):
+        # batch_size=None: one sample at a time (DataLoader(batch_size=None), tf.data unbatched)
+        self.per_sample = options is None and "batch_size" in fields and fields["batch_size"] is None
+        if self.per_sample:
+            if fields.get("batch_by_tokens") is not None:
+                raise ConfigError("batch_by_tokens= makes batches of documents; it takes a batch_size, not None")
+            fields["batch_size"] = 1
         options = LoaderOptions.given(options, fields)
         if start is not None and epoch is not None:
             raise ConfigError("pass start=(epoch, position) or epoch=, not both")
@@ -266,9 +278,10 @@ class Loader:
     def __iter__(self) -> Generator[dict[str, np.ndarray], None, None]:
         self._position, self._delivered = self.position, 0
         step = self.num_workers if self.num_workers > 1 else 1
+        one = self.per_sample
         for batch in self.pipeline.epoch(self._epoch, self._position):
             self._delivered += step
-            yield batch
+            yield sample_of(batch) if one else batch
         self._epoch, self._position, self._delivered = self._epoch + 1, 0, 0
         meter = self.pipeline.meter
         if meter is not None and self._mark is not None and self.options.read.log_stats:
@@ -294,3 +307,15 @@ class Loader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def sample_of(batch: dict) -> dict:
+    """The one sample of a batch of one, as ``batch_size=None`` delivers it: each array without
+    its batch dimension (a view: 0-d for a scalar), a text or ragged feature's value itself."""
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, np.ndarray) and v.dtype != object and v.dtype.kind not in "USV":
+            out[k] = v[0, ...]
+        else:
+            out[k] = v[0]
+    return out

@@ -14,7 +14,10 @@ Prometheus counters). ``Loader.stats()`` returns them as a frozen `Stats`;
 
 Stages run where the executor runs them: on worker threads (their seconds summed over the
 threads), or in worker processes, which send each batch's stage times back with the batch
-(`Meter.drain` there, `Meter.merge` here). ``wait_ratio = wait / (wait + consumer)``: the share
+(`Meter.drain` there, `Meter.merge` here). The transform stage also counts the CPU time its
+thread spent (``time.thread_time_ns``, two reads a batch): a transform that waits (sleeps, I/O,
+the GIL released) is told from one that computes, and the verdict's advice follows — more
+threads for the first, worker processes for the second. ``wait_ratio = wait / (wait + consumer)``: the share
 of the consumer's time spent waiting for input.
 """
 
@@ -32,6 +35,11 @@ from crossfeed.errors import ConfigError
 STAGES = ("plan", "read", "decode", "transform", "batch", "handover")
 BUILD = STAGES[:-1]  # the stages that make a batch (the verdict's "build time"; handover delivers it)
 INPUT_BOUND = 0.10  # a consumer waiting this share of its time or more is input-bound
+CPU_STAGES = ("transform",)  # the stages whose thread CPU time is counted too (`StageStat.cpu_seconds`)
+# a stage on the CPU less than this share of its time mostly waits (sleep, I/O). Threads share one
+# GIL: n threads that compute in Python are each on the CPU about 1/n of their time, so a thread's
+# share is scaled by the threads first (`Stats.busy`).
+WAITING = 0.15
 
 # The overhead benchmark's switch (benchmarks/bench_stats_overhead.py) and nothing else's: a Loader
 # made while it is False times nothing, running the code paths it ran before metrics existed.
@@ -41,14 +49,24 @@ ENABLED = True
 @dataclasses.dataclass(frozen=True)
 class StageStat:
     """Seconds a stage took (summed over the threads or processes that ran it) and how many times
-    it ran (batches; per source of a mixture whose sources are read apart)."""
+    it ran (batches; per source of a mixture whose sources are read apart); ``cpu_seconds``: the
+    CPU time its threads spent in it (`CPU_STAGES` only, and only when every run of it was
+    measured; None: not known)."""
 
     seconds: float = 0.0
     count: int = 0
+    cpu_seconds: float | None = None
 
     def __post_init__(self):
-        if self.seconds < 0 or self.count < 0:
+        if self.seconds < 0 or self.count < 0 or (self.cpu_seconds is not None and self.cpu_seconds < 0):
             raise ConfigError(f"a stage's seconds and count are >= 0, got {self.seconds}, {self.count}")
+
+    @property
+    def cpu_share(self) -> float | None:
+        """CPU time over wall time (None: not measured, or no time): near 1 computing, near 0 waiting."""
+        if self.cpu_seconds is None or self.seconds <= 0:
+            return None
+        return min(1.0, self.cpu_seconds / self.seconds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +150,7 @@ class Stats:
             s: StageStat(
                 max(0.0, self.stages[s].seconds - previous.stages[s].seconds),
                 max(0, self.stages[s].count - previous.stages[s].count),
+                _cpu_sum([self.stages[s], previous.stages[s]], sign=-1),
             )
             for s in STAGES
         }
@@ -162,6 +181,15 @@ class Stats:
         if self.threads:
             return f"{self.threads} thread{'s' if self.threads != 1 else ''}"
         return "the consumer's thread"
+
+    def busy(self, stage: str) -> float | None:
+        """How much of ``stage``'s time was computing (None: not measured): its CPU share, times
+        the threads that shared one GIL (a GIL-bound stage on n threads is on the CPU ~1/n of its
+        time per thread), at most 1. Below `WAITING`: the stage mostly waited."""
+        share = self.stages[stage].cpu_share
+        if share is None:
+            return None
+        return min(1.0, share * (1 if self.processes else max(self.threads, 1)))
 
     def verdict(self) -> Verdict:
         """Input-bound (the consumer waited `INPUT_BOUND` of its time or more) or not, the build
@@ -194,11 +222,29 @@ class Stats:
         return f"{out}; {self.verdict()}" if verdict else out
 
 
+def _cpu_sum(stats, sign: int = 1) -> float | None:
+    """The sum of the `StageStat`\ s' CPU seconds (``sign=-1``: the first less the rest), None when
+    any that ran is unknown (one that never ran counts 0)."""
+    values = [0.0 if st.count == 0 and st.cpu_seconds is None else st.cpu_seconds for st in stats]
+    if any(v is None for v in values) or not any(st.count for st in stats):
+        return None
+    first, *rest = values
+    return max(0.0, first + sign * sum(rest))
+
+
 def _advice(stage: str | None, st: Stats) -> str:
     more = "more processes, or more serve processes" if st.processes else "executor='process' or more num_threads"
     if stage == "decode":
         return f"try {more}"
     if stage == "transform":
+        cpu = st.stages["transform"].cpu_share
+        # a transform that waits (sleep, I/O: the GIL released): more threads overlap the waits
+        if cpu is not None and st.busy("transform") < WAITING:
+            more = f"processes (now {st.processes})" if st.processes else f"num_threads (now {st.threads})"
+            return (
+                f"the transform waits most of its time (on the CPU {cpu:.0%} of it: sleep or I/O, the GIL "
+                f"released): try more {more} and more prefetch"
+            )
         if st.processes:
             return "try more processes, more serve processes, or a vectorised batch_transform"
         return "Python transforms hold the GIL: try executor='process' or more serve processes"
@@ -220,7 +266,12 @@ def combine(parts: Iterable[Stats]) -> Stats:
     if not parts:
         return Stats()
     stages = {
-        s: StageStat(sum(p.stages[s].seconds for p in parts), sum(p.stages[s].count for p in parts)) for s in STAGES
+        s: StageStat(
+            sum(p.stages[s].seconds for p in parts),
+            sum(p.stages[s].count for p in parts),
+            _cpu_sum([p.stages[s] for p in parts]),
+        )
+        for s in STAGES
     }
     summed = {
         f.name: sum(getattr(p, f.name) for p in parts)
@@ -237,10 +288,25 @@ def combine(parts: Iterable[Stats]) -> Stats:
 
 
 _CLOCK = time.perf_counter_ns
-# a Tally's slots: nanoseconds per stage, a count per stage (`_N`), the other counters, and two
-# scratch stamps of the batch being built (when it began, and when its last stage ended)
+CPU_CLOCK = time.thread_time_ns  # this thread's CPU time
+# a Tally's slots: nanoseconds per stage, a count per stage (`_N`), the CPU nanoseconds of the
+# `CPU_STAGES` and how many of their runs were measured (`_CPU`, `_NCPU`), the other counters, and
+# two scratch stamps of the batch being built (when it began, and when its last stage ended)
 _N = {s: f"n_{s}" for s in STAGES}
-_SUMS = (*STAGES, *_N.values(), "bytes", "batches", "samples", "wait", "consumer", "epochs")
+_CPU = {s: f"cpu_{s}" for s in CPU_STAGES}
+_NCPU = {s: f"ncpu_{s}" for s in CPU_STAGES}
+_SUMS = (
+    *STAGES,
+    *_N.values(),
+    *_CPU.values(),
+    *_NCPU.values(),
+    "bytes",
+    "batches",
+    "samples",
+    "wait",
+    "consumer",
+    "epochs",
+)
 
 
 class Tally:
@@ -393,6 +459,7 @@ class Meter:
         return {
             "ns": {s: d[s] for s in STAGES if d[_N[s]]},
             "n": {s: d[_N[s]] for s in STAGES if d[_N[s]]},
+            "cpu": {s: [d[_CPU[s]], d[_NCPU[s]]] for s in CPU_STAGES if d[_NCPU[s]]},
             "bytes": d["bytes"],
             "cache": [a - b for a, b in zip(cache, cached)],
         }
@@ -411,6 +478,11 @@ class Meter:
                 for s, v in (got if isinstance(got, dict) else {}).items():
                     if s in _N and _count(v):
                         setattr(m, name(s), getattr(m, name(s)) + v)
+            cpu = d.get("cpu")
+            for s, v in (cpu if isinstance(cpu, dict) else {}).items():
+                if s in _CPU and isinstance(v, list) and len(v) == 2 and all(map(_count, v)):
+                    setattr(m, _CPU[s], getattr(m, _CPU[s]) + v[0])
+                    setattr(m, _NCPU[s], getattr(m, _NCPU[s]) + v[1])
             if _count(d.get("bytes")):
                 m.bytes += d["bytes"]
             if isinstance(cache, list) and len(cache) == 3 and all(map(_count, cache)):
@@ -429,7 +501,7 @@ class Meter:
             batches=c["batches"],
             samples=c["samples"],
             bytes=c["bytes"],
-            stages={s: StageStat(c[s] / 1e9, c[_N[s]]) for s in STAGES},
+            stages={s: StageStat(c[s] / 1e9, c[_N[s]], _cpu_of(c, s)) for s in STAGES},
             wait_seconds=c["wait"] / 1e9,
             consumer_seconds=c["consumer"] / 1e9,
             elapsed_seconds=(_CLOCK() - self._t0) / 1e9,
@@ -440,6 +512,13 @@ class Meter:
             cache_bytes=cb + nbytes,
             epochs=c["epochs"],
         )
+
+
+def _cpu_of(c: dict, stage: str) -> float | None:
+    """A stage's CPU seconds from the summed slots: known when every run of it was measured."""
+    if stage not in _CPU or not c[_N[stage]] or c[_NCPU[stage]] != c[_N[stage]]:
+        return None
+    return c[_CPU[stage]] / 1e9
 
 
 def _count(v: object) -> TypeGuard[int]:

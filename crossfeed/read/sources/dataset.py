@@ -32,8 +32,8 @@ from crossfeed.errors import (
     redact,
 )
 from crossfeed.format import example as ex
+from crossfeed.format import hf, tar, tfrecord
 from crossfeed.format import index as idx
-from crossfeed.format import tar, tfrecord
 from crossfeed.format.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, ShardInfo, SplitInfo, loads
 from crossfeed.format.schema import Schema, SchemaError, decode_value
 from crossfeed.io import roots
@@ -74,12 +74,25 @@ def _read_manifest(storage: Storage) -> bytes:
     try:
         return storage.read(MANIFEST, limit=MAX_MANIFEST_BYTES, too_long=too_long)
     except DatasetNotFoundError:
+        found = _hf_kind(storage)
+        if found is not None:
+            raise DatasetNotFoundError(hf.advice(storage.root, found)) from None
         raise DatasetNotFoundError(
             f"{storage.root}: not a crossfeed dataset (no {MANIFEST}); write one with crossfeed.write_dataset, "
             f"`crossfeed convert`, or adopt existing TFRecord shards with `crossfeed index`"
         ) from None
     except OSError as e:  # a directory or unreadable file where the manifest should be
         raise ManifestError(f"{storage.url(MANIFEST)}: cannot read the manifest ({e.strerror or e})") from e
+
+
+def _hf_kind(storage: Storage) -> str | None:
+    """What Hugging Face folder a local root without a manifest is (`crossfeed.format.hf`), if any."""
+    if storage.remote:
+        return None
+    try:
+        return hf.kind(os.listdir(storage.root))
+    except OSError:
+        return None
 
 
 class Dataset:

@@ -21,6 +21,10 @@ compares its sha256). Page CRCs are checked wherever the writer stored them. pya
 on first use. Files adopted with ``--index-dir`` are read where they lie (the manifest's
 ``data_root``): a local directory, or an fsspec URL whose files pyarrow reads through fsspec's
 file objects (range requests: the footer, then each row group's column chunks).
+
+Arrow IPC files (``*.arrow``: Hugging Face ``datasets``' ``save_to_disk`` and cache files) are read
+the same way through `crossfeed.format.hf.ArrowFile`: each record batch is a row group, a local
+file is memory-mapped (its batches are views of the file's pages), a remote one fetched whole.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from crossfeed.errors import CorruptRecordError, CrossfeedError, DatasetNotFoundError, SchemaError
+from crossfeed.format.hf import open_columnar
 from crossfeed.format.parquet import column_maps, feature_columns, pyarrow_modules, source_columns
 from crossfeed.format.schema import Feature, ImageFit, decode_image
 
@@ -172,7 +177,7 @@ class ParquetFiles:
                 # a local file by its path (pyarrow reads it itself); a remote one through fsspec
                 source = self.storage.open(info.file) if self.storage.remote else path
                 try:
-                    pf = pq.ParquetFile(source, page_checksum_verification=True)
+                    pf = open_columnar(source, path)  # an Arrow IPC file (HF datasets') by its name
                     changed = footer_mismatch(pf, info)
                 except (pa.ArrowException, OSError) as e:
                     _close(source)
@@ -480,7 +485,7 @@ def check_file(path: str, info, features: Sequence[Feature], maps: dict | None =
     ``maps``, `crossfeed.format.parquet.column_maps`). Keeps going after a bad row group."""
     pa, pq = pyarrow_modules()
     try:
-        pf = pq.ParquetFile(path, page_checksum_verification=True)
+        pf = open_columnar(path, path)
     except (pa.ArrowException, OSError) as e:
         return [(0, f"not a readable Parquet file ({e})")]
     problems: list[tuple[int | None, str]] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from time import perf_counter_ns as _clock
+from time import thread_time_ns as _cpu
 
 import numpy as np
 
@@ -68,11 +69,14 @@ class BatchBuilder:
         batch, kept = self.reader(indices, self.budget, t)
         indices = indices[kept]
         if self.transform is not None:
+            cpu = _cpu() if t is not None else 0
             samples = [self.transform({k: v[i] for k, v in batch.items()}) for i in range(len(indices))]
             if t is not None:
                 now = _clock()
                 t.transform += now - t.last
                 t.n_transform += 1
+                t.cpu_transform += _cpu() - cpu
+                t.ncpu_transform += 1
                 t.last = now
             if samples:
                 batch = {k: collate([s[k] for s in samples], alloc=self.alloc or np.empty) for k in samples[0]}
@@ -92,12 +96,15 @@ class BatchBuilder:
             if t is not None:  # not a stage: the next one (or the hand-over) starts after it
                 t.last = _clock()
         if self.batch_transform is not None:
+            cpu = _cpu() if t is not None else 0
             batch = self.batch_transform(batch)
             if t is not None:
                 now = _clock()
                 t.transform += now - t.last
+                t.cpu_transform += _cpu() - cpu
                 if self.transform is None:  # a batch's transforms count once
                     t.n_transform += 1
+                    t.ncpu_transform += 1
                 t.last = now
         return batch
 

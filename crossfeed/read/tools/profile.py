@@ -72,12 +72,23 @@ class BenchReport:
     notes: list[str] = field(default_factory=list)
     paths: dict = field(default_factory=dict)  # `Loader.paths()`: which fast paths served the batches
     stats: Stats | None = None  # the end-to-end pass's `Loader.stats()`
+    # token datasets (lengths files, or pack=/batch_by_tokens=): (feature, tokens delivered, of them
+    # in the first batch) — real tokens, padding not counted; None for other datasets
+    tokens: tuple[str, int, int] | None = None
 
     @property
     def samples_per_s(self) -> float:
         # the first batch's samples are not in ``seconds``
         timed = self.samples - self.samples / max(self.batches, 1)
         return timed / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Real tokens (padding not counted) per second, end to end; None for other datasets."""
+        if self.tokens is None:
+            return None
+        _, total, first = self.tokens
+        return (total - first) / self.seconds if self.seconds > 0 else float("inf")
 
     @property
     def mb_per_s(self) -> float:
@@ -90,6 +101,14 @@ class BenchReport:
             f"split {self.split}: {self.batches} batches of {self.batch_size} ({self.samples:,} samples), "
             f"shuffle {self.shuffle}, {self.threads} threads",
             f"throughput      {self.samples_per_s:>12,.0f} samples/s   {self.mb_per_s:>9,.1f} MB/s of records",
+            *(
+                [
+                    f"tokens          {self.tokens_per_s:>12,.0f} tokens/s    of {self.tokens[0]!r} ({self.tokens[1]:,} "
+                    f"tokens, padding not counted)"
+                ]
+                if self.tokens is not None
+                else []
+            ),
             f"first batch     {self.first_batch_s:>12.3f} s (opening the dataset included)",
             f"peak RSS        {self.peak_rss / 2**20:>12,.0f} MiB (process; mmap'd shard pages count while touched)",
             f"where the time goes (one thread, {st.batches} batches, {st.samples_per_s:,.0f} samples/s):",
@@ -143,10 +162,15 @@ def bench_loader(
     with Loader(source, options, transform=transform, batch_transform=batch_transform) as loader:
         plan = loader.plan()  # the iteration below does not finish the epoch: the same plan
         first_s, done, samples, t1 = None, 0, 0, t0
+        counted = _token_feature(loader)
+        tokens = first_tokens = 0
         for batch in loader:
+            if counted is not None:
+                tokens += _tokens(batch, counted)
             if first_s is None:
                 t1 = time.perf_counter()
                 first_s = t1 - t0
+                first_tokens = tokens
             samples += _batch_len(batch)
             done += 1
             if progress is not None:
@@ -186,7 +210,31 @@ def bench_loader(
         notes,
         paths,
         stats,
+        None if counted is None else (counted, tokens, first_tokens),
     )
+
+
+def _token_feature(loader: Loader) -> str | None:
+    """The feature whose tokens bench counts: the first lengths feature of a token dataset (its
+    manifest's ``lengths``, or the packed features), when the batches hold it."""
+    plan = loader.options.plan
+    names = [f.name for f in loader.features]
+    candidates = list(plan.pack.features or ()) if plan.pack is not None and plan.pack.features else []
+    for ds in loader.datasets:
+        candidates += list(ds.manifest.lengths or ())
+    return next((n for n in candidates if n in names), None)
+
+
+def _tokens(batch: dict, name: str) -> int:
+    """Real tokens of ``name`` in a batch: where ``segment_ids`` mark them (packed rows, token
+    budgets), else every value of every sample."""
+    seg = batch.get("segment_ids")
+    if isinstance(seg, np.ndarray):
+        return int(np.count_nonzero(seg))
+    v = batch[name]
+    if isinstance(v, np.ndarray) and v.dtype != object:
+        return int(v.size)
+    return int(sum(np.size(x) for x in v))
 
 
 def _batch_len(batch: dict) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from crossfeed.errors import ConfigError, DatasetNotFoundError, ExampleError, ManifestError, SchemaError
-from crossfeed.format import codecs, tfrecord
+from crossfeed.format import codecs, hf, tfrecord
 from crossfeed.format import example as ex
 from crossfeed.format import index as idx
 from crossfeed.format.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, check_name, loads, write_manifest
@@ -43,7 +43,7 @@ _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n")
 
 def is_shard_name(name: str) -> bool:
     """Whether a file name looks like a TFRecord shard (by extension or ``-SSSSS-of-NNNNN``)."""
-    if name.startswith(".") or name == MANIFEST or name.endswith((".idx", ".len")) or is_parquet_name(name):
+    if name.startswith(".") or name == MANIFEST or name.endswith((".idx", ".len", ".arrow")) or is_parquet_name(name):
         return False
     base = name[:-3] if name.endswith(".gz") else name
     return base.endswith(_EXTS) or _SHARDED.match(name) is not None
@@ -299,6 +299,17 @@ def index_dataset(
             with open(manifest_path, "rb") as f:
                 old = loads(f.read(), manifest_path)
     listing = place.listdir()
+    found = hf.kind(listing)
+    arrow = [n for n in listing if hf.is_arrow_name(n)]
+    if found == "dataset_dict":  # a folder per split: each is a dataset folder of its own
+        raise ConfigError(hf.advice(root, found))
+    if arrow:  # Arrow IPC files (HF datasets'), read in place as Parquet is: record batches are row groups
+        if any(is_shard_name(n) or is_tar_name(n) or is_parquet_name(n) for n in listing):
+            raise ConfigError(f"{root}: holds Arrow IPC files and other shards; index them from separate directories")
+        named = hf.arrow_splits(arrow, place, split) if split_from_name else {n: split for n in arrow}
+        return _index_parquet(
+            place, arrow, split, split_from_name, features, old, progress, names_with_lengths, splits=named
+        )
     layout = tfds.read_layout(place) if tfds.is_tfds(listing) else None
     if layout is not None:
         declared = declared_features(features)
@@ -394,15 +405,26 @@ def index_dataset(
 
 
 def _index_parquet(
-    place: Placement, parquet, split, split_from_name, features, old, progress, lengths: tuple[str, ...] = ()
+    place: Placement,
+    parquet,
+    split,
+    split_from_name,
+    features,
+    old,
+    progress,
+    lengths: tuple[str, ...] = (),
+    splits: dict[str, str] | None = None,
 ) -> Manifest:
     """Parquet files adopted in place (`crossfeed.write.adopt.parquet`): with ``features``
     (declarations, or bare column names whose feature is inferred) only those columns are indexed.
-    No index file is written: the manifest alone, beside the files or in the index directory."""
+    No index file is written: the manifest alone, beside the files or in the index directory.
+    ``splits``: each file's split, where the caller knows it (Arrow IPC files: `hf.arrow_splits`)."""
     groups: dict[str, list[tuple[int, str]]] = {}
     for n in parquet:
         check_name(n, place.data)  # a manifest names plain files only
         s, i = split_of(n, split) if split_from_name else (split, 0)
+        if splits is not None:
+            s = splits[n]
         groups.setdefault(s, []).append((i, n))
     specs = [] if isinstance(features, dict) else list(features or ())
     picked = [f for f in specs if isinstance(f, str) and "=" not in f]  # a column NAME alone: inferred

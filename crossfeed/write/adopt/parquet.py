@@ -2,7 +2,9 @@
 place: the row groups and their row counts come from each file's footer, the features from its
 columns (`crossfeed.format.parquet`); nothing is rewritten and no index file is written.
 
-`index_parquet` is what ``crossfeed index DIR`` runs on a directory of ``*.parquet`` files. List
+`index_parquet` is what ``crossfeed index DIR`` runs on a directory of ``*.parquet`` files, and
+of ``*.arrow`` Arrow IPC files (Hugging Face ``datasets`` folders, `crossfeed.format.hf.ArrowFile`:
+each record batch a row group; their nulls are counted by reading, having no footer statistics). List
 columns are read once to learn whether every row has the same length (then they are tensors of
 that shape); declared columns (``--feature``) are read and checked in full; other columns are
 known from the footer alone.
@@ -25,6 +27,7 @@ import numpy as np
 
 from crossfeed.errors import CorruptRecordError, SchemaError
 from crossfeed.format import codecs
+from crossfeed.format.hf import ArrowFile, is_arrow_name
 from crossfeed.format.manifest import ShardInfo, SplitInfo
 from crossfeed.format.parquet import (
     FORMAT,
@@ -84,14 +87,21 @@ def index_parquet(
         for n in names:
             path = place.data_url(n)
             with place.open_bytes(n) as (buf, size, sha):
-                groups_ = footer_row_groups(buf, path)  # before pyarrow: it trusts what a footer says
+                arrow = is_arrow_name(n)  # an Arrow IPC file (HF datasets'): record batches are its row groups
+                groups_ = () if arrow else footer_row_groups(buf, path)  # before pyarrow: it trusts a footer
                 try:  # a local file by its path (pyarrow reads it), a remote one from the fetched bytes
-                    pf = pq.ParquetFile(pa.BufferReader(buf) if place.remote else path)
-                    md = pf.metadata
-                    counts = check_footer(groups_, md, path)
+                    if arrow:
+                        pf = ArrowFile(buf if place.remote else path)
+                        md = pf.metadata
+                        counts = tuple(md.row_group(r).num_rows for r in range(md.num_row_groups))
+                    else:
+                        pf = pq.ParquetFile(pa.BufferReader(buf) if place.remote else path)
+                        md = pf.metadata
+                        counts = check_footer(groups_, md, path)
                     arrow_schema = pf.schema_arrow
                 except (pa.ArrowException, OSError, UnicodeDecodeError, ValueError) as e:
-                    raise CorruptRecordError(path, 0, f"not a readable Parquet file ({e})") from e
+                    kind = "Arrow IPC" if arrow else "Parquet"
+                    raise CorruptRecordError(path, 0, f"not a readable {kind} file ({e})") from e
                 with pf:
                     feats = _file_features(path, arrow_schema, wanted, declared, unshaped)
                     if first is None:
@@ -104,7 +114,8 @@ def index_parquet(
                             f"{path}: column {k!r} is {_show(feats.get(k))}, in {first} it is {_show(inferred.get(k))}; "
                             f"the files of a dataset share one schema (pick the common columns with --feature NAME)"
                         )
-                    unknown = _count_nulls(groups_, set(feats), nulls)
+                    # nulls: counted from the footer's statistics (an Arrow file has none: read)
+                    unknown = sorted(feats) if arrow else _count_nulls(groups_, set(feats), nulls)
                     lists = [
                         k
                         for k, f in feats.items()
