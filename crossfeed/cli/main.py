@@ -5,6 +5,8 @@ The one error boundary of the CLI is `_Boundary.invoke`, around every command:
 
 * a `CrossfeedError` (what a user can cause: a bad path, option, file or address), or an OSError
   naming a file (missing, not permitted) → one line ``error: …`` on stderr, exit status 2;
+* a usage error (an unknown command or option, a missing or invalid argument) → one line
+  ``error: …; see 'crossfeed CMD --help'``, exit status 2 (typer's own is a box of five lines);
 * a closed stdout (``crossfeed info … | head``) → quiet, exit status 141 (128 + SIGPIPE);
 * Ctrl-C → ``interrupted`` on stderr, exit status 130, no traceback — at any moment: while the
   CLI itself is still loading (typer, numpy, the command groups: the first second of a run), a
@@ -59,6 +61,11 @@ from typer.core import TyperGroup, TyperOption  # noqa: E402
 
 from crossfeed.errors import CrossfeedError  # noqa: E402
 
+# click's exceptions where this typer takes them from (newer typer releases carry their own click)
+_clickx = sys.modules[typer.BadParameter.__module__]
+_UsageError: type[Exception] = _clickx.UsageError
+_NoArgsIsHelp: tuple[type, ...] = tuple(c for c in (getattr(_clickx, "NoArgsIsHelpError", None),) if c)
+
 # OSErrors that name a path the user gave: an error of the environment, not a bug.
 _PATH_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
 
@@ -90,6 +97,16 @@ COMMAND_ORDER = (
 )  # fmt: skip
 
 
+def _usage_error(e) -> None:
+    """One line on stderr and exit 2 (typer would draw a box of five lines); help asked for by
+    giving no arguments is shown as it is."""
+    if isinstance(e, _NoArgsIsHelp):
+        raise e
+    where = f"; see '{e.ctx.command_path} --help'" if e.ctx is not None else ""
+    typer.echo(f"error: {e.format_message().rstrip('.')}{where}", err=True)
+    raise typer.Exit(e.exit_code) from None
+
+
 class _Boundary(TyperGroup):
     """The top-level group: every command (and sub-group) runs inside its `invoke`."""
 
@@ -98,10 +115,18 @@ class _Boundary(TyperGroup):
         rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
         return sorted(names, key=lambda n: rank.get(n, len(rank)))
 
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except _UsageError as e:  # a bad option before the command: `crossfeed --bogus info`
+            _usage_error(e)
+
     def invoke(self, ctx):
         previous = _set_sigint(signal.default_int_handler)  # from here a Ctrl-C is a KeyboardInterrupt
         try:
             return super().invoke(ctx)
+        except _UsageError as e:  # a bad command, option or argument: one line, as any error
+            _usage_error(e)
         except BrokenPipeError:
             _silence_stdout()
             raise typer.Exit(EXIT_SIGPIPE) from None
