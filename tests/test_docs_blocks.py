@@ -128,7 +128,6 @@ def _write_workspace(ws: Path) -> None:
             Feature("image", "uint8", (224, 224, 3), Encoding.TENSOR),
             Feature("label", "int64", (), "int64"),
             Feature("ids", "int64", (None,), "int64"),  # token ids as an int64 list
-            Feature("tokens", "uint16", (None,), Encoding.TENSOR),  # token ids as raw uint16 bytes
         ]
     )
     rows = [
@@ -136,7 +135,6 @@ def _write_workspace(ws: Path) -> None:
             "image": np.full((224, 224, 3), i, np.uint8),
             "label": i,
             "ids": list(range(i + 2)),
-            "tokens": np.arange(i + 3, dtype=np.uint16),
         }
         for i in range(4)
     ]
@@ -144,6 +142,13 @@ def _write_workspace(ws: Path) -> None:
     (ws / "shards").mkdir()
     for f in tmp.glob("*.tfrecord"):
         shutil.copy(f, ws / "shards" / f.name)
+    shutil.rmtree(tmp)
+    # packed/: bare TFRecords of uint16 token tensors (crossfeed's tensor encoding: bytes + tokens/shape)
+    tokens = Schema([Feature("tokens", "uint16", (None,), Encoding.TENSOR)])
+    crossfeed.write_dataset(tmp, [{"tokens": np.arange(n, dtype=np.uint16)} for n in (3, 9, 5)], schema=tokens).close()
+    (ws / "packed").mkdir()
+    for f in tmp.glob("*.tfrecord"):
+        shutil.copy(f, ws / "packed" / f.name)
     shutil.rmtree(tmp)
     # tars/: WebDataset shards (not indexed); parquet/: Parquet files (not indexed)
     (ws / "tars").mkdir()
@@ -160,9 +165,10 @@ def _write_python_workspace(ws: Path) -> None:
 
     import crossfeed
 
-    schema = _image_schema()
-    crossfeed.write_dataset(ws / "web", _samples(48, 3), schema=schema, num_shards=2).close()
-    crossfeed.write_dataset(ws / "books", _samples(16, 4), schema=schema).close()
+    # web/ and books/ to mix: texts and labels, the text under another name in books/
+    web = [{"text": f"page {i}", "label": i % 4} for i in range(48)]
+    crossfeed.write_dataset(ws / "web", web, num_shards=2).close()
+    crossfeed.write_dataset(ws / "books", [{"body": f"book {i}", "label": i % 4} for i in range(16)]).close()
     write_language(ws / "tokens", docs=1200)
     write_language(ws / "corpus", docs=1200, seed=1)
 
@@ -183,7 +189,7 @@ def _write_shell_workspace(ws: Path) -> None:
     tok.save(str(ws / "tokenizer.json"))
     tok.save(str(ws / "tok.json"))
     rng = np.random.default_rng(0)
-    docs = [" ".join(rng.choice(words, int(rng.integers(3, 12)))) for _ in range(12)]
+    docs = [" ".join(rng.choice(words, int(rng.integers(3, 12)))) for _ in range(200)]  # 1% is 2
     (ws / "corpus").mkdir()
     for k in range(2):
         (ws / "corpus" / f"part-{k}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[k::2]))
@@ -228,6 +234,7 @@ def workspaces(tmp_path_factory):
 @pytest.fixture
 def fresh(workspaces, tmp_path, monkeypatch):
     """``fresh(kind)``: a new copy of that workspace, made the working directory."""
+    (tmp_path / "cache").mkdir()  # the shard cache, as reading remote data leaves it
     monkeypatch.setenv("CROSSFEED_CACHE_DIR", str(tmp_path / "cache"))
     made = []
 
@@ -245,8 +252,14 @@ def fresh(workspaces, tmp_path, monkeypatch):
 
 
 def _given() -> dict:
-    """Names the docs leave to the reader: a training step, a number of epochs, a checkpoint dict."""
-    return {"step": lambda batch: None, "train_step": lambda *a: (a[0] if a else None, 0.0), "epochs": 1, "ckpt": {}}
+    """Names the docs leave to the reader (no-ops): a training step, a transform, epochs, a checkpoint."""
+    return {
+        "step": lambda batch: None,  # a training step
+        "train_step": lambda *a: (a[0] if a else None, 0.0),
+        "augment": lambda sample: sample,  # a per-sample transform
+        "epochs": 1,
+        "ckpt": {},
+    }
 
 
 PY_PAGES = sorted({b.page for b in _runs("python")})
@@ -357,7 +370,11 @@ def test_the_parser_sees_labels_skips_and_indented_fences(tmp_path):
         got = [(b.line, b.lang, b.code, b.skip) for b in blocks(page)]
     finally:
         globals()["ROOT"] = old
-    assert got == [(3, "python", "x = 1\n", None), (9, "sh", "crossfeed info d/\n", "needs a GPU"), (14, "text", "out\n", None)]
+    assert got == [
+        (3, "python", "x = 1\n", None),
+        (9, "sh", "crossfeed info d/\n", "needs a GPU"),
+        (14, "text", "out\n", None),
+    ]
     assert commands("crossfeed info d/ && crossfeed verify d/  # both\ncrossfeed x [--z Z] \\\n  --y 1\n") == [
         [["info", "d/"], ["verify", "d/"]],
         [["x", "--y", "1"]],
