@@ -116,8 +116,11 @@ def main(out: str = "demo_out") -> None:
         # the same stream twice: first STEPS batches with no model (the data plane's own rate:
         # server decode + ZeroMQ + client), then STEPS batches into the PyTorch model
         result = _python_json(
-            "import json, time, crossfeed\n"
+            "import json, time, torch, crossfeed\n"
             "from crossfeed.adapters.torch_demo import train\n"
+            # one intra-op thread: the server, `mon` and `show` share the cores, and torch's
+            # spinning OpenMP threads on busy cores made the steps ~9x slower on a loaded 2-core machine
+            "torch.set_num_threads(1)\n"
             f"with crossfeed.connect([{addr!r}]) as stream:\n"
             "    it, n, t = iter(stream), 0, time.perf_counter()\n"
             f"    for _ in range({STEPS}):\n"
