@@ -132,3 +132,24 @@ def test_lengths_files_come_from_index_and_convert_not_from_tars_or_write_datase
     assert not list((tmp_path / "ds").glob("*.len"))
     assert cli("index", tmp_path / "ds", "--force", "--lengths", "tokens").exit_code == 0  # index writes them
     assert list((tmp_path / "ds").glob("*.len"))
+
+
+def test_the_lengths_histogram_is_where_sequences_md_says(tmp_path):
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = "the a cat dog sat on mat".split()
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    docs = [" ".join(words[: 2 + i % 5]) for i in range(20)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    r = cli("convert", "text", tmp_path / "c.jsonl", tmp_path / "tokens", "--tokenizer", tmp_path / "tok.json")
+    assert r.exit_code == 0, r.output
+    page = " ".join((ROOT / "docs" / "sequences.md").read_text().split())
+    assert "`splits.<split>.statistics.tokens.lengths` in `crossfeed info --json`" in page
+    r = cli("info", tmp_path / "tokens", "--json")
+    assert r.exit_code == 0, r.output
+    lengths = json.loads(r.stdout)["splits"]["train"]["statistics"]["tokens"]["lengths"]
+    assert lengths["count"] == 20 and lengths["total"] == sum(len(d.split()) for d in docs)
