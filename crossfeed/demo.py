@@ -3,8 +3,9 @@
 1. generate a small class folder of synthetic JPEG/PNG images;
 2. convert it with the Apache Beam job (embedded in-process runner) and verify it;
 3. read it through the Loader and print the throughput;
-4. start ``crossfeed serve`` in the background, train a PyTorch model from the stream while
-   ``crossfeed mon`` watches, write ``crossfeed show``'s grid, stop the server cleanly;
+4. start ``crossfeed serve`` in the background; pull batches from the stream with no model (the
+   data plane's own rate), then train a PyTorch model from it while ``crossfeed mon`` watches,
+   write ``crossfeed show``'s grid, stop the server cleanly;
 5. train a Keras model under MirroredStrategy over two logical CPUs from the same dataset.
 
 Each framework runs in a process of its own (TensorFlow and torch do not share one well).

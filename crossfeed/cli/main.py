@@ -54,7 +54,7 @@ _LOADING = signal.getsignal(signal.SIGINT) is signal.default_int_handler and _se
 
 import importlib  # noqa: E402  (after the handler: these imports are the slow part)
 import logging  # noqa: E402
-from typing import Annotated  # noqa: E402
+from typing import Annotated, Any, NoReturn  # noqa: E402
 
 import typer  # noqa: E402
 from typer.core import TyperGroup, TyperOption  # noqa: E402
@@ -64,7 +64,7 @@ from crossfeed.errors import CrossfeedError  # noqa: E402
 # click's exceptions where this typer takes them from (newer typer releases carry their own click)
 _clickx = sys.modules[typer.BadParameter.__module__]
 _UsageError: type[Exception] = _clickx.UsageError
-_NoArgsIsHelp: tuple[type, ...] = tuple(c for c in (getattr(_clickx, "NoArgsIsHelpError", None),) if c)
+_NoArgsIsHelp: tuple[type[Exception], ...] = tuple(c for c in (getattr(_clickx, "NoArgsIsHelpError", None),) if c)
 
 # OSErrors that name a path the user gave: an error of the environment, not a bug.
 _PATH_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -97,7 +97,7 @@ COMMAND_ORDER = (
 )  # fmt: skip
 
 
-def _usage_error(e) -> None:
+def _usage_error(e: Any) -> NoReturn:  # a click UsageError (whichever click typer uses)
     """One line on stderr and exit 2 (typer would draw a box of five lines); help asked for by
     giving no arguments is shown as it is."""
     if isinstance(e, _NoArgsIsHelp):
