@@ -13,7 +13,9 @@ A block is labelled by its fence:
 * any block right after ``<!-- not run: REASON -->`` is skipped, and the reason is listed;
   a block with no label, or a skip with no reason, fails `test_every_block_is_labelled`.
 
-`test_report` prints the counts and every skipped block with its reason (``pytest -s``).
+Of the blocks not run, every Python block must still compile, and every ``crossfeed`` command
+in any ``sh`` block must name a command and options the CLI has. The labelling test prints the
+counts and every skipped block with its reason (``pytest -s -k labelled``).
 """
 
 from __future__ import annotations
@@ -379,3 +381,56 @@ def test_the_parser_sees_labels_skips_and_indented_fences(tmp_path):
         [["info", "d/"], ["verify", "d/"]],
         [["x", "--y", "1"]],
     ]
+
+
+# ---------------------------------------------------------------- what is checked of the blocks not run
+
+
+def test_every_python_block_compiles_run_or_not():
+    bad = []
+    for b in ALL:
+        if b.lang == "python":
+            try:
+                compile(textwrap.dedent(b.code), b.where, "exec")
+            except SyntaxError as e:
+                bad.append(f"{b.where}: {e}")
+    assert bad == []
+
+
+def _unknown_options(argv: list[str]) -> list[str]:
+    """The ``--options`` of ``crossfeed ARGV`` that its command does not take ([] if all known)."""
+    import typer.main
+
+    from crossfeed.cli.main import app
+
+    cmd, rest = typer.main.get_command(app), list(argv)
+    known = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
+    while rest and hasattr(cmd, "commands"):
+        while rest and rest[0].startswith("-"):  # the group's own options (--verbose)
+            rest.pop(0)
+        if not rest or rest[0] not in cmd.commands:
+            return [f"no command {rest[0]!r}"] if rest else []
+        cmd = cmd.commands[rest.pop(0)]
+        known |= {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+    if "--" in rest:
+        rest = rest[: rest.index("--")]  # Beam's options after --
+    return [a.split("=")[0] for a in rest if a.startswith("-") and a.split("=")[0] not in known]
+
+
+def test_every_crossfeed_command_in_the_docs_names_options_it_takes_run_or_not():
+    bad, checked = [], 0
+    for b in ALL:
+        if b.lang != "sh":
+            continue
+        for line in b.code.replace("\\\n", " ").splitlines():
+            for part in line.split("&&"):
+                part = re.sub(r"^\s*(\w+=\S+\s+)*", "", part)  # ENV=value before the command
+                if not part.startswith("crossfeed "):
+                    continue
+                argv = shlex.split(re.sub(r"[\[\]]", " ", part.replace("...", " ")), comments=True)[1:]
+                unknown, checked = _unknown_options(argv), checked + 1
+                if unknown:
+                    bad.append(f"{b.where}: crossfeed {' '.join(argv[:2])}: {unknown}")
+    assert bad == [] and checked >= 40, checked
+    assert _unknown_options(["info", "--jsn", "d/"]) == ["--jsn"]  # the check sees a wrong one
+    assert _unknown_options(["cache", "lss"]) == ["no command 'lss'"]
