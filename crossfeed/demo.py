@@ -3,8 +3,9 @@
 1. generate a small class folder of synthetic JPEG/PNG images;
 2. convert it with the Apache Beam job (embedded in-process runner) and verify it;
 3. read it through the Loader and print the throughput;
-4. start ``crossfeed serve`` in the background, train a PyTorch model from the stream while
-   ``crossfeed mon`` watches, write ``crossfeed show``'s grid, stop the server cleanly;
+4. start ``crossfeed serve`` in the background; pull batches from the stream with no model (the
+   data plane's own rate), then train a PyTorch model from it while ``crossfeed mon`` watches,
+   write ``crossfeed show``'s grid, stop the server cleanly;
 5. train a Keras model under MirroredStrategy over two logical CPUs from the same dataset.
 
 Each framework runs in a process of its own (TensorFlow and torch do not share one well).
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 CLI = [sys.executable, "-m", "crossfeed.cli.main"]
+STEPS = 300  # PyTorch steps, and batches pulled from the stream with no model before them
 
 
 def _step(n: int, text: str) -> None:
@@ -80,7 +82,8 @@ def main(out: str = "demo_out") -> None:
                 first = first or time.perf_counter() - start
         secs = time.perf_counter() - start
     print(
-        f"Loader: {n} samples in {secs:.2f} s = {n / secs:,.0f} samples/s (JPEG/PNG decoded), first batch after {(first or 0.0) * 1e3:.0f} ms"
+        f"Loader: {n} samples in {secs:.2f} s = {n / secs:,.0f} samples/s (JPEG/PNG decoded, no model), "
+        f"first batch after {(first or 0.0) * 1e3:.0f} ms"
     )
 
     _step(4, "serve over ZeroMQ; train PyTorch from the stream while `crossfeed mon` watches")
@@ -97,7 +100,7 @@ def main(out: str = "demo_out") -> None:
             "--batch-size",
             "32",
             "--epochs",
-            "40",
+            "80",
             "--endpoint-file",
             str(endpoints),
         ]
@@ -111,16 +114,27 @@ def main(out: str = "demo_out") -> None:
         mon = subprocess.Popen(CLI + ["mon", pub, "-c", "100"], stdout=subprocess.PIPE, text=True)
         show = subprocess.Popen(CLI + ["show", pub, "--skip", "20", "-o", str(grid)])
         time.sleep(1.0)
+        # the same stream twice: first STEPS batches with no model (the data plane's own rate:
+        # server decode + ZeroMQ + client), then STEPS batches into the PyTorch model
         result = _python_json(
-            "import json, crossfeed\n"
+            "import json, time, torch, crossfeed\n"
             "from crossfeed.adapters.torch_demo import train\n"
+            # one intra-op thread: the server, `mon` and `show` share the cores, and torch's
+            # spinning OpenMP threads on busy cores made the steps ~9x slower on a loaded 2-core machine
+            "torch.set_num_threads(1)\n"
             f"with crossfeed.connect([{addr!r}]) as stream:\n"
-            f"    r = train(stream, steps=300, batch_size=32, num_classes=4, eval_source={str(dataset)!r})\n"
+            "    it, n, t = iter(stream), 0, time.perf_counter()\n"
+            f"    for _ in range({STEPS}):\n"
+            "        n += len(next(it)['label'])\n"
+            "    alone = n / (time.perf_counter() - t)\n"
+            f"    r = train(stream, steps={STEPS}, batch_size=32, num_classes=4, eval_source={str(dataset)!r})\n"
+            "r['stream_samples_per_s'] = alone\n"
             "print(json.dumps(r))\n"
         )
+        print(f"stream alone (no model): {STEPS} batches at {result['stream_samples_per_s']:,.0f} samples/s")
         print(
             f"PyTorch from the stream: {result['steps']} steps, accuracy {result['accuracy']:.3f} "
-            f"(on the {result['accuracy_on']} split), {result['samples_per_s']:,.0f} samples/s"
+            f"(on the {result['accuracy_on']} split), {result['samples_per_s']:,.0f} samples/s (model included)"
         )
         for name, proc in (("crossfeed show", show), ("crossfeed mon", mon)):
             try:
@@ -148,7 +162,7 @@ def main(out: str = "demo_out") -> None:
             "from crossfeed.adapters.tf_demo import train_keras_demo\n"
             f"print(json.dumps(train_keras_demo({str(dataset)!r}, steps=200, batch_size=64)))\n"
         )
-        print(f"Keras: accuracy {r['accuracy']:.3f}, {r['samples_per_s']:,.0f} samples/s")
+        print(f"Keras: accuracy {r['accuracy']:.3f}, {r['samples_per_s']:,.0f} samples/s (model included)")
     print(f"\ndemo done: everything is under {out_dir}")
 
 

@@ -60,7 +60,8 @@ def test_every_relative_link_resolves(page):
 
 def test_readme_is_short_and_links_every_docs_page():
     readme = (ROOT / "README.md").read_text()
-    assert len(readme.splitlines()) <= README_MAX_LINES
+    shown = [ln for ln in readme.splitlines() if not re.fullmatch(r"\s*<!--.*-->\s*", ln)]  # not rendered
+    assert len(shown) <= README_MAX_LINES
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in relative_links(ROOT / "README.md")}
     unlinked = [p.name for p in PAGES[1:] if p.resolve() not in linked]
     assert unlinked == []

@@ -313,7 +313,9 @@ def _stats_line(st: dict) -> str:
     if shapes:
         top = sorted(shapes.items(), key=lambda kv: -kv[1])
         text = ", ".join(f"{k} ×{v:,}" for k, v in top[:3])
-        parts.append(f"shapes {text}" + (f" (+{len(top) - 3} more)" if len(top) > 3 else ""))
+        distinct = int(st.get("distinct_shapes", len(top)))  # a manifest keeps the commonest 20
+        rest = sum(v for _, v in top[3:]) + int(st.get("other_shapes_count", 0))
+        parts.append(f"shapes {text}" + (f" (+{distinct - 3:,} more, ×{rest:,})" if distinct > 3 else ""))
     return "  ".join(parts)
 
 

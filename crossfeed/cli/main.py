@@ -8,6 +8,8 @@ The one error boundary of the CLI is `_Boundary.invoke`, around every command:
 * a missing optional package (an import of apache_beam, torch … that an extra installs,
   `crossfeed.errors.EXTRAS`) → one line naming the package and ``pip install 'crossfeed[extra]'``,
   exit status 2;
+* a usage error (an unknown command or option, a missing or invalid argument) → one line
+  ``error: …; see 'crossfeed CMD --help'``, exit status 2 (typer's own is a box of five lines);
 * a closed stdout (``crossfeed info … | head``) → quiet, exit status 141 (128 + SIGPIPE);
 * Ctrl-C → ``interrupted`` on stderr, exit status 130, no traceback — at any moment: while the
   CLI itself is still loading (typer, numpy, the command groups: the first second of a run), a
@@ -55,12 +57,17 @@ _LOADING = signal.getsignal(signal.SIGINT) is signal.default_int_handler and _se
 
 import importlib  # noqa: E402  (after the handler: these imports are the slow part)
 import logging  # noqa: E402
-from typing import Annotated  # noqa: E402
+from typing import Annotated, Any, NoReturn  # noqa: E402
 
 import typer  # noqa: E402
 from typer.core import TyperGroup, TyperOption  # noqa: E402
 
 from crossfeed.errors import CrossfeedError, missing_extra, redact  # noqa: E402
+
+# click's exceptions where this typer takes them from (newer typer releases carry their own click)
+_clickx = sys.modules[typer.BadParameter.__module__]
+_UsageError: type[Exception] = _clickx.UsageError
+_NoArgsIsHelp: tuple[type[Exception], ...] = tuple(c for c in (getattr(_clickx, "NoArgsIsHelpError", None),) if c)
 
 # OSErrors that name a path the user gave: an error of the environment, not a bug.
 _PATH_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -105,6 +112,16 @@ def _command(ctx) -> list[str]:
     return words
 
 
+def _usage_error(e: Any) -> NoReturn:  # a click UsageError (whichever click typer uses)
+    """One line on stderr and exit 2 (typer would draw a box of five lines); help asked for by
+    giving no arguments is shown as it is."""
+    if isinstance(e, _NoArgsIsHelp):
+        raise e
+    where = f"; see '{e.ctx.command_path} --help'" if e.ctx is not None else ""
+    typer.echo(f"error: {e.format_message().rstrip('.')}{where}", err=True)
+    raise typer.Exit(e.exit_code) from None
+
+
 class _Boundary(TyperGroup):
     """The top-level group: every command (and sub-group) runs inside its `invoke`."""
 
@@ -113,11 +130,19 @@ class _Boundary(TyperGroup):
         rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
         return sorted(names, key=lambda n: rank.get(n, len(rank)))
 
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except _UsageError as e:  # a bad option before the command: `crossfeed --bogus info`
+            _usage_error(e)
+
     def invoke(self, ctx):
         previous = _set_sigint(signal.default_int_handler)  # from here a Ctrl-C is a KeyboardInterrupt
         command = " ".join(["crossfeed", *_command(ctx)])  # before invoking: click consumes the arguments
         try:
             return super().invoke(ctx)
+        except _UsageError as e:  # a bad command, option or argument: one line, as any error
+            _usage_error(e)
         except BrokenPipeError:
             _silence_stdout()
             raise typer.Exit(EXIT_SIGPIPE) from None

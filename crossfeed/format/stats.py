@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+SHAPES_KEPT = 20  # the commonest shapes a manifest keeps per feature
+
 
 @dataclass
 class FeatureStats:
@@ -63,7 +65,10 @@ class FeatureStats:
         if self.n_values:
             d.update(min=self.min, max=self.max, mean=self.total / self.n_values)
         if self.shapes:
-            d["shapes"] = dict(sorted(self.shapes.items(), key=lambda kv: -kv[1])[:20])
+            d["shapes"] = dict(sorted(self.shapes.items(), key=lambda kv: -kv[1])[:SHAPES_KEPT])
+            if len(self.shapes) > SHAPES_KEPT:  # the commonest are kept; how many there were, and
+                d["distinct_shapes"] = len(self.shapes)  # the records the dropped ones had, too
+                d["other_shapes_count"] = sum(self.shapes.values()) - sum(d["shapes"].values())
         if self.lengths is not None:
             d["lengths"] = self.lengths.to_json()
         return d
