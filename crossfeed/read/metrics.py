@@ -239,7 +239,8 @@ def _advice(stage: str | None, st: Stats) -> str:
     if stage == "transform":
         cpu = st.stages["transform"].cpu_share
         # a transform that waits (sleep, I/O: the GIL released): more threads overlap the waits
-        if cpu is not None and st.busy("transform") < WAITING:
+        busy = st.busy("transform")
+        if cpu is not None and busy is not None and busy < WAITING:
             more = f"processes (now {st.processes})" if st.processes else f"num_threads (now {st.threads})"
             return (
                 f"the transform waits most of its time (on the CPU {cpu:.0%} of it: sleep or I/O, the GIL "
@@ -339,6 +340,8 @@ class Tally:
     wait: int
     consumer: int
     epochs: int
+    cpu_transform: int
+    ncpu_transform: int
     start: int
     last: int
 

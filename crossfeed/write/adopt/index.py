@@ -431,7 +431,7 @@ def _index_parquet(
     declared = declared_features(features if isinstance(features, dict) else [f for f in specs if f not in picked])
     texts = [f"{k}={v}" for k, v in features.items() if isinstance(v, str)] if isinstance(features, dict) else specs
     unshaped = frozenset(t.partition("=")[0] for t in texts if isinstance(t, str) and "=" in t and not shape_given(t))
-    schema, splits, meta = index_parquet(
+    schema, infos, meta = index_parquet(
         place,
         {s: [n for _, n in sorted(m)] for s, m in sorted(groups.items())},
         declared=declared,
@@ -443,7 +443,7 @@ def _index_parquet(
     metadata = _metadata(old)
     metadata.pop("parquet", None)  # this run's decisions replace an earlier index's
     metadata.update(meta)
-    manifest = Manifest(schema, splits, metadata, old.generation + 1 if old else 0, place.data_root, lengths)
+    manifest = Manifest(schema, infos, metadata, old.generation + 1 if old else 0, place.data_root, lengths)
     return _commit(place.root, manifest)
 
 
