@@ -10,13 +10,16 @@ import io
 
 import numpy as np
 import pytest
+from conftest import lazy_import, requires
 from typer.testing import CliRunner
 
 import crossfeed
 from crossfeed.cli.main import app
 from crossfeed.errors import CorruptRecordError, DatasetNotFoundError
 
-datasets = pytest.importorskip("datasets")
+datasets = lazy_import("datasets")
+
+pytestmark = [pytest.mark.slow, requires("datasets")]  # HF datasets and pandas imported
 
 
 def _png(shade: int) -> bytes:

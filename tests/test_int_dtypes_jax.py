@@ -1,20 +1,24 @@
-"""Token ids stored narrow (uint16/uint32) reach JAX as int32 with `JaxLoader`'s defaults, checked
+"""Token ids stored narrow (uint16/uint32) reach JAX as int32 with `_jax.JaxLoader`'s defaults, checked
 to fit (a uint32 id past 2^31 is refused by name); ``keep_dtypes=True`` keeps them as stored."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import lazy_import, requires
 
-jax = pytest.importorskip("jax")
+jax = lazy_import("jax")
 
 from token_data import write_stored_ids  # noqa: E402
 
 import crossfeed  # noqa: E402
-from crossfeed.adapters.jax import JaxLoader  # noqa: E402
+
+_jax = lazy_import("crossfeed.adapters.jax")
 from crossfeed.errors import SchemaError  # noqa: E402
 
-jnp = jax.numpy
+jnp = lazy_import("jax.numpy")
+
+pytestmark = [pytest.mark.slow, requires("jax")]  # JAX imported
 
 
 def _one_device():
@@ -38,7 +42,7 @@ def test_a_jax_step_on_packed_rows_with_the_defaults(tmp_path, dtype):
         want = [b["tokens"] for b in ld]
     table = jnp.zeros((32, 32))
     step = jax.jit(jax.value_and_grad(_loss))
-    with JaxLoader(path, sharding=_one_device(), **opts) as loader:
+    with _jax.JaxLoader(path, sharding=_one_device(), **opts) as loader:
         got = 0
         for i, b in enumerate(loader):
             assert b["tokens"].dtype == jnp.int32
@@ -52,10 +56,10 @@ def test_a_jax_step_on_packed_rows_with_the_defaults(tmp_path, dtype):
 def test_a_uint32_id_past_int32_is_named_and_keep_dtypes_keeps_it(tmp_path):
     path = write_stored_ids(tmp_path / "ids", dtype="uint32", top=2**31 + 5)
     opts = dict(batch_size=4, seed=1, pack=crossfeed.Pack(length=32), sharding=_one_device())
-    with JaxLoader(path, **opts) as loader:
+    with _jax.JaxLoader(path, **opts) as loader:
         with pytest.raises(SchemaError, match=r"feature 'tokens'.*keep_dtypes=True"):
             list(loader)
-    with JaxLoader(path, keep_dtypes=True, **opts) as loader:
+    with _jax.JaxLoader(path, keep_dtypes=True, **opts) as loader:
         batches = list(loader)
     assert batches and all(b["tokens"].dtype == jnp.uint32 for b in batches)
     assert max(int(b["tokens"].max()) for b in batches) == 2**31 + 5

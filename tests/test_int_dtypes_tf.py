@@ -5,20 +5,24 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import lazy_import, requires
 
-tf = pytest.importorskip("tensorflow")
+tf = lazy_import("tensorflow")
 
 from token_data import write_stored_ids  # noqa: E402
 
 import crossfeed  # noqa: E402
-import crossfeed.adapters.tf as cftf  # noqa: E402
+
+cftf = lazy_import("crossfeed.adapters.tf")
+
+pytestmark = [pytest.mark.slow, requires("tensorflow")]  # TensorFlow imported
 
 
-@pytest.mark.parametrize(("dtype", "want"), [("uint16", tf.int32), ("uint32", tf.int64)])
+@pytest.mark.parametrize(("dtype", "want"), [("uint16", "int32"), ("uint32", "int64")])
 def test_a_keras_embedding_step_on_packed_rows_with_the_defaults(tmp_path, dtype, want):
     path = write_stored_ids(tmp_path / "ids", dtype=dtype)
     ds = cftf.dataset(path, batch_size=8, seed=0, pack=crossfeed.Pack(32))
-    assert ds.element_spec["tokens"].dtype == want
+    assert ds.element_spec["tokens"].dtype == getattr(tf, want)
     with crossfeed.Loader(path, batch_size=8, seed=0, pack=crossfeed.Pack(32)) as ld:
         first = next(iter(ld))["tokens"]
     assert np.array_equal(next(iter(ds))["tokens"].numpy(), first.astype(np.int64))

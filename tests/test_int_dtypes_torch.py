@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import lazy_import, requires
 
-torch = pytest.importorskip("torch")
+torch = lazy_import("torch")
 
 from token_data import write_stored_ids  # noqa: E402
 
 import crossfeed  # noqa: E402
-from crossfeed.adapters.torch import StatefulLoader, TorchDataset  # noqa: E402
+
+_torch = lazy_import("crossfeed.adapters.torch")
+
+pytestmark = [pytest.mark.slow, requires("torch")]  # torch imported
 
 OPTS = dict(batch_size=4, seed=1, pack=crossfeed.Pack(length=32), rank=0, world_size=1)
 
@@ -27,8 +31,8 @@ def test_an_embedding_and_cross_entropy_step_on_packed_rows_with_the_defaults(tm
         want = [b["tokens"] for b in ld]
     assert want[0].dtype == np.dtype(dtype)  # the Loader delivers them as stored
     losses = []
-    with TorchDataset(path, **OPTS) as ds:
-        loader = StatefulLoader(ds)
+    with _torch.TorchDataset(path, **OPTS) as ds:
+        loader = _torch.StatefulLoader(ds)
         for i, b in enumerate(loader):
             tokens = b["tokens"]
             assert tokens.dtype == torch.int64 and b["segment_ids"].dtype == torch.int32
@@ -45,7 +49,7 @@ def test_an_embedding_and_cross_entropy_step_on_packed_rows_with_the_defaults(tm
 
 def test_keep_dtypes_hands_the_stored_ids_over(tmp_path):
     path = write_stored_ids(tmp_path / "ids", dtype="uint16")
-    with TorchDataset(path, keep_dtypes=True, **OPTS) as ds:
+    with _torch.TorchDataset(path, keep_dtypes=True, **OPTS) as ds:
         b = next(iter(ds))
     assert b["tokens"].dtype == torch.uint16
     with pytest.raises(RuntimeError):  # what the default spares a user

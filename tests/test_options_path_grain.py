@@ -1,4 +1,4 @@
-"""One options path, Grain: `GrainSource` takes a `LoaderOptions`, or its fields as keywords,
+"""One options path, Grain: `_grain.GrainSource` takes a `LoaderOptions`, or its fields as keywords,
 through the Loader's entry point (`LoaderOptions.given`): what to read and how to decode it
 (``split``, ``features``, the `ReadOptions` fields) with the Loader's defaults and refusals; the
 order fields (the plan and shard groups) belong to the Grain pipeline and are refused by name."""
@@ -6,14 +6,14 @@ order fields (the plan and shard groups) belong to the Grain pipeline and are re
 from __future__ import annotations
 
 import pytest
-
-pytest.importorskip("grain")
-
+from conftest import lazy_import, requires
 from options_helpers import BAD  # noqa: E402
 
-from crossfeed.adapters.grain import GrainSource  # noqa: E402
+_grain = lazy_import("crossfeed.adapters.grain")
 from crossfeed.errors import ConfigError  # noqa: E402
 from crossfeed.read.options import LoaderOptions  # noqa: E402
+
+pytestmark = [pytest.mark.slow, requires("grain")]  # Grain imported
 
 READ = dict(
     split="val",
@@ -30,16 +30,16 @@ ORDER = {"batch_size", "shuffle", "seed", "remainder", "block_shards", "rank", "
 
 def test_grain_takes_the_reading_options_as_keywords_or_whole(options_data):
     want = LoaderOptions.of(batch_size=1, **READ)
-    with GrainSource(options_data, **READ) as src:
+    with _grain.GrainSource(options_data, **READ) as src:
         assert src.options == want and len(src) == 30 and set(src[0]) == {"x"}
-    with GrainSource(options_data, want) as src:
+    with _grain.GrainSource(options_data, want) as src:
         assert src.options == want and len(src) == 30
-    with GrainSource(options_data, LoaderOptions.of(batch_size=64, split="val")) as src:  # batch_size: Grain's
+    with _grain.GrainSource(options_data, LoaderOptions.of(batch_size=64, split="val")) as src:  # batch_size: Grain's
         assert len(src) == 30
 
 
 def test_grain_defaults_are_the_options_defaults(options_data):
-    with GrainSource(options_data) as src:
+    with _grain.GrainSource(options_data) as src:
         assert src.options == LoaderOptions.of(batch_size=1)
 
 
@@ -48,7 +48,7 @@ def test_grain_refuses_every_bad_value_by_name(options_data, field, value):
     """A reading option's bad value with the Loader's own message; an order option (which has no
     meaning for a random-access source) by its name, whatever its value."""
     with pytest.raises(ConfigError) as b:
-        GrainSource(options_data, **{field: value})
+        _grain.GrainSource(options_data, **{field: value})
     if field in ORDER:
         assert field in str(b.value) and "Grain pipeline" in str(b.value)
     else:
@@ -59,6 +59,6 @@ def test_grain_refuses_every_bad_value_by_name(options_data, field, value):
 
 def test_grain_refuses_order_options_given_whole_and_both_forms_at_once(options_data):
     with pytest.raises(ConfigError, match=r"\['seed'\]"):
-        GrainSource(options_data, LoaderOptions.of(batch_size=4, seed=3))
+        _grain.GrainSource(options_data, LoaderOptions.of(batch_size=4, seed=3))
     with pytest.raises(ConfigError, match="not both"):
-        GrainSource(options_data, LoaderOptions.of(batch_size=4), features=["x"])
+        _grain.GrainSource(options_data, LoaderOptions.of(batch_size=4), features=["x"])

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import lazy_import, requires
 
-tf = pytest.importorskip("tensorflow")
+tf = lazy_import("tensorflow")
 
 from test_per_sample import N, small  # noqa: E402, F401
 
 import crossfeed  # noqa: E402
-import crossfeed.adapters.tf as cftf  # noqa: E402
+
+cftf = lazy_import("crossfeed.adapters.tf")
+
+pytestmark = [pytest.mark.slow, requires("tensorflow")]  # TensorFlow imported
 
 
 def test_both_engines_yield_records_the_plan_engine_in_the_loaders_order(small):  # noqa: F811

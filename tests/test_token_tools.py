@@ -11,15 +11,14 @@ import types
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
-
-pytest.importorskip("tokenizers")
-pytest.importorskip("apache_beam")
-
+from conftest import requires
 from test_convert_text import corpus, train_tokenizer  # noqa: E402
+from typer.testing import CliRunner
 
 import crossfeed  # noqa: E402
 from crossfeed.read.tools.lengths import length_percentiles  # noqa: E402
+
+pytestmark = [pytest.mark.slow, requires("tokenizers", "apache_beam")]  # Beam conversions
 
 
 @pytest.fixture(scope="module")

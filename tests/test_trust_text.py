@@ -18,19 +18,24 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import lazy_import, requires
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-pytest.importorskip("apache_beam")
-tokenizers = pytest.importorskip("tokenizers")
+tokenizers = lazy_import("tokenizers")
 
 from crossfeed import CrossfeedError, Loader  # noqa: E402
-from crossfeed.beam_jobs.policy import ErrorPolicy  # noqa: E402
-from crossfeed.beam_jobs.records import SampleBatch  # noqa: E402
-from crossfeed.beam_jobs.text_source import MAX_DOCUMENT_BYTES, TextSource, TokenizeDoFn  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+_policy = lazy_import("crossfeed.beam_jobs.policy")
+_records = lazy_import("crossfeed.beam_jobs.records")
+_text_source = lazy_import("crossfeed.beam_jobs.text_source")
+
+pytestmark = [
+    pytest.mark.slow,
+    requires("tokenizers", "apache_beam"),
+    pytest.mark.timeout(300),
+]  # Beam jobs, 3 GiB lines under RLIMIT_AS
 
 WORDS = ["[UNK]", "the", "quick", "brown", "fox", "a", "b"]
 LIMIT_AS = 5 << 29  # 2.5 GiB: the address space of a hostile conversion, smaller than its line
@@ -121,11 +126,13 @@ def test_a_3gib_line_is_one_bad_record_read_in_bounded_memory(tmp_path, tok, how
     assert "MemoryError" not in run.stderr and "Traceback" not in run.stderr, run.stderr[-3000:]
     if mode == "raise":
         assert run.returncode == 2, run.stderr[-3000:]
-        assert error_line(run.stderr).startswith(f"error: {path}:2: a line of more than {MAX_DOCUMENT_BYTES:,} bytes")
+        assert error_line(run.stderr).startswith(
+            f"error: {path}:2: a line of more than {_text_source.MAX_DOCUMENT_BYTES:,} bytes"
+        )
         assert "--max-document-bytes" in run.stderr
         return
     assert run.returncode == 0, run.stderr[-3000:]
-    assert f"{path}:2: a line of more than {MAX_DOCUMENT_BYTES:,} bytes" in run.stderr
+    assert f"{path}:2: a line of more than {_text_source.MAX_DOCUMENT_BYTES:,} bytes" in run.stderr
     assert "skipped 1 bad records" in run.stdout
     name = os.path.basename(path)
     assert read_ids(tmp_path / "out") == {f"{name}:1": [1, 4], f"{name}:3": [2, 3]}
@@ -250,14 +257,16 @@ def open_manifest(out):
 def _read_all(src, tok_path, mode: str, **options) -> tuple[list, int]:
     """Scan ``src`` and run every unit through reading and tokenizing, as the job does:
     ``(kept keys, skipped)``."""
-    source = TextSource.scan(str(src), tokenizer=str(tok_path), on_error=ErrorPolicy(mode), **options)
-    step = TokenizeDoFn(source.tokenizer, source.on_error)
+    source = _text_source.TextSource.scan(
+        str(src), tokenizer=str(tok_path), on_error=_policy.ErrorPolicy(mode), **options
+    )
+    step = _text_source.TokenizeDoFn(source.tokenizer, source.on_error)
     step.setup()
     keys, skipped = [], 0
     for unit in source.units():
         for batch in source.read(unit):
             for out in step.process(batch):
-                assert isinstance(out, SampleBatch)
+                assert isinstance(out, _records.SampleBatch)
                 keys += out.keys
                 skipped += out.skipped
                 assert all(t.dtype == np.dtype(source.tokenizer.dtype) for t in out.columns["tokens"])
@@ -281,7 +290,7 @@ TEXT_KINDS = ("x.jsonl", "x.csv", "x.tsv", "x.txt", "x.jsonl.gz", "x.txt.gz")
             max_size=8,
         ).map(lambda ls: ("text\n" + "\n".join(ls)).encode("utf-8", "surrogatepass")),
     ),
-    limit=st.sampled_from([8, 64, MAX_DOCUMENT_BYTES]),
+    limit=st.sampled_from([8, 64, 16 << 20]),  # 16 MiB: text_source.MAX_DOCUMENT_BYTES
 )
 def test_fuzzed_text_inputs_end_in_one_crossfeed_error_or_skips(tmp_path_factory, name, body, limit):
     src = tmp_path_factory.mktemp("fz")
@@ -338,7 +347,7 @@ def test_a_batch_of_documents_is_bounded_by_its_text(tmp_path, tok, monkeypatch)
     src = tmp_path / "in"
     src.mkdir()
     (src / "docs.jsonl").write_text("".join(json.dumps({"text": "the fox " * 8}) + "\n" for _ in range(7)))
-    source = TextSource.scan(str(src), tokenizer=str(tok))
+    source = _text_source.TextSource.scan(str(src), tokenizer=str(tok))
     batches = [b for u in source.units() for b in source.read(u)]
     assert [len(b) for b in batches] == [2, 2, 2, 1]
     assert all(sum(map(len, b.columns["text"])) < 100 + 64 for b in batches)
