@@ -36,6 +36,7 @@ class ConvertResult:
     seconds: float
     skipped: int
     dropped: dict[str, int] = field(default_factory=dict)  # records left out on purpose, by reason
+    narrowed: dict[str, str] = field(default_factory=dict)  # columns stored narrower than read, and how
 
     @property
     def total_samples(self) -> int:
@@ -129,6 +130,7 @@ def _convert(source, out, split, splits, seed, runner, beam_args, on_progress, o
         seconds,
         int(manifest.metadata.get("skipped_records", 0)),
         dict(manifest.metadata.get("dropped_records", {})),
+        dict(manifest.metadata.get("narrowed", {})),
     )
 
 

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from typer.core import TyperCommand
 
-from crossfeed.cli.options import STORAGE_OPTION, Group, default_of, storage_options, with_options
+from crossfeed.cli.options import STORAGE_OPTION, Group, OnceCommand, default_of, storage_options, with_options
 from crossfeed.cli.progress import Progress
 from crossfeed.errors import ConfigError
 from crossfeed.policy import OnError
@@ -33,7 +32,7 @@ log = logging.getLogger(__name__)
 _BEAM_ARGS = "crossfeed.beam_args"
 
 
-class _BeamCommand(TyperCommand):
+class _BeamCommand(OnceCommand):
     """A convert command: everything after the first ``--`` is Beam's; before it, typer's rules
     (so a stray argument is an error, not a Beam option)."""
 
@@ -90,7 +89,14 @@ OnErrorOpt = Annotated[
 ]
 MaxSkipsOpt = Annotated[int, typer.Option("--max-skips", min=0, help="Most bad records to skip before failing.")]
 LabelOpt = Annotated[str | None, typer.Option("--label", help="Column/array stored as the feature 'label'.")]
-TypesOpt = Annotated[str | None, typer.Option("--types", help="Column types, e.g. age:int64,name:string.")]
+TypesOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--types",
+        help="Column types, e.g. age:int64,name:string (int64, float = float64, float32 — a narrowing, said in the "
+        "summary —, string); repeatable, the types add up. Other columns keep their dtype.",
+    ),
+]
 LabelClassesOpt = Annotated[
     bool,
     typer.Option(
@@ -165,7 +171,8 @@ def csv(
     label: LabelOpt = None,
     types: TypesOpt = None,
     names: Annotated[
-        str | None, typer.Option("--names", help="Column names, comma-separated (replace the header).")
+        list[str] | None,
+        typer.Option("--names", help="Column names, comma-separated (replace the header); repeatable, in order."),
     ] = None,
     header: Annotated[bool, typer.Option("--header/--no-header", help="The first line names the columns.")] = True,
     skip_rows: Annotated[int, typer.Option("--skip-rows", min=0, help="Lines to skip before the header.")] = 0,
@@ -184,7 +191,7 @@ def csv(
         {**common, **bad_records},
         label=label,
         types=types,
-        names=names,
+        names=_joined(names),
         header=header,
         skip_rows=skip_rows,
         delimiter=delimiter,
@@ -199,7 +206,9 @@ def parquet(
     out: Out,
     label: LabelOpt = None,
     types: TypesOpt = None,
-    columns: Annotated[str | None, typer.Option("--columns", help="Columns to keep, comma-separated.")] = None,
+    columns: Annotated[
+        list[str] | None, typer.Option("--columns", help="Columns to keep, comma-separated; repeatable, in order.")
+    ] = None,
     label_classes: LabelClassesOpt = True,
     *,
     common: dict,
@@ -214,7 +223,7 @@ def parquet(
         {**common, **bad_records},
         label=label,
         types=types,
-        columns=columns,
+        columns=_joined(columns),
         label_classes=label_classes,
     )
 
@@ -292,6 +301,13 @@ def text(
         token_dtype=None if token_dtype is TokenDtype.auto else token_dtype.value,
         max_document_bytes=max_document_bytes,
     )
+
+
+def _joined(values: list[str] | None) -> list[str] | None:
+    """A repeatable comma-separated list option's values, in order (None when not given)."""
+    if not values:
+        return None
+    return [n.strip() for v in values for n in v.split(",") if n.strip()]
 
 
 def _check_paths(inputs: list[str], out: str) -> None:
@@ -379,6 +395,7 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: str, common: dict, 
             f"in {result.seconds:.2f} s: {result.samples_per_second:,.0f} samples/s"
             + (f"; skipped {result.skipped} bad records" if result.skipped else "")
             + "".join(f"; left out {n:,} {why.replace('_', ' ')}" for why, n in sorted(result.dropped.items()))
+            + (f"; narrowed {'; '.join(result.narrowed.values())}" if result.narrowed else "")
         )
         where = result.path if scheme_of(out) is not None else out  # a local OUT as the user wrote it
         _warn_empty_shards(where, list(result.samples), fs_options)
