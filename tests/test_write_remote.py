@@ -230,3 +230,47 @@ def test_an_unknown_scheme_is_refused_by_name(tmp_path, monkeypatch):
     r = _run("convert", "images", photos, "foo://bucket/dir")
     assert r.exit_code == 2 and "unknown URL scheme 'foo'" in r.output, r.output
     assert sorted(os.listdir(tmp_path)) == ["photos"]  # no folder named "foo:" or "s3:"
+
+
+def test_a_convert_job_killed_mid_upload_leaves_the_previous_version(s3, tmp_path):
+    """The real CLI in a subprocess, SIGKILLed after its second object's upload, then after the
+    manifest's PUT (before the old objects go): the URL reads as the old version, then the new."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    endpoint, client = s3
+    options = {"endpoint_url": endpoint}
+    for name, base in (("old.parquet", 0), ("new.parquet", 500)):
+        pq.write_table(pa.table({"id": np.arange(base, base + 30, dtype=np.int64)}), tmp_path / name)
+
+    def convert(name: str, crash: str | None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "CROSSFEED_TEST_CRASH_AT"}
+        if crash:
+            env["CROSSFEED_TEST_CRASH_AT"] = crash
+        cmd = [sys.executable, "-m", "crossfeed.cli.main", "convert", "parquet", str(tmp_path / name)]
+        cmd += ["s3://out/job", "--overwrite", "--shards", "3", "--storage-option", f"endpoint_url={endpoint}"]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+    def ids() -> list[int]:
+        with crossfeed.open_dataset("s3://out/job", storage_options=options) as ds:
+            return sorted(int(s["id"]) for s in ds["train"])
+
+    done = convert("old.parquet", None)
+    assert done.returncode == 0, done.stderr
+    old_keys = set(_keys(client, "job"))
+    killed = convert("new.parquet", "object uploaded:2")
+    assert killed.returncode == -9, killed.stderr
+    assert ids() == list(range(30))  # the previous version, whole
+    assert _run("verify", "s3://out/job", "--storage-option", f"endpoint_url={endpoint}").exit_code == 0
+    assert len(set(_keys(client, "job")) - old_keys) == 2  # two staged objects no manifest names
+    killed = convert("new.parquet", "manifest uploaded:1")
+    assert killed.returncode == -9, killed.stderr
+    assert ids() == list(range(500, 530))  # the commit point passed: the new version
+    done = convert("old.parquet", None)
+    assert done.returncode == 0, done.stderr
+    assert ids() == list(range(30))
+    with crossfeed.open_dataset("s3://out/job", storage_options=options) as ds:
+        assert set(_keys(client, "job")) == ds.manifest.files | {MANIFEST}  # what the killed jobs left is gone
