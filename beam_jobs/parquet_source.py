@@ -14,6 +14,7 @@ a value such a conversion cannot parse is a bad row reported as ``file:row N`` u
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from crossfeed.beam_jobs.tabular import (
 from crossfeed.errors import ConfigError
 from crossfeed.format.parquet import column_values
 from crossfeed.format.schema import Feature, Schema
+from crossfeed.io.files import map_file
+from crossfeed.write.adopt.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -228,6 +231,17 @@ class ParquetSource:
             yield SampleBatch(f"parquet-{rel}-{group:06d}", keys, columns, skipped=skips.count)
 
 
+@dataclass(frozen=True)
+class _Scan(Placement):
+    """The files where they lie, for the mapping alone: not hashed (the conversion pins what it
+    writes), only their footers and the columns the mapping needs are read."""
+
+    @contextlib.contextmanager
+    def open_bytes(self, name: str):
+        with map_file(self.data_url(name)) as buf:
+            yield buf, len(buf), ""
+
+
 def _dtype_name(t) -> str:
     """A column's numpy dtype name (``float64`` for Arrow's double), or its Arrow type."""
     import pyarrow as pa
@@ -243,9 +257,8 @@ def _index_mapping(root: str, files: list[str], names: list[str], label: str | N
     if not names:
         return [], {}, {}
     from crossfeed.write.adopt.parquet import index_parquet
-    from crossfeed.write.adopt.placement import Placement
 
-    place = Placement(root, root)
+    place = _Scan(root, root)
     schema, _, meta = index_parquet(place, {"train": list(files)}, declared={}, picked=list(names))
     maps = dict((meta.get("parquet") or {}).get("columns") or {})
     decided = dict(meta.get("inferred_types") or {})
