@@ -156,7 +156,7 @@ class ParquetSource:
         for f in self.mapped:
             source = (maps.get(f.name) or {}).get("column", f.name)
             by_column.setdefault(source, []).append(f)
-        feats = []
+        feats: list[Feature] = []
         for n in self.order:
             name = feature_name(n, self.label)
             feats += [typed[name]] if name in typed else by_column.get(n, [])

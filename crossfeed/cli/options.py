@@ -87,12 +87,14 @@ class OnceCommand(TyperCommand):
             if a == "--":
                 break
             name = a.split("=", 1)[0]
-            p = once.get(name)
-            if p is None:
+            param = once.get(name)
+            if param is None or param.name is None:
                 continue
-            if p.name in seen:
-                raise typer.BadParameter(f"given more than once ({seen[p.name]} before); give it once", param_hint=name)
-            seen[p.name] = name
+            if param.name in seen:
+                raise typer.BadParameter(
+                    f"given more than once ({seen[param.name]} before); give it once", param_hint=name
+                )
+            seen[param.name] = name
         return super().parse_args(ctx, args)
 
 

@@ -171,7 +171,7 @@ def _remote_manifest(fs, path: str, url: str) -> Manifest | None:
     except FileNotFoundError:
         return None
     except Exception as e:  # botocore, aiohttp …: one error family
-        raise RemoteError(f"{where}: cannot read the current manifest ({type(e).__name__}: {e})") from None
+        raise RemoteError(where, f"cannot read the current manifest ({type(e).__name__}: {e})") from None
     return loads(data, where)
 
 
@@ -181,7 +181,7 @@ def _remote_entries(fs, path: str) -> list[str]:
     except FileNotFoundError:
         return []
     except Exception as e:
-        raise RemoteError(f"{path}: cannot list the location ({type(e).__name__}: {e})") from None
+        raise RemoteError(path, f"cannot list the location ({type(e).__name__}: {e})") from None
 
 
 def publish(target: Target) -> Manifest:
@@ -218,8 +218,9 @@ def publish(target: Target) -> Manifest:
         raise
     except Exception as e:
         raise RemoteError(
-            f"{url}: uploading the dataset failed ({type(e).__name__}: {e}); the previous version (if any) is "
-            f"still the one readers see; run the conversion again"
+            url,
+            f"uploading the dataset failed ({type(e).__name__}: {e}); the previous version (if any) is still "
+            f"the one readers see; run the conversion again",
         ) from None
     with contextlib.suppress(Exception):  # this process's listings of the location are stale now
         fs.invalidate_cache(path)
