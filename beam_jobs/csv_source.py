@@ -31,6 +31,7 @@ from crossfeed.beam_jobs.tabular import (
     encode_labels,
     feature_name,
     infer_column,
+    narrowed_lines,
     parse_types,
     table_metadata,
     table_schema,
@@ -130,11 +131,12 @@ class CsvSource:
 
     @property
     def metadata(self) -> dict:
-        return table_metadata("csv", self.label, self.classes, self.inferred)
+        return table_metadata("csv", self.label, self.classes, self.inferred, narrowed_lines(self.columns))
 
     def report(self) -> list[str]:
         """What inference decided for each column and why; the label's classes."""
         lines = [("warning: " if i.warn else "") + i.why for i in self.inferred]
+        lines += list(narrowed_lines(self.columns).values())
         if self.classes is not None:
             shown = ", ".join(self.classes[:10]) + (" …" if len(self.classes) > 10 else "")
             lines.append(

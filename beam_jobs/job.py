@@ -5,12 +5,13 @@ offline in-process runner unless told otherwise (runner.py); what ``crossfeed co
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from crossfeed.beam_jobs.commit import remove_temporaries
@@ -21,6 +22,7 @@ from crossfeed.beam_jobs.write import WriteDataset
 from crossfeed.errors import ConfigError
 from crossfeed.write.commit import check_target, read_manifest
 from crossfeed.write.options import WriteOptions
+from crossfeed.write.target import write_target
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class ConvertResult:
     seconds: float
     skipped: int
     dropped: dict[str, int] = field(default_factory=dict)  # records left out on purpose, by reason
+    narrowed: dict[str, str] = field(default_factory=dict)  # columns stored narrower than read, and how
 
     @property
     def total_samples(self) -> int:
@@ -56,6 +59,7 @@ def convert(
     on_progress: Callable[[int, int, float], None] | None = None,
     overwrite: bool = False,
     options: WriteOptions | None = None,
+    storage_options: Mapping | None = None,
     **fields,
 ) -> ConvertResult:
     """Convert ``source`` into split(s) of the dataset at ``out``; returns what was written.
@@ -67,10 +71,20 @@ def convert(
     (samples encoded so far; works on any runner whose workers share ``out``'s filesystem). On
     failure the job's temporary files are removed and the error propagates. ``out`` must be new or
     empty; ``overwrite=True`` replaces the dataset there, all of it, in one atomic commit.
+
+    ``out`` is a local directory or any fsspec URL the read side reads (``s3://bucket/dir`` with
+    ``storage_options={"endpoint_url": …}``, ``gs://``, ``memory://``): the job writes into a
+    local staging directory and the dataset is published there, manifest last
+    (`crossfeed.write.target`; the workers must reach the staging directory, as they reach a local
+    ``out``). A URL of an unknown scheme is refused, never written as a local folder.
     """
     options = WriteOptions.given(options, fields, who="convert")
-    out = os.path.abspath(os.fspath(out))
-    os.makedirs(out, exist_ok=True)
+    with write_target(out, storage_options=storage_options, overwrite=overwrite) as target:
+        result = _convert(source, target.root, split, splits, seed, runner, beam_args, on_progress, overwrite, options)
+    return dataclasses.replace(result, path=target.url if target.remote else result.path)
+
+
+def _convert(source, out, split, splits, seed, runner, beam_args, on_progress, overwrite, options) -> ConvertResult:
     check_target(out, overwrite=overwrite, clean=True)  # refuse before any work
     token = secrets.token_hex(6)
     write = WriteDataset(
@@ -116,6 +130,7 @@ def convert(
         seconds,
         int(manifest.metadata.get("skipped_records", 0)),
         dict(manifest.metadata.get("dropped_records", {})),
+        dict(manifest.metadata.get("narrowed", {})),
     )
 
 

@@ -1,6 +1,8 @@
 """Typed columns shared by the CSV and Parquet sources.
 
-A column is ``int64``, ``float`` (stored as float32, the Example float list) or ``string``. Missing
+A column is ``int64``, ``float`` (float64: what the text or the file holds, never narrowed
+unless asked), ``float32`` (narrowed on request, and said so in the summary and the manifest's
+``narrowed``) or ``string``. Missing
 values: an empty float is NaN, an empty string is ``""``, an empty int64 is a bad row (declare the
 column ``float`` to keep such rows). The chosen ``label`` column becomes the feature ``label``; its
 original name is kept in the metadata (``label_column``). A string label becomes a class index,
@@ -28,7 +30,8 @@ from crossfeed.format.schema import Feature, Schema
 
 class ColumnType(str, enum.Enum):
     INT64 = "int64"
-    FLOAT = "float"
+    FLOAT = "float"  # float64
+    FLOAT32 = "float32"  # narrowed on request
     STRING = "string"
 
 
@@ -36,38 +39,46 @@ _ALIASES = {
     "int": "int64",
     "int64": "int64",
     "float": "float",
-    "float32": "float",
     "float64": "float",
     "double": "float",
+    "float32": "float32",
+    "single": "float32",
     "str": "string",
     "string": "string",
 }
 _FEATURE = {
     ColumnType.INT64: ("int64", codecs.INT64),
-    ColumnType.FLOAT: ("float32", codecs.FLOAT),
+    ColumnType.FLOAT: ("float64", codecs.number_codec("float64")),  # a tensor scalar, as `crossfeed index` maps it
+    ColumnType.FLOAT32: ("float32", codecs.FLOAT),
     ColumnType.STRING: ("string", codecs.BYTES),
 }
+_TYPES = "int64, float (float64), float32, string"
 
 
-def parse_types(text: str | dict | None) -> dict[str, ColumnType]:
-    """``"age:int64,score:float"`` (or a dict) → ``{name: ColumnType}``."""
+def parse_types(text: str | dict | list | tuple | None) -> dict[str, ColumnType]:
+    """``"age:int64,score:float"`` (or a dict, or a list of such strings: ``--types`` given more
+    than once) → ``{name: ColumnType}``; a column given two types is refused."""
     if not text:
         return {}
     if isinstance(text, dict):
         items = list(text.items())
     else:
         items = []
-        for item in (t.strip() for t in text.split(",") if t.strip()):
-            name, sep, typ = item.rpartition(":")
-            if not sep or not name:
-                raise ConfigError(f"--types: {item!r} is not NAME:TYPE (TYPE one of int64, float, string)")
-            items.append((name, typ))
-    out = {}
+        for part in [text] if isinstance(text, str) else list(text):
+            for item in (t.strip() for t in str(part).split(",") if t.strip()):
+                name, sep, typ = item.rpartition(":")
+                if not sep or not name:
+                    raise ConfigError(f"--types: {item!r} is not NAME:TYPE (TYPE one of {_TYPES})")
+                items.append((name, typ))
+    out: dict[str, ColumnType] = {}
     for name, typ in items:
         try:
-            out[name] = ColumnType(_ALIASES[str(typ).strip().lower()])
+            got = ColumnType(_ALIASES[str(typ).strip().lower()])
         except KeyError:
-            raise ConfigError(f"column {name!r}: type {typ!r} is not one of int64, float, string") from None
+            raise ConfigError(f"column {name!r}: type {typ!r} is not one of {_TYPES}") from None
+        if name in out and out[name] is not got:
+            raise ConfigError(f"--types: column {name!r} is given two types ({out[name].value}, {got.value}); give one")
+        out[name] = got
     return out
 
 
@@ -167,7 +178,7 @@ def convert_strings(values: list[str], typ: ColumnType, name: str) -> tuple[np.n
     """Text cells → a typed column, and ``{row: why}`` for cells that do not parse."""
     if typ is ColumnType.STRING:
         return list(values), {}
-    dtype = np.int64 if typ is ColumnType.INT64 else np.float64
+    dtype = np.int64 if typ is ColumnType.INT64 else np.float64  # float32: narrowed by the encoder
     try:
         return np.array(values, dtype=dtype), {}
     except (ValueError, OverflowError):
@@ -175,7 +186,7 @@ def convert_strings(values: list[str], typ: ColumnType, name: str) -> tuple[np.n
     out = np.zeros(len(values), dtype=dtype)
     bad = {}
     for i, v in enumerate(values):
-        if typ is ColumnType.FLOAT and not v.strip():
+        if typ is not ColumnType.INT64 and not v.strip():
             out[i] = np.nan
             continue
         try:
@@ -209,10 +220,27 @@ def table_schema(
     return Schema(feats)
 
 
+def narrowed_lines(columns, stored: dict[str, str] | None = None) -> dict[str, str]:
+    """``{column: what was narrowed}`` for the columns declared ``float32`` (``stored``: the
+    file's dtype of each column, where known; CSV text is float64 until narrowed)."""
+    out = {}
+    for name, typ in columns:
+        was = (stored or {}).get(name, "float64")
+        if typ is ColumnType.FLOAT32 and was not in ("float32", "float16"):
+            out[name] = f"{name}: {was} narrowed to float32, as --types {name}:float32 asks"
+    return out
+
+
 def table_metadata(
-    kind: str, label: str | None, classes: tuple[str, ...] | None = None, inferred: tuple[Inference, ...] = ()
+    kind: str,
+    label: str | None,
+    classes: tuple[str, ...] | None = None,
+    inferred: tuple[Inference, ...] = (),
+    narrowed: dict[str, str] | None = None,
 ) -> dict:
     meta: dict = {"source": kind}
+    if narrowed:
+        meta["narrowed"] = dict(narrowed)
     if label is not None:
         meta["label_column"] = label
     if classes is not None:

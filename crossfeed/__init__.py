@@ -55,11 +55,13 @@ __version__ = "0.1.0"
 def write_dataset(path, samples, **options) -> Dataset:
     """Write ``samples`` as a split of the dataset at ``path`` and return it opened: the options
     (a `WriteOptions`, whole as ``options=`` or as its fields: ``shard_size="64MB"`` …) and the
-    atomic commit are `crossfeed.write.writer.write_samples`'s."""
+    atomic commit are `crossfeed.write.writer.write_samples`'s. ``path`` may be any fsspec URL the
+    read side reads, reached with ``storage_options=`` (docs/storage.md)."""
     from crossfeed.read.sources.dataset import open_dataset
     from crossfeed.write.writer import write_samples
 
-    return open_dataset(write_samples(path, samples, **options))
+    where = write_samples(path, samples, **options)
+    return open_dataset(where, storage_options=options.get("storage_options"))
 
 
 # Each public name and the module that defines it, imported on the name's first use (PEP 562), so

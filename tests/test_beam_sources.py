@@ -159,15 +159,17 @@ def test_parquet_row_groups_types_and_nulls(tmp_path):
     src = beam_job.make_source("parquet", tmp_path / "t.parquet", types="num:int64", label="y", on_error=SKIP)
     assert len(src.units()) == 3
     r = beam_job.convert(src, tmp_path / "out", num_shards=2)
-    assert r.total_samples == 4 and r.skipped == 2  # a null int and an unparsable "x"
+    assert r.total_samples == 5 and r.skipped == 1  # an unparsable "x"; a null int is kept, masked (as index)
+    ds = open_dataset(tmp_path / "out")
+    assert ds.schema["k"].dtype == "int32" and ds.schema["f"].dtype == "float64"  # dtypes kept
     rows = sorted(
-        (int(s["k"]), float(s["f"]), s["s"], int(s["num"]), int(s["label"]))
-        for s in open_dataset(tmp_path / "out")["train"]
+        (int(s["k"]), bool(s["k/valid"]), float(s["f"]), s["s"], bool(s["s/valid"]), int(s["num"]), int(s["label"]))
+        for s in ds["train"]
     )
-    assert rows[0][0] == 1 and rows[1][:3] == (2, rows[1][1], "b") and np.isnan(rows[1][1])
-    assert rows[2] == (4, 2.0, "", 40, 1) and rows[3] == (6, 4.0, "f", 60, 1)
-    with raises(BadInputError, r"t\.parquet: row 2: column 'k': null"):
-        beam_job.convert(beam_job.make_source("parquet", tmp_path / "t.parquet"), tmp_path / "o2")
+    assert rows[0] == (0, False, 1.0, "c", True, 30, 1)  # the null int: 0, and its mask False
+    assert rows[1][:2] == (1, True) and rows[2][:4] == (2, True, rows[2][2], "b") and np.isnan(rows[2][2])
+    assert rows[3] == (4, True, 2.0, "", False, 40, 1) and rows[4] == (6, True, 4.0, "f", True, 60, 1)
+    ds.close()
 
 
 def test_numpy_npz_stored_and_compressed_memory_mapped(tmp_path, monkeypatch):

@@ -20,19 +20,19 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from typer.core import TyperCommand
 
-from crossfeed.cli.options import Group, default_of, with_options
+from crossfeed.cli.options import STORAGE_OPTION, Group, OnceCommand, default_of, storage_options, with_options
 from crossfeed.cli.progress import Progress
 from crossfeed.errors import ConfigError
 from crossfeed.policy import OnError
 from crossfeed.write.options import DEFAULT_SHARD_SIZE, WriteOptions
+from crossfeed.write.target import filesystem, scheme_of
 
 log = logging.getLogger(__name__)
 _BEAM_ARGS = "crossfeed.beam_args"
 
 
-class _BeamCommand(TyperCommand):
+class _BeamCommand(OnceCommand):
     """A convert command: everything after the first ``--`` is Beam's; before it, typer's rules
     (so a stray argument is an error, not a Beam option)."""
 
@@ -66,10 +66,11 @@ Src = Annotated[
     typer.Argument(help="Input files, folders or glob patterns (quoted or not).", metavar="INPUT", show_default=False),
 ]
 Out = Annotated[
-    Path,
+    str,
     typer.Argument(
         metavar="OUT",
-        help="Output dataset directory, the last argument (created; must be new or empty unless --overwrite).",
+        help="Output dataset directory or URL (s3://bucket/dir, gs://…, with --storage-option), the last argument "
+        "(created; must be new or empty unless --overwrite).",
     ),
 ]
 SplitOpt = Annotated[str, typer.Option("--split", help="The split to write everything to.")]
@@ -88,7 +89,14 @@ OnErrorOpt = Annotated[
 ]
 MaxSkipsOpt = Annotated[int, typer.Option("--max-skips", min=0, help="Most bad records to skip before failing.")]
 LabelOpt = Annotated[str | None, typer.Option("--label", help="Column/array stored as the feature 'label'.")]
-TypesOpt = Annotated[str | None, typer.Option("--types", help="Column types, e.g. age:int64,name:string.")]
+TypesOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--types",
+        help="Column types, e.g. age:int64,name:string (int64, float = float64, float32 — a narrowing, said in the "
+        "summary —, string); repeatable, the types add up. Other columns keep their dtype.",
+    ),
+]
 LabelClassesOpt = Annotated[
     bool,
     typer.Option(
@@ -114,6 +122,7 @@ COMMON = Group(
         "seed": (SeedOpt, 0),
         "verify": (VerifyOpt, True),
         "overwrite": (OverwriteOpt, False),
+        "storage_option": (STORAGE_OPTION, None),
     },
     dict,
 )
@@ -162,7 +171,8 @@ def csv(
     label: LabelOpt = None,
     types: TypesOpt = None,
     names: Annotated[
-        str | None, typer.Option("--names", help="Column names, comma-separated (replace the header).")
+        list[str] | None,
+        typer.Option("--names", help="Column names, comma-separated (replace the header); repeatable, in order."),
     ] = None,
     header: Annotated[bool, typer.Option("--header/--no-header", help="The first line names the columns.")] = True,
     skip_rows: Annotated[int, typer.Option("--skip-rows", min=0, help="Lines to skip before the header.")] = 0,
@@ -181,7 +191,7 @@ def csv(
         {**common, **bad_records},
         label=label,
         types=types,
-        names=names,
+        names=_joined(names),
         header=header,
         skip_rows=skip_rows,
         delimiter=delimiter,
@@ -196,7 +206,9 @@ def parquet(
     out: Out,
     label: LabelOpt = None,
     types: TypesOpt = None,
-    columns: Annotated[str | None, typer.Option("--columns", help="Columns to keep, comma-separated.")] = None,
+    columns: Annotated[
+        list[str] | None, typer.Option("--columns", help="Columns to keep, comma-separated; repeatable, in order.")
+    ] = None,
     label_classes: LabelClassesOpt = True,
     *,
     common: dict,
@@ -211,7 +223,7 @@ def parquet(
         {**common, **bad_records},
         label=label,
         types=types,
-        columns=columns,
+        columns=_joined(columns),
         label_classes=label_classes,
     )
 
@@ -291,10 +303,19 @@ def text(
     )
 
 
-def _check_paths(inputs: list[str], out: Path) -> None:
+def _joined(values: list[str] | None) -> list[str] | None:
+    """A repeatable comma-separated list option's values, in order (None when not given)."""
+    if not values:
+        return None
+    return [n.strip() for v in values for n in v.split(",") if n.strip()]
+
+
+def _check_paths(inputs: list[str], out: str) -> None:
     """Catch the shell-glob and stray-argument mistakes before any work starts."""
     hint = "usage: INPUT... OUT (OUT is the last argument; Beam options go after --)"
-    if out.is_file():
+    if scheme_of(out) is not None:  # a URL: checked (and refused if unknown) where it is written
+        return
+    if os.path.isfile(out):
         raise typer.BadParameter(f"{out} is a file, not an output folder; {hint}", param_hint="OUT")
     for item in inputs:
         if os.path.isdir(item) and os.path.exists(os.path.join(item, "crossfeed.json")):
@@ -317,7 +338,7 @@ def _quiet_import_of_beam(verbose: bool):
     return job
 
 
-def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict, **source_options) -> None:
+def _run(ctx: typer.Context, kind: str, src: list[str], out: str, common: dict, **source_options) -> None:
     verbose = bool(ctx.find_root().params.get("verbose"))
     job = _quiet_import_of_beam(verbose)
     from crossfeed.beam_jobs.policy import ErrorPolicy
@@ -329,6 +350,12 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict,
     if kind == "images" and len(src) != 1:
         raise typer.BadParameter("convert images takes one image folder", param_hint="INPUT")
     _check_paths(src, out)
+    fs_options = storage_options(common["storage_option"])
+    if scheme_of(out) is not None:
+        try:
+            filesystem(out, fs_options)  # an unknown scheme or a missing backend: before any work
+        except ConfigError as e:
+            raise typer.BadParameter(str(e), param_hint="OUT") from e
     write_options = WriteOptions(
         num_shards=common["shards"],
         shard_size=common["shard_size"],
@@ -359,6 +386,7 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict,
             on_progress=lambda samples, nbytes, seconds: bar.update(samples),
             overwrite=common["overwrite"],
             options=write_options,
+            storage_options=fs_options,
         )
         bar.update(result.total_samples, result.total_samples)
         per_split = ", ".join(f"{k}: {v:,} in {result.shards[k]} shards" for k, v in result.samples.items())
@@ -367,10 +395,12 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: Path, common: dict,
             f"in {result.seconds:.2f} s: {result.samples_per_second:,.0f} samples/s"
             + (f"; skipped {result.skipped} bad records" if result.skipped else "")
             + "".join(f"; left out {n:,} {why.replace('_', ' ')}" for why, n in sorted(result.dropped.items()))
+            + (f"; narrowed {'; '.join(result.narrowed.values())}" if result.narrowed else "")
         )
-        _warn_empty_shards(str(out), list(result.samples))
+        where = result.path if scheme_of(out) is not None else out  # a local OUT as the user wrote it
+        _warn_empty_shards(where, list(result.samples), fs_options)
         if common["verify"]:
-            _verify(str(out), list(result.samples), progress)
+            _verify(where, list(result.samples), progress, fs_options)
 
 
 @contextlib.contextmanager
@@ -410,10 +440,10 @@ def _expected_samples(source) -> int | None:
     return None  # CSV: unknown until read
 
 
-def _warn_empty_shards(path: str, splits: list[str]) -> None:
+def _warn_empty_shards(path: str, splits: list[str], fs_options: dict) -> None:
     from crossfeed.read.sources.dataset import open_dataset
 
-    with open_dataset(path) as ds:
+    with open_dataset(path, storage_options=fs_options) as ds:
         for name in splits:
             info = ds.splits[name]
             empty = sum(1 for sh in info.shards if sh.num_records == 0)
@@ -425,16 +455,16 @@ def _warn_empty_shards(path: str, splits: list[str]) -> None:
                 )
 
 
-def _verify(path: str, splits: list[str], progress: Progress) -> None:
+def _verify(path: str, splits: list[str], progress: Progress, fs_options: dict) -> None:
     from crossfeed.read.sources.dataset import open_dataset
     from crossfeed.read.tools.verify import verify_dataset
 
-    with open_dataset(path) as ds:
+    with open_dataset(path, storage_options=fs_options) as ds:
         total = sum(ds.splits[s].num_bytes for s in splits)
     bar = progress.phase("verifying", total=total, unit="bytes")
     problems: list = []
     for s in splits:
-        problems += verify_dataset(path, split=s, progress=bar.callback)
+        problems += verify_dataset(path, split=s, progress=bar.callback, storage_options=fs_options)
     if problems:
         for p in problems:
             typer.echo(f"problem: {p}", err=True)

@@ -14,7 +14,7 @@ from typing import Annotated
 import numpy as np
 import typer
 
-from crossfeed.cli.options import ALLOW_ROOT, STORAGE_OPTION, storage_options
+from crossfeed.cli.options import ALLOW_ROOT, STORAGE_OPTION, OnceCommand, storage_options
 from crossfeed.cli.progress import Progress
 from crossfeed.errors import redact
 
@@ -353,4 +353,4 @@ def _size(n: float) -> str:
 
 def register(app: typer.Typer) -> None:
     for fn in (index, info, verify, head):
-        app.command(fn.__name__)(fn)
+        app.command(fn.__name__, cls=OnceCommand)(fn)

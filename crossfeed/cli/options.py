@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from crossfeed.policy import OnError
 from crossfeed.read.options import LoaderOptions, Pack, PackSplit, PlanOptions, ReadOptions, Remainder, Resize, Shuffle
@@ -68,6 +69,33 @@ def with_options(*groups: Group):
         return command
 
     return wrap
+
+
+class OnceCommand(TyperCommand):
+    """A command whose options take one value each unless declared repeatable: an option given
+    twice is refused (click would keep the last one silently); a repeatable one (``--types``,
+    ``--feature``, ``--storage-option``) accumulates."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        once = {}
+        for p in self.params:
+            if getattr(p, "param_type_name", "") == "option" and not p.multiple and not getattr(p, "count", False):
+                for opt in (*p.opts, *p.secondary_opts):
+                    once[opt] = p
+        seen: dict[str, str] = {}
+        for a in args:
+            if a == "--":
+                break
+            name = a.split("=", 1)[0]
+            param = once.get(name)
+            if param is None or param.name is None:
+                continue
+            if param.name in seen:
+                raise typer.BadParameter(
+                    f"given more than once ({seen[param.name]} before); give it once", param_hint=name
+                )
+            seen[param.name] = name
+        return super().parse_args(ctx, args)
 
 
 def _value(v):

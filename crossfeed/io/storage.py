@@ -355,6 +355,8 @@ class Storage:
             yield from self._http_pieces(where, start, stop, limit, too_long)
             return
         if stop is None:  # whole file: its size first, checked against the limit
+            with contextlib.suppress(Exception):  # the size now, not a listing's from before a rewrite
+                self._fs.invalidate_cache(where)
             stop = self.size(rel)
             if stop - start > limit:
                 raise too_long(stop - start)

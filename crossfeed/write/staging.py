@@ -107,12 +107,16 @@ _crash_steps = 0
 
 def crash_point(step: str) -> None:
     """A step of a write is done. With ``CROSSFEED_TEST_CRASH_AT=k`` in the environment the
-    process SIGKILLs itself after the k-th such step (how tests prove commits atomic)."""
+    process SIGKILLs itself after the k-th such step, with ``CROSSFEED_TEST_CRASH_AT=STEP:k``
+    after the k-th step named ``STEP`` (how tests prove commits atomic)."""
     global _crash_steps
     at = os.environ.get(_CRASH_ENV)
     if not at:
         return
+    name, _, k = at.rpartition(":")
+    if name and name != step:
+        return
     _crash_steps += 1
-    if _crash_steps == int(at):
+    if _crash_steps == int(k):
         log.debug("crash point %d (%s): killing this process", _crash_steps, step)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -10,7 +10,6 @@ write never mixes two datasets in one directory: see `check_target` for ``overwr
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 from collections.abc import Iterable, Mapping
 
@@ -25,6 +24,7 @@ from crossfeed.policy import OnError
 from crossfeed.write.commit import check_target, commit_split, writer_lock
 from crossfeed.write.options import WriteOptions
 from crossfeed.write.staging import ShardSink, StagedShard, discard
+from crossfeed.write.target import write_target
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ def write_samples(
     overwrite: bool = False,
     add_split: bool = False,
     options: WriteOptions | None = None,
+    storage_options: Mapping | None = None,
     **fields,
 ):
     """Write ``samples`` (dicts of numpy arrays, scalars, bytes or str) as split ``split`` of the
@@ -52,6 +53,9 @@ def write_samples(
     is inferred unless given (list lengths may vary; tensor shapes may not unless the schema
     says ``None``).
 
+    ``path`` is a local directory or any fsspec URL the read side reads (``s3://bucket/dir``,
+    ``gs://``, ``memory://``), reached with fsspec's ``storage_options``; a URL is written through
+    a local staging directory and published with the manifest last (`crossfeed.write.target`).
     ``path`` must be a new or empty directory. ``overwrite=True`` replaces the dataset there, all of
     its splits; ``add_split=True`` adds ``split`` to it, keeping its other splits (same schema).
     The commit is atomic (`commit_splits`): on any error, or if the process dies, readers see the
@@ -64,25 +68,25 @@ def write_samples(
             "parse their input): leave out the samples you do not want before writing"
         )
     num_shards, shard_size, compress = opts.num_shards, opts.shard_size, opts.compress
-    root = os.fspath(path)
-    os.makedirs(root, exist_ok=True)
-    check_target(root, overwrite=overwrite, add_split=add_split, splits=[split], clean=True)  # fail before the work
-    token = secrets.token_hex(6)
-    with writer_lock(root, token):
-        _write(
-            root,
-            token,
-            samples,
-            split=split,
-            num_shards=num_shards,
-            shard_size=shard_size,
-            schema=schema,
-            compress=compress,
-            metadata=metadata,
-            overwrite=overwrite,
-            add_split=add_split,
-        )
-    return root
+    with write_target(path, storage_options=storage_options, overwrite=overwrite) as target:
+        root = target.root
+        check_target(root, overwrite=overwrite, add_split=add_split, splits=[split], clean=True)  # fail before the work
+        token = secrets.token_hex(6)
+        with writer_lock(root, token):
+            _write(
+                root,
+                token,
+                samples,
+                split=split,
+                num_shards=num_shards,
+                shard_size=shard_size,
+                schema=schema,
+                compress=compress,
+                metadata=metadata,
+                overwrite=overwrite,
+                add_split=add_split,
+            )
+    return target.url if target.remote else root
 
 
 def _write(

@@ -31,6 +31,7 @@ from crossfeed.write.adopt.lengths import RecordLengths, check_features, lengths
 from crossfeed.write.adopt.parquet import index_parquet
 from crossfeed.write.adopt.placement import Placement, placement
 from crossfeed.write.commit import dataset_lock
+from crossfeed.write.target import scheme_of, write_target
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +274,8 @@ def index_dataset(
 
     ``index_dir``: write the manifest and index files there instead of beside the data, which
     is then only read (a read-only directory, or an fsspec URL reached with fsspec's
-    ``storage_options``); see `placement`.
+    ``storage_options``); see `placement`. ``index_dir`` may itself be a URL (written with the
+    same ``storage_options``, manifest last: `crossfeed.write.target`).
 
     A directory of Parquet files (``*.parquet``) is adopted in place (`crossfeed.write.adopt.parquet`):
     with ``features`` (declarations, or bare column names whose feature is inferred) only those
@@ -283,6 +285,20 @@ def index_dataset(
     one-dimensional integer features beside its index (``NAME.len``, `crossfeed.write.adopt.lengths`),
     pinned by the manifest, for sequence packing. TFRecord and Parquet; not tars.
     """
+    if index_dir is not None and scheme_of(os.fspath(index_dir)) is not None:
+        # a URL: indexed into a local staging directory, published there manifest last
+        with write_target(index_dir, storage_options=storage_options, overwrite=force) as target:
+            return index_dataset(
+                path,
+                split=split,
+                split_from_name=split_from_name,
+                force=force,
+                progress=progress,
+                features=features,
+                index_dir=target.root,
+                storage_options=storage_options,
+                lengths=lengths,
+            )
     names_with_lengths = lengths_features(lengths)
     if not split:
         raise ConfigError("split must be a non-empty name, e.g. --split train")
