@@ -13,14 +13,15 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import lazy_import, requires
 from typer.testing import CliRunner
 
 import crossfeed
 from crossfeed.cli.main import app
 
-pd = pytest.importorskip("pandas")
-pytest.importorskip("pyarrow")
-pytest.importorskip("apache_beam")
+pd = lazy_import("pandas")
+
+pytestmark = [pytest.mark.slow, requires("pyarrow", "apache_beam", "pandas")]  # Beam conversions
 
 N = 40
 

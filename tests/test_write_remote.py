@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import lazy_import, requires
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -19,10 +20,10 @@ from crossfeed.cli.main import app
 from crossfeed.errors import ConfigError
 from crossfeed.format.manifest import MANIFEST
 
-moto_server = pytest.importorskip("moto.server")
-pytest.importorskip("s3fs")
-boto3 = pytest.importorskip("boto3")
-pytest.importorskip("apache_beam")
+moto_server = lazy_import("moto.server")
+boto3 = lazy_import("boto3")
+
+pytestmark = [pytest.mark.slow, requires("s3fs", "apache_beam", "moto.server", "boto3")]  # Beam conversions, S3 server
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 
