@@ -237,7 +237,19 @@ if _LOADING:
 
 def main() -> None:
     _set_sigint(_exit_interrupted)  # until the boundary stands (parsing the command line)
-    app(prog_name="crossfeed")
+    try:
+        app(prog_name="crossfeed")
+    except SystemExit as e:
+        if e.code != EXIT_INTERRUPTED:
+            raise
+        # interrupted: leave now, not after the interpreter joins the threads a job left running
+        # (a Beam runner's workers stopped mid-step can keep a normal exit waiting)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":
