@@ -42,7 +42,9 @@ def _paths(root: str) -> list[str]:
 
 def _per_source(loader) -> None:
     """Give a mixture Loader the reader it had before one read over every source's shards
-    (`UnionSplit`): a read per source, frames merged back into batch order — the "before"."""
+    (`UnionSplit`): a read per source, frames merged back into batch order — the "before". The
+    one place outside the pipeline's tests that swaps a stage (`Pipeline.builder.reader`): it
+    measures a strategy the pipeline no longer chooses, so no public operation builds it."""
     from crossfeed.read.stages.fetch import MixtureReader, SourceReader
 
     union = loader.pipeline.builder.reader.union

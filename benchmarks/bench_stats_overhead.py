@@ -51,7 +51,7 @@ def run(path: str, reps: int, batch: int, chunk: int, **kw) -> tuple[list, list]
         metrics.ENABLED = on
         loaders[on] = Loader(path, batch_size=batch, shuffle="global", **kw)
     metrics.ENABLED = True
-    assert loaders[True].meter is not None and loaders[False].meter is None
+    assert loaders[True].pipeline.meter is not None and loaders[False].pipeline.meter is None
     times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     try:
         streams = {on: _chunks(ld, chunk) for on, ld in loaders.items()}
