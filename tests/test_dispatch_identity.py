@@ -145,3 +145,21 @@ def test_trainers_started_before_any_server_wait_then_get_every_batch_once(tmp_p
     finally:
         stop(*procs)
     assert used(outs) == collections.Counter(range(N))
+
+
+def test_a_trainer_with_no_server_for_server_wait_gets_an_error_saying_so(tmp_path, datasets):
+    import time
+
+    import crossfeed
+    from crossfeed.errors import CrossfeedError
+
+    a, _ = datasets
+    d, address = _dispatch(tmp_path, a, "d")
+    try:
+        start = time.monotonic()
+        with crossfeed.connect(dispatcher=address, server_wait=2.0, heartbeat_interval=0.1) as c:
+            with pytest.raises(CrossfeedError, match=r"no server joined the dispatcher .* in 2 s"):
+                next(iter(c))
+        assert time.monotonic() - start < 60
+    finally:
+        stop(d)
