@@ -79,6 +79,9 @@ HEADER, PIECE = 2, 5  # a batch: (rows, width), then pieces of (row, document, s
 # ---- lengths ------------------------------------------------------------------------------------
 
 
+EMPTY_CHECKS = 1024  # empty documents read per shard to confirm their lengths entries (`DocLengths`)
+
+
 class DocLengths:
     """``lengths(ids)``: the length (values of ``feature``) of documents by global id — a mixture's
     sources numbered one after the other, as `MixtureOrder` numbers them.
@@ -178,7 +181,25 @@ class DocLengths:
         feature = next((f for f in ds.schema if f.name == name), None)
         if feature is not None:  # bounded by what a record can hold, before a plan sizes rows by it
             check_bound(lengths, record_bound(info, feature, sp.info.format), where, name)
+        self._check_empty(s, k, lengths, where, fix)
         return lengths
+
+    def _check_empty(self, s: int, k: int, lengths: np.ndarray, where: str, fix: str) -> None:
+        """A document its lengths file says is empty is never read by the plan (it fills no row),
+        so a lie there would drop its tokens unseen: read those records now and refuse a lie.
+        Empty documents are rare; at most `EMPTY_CHECKS` per shard (a sample, remote)."""
+        sp, name = self.splits[s], self.names[s]
+        zeros = np.flatnonzero(lengths == 0)
+        most = EMPTY_CHECKS if not sp.dataset.storage.remote else EMPTY_CHECKS // 64
+        if len(zeros) > most:
+            zeros = zeros[np.linspace(0, len(zeros) - 1, most).astype(np.int64)]
+        for j in zeros.tolist():
+            have = int(np.size(sp.decode(k, j, features=[name], decode_images=False)[name]))
+            if have:
+                raise IndexFileError(
+                    f"{where}: entry {j} says record {j} of {sp.shards[k].file} holds no {name!r} values; it "
+                    f"holds {have} (packing would have dropped them); {fix}"
+                )
 
 
 # ---- packing: every row of an epoch -------------------------------------------------------------
