@@ -575,9 +575,15 @@ class PackWalker:
 
 class PackBuilder:
     """Stage 4 for token datasets: an encoded batch of the plan → ``{feature: (rows, width),
-    segment_ids, positions}`` dense arrays. The documents are read and decoded by the Loader's
-    own reader, once per batch however many pieces of them it holds; each decoded length must be
-    the one the plan used."""
+    segment_ids, positions}`` dense arrays, gathered with one fancy index per array.
+
+    The batch's documents are read once each (CRC-checked by the Loader's frame reader) and their
+    values laid end to end in one flat array per feature; every piece's tokens are then placed by
+    index arrays computed for the whole batch at once. Records of crossfeed's own single-feature
+    layout are cut without a protobuf parse (`_Templates`: their bytes outside the values must be
+    exactly those of the planned length); any other record goes through the Loader's decoder.
+    Either way each document's length must be the one the plan used (a lengths file that lies is
+    named)."""
 
     def __init__(self, inner, features: list[Feature], lengths: DocLengths, pad_id: int = 0):
         self.inner, self.lengths, self.pad_id = inner, lengths, pad_id
@@ -608,6 +614,29 @@ class PackBuilder:
         """Names a document's record: its shard and offset (a mixture's: its source too)."""
         return self.reader.where(doc)
 
+    def _fast(self, ids: np.ndarray, planned: np.ndarray, tick) -> tuple[list[list], np.ndarray] | None:
+        return None
+
+    def _decoded(self, ids: np.ndarray, planned: np.ndarray, tick) -> tuple[list[list], np.ndarray]:
+        """``(per feature each kept document's values, kept)`` by the Loader's reader and
+        decoder, each decoded length checked against the plan's."""
+        batch, kept = self.reader(ids, self.budget, tick)
+        out = []
+        for name, dtype in self.features:
+            col = batch[name]
+            values = [np.ravel(v) for v in col]
+            sizes = np.fromiter((v.size for v in values), dtype=np.int64, count=len(values))
+            bad = np.flatnonzero(sizes != planned[kept])
+            if len(bad):
+                doc, j = int(ids[kept[bad[0]]]), int(bad[0])
+                raise IndexFileError(
+                    f"{self._where(doc)}: feature {name!r} has {int(sizes[j])} values, but the plan used length "
+                    f"{int(planned[kept[j]])} from {self.lengths.where(doc)}; the lengths do not belong to these "
+                    f"records: write the lengths files again"
+                )
+            out.append([v.astype(dtype, copy=False) for v in values])
+        return out, kept
+
     def __call__(
         self, encoded: np.ndarray, timings: dict[str, float] | None = None, tally=None
     ) -> dict[str, np.ndarray]:
@@ -617,40 +646,58 @@ class PackBuilder:
         tick = tally if tally is not None or meter is None else meter.tally()
         rows, width = int(encoded[0]), int(encoded[1])
         pieces = np.asarray(encoded[HEADER:], dtype=np.int64).reshape(-1, PIECE)
-        ids = np.unique(pieces[:, 1])
+        ids, first = np.unique(pieces[:, 1], return_index=True)
+        planned = pieces[first, 4]
         if tick is not None:
             tick.start = tick.last = time.perf_counter_ns()
-        batch, kept = self.reader(ids, self.budget, tick)
-        have = ids[kept]
+        got = self._fast(ids, planned, tick)
+        raw = got is not None
+        values, kept = got if raw else self._decoded(ids, planned, tick)
+        slot = np.full(len(ids), -1, dtype=np.int64)  # a document's place among the kept ones
+        slot[kept] = np.arange(len(kept))
+        at = slot[np.searchsorted(ids, pieces[:, 1])]
+        if not (at >= 0).all():  # pieces of documents dropped under on_error="skip": padding
+            pieces, at = pieces[at >= 0], at[at >= 0]
+        row, start, count = pieces[:, 0], pieces[:, 2], pieces[:, 3]
+        # each row's tokens, its pieces end to end, then all rows end to end: one flat array per
+        # feature (pieces come row by row, each row's from column 0)
+        fill = np.bincount(row, weights=count, minlength=rows).astype(np.int64)
+        total = int(fill.sum())
+        at_l, start_l, stop_l = at.tolist(), start.tolist(), (start + count).tolist()
         alloc = self.inner.alloc or np.empty
+        full = bool((fill == width).all())
+        cuts = np.concatenate([[0], np.cumsum(fill)]).tolist()
+
+        def place(a: np.ndarray, flat: np.ndarray, pad) -> None:
+            if full:
+                a.reshape(-1)[:] = flat
+                return
+            a[...] = pad
+            for r, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+                if hi > lo:
+                    a[r, : hi - lo] = flat[lo:hi]
+
         out = {}
-        for name, dtype in self.features:
-            out[name] = alloc((rows, width), dtype)
-            out[name][...] = self.pad_id
-        seg, pos = alloc((rows, width), np.int32), alloc((rows, width), np.int32)
-        seg[...] = 0
-        pos[...] = 0
-        ramp = np.arange(width, dtype=np.int32)
-        fill = [0] * rows
-        segment = [0] * rows
-        for row, doc, start, count, length in pieces.tolist():
-            j = int(np.searchsorted(have, doc))
-            if j >= len(have) or have[j] != doc:  # dropped under on_error="skip": its tokens stay padding
-                continue
-            c = fill[row]
-            for name, _ in self.features:
-                value = np.ravel(batch[name][j])
-                if value.size != length:
-                    raise IndexFileError(
-                        f"{self._where(int(doc))}: feature {name!r} has {value.size} values, but the plan "
-                        f"used length {length} from {self.lengths.where(int(doc))}; the lengths do not belong "
-                        f"to these records: write the lengths files again"
-                    )
-                out[name][row, c : c + count] = value[start : start + count]
-            segment[row] += 1
-            seg[row, c : c + count] = segment[row]
-            pos[row, c : c + count] = ramp[:count]
-            fill[row] = c + count
+        for (name, dtype), docs in zip(self.features, values):
+            if raw:
+                size = dtype.itemsize
+                flat = np.frombuffer(
+                    b"".join([docs[k][a * size : b * size] for k, a, b in zip(at_l, start_l, stop_l)]),
+                    dtype.newbyteorder("<"),
+                    count=total,
+                )
+            else:
+                flat = np.concatenate([docs[k][a:b] for k, a, b in zip(at_l, start_l, stop_l)] or [np.zeros(0, dtype)])
+            place(out.setdefault(name, alloc((rows, width), dtype)), flat, self.pad_id)
+        new_row = np.ones(len(row), dtype=bool)
+        new_row[1:] = row[1:] != row[:-1]
+        idx = np.arange(len(row))
+        row_first = np.maximum.accumulate(np.where(new_row, idx, 0))
+        before = (np.cumsum(count) - count).astype(np.int32)
+        seg = alloc((rows, width), np.int32)
+        place(seg, np.repeat((idx - row_first + 1).astype(np.int32), count), 0)
+        pos = alloc((rows, width), np.int32)
+        place(pos, np.arange(total, dtype=np.int32) - np.repeat(before, count), 0)
         out[SEGMENT_IDS], out[POSITIONS] = seg, pos
         if tick is not None:
             tick.tick("batch")
