@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import itertools
 import logging
 import math
 import mmap
@@ -65,6 +64,7 @@ from crossfeed.format.lengths import DTYPE, check_bound, checked_lengths, length
 from crossfeed.format.schema import Feature
 from crossfeed.read.options import LoaderOptions, Pack, PackLong, PackSplit, WeightsBy
 from crossfeed.read.stages.batch import timed_apart
+from crossfeed.read.stages.tokens import TokenShards
 
 log = logging.getLogger(__name__)
 
@@ -182,22 +182,29 @@ class DocLengths:
 # ---- packing: every row of an epoch -------------------------------------------------------------
 
 
-def documents(order, lengths, start: int = 0) -> Iterator[tuple[int, int]]:
-    """``(document id, length)`` of the epoch's documents from position ``start``, in plan order."""
+def document_chunks(order, lengths, start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(document ids, lengths)`` int64 arrays of the epoch's documents from position ``start``,
+    in plan order, a few at first (the first rows touch few lengths files), then ``SCAN`` at a time."""
     if order.sequential:  # a token mixture's order: walked from the epoch's start
         skip = start
         for ids, lens in order.walk(lengths):
             if skip >= len(ids):
                 skip -= len(ids)
                 continue
-            yield from zip(ids[skip:].tolist(), lens[skip:].tolist())
+            yield ids[skip:], lens[skip:]
             skip = 0
         return
-    lo, size = start, FIRST_SCAN  # a few documents first: the first rows touch few lengths files
+    lo, size = start, FIRST_SCAN
     while lo < order.n:
         ids = order(np.arange(lo, min(order.n, lo + size), dtype=np.int64))
-        yield from zip(ids.tolist(), lengths(ids).tolist())
+        yield ids, np.asarray(lengths(ids), dtype=np.int64)
         lo, size = lo + size, min(SCAN, 2 * size)
+
+
+def documents(order, lengths, start: int = 0) -> Iterator[tuple[int, int]]:
+    """``(document id, length)`` of the epoch's documents from position ``start``, in plan order."""
+    for ids, lens in document_chunks(order, lengths, start):
+        yield from zip(ids.tolist(), lens.tolist())
 
 
 class TokenMixtureOrder:
@@ -314,21 +321,86 @@ class _Chunks:
         return [self.row] if self.row else []
 
 
+def row_blocks(order, lengths, pack: Pack) -> Iterator[tuple[int, np.ndarray]]:
+    """Every row of one epoch in order, in blocks ``(rows, pieces)``: the block's ``rows`` rows
+    (numbered on from the previous block's) as an ``(n, 5)`` int64 array of pieces ``(row,
+    document, start, count, length)``, row by row — the document's tokens ``start .. start +
+    count`` (``length``: the whole document's).
+
+    ``split="rows"`` is planned in numpy a chunk of documents at a time: with the documents'
+    token offsets in the epoch's concatenation (a cumulative sum), document ``d`` spans rows
+    ``begin_d // L … (end_d - 1) // L`` and its piece in row ``r`` is ``[max(begin_d, r·L),
+    min(end_d, (r + 1)·L))`` — one expansion for the chunk, no step per document. Best-fit steps
+    per document (`_BestFit`, a few list operations each)."""
+    L = pack.length
+    drop = pack.long is PackLong.DROP
+    if pack.split is PackSplit.DOCUMENTS:
+        packer, done = _BestFit(L, pack.bins), 0
+        for ids, lens in document_chunks(order, lengths):
+            out: list = []
+            add = packer.add
+            for doc, n in zip(ids.tolist(), lens.tolist()):
+                if not (drop and n > L):
+                    add(doc, n, out)
+            if out:
+                yield len(out), _block(out, done)
+                done += len(out)
+        rest = packer.flush()
+        if rest:
+            yield len(rest), _block(rest, done)
+        return
+    done, tokens = 0, 0  # rows emitted; tokens before the chunk
+    carry = np.zeros((0, PIECE), dtype=np.int64)  # the pieces of the open row
+    for ids, lens in document_chunks(order, lengths):
+        keep = (lens > 0) & (lens <= L) if drop else lens > 0
+        if not keep.all():
+            ids, lens = ids[keep], lens[keep]
+        if not len(ids):
+            continue
+        ends = tokens + np.cumsum(lens)
+        begins = ends - lens
+        first = begins // L
+        count = (ends - 1) // L - first + 1
+        d = np.repeat(np.arange(len(ids)), count)
+        row = first[d] + np.arange(len(d)) - np.repeat(np.cumsum(count) - count, count)
+        lo = np.maximum(begins[d], row * L)
+        hi = np.minimum(ends[d], (row + 1) * L)
+        pieces = np.concatenate([carry, np.stack([row, ids[d], lo - begins[d], hi - lo, lens[d]], axis=1)])
+        tokens = int(ends[-1])
+        full = tokens // L  # rows before this one are complete
+        cut = int(np.searchsorted(pieces[:, 0], full))
+        if full > done:
+            yield full - done, pieces[:cut]
+            done = full
+        carry = pieces[cut:]
+    if len(carry):
+        yield 1, carry
+
+
+def _block(rows: list[list], first: int) -> np.ndarray:
+    """Rows of piece tuples (numbered from ``first``) as a block's ``(n, 5)`` piece array."""
+    flat = [(first + i, *p) for i, row in enumerate(rows) for p in row]
+    return np.asarray(flat, dtype=np.int64).reshape(-1, PIECE)
+
+
 def packed_rows(order, lengths, pack: Pack) -> Iterator[list[tuple[int, int, int, int]]]:
     """Every row of one epoch in order: a list of pieces ``(document, start, count, length)``
-    (the document's tokens ``start .. start + count``; ``length``: the whole document's)."""
-    L = pack.length
-    packer = _BestFit(L, pack.bins) if pack.split is PackSplit.DOCUMENTS else _Chunks(L)
-    drop = pack.long is PackLong.DROP
-    out: list = []
-    for doc, n in documents(order, lengths):
-        if drop and n > L:
-            continue
-        packer.add(doc, n, out)
-        if out:
-            yield from out
-            out.clear()
-    yield from packer.flush()
+    (the document's tokens ``start .. start + count``; ``length``: the whole document's) — the
+    rows of `row_blocks`, one at a time."""
+    for rows, pieces in row_blocks(order, lengths, pack):
+        first = int(pieces[0, 0]) if len(pieces) else 0
+        out: list[list] = [[] for _ in range(rows)]
+        for r, *piece in pieces.tolist():
+            out[r - first].append(tuple(piece))
+        yield from out
+
+
+def _encoded(pieces: np.ndarray, rows: int, width: int) -> np.ndarray:
+    """A batch for the builder from ``(n, 5)`` pieces whose first column is the row in the batch."""
+    out = np.empty(HEADER + pieces.size, dtype=np.int64)
+    out[0], out[1] = rows, width
+    out[HEADER:] = pieces.ravel()
+    return out
 
 
 def token_batches(order, lengths, start: int, budget: int, world: int) -> Iterator[list[tuple[int, int]]]:
@@ -393,6 +465,10 @@ class PackSampler:
     def rows(self, epoch: int) -> Iterator[list]:
         return packed_rows(self.order(epoch), self.lengths, self.pack)
 
+    def blocks(self, epoch: int) -> Iterator[tuple[int, np.ndarray]]:
+        """The epoch's rows in blocks (`row_blocks`)."""
+        return row_blocks(self.order(epoch), self.lengths, self.pack)
+
     def epoch_total(self, epoch: int) -> int:
         """Positions in epoch ``epoch``: its rows (``pack``; one walk over its lengths, kept), or documents."""
         if self.pack is None:
@@ -400,7 +476,15 @@ class PackSampler:
         with self._lock:
             got = self._rows.get(epoch)
         if got is None:
-            got = sum(1 for _ in self.rows(epoch))
+            if self.pack.split is PackSplit.ROWS:  # the tokens' sum, cut in rows: no pieces made
+                drop, L = self.pack.long is PackLong.DROP, self.pack.length
+                tokens = sum(
+                    int(lens[lens <= L].sum() if drop else lens.sum())
+                    for _, lens in document_chunks(self.order(epoch), self.lengths)
+                )
+                got = -(-tokens // L)
+            else:
+                got = sum(rows for rows, _ in self.blocks(epoch))
             self._remember(epoch, got)
         return got
 
@@ -413,7 +497,8 @@ class PackSampler:
         if got is not None or position <= 0:
             return min(got, position) if got is not None else position
         k = 0
-        for k, _ in enumerate(self.rows(epoch), 1):
+        for rows, _ in self.blocks(epoch):
+            k += rows
             if k >= position:
                 return position
         self._remember(epoch, k)
@@ -499,25 +584,37 @@ class PackPlan:
         return g % self.num_workers == self.worker
 
     def _packed(self) -> Iterator[np.ndarray]:
+        """The rank's rows of each batch of this worker, picked from the epoch's row blocks with
+        one mask per block: global row ``k ≥ position`` is row ``i`` of global batch ``g`` for
+        rank ``r`` where ``k - position = g·B·W + i·W + r``."""
         s = self.sampler
         B, W, p, L = s.options.batch_size, self.world_size, self.position, s.pack.length
-        per = B * W
-        current, g_now, k = None, -1, -1
-        for k, row in enumerate(s.rows(self.epoch)):
-            if k < p:
-                continue
-            g, within = divmod(k - p, per)
-            if g != g_now:
-                if current is not None:
-                    yield _encode(current, L)
-                g_now, current = g, ([[] for _ in range(B)] if self._mine(g) else None)
-            i, r = divmod(within, W)
-            if current is not None and r == self.rank:
-                current[i] = row
-        total = k + 1
-        s._remember(self.epoch, total)
-        if current is not None and not (s.options.drop_last and (total - p) % per):
-            yield _encode(current, L)
+        per, nw = B * W, self.num_workers
+        pending = np.zeros((0, PIECE + 1), dtype=np.int64)  # (batch, row in it, doc, start, count, length)
+        seen, g_next = 0, 0
+        for rows, pieces in s.blocks(self.epoch):
+            seen += rows
+            k = pieces[:, 0] - p
+            g, within = np.divmod(k, per)
+            i, r = np.divmod(within, W)
+            mine = (k >= 0) & (r == self.rank) & (g % nw == self.worker)
+            if mine.any():
+                pending = np.concatenate([pending, np.column_stack([g[mine], i[mine], pieces[mine, 1:]])])
+            ready = max(0, (seen - p) // per)  # batches whose every row is known
+            while g_next < ready:
+                if self._mine(g_next):
+                    cut = int(np.searchsorted(pending[:, 0], g_next, side="right"))
+                    yield _encoded(pending[:cut, 1:], B, L)
+                    pending = pending[cut:]
+                g_next += 1
+        s._remember(self.epoch, seen)
+        left = max(0, seen - p)
+        count = left // per if s.options.drop_last else -(-left // per)
+        for g_now in range(g_next, count):
+            if self._mine(g_now):
+                cut = int(np.searchsorted(pending[:, 0], g_now, side="right"))
+                yield _encoded(pending[:cut, 1:], B, L)
+                pending = pending[cut:]
 
     def _by_tokens(self) -> Iterator[np.ndarray]:
         s = self.sampler
@@ -543,7 +640,9 @@ class PackWalker:
             raise ConfigError("a PackWalker walks the packed rows of a plan for one rank")
         self.sampler = sampler
         self.epoch: int | None = None
-        self._rows: Iterator[list] = iter(())
+        self._blocks: Iterator[tuple[int, np.ndarray]] = iter(())
+        self._pending = np.zeros((0, PIECE), dtype=np.int64)  # pieces of rows walked, not yet served
+        self._seen = 0  # rows the walk has passed
         self._next = 0  # the batch the walk stands before
         self.restarts = 0  # walks restarted for a batch behind the walk
 
@@ -554,20 +653,32 @@ class PackWalker:
             if epoch == self.epoch:
                 self.restarts += 1
                 log.debug("packed batch %d of epoch %d is behind the walk (at %d): walking again", b, epoch, self._next)
-            self.epoch, self._rows, self._next = epoch, s.rows(epoch), 0
-        skip = (b - self._next) * B
-        if skip:
-            next(itertools.islice(self._rows, skip, skip), None)  # consume `skip` rows
-        rows = list(itertools.islice(self._rows, B))
+            self.epoch, self._blocks, self._next = epoch, s.blocks(epoch), 0
+            self._pending, self._seen = np.zeros((0, PIECE), dtype=np.int64), 0
+        lo, hi = b * B, (b + 1) * B
+        pending = self._pending[self._pending[:, 0] >= lo]
+        parts = [pending]
+        while self._seen < hi:
+            got = next(self._blocks, None)
+            if got is None:
+                break
+            rows, pieces = got
+            self._seen += rows
+            parts.append(pieces[pieces[:, 0] >= lo])
+        pending = np.concatenate(parts) if len(parts) > 1 else pending
+        cut = int(np.searchsorted(pending[:, 0], hi))
+        here, self._pending = pending[:cut], pending[cut:]
         self._next = b + 1
-        if not rows or (len(rows) < B and s.options.drop_last):
+        rows = min(self._seen, hi) - lo
+        if rows <= 0 or (rows < B and s.options.drop_last):
             self.epoch = None  # the walk is spent
             raise ConfigError(
                 f"packed batch {b} of epoch {epoch} lies past the end of the epoch's rows here: serve the same "
                 "dataset the dispatcher plans"
             )
-        rows += [[] for _ in range(B - len(rows))]
-        return _encode(rows, s.pack.length)
+        here = here.copy()
+        here[:, 0] -= lo
+        return _encoded(here, B, s.pack.length)
 
 
 # ---- building a batch ---------------------------------------------------------------------------
@@ -592,6 +703,7 @@ class PackBuilder:
         self.return_index = False
         self.transform = self.batch_transform = None
         self.post = inner.batch_transform
+        self._shards: TokenShards | None | bool = False  # the fast path's checked shards (False: not looked at)
 
     @property
     def alloc(self):
@@ -614,8 +726,14 @@ class PackBuilder:
         """Names a document's record: its shard and offset (a mixture's: its source too)."""
         return self.reader.where(doc)
 
-    def _fast(self, ids: np.ndarray, planned: np.ndarray, tick) -> tuple[list[list], np.ndarray] | None:
-        return None
+    def _fast(self, docs: np.ndarray, tick) -> tuple[np.ndarray, memoryview] | None:
+        """The value offsets of documents ``docs`` in the bytes of their checked shards
+        (`TokenShards`), and those bytes; None: the general way."""
+        if self._shards is False:
+            self._shards = TokenShards.of(self.reader, self.lengths, [n for n, _ in self.features])
+        if self._shards is None:
+            return None
+        return self._shards.at(docs)
 
     def _decoded(self, ids: np.ndarray, planned: np.ndarray, tick) -> tuple[list[list], np.ndarray]:
         """``(per feature each kept document's values, kept)`` by the Loader's reader and
@@ -646,24 +764,25 @@ class PackBuilder:
         tick = tally if tally is not None or meter is None else meter.tally()
         rows, width = int(encoded[0]), int(encoded[1])
         pieces = np.asarray(encoded[HEADER:], dtype=np.int64).reshape(-1, PIECE)
-        ids, first = np.unique(pieces[:, 1], return_index=True)
-        planned = pieces[first, 4]
         if tick is not None:
             tick.start = tick.last = time.perf_counter_ns()
-        got = self._fast(ids, planned, tick)
-        raw = got is not None
-        values, kept = got if raw else self._decoded(ids, planned, tick)
-        slot = np.full(len(ids), -1, dtype=np.int64)  # a document's place among the kept ones
-        slot[kept] = np.arange(len(kept))
-        at = slot[np.searchsorted(ids, pieces[:, 1])]
-        if not (at >= 0).all():  # pieces of documents dropped under on_error="skip": padding
-            pieces, at = pieces[at >= 0], at[at >= 0]
+        fast = self._fast(pieces[:, 1], tick)  # (each piece's document's value offsets, their bytes)
+        if fast is not None and tick is not None:  # the read: the checked shards' offsets looked up
+            tick.bytes += int(pieces[:, 3].sum()) * sum(d.itemsize for _, d in self.features)
+            tick.tick("read")
+        if fast is None:
+            ids, first = np.unique(pieces[:, 1], return_index=True)
+            values, kept = self._decoded(ids, pieces[first, 4], tick)
+            slot = np.full(len(ids), -1, dtype=np.int64)  # a document's place among the kept ones
+            slot[kept] = np.arange(len(kept))
+            at = slot[np.searchsorted(ids, pieces[:, 1])]
+            if not (at >= 0).all():  # pieces of documents dropped under on_error="skip": padding
+                pieces, at = pieces[at >= 0], at[at >= 0]
         row, start, count = pieces[:, 0], pieces[:, 2], pieces[:, 3]
         # each row's tokens, its pieces end to end, then all rows end to end: one flat array per
         # feature (pieces come row by row, each row's from column 0)
         fill = np.bincount(row, weights=count, minlength=rows).astype(np.int64)
         total = int(fill.sum())
-        at_l, start_l, stop_l = at.tolist(), start.tolist(), (start + count).tolist()
         alloc = self.inner.alloc or np.empty
         full = bool((fill == width).all())
         cuts = np.concatenate([[0], np.cumsum(fill)]).tolist()
@@ -678,17 +797,22 @@ class PackBuilder:
                     a[r, : hi - lo] = flat[lo:hi]
 
         out = {}
-        for (name, dtype), docs in zip(self.features, values):
-            if raw:
+        if fast is not None:  # slices of the checked shards' bytes, joined in C: no per-piece bytecode
+            offsets, view = fast
+            for i, (name, dtype) in enumerate(self.features):
                 size = dtype.itemsize
-                flat = np.frombuffer(
-                    b"".join([docs[k][a * size : b * size] for k, a, b in zip(at_l, start_l, stop_l)]),
-                    dtype.newbyteorder("<"),
-                    count=total,
-                )
-            else:
-                flat = np.concatenate([docs[k][a:b] for k, a, b in zip(at_l, start_l, stop_l)] or [np.zeros(0, dtype)])
-            place(out.setdefault(name, alloc((rows, width), dtype)), flat, self.pad_id)
+                lo = offsets[:, i] + start * size
+                cut = map(slice, lo.tolist(), (lo + count * size).tolist())
+                flat = np.frombuffer(b"".join(map(view.__getitem__, cut)), dtype.newbyteorder("<"), count=total)
+                place(out.setdefault(name, alloc((rows, width), dtype)), flat, self.pad_id)
+            if tick is not None:  # the decode: the slices joined
+                tick.tick("decode")
+        else:
+            at_l, start_l, stop_l = at.tolist(), start.tolist(), (start + count).tolist()
+            for (name, dtype), docs in zip(self.features, values):
+                parts = [docs[k][a:b] for k, a, b in zip(at_l, start_l, stop_l)]
+                flat = np.concatenate(parts or [np.zeros(0, dtype)])
+                place(out.setdefault(name, alloc((rows, width), dtype)), flat, self.pad_id)
         new_row = np.ones(len(row), dtype=bool)
         new_row[1:] = row[1:] != row[:-1]
         idx = np.arange(len(row))

@@ -1,0 +1,99 @@
+"""Packed batches on the fast path (`crossfeed.read.stages.tokens`): token records stored as raw
+tensors are checked a whole shard at a time and sliced straight out of the shards. Every property
+of tests/test_pack.py holds there too (its tests run again here on raw records), the fast path
+is the one taken, and what it must refuse goes the general way: a corrupt record is named (or
+skipped), a lengths file that lies is named, another layout is read by the decoder."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import token_data
+from test_pack import *  # noqa: F403  (every packing property, again on raw records)
+from test_pack import every_token, same, tokens_of
+from token_data import write_tokens
+
+import crossfeed
+from crossfeed.errors import CorruptRecordError
+from crossfeed.format.schema import Encoding, Feature, Schema
+from crossfeed.read.options import Pack
+from crossfeed.read.stages.tokens import RecordModel, TokenShards
+
+
+@pytest.fixture(autouse=True)
+def _raw_records(monkeypatch):
+    monkeypatch.setattr(token_data, "RAW", True)
+
+
+def _shards(loader) -> TokenShards | None:
+    got = loader.pipeline.builder._shards
+    return got if isinstance(got, TokenShards) else None
+
+
+LENS = [5, 40, 1, 17, 3, 90, 12, 33, 7, 64, 2, 25]
+
+
+@pytest.mark.parametrize("split", ["rows", "documents"])
+def test_raw_records_take_the_fast_path_and_give_the_general_paths_rows(tmp_path, split):
+    raw = write_tokens(tmp_path / "raw", LENS, num_shards=3)
+    token_data.RAW = False
+    listed = write_tokens(tmp_path / "list", LENS, num_shards=3)
+    token_data.RAW = True
+    opts = dict(batch_size=3, seed=4, pack=Pack(24, split=split, bins=3))
+    with crossfeed.Loader(listed, **opts) as ld:
+        want = list(ld)
+        assert _shards(ld) is None  # int64 lists: the decoder's way
+    with crossfeed.Loader(raw, **opts) as ld:
+        got = list(ld)
+        shards = _shards(ld)
+        assert shards is not None and all(isinstance(a, np.ndarray) for a in shards._at)  # every shard checked whole
+    assert same(got, want)
+    assert np.sort(tokens_of(got)).tolist() == every_token(LENS).tolist()
+
+
+def test_a_corrupt_raw_record_is_named_or_skipped(tmp_path):
+    root = write_tokens(tmp_path / "t", [6, 7, 8], num_shards=1)
+    with crossfeed.open_dataset(root) as ds:
+        sp = ds["train"]
+        path, (offset, length) = sp.file(0).path, sp.index(0)[1]
+    with open(path, "r+b") as f:  # one value byte of document 1: its payload CRC no longer matches
+        f.seek(int(offset) + int(length) - 4 - 9)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with crossfeed.Loader(root, batch_size=2, shuffle="none", pack=Pack(16)) as ld:
+        with pytest.raises(CorruptRecordError) as e:
+            list(ld)
+        assert str(int(offset)) in str(e.value)
+        assert _shards(ld)._at[0] is False  # the shard failed its whole check: never sliced
+    with crossfeed.Loader(root, batch_size=2, shuffle="none", pack=Pack(16), on_error="skip") as ld:
+        got = list(ld)
+    docs = {int(d) for d in (tokens_of(got) >> 20) & ((1 << 20) - 1)}
+    assert docs == {0, 2}  # the bad document's tokens are padding, the others all there
+
+
+@pytest.mark.parametrize(
+    ("features", "fits"),
+    [
+        ([Feature("tokens", "uint32", (None,), Encoding.TENSOR)], True),
+        (
+            [Feature("tokens", "uint16", (None,), Encoding.TENSOR), Feature("mask", "uint8", (None,), Encoding.TENSOR)],
+            True,
+        ),
+        ([Feature("tokens", "int64", (None,), Encoding.INT64)], False),  # varints: no fixed layout
+    ],
+)
+def test_the_record_model_fits_raw_tensors_only_and_rebuilds_the_encoders_bytes(features, fits):
+    from crossfeed.format.encode import encoder_for
+
+    schema = Schema(features)
+    model = RecordModel.of(schema, list(schema.names))
+    assert (model is not None) == fits
+    if model is not None:
+        for n in (0, 9, 300, 20_000):
+            values = {f.name: np.arange(n).astype(f.dtype) for f in features}
+            marks = [
+                values[name].astype(np.dtype(schema[name].dtype).newbyteorder("<")).tobytes() for name in schema.names
+            ]
+            assert model.build(n, marks) == bytes(encoder_for(schema).encode(values))
+    assert RecordModel.of(schema, [features[0].name, "other"]) is None  # the schema must be exactly the packed features
