@@ -41,7 +41,9 @@ def raw_schema():
 def write_tokens(root, lengths, *, source: int = 0, num_shards: int = 3, with_lengths: bool = True) -> str:
     """A dataset of ``len(lengths)`` documents (round-robin over ``num_shards`` shards)."""
     schema = raw_schema() if RAW else None
-    crossfeed.write_dataset(root, documents(lengths, source), num_shards=num_shards, schema=schema).close()
+    crossfeed.write_dataset(
+        root, documents(lengths, source), num_shards=num_shards, schema=schema, lengths=None if with_lengths else ()
+    ).close()
     if with_lengths:
         add_lengths(root, ("tokens",))
     return str(root)

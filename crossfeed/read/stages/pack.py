@@ -781,20 +781,27 @@ class PackBuilder:
         row, start, count = pieces[:, 0], pieces[:, 2], pieces[:, 3]
         # each row's tokens, its pieces end to end, then all rows end to end: one flat array per
         # feature (pieces come row by row, each row's from column 0)
-        fill = np.bincount(row, weights=count, minlength=rows).astype(np.int64)
-        total = int(fill.sum())
-        alloc = self.inner.alloc or np.empty
-        full = bool((fill == width).all())
-        cuts = np.concatenate([[0], np.cumsum(fill)]).tolist()
+        total = int(count.sum())
+        full = total == rows * width  # every row full (no row holds more): the flat arrays are the batch
+        alloc = self.inner.alloc
+        direct = full and alloc is None  # ... taken as they are, no copy
+        alloc = alloc or np.empty
+        if not full:
+            fill = np.bincount(row, weights=count, minlength=rows).astype(np.int64)
+            cuts = np.concatenate([[0], np.cumsum(fill)]).tolist()
 
-        def place(a: np.ndarray, flat: np.ndarray, pad) -> None:
+        def place(flat: np.ndarray, dtype, pad) -> np.ndarray:
+            if direct:
+                return flat.reshape(rows, width)
+            a = alloc((rows, width), dtype)
             if full:
                 a.reshape(-1)[:] = flat
-                return
+                return a
             a[...] = pad
             for r, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
                 if hi > lo:
                     a[r, : hi - lo] = flat[lo:hi]
+            return a
 
         out = {}
         if fast is not None:  # slices of the checked shards' bytes, joined in C: no per-piece bytecode
@@ -802,26 +809,28 @@ class PackBuilder:
             for i, (name, dtype) in enumerate(self.features):
                 size = dtype.itemsize
                 lo = offsets[:, i] + start * size
-                cut = map(slice, lo.tolist(), (lo + count * size).tolist())
-                flat = np.frombuffer(b"".join(map(view.__getitem__, cut)), dtype.newbyteorder("<"), count=total)
-                place(out.setdefault(name, alloc((rows, width), dtype)), flat, self.pad_id)
+                cut = map(view.__getitem__, map(slice, lo.tolist(), (lo + count * size).tolist()))
+                joined = bytearray().join(cut) if direct else b"".join(cut)  # (a bytearray: the batch is writable)
+                out[name] = place(np.frombuffer(joined, dtype.newbyteorder("<"), count=total), dtype, self.pad_id)
             if tick is not None:  # the decode: the slices joined
                 tick.tick("decode")
         else:
             at_l, start_l, stop_l = at.tolist(), start.tolist(), (start + count).tolist()
             for (name, dtype), docs in zip(self.features, values):
                 parts = [docs[k][a:b] for k, a, b in zip(at_l, start_l, stop_l)]
-                flat = np.concatenate(parts or [np.zeros(0, dtype)])
-                place(out.setdefault(name, alloc((rows, width), dtype)), flat, self.pad_id)
-        new_row = np.ones(len(row), dtype=bool)
-        new_row[1:] = row[1:] != row[:-1]
+                out[name] = place(
+                    np.concatenate(parts or [np.zeros(0, dtype)]).astype(dtype, copy=False), dtype, self.pad_id
+                )
+        new_row = np.empty(len(row), dtype=bool)
+        new_row[:1] = True
+        np.not_equal(row[1:], row[:-1], out=new_row[1:])
         idx = np.arange(len(row))
         row_first = np.maximum.accumulate(np.where(new_row, idx, 0))
         before = (np.cumsum(count) - count).astype(np.int32)
-        seg = alloc((rows, width), np.int32)
-        place(seg, np.repeat((idx - row_first + 1).astype(np.int32), count), 0)
-        pos = alloc((rows, width), np.int32)
-        place(pos, np.arange(total, dtype=np.int32) - np.repeat(before, count), 0)
+        seg = place(np.repeat((idx - row_first + 1).astype(np.int32), count), np.int32, 0)
+        ramp = np.arange(total, dtype=np.int32)
+        ramp -= np.repeat(before, count)
+        pos = place(ramp, np.int32, 0)
         out[SEGMENT_IDS], out[POSITIONS] = seg, pos
         if tick is not None:
             tick.tick("batch")
