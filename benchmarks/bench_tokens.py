@@ -4,9 +4,12 @@ One generated corpus (``--docs`` documents of log-normal length, mean ~600 token
 uint32 ids below 50,000; built once under ``--data``), written by each tool's own writer, then
 read for one epoch (shuffled) as batches of ``--batch`` rows of ``--length`` tokens:
 
-* **crossfeed** ``Loader(xf, batch_size=B, pack=Pack(L, split="rows"))`` (concatenate and
-  chunk) and ``Pack(L)`` (best-fit into 32 open rows, ``segment_ids``/``positions``); through
-  ``crossfeed.adapters.torch.TorchDataset`` + ``StatefulLoader(num_workers=2)`` for the worker rows;
+* **crossfeed** ``Loader(xf, batch_size=B, pack=Pack(L, split="rows"), num_threads=0)``
+  (concatenate and chunk) and ``Pack(L)`` (best-fit into 32 open rows), both with
+  ``segment_ids``/``positions``; ``num_threads=0`` builds each batch in the consumer's thread
+  (a packed batch is a few numpy calls: threads only hand it over), and the Loader's default
+  (2 threads) is printed beside it; through ``crossfeed.adapters.torch.TorchDataset`` +
+  ``StatefulLoader(num_workers=2)`` for the worker rows;
 * **LitData** ``StreamingDataset(ld, item_loader=TokensLoader(block_size=L), shuffle=True)``
   through ``StreamingDataLoader(batch_size=B, num_workers=0 / 2)`` (concatenate and chunk).
 
@@ -39,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 LENGTH, BATCH, VOCAB, MEAN, SIGMA, SHARDS = 2048, 16, 50_000, 600.0, 1.0, 8
-SYSTEMS = ("xf-rows", "xf-best", "ld")
+SYSTEMS = ("xf-rows", "xf-best", "xf-rows-threads", "ld")
 
 
 def corpus(data: str, docs: int) -> str:
@@ -134,8 +137,10 @@ def read(system: str, root: str, workers: int, length: int, batch: int) -> dict:
     if system.startswith("xf"):
         import crossfeed
 
-        split = "rows" if system == "xf-rows" else "documents"
+        split = "documents" if system == "xf-best" else "rows"
         opts = dict(batch_size=batch, seed=0, pack=crossfeed.Pack(length, split=split))
+        if system != "xf-rows-threads":  # built in the consumer's thread (docs/sequences.md: the fast setting)
+            opts["num_threads"] = 0
         path = os.path.join(root, "xf")
         if workers:
             from crossfeed.adapters.torch import StatefulLoader, TorchDataset
@@ -190,6 +195,7 @@ def main() -> None:
     labels = {
         "xf-rows": 'crossfeed Pack(L, split="rows")',
         "xf-best": "crossfeed Pack(L) best-fit",
+        "xf-rows-threads": 'crossfeed split="rows", 2 threads',
         "ld": "LitData TokensLoader",
     }
     results: dict[tuple[str, int], float] = {}

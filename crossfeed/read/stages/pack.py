@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import logging
 import math
 import mmap
@@ -379,8 +380,9 @@ def row_blocks(order, lengths, pack: Pack) -> Iterator[tuple[int, np.ndarray]]:
 
 def _block(rows: list[list], first: int) -> np.ndarray:
     """Rows of piece tuples (numbered from ``first``) as a block's ``(n, 5)`` piece array."""
-    flat = [(first + i, *p) for i, row in enumerate(rows) for p in row]
-    return np.asarray(flat, dtype=np.int64).reshape(-1, PIECE)
+    pieces = np.array(list(itertools.chain.from_iterable(rows)), dtype=np.int64).reshape(-1, PIECE - 1)
+    numbers = np.repeat(np.arange(first, first + len(rows), dtype=np.int64), list(map(len, rows)))
+    return np.column_stack([numbers, pieces])
 
 
 def packed_rows(order, lengths, pack: Pack) -> Iterator[list[tuple[int, int, int, int]]]:
