@@ -11,36 +11,30 @@ checks that the tree rebuilds the encoder's bytes exactly for probes on every si
 varint width steps — and then writes the expected gaps of any number of records at once, in
 numpy.
 
-`TokenShards` checks each shard on the first batch of this process that touches it, all its
-records at once: every framed record's header and payload CRC (as the frame stage checks a
-batch's), and every record's bytes outside its value slots equal to those of the length its
-lengths file gives — so a record holds exactly the planned number of values (a lengths file
-that does not belong to the records is found here). A shard that passes is kept as one byte
-span with each record's value offsets; batches then cut their pieces straight out of it (one
-``bytes.join`` over C slices per feature, no per-document Python bytecode). A shard that fails
-any check — a corrupt record, another writer's layout, lengths that lie — is never used here:
-its batches go the Loader's general way (read and decode per batch), which names the record
-or skips it under ``on_error``. Remote shards read by range take that way too.
+`TokenShards` checks each shard's layout on the first batch of this process that touches it, all
+its records at once: every framed record's header (its length and the length's CRC), and every
+record's bytes outside its value slots equal to those of the length its lengths file gives — so
+a record holds exactly the planned number of values (a lengths file that does not belong to the
+records is found here). A shard that passes is kept as one byte span with each record's value
+offsets, payload range and stored payload CRC; a batch checks the payload CRC of each record it
+reads (one C call per record, as the frame stage does) and then cuts its pieces straight out of
+the span (one ``bytes.join`` over C slices per feature, no per-document Python bytecode). A shard
+whose layout check fails (another writer's layout, lengths that lie), and a batch with a record
+whose CRC does not match, go the Loader's general way (read and decode per batch), which names
+the record or skips it under ``on_error``. Remote shards read by range take that way too.
 """
 
 from __future__ import annotations
 
 import threading
 
+import crc32c as _crc32c
 import numpy as np
 
 from crossfeed.errors import CrossfeedError
 from crossfeed.format import example as ex
-from crossfeed.format.frames import (
-    FRAMING,
-    bad_headers,
-    bad_payloads,
-    gather,
-    out_of_bounds,
-    payload_views,
-    stored_crcs,
-)
-from crossfeed.format.tfrecord import HEADER
+from crossfeed.format.frames import FRAMING, bad_headers, gather, out_of_bounds, stored_crcs
+from crossfeed.format.tfrecord import HEADER, mask
 from crossfeed.read.stages.frames import ALL_INDEX_MAX, Span
 
 # probes: every side of the varint steps of a length prefix (2^7, 2^14, 2^21 bytes) for any value width
@@ -193,8 +187,8 @@ def _emit(items: list, ns: np.ndarray, sizes: list[int]) -> tuple[list, np.ndarr
 
 class TokenShards:
     """The checked shards of one split of token records (see the module docstring): ``at(ids)``
-    gives each record's value offsets in `span`, or None while any of them lies in a shard that
-    is not (or cannot be) checked whole."""
+    gives each record's value offsets in the span of the checked shards, its records' payload CRCs
+    checked, or None where the general way must read them."""
 
     def __init__(self, frames, model: RecordModel, lengths, source: int, features: int):
         self.frames, self.model, self.lengths, self.source = frames, model, lengths, source
@@ -202,14 +196,16 @@ class TokenShards:
         self.k = features
         self.starts = np.asarray(self.split.starts, dtype=np.int64)
         shards = len(self.starts) - 1
-        self._at = [None] * shards  # shard → (records, k) value offsets in its own bytes; False: slow
+        # shard → (records, k + 3): value offsets, payload start (in its own bytes), payload size and
+        # stored masked CRC of each record; False: the general way
+        self._at = [None] * shards
         self._arrays: dict[int, np.ndarray] = {}
         empty = Span({}, shards)
         self.current = (empty, memoryview(empty.u8))  # the span of the checked shards and its view: replaced whole
         # a split of at most ALL_INDEX_MAX records: one table of every record's value offsets in its
         # shard (-1: the shard not checked yet), so a batch's offsets are one gather
         self._table = (
-            np.full((len(self.split), features), -1, dtype=np.int64) if len(self.split) <= ALL_INDEX_MAX else None
+            np.full((len(self.split), features + 3), -1, dtype=np.int64) if len(self.split) <= ALL_INDEX_MAX else None
         )
         self._lock = threading.Lock()
 
@@ -227,28 +223,42 @@ class TokenShards:
 
     def at(self, ids: np.ndarray) -> tuple[np.ndarray, memoryview] | None:
         """``(len(ids), k)`` offsets of each record's values per feature in the returned view of
-        the checked shards' bytes; None: not all of them are checked whole."""
+        the checked shards' bytes, every record's payload CRC checked; None: the general way (a
+        shard not checked whole, or a record whose CRC does not match)."""
         shard = np.searchsorted(self.starts, ids, side="right") - 1
+        rows = None
         if self._table is not None:
             span, view = self.current
             rel = self._table[ids]
             if len(rel) and int(rel.min()) >= 0 and (span.base[shard] >= 0).all():
-                return rel + span.base[shard][:, None], view
-        present = np.unique(shard).tolist()
-        for s in present:
-            if self._at[s] is None:
-                self._check(s)
-            if self._at[s] is False:
-                return None
-        span, view = self.current
-        if self._table is not None:
-            rel = self._table[ids]
-        else:
-            rel = np.empty((len(ids), self.k), dtype=np.int64)
+                rows = rel
+        if rows is None:
+            present = np.unique(shard).tolist()
             for s in present:
-                m = shard == s
-                rel[m] = self._at[s][ids[m] - self.starts[s]]
-        return rel + span.base[shard][:, None], view
+                if self._at[s] is None:
+                    self._check(s)
+                if self._at[s] is False:
+                    return None
+            span, view = self.current
+            if self._table is not None:
+                rows = self._table[ids]
+            else:
+                rows = np.empty((len(ids), self.k + 3), dtype=np.int64)
+                for s in present:
+                    m = shard == s
+                    rows[m] = self._at[s][ids[m] - self.starts[s]]
+        base = span.base[shard]
+        k = self.k
+        once = np.empty(len(ids), dtype=bool)  # each record's payload CRC, once (a record's pieces are adjacent)
+        once[:1] = True
+        np.not_equal(ids[1:], ids[:-1], out=once[1:])
+        checked = rows[once]
+        lo = checked[:, k] + base[once]
+        payloads = map(view.__getitem__, map(slice, lo.tolist(), (lo + checked[:, k + 1]).tolist()))
+        crcs = np.fromiter(map(_crc32c.crc32c, payloads), dtype=np.uint32, count=len(checked))
+        if (mask(crcs) != checked[:, k + 2]).any():
+            return None
+        return rows[:, :k] + base[:, None], view
 
     def _check(self, s: int) -> None:
         with self._lock:
@@ -263,7 +273,7 @@ class TokenShards:
                     self._table[self.starts[s] : self.starts[s + 1]] = got
 
     def _checked(self, s: int) -> np.ndarray | None:
-        """Shard ``s``'s value offsets, every record checked; None: it goes the general way."""
+        """Shard ``s``'s record table (see ``_at``), its layout checked; None: it goes the general way."""
         try:
             buf = self.frames._buffer(s)
         except CrossfeedError:
@@ -274,11 +284,9 @@ class TokenShards:
         u8 = np.frombuffer(buf, dtype=np.uint8)
         if not len(index):
             self._arrays[s] = u8
-            return np.zeros((0, self.k), dtype=np.int64)
+            return np.zeros((0, self.k + 3), dtype=np.int64)
         offs, lens = index[:, 0].astype(np.int64), index[:, 1].astype(np.int64)
         if out_of_bounds(offs, lens, len(u8)).any() or bad_headers(gather(u8, offs, HEADER), lens).any():
-            return None
-        if bad_payloads(payload_views(buf, offs, lens), stored_crcs(u8, offs, lens)).any():
             return None
         ns = np.asarray(self.lengths.shard(self.source, s), dtype=np.int64)
         if len(ns) != len(offs):
@@ -289,7 +297,8 @@ class TokenShards:
             return None
         last = len(u8) - 1
         pos = start.copy()
-        at = np.zeros((len(ns), self.k), dtype=np.int64)
+        at = np.zeros((len(ns), self.k + 3), dtype=np.int64)
+        at[:, self.k], at[:, self.k + 1], at[:, self.k + 2] = start, size, stored_crcs(u8, offs, lens)
         for kind, arg in ops:
             if kind == "c":
                 want = np.frombuffer(arg, dtype=np.uint8)
