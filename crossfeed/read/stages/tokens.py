@@ -64,39 +64,58 @@ def _varint(n: int) -> bytes:
 
 
 class RecordModel:
-    """The bytes of a record of ``n`` values per feature, for the schemas it fits (`of`):
-    ``ops(ns)`` is the record as a sequence of ``("c", bytes)`` constants, ``("v", values)``
-    varints (one value per record) and ``("val", feature)`` value slots."""
+    """The bytes of a record of ``n`` values per packed feature, for the schemas it fits (`of`):
+    ``ops(ns)`` is the record — or, where the schema has other features (a document's id), the
+    packed features' map entries at its end — as a sequence of ``("c", bytes)`` constants,
+    ``("v", values)`` varints (one value per record) and ``("val", feature)`` value slots.
+    ``prefix``: None, or the key headers of the other features' map entries, which come first
+    (keys are written sorted) and whose contents are skipped by their length prefixes."""
 
-    def __init__(self, tree: list, sizes: list[int]):
-        self.tree, self.sizes = tree, sizes
+    def __init__(self, tree: list, sizes: list[int], prefix: list[bytes] | None = None):
+        self.tree, self.sizes, self.prefix = tree, sizes, prefix
 
     @classmethod
     def of(cls, schema, names: list[str]) -> RecordModel | None:
-        """The model of records of ``schema`` (whose features must be exactly ``names``, each a
-        raw tensor), checked against the encoder at every probe; None where it does not fit."""
+        """The model of records of ``schema`` whose packed features ``names`` are raw tensors
+        (any other features' map entries must sort before theirs), checked against the encoder
+        at every probe; None where it does not fit."""
         from crossfeed.format.encode import encoder_for
 
-        if sorted(schema.names) != sorted(names):
+        if not set(names) <= set(schema.names):
             return None
         dtypes = [np.dtype(schema[n].dtype) for n in names]
+        others = {f.name: _probe_value(f) for f in schema if f.name not in names}
         encode = encoder_for(schema).encode
 
         def sample(n: int) -> tuple[dict, list[bytes]]:
             marks = [bytes([0x41 + i]) * (n * dt.itemsize) for i, dt in enumerate(dtypes)]
-            return {name: np.frombuffer(m, dt) for name, dt, m in zip(names, dtypes, marks)}, marks
+            return {**others, **{name: np.frombuffer(m, dt) for name, dt, m in zip(names, dtypes, marks)}}, marks
 
         try:
             values, marks = sample(BASE)
-            tree = _parse(bytes(encode(values)), marks, BASE)
+            whole = bytes(encode(values))
+            prefix = None
+            if others:
+                got = _split_entries(whole, names)
+                if got is None:
+                    return None
+                prefix, at = got
+                whole = whole[at:]
+            tree = _parse(whole, marks, BASE)
             if tree is None:
                 return None
-            model = cls(tree, [dt.itemsize for dt in dtypes])
+            model = cls(tree, [dt.itemsize for dt in dtypes], prefix)
             for n in PROBES:
                 values, marks = sample(n)
-                if model.build(n, marks) != bytes(encode(values)):
+                record = bytes(encode(values))
+                if prefix is not None:
+                    got = _split_entries(record, names)
+                    if got is None or got[0] != prefix:
+                        return None
+                    record = record[got[1] :]
+                if model.build(n, marks) != record:
                     return None
-        except (CrossfeedError, ValueError, TypeError, OverflowError):  # a schema the probes cannot encode
+        except (CrossfeedError, ValueError, TypeError, OverflowError, KeyError):  # a schema the probes cannot encode
             return None
         return model
 
@@ -118,6 +137,55 @@ class RecordModel:
         for kind, arg in ops:
             out.append(arg if kind == "c" else _varint(int(arg[0])) if kind == "v" else marks[arg])
         return b"".join(out)
+
+
+def _probe_value(f):
+    """A value of feature ``f`` to encode probes with (the model skips it: any value does)."""
+    if f.codec.dense:
+        return np.zeros(tuple(1 if d is None else d for d in f.shape), np.dtype(f.dtype))
+    return "x" if f.dtype == "string" else b"x"
+
+
+def _split_entries(record: bytes, names: list[str]) -> tuple[list[bytes], int] | None:
+    """``(key headers of the leading map entries that are not ``names``', where the first of
+    theirs starts)``: the record is one Features message whose entries of other features all come
+    first; None otherwise."""
+    try:
+        if record[:1] != b"\n":
+            return None
+        size, pos = ex.read_varint(record, 1, len(record))
+        if pos + size != len(record):
+            return None
+        prefix, theirs = [], None
+        while pos < len(record):
+            if record[pos] != 0x0A:
+                return None
+            size, q = ex.read_varint(record, pos + 1, len(record))
+            if record[q] != 0x0A:
+                return None
+            klen, k = ex.read_varint(record, q + 1, len(record))
+            key = record[k : k + klen].decode()
+            mine = any(key == n or key.startswith(n + "/") for n in names)
+            if mine and theirs is None:
+                theirs = pos
+            elif not mine:
+                if theirs is not None:  # another feature's entry after ours: no fixed tail
+                    return None
+                prefix.append(record[q : k + klen])
+            pos = q + size
+    except (CrossfeedError, IndexError, UnicodeDecodeError):
+        return None
+    return (prefix, theirs) if theirs is not None else None
+
+
+def read_varints(u8: np.ndarray, pos: np.ndarray, last: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The varints at ``pos`` of ``u8`` (at most 5 bytes each): values, widths and whether each is whole."""
+    b = u8[np.minimum(pos[:, None] + np.arange(5), last)].astype(np.int64)
+    ends = b < 0x80
+    width = np.argmax(ends, axis=1) + 1
+    within = np.arange(5) < width[:, None]
+    values = (((b & 0x7F) << (7 * np.arange(5))) * within).sum(axis=1)
+    return values, width, ends.any(axis=1)
 
 
 def _parse(buf: bytes, marks: list[bytes], n: int) -> list | None:
@@ -190,63 +258,51 @@ class TokenShards:
     gives each record's value offsets in the span of the checked shards, its records' payload CRCs
     checked, or None where the general way must read them."""
 
+    BLOCK = 1024  # records checked at once: a batch's first touch costs blocks, not whole shards
+
     def __init__(self, frames, model: RecordModel, lengths, source: int, features: int):
         self.frames, self.model, self.lengths, self.source = frames, model, lengths, source
         self.split = frames.split
         self.k = features
         self.starts = np.asarray(self.split.starts, dtype=np.int64)
         shards = len(self.starts) - 1
-        # shard → (records, k + 3): value offsets, payload start (in its own bytes), payload size and
-        # stored masked CRC of each record; False: the general way
-        self._at = [None] * shards
-        self._arrays: dict[int, np.ndarray] = {}
+        # every record's (k + 3) entries — value offsets and payload start in its shard's bytes,
+        # payload size, stored masked CRC — once its block is checked (-1 before; -2: the general way)
+        self._table = np.full((len(self.split), features + 3), -1, dtype=np.int64)
+        self._arrays: dict[int, np.ndarray] = {}  # the mapped shards
         empty = Span({}, shards)
-        self.current = (empty, memoryview(empty.u8))  # the span of the checked shards and its view: replaced whole
-        # a split of at most ALL_INDEX_MAX records: one table of every record's value offsets in its
-        # shard (-1: the shard not checked yet), so a batch's offsets are one gather
-        self._table = (
-            np.full((len(self.split), features + 3), -1, dtype=np.int64) if len(self.split) <= ALL_INDEX_MAX else None
-        )
+        self.current = (empty, memoryview(empty.u8))  # the span of the mapped shards and its view: replaced whole
         self._lock = threading.Lock()
 
     @classmethod
     def of(cls, reader, lengths, names: list[str]) -> TokenShards | None:
-        """For a Loader's one-source reader of TFRecord shards whose schema `RecordModel` fits."""
+        """For a Loader's one-source reader of TFRecord shards whose schema `RecordModel` fits, of at
+        most ``ALL_INDEX_MAX`` records (one table of every record's offsets: 56 bytes a record)."""
         frames = getattr(reader, "frames", None)
         split = getattr(frames, "split", None)
         if getattr(reader, "mixture", True) or split is None or split.info.format != "tfrecord":
             return None
-        if not hasattr(frames, "_buffer"):
+        if not hasattr(frames, "_buffer") or len(split) > ALL_INDEX_MAX:
             return None
         model = RecordModel.of(split.dataset.schema, list(names))
         return None if model is None else cls(frames, model, lengths, 0, len(names))
 
     def at(self, ids: np.ndarray) -> tuple[np.ndarray, memoryview] | None:
         """``(len(ids), k)`` offsets of each record's values per feature in the returned view of
-        the checked shards' bytes, every record's payload CRC checked; None: the general way (a
-        shard not checked whole, or a record whose CRC does not match)."""
+        the mapped shards' bytes, every record's payload CRC checked; None: the general way (a
+        block that failed its check, or a record whose CRC does not match)."""
+        rows = self._table[ids]
+        if not len(rows):
+            return None
+        if int(rows[:, 0].min()) < 0:
+            todo = ids[rows[:, 0] == -1]
+            for s, blk in {(int(s), int(b)) for s, b in zip(*self._blocks(todo))}:
+                self._check(s, blk)
+            rows = self._table[ids]
+            if int(rows[:, 0].min()) < 0:
+                return None
+        span, view = self.current
         shard = np.searchsorted(self.starts, ids, side="right") - 1
-        rows = None
-        if self._table is not None:
-            span, view = self.current
-            rel = self._table[ids]
-            if len(rel) and int(rel.min()) >= 0 and (span.base[shard] >= 0).all():
-                rows = rel
-        if rows is None:
-            present = np.unique(shard).tolist()
-            for s in present:
-                if self._at[s] is None:
-                    self._check(s)
-                if self._at[s] is False:
-                    return None
-            span, view = self.current
-            if self._table is not None:
-                rows = self._table[ids]
-            else:
-                rows = np.empty((len(ids), self.k + 3), dtype=np.int64)
-                for s in present:
-                    m = shard == s
-                    rows[m] = self._at[s][ids[m] - self.starts[s]]
         base = span.base[shard]
         k = self.k
         once = np.empty(len(ids), dtype=bool)  # each record's payload CRC, once (a record's pieces are adjacent)
@@ -260,43 +316,66 @@ class TokenShards:
             return None
         return rows[:, :k] + base[:, None], view
 
-    def _check(self, s: int) -> None:
-        with self._lock:
-            if self._at[s] is not None:
-                return
-            got = self._checked(s)
-            self._at[s] = False if got is None else got
-            if got is not None:
-                span = Span(self._arrays, len(self._at))
-                self.current = (span, memoryview(span.u8))
-                if self._table is not None:
-                    self._table[self.starts[s] : self.starts[s + 1]] = got
+    def _blocks(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        shard = np.searchsorted(self.starts, ids, side="right") - 1
+        return shard, (ids - self.starts[shard]) // self.BLOCK
 
-    def _checked(self, s: int) -> np.ndarray | None:
-        """Shard ``s``'s record table (see ``_at``), its layout checked; None: it goes the general way."""
+    def _check(self, s: int, blk: int) -> None:
+        lo = int(self.starts[s]) + blk * self.BLOCK
+        hi = min(int(self.starts[s + 1]), lo + self.BLOCK)
+        with self._lock:
+            if self._table[lo, 0] != -1:
+                return
+            got = self._checked(s, lo - int(self.starts[s]), hi - int(self.starts[s]))
+            if got is None:
+                self._table[lo:hi, 0] = -2
+                return
+            if s not in self._arrays or self.current[0].base[s] < 0:
+                self._arrays[s] = got[1]
+                span = Span(self._arrays, len(self.starts) - 1)
+                self.current = (span, memoryview(span.u8))
+            self._table[lo:hi] = got[0]
+
+    def _checked(self, s: int, a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Records ``a:b`` of shard ``s``: their table rows (see ``_table``), their layout checked,
+        and the shard's bytes; None: they go the general way."""
         try:
             buf = self.frames._buffer(s)
         except CrossfeedError:
             return None
         if buf is None:
             return None
-        index = self.split.index(s)
+        index = self.split.index(s)[a:b]
         u8 = np.frombuffer(buf, dtype=np.uint8)
-        if not len(index):
-            self._arrays[s] = u8
-            return np.zeros((0, self.k + 3), dtype=np.int64)
         offs, lens = index[:, 0].astype(np.int64), index[:, 1].astype(np.int64)
-        if out_of_bounds(offs, lens, len(u8)).any() or bad_headers(gather(u8, offs, HEADER), lens).any():
+        if not len(u8) or out_of_bounds(offs, lens, len(u8)).any() or bad_headers(gather(u8, offs, HEADER), lens).any():
             return None
-        ns = np.asarray(self.lengths.shard(self.source, s), dtype=np.int64)
+        ns = np.asarray(self.lengths.shard(self.source, s), dtype=np.int64)[a:b]
         if len(ns) != len(offs):
             return None
         start, size = offs + HEADER, lens - FRAMING
         ops, total = self.model.ops(ns)
-        if (total != size).any():
-            return None
         last = len(u8) - 1
-        pos = start.copy()
+        if self.model.prefix is None:
+            if (total != size).any():
+                return None
+            pos = start.copy()
+        else:  # other features' entries first: each skipped by its length, its key checked
+            outer, width, whole = read_varints(u8, start + 1, last)
+            if (u8[np.minimum(start, last)] != 0x0A).any() or not whole.all() or (1 + width + outer != size).any():
+                return None
+            pos = start + 1 + width
+            for key in self.model.prefix:
+                want = np.frombuffer(key, dtype=np.uint8)
+                entry, width, whole = read_varints(u8, pos + 1, last)
+                head = gather(u8, np.minimum(pos + 1 + width, last - len(want) + 1), len(want))
+                if (u8[np.minimum(pos, last)] != 0x0A).any() or not whole.all() or (entry < len(want)).any():
+                    return None
+                if (head != want).any():
+                    return None
+                pos = pos + 1 + width + entry
+            if (pos + total != start + size).any():  # the packed features' entries fill the rest exactly
+                return None
         at = np.zeros((len(ns), self.k + 3), dtype=np.int64)
         at[:, self.k], at[:, self.k + 1], at[:, self.k + 2] = start, size, stored_crcs(u8, offs, lens)
         for kind, arg in ops:
@@ -317,5 +396,4 @@ class TokenShards:
             else:
                 at[:, arg] = pos
                 pos += ns * self.model.sizes[arg]
-        self._arrays[s] = u8
-        return at
+        return at, u8
