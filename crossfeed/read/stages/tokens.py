@@ -11,17 +11,19 @@ checks that the tree rebuilds the encoder's bytes exactly for probes on every si
 varint width steps — and then writes the expected gaps of any number of records at once, in
 numpy.
 
-`TokenShards` checks each shard's layout on the first batch of this process that touches it, all
-its records at once: every framed record's header (its length and the length's CRC), and every
-record's bytes outside its value slots equal to those of the length its lengths file gives — so
-a record holds exactly the planned number of values (a lengths file that does not belong to the
-records is found here). A shard that passes is kept as one byte span with each record's value
-offsets, payload range and stored payload CRC; a batch checks the payload CRC of each record it
-reads (one C call per record, as the frame stage does) and then cuts its pieces straight out of
-the span (one ``bytes.join`` over C slices per feature, no per-document Python bytecode). A shard
-whose layout check fails (another writer's layout, lengths that lie), and a batch with a record
-whose CRC does not match, go the Loader's general way (read and decode per batch), which names
-the record or skips it under ``on_error``. Remote shards read by range take that way too.
+`TokenShards` checks the records a block of 1,024 at a time, on the first batch of this process
+that touches the block (its pages mapped in one call first), all of them at once: every framed
+record's header (its length and the length's CRC), and every record's bytes outside its value
+slots equal to those of the length its lengths file gives — so a record holds exactly the
+planned number of values (a lengths file that does not belong to the records is found here). A
+checked block's records enter one table of the split (value offsets, payload range and stored
+payload CRC; splits of at most ``ALL_INDEX_MAX`` records, 56 bytes a record); a batch checks the
+payload CRC of each record it reads (one C call per record, as the frame stage does) and then
+cuts its pieces straight out of the mapped shards (one ``bytes.join`` over C slices per feature,
+no per-document Python bytecode). A block whose check fails (another writer's layout, lengths
+that lie), and a batch with a record whose CRC does not match, go the Loader's general way (read
+and decode per batch), which names the record or skips it under ``on_error``. Remote shards read
+by range, mixtures and larger splits take that way too.
 """
 
 from __future__ import annotations
