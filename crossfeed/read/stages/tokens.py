@@ -13,17 +13,18 @@ numpy.
 
 `TokenShards` checks the records a block of 1,024 at a time, on the first batch of this process
 that touches the block (its pages mapped in one call first), all of them at once: every framed
-record's header (its length and the length's CRC), and every record's bytes outside its value
-slots equal to those of the length its lengths file gives — so a record holds exactly the
-planned number of values (a lengths file that does not belong to the records is found here). A
-checked block's records enter one table of the split (value offsets, payload range and stored
-payload CRC; splits of at most ``ALL_INDEX_MAX`` records, 56 bytes a record); a batch checks the
-payload CRC of each record it reads (one C call per record, as the frame stage does) and then
-cuts its pieces straight out of the mapped shards (one ``bytes.join`` over C slices per feature,
-no per-document Python bytecode). A block whose check fails (another writer's layout, lengths
-that lie), and a batch with a record whose CRC does not match, go the Loader's general way (read
-and decode per batch), which names the record or skips it under ``on_error``. Remote shards read
-by range, mixtures and larger splits take that way too.
+record's header and payload CRC (the frame stage's checks, for the block's records together
+rather than the batch's: once per process), and every record's bytes outside its value slots
+equal to those of the length its lengths file gives — so a record holds exactly the planned
+number of values (a lengths file that does not belong to the records is found here). A checked
+block's records enter one table of the split (their value offsets; splits of at most
+``ALL_INDEX_MAX`` records); a batch then cuts its pieces straight out of the mapped shards (one
+``bytes.join`` over C slices per feature, no per-document Python bytecode). A block whose check
+fails (a corrupt record, another writer's layout, lengths that lie) is never sliced: its
+records go the Loader's general way (read and decode per batch), which names the record or
+skips it under ``on_error``. Remote shards read by range, mixtures and larger splits take that
+way too. The shards are memory-mapped read-only and never rewritten in place (a rewrite is a
+new generation of files), so bytes checked once stay checked.
 """
 
 from __future__ import annotations
@@ -31,13 +32,20 @@ from __future__ import annotations
 import mmap
 import threading
 
-import crc32c as _crc32c
 import numpy as np
 
 from crossfeed.errors import CrossfeedError
 from crossfeed.format import example as ex
-from crossfeed.format.frames import FRAMING, bad_headers, gather, out_of_bounds, stored_crcs
-from crossfeed.format.tfrecord import HEADER, mask
+from crossfeed.format.frames import (
+    FRAMING,
+    bad_headers,
+    bad_payloads,
+    gather,
+    out_of_bounds,
+    payload_views,
+    stored_crcs,
+)
+from crossfeed.format.tfrecord import HEADER
 from crossfeed.read.stages.frames import ALL_INDEX_MAX, Span
 
 # probes: every side of the varint steps of a length prefix (2^7, 2^14, 2^21 bytes) for any value width
@@ -287,9 +295,9 @@ class TokenShards:
         self.k = features
         self.starts = np.asarray(self.split.starts, dtype=np.int64)
         shards = len(self.starts) - 1
-        # every record's (k + 3) entries — value offsets and payload start in its shard's bytes,
-        # payload size, stored masked CRC — once its block is checked (-1 before; -2: the general way)
-        self._table = np.full((len(self.split), features + 3), -1, dtype=np.int64)
+        # every record's value offsets in its shard's bytes, once its block is checked (-1 before;
+        # -2: the general way)
+        self._table = np.full((len(self.split), features), -1, dtype=np.int64)
         self._arrays: dict[int, np.ndarray] = {}  # the mapped shards
         empty = Span({}, shards)
         self.current = (empty, memoryview(empty.u8))  # the span of the mapped shards and its view: replaced whole
@@ -298,7 +306,7 @@ class TokenShards:
     @classmethod
     def of(cls, reader, lengths, names: list[str]) -> TokenShards | None:
         """For a Loader's one-source reader of TFRecord shards whose schema `RecordModel` fits, of at
-        most ``ALL_INDEX_MAX`` records (one table of every record's offsets: 56 bytes a record)."""
+        most ``ALL_INDEX_MAX`` records (one table of every record's offsets: 8 bytes a record and feature)."""
         frames = getattr(reader, "frames", None)
         split = getattr(frames, "split", None)
         if getattr(reader, "mixture", True) or split is None or split.info.format != "tfrecord":
@@ -310,8 +318,8 @@ class TokenShards:
 
     def at(self, ids: np.ndarray) -> tuple[np.ndarray, memoryview] | None:
         """``(len(ids), k)`` offsets of each record's values per feature in the returned view of
-        the mapped shards' bytes, every record's payload CRC checked; None: the general way (a
-        block that failed its check, or a record whose CRC does not match)."""
+        the mapped shards' bytes, every record's block checked; None: the general way (a block
+        that failed its check)."""
         rows = self._table[ids]
         if not len(rows):
             return None
@@ -324,18 +332,7 @@ class TokenShards:
                 return None
         span, view = self.current
         shard = np.searchsorted(self.starts, ids, side="right") - 1
-        base = span.base[shard]
-        k = self.k
-        once = np.empty(len(ids), dtype=bool)  # each record's payload CRC, once (a record's pieces are adjacent)
-        once[:1] = True
-        np.not_equal(ids[1:], ids[:-1], out=once[1:])
-        checked = rows[once]
-        lo = checked[:, k] + base[once]
-        payloads = map(view.__getitem__, map(slice, lo.tolist(), (lo + checked[:, k + 1]).tolist()))
-        crcs = np.fromiter(map(_crc32c.crc32c, payloads), dtype=np.uint32, count=len(checked))
-        if (mask(crcs) != checked[:, k + 2]).any():
-            return None
-        return rows[:, :k] + base[:, None], view
+        return rows + span.base[shard][:, None], view
 
     def _blocks(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         shard = np.searchsorted(self.starts, ids, side="right") - 1
@@ -374,6 +371,8 @@ class TokenShards:
         _populate(buf, int(offs.min()), int((offs + lens).max()))
         if bad_headers(gather(u8, offs, HEADER), lens).any():
             return None
+        if bad_payloads(payload_views(buf, offs, lens), stored_crcs(u8, offs, lens)).any():
+            return None
         ns = np.asarray(self.lengths.shard(self.source, s), dtype=np.int64)[a:b]
         if len(ns) != len(offs):
             return None
@@ -400,8 +399,7 @@ class TokenShards:
                 pos = pos + 1 + width + entry
             if (pos + total != start + size).any():  # the packed features' entries fill the rest exactly
                 return None
-        at = np.zeros((len(ns), self.k + 3), dtype=np.int64)
-        at[:, self.k], at[:, self.k + 1], at[:, self.k + 2] = start, size, stored_crcs(u8, offs, lens)
+        at = np.zeros((len(ns), self.k), dtype=np.int64)
         for kind, arg in ops:
             if kind == "c":
                 want = np.frombuffer(arg, dtype=np.uint8)
