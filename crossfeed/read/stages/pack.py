@@ -39,8 +39,12 @@ there continues identically, and at another world size covers the rest exactly o
 Cost: memory is O(batch + bins), never O(documents): lengths are gathered ``SCAN`` documents at a
 time from memory-mapped lengths files. Packing is sequential, so a rank (and each of its workers)
 walks the lengths of the whole epoch from its start — integers only, no record is read — to find
-its rows; resuming at row ``p`` walks the lengths before it again, and `PackSampler.epoch_total`
-(the number of rows, what ``len(loader)`` needs) walks the whole epoch once per epoch. A split
+its rows, a chunk of documents at a time (`row_blocks`: ``split="rows"`` in numpy, best-fit a
+Python step per document), and picks its batches' rows out of each chunk with one mask;
+resuming at row ``p`` walks the lengths before it again, and `PackSampler.epoch_total` (the
+number of rows, what ``len(loader)`` needs) walks the whole epoch once per epoch (``split="rows"``:
+a sum of the lengths). A batch is built by `PackBuilder` with a few numpy calls, its pieces
+sliced from the shards where `crossfeed.read.stages.tokens` checked them. A split
 without lengths files has its lengths learned by decoding each shard once, kept in memory (4
 bytes per record): write lengths files to avoid both.
 """
@@ -463,9 +467,6 @@ class PackSampler:
         if self.pack is not None and self.pack.weights_by is WeightsBy.TOKENS and getattr(self.docs, "weights", None):
             return TokenMixtureOrder(order)
         return order
-
-    def rows(self, epoch: int) -> Iterator[list]:
-        return packed_rows(self.order(epoch), self.lengths, self.pack)
 
     def blocks(self, epoch: int) -> Iterator[tuple[int, np.ndarray]]:
         """The epoch's rows in blocks (`row_blocks`)."""
