@@ -23,13 +23,27 @@ def token(source: int, doc: int, i) -> np.ndarray:
     return (np.int64(source) << 40) | (np.int64(doc) << 20) | np.asarray(i, dtype=np.int64)
 
 
+RAW = False  # write_tokens stores raw int64 tensors (the packed fast path's layout) instead of int64 lists
+
+
 def documents(lengths, source: int = 0) -> list[dict]:
+    if RAW:
+        return [{"tokens": token(source, d, np.arange(n))} for d, n in enumerate(lengths)]
     return [{"tokens": token(source, d, np.arange(n)).tolist()} for d, n in enumerate(lengths)]
+
+
+def raw_schema():
+    from crossfeed.format.schema import Encoding, Feature, Schema
+
+    return Schema([Feature("tokens", "int64", (None,), Encoding.TENSOR)])
 
 
 def write_tokens(root, lengths, *, source: int = 0, num_shards: int = 3, with_lengths: bool = True) -> str:
     """A dataset of ``len(lengths)`` documents (round-robin over ``num_shards`` shards)."""
-    crossfeed.write_dataset(root, documents(lengths, source), num_shards=num_shards).close()
+    schema = raw_schema() if RAW else None
+    crossfeed.write_dataset(
+        root, documents(lengths, source), num_shards=num_shards, schema=schema, lengths=None if with_lengths else ()
+    ).close()
     if with_lengths:
         add_lengths(root, ("tokens",))
     return str(root)

@@ -21,7 +21,7 @@ from crossfeed.format.encode_codec import FLOAT_SCALARS, INT_SCALARS
 from crossfeed.format.schema import Feature, Schema, infer_feature, widen
 from crossfeed.format.stats import FeatureStats, merge_all
 from crossfeed.policy import OnError
-from crossfeed.write.commit import check_target, commit_split, writer_lock
+from crossfeed.write.commit import check_target, commit_split, read_manifest_or_none, writer_lock
 from crossfeed.write.options import WriteOptions
 from crossfeed.write.staging import ShardSink, StagedShard, discard
 from crossfeed.write.target import write_target
@@ -40,6 +40,7 @@ def write_samples(
     add_split: bool = False,
     options: WriteOptions | None = None,
     storage_options: Mapping | None = None,
+    lengths: tuple[str, ...] | None = None,
     **fields,
 ):
     """Write ``samples`` (dicts of numpy arrays, scalars, bytes or str) as split ``split`` of the
@@ -56,6 +57,13 @@ def write_samples(
     ``path`` is a local directory or any fsspec URL the read side reads (``s3://bucket/dir``,
     ``gs://``, ``memory://``), reached with fsspec's ``storage_options``; a URL is written through
     a local staging directory and published with the manifest last (`crossfeed.write.target`).
+
+    A given schema's variable-length raw tensors (shape ``(None,)``: a document's tokens) have
+    their per-record lengths written beside each shard in the same pass (lengths files,
+    `crossfeed.format.lengths`, listed in the manifest's ``lengths``), which packing and
+    ``batch_by_tokens`` plan from. ``lengths=()`` writes none; a tuple of feature names writes
+    those.
+
     ``path`` must be a new or empty directory. ``overwrite=True`` replaces the dataset there, all of
     its splits; ``add_split=True`` adds ``split`` to it, keeping its other splits (same schema).
     The commit is atomic (`commit_splits`): on any error, or if the process dies, readers see the
@@ -85,6 +93,7 @@ def write_samples(
                 metadata=metadata,
                 overwrite=overwrite,
                 add_split=add_split,
+                lengths=lengths,
             )
     return target.url if target.remote else root
 
@@ -102,26 +111,52 @@ def _write(
     metadata,
     overwrite,
     add_split,
+    lengths=None,
 ) -> None:
     feats: dict[str, Feature] = {f.name: f for f in schema} if schema is not None else {}
     inferred = schema is None
     sinks: list[ShardSink] = []
+    # each record's value counts, per sink, of the features that get lengths files: those named,
+    # or a given schema's raw variable-length tensors (`_lengthy`); an inferred schema's, none
+    if lengths is None and add_split:  # a split added to a dataset has the lengths files its splits have
+        old = read_manifest_or_none(root)
+        lengths = tuple(old.lengths) if old else None
+    if lengths is not None:
+        counted = list(lengths)
+    elif inferred:
+        counted = []
+    else:
+        counted = [f.name for f in schema if _lengthy(f)]
+    sizes: list[list] = []
     staged: list[StagedShard] = []
     stats: dict[str, FeatureStats] = {}
 
     def new_sink() -> ShardSink:
         sinks.append(ShardSink(root, f"{token}-{split}-{len(sinks):05d}", compress=compress))
+        sizes.append([])
         return sinks[-1]
 
-    def put(payload: bytes, count: int) -> None:
+    def put(payload: bytes, count: int, size) -> None:
         if num_shards is not None:
-            sinks[(count - 1) % num_shards].write(payload)
+            k = (count - 1) % num_shards
         else:
             if not sinks or sinks[-1].num_bytes >= shard_size:
                 if sinks:
-                    staged.append(sinks[-1].finish())
+                    staged.append(finish(len(sinks) - 1))
                 new_sink()
-            sinks[-1].write(payload)
+            k = len(sinks) - 1
+        sinks[k].write(payload)
+        if size is not None:
+            sizes[k].append(size)
+
+    def finish(k: int) -> StagedShard:
+        if not keys:
+            return sinks[k].finish()
+        got = np.asarray(sizes[k], dtype=np.int64).reshape(-1, len(keys))
+        sizes[k] = []
+        return sinks[k].finish(got)
+
+    keys = counted
 
     try:
         if num_shards is not None:
@@ -141,7 +176,7 @@ def _write(
                     raise SchemaError(f"sample {count - 1}: {e}") from None
                 for k, v in sample.items():
                     stats.setdefault(k, FeatureStats()).add(v)
-                put(payload, count)
+                put(payload, count, _sizes(sample, keys) if keys else None)
         else:  # a chunk at a time, with the same results and errors as one at a time
             enc = encoder_for(Schema(feats.values()))
             it = iter(samples)
@@ -162,26 +197,32 @@ def _write(
                             _add_stats({}, chunk[: e.index])  # what would have failed before it
                         raise SchemaError(f"sample {count + e.index}: {e.reason}") from None
                     _add_stats(stats, chunk)
-                    for payload in payloads:
+                    rows = [_sizes(x, keys) for x in chunk] if keys else [None] * len(chunk)
+                    for payload, size in zip(payloads, rows):
                         count += 1
-                        put(payload, count)
+                        put(payload, count, size)
                 if pending is not None:
                     raise pending
                 if len(chunk) < _CHUNK:
                     break
         if count == 0:
             raise ConfigError(f"no samples to write for split {split!r}: the iterable was empty")
-        staged += [s.finish() for s in (sinks if num_shards is not None else sinks[-1:])]
+        final = Schema(feats.values())
+        missing = [k for k in keys if k not in final.names]
+        if missing:
+            raise ConfigError(f"lengths={list(keys)}: no feature {missing[0]!r} in the schema {list(final.names)}")
+        staged += [finish(k) for k in (range(len(sinks)) if num_shards is not None else [len(sinks) - 1])]
         commit_split(
             root,
             split,
             staged,
-            Schema(feats.values()),
+            final,
             statistics={k: v.to_json() for k, v in merge_all([stats]).items()},
             metadata=metadata,
             overwrite=overwrite,
             add_split=add_split,
             token=token,
+            lengths=tuple(keys),
         )
     except BaseException:
         for s in sinks:
@@ -191,6 +232,22 @@ def _write(
 
 
 _CHUNK = 1024
+
+
+def _lengthy(f) -> bool:
+    """Whether feature ``f`` of a given schema gets a lengths file by default: a variable-length
+    one-dimensional raw tensor of numbers (a document's tokens)."""
+    return tuple(f.shape) == (None,) and f.codec.dense and f.encoding.value == "tensor"
+
+
+def _sizes(sample: Mapping, keys: list[str]) -> tuple[int, ...]:
+    """The number of values of each of ``keys`` in ``sample`` (a list, an array, a scalar)."""
+    try:
+        return tuple(len(v) if isinstance(v, (list, tuple)) else int(np.size(v)) for v in map(sample.__getitem__, keys))
+    except KeyError as e:
+        raise ConfigError(f"lengths={list(keys)}: the samples have no feature {e.args[0]!r}") from None
+
+
 _STAT_SCALARS: dict = {**FLOAT_SCALARS, **INT_SCALARS}  # the scalar types whose columns are summed by numpy
 
 

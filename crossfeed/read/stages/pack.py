@@ -39,8 +39,12 @@ there continues identically, and at another world size covers the rest exactly o
 Cost: memory is O(batch + bins), never O(documents): lengths are gathered ``SCAN`` documents at a
 time from memory-mapped lengths files. Packing is sequential, so a rank (and each of its workers)
 walks the lengths of the whole epoch from its start — integers only, no record is read — to find
-its rows; resuming at row ``p`` walks the lengths before it again, and `PackSampler.epoch_total`
-(the number of rows, what ``len(loader)`` needs) walks the whole epoch once per epoch. A split
+its rows, a chunk of documents at a time (`row_blocks`: ``split="rows"`` in numpy, best-fit a
+Python step per document), and picks its batches' rows out of each chunk with one mask;
+resuming at row ``p`` walks the lengths before it again, and `PackSampler.epoch_total` (the
+number of rows, what ``len(loader)`` needs) walks the whole epoch once per epoch (``split="rows"``:
+a sum of the lengths). A batch is built by `PackBuilder` with a few numpy calls, its pieces
+sliced from the shards where `crossfeed.read.stages.tokens` checked them. A split
 without lengths files has its lengths learned by decoding each shard once, kept in memory (4
 bytes per record): write lengths files to avoid both.
 """
@@ -67,6 +71,7 @@ from crossfeed.format.lengths import DTYPE, check_bound, checked_lengths, length
 from crossfeed.format.schema import Feature
 from crossfeed.read.options import LoaderOptions, Pack, PackLong, PackSplit, WeightsBy
 from crossfeed.read.stages.batch import timed_apart
+from crossfeed.read.stages.tokens import TokenShards
 
 log = logging.getLogger(__name__)
 
@@ -205,22 +210,29 @@ class DocLengths:
 # ---- packing: every row of an epoch -------------------------------------------------------------
 
 
-def documents(order, lengths, start: int = 0) -> Iterator[tuple[int, int]]:
-    """``(document id, length)`` of the epoch's documents from position ``start``, in plan order."""
+def document_chunks(order, lengths, start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(document ids, lengths)`` int64 arrays of the epoch's documents from position ``start``,
+    in plan order, a few at first (the first rows touch few lengths files), then ``SCAN`` at a time."""
     if order.sequential:  # a token mixture's order: walked from the epoch's start
         skip = start
         for ids, lens in order.walk(lengths):
             if skip >= len(ids):
                 skip -= len(ids)
                 continue
-            yield from zip(ids[skip:].tolist(), lens[skip:].tolist())
+            yield ids[skip:], lens[skip:]
             skip = 0
         return
-    lo, size = start, FIRST_SCAN  # a few documents first: the first rows touch few lengths files
+    lo, size = start, FIRST_SCAN
     while lo < order.n:
         ids = order(np.arange(lo, min(order.n, lo + size), dtype=np.int64))
-        yield from zip(ids.tolist(), lengths(ids).tolist())
+        yield ids, np.asarray(lengths(ids), dtype=np.int64)
         lo, size = lo + size, min(SCAN, 2 * size)
+
+
+def documents(order, lengths, start: int = 0) -> Iterator[tuple[int, int]]:
+    """``(document id, length)`` of the epoch's documents from position ``start``, in plan order."""
+    for ids, lens in document_chunks(order, lengths, start):
+        yield from zip(ids.tolist(), lens.tolist())
 
 
 class TokenMixtureOrder:
@@ -348,21 +360,87 @@ class _Chunks:
         return [self.row] if self.row else []
 
 
+def row_blocks(order, lengths, pack: Pack) -> Iterator[tuple[int, np.ndarray]]:
+    """Every row of one epoch in order, in blocks ``(rows, pieces)``: the block's ``rows`` rows
+    (numbered on from the previous block's) as an ``(n, 5)`` int64 array of pieces ``(row,
+    document, start, count, length)``, row by row — the document's tokens ``start .. start +
+    count`` (``length``: the whole document's).
+
+    ``split="rows"`` is planned in numpy a chunk of documents at a time: with the documents'
+    token offsets in the epoch's concatenation (a cumulative sum), document ``d`` spans rows
+    ``begin_d // L … (end_d - 1) // L`` and its piece in row ``r`` is ``[max(begin_d, r·L),
+    min(end_d, (r + 1)·L))`` — one expansion for the chunk, no step per document. Best-fit steps
+    per document (`_BestFit`, a few list operations each)."""
+    L = pack.length
+    drop = pack.long is PackLong.DROP
+    if pack.split is PackSplit.DOCUMENTS:
+        packer, done = _BestFit(L, pack.bins), 0
+        for ids, lens in document_chunks(order, lengths):
+            out: list = []
+            add = packer.add
+            for doc, n in zip(ids.tolist(), lens.tolist()):
+                if not (drop and n > L):
+                    add(doc, n, out)
+            if out:
+                yield len(out), _block(out, done)
+                done += len(out)
+        rest = packer.flush()
+        if rest:
+            yield len(rest), _block(rest, done)
+        return
+    done, tokens = 0, 0  # rows emitted; tokens before the chunk
+    carry = np.zeros((0, PIECE), dtype=np.int64)  # the pieces of the open row
+    for ids, lens in document_chunks(order, lengths):
+        keep = (lens > 0) & (lens <= L) if drop else lens > 0
+        if not keep.all():
+            ids, lens = ids[keep], lens[keep]
+        if not len(ids):
+            continue
+        ends = tokens + np.cumsum(lens)
+        begins = ends - lens
+        first = begins // L
+        count = (ends - 1) // L - first + 1
+        d = np.repeat(np.arange(len(ids)), count)
+        row = first[d] + np.arange(len(d)) - np.repeat(np.cumsum(count) - count, count)
+        lo = np.maximum(begins[d], row * L)
+        hi = np.minimum(ends[d], (row + 1) * L)
+        pieces = np.concatenate([carry, np.stack([row, ids[d], lo - begins[d], hi - lo, lens[d]], axis=1)])
+        tokens = int(ends[-1])
+        full = tokens // L  # rows before this one are complete
+        cut = int(np.searchsorted(pieces[:, 0], full))
+        if full > done:
+            yield full - done, pieces[:cut]
+            done = full
+        carry = pieces[cut:]
+    if len(carry):
+        yield 1, carry
+
+
+def _block(rows: list[list], first: int) -> np.ndarray:
+    """Rows of piece tuples (numbered from ``first``) as a block's ``(n, 5)`` piece array."""
+    pieces = np.array(list(itertools.chain.from_iterable(rows)), dtype=np.int64).reshape(-1, PIECE - 1)
+    numbers = np.repeat(np.arange(first, first + len(rows), dtype=np.int64), list(map(len, rows)))
+    return np.column_stack([numbers, pieces])
+
+
 def packed_rows(order, lengths, pack: Pack) -> Iterator[list[tuple[int, int, int, int]]]:
     """Every row of one epoch in order: a list of pieces ``(document, start, count, length)``
-    (the document's tokens ``start .. start + count``; ``length``: the whole document's)."""
-    L = pack.length
-    packer = _BestFit(L, pack.bins) if pack.split is PackSplit.DOCUMENTS else _Chunks(L)
-    drop = pack.long is PackLong.DROP
-    out: list = []
-    for doc, n in documents(order, lengths):
-        if drop and n > L:
-            continue
-        packer.add(doc, n, out)
-        if out:
-            yield from out
-            out.clear()
-    yield from packer.flush()
+    (the document's tokens ``start .. start + count``; ``length``: the whole document's) — the
+    rows of `row_blocks`, one at a time."""
+    for rows, pieces in row_blocks(order, lengths, pack):
+        first = int(pieces[0, 0]) if len(pieces) else 0
+        out: list[list] = [[] for _ in range(rows)]
+        for r, *piece in pieces.tolist():
+            out[r - first].append(tuple(piece))
+        yield from out
+
+
+def _encoded(pieces: np.ndarray, rows: int, width: int) -> np.ndarray:
+    """A batch for the builder from ``(n, 5)`` pieces whose first column is the row in the batch."""
+    out = np.empty(HEADER + pieces.size, dtype=np.int64)
+    out[0], out[1] = rows, width
+    out[HEADER:] = pieces.ravel()
+    return out
 
 
 def token_batches(order, lengths, start: int, budget: int, world: int) -> Iterator[list[tuple[int, int]]]:
@@ -438,8 +516,9 @@ class PackSampler:
             return TokenMixtureOrder(order)
         return order
 
-    def rows(self, epoch: int) -> Iterator[list]:
-        return packed_rows(self.order(epoch), self.lengths, self.packing)
+    def blocks(self, epoch: int) -> Iterator[tuple[int, np.ndarray]]:
+        """The epoch's rows in blocks (`row_blocks`)."""
+        return row_blocks(self.order(epoch), self.lengths, self.packing)
 
     def epoch_total(self, epoch: int) -> int:
         """Positions in epoch ``epoch``: its rows (``pack``; one walk over its lengths, kept), or documents."""
@@ -448,7 +527,15 @@ class PackSampler:
         with self._lock:
             got = self._rows.get(epoch)
         if got is None:
-            got = sum(1 for _ in self.rows(epoch))
+            if self.pack.split is PackSplit.ROWS:  # the tokens' sum, cut in rows: no pieces made
+                drop, L = self.pack.long is PackLong.DROP, self.pack.length
+                tokens = sum(
+                    int(lens[lens <= L].sum() if drop else lens.sum())
+                    for _, lens in document_chunks(self.order(epoch), self.lengths)
+                )
+                got = -(-tokens // L)
+            else:
+                got = sum(rows for rows, _ in self.blocks(epoch))
             self._remember(epoch, got)
         return got
 
@@ -461,7 +548,8 @@ class PackSampler:
         if got is not None or position <= 0:
             return min(got, position) if got is not None else position
         k = 0
-        for k, _ in enumerate(self.rows(epoch), 1):
+        for rows, _ in self.blocks(epoch):
+            k += rows
             if k >= position:
                 return position
         self._remember(epoch, k)
@@ -550,26 +638,37 @@ class PackPlan:
         return g % self.num_workers == self.worker
 
     def _packed(self) -> Iterator[np.ndarray]:
+        """The rank's rows of each batch of this worker, picked from the epoch's row blocks with
+        one mask per block: global row ``k ≥ position`` is row ``i`` of global batch ``g`` for
+        rank ``r`` where ``k - position = g·B·W + i·W + r``."""
         s = self.sampler
         B, W, p, L = s.options.batch_size, self.world_size, self.position, s.packing.length
-        per = B * W
-        current: list[list] | None = None  # the rows of this rank's batch being filled
-        g_now, k = -1, -1
-        for k, row in enumerate(s.rows(self.epoch)):
-            if k < p:
-                continue
-            g, within = divmod(k - p, per)
-            if g != g_now:
-                if current is not None:
-                    yield _encode(current, L)
-                g_now, current = g, ([[] for _ in range(B)] if self._mine(g) else None)
-            i, r = divmod(within, W)
-            if current is not None and r == self.rank:
-                current[i] = row
-        total = k + 1
-        s._remember(self.epoch, total)
-        if current is not None and not (s.options.drop_last and (total - p) % per):
-            yield _encode(current, L)
+        per, nw = B * W, self.num_workers
+        pending = np.zeros((0, PIECE + 1), dtype=np.int64)  # (batch, row in it, doc, start, count, length)
+        seen, g_next = 0, 0
+        for rows, pieces in s.blocks(self.epoch):
+            seen += rows
+            k = pieces[:, 0] - p
+            g, within = np.divmod(k, per)
+            i, r = np.divmod(within, W)
+            mine = (k >= 0) & (r == self.rank) & (g % nw == self.worker)
+            if mine.any():
+                pending = np.concatenate([pending, np.column_stack([g[mine], i[mine], pieces[mine, 1:]])])
+            ready = max(0, (seen - p) // per)  # batches whose every row is known
+            while g_next < ready:
+                if self._mine(g_next):
+                    cut = int(np.searchsorted(pending[:, 0], g_next, side="right"))
+                    yield _encoded(pending[:cut, 1:], B, L)
+                    pending = pending[cut:]
+                g_next += 1
+        s._remember(self.epoch, seen)
+        left = max(0, seen - p)
+        count = left // per if s.options.drop_last else -(-left // per)
+        for g_now in range(g_next, count):
+            if self._mine(g_now):
+                cut = int(np.searchsorted(pending[:, 0], g_now, side="right"))
+                yield _encoded(pending[:cut, 1:], B, L)
+                pending = pending[cut:]
 
     def _by_tokens(self) -> Iterator[np.ndarray]:
         s = self.sampler
@@ -595,7 +694,9 @@ class PackWalker:
             raise ConfigError("a PackWalker walks the packed rows of a plan for one rank")
         self.sampler = sampler
         self.epoch: int | None = None
-        self._rows: Iterator[list] = iter(())
+        self._blocks: Iterator[tuple[int, np.ndarray]] = iter(())
+        self._pending = np.zeros((0, PIECE), dtype=np.int64)  # pieces of rows walked, not yet served
+        self._seen = 0  # rows the walk has passed
         self._next = 0  # the batch the walk stands before
         self.restarts = 0  # walks restarted for a batch behind the walk
 
@@ -606,20 +707,32 @@ class PackWalker:
             if epoch == self.epoch:
                 self.restarts += 1
                 log.debug("packed batch %d of epoch %d is behind the walk (at %d): walking again", b, epoch, self._next)
-            self.epoch, self._rows, self._next = epoch, s.rows(epoch), 0
-        skip = (b - self._next) * B
-        if skip:
-            next(itertools.islice(self._rows, skip, skip), None)  # consume `skip` rows
-        rows = list(itertools.islice(self._rows, B))
+            self.epoch, self._blocks, self._next = epoch, s.blocks(epoch), 0
+            self._pending, self._seen = np.zeros((0, PIECE), dtype=np.int64), 0
+        lo, hi = b * B, (b + 1) * B
+        pending = self._pending[self._pending[:, 0] >= lo]
+        parts = [pending]
+        while self._seen < hi:
+            got = next(self._blocks, None)
+            if got is None:
+                break
+            rows, pieces = got
+            self._seen += rows
+            parts.append(pieces[pieces[:, 0] >= lo])
+        pending = np.concatenate(parts) if len(parts) > 1 else pending
+        cut = int(np.searchsorted(pending[:, 0], hi))
+        here, self._pending = pending[:cut], pending[cut:]
         self._next = b + 1
-        if not rows or (len(rows) < B and s.options.drop_last):
+        rows = min(self._seen, hi) - lo
+        if rows <= 0 or (rows < B and s.options.drop_last):
             self.epoch = None  # the walk is spent
             raise ConfigError(
                 f"packed batch {b} of epoch {epoch} lies past the end of the epoch's rows here: serve the same "
                 "dataset the dispatcher plans"
             )
-        rows += [[] for _ in range(B - len(rows))]
-        return _encode(rows, s.packing.length)
+        here = here.copy()
+        here[:, 0] -= lo
+        return _encoded(here, B, s.packing.length)
 
 
 # ---- building a batch ---------------------------------------------------------------------------
@@ -627,9 +740,15 @@ class PackWalker:
 
 class PackBuilder:
     """Stage 4 for token datasets: an encoded batch of the plan → ``{feature: (rows, width),
-    segment_ids, positions}`` dense arrays. The documents are read and decoded by the Loader's
-    own reader, once per batch however many pieces of them it holds; each decoded length must be
-    the one the plan used."""
+    segment_ids, positions}`` dense arrays, gathered with one fancy index per array.
+
+    The batch's documents are read once each (CRC-checked by the Loader's frame reader) and their
+    values laid end to end in one flat array per feature; every piece's tokens are then placed by
+    index arrays computed for the whole batch at once. Records of crossfeed's own single-feature
+    layout are cut without a protobuf parse (`_Templates`: their bytes outside the values must be
+    exactly those of the planned length); any other record goes through the Loader's decoder.
+    Either way each document's length must be the one the plan used (a lengths file that lies is
+    named)."""
 
     def __init__(self, inner, features: list[Feature], lengths: DocLengths, pad_id: int = 0):
         self.inner, self.lengths, self.pad_id = inner, lengths, pad_id
@@ -638,6 +757,7 @@ class PackBuilder:
         self.return_index = False
         self.transform = self.batch_transform = None
         self.post = inner.batch_transform
+        self._shards: TokenShards | None | bool = False  # the fast path's checked shards (False: not looked at)
 
     @property
     def alloc(self):
@@ -660,6 +780,35 @@ class PackBuilder:
         """Names a document's record: its shard and offset (a mixture's: its source too)."""
         return self.reader.where(doc)
 
+    def _fast(self, docs: np.ndarray, tick) -> tuple[np.ndarray, memoryview] | None:
+        """The value offsets of documents ``docs`` in the bytes of their checked shards
+        (`TokenShards`), and those bytes; None: the general way."""
+        if self._shards is False:
+            self._shards = TokenShards.of(self.reader, self.lengths, [n for n, _ in self.features])
+        if not isinstance(self._shards, TokenShards):  # None: not this layout
+            return None
+        return self._shards.at(docs)
+
+    def _decoded(self, ids: np.ndarray, planned: np.ndarray, tick) -> tuple[list[list], np.ndarray]:
+        """``(per feature each kept document's values, kept)`` by the Loader's reader and
+        decoder, each decoded length checked against the plan's."""
+        batch, kept = self.reader(ids, self.budget, tick)
+        out = []
+        for name, dtype in self.features:
+            col = batch[name]
+            values = [np.ravel(v) for v in col]
+            sizes = np.fromiter((v.size for v in values), dtype=np.int64, count=len(values))
+            bad = np.flatnonzero(sizes != planned[kept])
+            if len(bad):
+                doc, j = int(ids[kept[bad[0]]]), int(bad[0])
+                raise IndexFileError(
+                    f"{self._where(doc)}: feature {name!r} has {int(sizes[j])} values, but the plan used length "
+                    f"{int(planned[kept[j]])} from {self.lengths.where(doc)}; the lengths do not belong to these "
+                    f"records: write the lengths files again"
+                )
+            out.append([v.astype(dtype, copy=False) for v in values])
+        return out, kept
+
     def __call__(
         self, encoded: np.ndarray, timings: dict[str, float] | None = None, tally=None
     ) -> dict[str, np.ndarray]:
@@ -669,40 +818,73 @@ class PackBuilder:
         tick = tally if tally is not None or meter is None else meter.tally()
         rows, width = int(encoded[0]), int(encoded[1])
         pieces = np.asarray(encoded[HEADER:], dtype=np.int64).reshape(-1, PIECE)
-        ids = np.unique(pieces[:, 1])
         if tick is not None:
             tick.start = tick.last = time.perf_counter_ns()
-        batch, kept = self.reader(ids, self.budget, tick)
-        have = ids[kept]
-        alloc = self.inner.alloc or np.empty
+        fast = self._fast(pieces[:, 1], tick)  # (each piece's document's value offsets, their bytes)
+        if fast is not None and tick is not None:  # the read: the checked shards' offsets looked up
+            tick.bytes += int(pieces[:, 3].sum()) * sum(d.itemsize for _, d in self.features)
+            tick.tick("read")
+        if fast is None:
+            ids, first = np.unique(pieces[:, 1], return_index=True)
+            values, kept = self._decoded(ids, pieces[first, 4], tick)
+            slot = np.full(len(ids), -1, dtype=np.int64)  # a document's place among the kept ones
+            slot[kept] = np.arange(len(kept))
+            at = slot[np.searchsorted(ids, pieces[:, 1])]
+            if not (at >= 0).all():  # pieces of documents dropped under on_error="skip": padding
+                pieces, at = pieces[at >= 0], at[at >= 0]
+        row, start, count = pieces[:, 0], pieces[:, 2], pieces[:, 3]
+        # each row's tokens, its pieces end to end, then all rows end to end: one flat array per
+        # feature (pieces come row by row, each row's from column 0)
+        total = int(count.sum())
+        full = total == rows * width  # every row full (no row holds more): the flat arrays are the batch
+        alloc = self.inner.alloc
+        direct = full and alloc is None  # ... taken as they are, no copy
+        alloc = alloc or np.empty
+        if not full:
+            fill = np.bincount(row, weights=count, minlength=rows).astype(np.int64)
+            cuts = np.concatenate([[0], np.cumsum(fill)]).tolist()
+
+        def place(flat: np.ndarray, dtype, pad) -> np.ndarray:
+            if direct:
+                return flat.reshape(rows, width)
+            a = alloc((rows, width), dtype)
+            if full:
+                a.reshape(-1)[:] = flat
+                return a
+            a[...] = pad
+            for r, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+                if hi > lo:
+                    a[r, : hi - lo] = flat[lo:hi]
+            return a
+
         out = {}
-        for name, dtype in self.features:
-            out[name] = alloc((rows, width), dtype)
-            out[name][...] = self.pad_id
-        seg, pos = alloc((rows, width), np.int32), alloc((rows, width), np.int32)
-        seg[...] = 0
-        pos[...] = 0
-        ramp = np.arange(width, dtype=np.int32)
-        fill = [0] * rows
-        segment = [0] * rows
-        for row, doc, start, count, length in pieces.tolist():
-            j = int(np.searchsorted(have, doc))
-            if j >= len(have) or have[j] != doc:  # dropped under on_error="skip": its tokens stay padding
-                continue
-            c = fill[row]
-            for name, _ in self.features:
-                value = np.ravel(batch[name][j])
-                if value.size != length:
-                    raise IndexFileError(
-                        f"{self._where(int(doc))}: feature {name!r} has {value.size} values, but the plan "
-                        f"used length {length} from {self.lengths.where(int(doc))}; the lengths do not belong "
-                        f"to these records: write the lengths files again"
-                    )
-                out[name][row, c : c + count] = value[start : start + count]
-            segment[row] += 1
-            seg[row, c : c + count] = segment[row]
-            pos[row, c : c + count] = ramp[:count]
-            fill[row] = c + count
+        if fast is not None:  # slices of the checked shards' bytes, joined in C: no per-piece bytecode
+            offsets, view = fast
+            for i, (name, dtype) in enumerate(self.features):
+                size = dtype.itemsize
+                lo = offsets[:, i] + start * size
+                cut = map(view.__getitem__, map(slice, lo.tolist(), (lo + count * size).tolist()))
+                joined = bytearray().join(cut) if direct else b"".join(cut)  # (a bytearray: the batch is writable)
+                out[name] = place(np.frombuffer(joined, dtype.newbyteorder("<"), count=total), dtype, self.pad_id)
+            if tick is not None:  # the decode: the slices joined
+                tick.tick("decode")
+        else:
+            at_l, start_l, stop_l = at.tolist(), start.tolist(), (start + count).tolist()
+            for (name, dtype), docs in zip(self.features, values):
+                parts = [docs[k][a:b] for k, a, b in zip(at_l, start_l, stop_l)]
+                out[name] = place(
+                    np.concatenate(parts or [np.zeros(0, dtype)]).astype(dtype, copy=False), dtype, self.pad_id
+                )
+        new_row = np.empty(len(row), dtype=bool)
+        new_row[:1] = True
+        np.not_equal(row[1:], row[:-1], out=new_row[1:])
+        idx = np.arange(len(row))
+        row_first = np.maximum.accumulate(np.where(new_row, idx, 0))
+        before = (np.cumsum(count) - count).astype(np.int32)
+        seg = place(np.repeat((idx - row_first + 1).astype(np.int32), count), np.int32, 0)
+        ramp = np.arange(total, dtype=np.int32)
+        ramp -= np.repeat(before, count)
+        pos = place(ramp, np.int32, 0)
         out[SEGMENT_IDS], out[POSITIONS] = seg, pos
         if tick is not None:
             tick.tick("batch")

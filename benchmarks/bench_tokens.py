@@ -1,0 +1,230 @@
+"""Language-model tokens: packed rows of 2,048 — crossfeed beside LitData's ``TokensLoader``.
+
+One generated corpus (``--docs`` documents of log-normal length, mean ~600 tokens, σ = 1,
+uint32 ids below 50,000; built once under ``--data``), written by each tool's own writer, then
+read for one epoch (shuffled) as batches of ``--batch`` rows of ``--length`` tokens:
+
+* **crossfeed** ``Loader(xf, batch_size=B, pack=Pack(L, split="rows"), num_threads=0)``
+  (concatenate and chunk) and ``Pack(L)`` (best-fit into 32 open rows), both with
+  ``segment_ids``/``positions``; ``num_threads=0`` builds each batch in the consumer's thread
+  (a packed batch is a few numpy calls: threads only hand it over), and the Loader's default
+  (2 threads) is printed beside it; through ``crossfeed.adapters.torch.TorchDataset`` +
+  ``StatefulLoader(num_workers=2)`` for the worker rows;
+* **LitData** ``StreamingDataset(ld, item_loader=TokensLoader(block_size=L), shuffle=True)``
+  through ``StreamingDataLoader(batch_size=B, num_workers=0 / 2)`` (concatenate and chunk).
+
+Printed per system: tokens/s (row tokens delivered per second, the first batch excluded) and
+crossfeed's ratio to LitData's; and the write time of the same token arrays: crossfeed
+``write_dataset`` (8 shards; lengths files — what packing plans from — beside them) against
+LitData's ``optimize`` (``TokensLoader``, one worker). Each read runs in a process of its own;
+the machine's load average is printed beside the numbers.
+
+    .venv/bin/python -m pip install litdata --no-deps lightning-utilities obstore tifffile
+    .venv/bin/python benchmarks/bench_tokens.py                      # 20,000 documents, ~2 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_tokens.py --docs 50000 --repeat 3
+
+LitData is a benchmark-only package (benchmarks/requirements-bench.txt), never a dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+LENGTH, BATCH, VOCAB, MEAN, SIGMA, SHARDS = 2048, 16, 50_000, 600.0, 1.0, 8
+SYSTEMS = ("xf-rows", "xf-best", "xf-rows-threads", "ld")
+
+
+def corpus(data: str, docs: int) -> str:
+    """``flat.npy`` (uint32 tokens) and ``offsets.npy`` of ``docs`` documents, made once."""
+    root = os.path.join(data, f"tokens-{docs}")
+    if not os.path.exists(os.path.join(root, "offsets.npy")):
+        os.makedirs(root, exist_ok=True)
+        rng = np.random.default_rng(0)
+        mu = np.log(MEAN) - SIGMA**2 / 2
+        lengths = np.maximum(1, rng.lognormal(mu, SIGMA, docs).round().astype(np.int64))
+        np.save(os.path.join(root, "flat.npy"), rng.integers(0, VOCAB, int(lengths.sum()), dtype=np.uint32))
+        np.save(os.path.join(root, "offsets.npy"), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    return root
+
+
+def _arrays(root: str):
+    flat = np.load(os.path.join(root, "flat.npy"), mmap_mode="r")
+    return flat, np.load(os.path.join(root, "offsets.npy"))
+
+
+def write_crossfeed(root: str) -> float:
+    import crossfeed
+    from crossfeed.format.schema import Encoding, Feature, Schema
+
+    flat, off = _arrays(root)
+    out = os.path.join(root, "xf")
+    shutil.rmtree(out, ignore_errors=True)
+    schema = Schema([Feature("tokens", "uint32", (None,), Encoding.TENSOR)])
+    t = time.perf_counter()
+    docs = ({"tokens": flat[off[i] : off[i + 1]]} for i in range(len(off) - 1))
+    crossfeed.write_dataset(out, docs, num_shards=SHARDS, schema=schema, overwrite=True).close()
+    seconds = time.perf_counter() - t
+    with open(os.path.join(out, "crossfeed.json")) as f:
+        listed = json.load(f).get("lengths")
+    if not listed:  # a writer without lengths files: added (not timed; say so)
+        from benchmarks import seqdata
+
+        seqdata.attach_lengths(out)
+        print("  (crossfeed's writer wrote no lengths files: added after, untimed)")
+    return seconds
+
+
+def _ld_items(k: int):
+    root = os.environ["BENCH_TOKENS_ROOT"]
+    flat, off = _arrays(root)
+    n = len(off) - 1
+    for i in range(k * n // SHARDS, (k + 1) * n // SHARDS):
+        yield np.asarray(flat[off[i] : off[i + 1]])
+
+
+def write_litdata(root: str) -> float:
+    from litdata import optimize
+    from litdata.streaming.item_loader import TokensLoader
+
+    out = os.path.join(root, "ld")
+    shutil.rmtree(out, ignore_errors=True)
+    os.environ["BENCH_TOKENS_ROOT"] = root
+    t = time.perf_counter()
+    optimize(
+        fn=_ld_items,
+        inputs=list(range(SHARDS)),
+        output_dir=out,
+        chunk_bytes="64MB",
+        item_loader=TokensLoader(),
+        num_workers=1,
+        mode="overwrite",
+    )
+    return time.perf_counter() - t
+
+
+class Count:
+    def __init__(self):
+        self.tokens = self.batches = 0
+        self.t0 = None
+
+    def add(self, tokens: int) -> None:
+        if self.t0 is None:
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
+        else:
+            self.tokens += tokens
+        self.batches += 1
+
+    def rate(self) -> float:
+        return self.tokens / (time.perf_counter() - self.t0)
+
+    def cpu_rate(self) -> float:
+        return self.tokens / max(1e-9, time.process_time() - self.c0)
+
+
+def read(system: str, root: str, workers: int, length: int, batch: int) -> dict:
+    count = Count()
+    if system.startswith("xf"):
+        import crossfeed
+
+        split = "documents" if system == "xf-best" else "rows"
+        opts = dict(batch_size=batch, seed=0, pack=crossfeed.Pack(length, split=split))
+        if system != "xf-rows-threads":  # built in the consumer's thread (docs/sequences.md: the fast setting)
+            opts["num_threads"] = 0
+        path = os.path.join(root, "xf")
+        if workers:
+            from crossfeed.adapters.torch import StatefulLoader, TorchDataset
+
+            with TorchDataset(path, rank=0, world_size=1, **opts) as ds:
+                loader = StatefulLoader(ds, num_workers=workers)
+                for b in loader:
+                    count.add(int(b["tokens"].numel()))
+                loader.close()
+        else:
+            with crossfeed.Loader(path, **opts) as loader:
+                for b in loader:
+                    count.add(int(b["tokens"].size))
+    else:
+        from litdata import StreamingDataLoader, StreamingDataset
+        from litdata.streaming.item_loader import TokensLoader
+
+        ds = StreamingDataset(
+            os.path.join(root, "ld"), item_loader=TokensLoader(block_size=length), shuffle=True, seed=0
+        )
+        for b in StreamingDataLoader(ds, batch_size=batch, num_workers=workers):
+            count.add(int(b.numel()))
+    return {"rate": count.rate(), "cpu_rate": count.cpu_rate(), "tokens": count.tokens, "batches": count.batches}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--docs", type=int, default=20_000)
+    ap.add_argument("--length", type=int, default=LENGTH)
+    ap.add_argument("--batch", type=int, default=BATCH)
+    ap.add_argument("--repeat", type=int, default=2, help="epochs per system and setting (the best is printed)")
+    ap.add_argument("--workers", default="0,2")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--data", default=os.environ.get("CROSSFEED_BENCH_DATA", os.path.join(HERE, "_data")))
+    ap.add_argument("--child", nargs=3, metavar=("SYSTEM", "ROOT", "WORKERS"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        system, root, workers = a.child
+        print(json.dumps(read(system, root, int(workers), a.length, a.batch)))
+        return
+    root = corpus(a.data, a.docs)
+    flat, off = _arrays(root)
+    print(f"corpus: {len(off) - 1:,} documents, {len(flat):,} uint32 tokens (mean {len(flat) / (len(off) - 1):.0f})")
+    print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    systems = a.systems.split(",")
+    writes = {"crossfeed write_dataset": write_crossfeed(root)}
+    if "ld" in systems:
+        writes["LitData optimize"] = write_litdata(root)
+    print("\nwrite the same token arrays (s):")
+    for k, v in writes.items():
+        print(f"  {k:<28} {v:6.2f}")
+    labels = {
+        "xf-rows": 'crossfeed Pack(L, split="rows")',
+        "xf-best": "crossfeed Pack(L) best-fit",
+        "xf-rows-threads": 'crossfeed split="rows", 2 threads',
+        "ld": "LitData TokensLoader",
+    }
+    results: dict[tuple[str, int], float] = {}
+    cpu: dict[tuple[str, int], float] = {}
+    for workers in [int(w) for w in a.workers.split(",")]:
+        for system in systems:
+            best = best_cpu = 0.0
+            for _ in range(a.repeat):
+                cmd = [sys.executable, __file__, "--child", system, root, str(workers)]
+                cmd += ["--length", str(a.length), "--batch", str(a.batch)]
+                got = subprocess.run(cmd, capture_output=True, text=True)
+                if got.returncode:
+                    print(got.stderr[-2000:], file=sys.stderr)
+                    break
+                row = json.loads(got.stdout.strip().splitlines()[-1])
+                best, best_cpu = max(best, row["rate"]), max(best_cpu, row["cpu_rate"])
+            results[(system, workers)], cpu[(system, workers)] = best, best_cpu
+    print(
+        f"\ntokens/s, rows of {a.length}, batch {a.batch}, best of {a.repeat} epochs (load now {os.getloadavg()[0]:.2f}):"
+    )
+    print("  (tokens per CPU-second: the process's own CPU, workers=0 only — the load barely moves it)")
+    print(f"  {'system':<34} {'workers':>7} {'tokens/s':>12} {'× LitData':>10} {'tok/CPU-s':>12} {'× LitData':>10}")
+    for (system, workers), rate in results.items():
+        ref, cref = results.get(("ld", workers)), cpu.get(("ld", workers))
+        ratio = f"{rate / ref:9.2f}×" if ref else ""
+        per_cpu = f"{cpu[(system, workers)] / 1e6:10.1f} M" if not workers else ""
+        cratio = f"{cpu[(system, workers)] / cref:9.2f}×" if cref and not workers else ""
+        print(f"  {labels[system]:<34} {workers:>7} {rate / 1e6:10.1f} M {ratio:>10} {per_cpu:>12} {cratio:>10}")
+
+
+if __name__ == "__main__":
+    main()
