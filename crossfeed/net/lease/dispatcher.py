@@ -423,6 +423,8 @@ class LeaseDispatcher:
         book, now = self.book, time.monotonic()
         servers = sorted(book.servers.items(), key=lambda kv: kv[1].last_seen)[:MAX_LISTED]
         trainers = sorted(book.trainers.items(), key=lambda kv: kv[1].last_seen)[:MAX_LISTED]
+        rates = {k: book.rate(k, now) for k in book.servers}
+        total = sum(r for r in rates.values() if r)
         return {
             "v": 1,
             "kind": "dispatcher",
@@ -444,6 +446,8 @@ class LeaseDispatcher:
                     "leases": book.held(k),
                     "leased": book.outstanding(k),
                     "claimed": book.claimed_from.get(k, 0),
+                    "rate": None if rates[k] is None else round(rates[k], 3),
+                    "share": round(min(rates[k] / total, 1.0), 4) if total and rates[k] is not None else None,
                 }
                 for k, m in servers
             ],
