@@ -36,13 +36,17 @@ decayed over RATE_TAU s; `rate`). A server whose rate is known may hold HORIZON 
 leased and unclaimed (at least 2 batches, at most `window`; one not yet measured: `window`), so a
 slow server holds few batches and a fast one many, and new leases go to the server whose work in
 hand ends soonest. When no batch is PENDING (the epoch's tail, or a stalled server holding the
-last ones), a server with room takes batches over from the one whose work in hand ends last,
-if it would deliver them STEAL_MARGIN times sooner (`_steal`): the newest lease's last batches,
+last ones), a server with room takes batches over from the one whose work in hand ends last
+among those STEAL_MARGIN times slower than itself, if it would deliver them STEAL_MARGIN times
+sooner (`_steal`): the newest lease's last batches,
 those its server has least likely started, are revoked from it and leased to the faster one
 under new tokens (the slow copy, if it is ever built, is refused: the same fencing as for a
-revoked lease). A server that delivers nothing while it holds work has a rate bounded by
-2 / (the seconds since it last delivered), so a stalled server's work moves to the others within
-seconds, long before `lease_timeout` removes it. Work taken over is counted in
+revoked lease). Only batches the server reports not yet started are taken (each BEAT says how
+many: the tail of its newest leases, `server_progress`), so a batch is seldom built twice; a
+server that reports nothing gives up nothing this way. A server that delivers nothing while it holds work for GRACE s (and 4 of its own batch times) has
+a rate bounded by 2 / (the seconds since it last delivered) and every leased batch of it may be
+taken (`_stealable`), so a stalled server's work moves to the others within seconds, long before
+`lease_timeout` removes it. Work taken over is counted in
 `counts["batches_taken_over"]`.
 
 Durability: every change a restarted dispatcher must know (claims with their tokens, dones,
@@ -77,6 +81,7 @@ MAX_PACKED_EPOCHS = 1 << 30
 RATE_TAU = 2.0  # s: a server's rate is its claimed batches, decayed with this time constant
 HORIZON = 0.5  # s of a server's own measured work it may hold leased (between 2 and `window` batches)
 STEAL_MARGIN = 1.5  # a batch moves only if its new server would deliver it this many times sooner
+GRACE = 1.0  # s a server that never delivered holds work before its work may be taken over
 STEAL_SLACK = 0.02  # s, added to the new server's time (the new lease's trip)
 
 
@@ -158,6 +163,9 @@ class LeaseBook:
         self.claimed_from: dict[int, int] = {}  # live server -> its batches claimed by trainers
         self.counts["batches_taken_over"] = 0
         self._rates: dict[int, tuple[float, float, float]] = {}  # live server -> (decayed claims, at, first claim)
+        # live server -> its leased batches not yet started (its last BEAT's report, plus what
+        # was leased to it since, less what was taken back): the tail of its newest leases
+        self._unstarted: dict[int, int] = {}
         self._cursor = 0  # no PENDING batch below it (a hint for `_take`)
         # what peers make happen is logged at most LOG_BURST times per 5 s per kind (a flood of fake
         # ids must not flood the log): joins, and servers or trainers leaving, dead or stalled
@@ -199,6 +207,7 @@ class LeaseBook:
         self.servers.pop(server, None)
         self.claimed_from.pop(server, None)
         self._rates.pop(server, None)
+        self._unstarted.pop(server, None)
         _remember(self.dead_servers, server)
         if reason != "left":
             self.counts["servers_lost"] += 1
@@ -301,6 +310,22 @@ class LeaseBook:
         # the decayed count of a steady rate r is r * TAU * (1 - exp(-age / TAU)): divided by that
         return score * math.exp(-max(now - at, 0.0) / RATE_TAU) / (RATE_TAU * -math.expm1(-age / RATE_TAU))
 
+    def server_progress(self, server: int, unstarted: int) -> None:
+        """`server` (live) says `unstarted` of its leased batches are not yet started."""
+        if server in self.servers:
+            self._unstarted[server] = min(unstarted, self._load.get(server, 0))
+
+    def _stealable(self, server: int, now: float) -> int:
+        """How many of `server`'s leased batches may be taken back: all once it delivered none
+        for GRACE s and for 4 of its own batch times (stalled, or nearly), else those it reports
+        not started (none if it does not report)."""
+        load = self._load.get(server, 0)
+        since = self._idle_since.get(server)
+        r = self.rate(server, now)
+        if since is not None and now - since >= GRACE and (not r or (now - since) * r > 4):
+            return load
+        return min(self._unstarted.get(server, 0), load)
+
     def _count_rate(self, server: int, now: float) -> None:
         score, at, first = self._rates.get(server, (0.0, now, now))
         self._rates[server] = (score * math.exp(-max(now - at, 0.0) / RATE_TAU) + 1.0, now, first)
@@ -313,13 +338,14 @@ class LeaseBook:
         return max(min(math.ceil(r * HORIZON), self.window), min(2, self.window))
 
     def _speed(self, server: int, now: float) -> float | None:
-        """The rate to expect of `server` for the work it holds: its measured rate, at most
-        2 / (seconds since it last delivered) while it holds some (None: unknown, holds none)."""
+        """The rate to expect of `server` for the work it holds: its measured rate, or once it
+        held work without delivering any for GRACE s, at most 2 / (the seconds since it last
+        delivered); None (not to be judged yet): never measured, and silent for less than GRACE s."""
         r = self.rate(server, now)
         since = self._idle_since.get(server)
-        if since is None:
+        if since is None or now - since < GRACE:
             return r
-        bound = 2.0 / max(now - since, 1e-3)
+        bound = 2.0 / (now - since)
         return bound if r is None else min(r, bound)
 
     def grant_leases(self, now: float) -> list[Lease]:
@@ -332,7 +358,8 @@ class LeaseBook:
         caps = {k: self.cap(k, now) for k in self.servers}
         rates = {k: self.rate(k, now) or 0.0 for k in self.servers}
         while True:
-            room = [k for k in load if load[k] < caps[k]]
+            # a lease of `lease_size` (of its cap, if smaller) once it has room for one
+            room = [k for k in load if caps[k] - load[k] >= min(self.lease_size, caps[k])]
             if not room:
                 return out
             server = min(room, key=lambda k: ((load[k] + 1) / rates[k]) if rates[k] else load[k] / caps[k])
@@ -352,6 +379,8 @@ class LeaseBook:
         if not self._load.get(server):
             self._idle_since[server] = now  # its deadline runs from the first batch it holds
         self._load[server] = self._load.get(server, 0) + len(taken)
+        if server in self._unstarted:
+            self._unstarted[server] += len(taken)
         return lease
 
     def _steal(self, load: dict[int, int], caps: dict[int, int], now: float) -> list[Lease]:
@@ -359,26 +388,34 @@ class LeaseBook:
         server whose work in hand ends last, while they would deliver them STEAL_MARGIN times
         sooner (see the module docstring); one lease per thief and call."""
         speed = {k: self._speed(k, now) for k in load}
-        ends = {k: load[k] / speed[k] if speed[k] else math.inf for k in load if load[k]}
+        spare = {k: self._stealable(k, now) for k in load if load[k] and speed[k] is not None}
+        ends = {k: load[k] / speed[k] if speed[k] else math.inf for k in spare if spare[k]}
         thieves = sorted((k for k in load if load[k] < caps[k] and self.rate(k, now)), key=lambda k: -speed[k])
         out: list[Lease] = []
         for thief in thieves:
             taken: list[int] = []
             ends.pop(thief, None)  # a thief is robbed of nothing in this call
-            while ends and load[thief] + len(taken) < caps[thief] and len(taken) < self.lease_size:
+            # only from servers STEAL_MARGIN times slower: between servers of one speed a batch
+            # moved is one built twice (the first copy may be waiting for a trainer already)
+            slower = {k: e for k, e in ends.items() if not speed[k] or speed[k] * STEAL_MARGIN < speed[thief]}
+            while slower and load[thief] + len(taken) < caps[thief] and len(taken) < self.lease_size:
                 mine = (load[thief] + len(taken) + 1) / speed[thief] + STEAL_SLACK
-                victim = max(ends, key=ends.__getitem__)
-                if ends[victim] <= STEAL_MARGIN * mine:
+                victim = max(slower, key=slower.__getitem__)
+                if slower[victim] <= STEAL_MARGIN * mine:
                     break
                 self._set_pending(b := self._newest_leased(victim))
                 self._rates.setdefault(victim, (0.0, now, now))  # robbed before delivering: rate 0, cap 2
+                if self._unstarted.get(victim):
+                    self._unstarted[victim] -= 1
                 load[victim] -= 1
-                if load[victim]:
-                    ends[victim] = load[victim] / speed[victim] if speed[victim] else math.inf
+                spare[victim] -= 1
+                if load[victim] and spare[victim]:
+                    ends[victim] = slower[victim] = load[victim] / speed[victim] if speed[victim] else math.inf
                 else:
-                    del ends[victim]
+                    del ends[victim], slower[victim]
                 taken.append(b)
             if taken:
+                logger.debug("server %016x takes over %d leased batches from slower servers", thief, len(taken))
                 self.counts["batches_taken_over"] += len(taken)
                 out.append(self._lease(thief, taken, now))
                 load[thief] += len(taken)

@@ -376,6 +376,8 @@ class LeaseDispatcher:
                 self._reply(route, W.Kind.RESET)
             elif book.finished:
                 self._reply(route, W.Kind.FINISHED)
+            elif msg.kind is W.Kind.BEAT and (unstarted := W.decode_unstarted(msg.sent_ms)) is not None:
+                book.server_progress(msg.sender, unstarted)
             return
         if role != TRAINER:
             raise WireError(f"{msg.kind.name} names role {msg.role}, expected {SERVER} or {TRAINER}")
