@@ -310,10 +310,21 @@ class LeaseBook:
         # the decayed count of a steady rate r is r * TAU * (1 - exp(-age / TAU)): divided by that
         return score * math.exp(-max(now - at, 0.0) / RATE_TAU) / (RATE_TAU * -math.expm1(-age / RATE_TAU))
 
-    def server_progress(self, server: int, unstarted: int) -> None:
-        """`server` (live) says `unstarted` of its leased batches are not yet started."""
-        if server in self.servers:
-            self._unstarted[server] = min(unstarted, self._load.get(server, 0))
+    def server_progress(self, server: int, unstarted: int, now: float) -> int:
+        """`server` (live) says `unstarted` of its leased batches are not yet started. Holding more
+        than twice its cap (`cap`: leased before its rate was known), it gives the excess it has
+        not started back (PENDING, for whichever server asks first); returns how many."""
+        if server not in self.servers:
+            return 0
+        load = self._load.get(server, 0)
+        self._unstarted[server] = unstarted = min(unstarted, load)
+        cap = self.cap(server, now)
+        back = min(unstarted, load - cap) if load > 2 * cap else 0
+        for _ in range(back):
+            self._set_pending(self._newest_leased(server))
+        self._unstarted[server] -= back
+        self.counts["batches_taken_over"] += back
+        return back
 
     def _stealable(self, server: int, now: float) -> int:
         """How many of `server`'s leased batches may be taken back: all once it delivered none

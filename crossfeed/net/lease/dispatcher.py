@@ -377,7 +377,7 @@ class LeaseDispatcher:
             elif book.finished:
                 self._reply(route, W.Kind.FINISHED)
             elif msg.kind is W.Kind.BEAT and (unstarted := W.decode_unstarted(msg.sent_ms)) is not None:
-                book.server_progress(msg.sender, unstarted)
+                book.server_progress(msg.sender, unstarted, now)
             return
         if role != TRAINER:
             raise WireError(f"{msg.kind.name} names role {msg.role}, expected {SERVER} or {TRAINER}")
