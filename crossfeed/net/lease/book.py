@@ -426,7 +426,13 @@ class LeaseBook:
                     del ends[victim], slower[victim]
                 taken.append(b)
             if taken:
-                logger.debug("server %016x takes over %d leased batches from slower servers", thief, len(taken))
+                self._log.log(
+                    logging.INFO,
+                    "taken",
+                    "server %016x takes over %d leased batches of slower servers",
+                    thief,
+                    len(taken),
+                )
                 self.counts["batches_taken_over"] += len(taken)
                 out.append(self._lease(thief, taken, now))
                 load[thief] += len(taken)
