@@ -33,7 +33,7 @@ do not work:
 
 Mixed speeds: each server's rate is measured from the claims of its batches (batches per second,
 decayed over RATE_TAU s; `rate`). A server whose rate is known may hold HORIZON s of its own work
-leased and unclaimed (at least 2 batches, at most `window`; one not yet measured: `window`), so a
+leased and unclaimed (at least 2 batches, at most `window`; one not yet measured: two leases), so a
 slow server holds few batches and a fast one many, and new leases go to the server whose work in
 hand ends soonest. When no batch is PENDING (the epoch's tail, or a stalled server holding the
 last ones), a server with room takes batches over from the one whose work in hand ends last
@@ -58,6 +58,7 @@ survive a restart (every LEASED batch is PENDING again, under new leases and tok
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import math
 import secrets
@@ -344,8 +345,8 @@ class LeaseBook:
     def cap(self, server: int, now: float) -> int:
         """Batches `server` may hold leased and unclaimed: HORIZON s of its rate (2..window)."""
         r = self.rate(server, now)
-        if r is None:
-            return self.window
+        if r is None:  # not measured yet: two leases
+            return min(self.window, 2 * self.lease_size)
         return max(min(math.ceil(r * HORIZON), self.window), min(2, self.window))
 
     def _speed(self, server: int, now: float) -> float | None:
@@ -368,17 +369,25 @@ class LeaseBook:
         load = {k: self._load.get(k, 0) for k in self.servers}
         caps = {k: self.cap(k, now) for k in self.servers}
         rates = {k: self.rate(k, now) or 0.0 for k in self.servers}
-        while True:
-            # a lease of `lease_size` (of its cap, if smaller) once it has room for one
-            room = [k for k in load if caps[k] - load[k] >= min(self.lease_size, caps[k])]
-            if not room:
-                return out
-            server = min(room, key=lambda k: ((load[k] + 1) / rates[k]) if rates[k] else load[k] / caps[k])
+
+        def ends(k: int) -> float:  # when its work in hand would end (unmeasured: by its fill)
+            return (load[k] + 1) / rates[k] if rates[k] else load[k] / caps[k]
+
+        def has_room(k: int) -> bool:  # for a lease of `lease_size` (of its cap, if smaller)
+            return caps[k] - load[k] >= min(self.lease_size, caps[k])
+
+        heap = [(ends(k), k) for k in load if has_room(k)]
+        heapq.heapify(heap)
+        while heap:
+            _, server = heapq.heappop(heap)
             taken = self._take(min(self.lease_size, caps[server] - load[server]))
             if not taken:
                 return out + self._steal(load, caps, now)
             out.append(self._lease(server, taken, now))
             load[server] += len(taken)
+            if has_room(server):
+                heapq.heappush(heap, (ends(server), server))
+        return out
 
     def _lease(self, server: int, taken: list[int], now: float) -> Lease:
         lease = Lease(self._new_lease_id(), server, self.epoch, taken, [self._token() for _ in taken])
