@@ -500,6 +500,7 @@ class LeaseBook:
                 del self._by_server[lease.server]
         if not self._load[lease.server]:
             del self._load[lease.server], self._idle_since[lease.server]
+            self._unstarted.pop(lease.server, None)
 
     def _delivered(self, lease: Lease, now: float) -> None:
         """A batch of `lease` reached a trainer: its server made progress, and its older leases
@@ -613,6 +614,7 @@ class LeaseBook:
         self._load.clear()
         self._by_server.clear()
         self._idle_since.clear()
+        self._unstarted.clear()  # the servers' next BEATs report afresh
 
     def progress(self) -> dict[str, int]:
         counts = [0, 0, 0, 0]
