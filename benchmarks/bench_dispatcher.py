@@ -52,11 +52,14 @@ def _dispatcher_main(journal: str, batches: int, ready, stop) -> None:
 
 
 def process(args) -> None:
+    import logging
+
     import zmq
 
     from crossfeed.net import protocol as P
     from crossfeed.net.lease import messages as W
 
+    logging.getLogger("crossfeed").setLevel(logging.ERROR)
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Queue(), ctx.Event()
     with tempfile.TemporaryDirectory() as tmp:
@@ -64,6 +67,7 @@ def process(args) -> None:
         child.start()
         endpoint = ready.get(timeout=60)
         zctx = zmq.Context()
+        zctx.set(zmq.MAX_SOCKETS, 2 * (args.servers + args.trainers) + 64)
         poller = zmq.Poller()
         servers, trainers = {}, {}
         for _ in range(args.servers):
