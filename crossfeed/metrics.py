@@ -29,6 +29,9 @@ Metric names (`docs/serve-and-dispatch.md#metrics-and-crossfeed-top` lists them 
     crossfeed_leases_held, _granted_total, _expired_total, crossfeed_batches_re_leased_total
     crossfeed_claims_total{result}, crossfeed_servers_alive, crossfeed_trainers_alive
     crossfeed_trainer_wait_ratio{trainer}                   a trainer's last reported wait share
+    crossfeed_server_batches_per_second{endpoint}, crossfeed_server_share{endpoint}
+                                                            a server's measured rate, its share of the fleet's
+    crossfeed_batches_taken_over_total                      leased batches moved to a faster server
     crossfeed_errors_total{kind}
 The stage, wait and cache metrics come from `crossfeed.net.status.loader_stats(loader)`: there
 only, and only while the Loader reports them.
@@ -339,6 +342,12 @@ class DispatcherCollector:
             "Unclaimed batches of revoked leases, leased again",
             c["batches_re_leased"],
         )
+        yield one(
+            "counter",
+            "crossfeed_batches_taken_over",
+            "Leased batches taken over from a slow or stalled server by a faster one",
+            c["batches_taken_over"],
+        )
         claims = _family("counter", "crossfeed_claims", "Trainers' claims, granted or refused", ["result"])
         claims.add_metric(["granted"], c["granted"])
         claims.add_metric(["refused"], c["refused"])
@@ -356,13 +365,26 @@ class DispatcherCollector:
         age = _family(
             "gauge", "crossfeed_heartbeat_age_seconds", "Seconds since a server's last heartbeat", ["endpoint"]
         )
+        rate = _family(
+            "gauge",
+            "crossfeed_server_batches_per_second",
+            "A live server's batches claimed per second over the last seconds (the dispatcher's measure)",
+            ["endpoint"],
+        )
+        share = _family(
+            "gauge", "crossfeed_server_share", "A live server's share of the fleet's batch rate", ["endpoint"]
+        )
         for s in st.servers:
             endpoint = [s.address.split(" ")[0]]
             held.add_metric(endpoint, s.leases)
             leased.add_metric(endpoint, s.leased)
             claimed.add_metric(endpoint, s.claimed)
             age.add_metric(endpoint, s.age)
-        yield from (held, leased, claimed, age)
+            if s.rate is not None:
+                rate.add_metric(endpoint, s.rate)
+            if s.share is not None:
+                share.add_metric(endpoint, s.share)
+        yield from (held, leased, claimed, age, rate, share)
         wait = _family(
             "gauge",
             "crossfeed_trainer_wait_ratio",

@@ -56,6 +56,25 @@ def hang(sample: dict) -> dict:
     return sample
 
 
+def slow(sample: dict) -> dict:
+    """A slow transform (`--transform dispatch_helpers:slow`): 10 ms per sample, asleep (the GIL
+    released: it takes no CPU from the other processes), the sample unchanged."""
+    time.sleep(0.01)
+    return sample
+
+
+def start_fleet_dispatcher(tmp_path, dataset, name, *extra):
+    """`crossfeed dispatch` at its lease defaults (lease size, window, lease timeout), fast
+    heartbeats, batch 4; (process, address)."""
+    from net_helpers import wait_until
+
+    ep = tmp_path / f"{name}.ep"
+    argv = ["dispatch", dataset, "tcp://127.0.0.1:0", "--batch-size", "4", "--journal", str(tmp_path / f"{name}.j")]
+    argv += [*HB, "--linger", "1", "--endpoint-file", str(ep), *extra]
+    proc = spawn("cli", *argv, log=tmp_path / f"{name}.log")
+    return proc, wait_until(lambda: ep.exists() and ep.read_text(), 30, "the dispatcher's endpoint", [proc])
+
+
 def trainer(
     dispatcher: str, out_file: str, pace: float | str = 0.0, keys: str = "", fields: bool = False, hang_after: int = 0
 ) -> None:

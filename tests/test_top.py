@@ -385,3 +385,67 @@ def test_control_characters_a_peer_names_never_reach_the_terminal():
     assert "\x1b]" not in text and "\r" not in text and "\x1b[2J" not in text, repr(text)
     plain = S.re.sub(r"\x1b\[[0-9;]*m", "", text)
     assert "ipc://x]8;;http://evil\\click]8;;\\[/x]" in plain and "prep[2J-3[link=x]" in plain, plain
+
+
+def _fleet_frame(servers: list[dict], wait: float = 0.4) -> str:
+    """A dispatcher's frame with these server entries (the dispatcher's rates and shares) and
+    one trainer waiting `wait` of its time."""
+    from rich.console import Console
+
+    from crossfeed.cli.top import Snapshot, render
+
+    trainers = [{"id": "0000000000000001", "age": 0.1, "claimed": 1, "holding": 0, "wait": wait, "wait_age": 0.5}]
+    st = S.DispatcherStatus.parse(
+        _dispatcher_status(servers=servers, servers_total=len(servers), trainers=trainers, trainers_total=1)
+    )
+    console = Console(record=True, width=250)
+    console.print(render("tcp://d:1", Snapshot(0.0, st, {}), None))
+    return console.export_text()
+
+
+def _server(n: int, leased: int, rate: float | None, share: float | None) -> dict:
+    return {
+        "id": f"{n:016x}",
+        "address": f"tcp://h:{n}",
+        "age": 0.1,
+        "leases": int(leased > 0),
+        "leased": leased,
+        "claimed": 10,
+        "rate": rate,
+        "share": share,
+    }
+
+
+def test_the_slowest_server_is_the_lowest_rate_among_those_holding_work_and_the_input_bound_line_says_fix_it():
+    """The fast server, idle in this frame (it holds no lease), is never named; the one holding
+    work at 2 batches/s is, with its rate and share, and the advice is to fix it."""
+    text = _fleet_frame([_server(1, 0, 380.0, 0.95), _server(2, 6, 2.0, 0.005), _server(3, 40, 20.0, 0.045)])
+    rows = {n: next(line for line in text.splitlines() if f"{n:016x}" in line) for n in (1, 2, 3)}
+    assert "380.0" in rows[1] and "95%" in rows[1], text  # the fast one's rate and share are shown
+    assert "2.0" in rows[2] and "0%" in rows[2] and "4%" in rows[3], text
+    slow = [line for line in text.splitlines() if line.startswith("slowest server:")]
+    assert slow == ["slowest server: 0000000000000002 (tcp://h:2) at 2.0 batches/s"], text
+    (bound,) = [line for line in text.splitlines() if line.startswith("input-bound:")]
+    assert "0000000000000002 (tcp://h:2) at 2.0 batches/s" in bound and "fix it" in bound, text
+    assert "add servers" not in bound
+
+
+def test_servers_at_even_rates_are_told_to_add_servers_and_an_idle_fleet_names_no_culprit():
+    text = _fleet_frame([_server(1, 8, 100.0, 0.5), _server(2, 8, 90.0, 0.45), _server(3, 0, None, None)])
+    (bound,) = [line for line in text.splitlines() if line.startswith("input-bound:")]
+    assert "0000000000000002" in bound and "add servers" in bound and "fix" not in bound, text
+    idle = _fleet_frame([_server(1, 0, 100.0, 0.5), _server(2, 0, 90.0, 0.5)])
+    assert "slowest server: — (none holds work)" in idle, idle
+    assert "0000000000000002 (tcp" not in idle, idle
+
+
+@pytest.mark.parametrize("bad", [{"rate": -1.0}, {"rate": float("inf")}, {"rate": "3"}, {"share": 1.5}])
+def test_a_servers_rate_and_share_are_checked_and_an_older_dispatcher_sends_none(bad):
+    entry = _server(1, 2, 3.0, 0.5)
+    got = S.DispatcherStatus.parse(_dispatcher_status(servers=[entry])).servers[0]
+    assert (got.rate, got.share) == (3.0, 0.5)
+    old = S.DispatcherStatus.parse(_dispatcher_status()).servers[0]  # no rate, share, nor newer counters
+    assert (old.rate, old.share) == (None, None)
+    assert S.DispatcherStatus.parse(_dispatcher_status()).counters["batches_taken_over"] == 0
+    with pytest.raises(WireError, match="dispatcher status"):
+        S.DispatcherStatus.parse(_dispatcher_status(servers=[{**entry, **bad}]))

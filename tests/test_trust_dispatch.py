@@ -40,8 +40,9 @@ def logs(tmp_path, *names) -> list[str]:
 
 
 def test_a_server_whose_batches_are_never_built_loses_its_leases_at_the_deadline(tmp_path, dataset):
-    """Its transform hangs while its lease thread beats: past --lease-timeout it is declared
-    stalled, its leases go to the healthy server, and the epoch completes, each sample once."""
+    """Its transform hangs while its lease thread beats: its leased batches go to the healthy
+    server (taken over within seconds, or at the latest past --lease-timeout, where it is declared
+    stalled), and the epoch completes, each sample once."""
     d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0", *DEADLINES)
     procs = [d]
     try:
@@ -58,7 +59,10 @@ def test_a_server_whose_batches_are_never_built_loses_its_leases_at_the_deadline
         stop(*procs)
     assert used([out]) == collections.Counter(range(N)), "a sample was lost or used twice"
     assert served_by([out], stuck) == 0
-    assert "leased batches for more than 3s: stalled" in (tmp_path / "d.log").read_text()
+    log = (tmp_path / "d.log").read_text()
+    # the healthy server takes its leased batches over as soon as it has built the others (a
+    # server that delivered nothing for 1 s), or, should it still hold some then, the deadline
+    assert "takes over" in log or "leased batches for more than 3s: stalled" in log, log[-3000:]
 
 
 def test_a_trainer_whose_loop_hangs_loses_its_claims_at_the_deadline(tmp_path, dataset):

@@ -3,13 +3,18 @@
 It asks the address for its status (`crossfeed.net.status`: the request trainers' sockets
 already reach, answered by `crossfeed dispatch` and by `crossfeed serve` in distribution mode);
 pointed at a dispatcher it also asks each live server it lists. Shown: per server its batches/s
-(between two frames; the first frame averages since the server started), batches delivered,
+(pointed at a dispatcher: its batches claimed per second over the last seconds, as the dispatcher
+measures them, and that rate's share of the fleet's; else between two frames, the first frame
+averaging since the server started), batches delivered,
 trainers, leases held and batches leased (from the dispatcher), its last heartbeat's age and,
 while its Loader reports per-stage timing, how its time splits between stages; per trainer
 what it claimed and holds and the share of its time its training loop waits for batches (its
 last report, see `crossfeed.net.lease.client`; with its age once older than STALE s); and the
-slowest server by name. When some trainer waits INPUT_BOUND or more of its time, a line says the
-fleet is input-bound and names the slowest server (the one server, when there is one).
+slowest server by name: the lowest rate among the servers that hold work (leased batches), never
+an idle one (an idle fast server delivers nothing because it was given nothing). When some
+trainer waits INPUT_BOUND or more of its time, a line says the fleet is input-bound and what to
+do (`advice`): fix the slowest server when it delivers under SLOW of the others' median rate,
+else add servers (each adds about that median).
 
 Everything a peer names (endpoints, ids, stage names, verdicts) is shown as inert text
 (`_inert`): rich `Text` objects, never markup (no `[link=...]` becomes a terminal hyperlink, no
@@ -39,6 +44,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 MAX_ASKED = 16  # servers asked at once
 INPUT_BOUND = 0.10  # a trainer waiting this share of its time or more: the fleet is input-bound
+SLOW = 0.5  # a server below this share of the others' median rate is the one to fix
 STALE = 5.0  # seconds after which a trainer's wait report is shown with its age
 
 
@@ -148,6 +154,12 @@ class Row:
     beat: float | None
     stages: str
     verdict: str | None = None  # its Loader's, over the last frame's interval
+    share: float | None = None  # its rate's share of the fleet's (from the dispatcher)
+
+    @property
+    def holds_work(self) -> bool:
+        """Batches are leased to it (a plain server, which the dispatcher does not lease: True)."""
+        return self.leased is None or self.leased > 0
 
 
 def rows(snap: Snapshot, prev: Snapshot | None) -> list[Row]:
@@ -183,7 +195,9 @@ def rows(snap: Snapshot, prev: Snapshot | None) -> list[Row]:
         before = prev.servers.get(endpoint) if prev is not None else None
         if s is not None and before is not None and before.server_id != s.server_id:
             before = None
-        if s is not None:
+        if entry.rate is not None:  # the dispatcher's, over its last seconds (not one frame)
+            rate = entry.rate
+        elif s is not None:
             rate = _rate(s.delivered, before.delivered if before else None, dt, s.uptime)
         else:  # no answer from it: what the dispatcher saw of it, between two frames
             old = (
@@ -204,9 +218,37 @@ def rows(snap: Snapshot, prev: Snapshot | None) -> list[Row]:
                 entry.age,
                 _stage_split(s, before),
                 _verdict(s, before),
+                entry.share,
             )
         )
     return out
+
+
+def slowest(found: list[Row]) -> Row | None:
+    """The lowest rate among the servers that hold work (None: none has a rate yet)."""
+    busy = [r for r in found if r.rate is not None and r.holds_work]
+    return min(busy, key=lambda r: r.rate or 0.0) if busy else None  # every one rated
+
+
+def advice(found: list[Row]) -> str:
+    """What to do about an input-bound fleet: which server to fix, or add servers."""
+    rated = sorted((r for r in found if r.rate is not None), key=lambda r: r.rate or 0.0)  # every one rated
+    busy = [r for r in rated if r.holds_work]
+    if not busy and len(rated) == 1:  # the one server, between two leases
+        busy = rated
+    if not busy:
+        return "slowest server: — (none holds work, or no rates yet)"
+    slow = busy[0]
+    rate = slow.rate or 0.0
+    named = f"{slow.name} ({slow.endpoint}) at {rate:.1f} batches/s"
+    others = [r.rate or 0.0 for r in busy[1:]]
+    if others:
+        median = others[len(others) // 2]
+        if rate < SLOW * median:
+            why = f" (its Loader: {slow.verdict})" if slow.verdict else ""
+            return f"slowest server: {named}, under {100 * SLOW:.0f}% of the others' {median:.1f}: fix it{why}"
+        return f"slowest server: {named}; the servers run at about {median:.1f} batches/s each: add servers"
+    return f"slowest server: {named}, the only one holding work: add servers"
 
 
 def render(address: str, snap: Snapshot, prev: Snapshot | None):
@@ -242,6 +284,7 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
         ("server", "left"),
         ("endpoint", "left"),
         ("batches/s", "right"),
+        ("share", "right"),
         ("batches", "right"),
         ("trainers", "right"),
         ("leases", "right"),
@@ -257,6 +300,7 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
             r.name,
             r.endpoint,
             _num(r.rate),
+            _num(None if r.share is None else 100 * r.share, "{:.0f}%"),
             _num(r.delivered, "{}"),
             _num(r.trainers, "{}"),
             _num(r.leases, "{}"),
@@ -278,11 +322,13 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
             trainers.add_row(*map(_inert, (t.id, str(t.claimed), str(t.holding), _age(t.age), _wait(t))))
         parts.append(trainers)
     rated = [r for r in found if r.rate is not None]
-    if len(rated) > 1:
-        slow = min(rated, key=lambda r: r.rate or 0.0)  # every one rated
+    slow = slowest(found)
+    if len(rated) > 1 and slow is not None:
         parts.append(_inert(f"slowest server: {slow.name} ({slow.endpoint}) at {slow.rate:.1f} batches/s"))
         if slow.verdict:
             parts.append(_inert(f"  its Loader: {slow.verdict}"))
+    elif len(rated) > 1:
+        parts.append(Text("slowest server: — (none holds work)"))
     elif found and not rated:
         parts.append(Text("slowest server: — (no rates yet)"))
     if len(found) == 1 and found[0].verdict:
@@ -291,16 +337,10 @@ def render(address: str, snap: Snapshot, prev: Snapshot | None):
         waiting = [t for t in st.trainers if t.wait is not None and t.wait >= INPUT_BOUND]
         if waiting:
             worst = max(waiting, key=lambda t: t.wait or 0.0)  # `waiting`: every wait is a float
-            slowest = min(rated, key=lambda r: r.rate or 0.0) if rated else None
-            named = (
-                f"{slowest.name} ({slowest.endpoint}) at {slowest.rate:.1f} batches/s"
-                if slowest
-                else "— (no rates yet)"
-            )
             parts.append(
                 _inert(
                     f"input-bound: {len(waiting)} trainer(s) wait {100 * INPUT_BOUND:.0f}% or more of their time "
-                    f"for batches (most: {worst.id} {100 * (worst.wait or 0.0):.0f}%); slowest server: {named}"
+                    f"for batches (most: {worst.id} {100 * (worst.wait or 0.0):.0f}%); {advice(found)}"
                 )
             )
     return Group(*parts)

@@ -220,6 +220,17 @@ def _share(obj: Mapping[str, Any], key: str, where: str) -> float | None:
     return value
 
 
+def _rate_field(obj: Mapping[str, Any], key: str, where: str) -> float | None:
+    """Batches per second (finite, >= 0), or None for null or no field (an older peer)."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    value = float(_field(obj, key, (int, float), where))
+    if not (math.isfinite(value) and 0 <= value < 1e12):
+        raise WireError(f"{where}: {key} {value} is not a rate in batches per second")
+    return value
+
+
 def _text(obj: Mapping[str, Any], key: str, where: str, limit: int = 256) -> str:
     value = _field(obj, key, str, where)
     if len(value) > limit or not value.isprintable():
@@ -297,6 +308,10 @@ class ServerEntry:
     leases: int  # live leases it holds
     leased: int  # batches leased to it and not yet claimed
     claimed: int  # of its batches, claimed by trainers (while it lives)
+    # its batches claimed per second over the last seconds (`LeaseBook.rate`; None: none yet, or an
+    # older dispatcher) and that rate's share of all live servers' (None: no rates yet)
+    rate: float | None = None
+    share: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,6 +353,8 @@ class DispatcherStatus:
         "trainers_lost",
         "dropped_messages",  # malformed
     )
+    # counters an older dispatcher does not send (0 then)
+    NEWER_COUNTERS = ("batches_taken_over",)  # leased batches moved from a slow or stalled server to a faster one
 
     @classmethod
     def parse(cls, obj: Mapping[str, Any]) -> DispatcherStatus:
@@ -360,6 +377,8 @@ class DispatcherStatus:
                     _count(s, "leases", f"{w}: server {sid}"),
                     _count(s, "leased", f"{w}: server {sid}"),
                     _count(s, "claimed", f"{w}: server {sid}"),
+                    _rate_field(s, "rate", f"{w}: server {sid}"),
+                    _share(s, "share", f"{w}: server {sid}"),
                 )
             )
         trainers = []
@@ -387,7 +406,8 @@ class DispatcherStatus:
             batches=_count(obj, "batches", w),
             finished=_field(obj, "finished", bool, w),
             progress={k: _count(progress, k, f"{w}: progress") for k in cls.STATES},
-            counters={k: _count(counters, k, f"{w}: counters") for k in cls.COUNTERS},
+            counters={k: _count(counters, k, f"{w}: counters") for k in cls.COUNTERS}
+            | {k: _count(counters, k, f"{w}: counters") if k in counters else 0 for k in cls.NEWER_COUNTERS},
             servers=tuple(servers),
             servers_total=_count(obj, "servers_total", w),
             trainers=tuple(trainers),

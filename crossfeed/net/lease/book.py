@@ -31,6 +31,24 @@ do not work:
     a trainer holding claimed batches and reporting none DONE for `claim_timeout` s is
         stalled (its loop hangs while its client thread beats): removed and fenced as if dead.
 
+Mixed speeds: each server's rate is measured from the claims of its batches (batches per second,
+decayed over RATE_TAU s; `rate`). A server whose rate is known may hold HORIZON s of its own work
+leased and unclaimed (at least 2 batches, at most `window`; one not yet measured: two leases), so a
+slow server holds few batches and a fast one many, and new leases go to the server whose work in
+hand ends soonest. When no batch is PENDING (the epoch's tail, or a stalled server holding the
+last ones), a server with room takes batches over from the one whose work in hand ends last
+among those STEAL_MARGIN times slower than itself, if it would deliver them STEAL_MARGIN times
+sooner (`_steal`): the newest lease's last batches,
+those its server has least likely started, are revoked from it and leased to the faster one
+under new tokens (the slow copy, if it is ever built, is refused: the same fencing as for a
+revoked lease). Only batches the server reports not yet started are taken (each BEAT says how
+many: the tail of its newest leases, `server_progress`), so a batch is seldom built twice; a
+server that reports nothing gives up nothing this way. A server that delivers nothing while it holds work for GRACE s (and 4 of its own batch times) has
+a rate bounded by 2 / (the seconds since it last delivered) and every leased batch of it may be
+taken (`_stealable`), so a stalled server's work moves to the others within seconds, long before
+`lease_timeout` removes it. Work taken over is counted in
+`counts["batches_taken_over"]`.
+
 Durability: every change a restarted dispatcher must know (claims with their tokens, dones,
 epoch advances) is appended to `records` before the change is answered; the dispatcher writes
 them to its journal (fsync) before it replies. `LeaseBook.restore` replays them: leases do not
@@ -40,7 +58,9 @@ survive a restart (every LEASED batch is PENDING again, under new leases and tok
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
+import math
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +78,12 @@ MAX_SERVERS = 4096  # live servers at once; a HELLO beyond is refused (RESET) un
 # within an int64 for every epoch below MAX_PACKED_EPOCHS
 PACKED_STRIDE = 1 << 32
 MAX_PACKED_EPOCHS = 1 << 30
+# rates (see "Mixed speeds" in the module docstring)
+RATE_TAU = 2.0  # s: a server's rate is its claimed batches, decayed with this time constant
+HORIZON = 0.5  # s of a server's own measured work it may hold leased (between 2 and `window` batches)
+STEAL_MARGIN = 1.5  # a batch moves only if its new server would deliver it this many times sooner
+GRACE = 1.0  # s a server that never delivered holds work before its work may be taken over
+STEAL_SLACK = 0.02  # s, added to the new server's time (the new lease's trip)
 
 
 def random_token() -> int:
@@ -136,6 +162,11 @@ class LeaseBook:
         # what happened since this process started (`crossfeed top`, the Prometheus exporter)
         self.counts = {"leases_revoked": 0, "batches_re_leased": 0, "servers_lost": 0, "trainers_lost": 0}
         self.claimed_from: dict[int, int] = {}  # live server -> its batches claimed by trainers
+        self.counts["batches_taken_over"] = 0
+        self._rates: dict[int, tuple[float, float, float]] = {}  # live server -> (decayed claims, at, first claim)
+        # live server -> its leased batches not yet started (its last BEAT's report, plus what
+        # was leased to it since, less what was taken back): the tail of its newest leases
+        self._unstarted: dict[int, int] = {}
         self._cursor = 0  # no PENDING batch below it (a hint for `_take`)
         # what peers make happen is logged at most LOG_BURST times per 5 s per kind (a flood of fake
         # ids must not flood the log): joins, and servers or trainers leaving, dead or stalled
@@ -176,6 +207,8 @@ class LeaseBook:
         """Revoke the server's leases: their unclaimed batches go back to PENDING; returns how many."""
         self.servers.pop(server, None)
         self.claimed_from.pop(server, None)
+        self._rates.pop(server, None)
+        self._unstarted.pop(server, None)
         _remember(self.dead_servers, server)
         if reason != "left":
             self.counts["servers_lost"] += 1
@@ -268,31 +301,160 @@ class LeaseBook:
         """Batches leased to `server` and not yet claimed by a trainer."""
         return self._load.get(server, 0)
 
+    def rate(self, server: int, now: float) -> float | None:
+        """`server`'s batches claimed per second, decayed over RATE_TAU s (None until one is claimed)."""
+        got = self._rates.get(server)
+        if got is None:
+            return None
+        score, at, first = got
+        age = max(now - first, 1e-3)
+        # the decayed count of a steady rate r is r * TAU * (1 - exp(-age / TAU)): divided by that
+        return score * math.exp(-max(now - at, 0.0) / RATE_TAU) / (RATE_TAU * -math.expm1(-age / RATE_TAU))
+
+    def server_progress(self, server: int, unstarted: int, now: float) -> int:
+        """`server` (live) says `unstarted` of its leased batches are not yet started. Holding more
+        than twice its cap (`cap`: leased before its rate was known), it gives the excess it has
+        not started back (PENDING, for whichever server asks first); returns how many."""
+        if server not in self.servers:
+            return 0
+        load = self._load.get(server, 0)
+        self._unstarted[server] = unstarted = min(unstarted, load)
+        cap = self.cap(server, now)
+        back = min(unstarted, load - cap) if load > 2 * cap else 0
+        for _ in range(back):
+            self._set_pending(self._newest_leased(server))
+        self._unstarted[server] -= back
+        self.counts["batches_taken_over"] += back
+        return back
+
+    def _stealable(self, server: int, now: float) -> int:
+        """How many of `server`'s leased batches may be taken back: all once it delivered none
+        for GRACE s and for 4 of its own batch times (stalled, or nearly), else those it reports
+        not started (none if it does not report)."""
+        load = self._load.get(server, 0)
+        since = self._idle_since.get(server)
+        r = self.rate(server, now)
+        if since is not None and now - since >= GRACE and (not r or (now - since) * r > 4):
+            return load
+        return min(self._unstarted.get(server, 0), load)
+
+    def _count_rate(self, server: int, now: float) -> None:
+        score, at, first = self._rates.get(server, (0.0, now, now))
+        self._rates[server] = (score * math.exp(-max(now - at, 0.0) / RATE_TAU) + 1.0, now, first)
+
+    def cap(self, server: int, now: float) -> int:
+        """Batches `server` may hold leased and unclaimed: HORIZON s of its rate (2..window)."""
+        r = self.rate(server, now)
+        if r is None:  # not measured yet: two leases
+            return min(self.window, 2 * self.lease_size)
+        return max(min(math.ceil(r * HORIZON), self.window), min(2, self.window))
+
+    def _speed(self, server: int, now: float) -> float | None:
+        """The rate to expect of `server` for the work it holds: its measured rate, or once it
+        held work without delivering any for GRACE s, at most 2 / (the seconds since it last
+        delivered); None (not to be judged yet): never measured, and silent for less than GRACE s."""
+        r = self.rate(server, now)
+        since = self._idle_since.get(server)
+        if since is None or now - since < GRACE:
+            return r
+        bound = 2.0 / (now - since)
+        return bound if r is None else min(r, bound)
+
     def grant_leases(self, now: float) -> list[Lease]:
-        """New leases for live servers below their window, least loaded first."""
+        """New leases for live servers below their cap (`cap`), the one whose work in hand ends
+        soonest first; with no batch PENDING, work taken over from slow servers (`_steal`)."""
         out: list[Lease] = []
         if self.finished:
             return out
         load = {k: self._load.get(k, 0) for k in self.servers}
-        while True:
-            room = [k for k in load if load[k] + self.lease_size <= self.window or load[k] == 0]
-            if not room:
-                return out
-            server = min(room, key=lambda k: load[k])
-            taken = self._take(self.lease_size)
+        caps = {k: self.cap(k, now) for k in self.servers}
+        rates = {k: self.rate(k, now) or 0.0 for k in self.servers}
+
+        def ends(k: int) -> float:  # when its work in hand would end (unmeasured: by its fill)
+            return (load[k] + 1) / rates[k] if rates[k] else load[k] / caps[k]
+
+        def has_room(k: int) -> bool:  # for a lease of `lease_size` (of its cap, if smaller)
+            return caps[k] - load[k] >= min(self.lease_size, caps[k])
+
+        heap = [(ends(k), k) for k in load if has_room(k)]
+        heapq.heapify(heap)
+        while heap:
+            _, server = heapq.heappop(heap)
+            taken = self._take(min(self.lease_size, caps[server] - load[server]))
             if not taken:
-                return out
-            lease = Lease(self._new_lease_id(), server, self.epoch, taken, [self._token() for _ in taken])
-            for b, token in zip(taken, lease.tokens):
-                self.state[b], self.lease_of[b], self.token_of[b] = LEASED, lease.id, token
-            self.leases[lease.id] = lease
-            self._by_server.setdefault(server, {})[lease.id] = None
-            self._left[lease.id] = len(taken)
-            if not self._load.get(server):
-                self._idle_since[server] = now  # its deadline runs from the first batch it holds
-            self._load[server] = self._load.get(server, 0) + len(taken)
+                return out + self._steal(load, caps, now)
+            out.append(self._lease(server, taken, now))
             load[server] += len(taken)
-            out.append(lease)
+            if has_room(server):
+                heapq.heappush(heap, (ends(server), server))
+        return out
+
+    def _lease(self, server: int, taken: list[int], now: float) -> Lease:
+        lease = Lease(self._new_lease_id(), server, self.epoch, taken, [self._token() for _ in taken])
+        for b, token in zip(taken, lease.tokens):
+            self.state[b], self.lease_of[b], self.token_of[b] = LEASED, lease.id, token
+        self.leases[lease.id] = lease
+        self._by_server.setdefault(server, {})[lease.id] = None
+        self._left[lease.id] = len(taken)
+        if not self._load.get(server):
+            self._idle_since[server] = now  # its deadline runs from the first batch it holds
+        self._load[server] = self._load.get(server, 0) + len(taken)
+        if server in self._unstarted:
+            self._unstarted[server] += len(taken)
+        return lease
+
+    def _steal(self, load: dict[int, int], caps: dict[int, int], now: float) -> list[Lease]:
+        """No batch is PENDING: servers with room (and a measured rate) take batches over from the
+        server whose work in hand ends last, while they would deliver them STEAL_MARGIN times
+        sooner (see the module docstring); one lease per thief and call."""
+        speed: dict[int, Any] = {k: self._speed(k, now) for k in load}  # batches/s (None: not measured yet)
+        spare = {k: self._stealable(k, now) for k in load if load[k] and speed[k] is not None}
+        ends = {k: load[k] / speed[k] if speed[k] else math.inf for k in spare if spare[k]}
+        thieves = sorted((k for k in load if load[k] < caps[k] and self.rate(k, now)), key=lambda k: -speed[k])
+        out: list[Lease] = []
+        for thief in thieves:
+            taken: list[int] = []
+            ends.pop(thief, None)  # a thief is robbed of nothing in this call
+            # only from servers STEAL_MARGIN times slower: between servers of one speed a batch
+            # moved is one built twice (the first copy may be waiting for a trainer already)
+            slower = {k: e for k, e in ends.items() if not speed[k] or speed[k] * STEAL_MARGIN < speed[thief]}
+            while slower and load[thief] + len(taken) < caps[thief] and len(taken) < self.lease_size:
+                mine = (load[thief] + len(taken) + 1) / speed[thief] + STEAL_SLACK
+                victim = max(slower, key=slower.__getitem__)
+                if slower[victim] <= STEAL_MARGIN * mine:
+                    break
+                self._set_pending(b := self._newest_leased(victim))
+                self._rates.setdefault(victim, (0.0, now, now))  # robbed before delivering: rate 0, cap 2
+                if self._unstarted.get(victim):
+                    self._unstarted[victim] -= 1
+                load[victim] -= 1
+                spare[victim] -= 1
+                if load[victim] and spare[victim]:
+                    ends[victim] = slower[victim] = load[victim] / speed[victim] if speed[victim] else math.inf
+                else:
+                    del ends[victim], slower[victim]
+                taken.append(b)
+            if taken:
+                self._log.log(
+                    logging.INFO,
+                    "taken",
+                    "server %016x takes over %d leased batches of slower servers",
+                    thief,
+                    len(taken),
+                )
+                self.counts["batches_taken_over"] += len(taken)
+                out.append(self._lease(thief, taken, now))
+                load[thief] += len(taken)
+        return out
+
+    def _newest_leased(self, server: int) -> int:
+        """The last LEASED batch of `server`'s newest lease (the one it has least likely started)."""
+        lid = next(reversed(self._by_server[server]))
+        lease = self.leases[lid]
+        for b in reversed(lease.batches):
+            if self.state[b] == LEASED and self.lease_of[b] == lid:
+                return b
+        raise AssertionError("a live lease without a LEASED batch")  # `_unlease` drops those
 
     def _take(self, n: int) -> list[int]:
         taken: list[int] = []
@@ -338,6 +500,7 @@ class LeaseBook:
                 del self._by_server[lease.server]
         if not self._load[lease.server]:
             del self._load[lease.server], self._idle_since[lease.server]
+            self._unstarted.pop(lease.server, None)
 
     def _delivered(self, lease: Lease, now: float) -> None:
         """A batch of `lease` reached a trainer: its server made progress, and its older leases
@@ -382,6 +545,7 @@ class LeaseBook:
         server = self.leases[self.lease_of[b]].server
         if server in self.servers:
             self.claimed_from[server] = self.claimed_from.get(server, 0) + 1
+            self._count_rate(server, now)
         self._unlease(b)
         self.state[b], self.claimer[b] = CLAIMED, trainer
         self._claims[trainer] = self._claims.get(trainer, 0) + 1
@@ -450,6 +614,7 @@ class LeaseBook:
         self._load.clear()
         self._by_server.clear()
         self._idle_since.clear()
+        self._unstarted.clear()  # the servers' next BEATs report afresh
 
     def progress(self) -> dict[str, int]:
         counts = [0, 0, 0, 0]

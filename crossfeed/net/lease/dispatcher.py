@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -376,6 +377,8 @@ class LeaseDispatcher:
                 self._reply(route, W.Kind.RESET)
             elif book.finished:
                 self._reply(route, W.Kind.FINISHED)
+            elif msg.kind is W.Kind.BEAT and (unstarted := W.decode_unstarted(msg.sent_ms)) is not None:
+                book.server_progress(msg.sender, unstarted, now)
             return
         if role != TRAINER:
             raise WireError(f"{msg.kind.name} names role {msg.role}, expected {SERVER} or {TRAINER}")
@@ -423,6 +426,8 @@ class LeaseDispatcher:
         book, now = self.book, time.monotonic()
         servers = sorted(book.servers.items(), key=lambda kv: kv[1].last_seen)[:MAX_LISTED]
         trainers = sorted(book.trainers.items(), key=lambda kv: kv[1].last_seen)[:MAX_LISTED]
+        rates: dict[int, Any] = {k: book.rate(k, now) for k in book.servers}  # batches/s (None: not yet)
+        total = sum(r for r in rates.values() if r)
         return {
             "v": 1,
             "kind": "dispatcher",
@@ -444,6 +449,8 @@ class LeaseDispatcher:
                     "leases": book.held(k),
                     "leased": book.outstanding(k),
                     "claimed": book.claimed_from.get(k, 0),
+                    "rate": None if rates[k] is None else round(rates[k], 3),
+                    "share": round(min(rates[k] / total, 1.0), 4) if total and rates[k] is not None else None,
                 }
                 for k, m in servers
             ],

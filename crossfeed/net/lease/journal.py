@@ -20,7 +20,8 @@ are `LeaseBook` records. `Journal(path, plan=...).read()` trusts nothing it find
   (only its newline is missing, or the newline itself is damaged) is kept: it may have been
   answered.
 
-`append(records)` writes and fsyncs; `compact(records)` replaces the file with the plan and the
+`append(records)` writes and fsyncs (the dispatcher appends each loop pass's records at once: one
+write and one fsync per pass, a group commit); `compact(records)` replaces the file with the plan and the
 given records, written to `<name>.tmp` created afresh (`O_EXCL | O_NOFOLLOW`: never through a
 planted link; a leftover regular file of an interrupted compaction is removed first, anything
 else there is refused), fsync'ed, renamed over the journal, the directory fsync'ed. The journal
@@ -183,6 +184,7 @@ class Journal:
         self.counts = counts  # epoch -> its batches, when they change with the epoch (see `Replay`)  # None: no plan line (the bare record file of the book's own tests)
         self.compact_after = compact_after
         self._lines = 0
+        self._compacted = 0  # lines the last compaction left
         self._file: BinaryIO | None = None  # opened at the first append
 
     def _error(self, line: int, offset: int, reason: str) -> JournalError:
@@ -293,7 +295,10 @@ class Journal:
         self._lines += len(records)
 
     def due(self) -> bool:
-        return self.path is not None and self._lines >= self.compact_after
+        """Time to compact: `compact_after` lines, and twice as many as the last compaction left
+        (a snapshot of a long epoch holds a record or two per batch used: compacting whenever it
+        is over `compact_after` would rewrite the whole file on every append)."""
+        return self.path is not None and self._lines >= max(self.compact_after, 2 * self._compacted)
 
     def compact(self, snapshot: list[dict[str, Any]]) -> None:
         """Replace the journal with the plan line and `snapshot` (see the module docstring)."""
@@ -330,7 +335,7 @@ class Journal:
             os.fsync(fd)
         finally:
             os.close(fd)
-        self._lines = len(records)
+        self._lines = self._compacted = len(records)
 
     def close(self) -> None:
         if self._file is not None:

@@ -25,6 +25,11 @@ dispatcher → trainer: SERVERS(finished, silence timeout_ms, the BEAT's sent_ms
                       DONE_OK(finished; payload = seqs),
                       RESET (you were declared dead: drop what you were granted and not used)
 
+A server's BEAT carries in its first slot (a trainer's `sent_ms`) how many of its leased batches
+it has not yet started + 1 (`encode_unstarted`; 0 = not reported): the dispatcher may take
+those back for a faster server. An older dispatcher ignores the slot on a server's BEAT (it
+never read it), and a newer one reads an older server's 0 as "not reported".
+
 A trainer's BEAT carries in `wait_permille` the share of its time its training loop spent waiting
 for the next batch over its last wait window (see `client.LeasedClient`): 0 = not reported,
 1..WAIT_END = the share in permille + 1 (`encode_wait`, `decode_wait`); anything else is refused
@@ -89,7 +94,7 @@ _RANGES = {"wait_permille": (0, WAIT_END)}  # slots whose values are bounded (ch
 # `wait_permille` a trainer's wait share (see `encode_wait`; a server's BEAT leaves it 0).
 SLOTS: dict[Kind, tuple[str | None, str | None, str | None]] = {
     Kind.HELLO: (None, None, "role"),
-    Kind.BEAT: ("sent_ms", "wait_permille", "role"),
+    Kind.BEAT: ("sent_ms", "wait_permille", "role"),  # a server's: ("unstarted", 0, role)
     Kind.BYE: (None, None, "role"),
     Kind.CLAIM: (None, None, "role"),
     Kind.DONE: (None, None, "role"),
@@ -122,7 +127,10 @@ class Message:
 
 
 def pack(kind: Kind, *, sender: int = 0, instance: int = 0, payload=None, **slots: int) -> list:
-    """The frames of a ``kind`` message; ``slots`` by name, those `SLOTS` gives ``kind``."""
+    """The frames of a ``kind`` message; ``slots`` by name, those `SLOTS` gives ``kind`` (a
+    server's BEAT names its first slot ``unstarted``, see `encode_unstarted`)."""
+    if kind is Kind.BEAT and "unstarted" in slots:
+        slots = {("sent_ms" if k == "unstarted" else k): v for k, v in slots.items()}
     names = SLOTS[kind]
     unknown = sorted(set(slots) - set(names))
     if unknown:
@@ -193,6 +201,20 @@ def encode_wait(ratio: float | None) -> int:
 def decode_wait(value: int) -> float | None:
     """The wait share a checked `wait_permille` says, in [0, 1]; None when not reported (0)."""
     return None if value == 0 else (value - 1) / 1000
+
+
+def encode_unstarted(n: int) -> int:
+    """A server's BEAT's first slot (`sent_ms` on a trainer's): its leased batches not yet started + 1
+    (0: not reported, an older server)."""
+    return max(int(n), 0) + 1
+
+
+def decode_unstarted(value: int) -> int | None:
+    """The unstarted batches a server's BEAT reports (None: not reported; a negative value is refused
+    on arrival by the dispatcher as a malformed message)."""
+    if value < 0:
+        raise WireError(f"a server's BEAT reports {value - 1} unstarted batches")
+    return None if value == 0 else value - 1
 
 
 MAX_ENDPOINTS = 8  # data endpoints one server may announce

@@ -26,6 +26,9 @@ RESET (the dispatcher declared us dead, or restarted without knowing us): the le
 built are dropped and we say HELLO under a new id; a batch of a void lease that the executor
 was already building is dropped when it is done, never offered; what was already sent is
 refused to the trainers by the dispatcher (their claims quote revoked tokens), never used twice.
+Each BEAT tells the dispatcher how many leased batches are not yet started (`_todo`, the last
+ones received): it may take them back for a faster server (`LeaseBook`, "Mixed speeds"); one it
+took back and this server builds anyway is refused to the trainers, never used twice.
 `stop()` says BYE first: the dispatcher gives our unclaimed batches to the other servers.
 """
 
@@ -131,9 +134,9 @@ class LeaseSource:
         sock.connect(self._dispatcher)
         return sock
 
-    def _send(self, sock: zmq.Socket, kind: W.Kind, payload=None) -> None:
+    def _send(self, sock: zmq.Socket, kind: W.Kind, payload=None, **slots: int) -> None:
         try:
-            sock.send_multipart(W.pack(kind, role=SERVER, sender=self._id, payload=payload), zmq.NOBLOCK)
+            sock.send_multipart(W.pack(kind, role=SERVER, sender=self._id, payload=payload, **slots), zmq.NOBLOCK)
         except zmq.ZMQError as e:
             logger.debug("could not send %s to the dispatcher: %s", kind.name, e)
 
@@ -145,11 +148,10 @@ class LeaseSource:
                 now = time.monotonic()
                 if now >= next_beat:
                     next_beat = now + self._hb.interval
-                    self._send(
-                        sock,
-                        W.Kind.BEAT if self._welcomed else W.Kind.HELLO,
-                        None if self._welcomed else self._endpoints,
-                    )
+                    if self._welcomed:  # with the leased batches not yet started (the dispatcher may take them back)
+                        self._send(sock, W.Kind.BEAT, unstarted=W.encode_unstarted(len(self._todo)))
+                    else:
+                        self._send(sock, W.Kind.HELLO, self._endpoints)
                 if self._builder is not None and not self._builder.is_alive():
                     return  # building failed: ProducerFailed is queued, nothing follows
                 if sock.poll(int(min(self._hb.interval / 2, 0.05) * 1000)):
