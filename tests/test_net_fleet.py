@@ -11,7 +11,7 @@ import pytest
 from dispatch_helpers import read_batches, served_by, spawn, start_fleet_dispatcher, start_server
 from net_helpers import stop, wait_until
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # real dispatchers, servers and trainers, timed runs
 
 N, BATCH = 480, 4  # 120 batches an epoch
 PER_EPOCH = N // BATCH
