@@ -107,6 +107,7 @@ def inputs(core):
     return tmp
 
 
+@pytest.mark.slow  # a fresh core-only environment
 @pytest.mark.parametrize(
     ("args", "extra", "named"),
     [
@@ -135,6 +136,7 @@ def test_every_command_that_needs_an_extra_names_it_in_one_line(core, inputs, ar
         ("crossfeed.beam_jobs.job", "beam"),
     ],
 )
+@pytest.mark.slow  # a fresh core-only environment
 def test_importing_an_adapter_names_its_extra_and_is_an_import_error(core, module, extra):
     py, _ = core
     code = f"try:\n    import {module}\nexcept ImportError as e:\n    print(type(e).__name__ + ': ' + str(e))"
@@ -147,6 +149,7 @@ def test_importing_an_adapter_names_its_extra_and_is_an_import_error(core, modul
     assert r.stdout.strip().endswith(f"pip install 'crossfeed[{extra}]'")
 
 
+@pytest.mark.slow  # a fresh core-only environment
 def test_the_core_alone_still_reads_and_writes(core, inputs):
     py, _ = core
     r = _cli(core, "head", "ds", "-n", "2", cwd=inputs)

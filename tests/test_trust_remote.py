@@ -220,6 +220,7 @@ with crossfeed.Loader(url, batch_size=10, shuffle="none", cache_dir=cache) as ld
 """
 
 
+@pytest.mark.slow  # a process timed to its exit (seconds of retries before the fix)
 def test_download_ahead_stops_after_a_remote_read_fails_so_the_process_exits(tmp_path):
     """16 shards over HTTP, all but the first trickling, a read deadline of 3 s: the read fails
     (a RemoteError naming a shard), and the process exits soon after, not once the downloads
