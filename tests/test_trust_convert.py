@@ -18,7 +18,7 @@ from crossfeed.cli.main import EXIT_INTERRUPTED
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # slow: Ctrl-C at several points of a real convert
 
-ROWS = 400_000  # enough that the job is still running at the last moment below
+ROWS = 1_200_000  # enough that the job is still running at the last moment below, on a quiet machine too
 
 
 @pytest.fixture(scope="module")
