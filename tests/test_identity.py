@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from token_data import write_tokens
+from token_data import repin_lengths, write_tokens
 
 import crossfeed
 from crossfeed.errors import ConfigError
@@ -195,50 +195,26 @@ def test_a_dataset_rewritten_under_the_same_names_is_an_error_not_a_mix(tmp_path
 def test_verify_names_a_lengths_file_that_lies_even_when_it_is_pinned(tmp_path):
     """A lengths file saying 0 for documents that hold tokens (re-pinned in the manifest) makes
     packing drop them: `verify` reads every record and names each one that disagrees."""
-    import hashlib
-    import os
 
-    from crossfeed.format.lengths import format_lengths
-    from crossfeed.format.manifest import MANIFEST
     from crossfeed.read.tools.verify import verify_dataset
 
     root = write_tokens(tmp_path / "t", [5, 6, 7, 8], num_shards=1)
     assert verify_dataset(root) == []
-    path = os.path.join(root, MANIFEST)
-    m = json.loads(open(path).read())
-    shard = m["splits"]["train"]["shards"][0]
-    data = format_lengths(np.asarray([5, 0, 7, 0]))
-    with open(os.path.join(root, shard["file"] + ".len"), "wb") as f:
-        f.write(data)
-    shard["lengths_sha256"] = hashlib.sha256(data).hexdigest()
-    with open(path, "w") as f:
-        json.dump(m, f)
+    name = repin_lengths(root, [5, 0, 7, 0])
     problems = [str(p) for p in verify_dataset(root)]
     assert len(problems) == 2, problems
     assert "record 1" in problems[0] and "holds 6 values of 'tokens', its lengths file says 0" in problems[0]
-    assert shard["file"] + ".len" in problems[0]
+    assert name + ".len" in problems[0]
 
 
 def test_the_loader_refuses_a_lengths_file_that_says_documents_are_empty(tmp_path):
     """Documents said to hold 0 tokens fill no row, so the plan never reads them: the Loader
     reads them when it loads the lengths file and names the lie."""
-    import hashlib
-    import os
 
     from crossfeed.errors import IndexFileError
-    from crossfeed.format.lengths import format_lengths
-    from crossfeed.format.manifest import MANIFEST
 
     root = write_tokens(tmp_path / "t", [5, 6, 7, 8], num_shards=1)
-    path = os.path.join(root, MANIFEST)
-    m = json.loads(open(path).read())
-    shard = m["splits"]["train"]["shards"][0]
-    data = format_lengths(np.asarray([5, 0, 7, 8]))
-    with open(os.path.join(root, shard["file"] + ".len"), "wb") as f:
-        f.write(data)
-    shard["lengths_sha256"] = hashlib.sha256(data).hexdigest()
-    with open(path, "w") as f:
-        json.dump(m, f)
+    repin_lengths(root, [5, 0, 7, 8])
     with crossfeed.Loader(root, batch_size=2, pack=crossfeed.Pack(length=16)) as loader:
         with pytest.raises(IndexFileError, match=r"entry 1 says record 1 of .* holds no 'tokens' values; it holds 6"):
             list(loader)

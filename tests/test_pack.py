@@ -6,7 +6,6 @@ its tokens came from."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
@@ -14,11 +13,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from token_data import add_lengths, source_doc_pos, token, write_tokens
+from token_data import add_lengths, repin_lengths, source_doc_pos, token, write_tokens
 
 import crossfeed
 from crossfeed.errors import ConfigError, IndexFileError
-from crossfeed.format.lengths import format_lengths
 from crossfeed.format.manifest import MANIFEST
 from crossfeed.read.options import LoaderOptions, Pack, PackSplit
 from crossfeed.read.stages.pack import packed_rows
@@ -425,24 +423,9 @@ def test_without_lengths_files_the_lengths_are_decoded_once(tmp_path, caplog):
     assert "no lengths files for 'tokens'" in caplog.text
 
 
-def _rewrite_lengths(root, lengths_of_shard0):
-    """Lengths file 0 replaced by other (well-formed, pinned) lengths: they no longer fit the records."""
-    path = os.path.join(root, MANIFEST)
-    with open(path) as f:
-        m = json.load(f)
-    shard = m["splits"]["train"]["shards"][0]
-    data = format_lengths(np.asarray(lengths_of_shard0))
-    with open(os.path.join(root, shard["file"] + ".len"), "wb") as f:
-        f.write(data)
-    shard["lengths_sha256"] = hashlib.sha256(data).hexdigest()
-    with open(path, "w") as f:
-        json.dump(m, f)
-    return shard["file"]
-
-
 def test_a_decoded_length_that_differs_from_the_plan_names_shard_record_and_lengths_file(tmp_path):
     root = write_tokens(tmp_path / "t", [5, 6, 7, 8], num_shards=1)
-    name = _rewrite_lengths(root, [5, 6, 9, 8])
+    name = repin_lengths(root, [5, 6, 9, 8])
     with crossfeed.Loader(root, batch_size=4, pack=Pack(64), shuffle="none") as ld:
         with pytest.raises(IndexFileError) as e:
             list(ld)

@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 from conftest import lazy_import, requires
+from s3_helpers import isolated_aws
 from typer.testing import CliRunner
 
 import crossfeed
@@ -28,7 +29,6 @@ boto3 = lazy_import("boto3")
 pytestmark = [pytest.mark.slow, requires("moto", "s3fs", "boto3")]  # slow: an S3 server (moto) in a process
 
 N = 60
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 @pytest.fixture(scope="module")
@@ -67,21 +67,7 @@ def s3(tmp_path_factory):
 def no_endpoint_config(monkeypatch, tmp_path):
     """No endpoint anywhere but where a test puts it: not fsspec's config or environment, not
     AWS's; credentials from the standard AWS environment; no ~/.aws of the machine's."""
-    import fsspec
-    import s3fs
-
-    for k in list(os.environ):
-        if k.startswith(("FSSPEC_", "AWS_")):
-            monkeypatch.delenv(k)
-    monkeypatch.delitem(fsspec.config.conf, "s3", raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    for k, v in CREDENTIALS.items():
-        monkeypatch.setenv(k, v)
-    s3fs.S3FileSystem.clear_instance_cache()
-    yield
-    s3fs.S3FileSystem.clear_instance_cache()
+    yield from isolated_aws(monkeypatch, tmp_path)
 
 
 def _ids(loader) -> list[int]:

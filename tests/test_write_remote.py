@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import lazy_import, requires
 from PIL import Image
+from s3_helpers import isolated_aws
 from typer.testing import CliRunner
 
 import crossfeed
@@ -24,8 +25,6 @@ moto_server = lazy_import("moto.server")
 boto3 = lazy_import("boto3")
 
 pytestmark = [pytest.mark.slow, requires("s3fs", "apache_beam", "moto.server", "boto3")]  # Beam conversions, S3 server
-
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 @pytest.fixture(scope="module")
@@ -48,21 +47,7 @@ def s3():
 @pytest.fixture(autouse=True)
 def aws_env(monkeypatch, tmp_path):
     """Credentials from the standard AWS environment; no endpoint anywhere but the storage options."""
-    import fsspec
-    import s3fs
-
-    for k in list(os.environ):
-        if k.startswith(("FSSPEC_", "AWS_")):
-            monkeypatch.delenv(k)
-    monkeypatch.delitem(fsspec.config.conf, "s3", raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    for k, v in CREDENTIALS.items():
-        monkeypatch.setenv(k, v)
-    s3fs.S3FileSystem.clear_instance_cache()
-    yield
-    s3fs.S3FileSystem.clear_instance_cache()
+    yield from isolated_aws(monkeypatch, tmp_path)
 
 
 def _keys(client, prefix: str) -> list[str]:
