@@ -101,7 +101,9 @@ def test_top_gives_the_verdict_of_a_served_loader(tmp_path, dataset):
         factory.close()
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())  # rich wraps long lines
-    assert "verdict:" in text and "bound" in text and "of build time" in text, out.stdout
+    # the served Loader's own verdict, either way its trainer's timing went (the server's consumer
+    # waited on its Loader, or not: then no stage is named)
+    assert "verdict:" in text and ("of build time" in text or "not input-bound: the trainer waited" in text), out.stdout
 
 
 def test_a_verdict_comes_from_the_flat_stats_of_the_interval():
