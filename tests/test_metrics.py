@@ -86,8 +86,15 @@ def test_prometheus_stores_what_the_trainer_received(tmp_path, dataset):
                 f"Prometheus holds { ({q: _total(prom_port, q) for q in want}) }, want {want}; "
                 + (tmp_path / "prometheus.log").read_text()[-2000:]
             ) from None
-        per_server = prometheus_query(prom_port, "crossfeed_batches_total{server!=''}")
-        assert len(per_server) == 2, per_server  # labelled by server id
+        # labelled by server id; over the last minute, since one scrape that timed out on a loaded
+        # machine marks that server's series stale until the next
+        by_server = "last_over_time(crossfeed_batches_total{server!=''}[1m])"
+        try:
+            wait_until(lambda: len(prometheus_query(prom_port, by_server)) == 2, 30, "a series per server", [prom])
+        except AssertionError:
+            raise AssertionError(
+                f"want a series per server, Prometheus holds {prometheus_query(prom_port, by_server)}"
+            ) from None
         assert _total(prom_port, "sum(crossfeed_errors_total)") == 0.0
         # leases of 2 batches; one that expired on a loaded machine (a late heartbeat) is leased again
         expired = _total(prom_port, "sum(crossfeed_leases_expired_total)")
