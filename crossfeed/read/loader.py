@@ -24,6 +24,7 @@ from crossfeed.read import metrics
 from crossfeed.read.identity import StreamIdentity
 from crossfeed.read.options import LoaderOptions, ReadOptions, Remainder, Shuffle, Source
 from crossfeed.read.pipeline import Pipeline, PlanLike
+from crossfeed.read.replay import StepSamples, replay
 from crossfeed.read.sources.dataset import Dataset, Split
 
 log = logging.getLogger(__name__)
@@ -207,6 +208,46 @@ class Loader:
 
     def __len__(self) -> int:
         return self.batch_count()
+
+    # -- replay -------------------------------------------------------------------------------
+    def batch_at(
+        self, step: int, *, epoch: int | None = None, rank: int | None = None, position: int = 0
+    ) -> StepSamples:
+        """Which samples were in step ``step`` of rank ``rank`` (default: this Loader's), planned
+        again from the seed — no record is read, nothing was logged (`crossfeed.read.replay`): a
+        sequence of `crossfeed.read.replay.SampleRef` (source, shard path, record within the
+        shard, global key; packed: each row's pieces), in the batch's order.
+
+        ``epoch=E``: ``step`` is the rank's batch number within epoch ``E`` (0 first), counted
+        from ``position`` — the epoch position its iteration began at; 0 unless the run resumed
+        mid-epoch at another world size or batch size (a resume under the same ones continues
+        the numbering). Without ``epoch``: a global step, counted from epoch 0's start, each
+        epoch's steps one after the other (what ``for epoch …: for batch in loader`` counts).
+        A step is the rank's batch, however many workers share the rank's batches out.
+
+        O(batch) for unpacked plans. Packed plans (``pack=``, ``batch_by_tokens=``) walk the
+        epoch's lengths up to the step (integers only; O(1) packed replay arrives with the
+        packed-state work)."""
+        return replay(self.pipeline, step, epoch=epoch, rank=rank, position=position)
+
+    def samples_at(
+        self,
+        step: int,
+        *,
+        epoch: int | None = None,
+        rank: int | None = None,
+        position: int = 0,
+        built: bool = False,
+    ) -> dict[str, np.ndarray]:
+        """The decoded samples of a step (`batch_at`'s), as a batch of the records themselves:
+        CRC-checked, no transform (`Pipeline.records`; packed: each document of the step once, in
+        the order it first appears). ``built=True``: the batch exactly as iteration built it
+        (transforms applied; packed: the rows)."""
+        got = self.batch_at(step, epoch=epoch, rank=rank, position=position)
+        if built:
+            batch = self.pipeline.build_batch(got.planned)
+            return sample_of(batch) if self.per_sample else batch
+        return self.pipeline.records(got.keys)
 
     def state_dict(self) -> dict:
         """Small and framework-free: resume with `load_state_dict` in any process, any world size.
