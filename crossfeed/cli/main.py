@@ -96,7 +96,7 @@ def _silence_stdout() -> None:
 # puts sub-groups such as `convert` after every plain command). Commands not named here come last.
 COMMAND_ORDER = (
     "convert", "index", "info", "head", "verify", "bench",
-    "serve", "dispatch", "mon", "stat", "show", "top", "cache", "keygen",
+    "serve", "dispatch", "mon", "stat", "show", "top", "replay", "cache", "keygen",
 )  # fmt: skip
 
 
@@ -226,6 +226,7 @@ GROUPS = (
     "crossfeed.cli.watch",
     "crossfeed.cli.top",
     "crossfeed.cli.cache",
+    "crossfeed.cli.replay",
 )
 
 for _name in GROUPS:

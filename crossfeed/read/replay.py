@@ -148,7 +148,7 @@ def resolve_step(pipeline, step: int, *, epoch: int | None, position: int = 0) -
         raise ConfigError(
             f"step {step} is beyond epoch {epoch}: it has {n} steps per rank{at} (0 … {n - 1}; batch_size "
             f"{pipeline.options.plan.batch_size}, world_size {pipeline.options.shard.world_size}); pass a step "
-            f"below {n}, or leave epoch= out to count steps across epochs"
+            f"below {n}, or give no epoch to count steps across epochs"
         )
     return epoch, step
 
