@@ -34,9 +34,7 @@ def _read_state(path: Path) -> dict:
             f"--state {path}: cannot read a saved Loader state ({e}); pass the JSON of state_dict()"
         ) from None
     if not isinstance(state, dict) or "position" not in state:
-        raise ConfigError(
-            f"--state {path}: not a Loader state_dict() (no position); pass the JSON of state_dict()"
-        ) from None
+        raise ConfigError(f"--state {path}: not a Loader state_dict() (no position); pass the JSON of state_dict()")
     return state
 
 
