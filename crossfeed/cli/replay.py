@@ -138,6 +138,15 @@ def replay(
             "--epoch", min=0, help="Count --step within this epoch (default: a global step; --state's epoch)."
         ),
     ] = None,
+    position: Annotated[
+        int,
+        typer.Option(
+            "--position",
+            min=0,
+            help="With --epoch: the epoch position the run's iteration began at, which --step counts from (a run "
+            "resumed at another world size or batch size: its state's position; default: the epoch's start).",
+        ),
+    ] = 0,
     rank: Annotated[int, typer.Option("--rank", min=0, help="The rank whose step it is.")] = 0,
     world_size: Annotated[int, typer.Option("--world-size", min=1, help="Ranks the run had.")] = 1,
     state: Annotated[
@@ -166,6 +175,10 @@ def replay(
 
     if rank >= world_size:
         raise typer.BadParameter(f"rank {rank} is not below --world-size {world_size}", param_hint="--rank")
+    if position and epoch is None and state is None:
+        raise typer.BadParameter(
+            "--position counts --step within one epoch: give --epoch (or --state) too", param_hint="--position"
+        )
     saved = _read_state(state) if state is not None else None
     if saved is not None:
         assert state is not None
@@ -182,7 +195,7 @@ def replay(
             except ConfigError as e:
                 raise ConfigError(f"--state {state}: {e}") from None
         try:
-            got = loader.batch_at(step, epoch=epoch)
+            got = loader.batch_at(step, epoch=epoch, position=position)
         except ConfigError as e:
             raise ConfigError(f"--step {step}: {e}") from None
         if as_json:
