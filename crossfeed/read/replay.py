@@ -127,7 +127,8 @@ def resolve_step(pipeline, step: int, *, epoch: int | None, position: int = 0) -
             n = pipeline.rank_batch_count(0, epoch=e)
             if n <= 0:
                 raise ConfigError(f"epoch {e} has no steps for a rank: nothing to replay")
-            if not getattr(pipeline.sampler, "pack", None) and not getattr(pipeline.sampler, "budget", None):
+            plan = pipeline.options.plan
+            if plan.pack is None and plan.batch_by_tokens is None:
                 more, step = divmod(step, n)  # every epoch has the same steps: no walk
                 return e + more, step
             if step < n:
