@@ -31,6 +31,7 @@ def data(tmp_path_factory):
     crossfeed.write_dataset(root / "b", [{"x": np.full(3, -i, np.int64), "label": 1000 + i} for i in range(11)]).close()
     rng = np.random.default_rng(0)
     write_tokens(root / "tok", rng.integers(1, 40, 90).tolist())
+    write_tokens(root / "tok2", rng.integers(1, 30, 25).tolist(), source=1, num_shards=2)
     return root
 
 
@@ -189,6 +190,26 @@ def test_packed_steps_name_each_rows_pieces(data, plan):
                             piece = np.asarray(by_key[s.key])[s.start : s.start + s.count]
                             np.testing.assert_array_equal(batch["tokens"][s.row, at : at + s.count], piece)
                             filled[s.row] = at + s.count
+
+
+def test_a_packed_mixture_names_each_pieces_source(data):
+    sources = [crossfeed.Source(data / "tok", weight=2), crossfeed.Source(data / "tok2")]
+    with Loader(sources, batch_size=2, seed=3, pack=Pack(48), samples_per_epoch=60) as ld:
+        for epoch in range(2):
+            for b, batch in enumerate(ld):
+                got = ld.batch_at(b, epoch=epoch)
+                docs = dict(zip(got.keys.tolist(), ld.samples_at(b, epoch=epoch)["tokens"]))
+                filled: dict[int, int] = {}
+                for s in got:
+                    tokens = np.asarray(docs[s.key])
+                    assert (tokens >> 40 == s.source_index).all() and s.source == str(
+                        data / ("tok", "tok2")[s.source_index]
+                    )
+                    at = filled.get(s.row, 0)
+                    np.testing.assert_array_equal(
+                        batch["tokens"][s.row, at : at + s.count], tokens[s.start : s.start + s.count]
+                    )
+                    filled[s.row] = at + s.count
 
 
 def test_bad_steps_ranks_and_positions_are_refused_by_name(data):
