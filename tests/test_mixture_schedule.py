@@ -114,6 +114,18 @@ def test_schedules_are_validated_and_written_as_json():
         mixture_phases([Schedule.constant([(0, 1), (5, 0)]), Schedule.constant([(0, 0)])])
 
 
+def test_a_fine_ramp_is_rounded_to_shares_of_a_thousand_and_a_fine_constant_is_refused():
+    ramp = Schedule.linear([(0, 1), (7000, 37)], every=700)
+    phases = mixture_phases([ramp, Schedule.linear([(0, 50), (7000, 3.3)], every=1000), 7])
+    for start, ints in phases:
+        a = 1 + 36 * min(start // 700 * 700, 7000) / 7000
+        b = 50 + (3.3 - 50) * min(start // 1000 * 1000, 7000) / 7000
+        exact = np.array([a, b, 7]) / (a + b + 7)
+        assert sum(ints) <= 1000 and np.abs(np.array(ints) / sum(ints) - exact).max() <= 1 / 1000, (start, ints)
+    with pytest.raises(ConfigError, match="too fine-grained"):
+        mixture_phases([Schedule.constant([(0, 1), (5, 0.997)]), Schedule.constant([(0, 1), (5, 0.331)]), 29])
+
+
 def test_packing_by_tokens_cannot_follow_a_schedule():
     plan = PlanOptions(batch_size=2, pack=crossfeed.Pack(length=8, weights_by="tokens"))
     with pytest.raises(ConfigError, match="weights_by='tokens'"):

@@ -16,7 +16,8 @@ data brought in from a step onward); every phase needs one positive weight over 
 boundary (the last one holds for ever). ``linear``: the same points, linearly interpolated between
 them and held at the last one; the plan stays on integers by evaluating the line as a step
 function, one step (a phase) per ``every`` samples, each at the line's value at its start (and
-the last point's value from the last point on). A mixture's phases (every source's boundaries
+the last point's value from the last point on; a phase's weights that would need more than 1000
+as integers are rounded to shares of 1000). A mixture's phases (every source's boundaries
 together; `crossfeed.read.stages.sampler.mixture_phases`) are each planned as a mixture of their
 own from their start: every prefix of every phase holds each source within one sample of its share.
 """

@@ -357,6 +357,7 @@ def mixture_phases(weights) -> list[tuple[int, tuple[int, ...]]]:
     from crossfeed.read.schedule import MAX_PHASES, Schedule
 
     pieces = [w.pieces() if isinstance(w, Schedule) else [(0, w)] for w in weights]
+    linear = [isinstance(w, Schedule) and w.kind == "linear" for w in weights]
     bounds = sorted({a for p in pieces for a, _ in p})
     if len(bounds) > MAX_PHASES:
         raise ConfigError(f"a mixture schedule has {len(bounds)} phases, more than {MAX_PHASES}; use fewer boundaries")
@@ -372,11 +373,37 @@ def mixture_phases(weights) -> list[tuple[int, tuple[int, ...]]]:
         if not live:
             raise ConfigError(f"at sample {b} every source of the mixture is weighted 0: one must be drawn")
         ints = [0] * len(now)
-        for j, w in zip(live, integer_weights([now[j] for j in live])):
+        ramp = any(linear[j] for j in live)
+        for j, w in zip(live, _phase_weights([now[j] for j in live], ramp)):
             ints[j] = w
         if not out or out[-1][1] != tuple(ints):
             out.append((b, tuple(ints)))
     return out
+
+
+RAMP_SHARES = 1000  # a ramp's phase whose weights are finer than integers can hold: shares of this
+
+
+def _phase_weights(values: list, ramp: bool) -> list[int]:
+    """`integer_weights` of one phase's positive weights; in a phase where a linear schedule
+    weighs, weights that would need more than `RAMP_SHARES` as integers (a line's values are
+    any fractions) are rounded to shares of `RAMP_SHARES` instead (largest remainders, each
+    source at least 1)."""
+    try:
+        ints = integer_weights(values)
+    except ConfigError:
+        if not ramp:
+            raise
+        ints = []
+    if not ramp or (ints and sum(ints) <= RAMP_SHARES):
+        return ints
+    fr = [Fraction(v) for v in values]
+    exact = [f * RAMP_SHARES / sum(fr) for f in fr]
+    out = [max(1, math.floor(e)) for e in exact]
+    for j in sorted(range(len(out)), key=lambda j: (out[j] - exact[j], j))[: max(0, RAMP_SHARES - sum(out))]:
+        out[j] += 1
+    g = math.gcd(*out)
+    return [o // g for o in out]
 
 
 _PHASE_SCHEDULES: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
