@@ -299,3 +299,42 @@ def test_a_mixture_file_takes_a_schedule(paths, tmp_path):
     bad.write_text(json.dumps({"sources": [{"path": str(paths[0]), "weight": {"constant": [[3, 1]]}}]}))
     with pytest.raises(ConfigError, match="source 0: a schedule starts at sample 0"):
         load_mixture_spec(bad)
+
+
+def test_a_packed_scheduled_mixture_packs_the_scheduled_documents_and_resumes(tmp_path):
+    """``pack=`` over a scheduled mixture (weights by documents): the rows hold exactly the
+    documents the unpacked scheduled plan draws, each whole, once per draw; a resume at any step
+    with another world size delivers the rest; a packed plan's schedule may not change on resume."""
+    from test_pack import pieces
+    from token_data import source_doc_pos, write_tokens
+
+    rng = np.random.default_rng(0)
+    roots = [
+        write_tokens(tmp_path / f"s{s}", rng.integers(1, 20, n), source=s, num_shards=2) for s, n in enumerate((15, 6))
+    ]
+    weights = [Schedule.constant([(0, 3), (24, 1)]), Schedule.constant([(0, 1), (24, 3)])]
+    mix = [crossfeed.Source(r, weight=w) for r, w in zip(roots, weights)]
+    plan = dict(seed=4, samples_per_epoch=40)
+    with crossfeed.Loader(mix, batch_size=40, features=["tokens"], **plan) as ld:
+        (drawn,) = list(ld)
+    want = sorted(tuple(int(x[0]) for x in source_doc_pos(np.ravel(t)[:1])[:2]) for t in drawn["tokens"])
+    opts = dict(batch_size=2, pack=crossfeed.Pack(32), **plan)
+    with crossfeed.Loader(mix, **opts) as ld:
+        whole = list(ld)
+    assert sorted((s, d) for b in whole for s, d, _, _ in pieces(b)) == want
+    for steps in (0, 3, len(whole)):
+        with crossfeed.Loader(mix, **opts) as ld:
+            it = iter(ld)
+            done = [next(it) for _ in range(steps)]
+            state = ld.state_dict()
+        rest = []
+        for r in range(2):
+            with crossfeed.Loader(mix, world_size=2, rank=r, **opts) as ld:
+                ld.load_state_dict(state)
+                rest += list(ld)
+        assert sorted((s, d) for b in done + rest for s, d, _, _ in pieces(b)) == want
+    later = [crossfeed.Source(r, weight=Schedule.constant([(0, 3), (24, 1), (70, 2)])) for r in roots[:1]]
+    later.append(crossfeed.Source(roots[1], weight=weights[1]))
+    with crossfeed.Loader(later, **opts) as ld:
+        with pytest.raises(ConfigError, match="source 0 weight was"):
+            ld.load_state_dict(state)
