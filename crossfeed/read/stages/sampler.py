@@ -440,14 +440,17 @@ class MixturePhases:
         self.starts = np.array([a for a, _ in phases], dtype=np.int64)
         self.weights = np.array([w for _, w in phases], dtype=np.int64)  # (phases, sources)
         k = self.weights.shape[1]
+        self._keys = [tuple(int(w) for w in row) for row in self.weights]
+        self._rows = list(self.weights)
         drawn = np.zeros((len(phases), k), dtype=np.int64)
         for j in range(1, len(phases)):
             drawn[j] = drawn[j - 1] + self._within(j - 1, int(self.starts[j] - self.starts[j - 1]))
         self.drawn = drawn
+        self._firsts = list(drawn)
 
     def _within(self, j: int, offset: int) -> np.ndarray:
         """Each source's draws in the first ``offset`` samples of phase ``j``."""
-        sched, before = phase_schedule(tuple(int(w) for w in self.weights[j]))
+        sched, before = phase_schedule(self._keys[j])
         whole, part = divmod(offset, len(sched))
         return whole * self.weights[j] + before[part]
 
@@ -462,17 +465,25 @@ class MixturePhases:
     def locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(source, draw number)`` of each global sample ``g``."""
         g = np.asarray(g, dtype=np.int64)
+        if len(g):
+            lo, hi = self.phase_of(np.array([g.min(), g.max()]))
+            if lo == hi:  # one phase (a batch usually is): no masks
+                return self._in_phase(int(lo), g)
         ph = self.phase_of(g)
         src = np.empty(len(g), dtype=np.int64)
         draw = np.empty(len(g), dtype=np.int64)
         for j in np.unique(ph).tolist():
             m = ph == j
-            sched, before = phase_schedule(tuple(int(w) for w in self.weights[j]))
-            whole, part = np.divmod(g[m] - self.starts[j], len(sched))
-            s = sched[part]
-            src[m] = s
-            draw[m] = self.drawn[j, s] + whole * self.weights[j, s] + before[part, s]
+            src[m], draw[m] = self._in_phase(j, g[m])
         return src, draw
+
+    def _in_phase(self, j: int, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        sched, before = phase_schedule(self._keys[j])
+        whole, part = np.divmod(g - self.starts[j], len(sched))
+        s = sched[part]
+        # a draw: the source's draws before the phase, whole periods, and this period's before it
+        at = before.ravel()[part * before.shape[1] + s]
+        return s, self._firsts[j][s] + whole * self._rows[j][s] + at
 
 
 class ScheduledMixtureOrder(MixtureOrder):
@@ -515,9 +526,10 @@ class ScheduledMixtureOrder(MixtureOrder):
     def _eval(self, positions: np.ndarray) -> np.ndarray:
         src, draw = self.phases.locate(self.base + positions)
         out = np.empty(len(positions), dtype=np.int64)
-        for s in np.unique(src).tolist():
+        for s in range(len(self.sizes)):
             m = src == s
-            out[m] = self._ids(s, draw[m])
+            if m.any():
+                out[m] = self._ids(s, draw[m])
         return out
 
     def _whole_epoch(self) -> np.ndarray:
