@@ -338,3 +338,16 @@ def test_a_packed_scheduled_mixture_packs_the_scheduled_documents_and_resumes(tm
     with crossfeed.Loader(later, **opts) as ld:
         with pytest.raises(ConfigError, match="source 0 weight was"):
             ld.load_state_dict(state)
+
+
+@pytest.mark.slow
+def test_worker_processes_build_a_scheduled_mixture_alike(paths):
+    """``executor="process"``: the workers rebuild the sources from JSON, schedules and all."""
+    mix = _two_phase(paths, at=20)
+    with crossfeed.Loader(mix, **KW) as ld:
+        want = ids_of(list(ld) + list(ld))
+    with crossfeed.Loader(mix, executor="process", processes=2, **KW) as ld:
+        got = ids_of(list(ld) + list(ld))
+    assert len(got) == len(want) == 24
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
