@@ -234,6 +234,8 @@ def test_appending_a_phase_beyond_the_resume_position_is_allowed(paths):
         it = iter(ld)
         seen += ids_of([next(it) for _ in range(2)])  # epoch 1, position 8: global sample 56
         state = ld.state_dict()
+    drawn = np.bincount(np.concatenate(seen) // 10**9, minlength=2)  # where each source stands
+    assert [s["pass"] * n + s["offset"] for s, n in zip(state["sources"], (50, 9))] == drawn.tolist()
     with crossfeed.Loader(more, **KW) as ld:
         ld.load_state_dict(state)  # the phases from sample 60 on are new: allowed
         rest = ids_of(ld)
