@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # the names as a type checker (and a reader) sees them; at ru
         Source,
     )
     from crossfeed.read.pipeline import Pipeline
+    from crossfeed.read.schedule import Schedule
     from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
     from crossfeed.write.options import WriteOptions
 
@@ -96,6 +97,7 @@ _LAZY = {
     **dict.fromkeys(("Dataset", "Split", "open_dataset"), "crossfeed.read.sources.dataset"),
     "Loader": "crossfeed.read.loader",
     "Pipeline": "crossfeed.read.pipeline",
+    "Schedule": "crossfeed.read.schedule",
     "WriteOptions": "crossfeed.write.options",
     "connect": "crossfeed.net.connect",
     "Client": "crossfeed.net.stream.client",
@@ -140,6 +142,7 @@ __all__ = [
     "Remainder",
     "RemoteError",
     "RootNotAllowedError",
+    "Schedule",
     "Schema",
     "SchemaError",
     "ServerLostError",

@@ -226,7 +226,10 @@ def register(app: typer.Typer) -> None:
 
 @with_options(LOADER)
 def dispatch(
-    dataset: Annotated[str, typer.Argument(help="Dataset path or remote URL (its manifest sizes the plan).")],
+    dataset: Annotated[
+        str,
+        typer.Argument(help="Dataset path or remote URL (its manifest sizes the plan), or a mixture spec .json file."),
+    ],
     address: Annotated[str, typer.Argument(help="Address to bind, e.g. tcp://0.0.0.0:7870.")],
     epochs: Annotated[int, typer.Option(min=1, help="Epochs to hand out.")] = default_of(DispatcherOptions, "epochs"),
     world_size: Annotated[

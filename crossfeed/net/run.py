@@ -49,13 +49,8 @@ class LoaderEpochs:
 
     def __init__(self, dataset: str, options: LoaderOptions, *, transform=None):
         from crossfeed.read.loader import Loader
-        from crossfeed.read.sources.mixture_file import is_mixture_spec, load_mixture_spec
 
-        source: str | list = dataset
-        more: dict = {}
-        if isinstance(dataset, str) and is_mixture_spec(dataset):
-            source, n = load_mixture_spec(dataset)
-            more = {"samples_per_epoch": n}
+        source, more = _source_of(dataset)
         tokens = options.plan.pack is not None or options.plan.batch_by_tokens is not None
         self.loader = Loader(source, options.replace(return_index=not tokens, **more), transform=transform)
 
@@ -67,6 +62,17 @@ class LoaderEpochs:
         self.loader.close()
 
 
+def _source_of(dataset) -> tuple[object, dict]:
+    """What a Loader reads for ``dataset`` (a mixture spec file's sources, or the dataset) and
+    the options the file sets (its ``samples_per_epoch``)."""
+    from crossfeed.read.sources.mixture_file import is_mixture_spec, load_mixture_spec
+
+    if isinstance(dataset, str) and is_mixture_spec(dataset):
+        sources, n = load_mixture_spec(dataset)
+        return sources, {"samples_per_epoch": n}
+    return dataset, {}
+
+
 def _dispatched_source(dataset, dispatcher: str, local: LoaderOptions, options: ServerOptions, transform, keys):
     """Server(source=...) building the leases of `dispatcher` from a Loader over `dataset` whose
     options are the dispatcher's plan (`LoaderOptions.plan_fields`, sent on joining), except how
@@ -76,7 +82,8 @@ def _dispatched_source(dataset, dispatcher: str, local: LoaderOptions, options: 
     def make_loader(plan: dict):
         opts = LoaderOptions.from_plan(plan, local)
         opts = opts.replace(return_index=opts.plan.pack is None)  # a packed row holds pieces of several records
-        return Loader(dataset, opts, transform=transform)
+        # a mixture spec file: its sources (the plan carries the dispatcher's samples_per_epoch)
+        return Loader(_source_of(dataset)[0], opts, transform=transform)
 
     def source(endpoints, wake):
         return LeaseSource(
@@ -190,7 +197,9 @@ def plan_dispatch(
         )
     if packed and (epochs is None or epochs > MAX_PACKED_EPOCHS):
         raise ConfigError(f"at most {MAX_PACKED_EPOCHS} epochs (--epochs) with pack (--pack-length), got {epochs}")
-    loader = Loader(dataset, options.replace(num_threads=1))
+    source, more = _source_of(dataset)  # a mixture spec file: its sources and samples_per_epoch
+    options = options.replace(**more)
+    loader = Loader(source, options.replace(num_threads=1))
     identity = loader.pipeline.identity.fingerprint
     try:
         if packed:  # epoch e has its own count, one walk over its lengths (kept open for every epoch)

@@ -6,7 +6,8 @@ setting that differs ("pack length was 256, is 512"), instead of training on the
 
 What is in it (`StreamIdentity.of`): each source's dataset by content (its manifest's SHA-256, not
 its path), split, weight, renames and features; the plan (shuffle, seed, block_shards, remainder,
-drop_last, samples_per_epoch); packing (length, split, bins, long, weights_by, features, pad_id) and
+drop_last, samples_per_epoch) — a mixture's weights including their `Schedule`\ s (whose
+future may change on resume: `resume_differences`); packing (length, split, bins, long, weights_by, features, pad_id) and
 batch_by_tokens; the decode options that change values (decode_images, image_size, channels,
 resize). What is *not* in it may change on resume without loss, because the plan re-splits what is
 left: world size and rank, DataLoader workers, executor, threads, processes, prefetch, cache,
@@ -25,6 +26,7 @@ import json
 from collections.abc import Mapping
 
 from crossfeed.errors import ConfigError
+from crossfeed.read.schedule import Schedule
 
 VERSION = 1
 MAX_SETTINGS = 4096  # a state read from a file is bounded before it is compared
@@ -76,6 +78,53 @@ class StreamIdentity:
                 out.append(f"{k} was {_show(a)}, is {_show(b)}")
         return out
 
+    def resume_differences(self, now: StreamIdentity, at: int) -> list[str]:
+        """`differences` of a state saved under ``self`` resumed under ``now`` at global sample
+        ``at`` (``epoch × samples per epoch + position``), less a mixture schedule's changes to
+        its future: the one change to a stream a resume allows. The rule, local and explicit:
+        every phase of the saved mixture that began before ``at`` (its start and integer weights,
+        `crossfeed.read.stages.sampler.mixture_phases`) is a phase of the new one, and the new one
+        has no other phase beginning before ``at`` — so the samples before ``at`` and the draws
+        they made are the same; phases from ``at`` on may be appended, changed or removed, and
+        the running phase may end at ``at`` or later. A packed plan's position counts rows, not
+        the mixture's documents: its schedule may not change. A change to a phase that has begun
+        is refused by name."""
+        diffs = self.differences(now)
+        keys = {k for k in set(self.settings) | set(now.settings) if self.settings.get(k) != now.settings.get(k)}
+        weights = {k for k in keys if k.startswith("source ") and k.endswith(" weight")}
+        if not weights or keys != weights or self.settings.get("pack length") is not None:
+            return diffs
+        from crossfeed.read.stages.sampler import mixture_phases  # the plan's own phases
+
+        n = int(self.settings.get("sources") or 0)
+        old_w = [self.settings.get(f"source {i} weight") for i in range(n)]
+        new_w = [now.settings.get(f"source {i} weight") for i in range(n)]
+        if not any(isinstance(w, list) for w in old_w) or not any(isinstance(w, list) for w in new_w):
+            return diffs  # a fixed-weight mixture plans otherwise: no schedule to extend
+        try:
+            old = mixture_phases([Schedule.from_identity(w) if isinstance(w, list) else w for w in old_w])
+            new = mixture_phases([Schedule.from_identity(w) if isinstance(w, list) else w for w in new_w])
+        except (ConfigError, TypeError, ValueError):
+            return diffs
+        began_old = [p for p in old if p[0] < at]
+        began_new = [p for p in new if p[0] < at]
+        if began_old == began_new:
+            return []
+        for j, p in enumerate(began_old):
+            q = began_new[j] if j < len(began_new) else None
+            if p != q:
+                return [
+                    f"the mixture schedule's phase {j} (from sample {p[0]}, weights {list(p[1])}) began before the "
+                    f"resume position (sample {at}) and would be "
+                    + (f"from sample {q[0]} with weights {list(q[1])}" if q else "gone")
+                    + f"; only phases from sample {at} on may change"
+                ]
+        q = began_new[len(began_old)]
+        return [
+            f"the new mixture schedule adds a phase at sample {q[0]} (weights {list(q[1])}), before the resume "
+            f"position (sample {at}); only phases from sample {at} on may change"
+        ]
+
     @classmethod
     def of(cls, options, datasets, sources, features) -> StreamIdentity:
         """The identity of a pipeline over ``datasets`` (one, or a mixture's ``sources``) under
@@ -89,7 +138,7 @@ class StreamIdentity:
             for i, (ds, src) in enumerate(zip(datasets, sources)):
                 s[f"source {i} dataset"] = dataset_id(ds)
                 s[f"source {i} split"] = src.split
-                s[f"source {i} weight"] = src.weight
+                s[f"source {i} weight"] = src.weight.identity() if isinstance(src.weight, Schedule) else src.weight
                 s[f"source {i} rename"] = [list(p) for p in src.rename]
                 s[f"source {i} features"] = None if src.features is None else list(src.features)
             s["sources"] = len(sources)

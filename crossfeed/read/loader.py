@@ -296,7 +296,9 @@ class Loader:
             )
             diffs = []
         else:
-            diffs = StreamIdentity.from_json(state.get("identity")).differences(now)
+            # a mixture schedule's future may change (a phase appended): `resume_differences`
+            at = epoch * self.pipeline.total + position
+            diffs = StreamIdentity.from_json(state.get("identity")).resume_differences(now, at)
         if not diffs and (seed != self.options.plan.seed or num != self.pipeline.total):
             diffs = [f"seed was {seed}, is {self.options.plan.seed}"] if seed != self.options.plan.seed else []
             diffs += [f"samples per epoch were {num}, are {self.pipeline.total}"] if num != self.pipeline.total else []

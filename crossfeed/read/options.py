@@ -27,6 +27,7 @@ from crossfeed.io.storage import FsOptions, read_deadline
 from crossfeed.policy import DEFAULT_MAX_SKIPS, OnError, check_max_skips, on_error_choice
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.executors.threads import ExecutorKind
+from crossfeed.read.schedule import Schedule
 
 
 class Shuffle(str, enum.Enum):
@@ -345,7 +346,8 @@ class ReadOptions:
 class Source:
     """One source of a mixture: ``Loader([Source("web/", weight=3), Source("books/")], ...)``.
     ``path``: a dataset (directory, URL or open `Dataset`) of any format the Loader reads
-    (TFRecord, WebDataset tar, Parquet); ``weight``: its share of the samples.
+    (TFRecord, WebDataset tar, Parquet); ``weight``: its share of the samples, or a `Schedule` of
+    it over the samples consumed (``Schedule.constant([(0, 3), (900_000, 1)])``: docs/read-and-mix.md).
 
     ``rename``: ``{its name: the mixture's name}`` for features named otherwise in this source
     (``Source("wds/", rename={"jpg": "image", "cls": "label"})``); ``features``: the mixture's
@@ -356,7 +358,7 @@ class Source:
 
     path: object
     split: str = "train"
-    weight: float = 1.0
+    weight: float | Schedule = 1.0
     rename: tuple[tuple[str, str], ...] = ()  # given as a dict; kept as sorted pairs (hashable)
     features: tuple[str, ...] | None = None
     storage_options: FsOptions | None = None  # given as a dict; kept frozen (`FsOptions`)
@@ -367,7 +369,7 @@ class Source:
             self,
             path: object,
             split: str = "train",
-            weight: float = 1.0,
+            weight: float | Schedule = 1.0,
             rename: Mapping[str, str] | Iterable[tuple[str, str]] = (),
             features: Sequence[str] | None = None,
             storage_options: Mapping | None = None,
@@ -376,8 +378,12 @@ class Source:
     def __post_init__(self):
         if self.storage_options is not None:
             object.__setattr__(self, "storage_options", FsOptions(self.storage_options, where="Source storage_options"))
-        if not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or not self.weight > 0:
-            raise ConfigError(f"Source weight must be a positive number, got {self.weight!r}")
+        if isinstance(self.weight, Mapping):  # a mixture file's {"constant": [[0, 3], ...]}
+            object.__setattr__(self, "weight", Schedule.from_json(self.weight, "Source weight"))
+        if isinstance(self.weight, Schedule):
+            pass
+        elif not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or not self.weight > 0:
+            raise ConfigError(f"Source weight must be a positive number or a crossfeed.Schedule, got {self.weight!r}")
         if not isinstance(self.split, str) or not self.split:
             raise ConfigError(f"Source split must be a split name, got {self.split!r}")
         pairs = self.rename.items() if isinstance(self.rename, Mapping) else self.rename
@@ -407,7 +413,7 @@ class Source:
             # only a path travels as JSON (a worker's recipe never holds an open Dataset)
             "path": os.fspath(cast("str | os.PathLike[str]", self.path)),
             "split": self.split,
-            "weight": self.weight,
+            "weight": self.weight.to_json() if isinstance(self.weight, Schedule) else self.weight,
             "rename": dict(self.rename),
             "features": features,
             "storage_options": None if self.storage_options is None else self.storage_options.to_dict(),

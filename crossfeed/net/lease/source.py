@@ -263,11 +263,14 @@ class LeaseSource:
                 self._walker = self._loader.pipeline.walker()
                 mine = msg.batches
             else:
-                split = self._loader.split
-                if split is None:
-                    raise ConfigError("a dispatcher leases the batches of one dataset; this server reads a mixture")
+                split, sources = self._loader.split, self._loader.sources
+                # one dataset's shards, or a mixture's sources (weights or schedules) planned alike
+                counts = split.counts if split is not None else self._loader.pipeline.sampler.counts
+                weights = None if sources is None else [s.weight for s in sources]
                 self._samplers = [
-                    Sampler(split.counts, self._loader.options.plan, replace(shard, rank=r, world_size=world))
+                    Sampler(
+                        counts, self._loader.options.plan, replace(shard, rank=r, world_size=world), weights=weights
+                    )
                     for r in range(world)
                 ]
                 mine = world * self._samplers[0].rank_batch_count()

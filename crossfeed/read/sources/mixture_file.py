@@ -7,7 +7,8 @@
      "samples_per_epoch": 1000000}
 
 Relative paths are relative to the file's folder; ``split`` defaults to ``train``, ``weight`` to
-1, ``rename`` and ``features`` are `Source`'s, and ``samples_per_epoch`` to the sum of the sources' sizes (`crossfeed.read.stages.sampler.MixtureOrder`).
+1 (or a schedule: ``{"constant": [[0, 3], [900000, 1]]}``, ``{"linear": [[0, 1], [900000, 3]],
+"every": 10000}``, in samples: `crossfeed.read.schedule`), ``rename`` and ``features`` are `Source`'s, and ``samples_per_epoch`` to the sum of the sources' sizes (`crossfeed.read.stages.sampler.MixtureOrder`).
 """
 
 from __future__ import annotations

@@ -208,12 +208,13 @@ def smooth_schedule(weights: list[int]) -> np.ndarray:
     count = [0] * k
     out = np.empty(total, dtype=np.int64)
     for t in range(1, total + 1):
-        best, best_key = -1, None
+        best, best_num, best_w = -1, 0, 1
         for i, w in enumerate(weights):
             if d * (t * w - count[i] * total) >= total:  # eligible: deficit ≥ δ
-                key = Fraction((count[i] + 1) * d - 1, w)  # the deadline, up to the common factor W/d
-                if best_key is None or key < best_key:
-                    best, best_key = i, key
+                # the deadline ``num / w``, up to the common factor W/d, compared in integers
+                num = (count[i] + 1) * d - 1
+                if best < 0 or num * best_w < best_num * w:
+                    best, best_num, best_w = i, num, w
         if best < 0:  # cannot happen (Tijdeman's theorem); never fail silently if it did
             raise AssertionError(f"no eligible source at step {t} for weights {weights}")
         count[best] += 1
@@ -295,18 +296,27 @@ class MixtureOrder:
             if not m.any():
                 continue
             c = self.epoch * self.per_epoch[s] + self.draws(positions[m], np.full(int(m.sum()), s))
-            passes, within = np.divmod(c, self.sizes[s])
-            lo, hi = int(passes.min()), int(passes.max())
-            if lo == hi:
-                got = self._passes(s, lo)(within)
-            else:
-                got = np.empty(len(c), dtype=np.int64)
-                for p in range(lo, hi + 1):
-                    q = passes == p
-                    if q.any():
-                        got[q] = self._passes(s, p)(within[q])
-            out[m] = self.starts[s] + got
+            out[m] = self._ids(s, c)
         return out
+
+    def _ids(self, s: int, c: np.ndarray) -> np.ndarray:
+        """Source ``s``'s samples (global ids) at its draws ``c`` (any order)."""
+        passes, within = np.divmod(c, self.sizes[s])
+        lo, hi = int(passes.min()), int(passes.max())
+        if lo == hi:
+            got = self._passes(s, lo)(within)
+        else:
+            got = np.empty(len(c), dtype=np.int64)
+            for p in range(lo, hi + 1):
+                q = passes == p
+                if q.any():
+                    got[q] = self._passes(s, p)(within[q])
+        return self.starts[s] + got
+
+    def drawn(self, position: int) -> np.ndarray:
+        """Each source's draws since training began, before ``position`` of this epoch."""
+        k = len(self.sizes)
+        return self.epoch * self.per_epoch + self.draws(np.full(k, position), np.arange(k))
 
     def _whole_epoch(self) -> np.ndarray:
         """`_eval` of every position of the epoch, by source, laid out as rows of one period:
@@ -334,6 +344,203 @@ class MixtureOrder:
             take = min(size - w, end - c)
             np.add(self._passes(s, p).run(w, w + take), self.starts[s], out=out[c - first : c - first + take])
             c += take
+        return out
+
+
+def mixture_phases(weights) -> list[tuple[int, tuple[int, ...]]]:
+    """A scheduled mixture's phases: ``[(start sample, integer weights), …]``, the first at 0.
+
+    ``weights``: one per source, a number or a `crossfeed.read.schedule.Schedule`. Every source's
+    boundaries together cut the samples into phases; in each, the weights are `integer_weights`
+    of the positive ones (a source weighted 0 there is not drawn: 0). Consecutive phases of equal
+    integer weights are one phase. At most `MAX_PHASES` phases."""
+    from crossfeed.read.schedule import MAX_PHASES, Schedule
+
+    pieces = [w.pieces() if isinstance(w, Schedule) else [(0, w)] for w in weights]
+    linear = [isinstance(w, Schedule) and w.kind == "linear" for w in weights]
+    bounds = sorted({a for p in pieces for a, _ in p})
+    if len(bounds) > MAX_PHASES:
+        raise ConfigError(f"a mixture schedule has {len(bounds)} phases, more than {MAX_PHASES}; use fewer boundaries")
+    at = [0] * len(pieces)
+    out: list[tuple[int, tuple[int, ...]]] = []
+    for b in bounds:
+        now = []
+        for i, p in enumerate(pieces):
+            while at[i] + 1 < len(p) and p[at[i] + 1][0] <= b:
+                at[i] += 1
+            now.append(p[at[i]][1])
+        live = [j for j, w in enumerate(now) if w > 0]
+        if not live:
+            raise ConfigError(f"at sample {b} every source of the mixture is weighted 0: one must be drawn")
+        ints = [0] * len(now)
+        ramp = any(linear[j] for j in live)
+        for j, w in zip(live, _phase_weights([now[j] for j in live], ramp)):
+            ints[j] = w
+        if not out or out[-1][1] != tuple(ints):
+            out.append((b, tuple(ints)))
+    return out
+
+
+RAMP_SHARES = 1000  # a ramp's phase whose weights are finer than integers can hold: shares of this
+
+
+def _phase_weights(values: list, ramp: bool) -> list[int]:
+    """`integer_weights` of one phase's positive weights; in a phase where a linear schedule
+    weighs, weights that would need more than `RAMP_SHARES` as integers (a line's values are
+    any fractions) are rounded to shares of `RAMP_SHARES` instead (largest remainders, each
+    source at least 1)."""
+    try:
+        ints = integer_weights(values)
+    except ConfigError:
+        if not ramp:
+            raise
+        ints = []
+    if not ramp or (ints and sum(ints) <= RAMP_SHARES):
+        return ints
+    fr = [Fraction(v) for v in values]
+    exact = [f * RAMP_SHARES / sum(fr) for f in fr]
+    out = [max(1, math.floor(e)) for e in exact]
+    for j in sorted(range(len(out)), key=lambda j: (out[j] - exact[j], j))[: max(0, RAMP_SHARES - sum(out))]:
+        out[j] += 1
+    g = math.gcd(*out)
+    return [o // g for o in out]
+
+
+_PHASE_SCHEDULES: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
+
+
+def phase_schedule(weights: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """``(schedule, before)`` of one phase's integer weights (zeros allowed): `smooth_schedule`
+    of the positive ones, as sources of the whole mixture, and each source's draws before each
+    position of one period (``(period + 1, sources)``). Kept per weights (a ramp repeats few)."""
+    got = _PHASE_SCHEDULES.get(weights)
+    if got is None:
+        live = np.flatnonzero(np.asarray(weights) > 0)
+        sched = live[smooth_schedule([weights[j] for j in live])].astype(np.int64)
+        onehot = sched[:, None] == np.arange(len(weights))[None, :]
+        before = np.concatenate([np.zeros((1, len(weights)), np.int64), np.cumsum(onehot, axis=0)])
+        got = (sched, before)
+        with _CHUNK_LOCK:
+            if len(_PHASE_SCHEDULES) > 256:
+                _PHASE_SCHEDULES.clear()
+            _PHASE_SCHEDULES[weights] = got
+    return got
+
+
+class MixturePhases:
+    """The global plan of a scheduled mixture over the samples consumed since training began
+    (``g = epoch × n + position``): phase ``j`` covers ``[starts[j], starts[j+1])`` and is a
+    mixture of its own from its start (its `smooth_schedule`, restarted there), so each source is
+    within one sample of its share over every prefix of every phase. ``drawn[j]``: each source's
+    draws before phase ``j`` (O(phases × sources), computed once); a position's source and draw
+    number are then O(1) (O(log phases) to find the phase)."""
+
+    def __init__(self, phases: list[tuple[int, tuple[int, ...]]]):
+        self.phases = phases
+        self.starts = np.array([a for a, _ in phases], dtype=np.int64)
+        self.weights = np.array([w for _, w in phases], dtype=np.int64)  # (phases, sources)
+        k = self.weights.shape[1]
+        self._keys = [tuple(int(w) for w in row) for row in self.weights]
+        self._rows = list(self.weights)
+        drawn = np.zeros((len(phases), k), dtype=np.int64)
+        for j in range(1, len(phases)):
+            drawn[j] = drawn[j - 1] + self._within(j - 1, int(self.starts[j] - self.starts[j - 1]))
+        self.drawn = drawn
+        self._firsts = list(drawn)
+
+    def _within(self, j: int, offset: int) -> np.ndarray:
+        """Each source's draws in the first ``offset`` samples of phase ``j``."""
+        sched, before = phase_schedule(self._keys[j])
+        whole, part = divmod(offset, len(sched))
+        return whole * self.weights[j] + before[part]
+
+    def phase_of(self, g: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.starts, g, side="right") - 1
+
+    def before(self, g: int) -> np.ndarray:
+        """Each source's draws before global sample ``g``."""
+        j = int(self.phase_of(np.array([g]))[0])
+        return self.drawn[j] + self._within(j, int(g - self.starts[j]))
+
+    def locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, draw number)`` of each global sample ``g``."""
+        g = np.asarray(g, dtype=np.int64)
+        if len(g):
+            lo, hi = self.phase_of(np.array([g.min(), g.max()]))
+            if lo == hi:  # one phase (a batch usually is): no masks
+                return self._in_phase(int(lo), g)
+        ph = self.phase_of(g)
+        src = np.empty(len(g), dtype=np.int64)
+        draw = np.empty(len(g), dtype=np.int64)
+        for j in np.unique(ph).tolist():
+            m = ph == j
+            src[m], draw[m] = self._in_phase(j, g[m])
+        return src, draw
+
+    def _in_phase(self, j: int, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        sched, before = phase_schedule(self._keys[j])
+        whole, part = np.divmod(g - self.starts[j], len(sched))
+        s = sched[part]
+        # a draw: the source's draws before the phase, whole periods, and this period's before it
+        at = before.ravel()[part * before.shape[1] + s]
+        return s, self._firsts[j][s] + whole * self._rows[j][s] + at
+
+
+class ScheduledMixtureOrder(MixtureOrder):
+    """The order of one epoch of a scheduled mixture (`MixturePhases`): position ``p`` of epoch
+    ``e`` is global sample ``e·n + p``, whose phase says its source and draw number; draws map to
+    samples through the sources' passes as in `MixtureOrder`."""
+
+    def __init__(
+        self,
+        counts: list,
+        phases: MixturePhases,
+        *,
+        n: int,
+        seed: int,
+        epoch: int,
+        shuffle: Shuffle,
+        block_shards: int = 4,
+        passes: PassOrders | None = None,
+    ):
+        self.counts = [np.asarray(c, dtype=np.int64) for c in counts]
+        self.sizes = np.array([int(c.sum()) for c in self.counts], dtype=np.int64)
+        if (self.sizes == 0).any():
+            raise ConfigError(f"mixture source {int(np.flatnonzero(self.sizes == 0)[0])} has no samples")
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.n, self.epoch = int(n), int(epoch)
+        self.phases = phases
+        self.weights = phases.weights[0]
+        self.base = self.epoch * self.n  # the epoch's first global sample
+        self._passes = passes if passes is not None else PassOrders(self.counts, seed, shuffle, block_shards)
+        self._table: np.ndarray | None = None
+        if self.n <= TABLE_MAX:
+            self._table = self._whole_epoch()
+
+    def source_of(self, positions: np.ndarray) -> np.ndarray:
+        return self.phases.locate(self.base + np.asarray(positions, dtype=np.int64))[0]
+
+    def drawn(self, position: int) -> np.ndarray:
+        return self.phases.before(self.base + int(position))
+
+    def _eval(self, positions: np.ndarray) -> np.ndarray:
+        src, draw = self.phases.locate(self.base + positions)
+        out = np.empty(len(positions), dtype=np.int64)
+        for s in range(len(self.sizes)):
+            m = src == s
+            if m.any():
+                out[m] = self._ids(s, draw[m])
+        return out
+
+    def _whole_epoch(self) -> np.ndarray:
+        """Each source's draws in an epoch are consecutive: slices of its passes' orders."""
+        src = self.source_of(np.arange(self.n, dtype=np.int64))
+        first = self.drawn(0)
+        out = np.empty(self.n, dtype=np.int64)
+        for s in range(len(self.sizes)):
+            at = np.flatnonzero(src == s)
+            if len(at):
+                out[at] = self._draws(s, int(first[s]), len(at))
         return out
 
 
@@ -454,7 +661,17 @@ class Sampler:
         """``counts``: the record counts of the split's shards; for a mixture (``weights`` given,
         one per source), a list of such arrays, one per source."""
         self.options, self.shard = plan, shard
-        self.weights = integer_weights(weights) if weights is not None else None
+        self.phases: MixturePhases | None = None  # a scheduled mixture's (`crossfeed.read.schedule`)
+        if weights is not None and any(not isinstance(w, (int, float)) for w in weights):
+            if plan.pack is not None and plan.pack.weights_by.value == "tokens":
+                raise ConfigError(
+                    "a mixture schedule counts documents: Pack(weights_by='tokens') cannot follow one; "
+                    "use weights_by='documents' or fixed weights"
+                )
+            self.phases = MixturePhases(mixture_phases(weights))
+            self.weights = [int(w) for w in self.phases.weights[0]]
+        else:
+            self.weights = integer_weights(weights) if weights is not None else None
         self.counts: Any  # the shards' record counts (an int64 array), or a mixture's: one array per source
         if self.weights is None:
             self.counts = np.asarray(counts, dtype=np.int64)
@@ -475,6 +692,17 @@ class Sampler:
         o = self.options
         if self.weights is None:
             return EpochOrder(self.counts, seed=o.seed, epoch=epoch, shuffle=o.shuffle, block_shards=o.block_shards)
+        if self.phases is not None:
+            return ScheduledMixtureOrder(
+                self.counts,
+                self.phases,
+                n=self.total,
+                seed=o.seed,
+                epoch=epoch,
+                shuffle=o.shuffle,
+                block_shards=o.block_shards,
+                passes=self._passes,
+            )
         return MixtureOrder(
             self.counts,
             self.weights,
@@ -524,6 +752,5 @@ class Sampler:
         if self.weights is None:
             return None
         order: Any = self.plan(epoch, position).order  # a `MixtureOrder`: weights are given
-        n = len(self.weights)
-        draws = order.epoch * order.per_epoch + order.draws(np.full(n, position), np.arange(n))
+        draws = order.drawn(position)
         return [{"pass": int(d // k), "offset": int(d % k)} for d, k in zip(draws.tolist(), order.sizes.tolist())]
