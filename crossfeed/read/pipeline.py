@@ -277,15 +277,15 @@ class Pipeline:
             Prefetcher(self.cache) if self.cache is not None and any(r.frames.cache for r in readers) else None
         )
         reader: SourceReader | MixtureReader
+        self._plan_counts: Any = splits[0].block_counts if self.sources is None else [sp.counts for sp in splits]
+        self._weights = None if self.sources is None else [s.weight for s in self.sources]
         if self.sources is None:
-            sampler = Sampler(splits[0].block_counts, plan, options.shard)
+            sampler = Sampler(self._plan_counts, plan, options.shard)
             reader = readers[0]
             rows = readers[0].frames.rows
             self.starts = np.array([0, len(splits[0])], dtype=np.int64)
         else:
-            sampler = Sampler(
-                [sp.counts for sp in splits], plan, options.shard, weights=[s.weight for s in self.sources]
-            )
+            sampler = Sampler(self._plan_counts, plan, options.shard, weights=self._weights)
             sizes = [len(sp) for sp in splits]
             self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
             if alike:
@@ -358,6 +358,12 @@ class Pipeline:
     def source_positions(self, epoch: int, position: int) -> list[dict] | None:
         """Where each source of a mixture stands (``{"pass", "offset"}``), for people; None otherwise."""
         return self.sampler.source_positions(epoch, position)
+
+    def rank_sampler(self, rank: int, world_size: int) -> Sampler:
+        """This (unpacked) plan as rank ``rank`` of ``world_size`` sees it: the same counts,
+        weights or schedules and plan options (a dispatcher's lease server plans every rank)."""
+        shard = dataclasses.replace(self.options.shard, rank=rank, world_size=world_size)
+        return Sampler(self._plan_counts, self.options.plan, shard, weights=self._weights)
 
     def walker(self) -> pack.PackWalker:
         """Global batches of a packed plan by number, in any order (a dispatcher's leases)."""

@@ -41,7 +41,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -253,7 +252,6 @@ class LeaseSource:
                     f"{ours!r} (another dataset, another version of it, or other settings): serve the same "
                     "dataset, by content, that the dispatcher plans"
                 )
-            shard = self._loader.options.shard
             if self._loader.options.plan.pack is not None:  # batch b of epoch e: its rows, walked
                 if world != 1 or msg.batches != PACKED_STRIDE:
                     raise ConfigError(
@@ -263,16 +261,8 @@ class LeaseSource:
                 self._walker = self._loader.pipeline.walker()
                 mine = msg.batches
             else:
-                split, sources = self._loader.split, self._loader.sources
                 # one dataset's shards, or a mixture's sources (weights or schedules) planned alike
-                counts = split.counts if split is not None else self._loader.pipeline.sampler.counts
-                weights = None if sources is None else [s.weight for s in sources]
-                self._samplers = [
-                    Sampler(
-                        counts, self._loader.options.plan, replace(shard, rank=r, world_size=world), weights=weights
-                    )
-                    for r in range(world)
-                ]
+                self._samplers = [self._loader.pipeline.rank_sampler(r, world) for r in range(world)]
                 mine = world * self._samplers[0].rank_batch_count()
             if mine != msg.batches:
                 raise ConfigError(
