@@ -277,8 +277,17 @@ class Pipeline:
             Prefetcher(self.cache) if self.cache is not None and any(r.frames.cache for r in readers) else None
         )
         reader: SourceReader | MixtureReader
+        self.sample_weights = None  # a `crossfeed.format.weights.CumulativeWeights` under weights=
+        if plan.weights is not None:
+            if self.sources is not None:
+                raise ConfigError(
+                    "weights= weighs the samples of one dataset; a mixture weighs its sources (Source(weight=))"
+                )
+            from crossfeed.read.tools.weights import open_weights
+
+            self.sample_weights = open_weights(self.dataset, plan.weights, options.split)
         if self.sources is None:
-            sampler = Sampler(splits[0].block_counts, plan, options.shard)
+            sampler = Sampler(splits[0].block_counts, plan, options.shard, sample_weights=self.sample_weights)
             reader = readers[0]
             rows = readers[0].frames.rows
             self.starts = np.array([0, len(splits[0])], dtype=np.int64)
@@ -328,7 +337,9 @@ class Pipeline:
             self.meter.threads = self.executor.num_threads
             self.meter.processes = self.executor.processes
         # what decides which samples arrive in which order: states carry it, resuming checks it
-        self.identity = StreamIdentity.of(options, self.datasets, self.sources, self.features)
+        self.identity = StreamIdentity.of(
+            options, self.datasets, self.sources, self.features, sample_weights=self.sample_weights
+        )
 
     # -- the plan ---------------------------------------------------------------------------------
     @property
