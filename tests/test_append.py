@@ -93,6 +93,18 @@ def test_a_state_of_the_old_version_resumes_on_it_and_the_new_version_is_another
     assert old_state["identity"]["settings"]["dataset"] != state["identity"]["settings"]["dataset"]
 
 
+def test_an_append_is_not_a_rewrite_to_an_open_reader_but_an_overwrite_is(tmp_path):
+    root = str(tmp_path / "ds")
+    crossfeed.write_dataset(root, _day(0, 4)).close()
+    ds = crossfeed.open_dataset(root)
+    crossfeed.write_dataset(root, _day(100, 2), append=True).close()
+    ds.check_version("a shard")  # the manifest changed, but keeps this version: no error
+    assert ds.rewritten("a shard", "gone") is None and _xs(ds) == [0, 1, 2, 3]
+    crossfeed.write_dataset(root, _day(200, 2), overwrite=True).close()
+    assert "rewritten while this reader had it open" in str(ds.rewritten("a shard", "gone"))
+    ds.close()
+
+
 def test_a_mixture_combines_versions(grown):
     root, _ = grown
     mix = [crossfeed.Source(root + "@v1", weight=1), crossfeed.Source(root, weight=1)]
@@ -166,6 +178,10 @@ def test_cli_convert_appends_a_version(tmp_path):
     assert r.exit_code != 0 and "cannot append: feature 'a' is int64" in r.output, r.output
     with crossfeed.open_dataset(out) as ds, crossfeed.open_dataset(out + "@v1") as v1:
         assert ds.version == 2 and len(ds["train"]) == 5 and len(v1["train"]) == 3
+    r = run(app, ["info", out])
+    assert "version 2 (earlier versions kept: v1)" in r.output and "5 records" in r.output
+    r = run(app, ["info", out + "@v1"])
+    assert r.exit_code == 0 and "3 records" in r.output, r.output
 
 
 @pytest.mark.slow

@@ -215,3 +215,27 @@ def test_process_workers_draw_the_same_weighted_batches(data):
         want = [b["x"].tolist() for b in loader]
     with crossfeed.Loader(data, **kw, executor="process", processes=2) as loader:
         assert [b["x"].tolist() for b in loader] == want
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    w=st.lists(st.integers(0, 4), min_size=1, max_size=16).filter(lambda w: sum(w) > 0),
+    workers=st.integers(1, 3),
+    position=st.integers(0, 20),
+)
+def test_workers_split_the_same_weighted_batches(w, workers, position):
+    """DataLoader workers take every K-th batch of the same plan: together, the one worker's batches."""
+    n = 3 * sum(w) + 7
+    position = min(position, n)
+    plan = PlanOptions(batch_size=3, seed=9, samples_per_epoch=n)
+    one = list(Sampler([len(w)], plan, ShardOptions(), sample_weights=_cum(w)).plan(1, position))
+    parts = [
+        list(
+            Sampler([len(w)], plan, ShardOptions(worker=k, num_workers=workers), sample_weights=_cum(w)).plan(
+                1, position
+            )
+        )
+        for k in range(workers)
+    ]
+    merged = [parts[b % workers][b // workers] for b in range(len(one))]
+    assert [m.tolist() for m in merged] == [o.tolist() for o in one]

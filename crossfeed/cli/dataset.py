@@ -144,6 +144,9 @@ def info(
             typer.echo(ds.manifest.dumps().rstrip())
             return
         typer.echo(f"dataset {redact(ds.path)}")
+        if ds.manifest.versions:  # a growing dataset: its earlier versions stay readable as PATH@vN
+            kept = ", ".join(f"v{v}" for v, _ in ds.manifest.versions)
+            typer.echo(f"version {ds.version} (earlier versions kept: {kept})")
         if ds.manifest.data_root is not None:
             typer.echo(f"data    {redact(ds.manifest.data_root)} (shards read in place)")
         typer.echo("splits:")
