@@ -60,6 +60,7 @@ def convert(
     overwrite: bool = False,
     options: WriteOptions | None = None,
     storage_options: Mapping | None = None,
+    append: bool = False,
     **fields,
 ) -> ConvertResult:
     """Convert ``source`` into split(s) of the dataset at ``out``; returns what was written.
@@ -70,7 +71,10 @@ def convert(
     ``on_progress(samples, bytes, seconds)`` is called about twice a second while the job runs
     (samples encoded so far; works on any runner whose workers share ``out``'s filesystem). On
     failure the job's temporary files are removed and the error propagates. ``out`` must be new or
-    empty; ``overwrite=True`` replaces the dataset there, all of it, in one atomic commit.
+    empty; ``overwrite=True`` replaces the dataset there, all of it, in one atomic commit;
+    ``append=True`` adds the converted shards to the dataset there as its next version (the old
+    version kept and readable as ``out@vN``; the schema must be the dataset's, a difference names
+    the feature: `crossfeed.write.commit.commit_splits`).
 
     ``out`` is a local directory or any fsspec URL the read side reads (``s3://bucket/dir`` with
     ``storage_options={"endpoint_url": …}``, ``gs://``, ``memory://``): the job writes into a
@@ -80,12 +84,21 @@ def convert(
     """
     options = WriteOptions.given(options, fields, who="convert")
     with write_target(out, storage_options=storage_options, overwrite=overwrite) as target:
-        result = _convert(source, target.root, split, splits, seed, runner, beam_args, on_progress, overwrite, options)
+        if append and target.remote:
+            raise ConfigError(f"{target.url}: --append writes to a local directory; append there, then upload it")
+        result = _convert(
+            source, target.root, split, splits, seed, runner, beam_args, on_progress, overwrite, options, append
+        )
     return dataclasses.replace(result, path=target.url if target.remote else result.path)
 
 
-def _convert(source, out, split, splits, seed, runner, beam_args, on_progress, overwrite, options) -> ConvertResult:
-    check_target(out, overwrite=overwrite, clean=True)  # refuse before any work
+def _convert(
+    source, out, split, splits, seed, runner, beam_args, on_progress, overwrite, options, append=False
+) -> ConvertResult:
+    old = check_target(out, overwrite=overwrite, clean=True, append=append)  # refuse before any work
+    lengths = getattr(source, "length_features", ())
+    if append and old and not lengths:
+        lengths = tuple(old.lengths)  # the dataset's lengths files, for the appended shards too
     token = secrets.token_hex(6)
     write = WriteDataset(
         out,
@@ -98,8 +111,9 @@ def _convert(source, out, split, splits, seed, runner, beam_args, on_progress, o
         token=token,
         progress=on_progress is not None,
         overwrite=overwrite,
-        lengths=getattr(source, "length_features", ()),
+        lengths=lengths,
         options=options,
+        append=append,
     )
     read = ReadSource(source)
     watcher = _Watcher(write.cfg.progress_dir, on_progress) if on_progress is not None else None
@@ -122,11 +136,13 @@ def _convert(source, out, split, splits, seed, runner, beam_args, on_progress, o
     if manifest is None:
         raise ConfigError(f"{out}: the pipeline finished but wrote no manifest; was the runner's job cancelled?")
     names = write.cfg.splits.names
+    kept = old.splits if append and old else {}  # appended: what this job added, not the whole split
+    new = {n: manifest.splits[n].shards[len(kept[n].shards) if n in kept else 0 :] for n in names}
     return ConvertResult(
         out,
-        {n: manifest.splits[n].num_records for n in names},
-        {n: len(manifest.splits[n].shards) for n in names},
-        sum(manifest.splits[n].num_bytes for n in names),
+        {n: sum(s.num_records for s in new[n]) for n in names},
+        {n: len(new[n]) for n in names},
+        sum(s.num_bytes for n in names for s in new[n]),
         seconds,
         int(manifest.metadata.get("skipped_records", 0)),
         dict(manifest.metadata.get("dropped_records", {})),

@@ -48,6 +48,7 @@ class WriteConfig:
     progress: bool = False
     overwrite: bool = False
     add_split: bool = False
+    append: bool = False  # the shards join the dataset as its next version (`commit_splits`)
     lengths: tuple[str, ...] = ()  # features whose per-record lengths go into lengths files
 
     def __post_init__(self):
@@ -276,6 +277,7 @@ class CommitDoFn(beam.DoFn):
                 metadata=meta,
                 overwrite=cfg.overwrite,
                 add_split=cfg.add_split,
+                append=cfg.append,
                 token=cfg.token,
                 lengths=cfg.lengths,
             )

@@ -69,6 +69,7 @@ class WriteDataset(beam.PTransform):
         add_split: bool = False,
         lengths: tuple[str, ...] = (),
         options: WriteOptions | None = None,
+        append: bool = False,
         **fields,
     ):
         super().__init__()
@@ -89,6 +90,7 @@ class WriteDataset(beam.PTransform):
             overwrite=overwrite,
             add_split=add_split,
             lengths=tuple(lengths),
+            append=append,
         )
         self.batched = batched
         self.key_groups = key_groups

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the names as a type checker (and a reader) sees them; at ru
         WorkerError,
     )
     from crossfeed.format.schema import Encoding, Feature, Schema
+    from crossfeed.format.weights import balanced
     from crossfeed.format.wire import BatchMeta
     from crossfeed.net.connect import connect
     from crossfeed.net.keys import ClientKeys
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # the names as a type checker (and a reader) sees them; at ru
     from crossfeed.read.pipeline import Pipeline
     from crossfeed.read.schedule import Schedule
     from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
+    from crossfeed.read.tools.weights import write_weights
     from crossfeed.write.options import WriteOptions
 
 __version__ = "0.1.0"
@@ -103,6 +105,8 @@ _LAZY = {
     "Client": "crossfeed.net.stream.client",
     "ClientKeys": "crossfeed.net.keys",
     "BatchMeta": "crossfeed.format.wire",
+    "balanced": "crossfeed.format.weights",
+    "write_weights": "crossfeed.read.tools.weights",
 }
 
 
@@ -154,7 +158,9 @@ __all__ = [
     "WireError",
     "WorkerError",
     "WriteOptions",
+    "balanced",
     "connect",
     "open_dataset",
     "write_dataset",
+    "write_weights",
 ]

@@ -305,9 +305,10 @@ def commands(code: str) -> list[list[list[str]]]:
 
 
 def _fresh_output(args: list[str]) -> None:
-    """A ``convert`` writes a new directory (a first run): one the workspace holds is removed.
+    """A ``convert`` writes a new directory (a first run): one the workspace holds is removed
+    (not for ``--append``, which adds to the one there).
     The docs write ``convert KIND INPUT... OUT`` before any option, so OUT is the last of those."""
-    if args[:1] == ["convert"] and "--overwrite" not in args:
+    if args[:1] == ["convert"] and "--overwrite" not in args and "--append" not in args:
         positional = []
         for a in args[2:]:
             if a.startswith("-"):

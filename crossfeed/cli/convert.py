@@ -108,6 +108,14 @@ VerifyOpt = Annotated[bool, typer.Option("--verify/--no-verify", help="Check eve
 OverwriteOpt = Annotated[
     bool, typer.Option("--overwrite", help="Replace the dataset OUT holds, all of it (refused otherwise).")
 ]
+AppendOpt = Annotated[
+    bool,
+    typer.Option(
+        "--append",
+        help="Add the converted shards to the dataset OUT holds as its next version (the old one stays "
+        "readable as OUT@vN); the schema must be the dataset's.",
+    ),
+]
 
 # what every convert command takes, declared once (the commands get them as one dict, `common`)
 COMMON = Group(
@@ -122,6 +130,7 @@ COMMON = Group(
         "seed": (SeedOpt, 0),
         "verify": (VerifyOpt, True),
         "overwrite": (OverwriteOpt, False),
+        "append": (AppendOpt, False),
         "storage_option": (STORAGE_OPTION, None),
     },
     dict,
@@ -387,6 +396,7 @@ def _run(ctx: typer.Context, kind: str, src: list[str], out: str, common: dict, 
             overwrite=common["overwrite"],
             options=write_options,
             storage_options=fs_options,
+            append=common["append"],
         )
         bar.update(result.total_samples, result.total_samples)
         per_split = ", ".join(f"{k}: {v:,} in {result.shards[k]} shards" for k, v in result.samples.items())

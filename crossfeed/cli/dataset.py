@@ -144,6 +144,9 @@ def info(
             typer.echo(ds.manifest.dumps().rstrip())
             return
         typer.echo(f"dataset {redact(ds.path)}")
+        if ds.manifest.versions:  # a growing dataset: its earlier versions stay readable as PATH@vN
+            kept = ", ".join(f"v{v}" for v, _ in ds.manifest.versions)
+            typer.echo(f"version {ds.version} (earlier versions kept: {kept})")
         if ds.manifest.data_root is not None:
             typer.echo(f"data    {redact(ds.manifest.data_root)} (shards read in place)")
         typer.echo("splits:")
@@ -351,6 +354,46 @@ def _size(n: float) -> str:
     return str(n)
 
 
+def weights(
+    path: DatasetArg,
+    feature: Annotated[
+        str | None, typer.Option("--feature", help="Weigh each record by this scalar numeric feature's value.")
+    ] = None,
+    balance: Annotated[
+        str | None,
+        typer.Option(
+            "--balance",
+            help="Weigh records so that every class of this scalar feature (a label) has the same total weight; "
+            "read it with Loader(..., weights=crossfeed.balanced(LABEL)).",
+        ),
+    ] = None,
+    resolution: Annotated[
+        int,
+        typer.Option("--resolution", help="Weights are integers: a float weight becomes round(value × resolution)."),
+    ] = 1,
+    name: Annotated[
+        str | None,
+        typer.Option("--name", help="Name of the weights set (default: the feature's; balance-LABEL for --balance)."),
+    ] = None,
+    split: SplitOpt = None,
+) -> None:
+    """Write per-sample weights beside a local dataset (weights/NAME.json and one .cw file a split), read
+    by Loader(..., weights=NAME): each sample drawn in proportion to its weight."""
+    from crossfeed.read.tools.weights import write_weights
+
+    meta = write_weights(
+        path,
+        feature=feature,
+        balance=balance,
+        resolution=resolution,
+        name=name,
+        splits=None if split is None else [split],
+    )
+    parts = ", ".join(f"{k}: {v.num_records:,} records, {v.total:,} slots" for k, v in meta.splits.items())
+    how = f"class balance over {meta.feature!r}" if meta.kind == "balance" else f"feature {meta.feature!r}"
+    typer.echo(f"wrote weights set {meta.name!r} of {path} ({how}): {parts}; read it with weights={meta.name!r}")
+
+
 def register(app: typer.Typer) -> None:
-    for fn in (index, info, verify, head):
+    for fn in (index, info, verify, head, weights):
         app.command(fn.__name__, cls=OnceCommand)(fn)

@@ -95,7 +95,7 @@ def _silence_stdout() -> None:
 # `crossfeed --help` lists the commands in the order of the workflow, not of registration (typer
 # puts sub-groups such as `convert` after every plain command). Commands not named here come last.
 COMMAND_ORDER = (
-    "convert", "index", "info", "head", "verify", "bench",
+    "convert", "index", "info", "head", "verify", "weights", "bench",
     "serve", "dispatch", "mon", "stat", "show", "top", "replay", "cache", "keygen",
 )  # fmt: skip
 

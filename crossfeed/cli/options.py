@@ -131,6 +131,7 @@ def _loader_options(v: dict) -> LoaderOptions:
         log_stats=v["log_stats"],
         pack=_pack(v),
         batch_by_tokens=v["batch_by_tokens"],
+        weights=v["weights"],
         rank=0,
         world_size=1,
     )
@@ -368,6 +369,17 @@ LOADER = Group(
                     min=1,
                     help="Without packing: batches of whole documents holding at most this many tokens per rank, "
                     "padding counted (the batch size varies; docs/sequences.md).",
+                ),
+            ],
+            None,
+        ),
+        "weights": (
+            Annotated[
+                str | None,
+                typer.Option(
+                    "--weights",
+                    help="Draw each sample in proportion to the weights set NAME (written by `crossfeed weights`; "
+                    "balance-LABEL for class balance).",
                 ),
             ],
             None,

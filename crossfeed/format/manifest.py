@@ -24,6 +24,11 @@ from crossfeed.format.codecs import codec_of
 from crossfeed.format.schema import SHAPE_SUFFIX, Encoding, Feature, Schema
 
 MANIFEST = "crossfeed.json"
+# An earlier version of a dataset that was appended to (`Manifest.versions`): its manifest's bytes,
+# kept as they were (its SHA-256 is still that version's identity), beside the current one
+VERSION_FILE = "crossfeed.v{}.json"
+_VERSION_NAME = re.compile(r"crossfeed\.v\d+\.json")
+MAX_VERSIONS = 1 << 16
 TMP_MANIFEST_PREFIX = ".tmp-manifest-"
 FORMAT = "crossfeed.read.dataset"  # the on-disk format id: fixed, whatever module reads it
 VERSION = 1
@@ -80,6 +85,7 @@ def check_name(name, where: str) -> str:
         or not plain_segment(name)
         or urllib.parse.unquote(name).startswith(".")
         or name == MANIFEST
+        or _VERSION_NAME.fullmatch(name) is not None
         or name.endswith((".idx", ".len"))
     )
     if bad:
@@ -183,10 +189,16 @@ class Manifest:
     # The features whose per-record lengths lie beside each shard (`crossfeed.format.lengths`),
     # in the lengths files' column order
     lengths: tuple[str, ...] = ()
+    # Growing datasets (`crossfeed.write.commit.commit_splits` with ``append``): this manifest is
+    # version ``dataset_version`` of the dataset; ``versions`` pins each earlier one still readable
+    # (``{version: sha256}`` of its manifest's bytes, kept as `VERSION_FILE`), 1 … dataset_version-1
+    dataset_version: int = 1
+    versions: tuple[tuple[int, str], ...] = ()
 
     @property
     def files(self) -> set[str]:
-        """Every file of the dataset: shards, their index files and lengths files (plain names)."""
+        """Every file of the dataset: shards, their index files and lengths files (plain names),
+        and the kept manifests of its earlier versions."""
         return {
             n
             for s in self.splits.values()
@@ -195,7 +207,7 @@ class Manifest:
                 ((sh.file,) if s.format == "parquet" else (sh.file, sh.file + ".idx"))
                 + ((sh.file + ".len",) if sh.lengths_sha256 is not None else ())
             )
-        }
+        } | {VERSION_FILE.format(v) for v, _ in self.versions}
 
     def to_json(self) -> dict:
         d = {
@@ -220,6 +232,10 @@ class Manifest:
             d["data_root"] = self.data_root
         if self.lengths:
             d["lengths"] = list(self.lengths)
+        if self.dataset_version != 1:
+            d["dataset_version"] = self.dataset_version
+        if self.versions:
+            d["versions"] = [{"version": v, "sha256": sha} for v, sha in self.versions]
         return d
 
     @classmethod
@@ -348,7 +364,18 @@ class _Validator:
             raise ManifestError(
                 f"{self.where}: manifest version {short_repr(d.get('version'))}; this crossfeed reads version {VERSION}"
             )
-        unknown = set(d) - {"format", "version", "schema", "splits", "metadata", "generation", "data_root", "lengths"}
+        unknown = set(d) - {
+            "format",
+            "version",
+            "schema",
+            "splits",
+            "metadata",
+            "generation",
+            "data_root",
+            "lengths",
+            "dataset_version",
+            "versions",
+        }
         if unknown:
             self.fail(sorted(unknown)[0], "unknown field")
         schema = self.schema(d.get("schema"))
@@ -366,7 +393,35 @@ class _Validator:
         metadata = self.json_(d.get("metadata", {}), "metadata")
         generation = self.int_(d.get("generation", 0), "generation")
         lengths = self.lengths(d.get("lengths", []), schema, splits)
-        return Manifest(schema, splits, metadata, generation, self.data_root(d.get("data_root")), lengths)
+        dataset_version = self.int_(d.get("dataset_version", 1), "dataset_version", 1, MAX_VERSIONS)
+        versions = self.versions(d.get("versions", []), dataset_version)
+        return Manifest(
+            schema,
+            splits,
+            metadata,
+            generation,
+            self.data_root(d.get("data_root")),
+            lengths,
+            dataset_version,
+            versions,
+        )
+
+    def versions(self, v, current: int) -> tuple[tuple[int, str], ...]:
+        """The earlier versions: ``[{"version": 1, "sha256": …}, …]``, exactly 1 … current-1 in order."""
+        if not isinstance(v, list):
+            self.fail("versions", f"expected a list of earlier versions, got {json_kind(v)}")
+        if len(v) != current - 1:
+            self.fail("versions", f"lists {len(v)} earlier versions; dataset_version {current} has {current - 1}")
+        out = []
+        for i, x in enumerate(v):
+            at = f"versions[{i}]"
+            self.dict_(x, at)
+            if set(x) != {"version", "sha256"}:
+                self.fail(at, f"expected the fields version, sha256, got {sorted(map(str, x))}")
+            if self.int_(x["version"], f"{at}.version", 1, MAX_VERSIONS) != i + 1:
+                self.fail(f"{at}.version", f"expected {i + 1} (versions are listed 1, 2, … in order)")
+            out.append((i + 1, self.hex_(x["sha256"], f"{at}.sha256")))
+        return tuple(out)
 
     def lengths(self, v, schema, splits) -> tuple[str, ...]:
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
@@ -477,7 +532,13 @@ class _Validator:
                 at, f"unknown field {sorted(unknown)[0]!r}" if unknown else f"missing field {sorted(missing)[0]!r}"
             )
         name = sh["file"]
-        if not (type(name) is str and _SIMPLE_NAME.fullmatch(name) and name != MANIFEST and name[-4:] not in _INDEXES):
+        if not (
+            type(name) is str
+            and _SIMPLE_NAME.fullmatch(name)
+            and name != MANIFEST
+            and name[-4:] not in _INDEXES
+            and name[-5:] != ".json"
+        ):
             name = check_name(name, f"{self.where}: {at}.file")
         if name in seen:
             self.fail(f"{at}.file", f"{name!r} is listed twice (also at {seen[name]}); each shard belongs to one place")

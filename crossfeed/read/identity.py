@@ -7,7 +7,8 @@ setting that differs ("pack length was 256, is 512"), instead of training on the
 What is in it (`StreamIdentity.of`): each source's dataset by content (its manifest's SHA-256, not
 its path), split, weight, renames and features; the plan (shuffle, seed, block_shards, remainder,
 drop_last, samples_per_epoch) — a mixture's weights including their `Schedule`\ s (whose
-future may change on resume: `resume_differences`); packing (length, split, bins, long, weights_by, features, pad_id) and
+future may change on resume: `resume_differences`); per-sample weights (the set's name and its
+weights file's SHA-256, ``weights``); packing (length, split, bins, long, weights_by, features, pad_id) and
 batch_by_tokens; the decode options that change values (decode_images, image_size, channels,
 resize). What is *not* in it may change on resume without loss, because the plan re-splits what is
 left: world size and rank, DataLoader workers, executor, threads, processes, prefetch, cache,
@@ -126,9 +127,10 @@ class StreamIdentity:
         ]
 
     @classmethod
-    def of(cls, options, datasets, sources, features) -> StreamIdentity:
+    def of(cls, options, datasets, sources, features, *, sample_weights=None) -> StreamIdentity:
         """The identity of a pipeline over ``datasets`` (one, or a mixture's ``sources``) under
-        ``options`` (`LoaderOptions`), whose batches hold ``features``."""
+        ``options`` (`LoaderOptions`), whose batches hold ``features``; ``sample_weights``: the
+        weights file a ``weights=`` set opened (`crossfeed.format.weights.CumulativeWeights`)."""
         plan, read = options.plan, options.read
         s: dict = {}
         if sources is None:
@@ -142,6 +144,10 @@ class StreamIdentity:
                 s[f"source {i} rename"] = [list(p) for p in src.rename]
                 s[f"source {i} features"] = None if src.features is None else list(src.features)
             s["sources"] = len(sources)
+            s["samples per epoch"] = plan.samples_per_epoch
+        if plan.weights is not None:  # which samples arrive, how often: the set's name and its bytes
+            w = getattr(sample_weights, "digest", None)
+            s["weights"] = f"{plan.weights} sha256:{w}" if w else plan.weights
             s["samples per epoch"] = plan.samples_per_epoch
         s["features"] = [f.name for f in features]
         s["shuffle"] = plan.shuffle.value

@@ -204,6 +204,9 @@ class PlanOptions:
     # token datasets (`crossfeed.read.stages.pack`): batches of packed rows, or of documents under a token budget
     pack: Pack | None = None
     batch_by_tokens: int | None = None  # a rank's batch holds at most this many tokens, padding counted
+    # per-sample weights: the name of a weights set of the dataset (`crossfeed.format.weights`;
+    # ``crossfeed.balanced("label")`` names a class-balance set); None: every sample once an epoch
+    weights: str | None = None
 
     def __post_init__(self):
         if isinstance(self.shuffle, bool):  # shuffle=True/False reads naturally (DataLoader's spelling)
@@ -224,6 +227,12 @@ class PlanOptions:
                     f"{self.batch_size * self.pack.length:,} tokens a batch, past the most crossfeed allocates, "
                     f"{MAX_BATCH_TOKENS:,} (2^32); lower batch_size or the pack length"
                 )
+        if self.weights is not None:
+            from crossfeed.format.weights import check_weights_name
+
+            object.__setattr__(self, "weights", check_weights_name(self.weights))
+            if self.pack is not None or self.batch_by_tokens is not None:
+                raise ConfigError("weights= draws samples, not token rows: pass it without pack= or batch_by_tokens=")
         if self.batch_by_tokens is not None:
             object.__setattr__(
                 self, "batch_by_tokens", _int(self.batch_by_tokens, "batch_by_tokens", 1, MAX_BATCH_TOKENS)

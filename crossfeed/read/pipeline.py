@@ -277,10 +277,19 @@ class Pipeline:
             Prefetcher(self.cache) if self.cache is not None and any(r.frames.cache for r in readers) else None
         )
         reader: SourceReader | MixtureReader
+        self.sample_weights = None  # a `crossfeed.format.weights.CumulativeWeights` under weights=
+        if plan.weights is not None:
+            if self.sources is not None:
+                raise ConfigError(
+                    "weights= weighs the samples of one dataset; a mixture weighs its sources (Source(weight=))"
+                )
+            from crossfeed.read.tools.weights import open_weights
+
+            self.sample_weights = open_weights(self.dataset, plan.weights, options.split)
         self._plan_counts: Any = splits[0].block_counts if self.sources is None else [sp.counts for sp in splits]
         self._weights = None if self.sources is None else [s.weight for s in self.sources]
         if self.sources is None:
-            sampler = Sampler(self._plan_counts, plan, options.shard)
+            sampler = Sampler(self._plan_counts, plan, options.shard, sample_weights=self.sample_weights)
             reader = readers[0]
             rows = readers[0].frames.rows
             self.starts = np.array([0, len(splits[0])], dtype=np.int64)
@@ -328,7 +337,9 @@ class Pipeline:
             self.meter.threads = self.executor.num_threads
             self.meter.processes = self.executor.processes
         # what decides which samples arrive in which order: states carry it, resuming checks it
-        self.identity = StreamIdentity.of(options, self.datasets, self.sources, self.features)
+        self.identity = StreamIdentity.of(
+            options, self.datasets, self.sources, self.features, sample_weights=self.sample_weights
+        )
 
     # -- the plan ---------------------------------------------------------------------------------
     @property
@@ -363,7 +374,9 @@ class Pipeline:
         """This (unpacked) plan as rank ``rank`` of ``world_size`` sees it: the same counts,
         weights or schedules and plan options (a dispatcher's lease server plans every rank)."""
         shard = dataclasses.replace(self.options.shard, rank=rank, world_size=world_size)
-        return Sampler(self._plan_counts, self.options.plan, shard, weights=self._weights)
+        return Sampler(
+            self._plan_counts, self.options.plan, shard, weights=self._weights, sample_weights=self.sample_weights
+        )
 
     def walker(self) -> pack.PackWalker:
         """Global batches of a packed plan by number, in any order (a dispatcher's leases)."""

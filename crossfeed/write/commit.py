@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from crossfeed.format.lengths import SUFFIX as LENGTHS_SUFFIX
 from crossfeed.format.lengths import lengths_path
 from crossfeed.format.manifest import (
     MANIFEST,
+    VERSION_FILE,
     Manifest,
     ShardInfo,
     SplitInfo,
@@ -232,7 +234,13 @@ def dataset_entries(root: str) -> list[str]:
 
 
 def check_target(
-    root: str, *, overwrite: bool = False, add_split: bool = False, splits=(), clean: bool = False
+    root: str,
+    *,
+    overwrite: bool = False,
+    add_split: bool = False,
+    splits=(),
+    clean: bool = False,
+    append: bool = False,
 ) -> Manifest | None:
     """Whether a write may go to ``root``; returns the dataset there (None when there is none).
 
@@ -244,6 +252,10 @@ def check_target(
     """
     if overwrite and add_split:
         raise ConfigError("give overwrite=True (replace the whole dataset) or add_split=True (add a split), not both")
+    if append and (overwrite or add_split):
+        raise ConfigError(
+            "append=True adds shards to a dataset as a new version, keeping the old ones: not with overwrite= or add_split="
+        )
     if clean and os.path.isdir(root):
         with dataset_lock(root):
             remove_stale(root)
@@ -255,12 +267,19 @@ def check_target(
         old = None
     if old is None:
         entries = dataset_entries(root)
-        if entries and not overwrite:
+        if entries and not overwrite:  # (append to no dataset: the first version, into an empty directory)
             raise ConfigError(
                 f"{root}: the directory is not empty ({', '.join(entries[:3])}{', …' if len(entries) > 3 else ''}) and "
                 f"holds no crossfeed dataset; write to a new directory, or pass overwrite=True (--overwrite)"
             )
         return None
+    if append:
+        if old.data_root is not None:
+            raise ConfigError(
+                f"{root}: the dataset indexes data that lies in {old.data_root} (crossfeed index --index-dir); "
+                f"append to a self-contained dataset, or write the new data to a dataset of its own"
+            )
+        return old
     if add_split and old.data_root is not None:
         raise ConfigError(
             f"{root}: the dataset indexes data that lies in {old.data_root} (crossfeed index --index-dir); write new "
@@ -292,6 +311,7 @@ def commit_splits(
     add_split: bool = False,
     token: str | None = None,
     lengths: tuple[str, ...] = (),
+    append: bool = False,
 ) -> Manifest:
     """Publish staged shards as the splits of the dataset at ``root``, in one atomic step.
 
@@ -303,6 +323,12 @@ def commit_splits(
     ``add_split``; ``token`` names the writer whose temporary files are kept while it commits.
     ``lengths``: the features whose per-record lengths every staged shard has a lengths file of
     (`crossfeed.format.lengths`), published with it as its index is.
+
+    ``append``: the staged shards join the dataset's (a split it has grows, a new one is added) as
+    its next version (`append_version`): the old manifest's bytes are kept as
+    ``crossfeed.v<N>.json`` (written before the commit point) and pinned by the new manifest's
+    ``versions``, and no old file is removed, so a reader of any version keeps reading it. The
+    schema and the lengths features must be the dataset's (a difference names the feature).
     """
     root = os.fspath(root)
     lengths = tuple(lengths)
@@ -316,7 +342,9 @@ def commit_splits(
         )
     with dataset_lock(root):
         remove_stale(root, keep=token)
-        old = check_target(root, overwrite=overwrite, add_split=add_split, splits=staged)
+        old = check_target(root, overwrite=overwrite, add_split=add_split, splits=staged, append=append)
+        if old and append:
+            check_same_schema(root, old, schema, lengths)
         if old and add_split and old.schema != schema:
             raise SchemaError(
                 f"{root}: the dataset's splits {sorted(old.splits)} have schema {old.schema.names} with other types "
@@ -336,7 +364,7 @@ def commit_splits(
             ]
             for name, shards in staged.items()
         }
-        splits = dict(old.splits) if old and add_split else {}
+        splits = dict(old.splits) if old and (add_split or append) else {}
         kept = {
             n for s in splits.values() for sh in s.shards for n in _files_of(sh.file, sh.lengths_sha256 is not None)
         }
@@ -367,11 +395,24 @@ def commit_splits(
                 infos.append(
                     ShardInfo(final, s.num_records, s.num_bytes, s.sha256, s.index_sha256, None, s.lengths_sha256)
                 )
-            splits[name] = SplitInfo(name, tuple(infos), (statistics or {}).get(name, {}))
+            stats = (statistics or {}).get(name, {})
+            if name in splits:  # appended to a split the dataset has: its shards first, then these
+                prev = splits[name]
+                splits[name] = SplitInfo(
+                    name, prev.shards + tuple(infos), merge_statistics(prev.statistics, stats), prev.format
+                )
+            else:
+                splits[name] = SplitInfo(name, tuple(infos), stats)
         fsync_dir(root)
-        meta = dict(old.metadata) if old and add_split else {}
+        meta = dict(old.metadata) if old and (add_split or append) else {}
         meta.update(metadata or {})
-        manifest = Manifest(schema, splits, meta, generation, lengths=lengths)
+        version, versions = 1, ()
+        if old and (append or (add_split and old.versions)):  # a new version; the old one stays readable
+            version, versions = old.dataset_version + 1, (*old.versions, keep_version(root, old))
+            crash_point("version kept")
+        manifest = Manifest(
+            schema, splits, meta, generation, lengths=lengths, dataset_version=version, versions=versions
+        )
         write_manifest(root, manifest, before_rename=lambda: crash_point("manifest staged"))
         crash_point("manifest renamed")  # the commit point: from here on readers see the new version
         for n in sorted(taken - manifest.files):
@@ -382,6 +423,115 @@ def commit_splits(
         os.unlink(journal)
         crash_point("journal removed")
     return manifest
+
+
+def check_same_schema(root: str, old: Manifest, schema: Schema, lengths: tuple[str, ...]) -> None:
+    """Refuse (`SchemaError` naming the feature) shards to append whose schema or lengths
+    features are not the dataset's."""
+    if old.schema == schema and tuple(old.lengths) == tuple(lengths):
+        return
+    was = {f.name: f for f in old.schema}
+    now = {f.name: f for f in schema}
+    fix = (
+        "write the new data with the dataset's schema (schema=crossfeed.open_dataset(path).schema), "
+        "or as a dataset of its own"
+    )
+    for name in [*was, *(n for n in now if n not in was)]:
+        a, b = was.get(name), now.get(name)
+        if a != b:
+
+            def spec(f):
+                if f is None:
+                    return "absent"
+                return f"{f.dtype}{list(f.shape)} ({f.encoding.value})"
+
+            raise SchemaError(
+                f"{root}: cannot append: feature {name!r} is {spec(a)} in the dataset, {spec(b)} in the shards "
+                f"appended; {fix}"
+            )
+    if list(old.schema.names) != list(schema.names):
+        raise SchemaError(
+            f"{root}: cannot append: the features are in another order ({list(schema.names)}, the dataset has "
+            f"{list(old.schema.names)}); {fix}"
+        )
+    raise SchemaError(
+        f"{root}: cannot append: the dataset keeps lengths files of {list(old.lengths)}, the shards appended of "
+        f"{list(lengths)}; write them with lengths={tuple(old.lengths)}"
+    )
+
+
+def keep_version(root: str, old: Manifest) -> tuple[int, str]:
+    """Keep the current manifest's bytes as ``crossfeed.v<N>.json`` (N its ``dataset_version``),
+    durably, before a new version replaces it; ``(N, its sha256)``. A copy left by a commit that
+    died is the same bytes (kept); other bytes under the name are refused."""
+    with open(os.path.join(root, MANIFEST), "rb") as f:
+        data = f.read()
+    if loads(data, os.path.join(root, MANIFEST)) != old:
+        raise ConfigError(f"{root}: the manifest changed while appending; try again")
+    path = os.path.join(root, VERSION_FILE.format(old.dataset_version))
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            if f.read() != data:
+                raise ConfigError(
+                    f"{path}: holds another manifest than version {old.dataset_version} of the dataset; move it away"
+                )
+    else:
+        tmp = os.path.join(root, f"{TMP_PREFIX}{secrets.token_hex(6)}-version")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(root)
+    return old.dataset_version, hashlib.sha256(data).hexdigest()
+
+
+def merge_statistics(a: dict, b: dict) -> dict:
+    """A split's statistics (``{feature: FeatureStats.to_json()}``) and those of the shards
+    appended to it, as one: counts and totals added, min/max combined, means weighted by count,
+    shapes and length histograms added."""
+    out = {}
+    for k in [*a, *(k for k in b if k not in a)]:
+        x, y = a.get(k), b.get(k)
+        if not isinstance(x, dict) or not isinstance(y, dict):
+            out[k] = x if isinstance(x, dict) else y
+            continue
+        out[k] = _merge_stat(x, y)
+    return out
+
+
+def _merge_stat(x: dict, y: dict) -> dict:
+    d: dict = {"count": x.get("count", 0) + y.get("count", 0)}
+    for key, pick in (("min", min), ("max", max)):
+        vals = [v[key] for v in (x, y) if v.get(key) is not None]
+        if vals:
+            d[key] = pick(vals)
+    means = [(v["mean"], v.get("count", 0)) for v in (x, y) if v.get("mean") is not None]
+    if means:
+        n = sum(c for _, c in means)
+        d["mean"] = sum(m * c for m, c in means) / n if n else means[0][0]
+    shapes = dict(x.get("shapes") or {})
+    for s, n in (y.get("shapes") or {}).items():
+        shapes[s] = shapes.get(s, 0) + n
+    if shapes:
+        d["shapes"] = shapes
+    lx, ly = x.get("lengths"), y.get("lengths")
+    if isinstance(lx, dict) and isinstance(ly, dict):
+        ln = {"count": lx.get("count", 0) + ly.get("count", 0), "total": lx.get("total", 0) + ly.get("total", 0)}
+        for key, pick in (("min", min), ("max", max)):
+            vals = [v[key] for v in (lx, ly) if v.get(key) is not None]
+            if vals:
+                ln[key] = pick(vals)
+        if ln["count"]:
+            ln["mean"] = ln["total"] / ln["count"]
+        hist = dict(lx.get("histogram") or {})
+        for b, n in (ly.get("histogram") or {}).items():
+            hist[b] = hist.get(b, 0) + n
+        ln["histogram"] = hist
+        d["lengths"] = ln
+    elif isinstance(lx or ly, dict):
+        d["lengths"] = lx or ly
+    return d
 
 
 def _files_of(shard: str, lengths: bool) -> tuple[str, ...]:
@@ -423,6 +573,7 @@ def commit_split(
     add_split: bool = False,
     token: str | None = None,
     lengths: tuple[str, ...] = (),
+    append: bool = False,
 ) -> Manifest:
     """`commit_splits` for one split."""
     return commit_splits(
@@ -435,4 +586,5 @@ def commit_split(
         add_split=add_split,
         token=token,
         lengths=lengths,
+        append=append,
     )

@@ -41,6 +41,7 @@ def write_samples(
     options: WriteOptions | None = None,
     storage_options: Mapping | None = None,
     lengths: tuple[str, ...] | None = None,
+    append: bool = False,
     **fields,
 ):
     """Write ``samples`` (dicts of numpy arrays, scalars, bytes or str) as split ``split`` of the
@@ -68,6 +69,14 @@ def write_samples(
     its splits; ``add_split=True`` adds ``split`` to it, keeping its other splits (same schema).
     The commit is atomic (`commit_splits`): on any error, or if the process dies, readers see the
     old dataset or the new one, never a mix, and nothing of a failed write is left behind.
+
+    ``append=True`` adds the samples to the dataset at ``path`` (to split ``split``, which it may
+    have or not) as its next version: new shards, the old ones kept, the old manifest kept as
+    ``crossfeed.v<N>.json`` and readable as ``open_dataset(path, version=N)`` or ``"path@vN"``
+    (`crossfeed.write.commit.commit_splits`). The schema inferred from the samples (or given) must
+    be the dataset's, feature by feature (a difference is refused, naming the feature: pass
+    ``schema=crossfeed.open_dataset(path).schema`` to encode to it), and they get its lengths files;
+    a local directory only.
     """
     opts = WriteOptions.given(options, fields)
     if opts.on_error is OnError.SKIP:
@@ -78,7 +87,13 @@ def write_samples(
     num_shards, shard_size, compress = opts.num_shards, opts.shard_size, opts.compress
     with write_target(path, storage_options=storage_options, overwrite=overwrite) as target:
         root = target.root
-        check_target(root, overwrite=overwrite, add_split=add_split, splits=[split], clean=True)  # fail before the work
+        if append and target.remote:
+            raise ConfigError(f"{target.url}: append=True writes to a local directory; append there, then upload it")
+        # fail before the work
+        old = check_target(root, overwrite=overwrite, add_split=add_split, splits=[split], clean=True, append=append)
+        if append and old:
+            schema = _appended_schema(root, old, schema, lengths)
+            lengths = tuple(old.lengths) if lengths is None else lengths
         token = secrets.token_hex(6)
         with writer_lock(root, token):
             _write(
@@ -94,8 +109,19 @@ def write_samples(
                 overwrite=overwrite,
                 add_split=add_split,
                 lengths=lengths,
+                append=append,
             )
     return target.url if target.remote else root
+
+
+def _appended_schema(root: str, old, schema: Schema | None, lengths) -> Schema | None:
+    """The schema samples appended to ``old`` are encoded with: a given one must be the dataset's;
+    None (inferred from the samples, then compared with the dataset's when committed)."""
+    from crossfeed.write.commit import check_same_schema
+
+    if schema is not None:
+        check_same_schema(root, old, schema, tuple(old.lengths) if lengths is None else tuple(lengths))
+    return schema
 
 
 def _write(
@@ -112,6 +138,7 @@ def _write(
     overwrite,
     add_split,
     lengths=None,
+    append=False,
 ) -> None:
     feats: dict[str, Feature] = {f.name: f for f in schema} if schema is not None else {}
     inferred = schema is None
@@ -223,6 +250,7 @@ def _write(
             add_split=add_split,
             token=token,
             lengths=tuple(keys),
+            append=append,
         )
     except BaseException:
         for s in sinks:

@@ -13,6 +13,7 @@ import bisect
 import functools
 import hashlib
 import os
+import re
 import stat
 from collections.abc import Iterator, Mapping
 from typing import NoReturn
@@ -20,6 +21,7 @@ from typing import NoReturn
 import numpy as np
 
 from crossfeed.errors import (
+    ConfigError,
     CorruptRecordError,
     CrossfeedError,
     DatasetNotFoundError,
@@ -34,19 +36,47 @@ from crossfeed.errors import (
 from crossfeed.format import example as ex
 from crossfeed.format import hf, tar, tfrecord
 from crossfeed.format import index as idx
-from crossfeed.format.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, ShardInfo, SplitInfo, loads
+from crossfeed.format.manifest import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    VERSION_FILE,
+    Manifest,
+    ShardInfo,
+    SplitInfo,
+    loads,
+)
 from crossfeed.format.schema import Schema, SchemaError, decode_value
 from crossfeed.io import roots
-from crossfeed.io.storage import ShardFile, Storage
+from crossfeed.io.storage import ShardFile, Storage, is_remote
 from crossfeed.read.sources.parquet import ParquetFiles
 
+_AT_VERSION = re.compile(r"(.+)@v(\d{1,6})")
 # bytes an index file may hold per record: "offset length\n" of two numbers up to 2^56 (17
 # digits each), padded or not; a remote index is never read past this
 INDEX_BYTES_PER_RECORD = 64
 
 
+def split_version(path) -> tuple[object, int | None]:
+    """``("data", 3)`` for ``"data@v3"`` (a version of a growing dataset); ``(path, None)`` for
+    anything else — and for a local path that exists as it is spelled."""
+    if not isinstance(path, (str, os.PathLike)):
+        return path, None
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        return path, None
+    m = _AT_VERSION.fullmatch(text)
+    if m is None or (not is_remote(text) and os.path.exists(text)):
+        return path, None
+    return m.group(1), int(m.group(2))
+
+
 def open_dataset(
-    path, *, allowed_roots=(), read_timeout: float | None = None, storage_options: Mapping | None = None
+    path,
+    *,
+    allowed_roots=(),
+    read_timeout: float | None = None,
+    storage_options: Mapping | None = None,
+    version: int | None = None,
 ) -> Dataset:
     """Open the dataset at ``path`` (a directory or fsspec URL holding ``crossfeed.json``).
     ``allowed_roots``: directories or URLs (besides those ``$CROSSFEED_ALLOWED_ROOTS`` lists) under
@@ -55,13 +85,55 @@ def open_dataset(
     ``$CROSSFEED_READ_TIMEOUT``, else `crossfeed.io.storage.READ_TIMEOUT`).
     ``storage_options``: fsspec's options for a URL — an endpoint, credentials, a region
     (``{"endpoint_url": "http://127.0.0.1:9000"}``); a ``data_root`` is reached with them too.
-    Left out, the backend reads the standard environment and config files (docs/storage.md)."""
+    Left out, the backend reads the standard environment and config files (docs/storage.md).
+    ``version``: an earlier version of a dataset that was appended to (or ``"path@vN"``): its
+    manifest as it was, checked against the SHA-256 the current manifest pins for it."""
     if isinstance(path, Dataset):
+        if version is not None and version != path.version:
+            raise ConfigError(f"{path.path} is opened at version {path.version}, not {version}")
         return path
+    path, at = split_version(path)
+    if version is None:
+        version = at
+    elif at is not None and at != version:
+        raise ConfigError(f"{path}@v{at}: the path names version {at}, version={version} another")
     allowed = roots.normalise_all(allowed_roots)
     storage = Storage(path, read_timeout=read_timeout, storage_options=storage_options)
     text = _read_manifest(storage)
-    return Dataset(storage, loads(text, storage.url(MANIFEST)), allowed_roots=allowed, text=text)
+    manifest = loads(text, storage.url(MANIFEST))
+    if version is not None and version != manifest.dataset_version:
+        text, manifest = _read_version(storage, manifest, version)
+        return Dataset(storage, manifest, allowed_roots=allowed, text=text, pinned=True)
+    return Dataset(storage, manifest, allowed_roots=allowed, text=text)
+
+
+def _read_version(storage: Storage, current: Manifest, version) -> tuple[bytes, Manifest]:
+    """Version ``version``'s manifest bytes (``crossfeed.v<N>.json``), checked against the
+    current manifest's ``versions``; `ConfigError` naming the versions there are otherwise."""
+    if type(version) is not int or not 1 <= version <= current.dataset_version:
+        raise ConfigError(
+            f"{storage.root}: no version {version!r} of the dataset; it has versions 1 to {current.dataset_version}"
+        )
+    pinned = dict(current.versions).get(version)
+    if pinned is None:
+        raise ConfigError(
+            f"{storage.root}: version {version} of the dataset is not kept (it was overwritten); the current "
+            f"manifest lists versions {[v for v, _ in current.versions] + [current.dataset_version]}"
+        )
+    rel = VERSION_FILE.format(version)
+    try:
+        text = storage.read(rel, limit=MAX_MANIFEST_BYTES)
+    except (DatasetNotFoundError, FileNotFoundError):
+        raise ManifestError(f"{storage.url(rel)}: version {version}'s manifest is missing; it cannot be read") from None
+    if hashlib.sha256(text).hexdigest() != pinned:
+        raise ManifestError(
+            f"{storage.url(rel)}: its sha256 is not the one the current manifest pins for version {version}; "
+            f"the file was edited or damaged"
+        )
+    manifest = loads(text, storage.url(rel))
+    if manifest.dataset_version != version:
+        raise ManifestError(f"{storage.url(rel)}: says it is version {manifest.dataset_version}, not {version}")
+    return text, manifest
 
 
 def _read_manifest(storage: Storage) -> bytes:
@@ -101,8 +173,18 @@ class Dataset:
     which must lie inside the dataset or under one of ``allowed_roots`` (`crossfeed.io.roots`).
     ``text``: the manifest's bytes as read, which `rewritten` compares the current one with."""
 
-    def __init__(self, storage: Storage, manifest: Manifest, *, allowed_roots=(), text: bytes | None = None):
+    def __init__(
+        self,
+        storage: Storage,
+        manifest: Manifest,
+        *,
+        allowed_roots=(),
+        text: bytes | None = None,
+        pinned: bool = False,
+    ):
         self.index_storage = storage
+        # opened at an earlier version (``path@vN``): read from its kept manifest, which never changes
+        self.pinned = pinned
         self.allowed_roots: tuple[str, ...] = roots.normalise_all(allowed_roots)
         if manifest.data_root is None:
             self.storage = storage
@@ -119,7 +201,7 @@ class Dataset:
         self._stamp = self._manifest_stamp()  # the version opened, as the file system sees it (local)
 
     def _manifest_stamp(self) -> tuple | None:
-        if self.index_storage.remote or self.manifest_sha256 is None:
+        if self.index_storage.remote or self.manifest_sha256 is None or self.pinned:
             return None
         try:
             st = os.stat(self.index_storage.url(MANIFEST))
@@ -148,19 +230,39 @@ class Dataset:
         if self.manifest_sha256 is None:
             return None
         try:
-            now = hashlib.sha256(self.index_storage.read(MANIFEST, limit=MAX_MANIFEST_BYTES)).hexdigest()
+            data = self.index_storage.read(MANIFEST, limit=MAX_MANIFEST_BYTES)
+            now = hashlib.sha256(data).hexdigest()
         except OSError:  # DatasetNotFoundError included: the manifest is gone, the dataset with it
-            now = None
+            data = now = None
         if now == self.manifest_sha256:
             return None
+        if data is not None and self._kept_in(data):
+            return None  # appended to: this version is kept, every file of it with it
         return DatasetRewrittenError(
             f"{where}: {what}: the dataset was rewritten while this reader had it open (its manifest "
             f"{self.index_storage.url(MANIFEST)} changed); reopen it"
         )
 
+    def _kept_in(self, data: bytes) -> bool:
+        """Whether the manifest ``data`` keeps this reader's version (a later version of an
+        appended dataset: no file of the earlier ones is removed)."""
+        try:
+            later = loads(data, self.index_storage.url(MANIFEST))
+        except CrossfeedError:
+            return False
+        return (self.manifest.dataset_version, self.manifest_sha256) in later.versions
+
     @property
     def path(self) -> str:
-        return self.index_storage.root
+        """Where the dataset lies (``root@vN`` when opened at an earlier version: reopening it
+        by this path opens the same version)."""
+        root = self.index_storage.root
+        return f"{root}@v{self.manifest.dataset_version}" if self.pinned else root
+
+    @property
+    def version(self) -> int:
+        """Which version of the dataset this is (1 for a dataset never appended to)."""
+        return self.manifest.dataset_version
 
     @property
     def schema(self) -> Schema:

@@ -542,6 +542,46 @@ class ScheduledMixtureOrder(MixtureOrder):
             if len(at):
                 out[at] = self._draws(s, int(first[s]), len(at))
         return out
+class WeightedOrder:
+    """The order of one epoch of a split drawn by per-sample weights (`crossfeed.format.weights`),
+    as an `EpochOrder` is for plain epochs.
+
+    Sample ``i`` owns ``w_i`` consecutive slots of the split's slot space (``S = sum(w)`` slots).
+    Draws run over passes of that space: draw ``c`` (``epoch·n + position`` — each epoch takes
+    ``n`` draws) is position ``c % S`` of pass ``c // S``, a permutation of the slots drawn with
+    the plan's shuffle (block shuffle: windows of shards' slots), and the sample is the slot's owner
+    (a binary search on the memory-mapped prefix sums). So every whole pass draws sample ``i``
+    exactly ``w_i`` times, any window of draws in proportion to the weights in expectation, and
+    a position is evaluated on its own: O(1) memory in the epoch's length, exact and elastic resume.
+    """
+
+    sequential = False
+    materialised = False
+
+    def __init__(self, counts, cum, *, n: int, seed: int, epoch: int, passes: PassOrders):
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.cum = cum  # a `crossfeed.format.weights.CumulativeWeights`
+        self.slots = int(cum.total)
+        self.n, self.epoch = int(n), int(epoch)
+        self._passes = passes
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        c = self.epoch * self.n + positions
+        passes, within = np.divmod(c, self.slots)
+        lo, hi = (int(passes.min()), int(passes.max())) if len(c) else (0, 0)
+        if lo == hi:
+            slots = self._passes(0, lo)(within)
+        else:
+            slots = np.empty(len(c), dtype=np.int64)
+            for p in range(lo, hi + 1):
+                q = passes == p
+                if q.any():
+                    slots[q] = self._passes(0, p)(within[q])
+        return self.cum.sample_of(slots)
+
+    def run(self, lo: int, hi: int) -> np.ndarray:
+        return self(np.arange(lo, hi, dtype=np.int64))
 
 
 class PassOrders:
@@ -587,7 +627,7 @@ def num_batches(n: int, batch_size: int, drop_last: bool) -> int:
 class Plan:
     """One rank's (and worker's) batches for the rest of an epoch, computed batch by batch."""
 
-    order: EpochOrder | MixtureOrder
+    order: EpochOrder | MixtureOrder | WeightedOrder
     position: int  # samples of the epoch all ranks consumed before this plan
     per_rank: int  # samples this rank delivers (all its workers together)
     rank: int
@@ -657,9 +697,10 @@ class Sampler:
     iterating it yields ``np.ndarray[int64]`` batches of global sample indices.
     """
 
-    def __init__(self, counts, plan: PlanOptions, shard: ShardOptions, *, weights=None):
+    def __init__(self, counts, plan: PlanOptions, shard: ShardOptions, *, weights=None, sample_weights=None):
         """``counts``: the record counts of the split's shards; for a mixture (``weights`` given,
-        one per source), a list of such arrays, one per source."""
+        one per source), a list of such arrays, one per source. ``sample_weights``: one split's
+        per-sample weights (a `crossfeed.format.weights.CumulativeWeights`; `WeightedOrder`)."""
         self.options, self.shard = plan, shard
         self.phases: MixturePhases | None = None  # a scheduled mixture's (`crossfeed.read.schedule`)
         if weights is not None and any(not isinstance(w, (int, float)) for w in weights):
@@ -672,6 +713,9 @@ class Sampler:
             self.weights = [int(w) for w in self.phases.weights[0]]
         else:
             self.weights = integer_weights(weights) if weights is not None else None
+        self.sample_weights = sample_weights
+        if sample_weights is not None and weights is not None:
+            raise ConfigError("per-sample weights apply to one dataset, not a mixture of sources")
         self.counts: Any  # the shards' record counts (an int64 array), or a mixture's: one array per source
         if self.weights is None:
             self.counts = np.asarray(counts, dtype=np.int64)
@@ -682,14 +726,27 @@ class Sampler:
             self.counts = [np.asarray(c, dtype=np.int64) for c in counts]
             sizes = sum(int(c.sum()) for c in self.counts)
             self.total = int(plan.samples_per_epoch) if plan.samples_per_epoch is not None else sizes
-        self._order: tuple[int, EpochOrder | MixtureOrder] | None = None
+        self._order: tuple[int, EpochOrder | MixtureOrder | WeightedOrder] | None = None
         self._passes = (
             PassOrders(self.counts, plan.seed, plan.shuffle, plan.block_shards) if self.weights is not None else None
         )
+        if sample_weights is not None:
+            if len(sample_weights) != int(self.counts.sum()):
+                raise ConfigError(
+                    f"{sample_weights.where}: weights of {len(sample_weights)} records, the split has {int(self.counts.sum())}"
+                )
+            if plan.samples_per_epoch is not None:
+                self.total = int(plan.samples_per_epoch)
+            slot_counts = sample_weights.shard_slots(self.counts)
+            self._passes = PassOrders([slot_counts], plan.seed, plan.shuffle, plan.block_shards)
         self._lock = threading.Lock()
 
     def _make_order(self, epoch: int):
         o = self.options
+        if self.sample_weights is not None:
+            return WeightedOrder(
+                self.counts, self.sample_weights, n=self.total, seed=o.seed, epoch=epoch, passes=self._passes
+            )
         if self.weights is None:
             return EpochOrder(self.counts, seed=o.seed, epoch=epoch, shuffle=o.shuffle, block_shards=o.block_shards)
         if self.phases is not None:
