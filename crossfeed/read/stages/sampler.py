@@ -542,6 +542,8 @@ class ScheduledMixtureOrder(MixtureOrder):
             if len(at):
                 out[at] = self._draws(s, int(first[s]), len(at))
         return out
+
+
 class WeightedOrder:
     """The order of one epoch of a split drawn by per-sample weights (`crossfeed.format.weights`),
     as an `EpochOrder` is for plain epochs.
