@@ -184,7 +184,7 @@ class TorchDataset(IterableDataset):
         return self._cursor.start()
 
     def _state(self, epoch: int, position: int, loader: Loader | None = None) -> dict:
-        return dict((loader or self.loader).state_dict(), epoch=epoch, position=position)
+        return (loader or self.loader).state_at(epoch, position)
 
     def __len__(self) -> int:
         """This rank's batches in the next iteration (all DataLoader workers together)."""

@@ -359,6 +359,21 @@ class Pipeline:
         """Where each source of a mixture stands (``{"pass", "offset"}``), for people; None otherwise."""
         return self.sampler.source_positions(epoch, position)
 
+    def resume_state(self, epoch: int, position: int) -> dict | None:
+        """A packed plan's cursor at or just before ``position`` (`pack.PackCursor.to_json`): what
+        a state carries so a resume walks on from there; None for any other plan."""
+        cursor_at = getattr(self.sampler, "cursor_at", None)
+        if cursor_at is None or getattr(self.sampler, "pack", None) is None:
+            return None
+        return cursor_at(epoch, position).to_json()
+
+    def resume_from(self, state, epoch: int, position: int) -> bool:
+        """Take a state's packed cursor (checked: `pack.PackCursor.from_json`) as a place to walk on
+        from to ``position``; False where it does not lead there (another epoch, past it)."""
+        if getattr(self.sampler, "pack", None) is None:
+            raise ConfigError("loader state pack: this Loader does not pack rows; the state was saved by one that does")
+        return self.sampler.resume(state, epoch, position)
+
     def walker(self) -> pack.PackWalker:
         """Global batches of a packed plan by number, in any order (a dispatcher's leases)."""
         return pack.PackWalker(self.sampler)  # refuses any other plan (those are random access: `Plan.batch`)
