@@ -273,7 +273,8 @@ class PackCursor:
         Raises `ConfigError` naming the field."""
 
         def bad(field: str, why: str) -> ConfigError:
-            return ConfigError(f"loader state pack.{field}: {why}; the state is damaged or was not saved by crossfeed")
+            where = f"pack.{field}" if field else "pack"
+            return ConfigError(f"loader state {where}: {why}; the state is damaged or was not saved by crossfeed")
 
         def integer(v, field: str, lo: int, hi: int) -> int:
             if not isinstance(v, int) or isinstance(v, bool):
