@@ -23,8 +23,8 @@ Rows are dealt like samples: after ``position`` rows of the epoch were consumed,
 ``W`` takes global rows ``position + r, + r + W, …``, ``B`` per batch; the epoch's last global
 batch is completed with empty rows (all padding, segment 0), so every rank has the same number of
 ``(B, L)`` batches and every token of the epoch is delivered exactly once (``drop_last=True``
-drops that last incomplete global batch instead). A state is ``(epoch, rows consumed)``; rows
-consumed count every rank together, so resuming at another world size or worker count deals the
+drops that last incomplete global batch instead). A state is ``(epoch, rows consumed)`` and the
+packer's cursor there (see Cost); rows consumed count every rank together, so resuming at another world size or worker count deals the
 rest of the same row sequence: every remaining token exactly once.
 
 ``batch_by_tokens=T`` — no packing: documents in plan order form global batches of whole
@@ -37,13 +37,23 @@ documents consumed)``, and a batch boundary is a fresh start of the greedy rule,
 there continues identically, and at another world size covers the rest exactly once.
 
 Cost: memory is O(batch + bins), never O(documents): lengths are gathered ``SCAN`` documents at a
-time from memory-mapped lengths files. Packing is sequential, so a rank (and each of its workers)
-walks the lengths of the whole epoch from its start — integers only, no record is read — to find
-its rows, a chunk of documents at a time (`row_blocks`: ``split="rows"`` in numpy, best-fit a
-Python step per document), and picks its batches' rows out of each chunk with one mask;
-resuming at row ``p`` walks the lengths before it again, and `PackSampler.epoch_total` (the
-number of rows, what ``len(loader)`` needs) walks the whole epoch once per epoch (``split="rows"``:
-a sum of the lengths). A batch is built by `PackBuilder` with a few numpy calls, its pieces
+time from memory-mapped lengths files. Packing is sequential: rows are found by walking the
+epoch's lengths in plan order — integers only, no record is read — a chunk of documents at a time
+(`walk`: ``split="rows"`` in numpy, best-fit a Python step per document), and a batch's rows are
+picked out of each chunk with one mask. Every chunk ends at a `PackCursor` — the rows emitted,
+the documents consumed, and the packer's open rows (at most ``bins``; ``split="rows"``: where
+the open row starts) — from which a walk continues exactly as the uninterrupted one would. A
+process remembers the cursors it met (`_Marks`: bounded, the recent ones dense), and a
+`crossfeed.Loader` state carries the one at (or a chunk before) its position, checked strictly
+when loaded (`PackCursor.from_json`). So a walk to row ``p`` — a resume, an elastic resume at
+another world size, a dispatcher's batch leased again, "which documents are in row ``p``"
+(`PackSampler.rows`) — starts at the nearest cursor before ``p``: O(bins + batch + ``SCAN``)
+documents, not a walk from the epoch's start. Without one (a version-2 state, ``start=``)
+it walks from the epoch's start, and so does a token-weighted mixture's order (`TokenMixtureOrder`
+is drawn from the epoch's start). The epoch's number of rows (`PackSampler.epoch_total`, what
+``len(loader)`` needs) is exact without a walk for ``split="rows"`` of one dataset (the lengths
+files' sum, cut in rows); otherwise one walk from the furthest cursor known to the epoch's end,
+kept. A batch is built by `PackBuilder` with a few numpy calls, its pieces
 sliced from the shards where `crossfeed.read.stages.tokens` checked them. A split
 without lengths files has its lengths learned by decoding each shard once, kept in memory (4
 bytes per record): write lengths files to avoid both.
@@ -84,6 +94,7 @@ HEADER, PIECE = 2, 5  # a batch: (rows, width), then pieces of (row, document, s
 # ---- lengths ------------------------------------------------------------------------------------
 
 
+SPARSE = 32  # entries of one lengths file looked up at once, at most, read by pread rather than the mapping
 EMPTY_CHECKS = 1024  # empty documents read per shard to confirm their lengths entries (`DocLengths`)
 
 
@@ -113,6 +124,7 @@ class DocLengths:
                     name,
                 )
         self._shards: dict[tuple[int, int], np.ndarray] = {}
+        self._files: dict[tuple[int, int], tuple[str, int, int]] = {}  # local lengths files: (path, width, column)
         self._maps: list = []
         self._lock = threading.Lock()
 
@@ -127,8 +139,28 @@ class DocLengths:
             shard = np.searchsorted(sp.starts, local, side="right") - 1
             for k in np.unique(shard).tolist():
                 m = shard == k
-                out[at[m]] = self.shard(s, k)[local[m] - sp.starts[k]]
+                lens = self.shard(s, k)
+                j = local[m] - sp.starts[k]
+                file = self._files.get((s, k)) if len(j) <= SPARSE else None
+                out[at[m]] = lens[j] if file is None else self._read(file, j)
         return out
+
+    @staticmethod
+    def _read(file: tuple[str, int, int], entries: np.ndarray) -> np.ndarray:
+        """A few entries of a checked local lengths file, read by ``pread``: a lookup through the
+        mapping would map the whole folio around each entry into this process (hundreds of KB a
+        file on kernels with large page-cache folios), a few scattered lookups into every file
+        of a shuffled epoch's first chunks."""
+        path, width, col = file
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            got = [os.pread(fd, DTYPE.itemsize, (int(j) * width + col) * DTYPE.itemsize) for j in entries.tolist()]
+        finally:
+            os.close(fd)
+        data = b"".join(got)
+        if len(data) != DTYPE.itemsize * len(entries):
+            raise IndexFileError(f"{path}: the lengths file was cut short after it was checked; it is being rewritten?")
+        return np.frombuffer(data, dtype=DTYPE).astype(np.int64)
 
     def total(self, limit: int | None = None) -> int:
         """Every document's length summed (``limit``: of those at most ``limit``), shard by shard
@@ -197,6 +229,12 @@ class DocLengths:
         if feature is not None:  # bounded by what a record can hold, before a plan sizes rows by it
             check_bound(lengths, record_bound(info, feature, sp.info.format), where, name)
         self._check_empty(s, k, lengths, where, fix)
+        if isinstance(data, mmap.mmap):  # checked: its pages leave this process (a walk maps back the few it reads)
+            try:
+                data.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError, AttributeError):
+                pass
+            self._files[(s, k)] = (where, width, col)
         return lengths
 
     def _check_empty(self, s: int, k: int, lengths: np.ndarray, where: str, fix: str) -> None:
