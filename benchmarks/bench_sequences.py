@@ -33,8 +33,9 @@ Each system runs in a process of its own (TensorFlow and torch do not share one 
 
 ``--plan-scale``: a corpus of ``--plan-docs`` documents (default 10^8; one real shard of 10^5
 documents with its lengths file, hard-linked under every shard name the manifest lists) — the
-time to open it and produce the first packed batch and the process's memory (goal: < 1 s and
-< 200 MB), beside reading every lengths file into memory (what a planner that loads all lengths
+time to open it and produce the first packed batch, and to open it, resume a state near the
+epoch's end (`make_resume_state`) and produce the first packed batch after it, and the process's
+memory (goal: < 1 s and < 200 MB each), beside reading every lengths file into memory (what a planner that loads all lengths
 would hold) and crossfeed opening it for a plain (unpacked) first batch.
 
     .venv/bin/python benchmarks/bench_sequences.py --plan-scale [--plan-docs 100000000]
