@@ -260,3 +260,81 @@ def test_older_states_resume_and_newer_ones_are_refused_by_version(saved):
         _load(path, opts, dict(state, version=4))
     elsewhere = _tampered(state, lambda c: c.__setitem__("epoch", 5))  # another epoch's cursor: not used
     assert same([_load(path, opts, elsewhere)], [want])
+
+
+# ---- token-weighted mixtures: planned in numpy, resumed from their draws ------------------------
+
+
+def reference_token_order(order, lengths) -> list[int]:
+    """The token mixture's rule one document at a time (as first written): the source whose
+    ``(tokens + 1) · lcm / w`` is smallest, the first on ties."""
+    mix, steps = order.mix, order.steps
+    keys, drawn, out = list(steps), [0] * len(steps), []
+    for _ in range(order.n):
+        s = keys.index(min(keys))
+        doc = int(mix._draws(s, order.epoch * order.n + drawn[s], 1)[0])
+        drawn[s] += 1
+        keys[s] += max(int(lengths(np.array([doc]))[0]), 1) * steps[s]
+        out.append(doc)
+    return out
+
+
+@SETTINGS
+@given(
+    sizes=st.lists(st.integers(1, 30), min_size=2, max_size=3),
+    weights=st.lists(st.integers(1, 5), min_size=3, max_size=3),
+    seed=st.integers(0, 2**16),
+    per_epoch=st.integers(1, 150),
+    epoch=st.integers(0, 2),
+    split=st.sampled_from(["documents", "rows"]),
+    data=st.data(),
+)
+def test_a_token_mixture_is_planned_in_numpy_and_resumes_from_its_draws(
+    tmp_path_factory, small_chunks, sizes, weights, seed, per_epoch, epoch, split, data
+):
+    """The vectorised order (one lexsort a chunk) is the per-document rule's, documents of length
+    0 included; a state carries each source's draws, so a resume walks on from them (never from
+    the epoch's start) and gives the uninterrupted run's rows."""
+    rng = np.random.default_rng(seed)
+    roots = [
+        write_tokens(tmp_path_factory.mktemp(f"s{s}"), rng.integers(0, 40, n), source=s, num_shards=2)
+        for s, n in enumerate(sizes)
+    ]
+    mix = [crossfeed.Source(r, weight=w) for r, w in zip(roots, weights)]
+    opts = dict(batch_size=2, seed=seed, samples_per_epoch=per_epoch, pack=Pack(32, weights_by="tokens", split=split))
+    with crossfeed.Loader(mix, epoch=epoch, **opts) as ld:
+        sampler = ld.pipeline.sampler
+        order = sampler.order(epoch)
+        got = np.concatenate([ids for ids, _ in packmod.document_chunks(order, sampler.lengths)]).tolist()
+        assert got == reference_token_order(order, sampler.lengths)
+        whole = list(ld)
+    steps = data.draw(st.integers(0, len(whole)), label="steps")
+    with crossfeed.Loader(mix, epoch=epoch, **opts) as ld:
+        it = iter(ld)
+        for _ in range(steps):
+            next(it)
+        state = json.loads(json.dumps(ld.state_dict()))
+    cursor = state["pack"]
+    assert sum(d for d, _ in cursor.get("mixture", [])) == cursor["documents"]
+    starts = []
+    real = packmod.TokenMixtureOrder.walk
+
+    def recorded(self, lengths, start=None):
+        starts.append(start)
+        return real(self, lengths, start)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(packmod.TokenMixtureOrder, "walk", recorded)
+    try:
+        with crossfeed.Loader(mix, **opts) as ld:
+            ld.load_state_dict(state)
+            assert same(list(ld), whole[steps:])
+    finally:
+        mp.undo()
+    assert cursor["documents"] == 0 or all(s is not None and s[0] >= cursor["documents"] for s in starts)
+    if cursor["documents"]:
+        bad = copy.deepcopy(state)
+        bad["pack"]["mixture"][0][0] += 1
+        with pytest.raises(ConfigError, match=r"pack\.mixture"):
+            with crossfeed.Loader(mix, **opts) as ld:
+                ld.load_state_dict(bad)

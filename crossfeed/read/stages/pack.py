@@ -49,8 +49,8 @@ when loaded (`PackCursor.from_json`). So a walk to row ``p`` — a resume, an el
 another world size, a dispatcher's batch leased again, "which documents are in row ``p``"
 (`PackSampler.rows`) — starts at the nearest cursor before ``p``: O(bins + batch + ``SCAN``)
 documents, not a walk from the epoch's start. Without one (a version-2 state, ``start=``)
-it walks from the epoch's start, and so does a token-weighted mixture's order (`TokenMixtureOrder`
-is drawn from the epoch's start). The epoch's number of rows (`PackSampler.epoch_total`, what
+it walks from the epoch's start. A token-weighted mixture's order (`TokenMixtureOrder`) is
+planned in numpy too, a chunk at a time, and its cursors carry each source's draws. The epoch's number of rows (`PackSampler.epoch_total`, what
 ``len(loader)`` needs) is exact without a walk for ``split="rows"`` of one dataset (the lengths
 files' sum, cut in rows); otherwise one walk from the furthest cursor known to the epoch's end,
 kept. A batch is built by `PackBuilder` with a few numpy calls, its pieces
@@ -269,14 +269,17 @@ class PackCursor:
     ``split="documents"``: ``open`` holds the best-fit packer's open rows (at most ``bins``), in
     the order they were opened, each a tuple of pieces ``(document id, start, count, length)``.
     ``split="rows"``: ``open`` is empty and row ``rows`` starts at token ``offset`` of the
-    document at position ``documents`` (the one the walk continues with). Walking on from a cursor
+    document at position ``documents`` (the one the walk continues with). A token-weighted
+    mixture's cursor holds each source's ``(draws, tokens)`` there too (``mixture``: where its
+    order stands, `TokenMixtureOrder.walk`). Walking on from a cursor
     gives exactly the rows an uninterrupted walk gives from there. Immutable; ``to_json`` is what a
     state carries, `from_json` its strict reader."""
 
-    __slots__ = ("epoch", "rows", "documents", "offset", "open", "_json")
+    __slots__ = ("epoch", "rows", "documents", "offset", "open", "mixture", "_json")
 
-    def __init__(self, epoch: int, rows: int, documents: int, offset: int = 0, open: tuple = ()):
+    def __init__(self, epoch: int, rows: int, documents: int, offset: int = 0, open: tuple = (), mixture: tuple = ()):
         self.epoch, self.rows, self.documents, self.offset, self.open = epoch, rows, documents, offset, open
+        self.mixture = mixture
         self._json: dict | None = None
 
     @classmethod
@@ -300,15 +303,18 @@ class PackCursor:
                 "offset": self.offset,
                 "open": [[list(p) for p in row] for row in self.open],
             }
+            if self.mixture:
+                self._json["mixture"] = [list(m) for m in self.mixture]
         return self._json
 
     @classmethod
-    def from_json(cls, d, *, pack: Pack, documents: int, ids: int, lengths) -> PackCursor:
+    def from_json(cls, d, *, pack: Pack, documents: int, ids: int, lengths, sources: int = 0) -> PackCursor:
         """A cursor read from a state, bounded and checked before anything is planned from it:
         ``documents`` (the epoch's documents) bounds its position, ``ids`` (the documents' global
         ids) its pieces' documents, ``pack.bins`` its open rows and ``pack.length`` their tokens,
-        and every piece's length must be its document's (``lengths``), its tokens within it.
-        Raises `ConfigError` naming the field."""
+        and every piece's length must be its document's (``lengths``), its tokens within it; a
+        token mixture's (``sources`` > 0) ``mixture`` holds a ``[draws, tokens]`` pair per source,
+        the draws summing to ``documents``. Raises `ConfigError` naming the field."""
 
         def bad(field: str, why: str) -> ConfigError:
             where = f"pack.{field}" if field else "pack"
@@ -323,7 +329,7 @@ class PackCursor:
 
         if not isinstance(d, dict):
             raise bad("", f"expected an object, got {type(d).__name__}")
-        unknown = set(d) - {"epoch", "rows", "documents", "offset", "open"}
+        unknown = set(d) - {"epoch", "rows", "documents", "offset", "open", "mixture"}
         if unknown:
             raise bad(sorted(unknown)[0], "is not a field of a packed state")
         L = pack.length
@@ -373,7 +379,23 @@ class PackCursor:
                     f"open[{i}][{j}][3] (length)",
                     f"document {int(docs_of[k])} has {int(have[k])} tokens, the state says {int(said[k])}",
                 )
-        return cls(epoch, rows, docs, offset, tuple(tuple(row) for row in out))
+        mix_in = d.get("mixture", [])
+        if not isinstance(mix_in, list):
+            raise bad("mixture", f"expected a list of [draws, tokens] per source, got {type(mix_in).__name__}")
+        if not sources and mix_in:
+            raise bad("mixture", "only a token-weighted mixture's state carries its sources' draws")
+        mixture: list[tuple[int, int]] = []
+        if sources and (mix_in or docs):
+            if len(mix_in) != sources:
+                raise bad("mixture", f"{len(mix_in)} sources, the mixture has {sources}")
+            for i, m in enumerate(mix_in):
+                if not isinstance(m, list) or len(m) != 2:
+                    raise bad(f"mixture[{i}]", "expected [draws, tokens]")
+                drawn = integer(m[0], f"mixture[{i}][0] (draws)", 0, docs)
+                mixture.append((drawn, integer(m[1], f"mixture[{i}][1] (tokens)", drawn, 2**62)))
+            if sum(m[0] for m in mixture) != docs:
+                raise bad("mixture", f"its sources' draws sum to {sum(m[0] for m in mixture)}, not documents={docs}")
+        return cls(epoch, rows, docs, offset, tuple(tuple(row) for row in out), tuple(mixture))
 
 
 class _Marks:
@@ -419,29 +441,34 @@ class _Marks:
 # ---- packing: every row of an epoch -------------------------------------------------------------
 
 
-def _chunks(order, lengths, start: int = 0) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """``(position, document ids, lengths)`` of the epoch's documents from position ``start``, in
-    plan order, a chunk at a time: a few at first (the first rows touch few lengths files), then
-    ``SCAN`` at a time; ``position``: the chunk's first document's."""
-    if order.sequential:  # a token mixture's order: walked from the epoch's start
-        lo = 0
-        for ids, lens in order.walk(lengths):
+def _chunks(order, lengths, start: int = 0, mixture=()) -> Iterator[tuple[int, np.ndarray, np.ndarray, Any]]:
+    """``(position, document ids, lengths, draws)`` of the epoch's documents from position
+    ``start``, in plan order, a chunk at a time: a few at first (the first rows touch few lengths
+    files), then ``SCAN`` at a time; ``position``: the chunk's first document's. A token
+    mixture's order (sequential) gives each chunk's `MixDraws` (else None) and walks on from
+    ``mixture`` (each source's ``(draws, tokens)`` at ``start``; empty: from the epoch's start)."""
+    if order.sequential:
+        if mixture:
+            yield from order.walk(lengths, (start, [d for d, _ in mixture], [t for _, t in mixture]))
+            return
+        for lo, ids, lens, draws in order.walk(lengths):
             if lo + len(ids) > start:
                 skip = max(0, start - lo)
-                yield lo + skip, ids[skip:], lens[skip:]
-            lo += len(ids)
+                if skip:
+                    draws = draws.after(skip)
+                yield lo + skip, ids[skip:], lens[skip:], draws
         return
     lo, size = start, FIRST_SCAN
     while lo < order.n:
         ids = order(np.arange(lo, min(order.n, lo + size), dtype=np.int64))
-        yield lo, ids, np.asarray(lengths(ids), dtype=np.int64)
+        yield lo, ids, np.asarray(lengths(ids), dtype=np.int64), None
         lo, size = lo + size, min(SCAN, 2 * size)
 
 
 def document_chunks(order, lengths, start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """``(document ids, lengths)`` int64 arrays of the epoch's documents from position ``start``,
     in plan order, a few at first (the first rows touch few lengths files), then ``SCAN`` at a time."""
-    for _, ids, lens in _chunks(order, lengths, start):
+    for _, ids, lens, _ in _chunks(order, lengths, start):
         yield ids, lens
 
 
@@ -461,12 +488,13 @@ class TokenMixtureOrder:
     document each source's tokens are within a document of its share: for sources ``s``, ``t``,
     ``T_s / w_s − T_t / w_t ≤ M / w_s + 1 / w_t`` (``M``: the longest document). It is a pure
     function of the plan and the lengths, exact in integers (``(T + 1) · lcm / w``), and
-    sequential: the epoch is walked from its start (`walk`). A source's ``c``-th document of
+    sequential: the epoch is walked in order (`walk`, vectorised), from its start or from where
+    a cursor says each source stands. A source's ``c``-th document of
     epoch ``e`` is its draw ``e · n + c`` (``n``: the epoch's documents) — its passes' orders as
     in `MixtureOrder` — so epochs never share draws, and within an epoch a source repeats a
     document only after drawing all of them."""
 
-    sequential = True  # walked from the epoch's start (`documents`)
+    sequential = True  # walked in order, from the epoch's start or a cursor's draws (`_chunks`)
 
     def __init__(self, mix):
         self.mix, self.n, self.epoch = mix, mix.n, mix.epoch
@@ -474,30 +502,108 @@ class TokenMixtureOrder:
         lcm = math.lcm(*weights)
         self.steps = [lcm // w for w in weights]
 
-    def walk(self, lengths) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """``(ids, lengths)`` of the epoch's documents in order, ``SCAN`` at a time."""
-        mix, k, steps = self.mix, len(self.steps), self.steps
-        keys = list(steps)  # (tokens + 1) · lcm / w
-        drawn = [0] * k
-        bufs: list[tuple[list, list]] = [([], [])] * k
-        at = [0] * k
+    @property
+    def sources(self) -> int:
+        return len(self.steps)
+
+    def walk(self, lengths, start: tuple[int, list[int], list[int]] | None = None):
+        """``(position, ids, lengths, draws)`` of the epoch's documents in order, from ``start``
+        (``(position, each source's draws, each source's tokens)`` there; None: the epoch's
+        start), a chunk at a time; ``draws``: `MixDraws` of the chunk (each source's draws and
+        tokens anywhere in it, what a `PackCursor` carries).
+
+        Vectorised: source ``s``'s ``c``-th next document is drawn when its key ``(T_s + 1) ·
+        lcm / w_s`` (``T_s``: its tokens before it) is the smallest, ties to the first source —
+        each source's keys increase with its own draws alone, so the epoch's order is the merge of
+        the sources' key sequences, sorted by (key, source): a chunk of ``count`` documents is the
+        first ``count`` of the merge of each source's next ``count`` candidates (one `lexsort`)."""
+        mix, k = self.mix, len(self.steps)
+        steps = np.asarray(self.steps, dtype=np.int64)
+        lo, drawn, tokens = (0, [0] * k, [0] * k) if start is None else (start[0], list(start[1]), list(start[2]))
         base = self.epoch * self.n
-        done, size = 0, FIRST_SCAN
-        while done < self.n:
-            count = min(size, self.n - done)
-            ids, lens = [0] * count, [0] * count
+        buf_ids = [np.zeros(0, dtype=np.int64) for _ in range(k)]  # each source's next draws, fetched ahead
+        buf_lens = [np.zeros(0, dtype=np.int64) for _ in range(k)]
+        size = FIRST_SCAN
+        while lo < self.n:
+            count = min(size, self.n - lo)
+            keys = []
+            for s in range(k):
+                have = len(buf_ids[s])
+                if have < count:
+                    got = mix._draws(s, base + drawn[s] + have, count - have)
+                    buf_ids[s] = np.concatenate([buf_ids[s], got])
+                    buf_lens[s] = np.concatenate([buf_lens[s], np.asarray(lengths(got), dtype=np.int64)])
+                w = np.maximum(buf_lens[s][:count], 1)
+                before = tokens[s] + np.cumsum(w) - w
+                if int(steps[s]) * (int(before[-1]) + 1) >= 1 << 62:  # past int64: the exact step in Python ints
+                    yield from self._walk_python(lengths, lo, drawn, tokens)
+                    return
+                keys.append(steps[s] * (before + 1))
+            source = np.repeat(np.arange(k, dtype=np.int64), count)
+            picked = np.lexsort((source, np.concatenate(keys)))[:count]
+            src = source[picked]
+            take = np.bincount(src, minlength=k)
+            ids, lens = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
+            for s in range(k):
+                t = int(take[s])
+                if t:
+                    m = src == s
+                    ids[m], lens[m] = buf_ids[s][:t], buf_lens[s][:t]
+            yield lo, ids, lens, MixDraws(drawn, tokens, src, lens)
+            for s in range(k):
+                t = int(take[s])
+                drawn[s] += t
+                tokens[s] += int(np.maximum(buf_lens[s][:t], 1).sum())
+                buf_ids[s], buf_lens[s] = buf_ids[s][t:], buf_lens[s][t:]
+            lo, size = lo + count, min(SCAN, 2 * size)
+
+    def _walk_python(self, lengths, lo: int, drawn: list[int], tokens: list[int]):
+        """`walk` one document at a time in Python integers (weights whose keys pass int64)."""
+        mix, steps = self.mix, self.steps
+        drawn, tokens = list(drawn), list(tokens)
+        keys = [st * (t + 1) for st, t in zip(steps, tokens)]
+        base, size = self.epoch * self.n, FIRST_SCAN
+        while lo < self.n:
+            count = min(size, self.n - lo)
+            ids, lens, src = [0] * count, [0] * count, [0] * count
+            start_drawn, start_tokens = list(drawn), list(tokens)
             for j in range(count):
                 s = keys.index(min(keys))
-                i = at[s]
-                if i == len(bufs[s][0]):  # the source's next draws: no more than the epoch has left
-                    got = mix._draws(s, base + drawn[s], min(size, self.n - done - j))
-                    bufs[s], i = (got.tolist(), lengths(got).tolist()), 0
-                ids[j] = bufs[s][0][i]
-                n = lens[j] = bufs[s][1][i]
-                at[s], drawn[s] = i + 1, drawn[s] + 1
+                got = mix._draws(s, base + drawn[s], 1)
+                ids[j], n, src[j] = int(got[0]), int(lengths(got)[0]), s
+                lens[j] = n
+                drawn[s] += 1
+                tokens[s] += max(n, 1)
                 keys[s] += max(n, 1) * steps[s]
-            done, size = done + count, min(SCAN, 2 * size)
-            yield np.asarray(ids, dtype=np.int64), np.asarray(lens, dtype=np.int64)
+            lens_a = np.asarray(lens, dtype=np.int64)
+            yield (
+                lo,
+                np.asarray(ids, dtype=np.int64),
+                lens_a,
+                MixDraws(start_drawn, start_tokens, np.asarray(src), lens_a),
+            )
+            lo, size = lo + count, min(SCAN, 2 * size)
+
+
+class MixDraws:
+    """Where a token mixture's sources stand within one chunk of its walk: ``at(j)`` is each
+    source's ``(draws, tokens)`` before the chunk's ``j``-th document (a `PackCursor`'s ``mixture``)."""
+
+    __slots__ = ("drawn", "tokens", "src", "lens")
+
+    def __init__(self, drawn, tokens, src: np.ndarray, lens: np.ndarray):
+        self.drawn, self.tokens, self.src, self.lens = list(drawn), list(tokens), src, lens
+
+    def after(self, j: int) -> MixDraws:
+        """The draws of the chunk's documents from its ``j``-th on."""
+        drawn, tokens = zip(*self.at(j)) if self.drawn else ((), ())
+        return MixDraws(drawn, tokens, self.src[j:], self.lens[j:])
+
+    def at(self, j: int) -> tuple[tuple[int, int], ...]:
+        k = len(self.drawn)
+        d = np.bincount(self.src[:j], minlength=k)
+        t = np.bincount(self.src[:j], weights=np.maximum(self.lens[:j], 1), minlength=k)
+        return tuple((a + int(x), b + int(y)) for a, b, x, y in zip(self.drawn, self.tokens, d.tolist(), t.tolist()))
 
 
 class _BestFit:
@@ -608,9 +714,14 @@ def walk(order, lengths, pack: Pack, cursor: PackCursor | None = None) -> Iterat
     drop = pack.long is PackLong.DROP
     epoch = getattr(order, "epoch", 0) if cursor is None else cursor.epoch
     cursor = cursor or PackCursor.start(epoch)
+    end_mix = cursor.mixture  # a token mixture's draws where the walk stands (its last chunk's end)
+
+    def mix_at(draws, j: int) -> tuple:
+        return draws.at(j) if draws is not None else ()
+
     if pack.split is PackSplit.DOCUMENTS:
         packer, done = _BestFit.at(L, pack.bins, cursor.open), cursor.rows
-        for lo, ids, lens in _chunks(order, lengths, cursor.documents):
+        for lo, ids, lens, draws in _chunks(order, lengths, cursor.documents, cursor.mixture):
             out: list = []
             add = packer.add
             for doc, n in zip(ids.tolist(), lens.tolist()):
@@ -618,18 +729,20 @@ def walk(order, lengths, pack: Pack, cursor: PackCursor | None = None) -> Iterat
                     add(doc, n, out)
             block = _block(out, done) if out else np.zeros((0, PIECE), dtype=np.int64)
             done += len(out)
-            yield len(out), block, PackCursor(epoch, done, lo + len(ids), 0, packer.state())
+            end_mix = mix_at(draws, len(ids))
+            yield len(out), block, PackCursor(epoch, done, lo + len(ids), 0, packer.state(), end_mix)
         rest = packer.flush()
         if rest:
-            yield len(rest), _block(rest, done), PackCursor(epoch, done + len(rest), order.n)
+            yield len(rest), _block(rest, done), PackCursor(epoch, done + len(rest), order.n, mixture=end_mix)
         return
     done = cursor.rows  # rows emitted
     tokens = done * L - cursor.offset  # tokens before the next chunk, in the epoch's concatenation
-    at, offset = cursor.documents, cursor.offset  # where the open row starts
+    at, offset, at_mix = cursor.documents, cursor.offset, cursor.mixture  # where the open row starts
     carry = np.zeros((0, PIECE), dtype=np.int64)  # the pieces of the open row
     first = True
-    for lo, ids, lens in _chunks(order, lengths, cursor.documents):
-        pos = np.arange(lo, lo + len(ids), dtype=np.int64)
+    for lo, ids, lens, draws in _chunks(order, lengths, cursor.documents, cursor.mixture):
+        chunk = len(ids)
+        pos = np.arange(lo, lo + chunk, dtype=np.int64)
         keep = (lens > 0) & (lens <= L) if drop else lens > 0
         if first and offset and (len(lens) == 0 or not keep[0] or offset >= lens[0]):
             raise ConfigError(
@@ -637,10 +750,14 @@ def walk(order, lengths, pack: Pack, cursor: PackCursor | None = None) -> Iterat
                 f"({int(lens[0]) if len(lens) else 0} tokens); the state is damaged or was saved for other data"
             )
         first = False
+        end_mix = mix_at(draws, chunk)
         if not keep.all():
             ids, lens, pos = ids[keep], lens[keep], pos[keep]
         if not len(ids):
-            yield 0, carry[:0], PackCursor(epoch, done, at if len(carry) else lo + len(keep), offset)
+            if len(carry):
+                yield 0, carry[:0], PackCursor(epoch, done, at, offset, mixture=at_mix)
+            else:
+                yield 0, carry[:0], PackCursor(epoch, done, lo + chunk, mixture=end_mix)
             continue
         ends = tokens + np.cumsum(lens)
         begins = ends - lens
@@ -661,15 +778,19 @@ def walk(order, lengths, pack: Pack, cursor: PackCursor | None = None) -> Iterat
             k = int(np.searchsorted(ends, full * L, side="right"))  # the document the open row starts in
             if k < len(ids):
                 at, offset = int(pos[k]), full * L - int(begins[k])
+                at_mix = mix_at(draws, at - lo)
             else:
-                at, offset = lo + len(keep), 0
+                at, offset, at_mix = lo + chunk, 0, end_mix
             rows, block, done = full - done, pieces[:cut], full
         else:
             rows, block = 0, pieces[:0]
         carry = pieces[cut:]
-        yield rows, block, PackCursor(epoch, done, at if len(carry) else lo + len(keep), offset if len(carry) else 0)
+        if len(carry):
+            yield rows, block, PackCursor(epoch, done, at, offset, mixture=at_mix)
+        else:
+            yield rows, block, PackCursor(epoch, done, lo + chunk, mixture=end_mix)
     if len(carry):
-        yield 1, carry, PackCursor(epoch, done + 1, order.n)
+        yield 1, carry, PackCursor(epoch, done + 1, order.n, mixture=end_mix)
 
 
 def row_blocks(order, lengths, pack: Pack, cursor: PackCursor | None = None) -> Iterator[tuple[int, np.ndarray]]:
@@ -871,8 +992,14 @@ class PackSampler:
         """Take a state's cursor (`PackCursor.to_json`), checked (`PackCursor.from_json`), as one
         this process knows: a walk to ``position`` starts there. A cursor of another epoch, or past
         ``position``, does not lead there and is left unused (False)."""
+        order = self.order(epoch)
         cursor = PackCursor.from_json(
-            state, pack=self.packing, documents=self.total, ids=int(self.lengths.starts[-1]), lengths=self.lengths
+            state,
+            pack=self.packing,
+            documents=self.total,
+            ids=int(self.lengths.starts[-1]),
+            lengths=self.lengths,
+            sources=order.sources if order.sequential else 0,
         )
         if cursor.epoch != epoch or cursor.rows > position:
             log.debug(
