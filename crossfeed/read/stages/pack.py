@@ -1051,7 +1051,7 @@ class PackSampler:
         """Batches each rank delivers from ``position`` to the end of epoch ``epoch``."""
         if self.pack is None:
             return self._token_count(epoch, position)
-        left = self.epoch_total(epoch) - position
+        left = max(0, self.epoch_total(epoch) - position)  # (a state's row number is taken as given)
         return left // self.per_batch if self.options.drop_last else -(-left // self.per_batch)
 
     def source_positions(self, epoch: int, position: int) -> list[dict] | None:
@@ -1142,7 +1142,8 @@ class PackWalker:
     epoch's row sequence, the epoch's last batch completed with empty rows), as encoded pieces
     for `PackBuilder`, in whatever order a dispatcher leases them: one forward walk over the
     epoch's rows (O(batch + bins) memory); a batch behind the walk (leased again after its server
-    died) restarts the walk from the epoch's start: correct, and slower."""
+    died), or ahead of a cursor further on than the walk, restarts the walk from the nearest
+    cursor before it (`PackSampler.walk`), not from the epoch's start."""
 
     def __init__(self, sampler: Any):
         if getattr(sampler, "pack", None) is None or sampler.shard.world_size != 1:
