@@ -338,3 +338,29 @@ def test_a_token_mixture_is_planned_in_numpy_and_resumes_from_its_draws(
         with pytest.raises(ConfigError, match=r"pack\.mixture"):
             with crossfeed.Loader(mix, **opts) as ld:
                 ld.load_state_dict(bad)
+
+
+def test_dataloader_workers_resume_from_the_states_cursor(tmp_path):
+    """`TorchDataset` hands its DataLoader workers the cursor of the state it resumed (a worker
+    never walks to the position itself), and 2 workers resume to an uninterrupted run's batches."""
+    pytest.importorskip("torch")
+    from crossfeed.adapters.torch import StatefulLoader, TorchDataset
+
+    lengths = lognormal(3000, 30, 1.0, seed=11)
+    path = write_tokens(tmp_path / "t", lengths, num_shards=4)
+    opts = dict(batch_size=2, seed=6, pack=Pack(64, bins=4))
+    with crossfeed.Loader(path, **opts) as ld:
+        whole = list(ld)
+    state, _ = state_after(path, len(whole) * 3 // 4, **opts)
+    assert state["pack"]["rows"] > 0
+    ds = TorchDataset(path, **opts)
+    ds.load_state_dict(state)
+    worker = ds._state(state["epoch"], state["position"], ds._loader(1, 2))
+    assert worker["pack"] == state["pack"]
+    with StatefulLoader(TorchDataset(path, **opts), num_workers=2) as dl:
+        dl.load_state_dict(state)
+        rest = [{k: v.numpy() for k, v in b.items()} for b in dl]
+    want = whole[len(whole) * 3 // 4 :]
+    assert len(rest) == len(want)
+    assert all((a[k].astype(np.int64) == b[k].astype(np.int64)).all() for a, b in zip(rest, want) for k in b)
+    ds.close()

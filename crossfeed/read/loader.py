@@ -219,8 +219,10 @@ class Loader:
         documents), so a resume walks on from there, not from the epoch's start."""
         return self.state_at(self._epoch, self.position)
 
-    def state_at(self, epoch: int, position: int) -> dict:
-        """The state of position ``position`` of epoch ``epoch`` (`state_dict`'s form)."""
+    def state_at(self, epoch: int, position: int, *, walk: bool = True) -> dict:
+        """The state of position ``position`` of epoch ``epoch`` (`state_dict`'s form). Packed:
+        with ``walk=False`` the cursor is the nearest this process already knows before
+        ``position`` (maybe the epoch's start) rather than one a walk there finds."""
         state = {
             "version": STATE_VERSION,
             "seed": self.options.plan.seed,
@@ -233,7 +235,7 @@ class Loader:
         where = self.pipeline.source_positions(epoch, position)  # for people: where each source stands
         if where is not None:
             state["sources"] = where
-        cursor = self.pipeline.resume_state(epoch, position)
+        cursor = self.pipeline.resume_state(epoch, position, walk=walk)
         if cursor is not None:
             state["pack"] = cursor
         return state

@@ -359,13 +359,15 @@ class Pipeline:
         """Where each source of a mixture stands (``{"pass", "offset"}``), for people; None otherwise."""
         return self.sampler.source_positions(epoch, position)
 
-    def resume_state(self, epoch: int, position: int) -> dict | None:
+    def resume_state(self, epoch: int, position: int, *, walk: bool = True) -> dict | None:
         """A packed plan's cursor at or just before ``position`` (`pack.PackCursor.to_json`): what
-        a state carries so a resume walks on from there; None for any other plan."""
-        cursor_at = getattr(self.sampler, "cursor_at", None)
-        if cursor_at is None or getattr(self.sampler, "pack", None) is None:
+        a state carries so a resume walks on from there (``walk=False``: the nearest one known,
+        no walk); None for any other plan."""
+        sampler: Any = self.sampler
+        if not hasattr(sampler, "cursor_at") or getattr(sampler, "pack", None) is None:
             return None
-        return cursor_at(epoch, position).to_json()
+        cursor = sampler.cursor_at(epoch, position) if walk else sampler.marks(epoch).best(position)
+        return cursor.to_json()
 
     def resume_from(self, state, epoch: int, position: int) -> bool:
         """Take a state's packed cursor (checked: `pack.PackCursor.from_json`) as a place to walk on
