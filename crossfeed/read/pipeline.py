@@ -372,9 +372,10 @@ class Pipeline:
     def resume_from(self, state, epoch: int, position: int) -> bool:
         """Take a state's packed cursor (checked: `pack.PackCursor.from_json`) as a place to walk on
         from to ``position``; False where it does not lead there (another epoch, past it)."""
-        if getattr(self.sampler, "pack", None) is None:
+        sampler: Any = self.sampler
+        if getattr(sampler, "pack", None) is None:
             raise ConfigError("loader state pack: this Loader does not pack rows; the state was saved by one that does")
-        return self.sampler.resume(state, epoch, position)
+        return sampler.resume(state, epoch, position)
 
     def walker(self) -> pack.PackWalker:
         """Global batches of a packed plan by number, in any order (a dispatcher's leases)."""

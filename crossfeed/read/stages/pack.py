@@ -409,7 +409,8 @@ class _Marks:
     def __init__(self, epoch: int):
         start = PackCursor.start(epoch)
         self.cursors, self.keys = [start], [start.key]
-        self.seen, self.total = 0, None
+        self.seen: int = 0
+        self.total: int | None = None
         self._lock = threading.Lock()
 
     def add(self, cursor: PackCursor) -> None:
