@@ -364,3 +364,34 @@ def test_dataloader_workers_resume_from_the_states_cursor(tmp_path):
     assert len(rest) == len(want)
     assert all((a[k].astype(np.int64) == b[k].astype(np.int64)).all() for a, b in zip(rest, want) for k in b)
     ds.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 300), min_size=0, max_size=300),
+    length=st.integers(1, 64),
+    bins=st.integers(1, 8),
+    long=st.sampled_from(["split", "drop"]),
+)
+def test_best_fit_rows_lie_within_the_bounds_the_tokens_give(lengths, length, bins, long):
+    """⌈T/L⌉ ≤ rows ≤ ⌊2T/L⌋ + bins for best-fit (`PackSampler.rows_bounds`), whatever the lengths."""
+    from test_pack import ArrayOrder
+
+    lens = np.asarray(lengths, dtype=np.int64)
+    pack = Pack(length, bins=bins, long=long)
+    rows = sum(n for n, _ in packmod.row_blocks(ArrayOrder(np.arange(len(lens))), lambda ids: lens[ids], pack))
+    tokens = int(lens[lens <= length].sum() if long == "drop" else lens.sum())
+    assert -(-tokens // length) <= rows <= 2 * tokens // length + bins
+
+
+def test_rows_bounds_without_a_walk(tmp_path, monkeypatch):
+    lengths = lognormal(400, 50, 1.0, seed=2)
+    path = write_tokens(tmp_path / "t", lengths, num_shards=3)
+    for split in ("documents", "rows"):
+        with crossfeed.Loader(path, batch_size=2, seed=0, pack=Pack(64, split=split)) as ld:
+            rows = ld.pipeline.epoch_total(0)
+            sampler = ld.pipeline.sampler
+            with monkeypatch.context() as m:
+                m.setattr(packmod, "walk", lambda *a, **k: pytest.fail("walked"))
+                least, most = sampler.rows_bounds(1)
+        assert least <= rows <= most and (split == "documents" or least == most == rows)

@@ -956,8 +956,24 @@ class PackSampler:
         it (a mixture's draws, best-fit's padding)."""
         if self.pack is None or self.pack.split is not PackSplit.ROWS or getattr(self.docs, "weights", None):
             return None
-        limit = self.pack.length if self.pack.long is PackLong.DROP else None
-        return -(-self.lengths.total(limit) // self.pack.length)
+        bounds = self.rows_bounds(epoch)
+        return None if bounds is None else bounds[0]
+
+    def rows_bounds(self, epoch: int) -> tuple[int, int] | None:
+        """``(least, most)`` rows epoch ``epoch`` can have, without walking it (one dataset; None
+        for a mixture, whose tokens depend on its draws): with ``T`` the epoch's tokens (the lengths
+        files' sum; ``long="drop"``: of the lengths up to ``L``), ``split="rows"`` has exactly
+        ``⌈T / L⌉``; best-fit at least that and at most ``⌊2T / L⌋ + bins`` — a row is closed
+        with room left only when a piece fits none of the ``bins`` open rows, so its padding is
+        less than that piece, and each piece closes at most one row; the rows open at the end
+        are the ``bins``. ``len()`` stays exact (`epoch_total`); this is for a plan that only
+        needs a bound."""
+        if self.pack is None or getattr(self.docs, "weights", None):
+            return None
+        L = self.pack.length
+        tokens = self.lengths.total(L if self.pack.long is PackLong.DROP else None)
+        least = -(-tokens // L)
+        return (least, least) if self.pack.split is PackSplit.ROWS else (least, 2 * tokens // L + self.pack.bins)
 
     def rows_upto(self, epoch: int, position: int) -> int:
         """``min(rows of the epoch, position)``, walking no further than ``position`` rows, on
