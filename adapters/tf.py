@@ -347,6 +347,5 @@ def plan_state(source, options: LoaderOptions | None = None, *, steps: int, epoc
             raise ConfigError("plan_state needs batch_size= (or a LoaderOptions)")
     opts = TFOptions.make(options, fields, epoch=epoch, engine=Engine.PLAN)
     with tf_plan.loader(_open(source, opts.split, opts), opts) as ld:
-        state = ld.state_dict()
-        state["position"] = ld.position_after(0, steps, epoch=epoch)
+        state = ld.state_at(ld.epoch, ld.position_after(0, steps, epoch=epoch))
     return state

@@ -95,6 +95,7 @@ class TorchDataset(IterableDataset):
         self._loaders: dict[tuple[int, int], Loader] = {}
         self._pid = os.getpid()
         self._cursor = Cursor(epoch)
+        self._pack_state: dict | None = None  # the packed cursor of the state last resumed (`_state`)
         if self._stream is not None:
             self.source, self.rank, self.world_size, self.options = None, 0, 1, None
             return
@@ -177,6 +178,7 @@ class TorchDataset(IterableDataset):
                 self._loaders, self.options = {}, followed
         self.loader.load_state_dict(state)  # checks the stream's identity
         self._cursor.resume(int(state["epoch"]), int(state["position"]))
+        self._pack_state = state.get("pack")  # a packed state's cursor: DataLoader workers walk on from it
 
     def _next_start(self) -> tuple[int, int]:
         if self._stream is not None:
@@ -184,7 +186,17 @@ class TorchDataset(IterableDataset):
         return self._cursor.start()
 
     def _state(self, epoch: int, position: int, loader: Loader | None = None) -> dict:
-        return dict((loader or self.loader).state_dict(), epoch=epoch, position=position)
+        if loader is None or loader is self.loader:
+            return self.loader.state_at(epoch, position)
+        # a DataLoader worker's Loader: no walk here to find a packed cursor; the one it knows, or
+        # the one the state this dataset resumed carried, whichever stands further on
+        state = loader.state_at(epoch, position, walk=False)
+        mine, loaded = state.get("pack"), getattr(self, "_pack_state", None)
+        if mine is not None and isinstance(loaded, dict) and loaded.get("epoch") == epoch:
+            rows = loaded.get("rows")
+            if isinstance(rows, int) and mine["rows"] < rows <= position:
+                state["pack"] = loaded
+        return state
 
     def __len__(self) -> int:
         """This rank's batches in the next iteration (all DataLoader workers together)."""

@@ -33,8 +33,9 @@ Each system runs in a process of its own (TensorFlow and torch do not share one 
 
 ``--plan-scale``: a corpus of ``--plan-docs`` documents (default 10^8; one real shard of 10^5
 documents with its lengths file, hard-linked under every shard name the manifest lists) — the
-time to open it and produce the first packed batch and the process's memory (goal: < 1 s and
-< 200 MB), beside reading every lengths file into memory (what a planner that loads all lengths
+time to open it and produce the first packed batch, and to open it, resume a state near the
+epoch's end (`make_resume_state`) and produce the first packed batch after it, and the process's
+memory (goal: < 1 s and < 200 MB each), beside reading every lengths file into memory (what a planner that loads all lengths
 would hold) and crossfeed opening it for a plain (unpacked) first batch.
 
     .venv/bin/python benchmarks/bench_sequences.py --plan-scale [--plan-docs 100000000]
@@ -274,15 +275,62 @@ def _peak_mb() -> float:
     return float("nan")
 
 
-def plan_child(path: str, length: int, batch: int, how: str) -> dict | None:
-    """In a fresh process: ``how`` = ``pack`` (crossfeed opens the corpus and makes its first
-    packed batch), ``plain`` (crossfeed opens it and makes a first plain batch of ``batch``
-    documents, shuffle global) or ``lengths`` (numpy reads every lengths file into one array)."""
+RESUME_BEFORE_END = 10**4  # the resumed state stands this many documents before the epoch's end
+
+
+def resume_state_file(path: str) -> str:
+    return os.path.join(os.path.dirname(path), os.path.basename(path) + "-resume-state.json")
+
+
+def make_resume_state(path: str, length: int, batch: int) -> dict:
+    """A packed state (best-fit, 32 bins) standing ``RESUME_BEFORE_END`` documents before the end
+    of epoch 0 — what `Loader.state_dict` saves there: the packer's cursor with ``bins`` open
+    rows (here the documents just before it, one each) at document position ``D``. Its row
+    number is estimated (``D`` × the mean length / ``length``) since no run walked the 10^9
+    documents before it; a resume never reads them, which is what is measured."""
     import crossfeed
 
+    pack = crossfeed.Pack(length=length, features=("tokens",))
+    with crossfeed.Loader(path, batch_size=batch, seed=0, pack=pack) as loader:
+        sampler = loader.pipeline.sampler
+        docs = sampler.total - RESUME_BEFORE_END
+        ids = sampler.order(0)(np.arange(docs - 4 * pack.bins, docs, dtype=np.int64))
+        lens = sampler.lengths(ids)
+        rows = [[[int(i), 0, int(n), int(n)]] for i, n in zip(ids, lens) if 0 < n < length][: pack.bins]
+        mean = float(sampler.lengths.shard(0, 0).mean())
+        at = int(docs * mean / length)
+        state = dict(
+            loader.state_at(0, 0), position=at
+        )  # (a state at ``at`` would walk there: the cursor is set below)
+    state["pack"] = {"epoch": 0, "rows": at, "documents": int(docs), "offset": 0, "open": rows}
+    with open(resume_state_file(path), "w") as f:
+        json.dump(state, f)
+    return {"documents": int(docs), "rows": at}
+
+
+def plan_child(path: str, length: int, batch: int, how: str) -> dict | None:
+    """In a fresh process: ``how`` = ``pack`` (crossfeed opens the corpus and makes its first
+    packed batch), ``resume`` (crossfeed opens it, loads the state `make_resume_state` wrote and
+    makes the first packed batch after it), ``plain`` (crossfeed opens it and makes a first plain
+    batch of ``batch`` documents, shuffle global) or ``lengths`` (numpy reads every lengths file
+    into one array)."""
+    import crossfeed
+
+    if how == "state":
+        return make_resume_state(path, length, batch)
     base = _rss_mb()
     t = time.perf_counter()
-    if how == "pack":
+    if how == "resume":
+        with open(resume_state_file(path)) as f:
+            state = json.load(f)
+        loader = crossfeed.Loader(
+            path, batch_size=batch, seed=0, pack=crossfeed.Pack(length=length, features=("tokens",))
+        )
+        loader.load_state_dict(state)
+        b = next(iter(loader))
+        got = int(np.count_nonzero(b["segment_ids"]))
+        assert loader.position == state["position"] + batch  # the batch after the state's position
+    elif how == "pack":
         if not hasattr(crossfeed, "Pack"):
             print("crossfeed packing not available in this tree", file=sys.stderr)
             return None
@@ -330,9 +378,16 @@ def plan_scale(a) -> None:
         f"{split['num_bytes'] / 2**30:,.0f} GiB of shards as listed), lengths files: {'yes' if has_len else 'no'}"
         f"{f'; made in {made:.0f} s' if made > 1 else ''}"
     )
+    cmd = [sys.executable, os.path.abspath(__file__), "--peer", "plan", "--how", "state", "--corpus", path]
+    where = _run(cmd + ["--length", str(a.length), "--batch", str(a.batch)], a.timeout)
+    if where is not None:
+        print(
+            f"resumed state: document {where['documents']:,} of {n:,}, row {where['rows']:,} (best-fit, 32 open rows)"
+        )
     print(f"{'':44} {'seconds':>8} {'RSS MB':>8} {'above import':>13} {'peak MB':>8}")
     for how, label in (
         ("pack", f"crossfeed open + first packed batch ({a.batch}×{a.length})"),
+        ("resume", "crossfeed open + resume + first packed batch"),
         ("plain", f"crossfeed open + first plain batch ({a.batch} docs)"),
         ("lengths", "numpy: every lengths file into memory"),
     ):
@@ -343,7 +398,7 @@ def plan_scale(a) -> None:
             print(f"{label:44} failed (above)")
             continue
         goal = ""
-        if how == "pack":
+        if how in ("pack", "resume"):
             ok = r["seconds"] < PLAN_GOAL_S and r["peak_mb"] < PLAN_GOAL_MB
             goal = f"  goal < {PLAN_GOAL_S:.0f} s, < {PLAN_GOAL_MB} MB {'✓' if ok else '✗'}"
         print(

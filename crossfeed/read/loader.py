@@ -28,7 +28,10 @@ from crossfeed.read.replay import StepSamples, replay
 from crossfeed.read.sources.dataset import Dataset, Split
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 2  # 2: the stream's identity (`crossfeed.read.identity`); 1 is read, unchecked
+# 3: a packed plan's cursor (``pack``: the packer's open rows and document position); 2: the
+# stream's identity (`crossfeed.read.identity`), read as 3 without a cursor; 1 is read, unchecked
+STATE_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 
 __all__ = ["INDEX_KEY", "Loader", "LoaderOptions", "ReadOptions", "Remainder", "Shuffle"]
 
@@ -252,19 +255,30 @@ class Loader:
     def state_dict(self) -> dict:
         """Small and framework-free: resume with `load_state_dict` in any process, any world size.
         It carries the stream's identity (`crossfeed.read.identity`): a resume under other
-        settings or another dataset is refused by name."""
+        settings or another dataset is refused by name. A packed plan's state carries the
+        packer's cursor too (``pack``: its open rows, at most ``bins``, and where it stands in the
+        documents), so a resume walks on from there, not from the epoch's start."""
+        return self.state_at(self._epoch, self.position)
+
+    def state_at(self, epoch: int, position: int, *, walk: bool = True) -> dict:
+        """The state of position ``position`` of epoch ``epoch`` (`state_dict`'s form). Packed:
+        with ``walk=False`` the cursor is the nearest this process already knows before
+        ``position`` (maybe the epoch's start) rather than one a walk there finds."""
         state = {
             "version": STATE_VERSION,
             "seed": self.options.plan.seed,
-            "epoch": self._epoch,
-            "position": self.position,
+            "epoch": int(epoch),
+            "position": int(position),
             "num_samples": self.pipeline.total,
             "batch_size": self.options.plan.batch_size,
             "identity": self.pipeline.identity.to_json(),
         }
-        where = self.pipeline.source_positions(self._epoch, self.position)  # for people: where each source stands
+        where = self.pipeline.source_positions(epoch, position)  # for people: where each source stands
         if where is not None:
             state["sources"] = where
+        cursor = self.pipeline.resume_state(epoch, position, walk=walk)
+        if cursor is not None:
+            state["pack"] = cursor
         return state
 
     def load_state_dict(self, state: dict, *, on_change: str = "refuse") -> None:
@@ -276,9 +290,12 @@ class Loader:
         delivered). World size, workers, threads, executor, cache and batch size may differ freely."""
         if on_change not in ("refuse", "next_epoch"):
             raise ConfigError(f"on_change must be 'refuse' or 'next_epoch', got {on_change!r}")
-        if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
+        if not isinstance(state, dict) or state.get("version") not in READ_VERSIONS:
             got = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ConfigError(f"loader state version {got!r} is not {STATE_VERSION}")
+            raise ConfigError(
+                f"loader state version {got!r} is not one this crossfeed reads ({', '.join(map(str, READ_VERSIONS))}); "
+                f"save it again with this version, or resume with the crossfeed that saved it"
+            )
         try:
             seed, num, epoch, position = (
                 state["seed"],
@@ -315,6 +332,10 @@ class Loader:
                 epoch + 1,
             )
             epoch, position = (epoch + 1, 0) if position > 0 else (epoch, 0)
+        elif state.get("pack") is not None:  # a packed state's cursor: checked, then walked on from
+            if state["version"] < 3:
+                raise ConfigError(f"loader state pack: a version {state['version']} state carries no packed cursor")
+            self.pipeline.resume_from(state["pack"], epoch, position)
         self.start_at(epoch, position)
 
     # -- iteration ----------------------------------------------------------------------------

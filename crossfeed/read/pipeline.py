@@ -378,6 +378,24 @@ class Pipeline:
             self._plan_counts, self.options.plan, shard, weights=self._weights, sample_weights=self.sample_weights
         )
 
+    def resume_state(self, epoch: int, position: int, *, walk: bool = True) -> dict | None:
+        """A packed plan's cursor at or just before ``position`` (`pack.PackCursor.to_json`): what
+        a state carries so a resume walks on from there (``walk=False``: the nearest one known,
+        no walk); None for any other plan."""
+        sampler: Any = self.sampler
+        if not hasattr(sampler, "cursor_at") or getattr(sampler, "pack", None) is None:
+            return None
+        cursor = sampler.cursor_at(epoch, position) if walk else sampler.marks(epoch).best(position)
+        return cursor.to_json()
+
+    def resume_from(self, state, epoch: int, position: int) -> bool:
+        """Take a state's packed cursor (checked: `pack.PackCursor.from_json`) as a place to walk on
+        from to ``position``; False where it does not lead there (another epoch, past it)."""
+        sampler: Any = self.sampler
+        if getattr(sampler, "pack", None) is None:
+            raise ConfigError("loader state pack: this Loader does not pack rows; the state was saved by one that does")
+        return sampler.resume(state, epoch, position)
+
     def walker(self) -> pack.PackWalker:
         """Global batches of a packed plan by number, in any order (a dispatcher's leases)."""
         return pack.PackWalker(self.sampler)  # refuses any other plan (those are random access: `Plan.batch`)

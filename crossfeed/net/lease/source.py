@@ -9,8 +9,8 @@ is batch `b // W` of rank `b % W` in the Loader's plan for `W` ranks, W = the pl
 does). A packed plan (`pack`, one rank) has a batch count of its own each epoch, and its global
 ids a fixed stride (`book.PACKED_STRIDE`, which WELCOME carries as the batch count): batch `b` of
 epoch `e` is the plan's `b`-th batch of rows, found by one forward walk over the epoch's rows
-(`PackWalker`; a batch behind the walk, leased again after a server died, walks again from the
-epoch's start). Each batch goes to the server's queue as an `Item` with seq `e * batches + b` and the
+(`PackWalker`; a batch behind the walk, leased again after a server died, walks on from the
+nearest packer cursor before it, not from the epoch's start). Each batch goes to the server's queue as an `Item` with seq `e * batches + b` and the
 batch's claim token (from the LEASE; it travels in the BATCH envelope's token, to the one trainer
 the batch goes to, which quotes it when it claims the batch). Yields, like `Producer`:
     Item(seq, epoch, frames, n, lease)   one encoded batch

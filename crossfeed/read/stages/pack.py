@@ -23,8 +23,8 @@ Rows are dealt like samples: after ``position`` rows of the epoch were consumed,
 ``W`` takes global rows ``position + r, + r + W, …``, ``B`` per batch; the epoch's last global
 batch is completed with empty rows (all padding, segment 0), so every rank has the same number of
 ``(B, L)`` batches and every token of the epoch is delivered exactly once (``drop_last=True``
-drops that last incomplete global batch instead). A state is ``(epoch, rows consumed)``; rows
-consumed count every rank together, so resuming at another world size or worker count deals the
+drops that last incomplete global batch instead). A state is ``(epoch, rows consumed)`` and the
+packer's cursor there (see Cost); rows consumed count every rank together, so resuming at another world size or worker count deals the
 rest of the same row sequence: every remaining token exactly once.
 
 ``batch_by_tokens=T`` — no packing: documents in plan order form global batches of whole
@@ -37,13 +37,23 @@ documents consumed)``, and a batch boundary is a fresh start of the greedy rule,
 there continues identically, and at another world size covers the rest exactly once.
 
 Cost: memory is O(batch + bins), never O(documents): lengths are gathered ``SCAN`` documents at a
-time from memory-mapped lengths files. Packing is sequential, so a rank (and each of its workers)
-walks the lengths of the whole epoch from its start — integers only, no record is read — to find
-its rows, a chunk of documents at a time (`row_blocks`: ``split="rows"`` in numpy, best-fit a
-Python step per document), and picks its batches' rows out of each chunk with one mask;
-resuming at row ``p`` walks the lengths before it again, and `PackSampler.epoch_total` (the
-number of rows, what ``len(loader)`` needs) walks the whole epoch once per epoch (``split="rows"``:
-a sum of the lengths). A batch is built by `PackBuilder` with a few numpy calls, its pieces
+time from memory-mapped lengths files. Packing is sequential: rows are found by walking the
+epoch's lengths in plan order — integers only, no record is read — a chunk of documents at a time
+(`walk`: ``split="rows"`` in numpy, best-fit a Python step per document), and a batch's rows are
+picked out of each chunk with one mask. Every chunk ends at a `PackCursor` — the rows emitted,
+the documents consumed, and the packer's open rows (at most ``bins``; ``split="rows"``: where
+the open row starts) — from which a walk continues exactly as the uninterrupted one would. A
+process remembers the cursors it met (`_Marks`: bounded, the recent ones dense), and a
+`crossfeed.Loader` state carries the one at (or a chunk before) its position, checked strictly
+when loaded (`PackCursor.from_json`). So a walk to row ``p`` — a resume, an elastic resume at
+another world size, a dispatcher's batch leased again, "which documents are in row ``p``"
+(`PackSampler.rows`) — starts at the nearest cursor before ``p``: O(bins + batch + ``SCAN``)
+documents, not a walk from the epoch's start. Without one (a version-2 state, ``start=``)
+it walks from the epoch's start. A token-weighted mixture's order (`TokenMixtureOrder`) is
+planned in numpy too, a chunk at a time, and its cursors carry each source's draws. The epoch's number of rows (`PackSampler.epoch_total`, what
+``len(loader)`` needs) is exact without a walk for ``split="rows"`` of one dataset (the lengths
+files' sum, cut in rows); otherwise one walk from the furthest cursor known to the epoch's end,
+kept. A batch is built by `PackBuilder` with a few numpy calls, its pieces
 sliced from the shards where `crossfeed.read.stages.tokens` checked them. A split
 without lengths files has its lengths learned by decoding each shard once, kept in memory (4
 bytes per record): write lengths files to avoid both.
@@ -84,6 +94,7 @@ HEADER, PIECE = 2, 5  # a batch: (rows, width), then pieces of (row, document, s
 # ---- lengths ------------------------------------------------------------------------------------
 
 
+SPARSE = 32  # entries of one lengths file looked up at once, at most, read by pread rather than the mapping
 EMPTY_CHECKS = 1024  # empty documents read per shard to confirm their lengths entries (`DocLengths`)
 
 
@@ -113,6 +124,7 @@ class DocLengths:
                     name,
                 )
         self._shards: dict[tuple[int, int], np.ndarray] = {}
+        self._files: dict[tuple[int, int], tuple[str, int, int]] = {}  # local lengths files: (path, width, column)
         self._maps: list = []
         self._lock = threading.Lock()
 
@@ -127,8 +139,38 @@ class DocLengths:
             shard = np.searchsorted(sp.starts, local, side="right") - 1
             for k in np.unique(shard).tolist():
                 m = shard == k
-                out[at[m]] = self.shard(s, k)[local[m] - sp.starts[k]]
+                lens = self.shard(s, k)
+                j = local[m] - sp.starts[k]
+                file = self._files.get((s, k)) if len(j) <= SPARSE else None
+                out[at[m]] = lens[j] if file is None else self._read(file, j)
         return out
+
+    @staticmethod
+    def _read(file: tuple[str, int, int], entries: np.ndarray) -> np.ndarray:
+        """A few entries of a checked local lengths file, read by ``pread``: a lookup through the
+        mapping would map the whole folio around each entry into this process (hundreds of KB a
+        file on kernels with large page-cache folios), a few scattered lookups into every file
+        of a shuffled epoch's first chunks."""
+        path, width, col = file
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            got = [os.pread(fd, DTYPE.itemsize, (int(j) * width + col) * DTYPE.itemsize) for j in entries.tolist()]
+        finally:
+            os.close(fd)
+        data = b"".join(got)
+        if len(data) != DTYPE.itemsize * len(entries):
+            raise IndexFileError(f"{path}: the lengths file was cut short after it was checked; it is being rewritten?")
+        return np.frombuffer(data, dtype=DTYPE).astype(np.int64)
+
+    def total(self, limit: int | None = None) -> int:
+        """Every document's length summed (``limit``: of those at most ``limit``), shard by shard
+        in numpy: every lengths file read once (4 bytes a document), no plan walked."""
+        got = 0
+        for s, sp in enumerate(self.splits):
+            for k in range(len(sp.shards)):
+                lens = self.shard(s, k)
+                got += int(lens.sum(dtype=np.int64) if limit is None else lens[lens <= limit].sum(dtype=np.int64))
+        return got
 
     def where(self, doc: int) -> str:
         """Where the plan's length of document ``doc`` came from."""
@@ -187,6 +229,12 @@ class DocLengths:
         if feature is not None:  # bounded by what a record can hold, before a plan sizes rows by it
             check_bound(lengths, record_bound(info, feature, sp.info.format), where, name)
         self._check_empty(s, k, lengths, where, fix)
+        if isinstance(data, mmap.mmap):  # checked: its pages leave this process (a walk maps back the few it reads)
+            try:
+                data.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError, AttributeError):
+                pass
+            self._files[(s, k)] = (where, width, col)
         return lengths
 
     def _check_empty(self, s: int, k: int, lengths: np.ndarray, where: str, fix: str) -> None:
@@ -207,26 +255,222 @@ class DocLengths:
                 )
 
 
+# ---- where the packer stands: cursors ------------------------------------------------------------
+
+
+CURSOR_PIECES_MAX = 1 << 16  # pieces a carried cursor may hold, all rows together (a state crosses a trust boundary)
+
+
+class PackCursor:
+    """Where the packer stands in epoch ``epoch``: everything it needs to continue, so a walk can
+    start here instead of at the epoch's start (`walk`).
+
+    ``rows`` rows were emitted before it and ``documents`` documents of the plan's order consumed.
+    ``split="documents"``: ``open`` holds the best-fit packer's open rows (at most ``bins``), in
+    the order they were opened, each a tuple of pieces ``(document id, start, count, length)``.
+    ``split="rows"``: ``open`` is empty and row ``rows`` starts at token ``offset`` of the
+    document at position ``documents`` (the one the walk continues with). A token-weighted
+    mixture's cursor holds each source's ``(draws, tokens)`` there too (``mixture``: where its
+    order stands, `TokenMixtureOrder.walk`). Walking on from a cursor
+    gives exactly the rows an uninterrupted walk gives from there. Immutable; ``to_json`` is what a
+    state carries, `from_json` its strict reader."""
+
+    __slots__ = ("epoch", "rows", "documents", "offset", "open", "mixture", "_json")
+
+    def __init__(self, epoch: int, rows: int, documents: int, offset: int = 0, open: tuple = (), mixture: tuple = ()):
+        self.epoch, self.rows, self.documents, self.offset, self.open = epoch, rows, documents, offset, open
+        self.mixture = mixture
+        self._json: dict | None = None
+
+    @classmethod
+    def start(cls, epoch: int) -> PackCursor:
+        return cls(epoch, 0, 0)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.rows, self.documents)
+
+    def __repr__(self) -> str:
+        return f"PackCursor(epoch={self.epoch}, rows={self.rows}, documents={self.documents}, open={len(self.open)})"
+
+    def to_json(self) -> dict:
+        """``{"epoch", "rows", "documents", "offset", "open": [[[doc, start, count, length], …], …]}``."""
+        if self._json is None:
+            self._json = {
+                "epoch": self.epoch,
+                "rows": self.rows,
+                "documents": self.documents,
+                "offset": self.offset,
+                "open": [[list(p) for p in row] for row in self.open],
+            }
+            if self.mixture:
+                self._json["mixture"] = [list(m) for m in self.mixture]
+        return self._json
+
+    @classmethod
+    def from_json(cls, d, *, pack: Pack, documents: int, ids: int, lengths, sources: int = 0) -> PackCursor:
+        """A cursor read from a state, bounded and checked before anything is planned from it:
+        ``documents`` (the epoch's documents) bounds its position, ``ids`` (the documents' global
+        ids) its pieces' documents, ``pack.bins`` its open rows and ``pack.length`` their tokens,
+        and every piece's length must be its document's (``lengths``), its tokens within it; a
+        token mixture's (``sources`` > 0) ``mixture`` holds a ``[draws, tokens]`` pair per source,
+        the draws summing to ``documents``. Raises `ConfigError` naming the field."""
+
+        def bad(field: str, why: str) -> ConfigError:
+            where = f"pack.{field}" if field else "pack"
+            return ConfigError(f"loader state {where}: {why}; the state is damaged or was not saved by crossfeed")
+
+        def integer(v, field: str, lo: int, hi: int) -> int:
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise bad(field, f"expected an integer, got {type(v).__name__}")
+            if not lo <= v <= hi:
+                raise bad(field, f"{v} is outside {lo} … {hi}")
+            return v
+
+        if not isinstance(d, dict):
+            raise bad("", f"expected an object, got {type(d).__name__}")
+        unknown = set(d) - {"epoch", "rows", "documents", "offset", "open", "mixture"}
+        if unknown:
+            raise bad(sorted(unknown)[0], "is not a field of a packed state")
+        L = pack.length
+        epoch = integer(d.get("epoch"), "epoch", 0, 2**62)
+        docs = integer(d.get("documents"), "documents", 0, documents)
+        rows = integer(d.get("rows"), "rows", 0, 2**62)
+        offset = integer(d.get("offset", 0), "offset", 0, 2**62)
+        rows_in = d.get("open", [])
+        if not isinstance(rows_in, list):
+            raise bad("open", f"expected a list of rows, got {type(rows_in).__name__}")
+        if pack.split is PackSplit.ROWS and rows_in:
+            raise bad("open", 'split="rows" carries no open rows (its row starts at documents, offset)')
+        if pack.split is PackSplit.DOCUMENTS and offset:
+            raise bad("offset", 'split="documents" starts at a whole document (offset 0)')
+        if len(rows_in) > pack.bins:
+            raise bad("open", f"{len(rows_in)} open rows, more than the packing's bins={pack.bins}")
+        flat: list[list] = []
+        for i, row in enumerate(rows_in):
+            if not isinstance(row, list) or not row:
+                raise bad(f"open[{i}]", "expected a non-empty list of pieces")
+            flat += [[i, j, p] for j, p in enumerate(row)]
+        if len(flat) > CURSOR_PIECES_MAX:
+            raise bad("open", f"{len(flat)} pieces, more than {CURSOR_PIECES_MAX:,}")
+        out: list[list[tuple]] = [[] for _ in rows_in]
+        for i, j, p in flat:
+            field = f"open[{i}][{j}]"
+            if not isinstance(p, list) or len(p) != 4:
+                raise bad(field, "expected [document, start, count, length]")
+            doc = integer(p[0], field + "[0] (document)", 0, ids - 1)
+            n = integer(p[3], field + "[3] (length)", 1, 2**62)
+            count = integer(p[2], field + "[2] (count)", 1, min(n, L))
+            start = integer(p[1], field + "[1] (start)", 0, n - count)
+            out[i].append((doc, start, count, n))
+        for i, row in enumerate(out):
+            used = sum(p[2] for p in row)
+            if used >= L:
+                raise bad(f"open[{i}]", f"holds {used} tokens; an open row holds fewer than the pack length {L}")
+        if flat:  # each piece's length is its document's: a piece is sliced by it
+            docs_of = np.array([p[0] for row in out for p in row], dtype=np.int64)
+            have = np.asarray(lengths(docs_of), dtype=np.int64)
+            said = np.array([p[3] for row in out for p in row], dtype=np.int64)
+            wrong = np.flatnonzero(have != said)
+            if len(wrong):
+                k = int(wrong[0])
+                i, j, _ = flat[k]
+                raise bad(
+                    f"open[{i}][{j}][3] (length)",
+                    f"document {int(docs_of[k])} has {int(have[k])} tokens, the state says {int(said[k])}",
+                )
+        mix_in = d.get("mixture", [])
+        if not isinstance(mix_in, list):
+            raise bad("mixture", f"expected a list of [draws, tokens] per source, got {type(mix_in).__name__}")
+        if not sources and mix_in:
+            raise bad("mixture", "only a token-weighted mixture's state carries its sources' draws")
+        mixture: list[tuple[int, int]] = []
+        if sources and (mix_in or docs):
+            if len(mix_in) != sources:
+                raise bad("mixture", f"{len(mix_in)} sources, the mixture has {sources}")
+            for i, m in enumerate(mix_in):
+                if not isinstance(m, list) or len(m) != 2:
+                    raise bad(f"mixture[{i}]", "expected [draws, tokens]")
+                drawn = integer(m[0], f"mixture[{i}][0] (draws)", 0, docs)
+                mixture.append((drawn, integer(m[1], f"mixture[{i}][1] (tokens)", drawn, 2**62)))
+            if sum(m[0] for m in mixture) != docs:
+                raise bad("mixture", f"its sources' draws sum to {sum(m[0] for m in mixture)}, not documents={docs}")
+        return cls(epoch, rows, docs, offset, tuple(tuple(row) for row in out), tuple(mixture))
+
+
+class _Marks:
+    """What one process knows of an epoch's walk: the cursors it met (`PackCursor`, sorted by
+    position; the newest ``DENSE`` all kept, older ones thinned to every other when there are
+    more than ``KEEP``: bounded memory at any epoch length), the rows known to exist
+    (``seen``), and the epoch's rows once a walk reached its end (``total``)."""
+
+    KEEP, DENSE = 256, 64
+
+    def __init__(self, epoch: int):
+        start = PackCursor.start(epoch)
+        self.cursors, self.keys = [start], [start.key]
+        self.seen: int = 0
+        self.total: int | None = None
+        self._lock = threading.Lock()
+
+    def add(self, cursor: PackCursor) -> None:
+        with self._lock:
+            i = bisect.bisect_left(self.keys, cursor.key)
+            if i < len(self.keys) and self.keys[i] == cursor.key:
+                return
+            self.keys.insert(i, cursor.key)
+            self.cursors.insert(i, cursor)
+            self.seen = max(self.seen, cursor.rows)
+            if len(self.cursors) > self.KEEP:  # every other older one goes (the epoch's start stays)
+                old = len(self.cursors) - self.DENSE
+                keep = [j for j in range(len(self.cursors)) if j >= old or j % 2 == 0]
+                self.cursors = [self.cursors[j] for j in keep]
+                self.keys = [self.keys[j] for j in keep]
+
+    def best(self, row: int) -> PackCursor:
+        """The furthest cursor before row ``row`` is emitted (its ``rows`` at most ``row``)."""
+        with self._lock:
+            i = bisect.bisect_right(self.keys, (row, sys.maxsize)) - 1
+            return self.cursors[max(i, 0)]
+
+    def end(self, rows: int) -> None:
+        with self._lock:
+            self.total = rows
+            self.seen = max(self.seen, rows)
+
+
 # ---- packing: every row of an epoch -------------------------------------------------------------
+
+
+def _chunks(order, lengths, start: int = 0, mixture=()) -> Iterator[tuple[int, np.ndarray, np.ndarray, Any]]:
+    """``(position, document ids, lengths, draws)`` of the epoch's documents from position
+    ``start``, in plan order, a chunk at a time: a few at first (the first rows touch few lengths
+    files), then ``SCAN`` at a time; ``position``: the chunk's first document's. A token
+    mixture's order (sequential) gives each chunk's `MixDraws` (else None) and walks on from
+    ``mixture`` (each source's ``(draws, tokens)`` at ``start``; empty: from the epoch's start)."""
+    if order.sequential:
+        if mixture:
+            yield from order.walk(lengths, (start, [d for d, _ in mixture], [t for _, t in mixture]))
+            return
+        for lo, ids, lens, draws in order.walk(lengths):
+            if lo + len(ids) > start:
+                skip = max(0, start - lo)
+                if skip:
+                    draws = draws.after(skip)
+                yield lo + skip, ids[skip:], lens[skip:], draws
+        return
+    lo, size = start, FIRST_SCAN
+    while lo < order.n:
+        ids = order(np.arange(lo, min(order.n, lo + size), dtype=np.int64))
+        yield lo, ids, np.asarray(lengths(ids), dtype=np.int64), None
+        lo, size = lo + size, min(SCAN, 2 * size)
 
 
 def document_chunks(order, lengths, start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """``(document ids, lengths)`` int64 arrays of the epoch's documents from position ``start``,
     in plan order, a few at first (the first rows touch few lengths files), then ``SCAN`` at a time."""
-    if order.sequential:  # a token mixture's order: walked from the epoch's start
-        skip = start
-        for ids, lens in order.walk(lengths):
-            if skip >= len(ids):
-                skip -= len(ids)
-                continue
-            yield ids[skip:], lens[skip:]
-            skip = 0
-        return
-    lo, size = start, FIRST_SCAN
-    while lo < order.n:
-        ids = order(np.arange(lo, min(order.n, lo + size), dtype=np.int64))
-        yield ids, np.asarray(lengths(ids), dtype=np.int64)
-        lo, size = lo + size, min(SCAN, 2 * size)
+    for _, ids, lens, _ in _chunks(order, lengths, start):
+        yield ids, lens
 
 
 def documents(order, lengths, start: int = 0) -> Iterator[tuple[int, int]]:
@@ -245,12 +489,13 @@ class TokenMixtureOrder:
     document each source's tokens are within a document of its share: for sources ``s``, ``t``,
     ``T_s / w_s − T_t / w_t ≤ M / w_s + 1 / w_t`` (``M``: the longest document). It is a pure
     function of the plan and the lengths, exact in integers (``(T + 1) · lcm / w``), and
-    sequential: the epoch is walked from its start (`walk`). A source's ``c``-th document of
+    sequential: the epoch is walked in order (`walk`, vectorised), from its start or from where
+    a cursor says each source stands. A source's ``c``-th document of
     epoch ``e`` is its draw ``e · n + c`` (``n``: the epoch's documents) — its passes' orders as
     in `MixtureOrder` — so epochs never share draws, and within an epoch a source repeats a
     document only after drawing all of them."""
 
-    sequential = True  # walked from the epoch's start (`documents`)
+    sequential = True  # walked in order, from the epoch's start or a cursor's draws (`_chunks`)
 
     def __init__(self, mix):
         self.mix, self.n, self.epoch = mix, mix.n, mix.epoch
@@ -258,30 +503,108 @@ class TokenMixtureOrder:
         lcm = math.lcm(*weights)
         self.steps = [lcm // w for w in weights]
 
-    def walk(self, lengths) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """``(ids, lengths)`` of the epoch's documents in order, ``SCAN`` at a time."""
-        mix, k, steps = self.mix, len(self.steps), self.steps
-        keys = list(steps)  # (tokens + 1) · lcm / w
-        drawn = [0] * k
-        bufs: list[tuple[list, list]] = [([], [])] * k
-        at = [0] * k
+    @property
+    def sources(self) -> int:
+        return len(self.steps)
+
+    def walk(self, lengths, start: tuple[int, list[int], list[int]] | None = None):
+        """``(position, ids, lengths, draws)`` of the epoch's documents in order, from ``start``
+        (``(position, each source's draws, each source's tokens)`` there; None: the epoch's
+        start), a chunk at a time; ``draws``: `MixDraws` of the chunk (each source's draws and
+        tokens anywhere in it, what a `PackCursor` carries).
+
+        Vectorised: source ``s``'s ``c``-th next document is drawn when its key ``(T_s + 1) ·
+        lcm / w_s`` (``T_s``: its tokens before it) is the smallest, ties to the first source —
+        each source's keys increase with its own draws alone, so the epoch's order is the merge of
+        the sources' key sequences, sorted by (key, source): a chunk of ``count`` documents is the
+        first ``count`` of the merge of each source's next ``count`` candidates (one `lexsort`)."""
+        mix, k = self.mix, len(self.steps)
+        steps = np.asarray(self.steps, dtype=np.int64)
+        lo, drawn, tokens = (0, [0] * k, [0] * k) if start is None else (start[0], list(start[1]), list(start[2]))
         base = self.epoch * self.n
-        done, size = 0, FIRST_SCAN
-        while done < self.n:
-            count = min(size, self.n - done)
-            ids, lens = [0] * count, [0] * count
+        buf_ids = [np.zeros(0, dtype=np.int64) for _ in range(k)]  # each source's next draws, fetched ahead
+        buf_lens = [np.zeros(0, dtype=np.int64) for _ in range(k)]
+        size = FIRST_SCAN
+        while lo < self.n:
+            count = min(size, self.n - lo)
+            keys = []
+            for s in range(k):
+                have = len(buf_ids[s])
+                if have < count:
+                    got = mix._draws(s, base + drawn[s] + have, count - have)
+                    buf_ids[s] = np.concatenate([buf_ids[s], got])
+                    buf_lens[s] = np.concatenate([buf_lens[s], np.asarray(lengths(got), dtype=np.int64)])
+                w = np.maximum(buf_lens[s][:count], 1)
+                before = tokens[s] + np.cumsum(w) - w
+                if int(steps[s]) * (int(before[-1]) + 1) >= 1 << 62:  # past int64: the exact step in Python ints
+                    yield from self._walk_python(lengths, lo, drawn, tokens)
+                    return
+                keys.append(steps[s] * (before + 1))
+            source = np.repeat(np.arange(k, dtype=np.int64), count)
+            picked = np.lexsort((source, np.concatenate(keys)))[:count]
+            src = source[picked]
+            take = np.bincount(src, minlength=k)
+            ids, lens = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
+            for s in range(k):
+                t = int(take[s])
+                if t:
+                    m = src == s
+                    ids[m], lens[m] = buf_ids[s][:t], buf_lens[s][:t]
+            yield lo, ids, lens, MixDraws(drawn, tokens, src, lens)
+            for s in range(k):
+                t = int(take[s])
+                drawn[s] += t
+                tokens[s] += int(np.maximum(buf_lens[s][:t], 1).sum())
+                buf_ids[s], buf_lens[s] = buf_ids[s][t:], buf_lens[s][t:]
+            lo, size = lo + count, min(SCAN, 2 * size)
+
+    def _walk_python(self, lengths, lo: int, drawn: list[int], tokens: list[int]):
+        """`walk` one document at a time in Python integers (weights whose keys pass int64)."""
+        mix, steps = self.mix, self.steps
+        drawn, tokens = list(drawn), list(tokens)
+        keys = [st * (t + 1) for st, t in zip(steps, tokens)]
+        base, size = self.epoch * self.n, FIRST_SCAN
+        while lo < self.n:
+            count = min(size, self.n - lo)
+            ids, lens, src = [0] * count, [0] * count, [0] * count
+            start_drawn, start_tokens = list(drawn), list(tokens)
             for j in range(count):
                 s = keys.index(min(keys))
-                i = at[s]
-                if i == len(bufs[s][0]):  # the source's next draws: no more than the epoch has left
-                    got = mix._draws(s, base + drawn[s], min(size, self.n - done - j))
-                    bufs[s], i = (got.tolist(), lengths(got).tolist()), 0
-                ids[j] = bufs[s][0][i]
-                n = lens[j] = bufs[s][1][i]
-                at[s], drawn[s] = i + 1, drawn[s] + 1
+                got = mix._draws(s, base + drawn[s], 1)
+                ids[j], n, src[j] = int(got[0]), int(lengths(got)[0]), s
+                lens[j] = n
+                drawn[s] += 1
+                tokens[s] += max(n, 1)
                 keys[s] += max(n, 1) * steps[s]
-            done, size = done + count, min(SCAN, 2 * size)
-            yield np.asarray(ids, dtype=np.int64), np.asarray(lens, dtype=np.int64)
+            lens_a = np.asarray(lens, dtype=np.int64)
+            yield (
+                lo,
+                np.asarray(ids, dtype=np.int64),
+                lens_a,
+                MixDraws(start_drawn, start_tokens, np.asarray(src), lens_a),
+            )
+            lo, size = lo + count, min(SCAN, 2 * size)
+
+
+class MixDraws:
+    """Where a token mixture's sources stand within one chunk of its walk: ``at(j)`` is each
+    source's ``(draws, tokens)`` before the chunk's ``j``-th document (a `PackCursor`'s ``mixture``)."""
+
+    __slots__ = ("drawn", "tokens", "src", "lens")
+
+    def __init__(self, drawn, tokens, src: np.ndarray, lens: np.ndarray):
+        self.drawn, self.tokens, self.src, self.lens = list(drawn), list(tokens), src, lens
+
+    def after(self, j: int) -> MixDraws:
+        """The draws of the chunk's documents from its ``j``-th on."""
+        drawn, tokens = zip(*self.at(j)) if self.drawn else ((), ())
+        return MixDraws(drawn, tokens, self.src[j:], self.lens[j:])
+
+    def at(self, j: int) -> tuple[tuple[int, int], ...]:
+        k = len(self.drawn)
+        d = np.bincount(self.src[:j], minlength=k)
+        t = np.bincount(self.src[:j], weights=np.maximum(self.lens[:j], 1), minlength=k)
+        return tuple((a + int(x), b + int(y)) for a, b, x, y in zip(self.drawn, self.tokens, d.tolist(), t.tolist()))
 
 
 class _BestFit:
@@ -293,6 +616,22 @@ class _BestFit:
         self.open: dict[int, list] = {}  # row number → pieces; insertion order = opening order
         self.room: dict[int, int] = {}
         self.seq = 0
+
+    @classmethod
+    def at(cls, length: int, bins: int, rows=()) -> _BestFit:
+        """A packer whose open rows are ``rows`` (a `PackCursor`'s, in the order they were opened)."""
+        self = cls(length, bins)
+        for row in rows:
+            s, self.seq = self.seq, self.seq + 1
+            self.open[s] = list(row)
+            room = length - sum(p[2] for p in row)
+            self.room[s] = room
+            bisect.insort(self.spaces, (room, s))
+        return self
+
+    def state(self) -> tuple:
+        """The open rows, in the order they were opened (what a `PackCursor` carries)."""
+        return tuple(map(tuple, self.open.values()))
 
     def add(self, doc: int, n: int, out: list) -> None:
         L, start = self.length, 0
@@ -360,11 +699,12 @@ class _Chunks:
         return [self.row] if self.row else []
 
 
-def row_blocks(order, lengths, pack: Pack) -> Iterator[tuple[int, np.ndarray]]:
-    """Every row of one epoch in order, in blocks ``(rows, pieces)``: the block's ``rows`` rows
-    (numbered on from the previous block's) as an ``(n, 5)`` int64 array of pieces ``(row,
-    document, start, count, length)``, row by row — the document's tokens ``start .. start +
-    count`` (``length``: the whole document's).
+def walk(order, lengths, pack: Pack, cursor: PackCursor | None = None) -> Iterator[tuple[int, np.ndarray, PackCursor]]:
+    """The rows of one epoch in order from ``cursor`` (None: the epoch's start), in blocks
+    ``(rows, pieces, after)``: the block's ``rows`` rows (numbered on from the cursor's
+    ``rows``) as an ``(n, 5)`` int64 array of pieces ``(row, document, start, count, length)``,
+    row by row — the document's tokens ``start .. start + count`` (``length``: the whole
+    document's) — and the cursor after the block (a walk from it continues with the next block).
 
     ``split="rows"`` is planned in numpy a chunk of documents at a time: with the documents'
     token offsets in the epoch's concatenation (a cumulative sum), document ``d`` spans rows
@@ -373,47 +713,91 @@ def row_blocks(order, lengths, pack: Pack) -> Iterator[tuple[int, np.ndarray]]:
     per document (`_BestFit`, a few list operations each)."""
     L = pack.length
     drop = pack.long is PackLong.DROP
+    epoch = getattr(order, "epoch", 0) if cursor is None else cursor.epoch
+    cursor = cursor or PackCursor.start(epoch)
+    end_mix = cursor.mixture  # a token mixture's draws where the walk stands (its last chunk's end)
+
+    def mix_at(draws, j: int) -> tuple:
+        return draws.at(j) if draws is not None else ()
+
     if pack.split is PackSplit.DOCUMENTS:
-        packer, done = _BestFit(L, pack.bins), 0
-        for ids, lens in document_chunks(order, lengths):
+        packer, done = _BestFit.at(L, pack.bins, cursor.open), cursor.rows
+        for lo, ids, lens, draws in _chunks(order, lengths, cursor.documents, cursor.mixture):
             out: list = []
             add = packer.add
             for doc, n in zip(ids.tolist(), lens.tolist()):
                 if not (drop and n > L):
                     add(doc, n, out)
-            if out:
-                yield len(out), _block(out, done)
-                done += len(out)
+            block = _block(out, done) if out else np.zeros((0, PIECE), dtype=np.int64)
+            done += len(out)
+            end_mix = mix_at(draws, len(ids))
+            yield len(out), block, PackCursor(epoch, done, lo + len(ids), 0, packer.state(), end_mix)
         rest = packer.flush()
         if rest:
-            yield len(rest), _block(rest, done)
+            yield len(rest), _block(rest, done), PackCursor(epoch, done + len(rest), order.n, mixture=end_mix)
         return
-    done, tokens = 0, 0  # rows emitted; tokens before the chunk
+    done = cursor.rows  # rows emitted
+    tokens = done * L - cursor.offset  # tokens before the next chunk, in the epoch's concatenation
+    at, offset, at_mix = cursor.documents, cursor.offset, cursor.mixture  # where the open row starts
     carry = np.zeros((0, PIECE), dtype=np.int64)  # the pieces of the open row
-    for ids, lens in document_chunks(order, lengths):
+    first = True
+    for lo, ids, lens, draws in _chunks(order, lengths, cursor.documents, cursor.mixture):
+        chunk = len(ids)
+        pos = np.arange(lo, lo + chunk, dtype=np.int64)
         keep = (lens > 0) & (lens <= L) if drop else lens > 0
+        if first and offset and (len(lens) == 0 or not keep[0] or offset >= lens[0]):
+            raise ConfigError(
+                f"loader state pack.offset: {offset} is not inside document {at} of epoch {epoch} "
+                f"({int(lens[0]) if len(lens) else 0} tokens); the state is damaged or was saved for other data"
+            )
+        first = False
+        end_mix = mix_at(draws, chunk)
         if not keep.all():
-            ids, lens = ids[keep], lens[keep]
+            ids, lens, pos = ids[keep], lens[keep], pos[keep]
         if not len(ids):
+            if len(carry):
+                yield 0, carry[:0], PackCursor(epoch, done, at, offset, mixture=at_mix)
+            else:
+                yield 0, carry[:0], PackCursor(epoch, done, lo + chunk, mixture=end_mix)
             continue
         ends = tokens + np.cumsum(lens)
         begins = ends - lens
-        first = begins // L
-        count = (ends - 1) // L - first + 1
+        row0 = begins // L
+        count = (ends - 1) // L - row0 + 1
         d = np.repeat(np.arange(len(ids)), count)
-        row = first[d] + np.arange(len(d)) - np.repeat(np.cumsum(count) - count, count)
-        lo = np.maximum(begins[d], row * L)
-        hi = np.minimum(ends[d], (row + 1) * L)
-        pieces = np.concatenate([carry, np.stack([row, ids[d], lo - begins[d], hi - lo, lens[d]], axis=1)])
+        row = row0[d] + np.arange(len(d)) - np.repeat(np.cumsum(count) - count, count)
+        a = np.maximum(begins[d], row * L)
+        b = np.minimum(ends[d], (row + 1) * L)
+        new = np.stack([row, ids[d], a - begins[d], b - a, lens[d]], axis=1)
+        if row0[0] < done:  # a walk from a cursor mid-document: the rows before it are not this walk's
+            new = new[new[:, 0] >= done]
+        pieces = np.concatenate([carry, new])
         tokens = int(ends[-1])
         full = tokens // L  # rows before this one are complete
         cut = int(np.searchsorted(pieces[:, 0], full))
         if full > done:
-            yield full - done, pieces[:cut]
-            done = full
+            k = int(np.searchsorted(ends, full * L, side="right"))  # the document the open row starts in
+            if k < len(ids):
+                at, offset = int(pos[k]), full * L - int(begins[k])
+                at_mix = mix_at(draws, at - lo)
+            else:
+                at, offset, at_mix = lo + chunk, 0, end_mix
+            rows, block, done = full - done, pieces[:cut], full
+        else:
+            rows, block = 0, pieces[:0]
         carry = pieces[cut:]
+        if len(carry):
+            yield rows, block, PackCursor(epoch, done, at, offset, mixture=at_mix)
+        else:
+            yield rows, block, PackCursor(epoch, done, lo + chunk, mixture=end_mix)
     if len(carry):
-        yield 1, carry
+        yield 1, carry, PackCursor(epoch, done + 1, order.n, mixture=end_mix)
+
+
+def row_blocks(order, lengths, pack: Pack, cursor: PackCursor | None = None) -> Iterator[tuple[int, np.ndarray]]:
+    """Every row of one epoch in order (from ``cursor``), in blocks ``(rows, pieces)`` (`walk`)."""
+    for rows, pieces, _ in walk(order, lengths, pack, cursor):
+        yield rows, pieces
 
 
 def _block(rows: list[list], first: int) -> np.ndarray:
@@ -487,7 +871,7 @@ class PackSampler:
         self.options, self.shard = options.plan, options.shard
         self.pack, self.budget = options.plan.pack, options.plan.batch_by_tokens
         self.total = docs.total  # documents per epoch (a state's num_samples: which data it was saved for)
-        self._rows: dict[int, int] = {}  # epoch → its rows (the last few epochs)
+        self._marks: dict[int, _Marks] = {}  # epoch → what is known of its walk (the last few epochs)
         self._counts: dict[tuple[int, int], int] = {}  # batch_by_tokens: (epoch, position) → global batches left
         self._lock = threading.Lock()
 
@@ -516,43 +900,96 @@ class PackSampler:
             return TokenMixtureOrder(order)
         return order
 
+    def walk(self, epoch: int, row: int = 0) -> tuple[int, Iterator[tuple[int, np.ndarray]]]:
+        """``(first, blocks)``: the epoch's rows in blocks (`row_blocks`) from the nearest cursor
+        known at or before row ``row`` (the epoch's start when none is), ``first`` the first
+        block's first row; the cursors met are remembered (`_Marks`), and the epoch's total when
+        the walk reaches its end."""
+        marks = self.marks(epoch)
+        start = marks.best(row)
+        return start.rows, self._recorded(marks, walk(self.order(epoch), self.lengths, self.packing, start), start)
+
     def blocks(self, epoch: int) -> Iterator[tuple[int, np.ndarray]]:
-        """The epoch's rows in blocks (`row_blocks`)."""
+        """The epoch's rows in blocks from its start (`row_blocks`)."""
         return row_blocks(self.order(epoch), self.lengths, self.packing)
 
-    def epoch_total(self, epoch: int) -> int:
-        """Positions in epoch ``epoch``: its rows (``pack``; one walk over its lengths, kept), or documents."""
-        if self.pack is None:
-            return self.total
+    @staticmethod
+    def _recorded(marks: _Marks, blocks, last: PackCursor) -> Iterator[tuple[int, np.ndarray]]:
+        for rows, pieces, after in blocks:
+            marks.add(after)
+            last = after
+            yield rows, pieces
+        marks.end(last.rows)
+
+    def marks(self, epoch: int) -> _Marks:
+        """What this process knows of epoch ``epoch``'s walk (the last few epochs are kept)."""
         with self._lock:
-            got = self._rows.get(epoch)
-        if got is None:
-            if self.pack.split is PackSplit.ROWS:  # the tokens' sum, cut in rows: no pieces made
-                drop, L = self.pack.long is PackLong.DROP, self.pack.length
-                tokens = sum(
-                    int(lens[lens <= L].sum() if drop else lens.sum())
-                    for _, lens in document_chunks(self.order(epoch), self.lengths)
-                )
-                got = -(-tokens // L)
-            else:
-                got = sum(rows for rows, _ in self.blocks(epoch))
-            self._remember(epoch, got)
+            got = self._marks.get(epoch)
+            if got is None:
+                got = self._marks[epoch] = _Marks(epoch)
+                while len(self._marks) > 4:
+                    del self._marks[next(iter(self._marks))]
         return got
 
+    def epoch_total(self, epoch: int) -> int:
+        """Positions in epoch ``epoch``: its rows (``pack``), or documents. Rows: exact from the
+        lengths' sums where they decide it (`exact_rows`), else one walk on from the furthest
+        cursor known (the whole epoch, the first time), kept."""
+        if self.pack is None:
+            return self.total
+        marks = self.marks(epoch)
+        if marks.total is None:
+            exact = self.exact_rows(epoch)
+            if exact is not None:
+                marks.end(exact)
+            else:
+                first, blocks = self.walk(epoch, marks.seen)
+                for _ in blocks:
+                    pass
+        assert marks.total is not None
+        return marks.total
+
+    def exact_rows(self, epoch: int) -> int | None:
+        """The rows of a ``split="rows"`` epoch of one dataset without walking it: every document
+        once, so its tokens are the lengths files' sum whatever the order (``long="drop"``: of
+        the lengths up to ``length``), cut in rows of ``length``; None where the order decides
+        it (a mixture's draws, best-fit's padding)."""
+        if self.pack is None or self.pack.split is not PackSplit.ROWS or getattr(self.docs, "weights", None):
+            return None
+        bounds = self.rows_bounds(epoch)
+        return None if bounds is None else bounds[0]
+
+    def rows_bounds(self, epoch: int) -> tuple[int, int] | None:
+        """``(least, most)`` rows epoch ``epoch`` can have, without walking it (one dataset; None
+        for a mixture, whose tokens depend on its draws): with ``T`` the epoch's tokens (the lengths
+        files' sum; ``long="drop"``: of the lengths up to ``L``), ``split="rows"`` has exactly
+        ``⌈T / L⌉``; best-fit at least that and at most ``⌊2T / L⌋ + bins`` — a row is closed
+        with room left only when a piece fits none of the ``bins`` open rows, so its padding is
+        less than that piece, and each piece closes at most one row; the rows open at the end
+        are the ``bins``. ``len()`` stays exact (`epoch_total`); this is for a plan that only
+        needs a bound."""
+        if self.pack is None or getattr(self.docs, "weights", None):
+            return None
+        L = self.pack.length
+        tokens = self.lengths.total(L if self.pack.long is PackLong.DROP else None)
+        least = -(-tokens // L)
+        return (least, least) if self.pack.split is PackSplit.ROWS else (least, 2 * tokens // L + self.pack.bins)
+
     def rows_upto(self, epoch: int, position: int) -> int:
-        """``min(rows of the epoch, position)``, walking no further than ``position`` rows (the
-        epoch's total where it is known): opening, a first batch and a state mid-epoch never walk
-        the whole epoch."""
-        with self._lock:
-            got = self._rows.get(epoch)
-        if got is not None or position <= 0:
-            return min(got, position) if got is not None else position
-        k = 0
-        for rows, _ in self.blocks(epoch):
+        """``min(rows of the epoch, position)``, walking no further than ``position`` rows, on
+        from the nearest cursor known before it (opening, a first batch, a state mid-epoch and
+        a resumed state never walk the whole epoch, nor from its start when a cursor is known)."""
+        marks = self.marks(epoch)
+        if marks.total is not None:
+            return min(marks.total, position)
+        if position <= marks.seen:
+            return max(position, 0)
+        first, blocks = self.walk(epoch, position)
+        k = first
+        for rows, _ in blocks:
             k += rows
             if k >= position:
                 return position
-        self._remember(epoch, k)
         return k
 
     def within(self, epoch: int, position: int) -> bool:
@@ -561,11 +998,46 @@ class PackSampler:
             self.pack is None and position <= self.total or self.rows_upto(epoch, position) == position
         )
 
-    def _remember(self, epoch: int, rows: int) -> None:
-        with self._lock:
-            self._rows[epoch] = rows
-            while len(self._rows) > 4:
-                del self._rows[next(iter(self._rows))]
+    def cursor_at(self, epoch: int, position: int) -> PackCursor:
+        """A cursor at or before row ``position`` of epoch ``epoch`` — within a chunk of documents
+        of it (a walk from it reaches ``position`` in O(``SCAN``) documents), walking there from
+        the nearest one known when this process has not been there."""
+        self.rows_upto(epoch, position)
+        return self.marks(epoch).best(position)
+
+    def resume(self, state, epoch: int, position: int) -> bool:
+        """Take a state's cursor (`PackCursor.to_json`), checked (`PackCursor.from_json`), as one
+        this process knows: a walk to ``position`` starts there. A cursor of another epoch, or past
+        ``position``, does not lead there and is left unused (False)."""
+        order = self.order(epoch)
+        cursor = PackCursor.from_json(
+            state,
+            pack=self.packing,
+            documents=self.total,
+            ids=int(self.lengths.starts[-1]),
+            lengths=self.lengths,
+            sources=order.sources if order.sequential else 0,
+        )
+        if cursor.epoch != epoch or cursor.rows > position:
+            log.debug(
+                "a packed state's cursor (%r) does not lead to row %d of epoch %d: unused", cursor, position, epoch
+            )
+            return False
+        self.marks(epoch).add(cursor)
+        return True
+
+    def rows(self, epoch: int, lo: int, hi: int) -> np.ndarray:
+        """The pieces ``(row, document, start, count, length)`` of rows ``lo … hi - 1`` of epoch
+        ``epoch`` ("which documents are in row R"): a walk from the nearest cursor known before
+        ``lo`` (O(bins + rows) past a cursor in the same chunk of documents)."""
+        first, blocks = self.walk(epoch, lo)
+        parts, k = [], first
+        for rows, pieces in blocks:
+            k += rows
+            parts.append(pieces[(pieces[:, 0] >= lo) & (pieces[:, 0] < hi)])
+            if k >= hi:
+                break
+        return np.concatenate(parts) if parts else np.zeros((0, PIECE), dtype=np.int64)
 
     def _token_count(self, epoch: int, position: int) -> int:
         key = (epoch, position)
@@ -596,7 +1068,7 @@ class PackSampler:
         """Batches each rank delivers from ``position`` to the end of epoch ``epoch``."""
         if self.pack is None:
             return self._token_count(epoch, position)
-        left = self.epoch_total(epoch) - position
+        left = max(0, self.epoch_total(epoch) - position)  # (a state's row number is taken as given)
         return left // self.per_batch if self.options.drop_last else -(-left // self.per_batch)
 
     def source_positions(self, epoch: int, position: int) -> list[dict] | None:
@@ -645,8 +1117,9 @@ class PackPlan:
         B, W, p, L = s.options.batch_size, self.world_size, self.position, s.packing.length
         per, nw = B * W, self.num_workers
         pending = np.zeros((0, PIECE + 1), dtype=np.int64)  # (batch, row in it, doc, start, count, length)
-        seen, g_next = 0, 0
-        for rows, pieces in s.blocks(self.epoch):
+        seen, blocks = s.walk(self.epoch, p)  # from the nearest cursor before p
+        g_next = 0
+        for rows, pieces in blocks:
             seen += rows
             k = pieces[:, 0] - p
             g, within = np.divmod(k, per)
@@ -661,7 +1134,6 @@ class PackPlan:
                     yield _encoded(pending[:cut, 1:], B, L)
                     pending = pending[cut:]
                 g_next += 1
-        s._remember(self.epoch, seen)
         left = max(0, seen - p)
         count = left // per if s.options.drop_last else -(-left // per)
         for g_now in range(g_next, count):
@@ -687,7 +1159,8 @@ class PackWalker:
     epoch's row sequence, the epoch's last batch completed with empty rows), as encoded pieces
     for `PackBuilder`, in whatever order a dispatcher leases them: one forward walk over the
     epoch's rows (O(batch + bins) memory); a batch behind the walk (leased again after its server
-    died) restarts the walk from the epoch's start: correct, and slower."""
+    died), or ahead of a cursor further on than the walk, restarts the walk from the nearest
+    cursor before it (`PackSampler.walk`), not from the epoch's start."""
 
     def __init__(self, sampler: Any):
         if getattr(sampler, "pack", None) is None or sampler.shard.world_size != 1:
@@ -703,13 +1176,20 @@ class PackWalker:
     def batch(self, epoch: int, b: int) -> np.ndarray:
         s = self.sampler
         B = s.options.batch_size
-        if epoch != self.epoch or b < self._next:
-            if epoch == self.epoch:
-                self.restarts += 1
-                log.debug("packed batch %d of epoch %d is behind the walk (at %d): walking again", b, epoch, self._next)
-            self.epoch, self._blocks, self._next = epoch, s.blocks(epoch), 0
-            self._pending, self._seen = np.zeros((0, PIECE), dtype=np.int64), 0
         lo, hi = b * B, (b + 1) * B
+        behind = epoch == self.epoch and b < self._next
+        if epoch != self.epoch or behind or s.marks(epoch).best(lo).rows > self._seen:
+            if behind:
+                self.restarts += 1
+                log.debug(
+                    "packed batch %d of epoch %d is behind the walk (at %d): walking on from a cursor",
+                    b,
+                    epoch,
+                    self._next,
+                )
+            self._seen, self._blocks = s.walk(epoch, lo)  # from the nearest cursor before the batch
+            self.epoch, self._next = epoch, b
+            self._pending = np.zeros((0, PIECE), dtype=np.int64)
         pending = self._pending[self._pending[:, 0] >= lo]
         parts = [pending]
         while self._seen < hi:
