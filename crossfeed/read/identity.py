@@ -6,7 +6,8 @@ setting that differs ("pack length was 256, is 512"), instead of training on the
 
 What is in it (`StreamIdentity.of`): each source's dataset by content (its manifest's SHA-256, not
 its path; a delta view ``path@v3-v2``: both versions' manifests), split, weight, renames and features; the plan (shuffle, seed, block_shards, remainder,
-drop_last, samples_per_epoch) — a mixture's weights including their `Schedule`\ s (whose
+drop_last, samples_per_epoch) — a mixture's weights (a nested mixture's: its flattened leaves,
+`crossfeed.read.sources.nested`, so an equivalent nesting is the same stream) including their `Schedule`\ s (whose
 future may change on resume: `resume_differences`); per-sample weights (the set's name and its
 weights file's SHA-256, ``weights``); packing (length, split, bins, long, weights_by, features, pad_id) and
 batch_by_tokens; the decode options that change values (decode_images, image_size, channels,
