@@ -259,3 +259,39 @@ def test_a_spec_file_nests_mixtures_and_other_spec_files(paths, tmp_path):
     by_file = [Source(paths[0]), Source(str(inner), weight=Schedule.constant([(0, 1), (24, 3)]))]
     assert nested.flatten(by_file) == tuple(sources)
     assert Source.from_json(json.loads(json.dumps(_nested(paths)[1].to_json()))) == _nested(paths)[1]
+
+
+def test_replay_names_a_nested_spec_files_leaves(paths, tmp_path):
+    """``crossfeed replay NESTED.json --step N`` plans the flattened leaves: the step's samples are
+    the ones the Loader over the nested Sources delivered, by leaf."""
+    from typer.testing import CliRunner
+
+    from crossfeed.cli.main import app
+
+    spec = tmp_path / "mix.json"
+    prose = {
+        "mixture": [{"path": paths[1], "weight": 3}, {"path": paths[2]}],
+        "weight": {"constant": [[0, 1], [24, 3]]},
+    }
+    spec.write_text(json.dumps({"sources": [{"path": paths[0]}, prose], "samples_per_epoch": 48}))
+    with crossfeed.Loader(_nested(paths), **KW) as loader:
+        batches = list(loader)
+    for step in (2, 7):
+        res = CliRunner().invoke(app, ["replay", str(spec), "--step", str(step), "-b", "4", "--seed", "5", "--json"])
+        assert res.exit_code == 0, res.output
+        got = [json.loads(line) for line in res.stdout.splitlines()]
+        want = batches[step]
+        assert [(x["source_index"], x["index"]) for x in got] == list(
+            zip(want[SOURCE_KEY].tolist(), want["__index__"].tolist())
+        )
+
+
+@pytest.mark.slow
+def test_worker_processes_build_the_nested_mixtures_leaves(paths):
+    kw = {**KW, "samples_per_epoch": 24}
+    with crossfeed.Loader(_nested(paths, at=12), **kw) as loader:
+        want = ids_of(loader)
+    with crossfeed.Loader(_nested(paths, at=12), **kw, executor="process", processes=1) as loader:
+        got = ids_of(loader)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
