@@ -5,8 +5,9 @@ and resuming checks it: a state saved under one setting is refused under another
 setting that differs ("pack length was 256, is 512"), instead of training on the wrong samples.
 
 What is in it (`StreamIdentity.of`): each source's dataset by content (its manifest's SHA-256, not
-its path), split, weight, renames and features; the plan (shuffle, seed, block_shards, remainder,
-drop_last, samples_per_epoch) — a mixture's weights including their `Schedule`\ s (whose
+its path; a delta view ``path@v3-v2``: both versions' manifests), split, weight, renames and features; the plan (shuffle, seed, block_shards, remainder,
+drop_last, samples_per_epoch) — a mixture's weights (a nested mixture's: its flattened leaves,
+`crossfeed.read.sources.nested`, so an equivalent nesting is the same stream) including their `Schedule`\ s (whose
 future may change on resume: `resume_differences`); per-sample weights (the set's name and its
 weights file's SHA-256, ``weights``); packing (length, split, bins, long, weights_by, features, pad_id) and
 batch_by_tokens; the decode options that change values (decode_images, image_size, channels,
@@ -180,7 +181,11 @@ class StreamIdentity:
 
 
 def dataset_id(ds) -> str:
-    """A dataset by content: its manifest's SHA-256 (the manifest names every shard's checksum)."""
+    """A dataset by content: its manifest's SHA-256 (the manifest names every shard's checksum);
+    a delta view (``path@v3-v2``) by both versions' manifests."""
+    since = getattr(ds, "since_sha256", None)
+    if since is not None and ds.manifest_sha256 is not None:
+        return f"sha256:{ds.manifest_sha256} since sha256:{since}"
     if ds.manifest_sha256 is not None:
         return f"sha256:{ds.manifest_sha256}"
     text = json.dumps(ds.manifest.to_json(), sort_keys=True, separators=(",", ":"))

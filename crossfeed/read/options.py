@@ -363,7 +363,11 @@ class Source:
     names of the features to take from it (None: every feature all sources share, renamed).
 
     ``storage_options``: fsspec's options for this source's URL (``{"endpoint_url": …}``), when
-    they differ from the Loader's ``storage_options`` (None: the Loader's)."""
+    they differ from the Loader's ``storage_options`` (None: the Loader's).
+
+    A nested mixture: ``path`` a list of `Source` (or a mixture spec file, ``mix.json``) is a group
+    of sources weighted ``weight`` as one (`crossfeed.read.sources.nested`: flattened into leaf
+    sources when the plan is made); a group takes no split, rename, features or storage_options."""
 
     path: object
     split: str = "train"
@@ -385,6 +389,12 @@ class Source:
         ) -> None: ...
 
     def __post_init__(self):
+        if isinstance(self.path, (list, tuple)):  # a nested mixture: a group of sources weighted as one
+            if not self.path or not all(isinstance(c, Source) for c in self.path):
+                raise ConfigError(f"a nested mixture's path is a non-empty list of crossfeed.Source, got {self.path!r}")
+            if (self.split, self.rename, self.features, self.storage_options) != ("train", (), None, None):
+                raise ConfigError("a nested mixture (Source(path=[...])) takes only weight=; give its sources the rest")
+            object.__setattr__(self, "path", tuple(self.path))
         if self.storage_options is not None:
             object.__setattr__(self, "storage_options", FsOptions(self.storage_options, where="Source storage_options"))
         if isinstance(self.weight, Mapping):  # a mixture file's {"constant": [[0, 3], ...]}
@@ -418,6 +428,9 @@ class Source:
     def to_json(self) -> dict:
         """The source as JSON values (a worker process or a mixture file rebuilds it: `from_json`)."""
         features = None if self.features is None else list(self.features)
+        if isinstance(self.path, tuple):  # a nested mixture, as a mixture spec file writes it
+            weight = self.weight.to_json() if isinstance(self.weight, Schedule) else self.weight
+            return {"mixture": [c.to_json() for c in self.path], "weight": weight}
         return {
             # only a path travels as JSON (a worker's recipe never holds an open Dataset)
             "path": os.fspath(cast("str | os.PathLike[str]", self.path)),
@@ -430,6 +443,8 @@ class Source:
 
     @classmethod
     def from_json(cls, d: dict) -> Source:
+        if "mixture" in d:
+            return cls([cls.from_json(c) for c in d["mixture"]], weight=d.get("weight", 1.0))
         return cls(
             d["path"],
             d.get("split", "train"),

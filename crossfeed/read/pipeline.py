@@ -43,6 +43,7 @@ from crossfeed.read.executors.threads import ExecutorKind, ThreadExecutor
 from crossfeed.read.identity import StreamIdentity
 from crossfeed.read.options import LoaderOptions, Shuffle, Source
 from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
+from crossfeed.read.sources.nested import flatten
 from crossfeed.read.sources.union import UnionSplit
 from crossfeed.read.stages import pack
 from crossfeed.read.stages.batch import BatchBuilder
@@ -95,7 +96,7 @@ def sources_of(source) -> tuple[Source, ...] | None:
         raise ConfigError(f"{type(source).__name__} is a stream of batches: it is read as it comes, not planned")
     if kind is SourceKind.DATASET:
         return None
-    return (source,) if isinstance(source, Source) else tuple(source)
+    return flatten((source,) if isinstance(source, Source) else tuple(source))  # nested mixtures: their leaves
 
 
 # ---- the stages' contracts ----------------------------------------------------------------------
@@ -208,6 +209,8 @@ class Pipeline:
         return self
 
     def _init(self, source, options: LoaderOptions, transform, batch_transform) -> None:
+        if classify(source) is SourceKind.MIXTURE:  # a nested mixture's leaves, for workers too
+            source = list(sources_of(source) or ())
         recipe = WorkerRecipe(source, options, transform, batch_transform)
         transform, batch_transform = (
             resolve_callable(f) if isinstance(f, str) else f for f in (transform, batch_transform)

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from crossfeed.errors import ConfigError
 
 KINDS = ("constant", "linear")
-MAX_POINTS = 1024  # points of one schedule
+MAX_POINTS = 4096  # points of one schedule (a nested mixture's leaf may hold a phase for every boundary)
 MAX_PHASES = 4096  # phases of a mixture, every source's together (a linear ramp: one per ``every``)
 
 

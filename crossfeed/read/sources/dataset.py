@@ -10,6 +10,7 @@ never holds another version's bytes)."""
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import hashlib
 import os
@@ -50,7 +51,7 @@ from crossfeed.io import roots
 from crossfeed.io.storage import ShardFile, Storage, is_remote
 from crossfeed.read.sources.parquet import ParquetFiles
 
-_AT_VERSION = re.compile(r"(.+)@v(\d{1,6})")
+_AT_VERSION = re.compile(r"(.+)@v(\d{1,6})(?:-v(\d{1,6}))?")  # path@v3, or path@v3-v2: what v3 appended to v2
 # bytes an index file may hold per record: "offset length\n" of two numbers up to 2^56 (17
 # digits each), padded or not; a remote index is never read past this
 INDEX_BYTES_PER_RECORD = 64
@@ -65,9 +66,21 @@ def split_version(path) -> tuple[object, int | None]:
     if not isinstance(text, str):
         return path, None
     m = _AT_VERSION.fullmatch(text)
-    if m is None or (not is_remote(text) and os.path.exists(text)):
+    if m is None or m.group(3) is not None or (not is_remote(text) and os.path.exists(text)):
         return path, None
     return m.group(1), int(m.group(2))
+
+
+def split_delta(path) -> tuple[object, int | None, int | None]:
+    """``("data", 3, 2)`` for ``"data@v3-v2"`` (the shards version 3 appended to version 2),
+    ``("data", 3, None)`` for ``"data@v3"``; ``(path, None, None)`` for anything else."""
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+        return path, None, None
+    text = os.fspath(path)
+    m = _AT_VERSION.fullmatch(text)
+    if m is None or (not is_remote(text) and os.path.exists(text)):
+        return path, None, None
+    return m.group(1), int(m.group(2)), None if m.group(3) is None else int(m.group(3))
 
 
 def open_dataset(
@@ -77,6 +90,7 @@ def open_dataset(
     read_timeout: float | None = None,
     storage_options: Mapping | None = None,
     version: int | None = None,
+    since: int | None = None,
 ) -> Dataset:
     """Open the dataset at ``path`` (a directory or fsspec URL holding ``crossfeed.json``).
     ``allowed_roots``: directories or URLs (besides those ``$CROSSFEED_ALLOWED_ROOTS`` lists) under
@@ -87,24 +101,81 @@ def open_dataset(
     (``{"endpoint_url": "http://127.0.0.1:9000"}``); a ``data_root`` is reached with them too.
     Left out, the backend reads the standard environment and config files (docs/storage.md).
     ``version``: an earlier version of a dataset that was appended to (or ``"path@vN"``): its
-    manifest as it was, checked against the SHA-256 the current manifest pins for it."""
+    manifest as it was, checked against the SHA-256 the current manifest pins for it.
+    ``since``: an earlier version (or ``"path@v3-v2"``): a *delta view*, only the shards that
+    ``version`` (default: the newest) appended since then — a dataset of its own, whose identity
+    is both versions' manifests; refused unless ``since`` → ``version`` is an append chain (every
+    split of ``since`` is the start of the same split of ``version``, shard for shard)."""
     if isinstance(path, Dataset):
         if version is not None and version != path.version:
             raise ConfigError(f"{path.path} is opened at version {path.version}, not {version}")
+        if since is not None and since != path.since_version:
+            raise ConfigError(f"{path.path} is not the delta view since version {since}; open it by path with since=")
         return path
-    path, at = split_version(path)
+    path, at, at_since = split_delta(path)
     if version is None:
         version = at
     elif at is not None and at != version:
         raise ConfigError(f"{path}@v{at}: the path names version {at}, version={version} another")
+    if since is None:
+        since = at_since
+    elif at_since is not None and at_since != since:
+        raise ConfigError(f"{path}@v{at}-v{at_since}: the path names version {at_since}, since={since} another")
     allowed = roots.normalise_all(allowed_roots)
     storage = Storage(path, read_timeout=read_timeout, storage_options=storage_options)
     text = _read_manifest(storage)
     manifest = loads(text, storage.url(MANIFEST))
+    if since is not None:
+        return _delta_view(storage, manifest, text, version, since, allowed)
     if version is not None and version != manifest.dataset_version:
         text, manifest = _read_version(storage, manifest, version)
         return Dataset(storage, manifest, allowed_roots=allowed, text=text, pinned=True)
     return Dataset(storage, manifest, allowed_roots=allowed, text=text)
+
+
+def _delta_view(storage: Storage, current: Manifest, text: bytes, version, since, allowed) -> Dataset:
+    """The `Dataset` of the shards version ``version`` appended since version ``since`` (see
+    `open_dataset`): ``version``'s manifest with each split cut to the shards after ``since``'s."""
+    newest = current.dataset_version
+    version = newest if version is None else version
+    if type(since) is not int or type(version) is not int or not 1 <= since < version:
+        raise ConfigError(
+            f"{storage.root}@v{version}-v{since}: a delta view reads what a version appended since an "
+            f"earlier one: since= must be a version from 1 to {version!r} - 1"
+        )
+    newer_text, newer = (text, current) if version == newest else _read_version(storage, current, version)
+    older_text, older = _read_version(storage, current, since)
+    where = f"{storage.root}@v{version}-v{since}"
+    old_sha = hashlib.sha256(older_text).hexdigest()
+    if dict(newer.versions).get(since) != old_sha:
+        raise ConfigError(f"{where}: version {version} does not pin version {since}'s manifest: not an append chain")
+    if older.schema.to_json() != newer.schema.to_json() or older.data_root != newer.data_root:
+        raise ConfigError(
+            f"{where}: versions {since} and {version} differ in schema or data root: not an append chain; "
+            f"read version {version} whole (path@v{version})"
+        )
+    splits = {}
+    for name, info in newer.splits.items():
+        before = older.splits.get(name)
+        k = 0 if before is None else len(before.shards)
+        if before is not None and (before.format != info.format or info.shards[:k] != before.shards):
+            raise ConfigError(
+                f"{where}: split {name!r} of version {version} does not begin with version {since}'s "
+                f"{k} shards: not an append chain (was the dataset rewritten?); read version {version} whole"
+            )
+        if len(info.shards) > k:
+            splits[name] = SplitInfo(name, info.shards[k:], {}, info.format)
+    for name in older.splits:
+        if name not in newer.splits:
+            raise ConfigError(
+                f"{where}: version {version} has no split {name!r}, version {since} has: not an append chain"
+            )
+    if not splits:
+        raise ConfigError(f"{where}: version {version} appended no shards to version {since}")
+    delta = dataclasses.replace(newer, splits=splits)
+    return Dataset(
+        storage, delta, allowed_roots=allowed, text=newer_text, pinned=version != newest, since=(since, old_sha)
+    )
 
 
 def _read_version(storage: Storage, current: Manifest, version) -> tuple[bytes, Manifest]:
@@ -181,8 +252,11 @@ class Dataset:
         allowed_roots=(),
         text: bytes | None = None,
         pinned: bool = False,
+        since: tuple[int, str] | None = None,
     ):
         self.index_storage = storage
+        # a delta view (``path@v3-v2``): the version and manifest SHA-256 its shards were appended to
+        self.since_version, self.since_sha256 = since if since is not None else (None, None)
         # opened at an earlier version (``path@vN``): read from its kept manifest, which never changes
         self.pinned = pinned
         self.allowed_roots: tuple[str, ...] = roots.normalise_all(allowed_roots)
@@ -257,6 +331,8 @@ class Dataset:
         """Where the dataset lies (``root@vN`` when opened at an earlier version: reopening it
         by this path opens the same version)."""
         root = self.index_storage.root
+        if self.since_version is not None:
+            return f"{root}@v{self.manifest.dataset_version}-v{self.since_version}"
         return f"{root}@v{self.manifest.dataset_version}" if self.pinned else root
 
     @property

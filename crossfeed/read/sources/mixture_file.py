@@ -9,52 +9,26 @@
 Relative paths are relative to the file's folder; ``split`` defaults to ``train``, ``weight`` to
 1 (or a schedule: ``{"constant": [[0, 3], [900000, 1]]}``, ``{"linear": [[0, 1], [900000, 3]],
 "every": 10000}``, in samples: `crossfeed.read.schedule`), ``rename`` and ``features`` are `Source`'s, and ``samples_per_epoch`` to the sum of the sources' sizes (`crossfeed.read.stages.sampler.MixtureOrder`).
+
+A source may be a nested mixture, weighted as one: ``{"mixture": [{"path": ...}, ...], "weight": 2}``,
+or ``{"path": "other-mix.json", "weight": 2}`` (`crossfeed.read.sources.nested`; at most
+`crossfeed.read.sources.nested.MAX_DEPTH` levels and ``MAX_LEAVES`` sources).
 """
 
 from __future__ import annotations
 
-import json
-import os
-
 from crossfeed.errors import ConfigError
 from crossfeed.read.options import Source
+from crossfeed.read.sources.nested import flatten, is_mixture_spec, read_spec_file
 
-_KEYS = {"sources", "samples_per_epoch"}
-_SOURCE_KEYS = {"path", "split", "weight", "rename", "features"}
-
-
-def is_mixture_spec(path) -> bool:
-    """Whether ``path`` names a mixture spec file (a ``.json`` file, not a dataset folder)."""
-    return isinstance(path, (str, os.PathLike)) and str(path).endswith(".json") and os.path.isfile(path)
+__all__ = ["is_mixture_spec", "load_mixture_spec"]
 
 
 def load_mixture_spec(path) -> tuple[list[Source], int | None]:
-    """``(sources, samples_per_epoch)`` from the spec file at ``path``; a bad file raises
-    `ConfigError` naming it and what is wrong."""
-    try:
-        with open(path) as f:
-            spec = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: cannot read the mixture spec ({e})") from None
-    if not isinstance(spec, dict) or not isinstance(spec.get("sources"), list) or not spec["sources"]:
-        raise ConfigError(f'{path}: a mixture spec is {{"sources": [{{"path": ..., "weight": ...}}, ...]}}')
-    if set(spec) - _KEYS:
-        raise ConfigError(f"{path}: unknown keys {sorted(set(spec) - _KEYS)}; it may have {sorted(_KEYS)}")
-    base = os.path.dirname(os.path.abspath(path))
-    sources = []
-    for i, s in enumerate(spec["sources"]):
-        if not isinstance(s, dict) or "path" not in s or set(s) - _SOURCE_KEYS:
-            raise ConfigError(
-                f"{path}: source {i} must be an object with 'path' and optionally {sorted(_SOURCE_KEYS - {'path'})}"
-            )
-        p = str(s["path"])
-        if "://" not in p and not os.path.isabs(p):
-            p = os.path.join(base, p)
-        try:
-            sources.append(Source.from_json({**s, "path": p}))
-        except ConfigError as e:
-            raise ConfigError(f"{path}: source {i}: {e}") from None
-    n = spec.get("samples_per_epoch")
+    """``(sources, samples_per_epoch)`` from the spec file at ``path``, nested mixtures flattened
+    into their leaves (`crossfeed.read.sources.nested`); a bad file raises `ConfigError` naming it
+    and what is wrong."""
+    sources, n = read_spec_file(path)
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise ConfigError(f"{path}: samples_per_epoch must be a positive integer, got {n!r}")
-    return sources, n
+    return list(flatten(sources)), n
