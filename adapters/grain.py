@@ -210,7 +210,14 @@ def mix(source: GrainSource, *, seed: int | None = None, weights: Sequence[float
     sources = source.sources
     if sources is None:
         raise ConfigError(f"{source!r} is one dataset, not a mixture: use grain.MapDataset.source(it)")
-    weights = [s.weight for s in sources] if weights is None else list(weights)
+    if weights is None:
+        if any(not isinstance(s.weight, (int, float)) for s in sources):
+            raise ConfigError(
+                "Grain's mix takes fixed weights, not a mixture Schedule: iterate the Loader for a scheduled "
+                "mixture, or give weights= here"
+            )
+        weights = [float(s.weight) for s in sources]  # type: ignore[arg-type]
+    weights = list(weights)
     if len(weights) != len(sources):
         raise ConfigError(f"weights= gives {len(weights)} weights for a mixture of {len(sources)} sources")
     whole = grain.MapDataset.source(source)

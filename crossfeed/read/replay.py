@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -81,7 +82,7 @@ class StepSamples(Sequence):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         return self.samples[i]
 
     def __iter__(self) -> Iterator[SampleRef]:
@@ -171,9 +172,10 @@ def replay(pipeline, step: int, *, epoch: int | None = None, rank: int | None = 
         refs = tuple(_refs(pipeline, planned))
     else:  # `PackPlan`: walked from the epoch's start up to the step
         plan.rank, plan.worker, plan.num_workers = rank, 0, 1
-        planned = next(itertools.islice(iter(plan), step, None), None)
-        if planned is None:  # cannot happen: resolve_step counted the epoch's steps
+        found = next(itertools.islice(iter(plan), step, None), None)
+        if found is None:  # cannot happen: resolve_step counted the epoch's steps
             raise AssertionError(f"packed step {step} of epoch {epoch} not found in the walk")
+        planned = found
         pieces = np.asarray(planned[HEADER:], dtype=np.int64).reshape(-1, PIECE)
         base = list(_refs(pipeline, pieces[:, 1]))
         refs = tuple(
@@ -187,7 +189,7 @@ def _refs(pipeline, keys: np.ndarray) -> Iterator[SampleRef]:
     """Each global key's `SampleRef` (no file is opened: the manifest's counts say where)."""
     starts = np.asarray(pipeline.starts, dtype=np.int64)
     src = np.searchsorted(starts, keys, side="right") - 1
-    splits = {}
+    splits: dict[int, Any] = {}
     for key, s in zip(keys.tolist(), src.tolist()):
         split = splits.get(s)
         if split is None:

@@ -406,7 +406,8 @@ def commit_splits(
         fsync_dir(root)
         meta = dict(old.metadata) if old and (add_split or append) else {}
         meta.update(metadata or {})
-        version, versions = 1, ()
+        version = 1
+        versions: tuple[tuple[int, str], ...] = ()
         if old and (append or (add_split and old.versions)):  # a new version; the old one stays readable
             version, versions = old.dataset_version + 1, (*old.versions, keep_version(root, old))
             crash_point("version kept")

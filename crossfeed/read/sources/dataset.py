@@ -256,7 +256,8 @@ class Dataset:
     ):
         self.index_storage = storage
         # a delta view (``path@v3-v2``): the version and manifest SHA-256 its shards were appended to
-        self.since_version, self.since_sha256 = since if since is not None else (None, None)
+        self.since_version: int | None = since[0] if since is not None else None
+        self.since_sha256: str | None = since[1] if since is not None else None
         # opened at an earlier version (``path@vN``): read from its kept manifest, which never changes
         self.pinned = pinned
         self.allowed_roots: tuple[str, ...] = roots.normalise_all(allowed_roots)
@@ -303,6 +304,8 @@ class Dataset:
         opened (a writer committed meanwhile), else None — the file itself is at fault."""
         if self.manifest_sha256 is None:
             return None
+        data: bytes | None
+        now: str | None
         try:
             data = self.index_storage.read(MANIFEST, limit=MAX_MANIFEST_BYTES)
             now = hashlib.sha256(data).hexdigest()

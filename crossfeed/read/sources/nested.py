@@ -27,6 +27,7 @@ import json
 import math
 import os
 from fractions import Fraction
+from typing import Any
 
 from crossfeed.errors import ConfigError
 from crossfeed.read.options import Source
@@ -49,13 +50,13 @@ def flatten(sources) -> tuple[Source, ...]:
     sources = tuple(sources)
     if not any(is_group(s) for s in sources):
         return sources
-    leaves: list[tuple[Source, tuple[tuple[int, ...], ...]]] = []  # (leaf, its path of node ids)
+    leaves: list[tuple[Source, tuple[int, ...]]] = []  # (leaf, its path of node ids)
     nodes: list[tuple[object, int | None]] = []  # node id → (weight, parent group id or None)
     groups: dict[int | None, list[int]] = {None: []}  # group id → its children's node ids
     _walk(sources, None, 0, "the mixture", leaves, nodes, groups)
     weights = [w for w, _ in nodes]
     scheduled = any(isinstance(w, Schedule) for w in weights)
-    pieces = [w.pieces() if isinstance(w, Schedule) else [(0, w)] for w in weights]
+    pieces: list[list[tuple[int, Any]]] = [w.pieces() if isinstance(w, Schedule) else [(0, w)] for w in weights]
     linear = [isinstance(w, Schedule) and w.kind == "linear" for w in weights]
     bounds = sorted({a for p in pieces for a, _ in p})
     if len(bounds) > MAX_PHASES:
@@ -63,7 +64,7 @@ def flatten(sources) -> tuple[Source, ...]:
     at = [0] * len(nodes)
     per_leaf: list[list[tuple[int, int]]] = [[] for _ in leaves]
     for b in bounds:
-        value = []
+        value: list[Fraction] = []
         for i, p in enumerate(pieces):
             while at[i] + 1 < len(p) and p[at[i] + 1][0] <= b:
                 at[i] += 1
@@ -92,8 +93,8 @@ def flatten(sources) -> tuple[Source, ...]:
                 per_leaf[j].append((b, w))
     out = []
     for (leaf, _), pts in zip(leaves, per_leaf):
-        w = Schedule("constant", tuple(pts)) if scheduled else pts[0][1]
-        out.append(Source(leaf.path, leaf.split, w, leaf.rename, leaf.features, leaf.storage_options))
+        weight: Schedule | int = Schedule("constant", tuple(pts)) if scheduled else pts[0][1]
+        out.append(Source(leaf.path, leaf.split, weight, leaf.rename, leaf.features, leaf.storage_options))
     return tuple(out)
 
 
@@ -116,6 +117,7 @@ def _walk(sources, parent: int | None, depth: int, where: str, leaves: list, nod
         groups[parent].append(node)
         chain = _chain(node, nodes)
         if isinstance(s.path, tuple) or is_mixture_spec(s.path):
+            inner: Any
             if isinstance(s.path, tuple):
                 inner, here = s.path, f"{where} source {k}"
             else:

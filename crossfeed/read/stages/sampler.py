@@ -705,6 +705,8 @@ class Sampler:
         per-sample weights (a `crossfeed.format.weights.CumulativeWeights`; `WeightedOrder`)."""
         self.options, self.shard = plan, shard
         self.phases: MixturePhases | None = None  # a scheduled mixture's (`crossfeed.read.schedule`)
+        self.weights: list[int] | None
+        self.total: int
         if weights is not None and any(not isinstance(w, (int, float)) for w in weights):
             if plan.pack is not None and plan.pack.weights_by.value == "tokens":
                 raise ConfigError(
@@ -729,7 +731,7 @@ class Sampler:
             sizes = sum(int(c.sum()) for c in self.counts)
             self.total = int(plan.samples_per_epoch) if plan.samples_per_epoch is not None else sizes
         self._order: tuple[int, EpochOrder | MixtureOrder | WeightedOrder] | None = None
-        self._passes = (
+        self._passes: PassOrders | None = (
             PassOrders(self.counts, plan.seed, plan.shuffle, plan.block_shards) if self.weights is not None else None
         )
         if sample_weights is not None:
@@ -746,6 +748,7 @@ class Sampler:
     def _make_order(self, epoch: int):
         o = self.options
         if self.sample_weights is not None:
+            assert self._passes is not None  # set with sample_weights
             return WeightedOrder(
                 self.counts, self.sample_weights, n=self.total, seed=o.seed, epoch=epoch, passes=self._passes
             )

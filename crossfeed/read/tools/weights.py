@@ -93,6 +93,7 @@ def write_weights(
     try:
         root = _local_root(ds)
         by = feature if balance is None else balance
+        assert by is not None  # one of the two, checked above
         _scalar_feature(ds, by, balance is not None)
         name = fw.check_weights_name(name or (fw.balanced(by) if balance is not None else by))
         names = list(ds.splits) if splits is None else list(splits)
@@ -107,6 +108,8 @@ def write_weights(
             else:
                 chunks = (fw.quantise(np.array(c), resolution, where) for c in _values(split, by))
             out[split_name] = _write_file(root, name, split_name, len(split), fw.prefix_sums(chunks, where))
+        if ds.manifest_sha256 is None:
+            raise ConfigError(f"{ds.path}: weights are computed for a dataset with a manifest file; this one has none")
         meta = fw.WeightsMeta(
             name, "feature" if balance is None else "balance", by, resolution, ds.manifest_sha256, out
         )
@@ -168,7 +171,7 @@ def open_weights(ds: Dataset, name: str, split: str) -> fw.CumulativeWeights:
     if meta.manifest_sha256 != ds.manifest_sha256:
         raise ConfigError(
             f"{meta_file}: the weights set {name!r} was computed for another version of the dataset (manifest "
-            f"{meta.manifest_sha256[:12]}…, the dataset's is {ds.manifest_sha256[:12]}…); {how}"
+            f"{meta.manifest_sha256[:12]}…, the dataset's is {str(ds.manifest_sha256)[:12]}…); {how}"
         )
     info = meta.splits.get(split)
     if info is None:
