@@ -46,7 +46,9 @@ if TYPE_CHECKING:  # the names as a type checker (and a reader) sees them; at ru
         Source,
     )
     from crossfeed.read.pipeline import Pipeline
+    from crossfeed.read.skips import Skip
     from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
+    from crossfeed.read.stages.recipes import sample_rng, with_rng
     from crossfeed.write.options import WriteOptions
 
 __version__ = "0.1.0"
@@ -101,6 +103,8 @@ _LAZY = {
     "Client": "crossfeed.net.stream.client",
     "ClientKeys": "crossfeed.net.keys",
     "BatchMeta": "crossfeed.format.wire",
+    "Skip": "crossfeed.read.skips",
+    **dict.fromkeys(("sample_rng", "with_rng"), "crossfeed.read.stages.recipes"),
 }
 
 
@@ -145,6 +149,7 @@ __all__ = [
     "ServerLostError",
     "ShardOptions",
     "Shuffle",
+    "Skip",
     "Source",
     "Split",
     "SplitNotFoundError",
@@ -153,5 +158,7 @@ __all__ = [
     "WriteOptions",
     "connect",
     "open_dataset",
+    "sample_rng",
+    "with_rng",
     "write_dataset",
 ]

@@ -21,10 +21,11 @@ import numpy as np
 from crossfeed.errors import ConfigError
 from crossfeed.format.schema import INDEX_KEY, Feature
 from crossfeed.read import metrics
-from crossfeed.read.identity import StreamIdentity
+from crossfeed.read.identity import StreamIdentity, skip_steps_added
 from crossfeed.read.options import LoaderOptions, ReadOptions, Remainder, Shuffle, Source
 from crossfeed.read.pipeline import Pipeline, PlanLike
 from crossfeed.read.sources.dataset import Dataset, Split
+from crossfeed.read.stages.recipes import StepSkipSampler
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 2  # 2: the stream's identity (`crossfeed.read.identity`); 1 is read, unchecked
@@ -44,6 +45,13 @@ class Loader:
     processes, with ``executor="process"``; either may be a ``"module:function"`` string). ``start``:
     ``(epoch, position)`` to begin at (``epoch=`` alone: that epoch's start). ``alloc``:
     ``alloc(shape, dtype)`` makes the batch arrays (default ``np.empty``).
+
+    Recipes (docs/read-and-mix.md): ``filter`` — a predicate on each decoded sample (or
+    ``"module:function"``) — and a ``transform`` that returns None drop the sample: its batch
+    comes out shorter, the position still counts it (`filtered` counts them; ``max_filtered=``
+    bounds their share). A transform whose second parameter is ``rng`` (or marked
+    `crossfeed.with_rng`) gets each sample's own ``np.random.Generator``, seeded from (seed, epoch,
+    sample id). ``skip=`` leaves out global steps and sample ids (`crossfeed.Skip`).
 
     ``batch_size=None`` (as keywords) iterates one sample at a time, as ``DataLoader(batch_size=None)``
     and an unbatched ``tf.data`` pipeline do: each item is one sample's dict — arrays without the
@@ -74,6 +82,7 @@ class Loader:
         start: tuple[int, int] | None = None,
         epoch: int | None = None,
         alloc: Callable | None = None,
+        filter: Callable[[dict], bool] | str | None = None,
         **fields,
     ):
         # batch_size=None: one sample at a time (DataLoader(batch_size=None), tf.data unbatched)
@@ -87,7 +96,7 @@ class Loader:
             raise ConfigError("pass start=(epoch, position) or epoch=, not both")
         self.options = options
         self.pipeline = Pipeline.build(
-            source, options, transform=transform, batch_transform=batch_transform, alloc=alloc
+            source, options, transform=transform, batch_transform=batch_transform, alloc=alloc, filter=filter
         )
         meter = self.pipeline.meter
         self._mark = meter.stats() if meter is not None else None  # the counters at the epoch's start (`log_stats`)
@@ -164,6 +173,27 @@ class Loader:
     @property
     def skipped(self) -> int:
         return self.pipeline.skipped
+
+    @property
+    def filtered(self) -> int:
+        """Samples the filter (or a transform returning None) dropped so far, here and in the
+        process executor's workers (DataLoader workers count in their own processes)."""
+        return self.pipeline.filtered
+
+    def global_step(self) -> int:
+        """The global step of the next batch of the plan (skipped or not): ``epoch ×
+        steps_per_epoch + step`` as ``skip=`` counts steps (`crossfeed.read.skips`)."""
+        return self._step_at(self._epoch, self.position)
+
+    def _step_at(self, epoch: int, position: int) -> int:
+        """The global step (skips left in) of the plan batch at ``position`` of ``epoch``."""
+        sampler = self.pipeline.sampler
+        if isinstance(sampler, StepSkipSampler):
+            sampler = sampler.inner
+        if not sampler.within(epoch, position):
+            return -1
+        S = sampler.rank_batch_count(0, epoch=epoch)
+        return epoch * S + S - sampler.rank_batch_count(position, epoch=epoch)
 
     def start_at(self, epoch: int, position: int = 0) -> None:
         """Begin the next iteration at sample ``position`` of epoch ``epoch`` (positions count
@@ -255,7 +285,10 @@ class Loader:
             )
             diffs = []
         else:
-            diffs = StreamIdentity.from_json(state.get("identity")).differences(now)
+            saved = StreamIdentity.from_json(state.get("identity"))
+            diffs = saved.differences(now)
+            if diffs and skip_steps_added(saved, now, self._step_at(epoch, position)):
+                diffs = []  # skipped steps added after the resume point: the past is unchanged
         if not diffs and (seed != self.options.plan.seed or num != self.pipeline.total):
             diffs = [f"seed was {seed}, is {self.options.plan.seed}"] if seed != self.options.plan.seed else []
             diffs += [f"samples per epoch were {num}, are {self.pipeline.total}"] if num != self.pipeline.total else []

@@ -14,11 +14,13 @@ from time import thread_time_ns as _cpu
 
 import numpy as np
 
+from crossfeed.errors import ConfigError
 from crossfeed.format.schema import INDEX_KEY, SOURCE_KEY
 from crossfeed.policy import ErrorBudget
 from crossfeed.read.metrics import Meter, Tally
 from crossfeed.read.stages.decode import collate
 from crossfeed.read.stages.fetch import MixtureReader, SourceReader
+from crossfeed.read.stages.recipes import SampleRecipe, callable_name, epoch_key
 
 STAGES = ("read", "decode", "transform", "batch")  # what `BatchBuilder` times, in order
 
@@ -42,8 +44,12 @@ class BatchBuilder:
         return_index: bool = False,
         budget: ErrorBudget | None = None,
         meter: Meter | None = None,
+        recipe: SampleRecipe | None = None,
     ):
         self.reader = reader
+        # filters, skipped sample ids, per-sample generators (`crossfeed.read.stages.recipes`)
+        self.recipe = recipe if recipe is not None and recipe.active else None
+        self.epoch = 0  # the epoch being built (the per-sample generators' key); the pipeline sets it
         self.meter = meter
         self.transform, self.batch_transform = transform, batch_transform
         self.return_index = return_index
@@ -66,9 +72,14 @@ class BatchBuilder:
                 t = self.meter.tally()
         if t is not None:  # each stage boundary below: one clock read, ending a stage and beginning the next
             t.start = t.last = _clock()
+        r = self.recipe
+        if r is not None and r.skip_ids is not None and len(indices):
+            indices = indices[r.skip_ids.keep(indices)]  # skipped samples are never read
         batch, kept = self.reader(indices, self.budget, t)
         indices = indices[kept]
-        if self.transform is not None:
+        if r is not None and (r.filter is not None or r.rng or self.transform is not None):
+            batch, indices = self._per_sample(batch, indices, r, t)
+        elif self.transform is not None:
             cpu = _cpu() if t is not None else 0
             samples = [self.transform({k: v[i] for k, v in batch.items()}) for i in range(len(indices))]
             if t is not None:
@@ -107,6 +118,59 @@ class BatchBuilder:
                     t.ncpu_transform += 1
                 t.last = now
         return batch
+
+    def _per_sample(self, batch: dict, indices: np.ndarray, r: SampleRecipe, t: Tally | None):
+        """The batch after the filter and the transform, sample by sample (each transform call
+        given its sample's generator when it takes one); dropped samples counted. A batch whose
+        every sample was dropped keeps its features with no rows (the last batch's, if any)."""
+        cpu = _cpu() if t is not None else 0
+        fn, pred, n = self.transform, r.filter, len(indices)
+        key = np.array([0, epoch_key(r.seed, self.epoch)], np.uint64) if r.rng else None
+        ids = indices.tolist()
+        samples, keep = [], []
+        for i in range(n):
+            s = {k: v[i] for k, v in batch.items()}
+            if pred is not None and not pred(s):
+                continue
+            if fn is not None:
+                if key is not None:
+                    key[0] = ids[i]
+                    s = fn(s, np.random.Generator(np.random.Philox(key=key)))
+                else:
+                    s = fn(s)
+                if s is None:
+                    continue
+                if not isinstance(s, dict):
+                    raise ConfigError(
+                        f"the transform {callable_name(fn)} returned a {type(s).__name__} for sample {ids[i]}; "
+                        f"it must return the sample's dict (or None to drop it)"
+                    )
+            samples.append(s)
+            keep.append(i)
+        if t is not None:
+            now = _clock()
+            t.transform += now - t.last
+            t.n_transform += 1
+            t.cpu_transform += _cpu() - cpu
+            t.ncpu_transform += 1
+            t.last = now
+        if r.dropped is not None:
+            r.dropped.add(n, n - len(samples))
+        if fn is None and len(keep) < n:  # a filter alone: the decoded arrays, less the dropped rows
+            take = np.asarray(keep, dtype=np.int64)
+            batch = {k: v[take] if isinstance(v, np.ndarray) else [v[j] for j in keep] for k, v in batch.items()}
+        elif fn is not None and samples:
+            batch = {k: collate([s[k] for s in samples], alloc=self.alloc or np.empty) for k in samples[0]}
+            self._last = batch
+        elif fn is not None:  # nothing left: the transform's features, with no rows
+            like = getattr(self, "_last", None) or batch
+            batch = {k: v[:0] if isinstance(v, np.ndarray) else [] for k, v in like.items()}
+        if t is not None:
+            now = _clock()
+            t.batch += now - t.last
+            t.n_batch += 1
+            t.last = now
+        return batch, indices[np.asarray(keep, dtype=np.int64)] if len(keep) < n else indices
 
 
 def timed_apart(build, ids, timings: dict[str, float]) -> dict[str, np.ndarray]:
