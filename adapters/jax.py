@@ -131,6 +131,7 @@ class JaxLoader:
         batch_transform: Callable[[dict], dict] | None = None,
         epoch: int = 0,
         keep_dtypes: bool = False,
+        filter: Callable[[dict], bool] | str | None = None,
         **fields,
     ):
         if device_prefetch is not None and (
@@ -156,7 +157,9 @@ class JaxLoader:
             batch_size = fields.pop("batch_size", None)
             self.rank, self.world_size = _rank_and_world(fields.pop("rank", None), fields.pop("world_size", None))
             extra = sorted(
-                k for k, v in {"options": options, "transform": transform, **fields}.items() if v is not None
+                k
+                for k, v in {"options": options, "transform": transform, "filter": filter, **fields}.items()
+                if v is not None
             )
             if extra or batch_transform is not None or epoch:
                 raise ConfigError(
@@ -197,7 +200,13 @@ class JaxLoader:
         # batches built straight into aligned buffers (a worker process's slots are aligned already)
         aligned = self._alloc if self.options.read.executor is not ExecutorKind.PROCESS else None
         self.loader = Loader(
-            source, self.options, transform=transform, batch_transform=batch_transform, epoch=epoch, alloc=aligned
+            source,
+            self.options,
+            transform=transform,
+            batch_transform=batch_transform,
+            epoch=epoch,
+            alloc=aligned,
+            filter=filter,
         )
         try:
             packed = opts.plan.pack is not None  # packed rows are dense: (B, length) of every feature

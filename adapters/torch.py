@@ -88,8 +88,10 @@ class TorchDataset(IterableDataset):
         batch_transform: Callable[[dict], dict] | None = None,
         epoch: int = 0,
         keep_dtypes: bool = False,
+        filter: Callable[[dict], bool] | str | None = None,
         **fields,
     ):
+        self.filter = filter  # the Loader's filter= (a dropped sample shortens its batch)
         self.keep_dtypes, self.per_sample = bool(keep_dtypes), False
         self._stream = source if is_stream(source) else None
         self._loaders: dict[tuple[int, int], Loader] = {}
@@ -127,6 +129,7 @@ class TorchDataset(IterableDataset):
                 self.options.replace(worker=worker, num_workers=num_workers),
                 transform=self.transform,
                 batch_transform=self.batch_transform,
+                filter=self.filter,
             )
         return self._loaders[key]
 

@@ -25,7 +25,6 @@ from crossfeed.read.identity import StreamIdentity, skip_steps_added
 from crossfeed.read.options import LoaderOptions, ReadOptions, Remainder, Shuffle, Source
 from crossfeed.read.pipeline import Pipeline, PlanLike
 from crossfeed.read.sources.dataset import Dataset, Split
-from crossfeed.read.stages.recipes import StepSkipSampler
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 2  # 2: the stream's identity (`crossfeed.read.identity`); 1 is read, unchecked
@@ -183,17 +182,7 @@ class Loader:
     def global_step(self) -> int:
         """The global step of the next batch of the plan (skipped or not): ``epoch ×
         steps_per_epoch + step`` as ``skip=`` counts steps (`crossfeed.read.skips`)."""
-        return self._step_at(self._epoch, self.position)
-
-    def _step_at(self, epoch: int, position: int) -> int:
-        """The global step (skips left in) of the plan batch at ``position`` of ``epoch``."""
-        sampler = self.pipeline.sampler
-        if isinstance(sampler, StepSkipSampler):
-            sampler = sampler.inner
-        if not sampler.within(epoch, position):
-            return -1
-        S = sampler.rank_batch_count(0, epoch=epoch)
-        return epoch * S + S - sampler.rank_batch_count(position, epoch=epoch)
+        return self.pipeline.global_step(self._epoch, self.position)
 
     def start_at(self, epoch: int, position: int = 0) -> None:
         """Begin the next iteration at sample ``position`` of epoch ``epoch`` (positions count
@@ -287,7 +276,7 @@ class Loader:
         else:
             saved = StreamIdentity.from_json(state.get("identity"))
             diffs = saved.differences(now)
-            if diffs and skip_steps_added(saved, now, self._step_at(epoch, position)):
+            if diffs and skip_steps_added(saved, now, self.pipeline.global_step(epoch, position)):
                 diffs = []  # skipped steps added after the resume point: the past is unchanged
         if not diffs and (seed != self.options.plan.seed or num != self.pipeline.total):
             diffs = [f"seed was {seed}, is {self.options.plan.seed}"] if seed != self.options.plan.seed else []

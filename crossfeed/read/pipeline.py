@@ -384,6 +384,17 @@ class Pipeline:
         if hasattr(self.executor, "epoch"):
             self.executor.epoch = int(epoch)
 
+    def global_step(self, epoch: int, position: int) -> int:
+        """The global step (skipped ones counted) of the plan batch at ``position`` of ``epoch``:
+        ``epoch × steps_per_epoch + step`` (`crossfeed.read.skips`); -1 outside the epoch."""
+        sampler = self.sampler
+        if isinstance(sampler, recipes.StepSkipSampler):
+            sampler = sampler.inner
+        if not sampler.within(epoch, position):
+            return -1
+        S = sampler.rank_batch_count(0, epoch=epoch)
+        return epoch * S + S - sampler.rank_batch_count(position, epoch=epoch)
+
     # -- the plan ---------------------------------------------------------------------------------
     @property
     def total(self) -> int:

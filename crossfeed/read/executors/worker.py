@@ -61,7 +61,7 @@ def _pipeline(recipe):
         filter=recipe.filter,
     )
     if recipe.transform_rng and not pipeline.recipe.rng:  # marked with_rng in the parent only
-        pipeline.builder.recipe.rng = pipeline.recipe.rng = True
+        pipeline.recipe.rng = True  # the builder's recipe
     recipe.check_versions(pipeline.datasets)
     return pipeline
 
