@@ -148,8 +148,14 @@ def build(
         element_spec = {k: tf.TensorSpec(s.shape[1:], s.dtype) for k, s in tf_spec.token_spec(feats, options).items()}
     if element_spec is None:
         chosen = tf_spec.select(Schema(feats), None, stats)
+        # a filter or skipped samples shorten batches: their leading dimension is not fixed then
+        skip = options.plan.skip
+        shortened = calls.get("filter") is not None or (skip is not None and len(skip.samples) > 0)
         element_spec = tf_spec.element_spec(
-            chosen, batch_size=opts.batch_size, drop_last=options.plan.drop_last, return_index=options.return_index
+            chosen,
+            batch_size=opts.batch_size,
+            drop_last=options.plan.drop_last and not shortened,
+            return_index=options.return_index,
         )
         if counter.sources is not None and options.return_index:
             element_spec[SOURCE_KEY] = tf.TensorSpec(element_spec[INDEX_KEY].shape, tf.int64)
