@@ -140,6 +140,8 @@ class Skip:
             raise ConfigError(f"skip steps: {len(steps)} ranges, more than {MAX_STEP_RANGES}; merge them")
         object.__setattr__(self, "steps", _merge(steps))
         s = self.samples
+        if isinstance(s, np.ndarray) and s.ndim == 1 and s.dtype.kind in "iu":  # plain indices: one dataset
+            s = np.stack([np.zeros(len(s), np.int64), s.astype(np.int64)], axis=1)
         if not isinstance(s, np.ndarray):
             s = [_sample(v, "skip samples") for v in s]
             s = np.asarray(s, dtype=np.int64).reshape(-1, 2)
@@ -168,8 +170,6 @@ class Skip:
             )
         steps, samples = list(value.get("steps") or ()), value.get("samples")
         samples = [] if samples is None else samples
-        if isinstance(samples, np.ndarray):
-            samples = samples.reshape(-1, 2) if samples.ndim == 2 else np.stack([np.zeros_like(samples), samples], 1)
         if value.get("file") is not None:
             more_steps, more = _read_file(os.fspath(value["file"]))
             steps += more_steps

@@ -20,7 +20,7 @@ from crossfeed.policy import ErrorBudget
 from crossfeed.read.metrics import Meter, Tally
 from crossfeed.read.stages.decode import collate
 from crossfeed.read.stages.fetch import MixtureReader, SourceReader
-from crossfeed.read.stages.recipes import SampleRecipe, callable_name, epoch_key
+from crossfeed.read.stages.recipes import SampleRecipe, SampleRngs, callable_name
 
 STAGES = ("read", "decode", "transform", "batch")  # what `BatchBuilder` times, in order
 
@@ -50,6 +50,7 @@ class BatchBuilder:
         # filters, skipped sample ids, per-sample generators (`crossfeed.read.stages.recipes`)
         self.recipe = recipe if recipe is not None and recipe.active else None
         self.epoch = 0  # the epoch being built (the per-sample generators' key); the pipeline sets it
+        self._rngs = SampleRngs()
         self.meter = meter
         self.transform, self.batch_transform = transform, batch_transform
         self.return_index = return_index
@@ -125,7 +126,7 @@ class BatchBuilder:
         every sample was dropped keeps its features with no rows (the last batch's, if any)."""
         cpu = _cpu() if t is not None else 0
         fn, pred, n = self.transform, r.filter, len(indices)
-        key = np.array([0, epoch_key(r.seed, self.epoch)], np.uint64) if r.rng else None
+        rngs, seed, epoch = (self._rngs, r.seed, self.epoch) if r.rng else (None, 0, 0)
         ids = indices.tolist()
         samples, keep = [], []
         for i in range(n):
@@ -133,9 +134,8 @@ class BatchBuilder:
             if pred is not None and not pred(s):
                 continue
             if fn is not None:
-                if key is not None:
-                    key[0] = ids[i]
-                    s = fn(s, np.random.Generator(np.random.Philox(key=key)))
+                if rngs is not None:
+                    s = fn(s, rngs.generator(seed, epoch, ids[i]))
                 else:
                     s = fn(s)
                 if s is None:

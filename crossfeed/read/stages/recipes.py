@@ -77,6 +77,31 @@ def sample_rngs(seed: int, epoch: int, ids: np.ndarray) -> Iterator[np.random.Ge
         yield np.random.Generator(np.random.Philox(key=key))
 
 
+class SampleRngs:
+    """Each sample's generator, cheaply: one Philox generator per thread, its key and counter
+    reset for each sample (a state write, ~5x cheaper than a new generator; the draws are the
+    same as `sample_rng`'s). A generator is the sample's for the transform's call: the next
+    sample's call resets it (``copy.deepcopy(rng)`` keeps one)."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def generator(self, seed: int, epoch: int, sample: int) -> np.random.Generator:
+        mine = getattr(self._local, "g", None)
+        if mine is None:
+            bg = np.random.Philox(key=np.zeros(2, np.uint64))
+            mine = self._local.g = (bg, np.random.Generator(bg), bg.state, [None, None])
+        bg, gen, st, cached = mine
+        if cached[0] != (seed, epoch):
+            cached[0], cached[1] = (seed, epoch), epoch_key(seed, epoch)
+        inner = st["state"]
+        inner["key"][0], inner["key"][1] = sample, cached[1]
+        inner["counter"][:] = 0
+        st["buffer_pos"], st["has_uint32"], st["uinteger"] = 4, 0, 0
+        bg.state = st
+        return gen
+
+
 class Dropped:
     """Samples seen and dropped by filters (``filter=`` or a transform returning None) in this
     process; thread-safe. ``max_share``: past it (once `FILTER_MIN_SEEN` samples were seen) a
