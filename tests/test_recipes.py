@@ -273,3 +273,26 @@ def test_skips_and_filters_hold_across_ranks_workers_and_resume(data, ranges, id
             assert rest == [i for b in whole[k:] for i in b]
         delivered = {i for b in whole[:k] for i in b}
         assert not delivered & set(rest)
+
+
+def test_a_mixtures_skips_name_a_source_and_its_generators_key_global_ids(tmp_path):
+    a, b = rh.write(tmp_path / "a", n=40, shards=2), rh.write(tmp_path / "b", n=80, shards=4)
+    mix = [crossfeed.Source(a, weight=1), crossfeed.Source(b, weight=3)]
+    kw = {"batch_size": 8, "seed": 4, "return_index": True, "transform": rh.augment}
+    skip = Skip(samples=[(0, 3), (1, 3), (1, 79)])
+    with Loader(mix, **kw) as ld:
+        plain = list(ld)
+    with Loader(mix, skip=skip, **kw) as ld:
+        got = list(ld)
+    gone = {(0, 3), (1, 3), (1, 79)}
+    for p, g in zip(plain, got):
+        pairs = list(zip(p["__source__"].tolist(), p["__index__"].tolist()))
+        assert list(zip(g["__source__"].tolist(), g["__index__"].tolist())) == [x for x in pairs if x not in gone]
+        keep = np.array([x not in gone for x in pairs], bool)
+        assert g["noise"].tobytes() == p["noise"][keep].tobytes()  # the same draws for the samples left
+    first = got[0]
+    s, i = int(first["__source__"][0]), int(first["__index__"][0])
+    g = crossfeed.sample_rng(4, 0, [0, 40][s] + i)  # a mixture's sample id is global across its sources
+    assert first["noise"][0].tobytes() == g.random(4).tobytes()
+    with pytest.raises(ConfigError, match=r"source 0 \(.*a\) has 40 samples; index 40 is past its end"):
+        Loader(mix, batch_size=8, skip=Skip(samples=[(0, 40)]))

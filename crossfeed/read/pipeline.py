@@ -486,7 +486,10 @@ class Pipeline:
         plan = self.plan(epoch, position)
         self.set_epoch(epoch)
         ahead = self.prefetcher is not None and plan.random_access and self._uncached()
-        yield from self.batches(self._prefetching(plan) if ahead else iter(plan))
+        items = self._prefetching(plan) if ahead else iter(plan)
+        if self.recipe.rng:  # each batch's ids carry their epoch (the per-sample generators' key)
+            items = (recipes.tag(ids, epoch) for ids in items)
+        yield from self.batches(items)
         if self.meter is not None:
             self.meter.own.epochs += 1
 

@@ -398,7 +398,8 @@ class ProcessExecutor:
             new = slot.id not in w.known
             try:
                 ids = np.ascontiguousarray(item, dtype="<i8")
-                w.channel.send(["build", gen, sent, slot.id, self.epoch], [ids], (slot.fd,) if new else ())
+                epoch = int(getattr(item, "epoch", self.epoch))  # tagged ids carry theirs (`recipes.tag`)
+                w.channel.send(["build", gen, sent, slot.id, epoch], [ids], (slot.fd,) if new else ())
             except OSError:  # it died: name the batch it was building, if it held one
                 pool.release(slot.id)
                 held = [q for q in range(got, sent) if q % k == w.index]

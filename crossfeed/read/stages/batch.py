@@ -20,7 +20,7 @@ from crossfeed.policy import ErrorBudget
 from crossfeed.read.metrics import Meter, Tally
 from crossfeed.read.stages.decode import collate
 from crossfeed.read.stages.fetch import MixtureReader, SourceReader
-from crossfeed.read.stages.recipes import SampleRecipe, SampleRngs, callable_name
+from crossfeed.read.stages.recipes import SampleRecipe, SampleRngs, callable_name, epoch_of
 
 STAGES = ("read", "decode", "transform", "batch")  # what `BatchBuilder` times, in order
 
@@ -49,7 +49,7 @@ class BatchBuilder:
         self.reader = reader
         # filters, skipped sample ids, per-sample generators (`crossfeed.read.stages.recipes`)
         self.recipe = recipe if recipe is not None and recipe.active else None
-        self.epoch = 0  # the epoch being built (the per-sample generators' key); the pipeline sets it
+        self.epoch = 0  # the epoch of untagged ids (`recipes.tag`: the per-sample generators' key)
         self._rngs = SampleRngs()
         self.meter = meter
         self.transform, self.batch_transform = transform, batch_transform
@@ -74,12 +74,14 @@ class BatchBuilder:
         if t is not None:  # each stage boundary below: one clock read, ending a stage and beginning the next
             t.start = t.last = _clock()
         r = self.recipe
+        epoch = epoch_of(indices, self.epoch)
+        indices = np.asarray(indices)  # a plain array from here (`tag`ged ids are a view)
         if r is not None and r.skip_ids is not None and len(indices):
             indices = indices[r.skip_ids.keep(indices)]  # skipped samples are never read
         batch, kept = self.reader(indices, self.budget, t)
         indices = indices[kept]
         if r is not None and (r.filter is not None or r.rng or self.transform is not None):
-            batch, indices = self._per_sample(batch, indices, r, t)
+            batch, indices = self._per_sample(batch, indices, r, t, epoch)
         elif self.transform is not None:
             cpu = _cpu() if t is not None else 0
             samples = [self.transform({k: v[i] for k, v in batch.items()}) for i in range(len(indices))]
@@ -120,13 +122,13 @@ class BatchBuilder:
                 t.last = now
         return batch
 
-    def _per_sample(self, batch: dict, indices: np.ndarray, r: SampleRecipe, t: Tally | None):
+    def _per_sample(self, batch: dict, indices: np.ndarray, r: SampleRecipe, t: Tally | None, epoch: int):
         """The batch after the filter and the transform, sample by sample (each transform call
         given its sample's generator when it takes one); dropped samples counted. A batch whose
         every sample was dropped keeps its features with no rows (the last batch's, if any)."""
         cpu = _cpu() if t is not None else 0
         fn, pred, n = self.transform, r.filter, len(indices)
-        rngs, seed, epoch = (self._rngs, r.seed, self.epoch) if r.rng else (None, 0, 0)
+        rngs, seed = (self._rngs, r.seed) if r.rng else (None, 0)
         ids = indices.tolist()
         samples, keep = [], []
         for i in range(n):

@@ -77,6 +77,29 @@ def sample_rngs(seed: int, epoch: int, ids: np.ndarray) -> Iterator[np.random.Ge
         yield np.random.Generator(np.random.Philox(key=key))
 
 
+class EpochIds(np.ndarray):
+    """A batch's sample ids tagged with their epoch (`tag`): the builder keys the per-sample
+    generators by it, and the process executor sends it with the ids, so batches of different
+    epochs in one pass (a dispatcher's leases) each get their own."""
+
+    epoch: int = 0
+
+    def __array_finalize__(self, obj) -> None:
+        self.epoch = getattr(obj, "epoch", 0)  # views and slices keep it
+
+
+def tag(ids: np.ndarray, epoch: int) -> np.ndarray:
+    """``ids`` (a view) carrying ``epoch`` (`EpochIds`)."""
+    out = np.asarray(ids).view(EpochIds)
+    out.epoch = int(epoch)
+    return out
+
+
+def epoch_of(ids, default: int) -> int:
+    """The epoch ``ids`` were tagged with, else ``default``."""
+    return int(getattr(ids, "epoch", default))
+
+
 class SampleRngs:
     """Each sample's generator, cheaply: one Philox generator per thread, its key and counter
     reset for each sample (a state write, ~5x cheaper than a new generator; the draws are the
