@@ -126,7 +126,8 @@ def build(
     (the first pass resumed from ``state``, a ``Loader.state_dict()``, when given). ``ds``: an
     open dataset, or a mixture (a list of `crossfeed.Source`)."""
     from crossfeed.read.identity import follow_tail
-    from crossfeed.read.loader import Loader, sample_of
+    from crossfeed.read.loader import Loader
+    from crossfeed.read.loader import one_sample as sample_of
 
     options, calls = opts.loader_options(loader_options)
     if state is not None and not opts.tail_chosen:  # drop_last not given: the state's tail (a JAX state's)
@@ -234,7 +235,7 @@ def _samples(it, sample_of):
     """The samples of ``it``'s batches of one (``batch_size=None``); closing it closes ``it``."""
     try:
         for batch in it:
-            yield sample_of(batch)
+            yield sample_of(batch, "the TF plan engine")
     finally:
         it.close()
 

@@ -54,7 +54,7 @@ from crossfeed.errors import ConfigError
 from crossfeed.read import metrics
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.identity import follow_tail
-from crossfeed.read.loader import Loader, sample_of
+from crossfeed.read.loader import Loader, one_sample
 from crossfeed.read.options import LoaderOptions
 from crossfeed.read.pipeline import SourceKind, classify
 from crossfeed.read.sources.dataset import Dataset
@@ -217,7 +217,7 @@ class TorchDataset(IterableDataset):
         loader.load_state_dict(self._state(epoch, position, loader))
         one = self.per_sample
         for batch in loader:
-            yield to_torch(sample_of(batch) if one else batch, keep_dtypes=self.keep_dtypes)
+            yield to_torch(one_sample(batch, "TorchDataset") if one else batch, keep_dtypes=self.keep_dtypes)
 
     # -- pickling (DataLoader workers started with spawn/forkserver) -----------------------------
     def __getstate__(self):

@@ -296,3 +296,15 @@ def test_a_mixtures_skips_name_a_source_and_its_generators_key_global_ids(tmp_pa
     assert first["noise"][0].tobytes() == g.random(4).tobytes()
     with pytest.raises(ConfigError, match=r"source 0 \(.*a\) has 40 samples; index 40 is past its end"):
         Loader(mix, batch_size=8, skip=Skip(samples=[(0, 40)]))
+
+
+def test_one_sample_at_a_time_a_dropped_sample_is_not_yielded_and_still_counted(data):
+    with Loader(data, batch_size=None, seed=6, return_index=True, filter=rh.keep_even) as ld:
+        it = iter(ld)
+        head = [int(next(it)["__index__"]) for _ in range(10)]
+        state = ld.state_dict()
+        rest = [int(s["__index__"]) for s in it]
+    assert all(i % 2 == 0 for i in head + rest) and len(head + rest) == 60
+    with Loader(data, batch_size=None, seed=6, return_index=True, filter=rh.keep_even) as ld:
+        ld.load_state_dict(state)
+        assert [int(s["__index__"]) for s in ld] == rest

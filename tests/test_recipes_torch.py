@@ -51,3 +51,10 @@ def test_a_stateful_loader_resumes_a_filtered_skipped_epoch_exactly(tmp_path):
     second.load_state_dict(state)
     rest = [b["__index__"].tolist() for b in second]
     assert head + rest == want
+
+
+def test_one_sample_at_a_time_the_torch_adapter_refuses_a_dropped_sample_by_name(tmp_path):
+    data = rh.write(tmp_path / "d")
+    ds = cftorch.TorchDataset(data, batch_size=None, shuffle="none", filter=rh.keep_even)
+    with pytest.raises(crossfeed.ConfigError, match="TorchDataset with batch_size=None counts the samples"):
+        list(cftorch.StatefulLoader(ds, num_workers=0))

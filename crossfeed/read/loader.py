@@ -303,6 +303,8 @@ class Loader:
         one = self.per_sample
         for batch in self.pipeline.epoch(self._epoch, self._position):
             self._delivered += step
+            if one and is_empty(batch):  # one sample at a time, and a filter dropped it: counted, not yielded
+                continue
             yield sample_of(batch) if one else batch
         self._epoch, self._position, self._delivered = self._epoch + 1, 0, 0
         meter = self.pipeline.meter
@@ -329,6 +331,22 @@ class Loader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def is_empty(batch: dict) -> bool:
+    """Whether a batch has no rows (every sample of its step was dropped by a filter)."""
+    return any(len(v) == 0 for v in batch.values())
+
+
+def one_sample(batch: dict, who: str) -> dict:
+    """`sample_of` for a front end that counts the items it yields (the PyTorch and TF adapters'
+    ``batch_size=None``): a dropped sample, which it could not account for, is a ConfigError."""
+    if is_empty(batch):
+        raise ConfigError(
+            f"{who} with batch_size=None counts the samples it yields, and a filter (or a transform returning "
+            f"None) dropped one; filter in batches (a batch_size), or iterate a crossfeed.Loader"
+        )
+    return sample_of(batch)
 
 
 def sample_of(batch: dict) -> dict:
