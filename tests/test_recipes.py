@@ -308,3 +308,31 @@ def test_one_sample_at_a_time_a_dropped_sample_is_not_yielded_and_still_counted(
     with Loader(data, batch_size=None, seed=6, return_index=True, filter=rh.keep_even) as ld:
         ld.load_state_dict(state)
         assert [int(s["__index__"]) for s in ld] == rest
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    world=st.integers(1, 4),
+    batch=st.integers(1, 9),
+    threads=st.integers(0, 2),
+    stop=st.integers(0, 12),
+    epoch=st.integers(0, 3),
+    shuffle=st.sampled_from(["global", "block", "none"]),
+)
+def test_every_sample_draws_its_own_generators_numbers_however_it_is_read(
+    data, world, batch, threads, stop, epoch, shuffle
+):
+    kw = {"batch_size": batch, "seed": 21, "return_index": True, "transform": rh.augment, "shuffle": shuffle}
+    got = {}  # {(epoch, sample id): its draws}
+    for rank in range(world):
+        with Loader(data, rank=rank, world_size=world, num_threads=threads, epoch=epoch, **kw) as ld:
+            it = iter(ld)
+            got.update({(epoch, i): v for i, v in rh.noise_by_id(b for _, b in zip(range(stop), it)).items()})
+            state = ld.state_dict()
+        with Loader(data, **kw) as ld:  # resumed whole, in another world size (the next epoch, past the end)
+            ld.load_state_dict(state)
+            e = ld.epoch
+            got.update({(e, i): v for i, v in rh.noise_by_id(ld).items()})
+    for (e, i), v in got.items():
+        g = crossfeed.sample_rng(21, e, i)
+        assert v == g.random(4).tobytes() + np.int64(g.integers(0, 1000)).tobytes()

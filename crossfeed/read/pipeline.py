@@ -366,8 +366,9 @@ class Pipeline:
             rng=rng,
             seed=plan.seed,
             skip_ids=skip_ids,
-            dropped=dropped if filter_ is not None or transform is not None else None,
-            transform=transform is not None,
+            # a token pipeline's documents are planned into rows: its transform may not drop one
+            dropped=dropped if filter_ is not None or (transform is not None and not packed) else None,
+            transform=transform is not None and not packed,
         )
 
     @property
