@@ -156,6 +156,8 @@ def test_a_skip_file_is_read_strictly(data, tmp_path):
         '# the loss spike of run 7\n3\n0 50\n{"source": 0, "index": 51}\n[0, 119]\nsteps 2 4\n{"steps": [9, 10]}\n'
     )
     s = Skip.of(str(f))
+    both = Skip.of({"samples": [7, (0, 8)], "file": f, "steps": [(20, 21)]})  # inline entries join the file's
+    assert both.samples[:, 1].tolist() == [3, 7, 8, 50, 51, 119] and both.steps == ((2, 4), (9, 10), (20, 21))
     assert s.steps == ((2, 4), (9, 10)) and s.samples[:, 1].tolist() == [3, 50, 51, 119]
     via_file = epoch_batches(data, batch_size=8, seed=2, skip=f)
     inline = epoch_batches(data, batch_size=8, seed=2, skip=Skip(steps=[(2, 4), (9, 10)], samples=[3, 50, 51, 119]))

@@ -319,12 +319,12 @@ class Pipeline:
             meter=self.meter,
             recipe=self.recipe,
         )
-        if tokens is None and plan.skip is not None and plan.skip.steps:
-            sampler = recipes.StepSkipSampler(sampler, plan.skip.steps)
         if tokens is not None:  # token datasets: rows packed (or budgets batched) over the documents' plan
             self.sampler, self.builder = pack.token_stages(sampler, builder, splits, stored, self.features, options)
         else:
-            self.sampler, self.builder = sampler, builder
+            skips = plan.skip.steps if plan.skip is not None else ()  # skipped steps leave the plan
+            self.sampler = recipes.StepSkipSampler(sampler, skips) if skips else sampler
+            self.builder = builder
         # Small records cut column-wise are short numpy steps that hold the GIL: a thread only
         # contends for it, and handing a batch over costs more than building it (measured: 1.65M vs
         # 1.2M samples/s at batch 256), so they are built in the consumer's thread when it asks.

@@ -76,6 +76,21 @@ def _sample(v, where: str) -> tuple[int, int]:
     raise ConfigError(f"{where}: a sample id is INDEX or (SOURCE, INDEX), got {v!r}")
 
 
+def _pairs(samples) -> np.ndarray:
+    """Sample ids as an ``(n, 2)`` int64 array of ``(source, index)``: from a list of ids (`_sample`),
+    an array of plain indices (one dataset), or an ``(n, 2)`` array."""
+    if samples is None:
+        return np.zeros((0, 2), np.int64)
+    if isinstance(samples, np.ndarray) and samples.dtype.kind in "iu" and samples.ndim in (1, 2):
+        if samples.ndim == 1:
+            return np.stack([np.zeros(len(samples), np.int64), samples.astype(np.int64)], axis=1)
+        if samples.shape[1] == 2:
+            return samples.astype(np.int64)
+    if isinstance(samples, (str, bytes, Mapping)) or not hasattr(samples, "__iter__"):
+        raise ConfigError(f"skip samples: a list of INDEX or (SOURCE, INDEX), got {samples!r:.80}")
+    return np.asarray([_sample(v, "skip samples") for v in samples], dtype=np.int64).reshape(-1, 2)
+
+
 def _read_file(path: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """``(steps, samples)`` of a skip file (module docstring), parsed strictly."""
     try:
@@ -139,13 +154,8 @@ class Skip:
         if len(steps) > MAX_STEP_RANGES:
             raise ConfigError(f"skip steps: {len(steps)} ranges, more than {MAX_STEP_RANGES}; merge them")
         object.__setattr__(self, "steps", _merge(steps))
-        s = self.samples
-        if isinstance(s, np.ndarray) and s.ndim == 1 and s.dtype.kind in "iu":  # plain indices: one dataset
-            s = np.stack([np.zeros(len(s), np.int64), s.astype(np.int64)], axis=1)
-        if not isinstance(s, np.ndarray):
-            s = [_sample(v, "skip samples") for v in s]
-            s = np.asarray(s, dtype=np.int64).reshape(-1, 2)
-        elif s.ndim != 2 or s.shape[1] != 2 or s.dtype.kind not in "iu" or (s < 0).any():
+        s = _pairs(self.samples)
+        if s.ndim != 2 or s.shape[1] != 2 or s.dtype.kind not in "iu" or (s < 0).any():
             raise ConfigError(f"skip samples: an (n, 2) array of non-negative (source, index), got {s.dtype}{s.shape}")
         if len(s) > MAX_SAMPLES:
             raise ConfigError(f"skip samples: {len(s):,} ids, more than {MAX_SAMPLES:,}")
@@ -168,13 +178,12 @@ class Skip:
                 "skip= takes a crossfeed.Skip(steps=[(start, end)], samples=[(source, index)]), a skip file's path, "
                 f"or a dict with 'steps', 'samples' and/or 'file'; got {value!r:.120}"
             )
-        steps, samples = list(value.get("steps") or ()), value.get("samples")
-        samples = [] if samples is None else samples
+        steps, samples = list(value.get("steps") or ()), _pairs(value.get("samples"))
         if value.get("file") is not None:
             more_steps, more = _read_file(os.fspath(value["file"]))
             steps += more_steps
-            samples = [*map(tuple, np.asarray(samples).reshape(-1, 2).tolist()), *more] if len(samples) else more
-        return cls(tuple(steps), samples if isinstance(samples, np.ndarray) else list(samples))
+            samples = np.concatenate([samples, np.asarray(more, dtype=np.int64).reshape(-1, 2)])
+        return cls(tuple(steps), samples)
 
     def __bool__(self) -> bool:
         return bool(self.steps) or len(self.samples) > 0

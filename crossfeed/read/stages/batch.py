@@ -51,6 +51,7 @@ class BatchBuilder:
         self.recipe = recipe if recipe is not None and recipe.active else None
         self.epoch = 0  # the epoch of untagged ids (`recipes.tag`: the per-sample generators' key)
         self._rngs = SampleRngs()
+        self._empty: dict | None = None  # a batch of no rows after the transform (`_per_sample`)
         self.meter = meter
         self.transform, self.batch_transform = transform, batch_transform
         self.return_index = return_index
@@ -125,7 +126,7 @@ class BatchBuilder:
     def _per_sample(self, batch: dict, indices: np.ndarray, r: SampleRecipe, t: Tally | None, epoch: int):
         """The batch after the filter and the transform, sample by sample (each transform call
         given its sample's generator when it takes one); dropped samples counted. A batch whose
-        every sample was dropped keeps its features with no rows (the last batch's, if any)."""
+        every sample was dropped keeps its features with no rows (the transform's, once it made one)."""
         cpu = _cpu() if t is not None else 0
         fn, pred, n = self.transform, r.filter, len(indices)
         rngs, seed = (self._rngs, r.seed) if r.rng else (None, 0)
@@ -163,10 +164,14 @@ class BatchBuilder:
             batch = {k: v[take] if isinstance(v, np.ndarray) else [v[j] for j in keep] for k, v in batch.items()}
         elif fn is not None and samples:
             batch = {k: collate([s[k] for s in samples], alloc=self.alloc or np.empty) for k in samples[0]}
-            self._last = batch
+            if self._empty is None:  # what a batch of no rows holds: the transform's features (not a view)
+                self._empty = {
+                    k: np.empty((0, *v.shape[1:]), v.dtype) if isinstance(v, np.ndarray) else []
+                    for k, v in batch.items()
+                }
         elif fn is not None:  # nothing left: the transform's features, with no rows
-            like = getattr(self, "_last", None) or batch
-            batch = {k: v[:0] if isinstance(v, np.ndarray) else [] for k, v in like.items()}
+            like = self._empty or {k: v[:0] if isinstance(v, np.ndarray) else [] for k, v in batch.items()}
+            batch = {k: v.copy() if isinstance(v, np.ndarray) else [] for k, v in like.items()}
         if t is not None:
             now = _clock()
             t.batch += now - t.last

@@ -110,15 +110,15 @@ class SampleRngs:
         self._local = threading.local()
 
     def generator(self, seed: int, epoch: int, sample: int) -> np.random.Generator:
-        mine = getattr(self._local, "g", None)
-        if mine is None:
-            bg = np.random.Philox(key=np.zeros(2, np.uint64))
-            mine = self._local.g = (bg, np.random.Generator(bg), bg.state, [None, None])
-        bg, gen, st, cached = mine
-        if cached[0] != (seed, epoch):
-            cached[0], cached[1] = (seed, epoch), epoch_key(seed, epoch)
+        local = self._local
+        if getattr(local, "gen", None) is None:
+            local.bg = np.random.Philox(key=np.zeros(2, np.uint64))
+            local.gen, local.state, local.epoch = np.random.Generator(local.bg), local.bg.state, (None, 0)
+        bg, gen, st = local.bg, local.gen, local.state
+        if local.epoch[0] != (seed, epoch):
+            local.epoch = ((seed, epoch), epoch_key(seed, epoch))
         inner = st["state"]
-        inner["key"][0], inner["key"][1] = sample, cached[1]
+        inner["key"][0], inner["key"][1] = sample, local.epoch[1]
         inner["counter"][:] = 0
         st["buffer_pos"], st["has_uint32"], st["uinteger"] = 4, 0, 0
         bg.state = st
