@@ -131,6 +131,7 @@ class JaxLoader:
         batch_transform: Callable[[dict], dict] | None = None,
         epoch: int = 0,
         keep_dtypes: bool = False,
+        filter: Callable[[dict], bool] | str | None = None,
         **fields,
     ):
         if device_prefetch is not None and (
@@ -156,7 +157,9 @@ class JaxLoader:
             batch_size = fields.pop("batch_size", None)
             self.rank, self.world_size = _rank_and_world(fields.pop("rank", None), fields.pop("world_size", None))
             extra = sorted(
-                k for k, v in {"options": options, "transform": transform, **fields}.items() if v is not None
+                k
+                for k, v in {"options": options, "transform": transform, "filter": filter, **fields}.items()
+                if v is not None
             )
             if extra or batch_transform is not None or epoch:
                 raise ConfigError(
@@ -193,11 +196,24 @@ class JaxLoader:
         self.global_batch_size = opts.plan.batch_size
         pad = check_pad_to(pad_to, self.global_batch_size)  # (B, length) of each padded feature: bounded
         local = self._local_batch(self.global_batch_size)
+        skip = opts.plan.skip
+        if filter is not None or (skip is not None and len(skip.samples) > 0):
+            raise ConfigError(
+                "filter= and skipped sample ids make batches shorter, and a JaxLoader's global arrays have static "
+                "shapes; filter when converting, or use skip= steps (whole steps are left out) — refilled "
+                "steps are not built yet"
+            )
         self.options = opts.replace(batch_size=local, rank=self.rank, world_size=self.world_size)
         # batches built straight into aligned buffers (a worker process's slots are aligned already)
         aligned = self._alloc if self.options.read.executor is not ExecutorKind.PROCESS else None
         self.loader = Loader(
-            source, self.options, transform=transform, batch_transform=batch_transform, epoch=epoch, alloc=aligned
+            source,
+            self.options,
+            transform=transform,
+            batch_transform=batch_transform,
+            epoch=epoch,
+            alloc=aligned,
+            filter=filter,
         )
         try:
             packed = opts.plan.pack is not None  # packed rows are dense: (B, length) of every feature

@@ -144,7 +144,7 @@ class TFOptions:
         """``(LoaderOptions, callables)`` of the plan engine's Loaders: this one options object
         (with ``extra`` Loader fields applied) and the ``transform``/``batch_transform`` among ``extra``."""
         extra = dict(extra or {})
-        calls = {k: extra.pop(k) for k in ("transform", "batch_transform") if k in extra}
+        calls = {k: extra.pop(k) for k in ("transform", "batch_transform", "filter") if k in extra}
         if not self.seeded:
             raise ConfigError("the plan engine needs an int seed (its order is a pure function of it); pass seed=")
         return (self.loader.replace(**extra) if extra else self.loader), calls

@@ -126,7 +126,8 @@ def build(
     (the first pass resumed from ``state``, a ``Loader.state_dict()``, when given). ``ds``: an
     open dataset, or a mixture (a list of `crossfeed.Source`)."""
     from crossfeed.read.identity import follow_tail
-    from crossfeed.read.loader import Loader, sample_of
+    from crossfeed.read.loader import Loader
+    from crossfeed.read.loader import one_sample as sample_of
 
     options, calls = opts.loader_options(loader_options)
     if state is not None and not opts.tail_chosen:  # drop_last not given: the state's tail (a JAX state's)
@@ -148,8 +149,14 @@ def build(
         element_spec = {k: tf.TensorSpec(s.shape[1:], s.dtype) for k, s in tf_spec.token_spec(feats, options).items()}
     if element_spec is None:
         chosen = tf_spec.select(Schema(feats), None, stats)
+        # a filter or skipped samples shorten batches: their leading dimension is not fixed then
+        skip = options.plan.skip
+        shortened = calls.get("filter") is not None or (skip is not None and len(skip.samples) > 0)
         element_spec = tf_spec.element_spec(
-            chosen, batch_size=opts.batch_size, drop_last=options.plan.drop_last, return_index=options.return_index
+            chosen,
+            batch_size=opts.batch_size,
+            drop_last=options.plan.drop_last and not shortened,
+            return_index=options.return_index,
         )
         if counter.sources is not None and options.return_index:
             element_spec[SOURCE_KEY] = tf.TensorSpec(element_spec[INDEX_KEY].shape, tf.int64)
@@ -228,7 +235,7 @@ def _samples(it, sample_of):
     """The samples of ``it``'s batches of one (``batch_size=None``); closing it closes ``it``."""
     try:
         for batch in it:
-            yield sample_of(batch)
+            yield sample_of(batch, "the TF plan engine")
     finally:
         it.close()
 

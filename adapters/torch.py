@@ -54,7 +54,7 @@ from crossfeed.errors import ConfigError
 from crossfeed.read import metrics
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.identity import follow_tail
-from crossfeed.read.loader import Loader, sample_of
+from crossfeed.read.loader import Loader, one_sample
 from crossfeed.read.options import LoaderOptions
 from crossfeed.read.pipeline import SourceKind, classify
 from crossfeed.read.sources.dataset import Dataset
@@ -88,8 +88,10 @@ class TorchDataset(IterableDataset):
         batch_transform: Callable[[dict], dict] | None = None,
         epoch: int = 0,
         keep_dtypes: bool = False,
+        filter: Callable[[dict], bool] | str | None = None,
         **fields,
     ):
+        self.filter = filter  # the Loader's filter= (a dropped sample shortens its batch)
         self.keep_dtypes, self.per_sample = bool(keep_dtypes), False
         self._stream = source if is_stream(source) else None
         self._loaders: dict[tuple[int, int], Loader] = {}
@@ -128,6 +130,7 @@ class TorchDataset(IterableDataset):
                 self.options.replace(worker=worker, num_workers=num_workers),
                 transform=self.transform,
                 batch_transform=self.batch_transform,
+                filter=self.filter,
             )
         return self._loaders[key]
 
@@ -226,7 +229,7 @@ class TorchDataset(IterableDataset):
         loader.load_state_dict(self._state(epoch, position, loader))
         one = self.per_sample
         for batch in loader:
-            yield to_torch(sample_of(batch) if one else batch, keep_dtypes=self.keep_dtypes)
+            yield to_torch(one_sample(batch, "TorchDataset") if one else batch, keep_dtypes=self.keep_dtypes)
 
     # -- pickling (DataLoader workers started with spawn/forkserver) -----------------------------
     def __getstate__(self):

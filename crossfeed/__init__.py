@@ -48,7 +48,9 @@ if TYPE_CHECKING:  # the names as a type checker (and a reader) sees them; at ru
     )
     from crossfeed.read.pipeline import Pipeline
     from crossfeed.read.schedule import Schedule
+    from crossfeed.read.skips import Skip
     from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
+    from crossfeed.read.stages.recipes import sample_rng, with_rng
     from crossfeed.read.tools.weights import write_weights
     from crossfeed.write.options import WriteOptions
 
@@ -107,6 +109,8 @@ _LAZY = {
     "BatchMeta": "crossfeed.format.wire",
     "balanced": "crossfeed.format.weights",
     "write_weights": "crossfeed.read.tools.weights",
+    "Skip": "crossfeed.read.skips",
+    **dict.fromkeys(("sample_rng", "with_rng"), "crossfeed.read.stages.recipes"),
 }
 
 
@@ -152,6 +156,7 @@ __all__ = [
     "ServerLostError",
     "ShardOptions",
     "Shuffle",
+    "Skip",
     "Source",
     "Split",
     "SplitNotFoundError",
@@ -161,6 +166,8 @@ __all__ = [
     "balanced",
     "connect",
     "open_dataset",
+    "sample_rng",
+    "with_rng",
     "write_dataset",
     "write_weights",
 ]

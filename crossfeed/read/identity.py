@@ -11,7 +11,9 @@ drop_last, samples_per_epoch) — a mixture's weights (a nested mixture's: its f
 future may change on resume: `resume_differences`); per-sample weights (the set's name and its
 weights file's SHA-256, ``weights``); packing (length, split, bins, long, weights_by, features, pad_id) and
 batch_by_tokens; the decode options that change values (decode_images, image_size, channels,
-resize). What is *not* in it may change on resume without loss, because the plan re-splits what is
+resize); a skip list (``skip=``: its global step ranges, and its sample ids by count and
+digest — adding step ranges that lie wholly after the resume point is allowed, see
+`skip_steps_added`). What is *not* in it may change on resume without loss, because the plan re-splits what is
 left: world size and rank, DataLoader workers, executor, threads, processes, prefetch, cache,
 timeouts, on_error, return_index, and the batch size (a position counts samples, rows or documents,
 never batches) — except under batch_by_tokens, whose budget is the batch.
@@ -172,6 +174,10 @@ class StreamIdentity:
             s["pack length"] = None  # unpacked: positions count samples (documents), not rows
         if plan.batch_by_tokens is not None:
             s["batch by tokens"] = plan.batch_by_tokens
+        skip = getattr(plan, "skip", None)
+        if skip is not None:  # absent without one: identities saved before skips stay the same
+            s["skip steps"] = [list(r) for r in skip.steps]
+            s["skip samples"] = skip.digest
         s["decode images"] = read.decode_images
         if read.image_size is not None or read.channels is not None:
             s["image size"] = None if read.image_size is None else list(read.image_size)
@@ -219,6 +225,63 @@ def _json_value(v, depth: int = 0) -> bool:
     if isinstance(v, list) and depth < 3 and len(v) <= MAX_SETTINGS:
         return all(_json_value(x, depth + 1) for x in v)
     return False
+
+
+def skip_steps_added(saved: StreamIdentity, now: StreamIdentity, from_step: int) -> bool:
+    """Whether ``now`` differs from ``saved`` only by skipped step ranges added wholly at or
+    after global step ``from_step`` (where the resume starts): the loss-spike workflow (stop,
+    skip the coming steps N…M, resume) — what was delivered before is unchanged, so the resume
+    is exact. Removing or moving a range, or one reaching back before ``from_step``, is not."""
+    a, b = dict(saved.settings), dict(now.settings)
+    old, new = a.pop("skip steps", []), b.pop("skip steps", [])
+    for d in (a, b):  # no skipped samples: as without a skip list
+        if isinstance(d.get("skip samples"), str) and d["skip samples"].startswith("0 "):
+            del d["skip samples"]
+    if a != b or not isinstance(old, list) or not isinstance(new, list) or old == new:
+        return False
+    try:
+        before = {(int(lo), int(hi)) for lo, hi in old}
+        after = {(int(lo), int(hi)) for lo, hi in new}
+    except (TypeError, ValueError):
+        return False
+    covered = _cover(after)
+    # every saved range still skipped; every step newly skipped lies at or after from_step
+    if not all(_within(r, covered) for r in before):
+        return False
+    old_cover = _cover(before)
+    for lo, hi in covered:
+        for x, _ in _minus((lo, hi), old_cover):
+            if x < from_step:
+                return False
+    return True
+
+
+def _cover(ranges) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(a, b) for a, b in out]
+
+
+def _within(r, cover) -> bool:
+    return any(lo <= r[0] and r[1] <= hi for lo, hi in cover)
+
+
+def _minus(r, cover) -> list[tuple[int, int]]:
+    """The parts of half-open ``r`` outside the merged ranges ``cover``."""
+    out, (lo, hi) = [], r
+    for a, b in cover:
+        if b <= lo or a >= hi:
+            continue
+        if a > lo:
+            out.append((lo, a))
+        lo = max(lo, b)
+    if lo < hi:
+        out.append((lo, hi))
+    return out
 
 
 def follow_tail(options, state):

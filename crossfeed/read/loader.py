@@ -21,7 +21,7 @@ import numpy as np
 from crossfeed.errors import ConfigError
 from crossfeed.format.schema import INDEX_KEY, Feature
 from crossfeed.read import metrics
-from crossfeed.read.identity import StreamIdentity
+from crossfeed.read.identity import StreamIdentity, skip_steps_added
 from crossfeed.read.options import LoaderOptions, ReadOptions, Remainder, Shuffle, Source
 from crossfeed.read.pipeline import Pipeline, PlanLike
 from crossfeed.read.replay import StepSamples, replay
@@ -48,6 +48,13 @@ class Loader:
     processes, with ``executor="process"``; either may be a ``"module:function"`` string). ``start``:
     ``(epoch, position)`` to begin at (``epoch=`` alone: that epoch's start). ``alloc``:
     ``alloc(shape, dtype)`` makes the batch arrays (default ``np.empty``).
+
+    Recipes (docs/read-and-mix.md): ``filter`` — a predicate on each decoded sample (or
+    ``"module:function"``) — and a ``transform`` that returns None drop the sample: its batch
+    comes out shorter, the position still counts it (`filtered` counts them; ``max_filtered=``
+    bounds their share). A transform whose second parameter is ``rng`` (or marked
+    `crossfeed.with_rng`) gets each sample's own ``np.random.Generator``, seeded from (seed, epoch,
+    sample id). ``skip=`` leaves out global steps and sample ids (`crossfeed.Skip`).
 
     ``batch_size=None`` (as keywords) iterates one sample at a time, as ``DataLoader(batch_size=None)``
     and an unbatched ``tf.data`` pipeline do: each item is one sample's dict — arrays without the
@@ -78,6 +85,7 @@ class Loader:
         start: tuple[int, int] | None = None,
         epoch: int | None = None,
         alloc: Callable | None = None,
+        filter: Callable[[dict], bool] | str | None = None,
         **fields,
     ):
         # batch_size=None: one sample at a time (DataLoader(batch_size=None), tf.data unbatched)
@@ -91,7 +99,7 @@ class Loader:
             raise ConfigError("pass start=(epoch, position) or epoch=, not both")
         self.options = options
         self.pipeline = Pipeline.build(
-            source, options, transform=transform, batch_transform=batch_transform, alloc=alloc
+            source, options, transform=transform, batch_transform=batch_transform, alloc=alloc, filter=filter
         )
         meter = self.pipeline.meter
         self._mark = meter.stats() if meter is not None else None  # the counters at the epoch's start (`log_stats`)
@@ -168,6 +176,17 @@ class Loader:
     @property
     def skipped(self) -> int:
         return self.pipeline.skipped
+
+    @property
+    def filtered(self) -> int:
+        """Samples the filter (or a transform returning None) dropped so far, here and in the
+        process executor's workers (DataLoader workers count in their own processes)."""
+        return self.pipeline.filtered
+
+    def global_step(self) -> int:
+        """The global step of the next batch of the plan (skipped or not): ``epoch ×
+        steps_per_epoch + step`` as ``skip=`` counts steps (`crossfeed.read.skips`)."""
+        return self.pipeline.global_step(self._epoch, self.position)
 
     def start_at(self, epoch: int, position: int = 0) -> None:
         """Begin the next iteration at sample ``position`` of epoch ``epoch`` (positions count
@@ -313,9 +332,12 @@ class Loader:
             )
             diffs = []
         else:
-            # a mixture schedule's future may change (a phase appended): `resume_differences`
-            at = epoch * self.pipeline.total + position
-            diffs = StreamIdentity.from_json(state.get("identity")).resume_differences(now, at)
+            # a mixture schedule's future may change (a phase appended): `resume_differences`;
+            # so may the skipped steps after the resume point (`skip_steps_added`)
+            saved = StreamIdentity.from_json(state.get("identity"))
+            diffs = saved.resume_differences(now, epoch * self.pipeline.total + position)
+            if diffs and skip_steps_added(saved, now, self.pipeline.global_step(epoch, position)):
+                diffs = []  # skipped steps added after the resume point: the past is unchanged
         if not diffs and (seed != self.options.plan.seed or num != self.pipeline.total):
             diffs = [f"seed was {seed}, is {self.options.plan.seed}"] if seed != self.options.plan.seed else []
             diffs += [f"samples per epoch were {num}, are {self.pipeline.total}"] if num != self.pipeline.total else []
@@ -345,6 +367,8 @@ class Loader:
         one = self.per_sample
         for batch in self.pipeline.epoch(self._epoch, self._position):
             self._delivered += step
+            if one and is_empty(batch):  # one sample at a time, and a filter dropped it: counted, not yielded
+                continue
             yield sample_of(batch) if one else batch
         self._epoch, self._position, self._delivered = self._epoch + 1, 0, 0
         meter = self.pipeline.meter
@@ -371,6 +395,22 @@ class Loader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def is_empty(batch: dict) -> bool:
+    """Whether a batch has no rows (every sample of its step was dropped by a filter)."""
+    return any(len(v) == 0 for v in batch.values())
+
+
+def one_sample(batch: dict, who: str) -> dict:
+    """`sample_of` for a front end that counts the items it yields (the PyTorch and TF adapters'
+    ``batch_size=None``): a dropped sample, which it could not account for, is a ConfigError."""
+    if is_empty(batch):
+        raise ConfigError(
+            f"{who} with batch_size=None counts the samples it yields, and a filter (or a transform returning "
+            f"None) dropped one; filter in batches (a batch_size), or iterate a crossfeed.Loader"
+        )
+    return sample_of(batch)
 
 
 def sample_of(batch: dict) -> dict:

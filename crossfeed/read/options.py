@@ -28,6 +28,7 @@ from crossfeed.policy import DEFAULT_MAX_SKIPS, OnError, check_max_skips, on_err
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.executors.threads import ExecutorKind
 from crossfeed.read.schedule import Schedule
+from crossfeed.read.skips import Skip
 
 
 class Shuffle(str, enum.Enum):
@@ -207,6 +208,7 @@ class PlanOptions:
     # per-sample weights: the name of a weights set of the dataset (`crossfeed.format.weights`;
     # ``crossfeed.balanced("label")`` names a class-balance set); None: every sample once an epoch
     weights: str | None = None
+    skip: Skip | None = None  # global steps and sample ids left out (`crossfeed.read.skips`; a path: a skip file)
 
     def __post_init__(self):
         if isinstance(self.shuffle, bool):  # shuffle=True/False reads naturally (DataLoader's spelling)
@@ -217,6 +219,8 @@ class PlanOptions:
         object.__setattr__(self, "seed", check_seed(self.seed))
         object.__setattr__(self, "block_shards", _int(self.block_shards, "block_shards", 1))
         object.__setattr__(self, "drop_last", bool(self.drop_last))
+        skip = Skip.of(self.skip)
+        object.__setattr__(self, "skip", skip if skip else None)
         if self.samples_per_epoch is not None:
             object.__setattr__(self, "samples_per_epoch", _int(self.samples_per_epoch, "samples_per_epoch", 1))
         if self.pack is not None:
@@ -316,6 +320,9 @@ class ReadOptions:
     resize: Resize = Resize.STRETCH  # how images reach image_size
     # log the epoch's stage metrics and verdict in one line at INFO at each epoch's end (`Loader.stats`)
     log_stats: bool = False
+    # the most a filter (``filter=``, or a transform returning None) may drop, as a share of the
+    # samples seen (None: no limit); past it a ConfigError names the filter and the share
+    max_filtered: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "allowed_roots", roots.normalise_all(self.allowed_roots))
@@ -336,6 +343,9 @@ class ReadOptions:
         object.__setattr__(self, "prefetch", _int(self.prefetch, "prefetch", 0))
         object.__setattr__(self, "on_error", on_error_choice(self.on_error))
         object.__setattr__(self, "max_skips", check_max_skips(self.max_skips))
+        mf = self.max_filtered
+        if mf is not None and (isinstance(mf, bool) or not isinstance(mf, (int, float)) or not 0 <= mf <= 1):
+            raise ConfigError(f"max_filtered must be a share between 0 and 1 (or None: no limit), got {mf!r}")
         if self.cache_dir is None and os.environ.get(CACHE_ENV):
             object.__setattr__(self, "cache_dir", os.environ[CACHE_ENV])
         if self.cache_dir is not None:
@@ -558,7 +568,7 @@ class LoaderOptions:
                     else v.to_dict()
                     if isinstance(v, FsOptions)
                     else v.to_json()
-                    if isinstance(v, Pack)
+                    if isinstance(v, (Pack, Skip))
                     else os.fspath(v)
                     if isinstance(v, os.PathLike)
                     else list(v)

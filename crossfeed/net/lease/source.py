@@ -51,6 +51,7 @@ from crossfeed.net.keys import ClientKeys, secure_client_socket
 from crossfeed.net.lease import messages as W
 from crossfeed.net.lease.book import PACKED_STRIDE
 from crossfeed.net.stream.producer import Prefetch, ProducerFailed, StreamEnd, encode_item, put_until
+from crossfeed.read.stages.recipes import tag
 from crossfeed.read.stages.sampler import Sampler
 
 if TYPE_CHECKING:
@@ -328,7 +329,7 @@ class LeaseSource:
                     self._plans.clear()
                 plan = self._plans[key] = self._samplers[b % world].plan(epoch, 0)
             taken.append(task)
-            yield plan.batch(b // world)
+            yield tag(plan.batch(b // world), epoch)  # its epoch keys the per-sample generators
 
     def _offer(self, task: tuple[int, int, int, int, int, int], batch) -> None:
         """Hand a built batch to the server, unless its lease went void meanwhile (RESET)."""

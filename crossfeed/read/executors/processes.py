@@ -139,6 +139,8 @@ class WorkerRecipe:
     transform: object = None
     batch_transform: object = None
     manifests: tuple = ()
+    filter: object = None  # a predicate on each decoded sample (`crossfeed.read.stages.recipes`)
+    transform_rng: bool = False  # the transform takes each sample's generator (found in the parent)
 
     def check_versions(self, datasets) -> None:
         """A `DatasetRewrittenError` unless ``datasets`` (a worker's) hold the manifests the parent
@@ -160,6 +162,8 @@ class WorkerRecipe:
             "transform": _reference("transform", self.transform),
             "batch_transform": _reference("batch_transform", self.batch_transform),
             "manifests": list(self.manifests),
+            "filter": _reference("filter", self.filter),
+            "transform_rng": self.transform_rng,
         }
 
     @staticmethod
@@ -167,7 +171,15 @@ class WorkerRecipe:
         src = d["source"]
         source = src if isinstance(src, str) else [Source.from_json(s) for s in src]
         manifests = tuple(d.get("manifests", ()))
-        return WorkerRecipe(source, LoaderOptions.of(**d["options"]), d["transform"], d["batch_transform"], manifests)
+        return WorkerRecipe(
+            source,
+            LoaderOptions.of(**d["options"]),
+            d["transform"],
+            d["batch_transform"],
+            manifests,
+            filter=d.get("filter"),
+            transform_rng=bool(d.get("transform_rng", False)),
+        )
 
 
 def _sources(source) -> list[dict] | None:
@@ -296,6 +308,8 @@ class ProcessExecutor:
         self._pools = [SlotPool()]  # the current one last; torn-down ones close as their batches go
         self._gen = 0
         self._skipped = [0, 0]  # on_error="skip": records skipped by stopped workers, and by these
+        self._filtered = [0, 0]  # samples the workers' filters dropped: by stopped workers, and by these
+        self.epoch = 0  # the epoch of the batches `map` sends (each sample's generator is keyed by it)
         self._closed = False
         self.meter = meter
         weakref.finalize(self, _stop_workers, self._workers, self._pools, os.getpid())  # if never closed
@@ -309,6 +323,11 @@ class ProcessExecutor:
     def skipped(self) -> int:
         """Bad records the workers skipped (``on_error="skip"``; each worker has its own budget)."""
         return self._skipped[0] + sum(self._skipped[1:])
+
+    @property
+    def filtered(self) -> int:
+        """Samples the workers' filters (or transforms returning None) dropped."""
+        return self._filtered[0] + sum(self._filtered[1:])
 
     @property
     def slots(self) -> int:
@@ -327,6 +346,7 @@ class ProcessExecutor:
 
     def _start(self) -> None:
         self._skipped = [self._skipped[0]] + [0] * self.processes
+        self._filtered = [self._filtered[0]] + [0] * self.processes
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
             for i in range(self.processes):
@@ -378,7 +398,8 @@ class ProcessExecutor:
             new = slot.id not in w.known
             try:
                 ids = np.ascontiguousarray(item, dtype="<i8")
-                w.channel.send(["build", gen, sent, slot.id], [ids], (slot.fd,) if new else ())
+                epoch = int(getattr(item, "epoch", self.epoch))  # tagged ids carry theirs (`recipes.tag`)
+                w.channel.send(["build", gen, sent, slot.id, epoch], [ids], (slot.fd,) if new else ())
             except OSError:  # it died: name the batch it was building, if it held one
                 pool.release(slot.id)
                 held = [q for q in range(got, sent) if q % k == w.index]
@@ -408,8 +429,10 @@ class ProcessExecutor:
                 raise _worker_exception(w, what, msg[3], msg[4])
             _, _, _, slot_id, rows, nbytes, self._skipped[1 + w.index] = msg[:7]
             batch = pool.batch(slot_id, layout_from_json(rows, blobs), nbytes)
-            if self.meter is not None and len(msg) == 9:  # the batch's stage times, and when it was done
+            if self.meter is not None and len(msg) >= 9:  # the batch's stage times, and when it was done
                 self.meter.merge(msg[7], msg[8])
+            if len(msg) >= 10:
+                self._filtered[1 + w.index] = int(msg[9])
             got += 1
             firsts.popleft()
             submit()
@@ -422,6 +445,7 @@ class ProcessExecutor:
 
     def _teardown(self) -> None:
         self._skipped = [self.skipped]
+        self._filtered = [self.filtered]
         _stop_workers(self._workers, self._pools)
         if not self._closed:
             self._pools.append(SlotPool())

@@ -54,8 +54,14 @@ def _pipeline(recipe):
 
     options = recipe.options.replace(executor=ExecutorKind.THREAD, num_threads=0)
     pipeline = Pipeline.build(
-        recipe.source, options, transform=recipe.transform, batch_transform=recipe.batch_transform
+        recipe.source,
+        options,
+        transform=recipe.transform,
+        batch_transform=recipe.batch_transform,
+        filter=recipe.filter,
     )
+    if recipe.transform_rng and not pipeline.recipe.rng:  # marked with_rng in the parent only
+        pipeline.recipe.rng = True  # the builder's recipe
     recipe.check_versions(pipeline.datasets)
     return pipeline
 
@@ -84,7 +90,9 @@ def main(fd: int) -> None:
         task = tasks.get()
         if task is None:
             return
-        (_, gen, seq, slot_id), ids, fd = task
+        (_, gen, seq, slot_id, *more), ids, fd = task
+        if more:  # the epoch of the batch (each sample's generator is keyed by it)
+            pipeline.set_epoch(int(more[0]))
         if fd is not None:
             slots[slot_id] = Slot(fd, slot_id)
         writer = SlotWriter(slots[slot_id])
@@ -101,7 +109,7 @@ def main(fd: int) -> None:
             skipped = pipeline.skipped
             # the batch's stage times (`crossfeed.read.metrics`) go back with it, and when it was done
             timed = pipeline.drain_meter()
-            reply = ["done", gen, seq, slot_id, rows, nbytes, skipped, timed, time.perf_counter_ns()]
+            reply = ["done", gen, seq, slot_id, rows, nbytes, skipped, timed, time.perf_counter_ns(), pipeline.filtered]
         finally:
             pipeline.set_allocator(None)
         try:

@@ -14,11 +14,13 @@ from time import thread_time_ns as _cpu
 
 import numpy as np
 
+from crossfeed.errors import ConfigError
 from crossfeed.format.schema import INDEX_KEY, SOURCE_KEY
 from crossfeed.policy import ErrorBudget
 from crossfeed.read.metrics import Meter, Tally
 from crossfeed.read.stages.decode import collate
 from crossfeed.read.stages.fetch import MixtureReader, SourceReader
+from crossfeed.read.stages.recipes import SampleRecipe, SampleRngs, callable_name, epoch_of
 
 STAGES = ("read", "decode", "transform", "batch")  # what `BatchBuilder` times, in order
 
@@ -42,8 +44,14 @@ class BatchBuilder:
         return_index: bool = False,
         budget: ErrorBudget | None = None,
         meter: Meter | None = None,
+        recipe: SampleRecipe | None = None,
     ):
         self.reader = reader
+        # filters, skipped sample ids, per-sample generators (`crossfeed.read.stages.recipes`)
+        self.recipe = recipe if recipe is not None and recipe.active else None
+        self.epoch = 0  # the epoch of untagged ids (`recipes.tag`: the per-sample generators' key)
+        self._rngs = SampleRngs()
+        self._empty: dict | None = None  # a batch of no rows after the transform (`_per_sample`)
         self.meter = meter
         self.transform, self.batch_transform = transform, batch_transform
         self.return_index = return_index
@@ -66,9 +74,16 @@ class BatchBuilder:
                 t = self.meter.tally()
         if t is not None:  # each stage boundary below: one clock read, ending a stage and beginning the next
             t.start = t.last = _clock()
+        r = self.recipe
+        epoch = epoch_of(indices, self.epoch)
+        indices = np.asarray(indices)  # a plain array from here (`tag`ged ids are a view)
+        if r is not None and r.skip_ids is not None and len(indices):
+            indices = indices[r.skip_ids.keep(indices)]  # skipped samples are never read
         batch, kept = self.reader(indices, self.budget, t)
         indices = indices[kept]
-        if self.transform is not None:
+        if r is not None and (r.filter is not None or r.rng or self.transform is not None):
+            batch, indices = self._per_sample(batch, indices, r, t, epoch)
+        elif self.transform is not None:
             cpu = _cpu() if t is not None else 0
             samples = [self.transform({k: v[i] for k, v in batch.items()}) for i in range(len(indices))]
             if t is not None:
@@ -107,6 +122,62 @@ class BatchBuilder:
                     t.ncpu_transform += 1
                 t.last = now
         return batch
+
+    def _per_sample(self, batch: dict, indices: np.ndarray, r: SampleRecipe, t: Tally | None, epoch: int):
+        """The batch after the filter and the transform, sample by sample (each transform call
+        given its sample's generator when it takes one); dropped samples counted. A batch whose
+        every sample was dropped keeps its features with no rows (the transform's, once it made one)."""
+        cpu = _cpu() if t is not None else 0
+        fn, pred, n = self.transform, r.filter, len(indices)
+        rngs, seed = (self._rngs, r.seed) if r.rng else (None, 0)
+        ids = indices.tolist()
+        samples, keep = [], []
+        for i in range(n):
+            s = {k: v[i] for k, v in batch.items()}
+            if pred is not None and not pred(s):
+                continue
+            if fn is not None:
+                if rngs is not None:
+                    s = fn(s, rngs.generator(seed, epoch, ids[i]))
+                else:
+                    s = fn(s)
+                if s is None:
+                    continue
+                if not isinstance(s, dict):
+                    raise ConfigError(
+                        f"the transform {callable_name(fn)} returned a {type(s).__name__} for sample {ids[i]}; "
+                        f"it must return the sample's dict (or None to drop it)"
+                    )
+            samples.append(s)
+            keep.append(i)
+        if t is not None:
+            now = _clock()
+            t.transform += now - t.last
+            t.n_transform += 1
+            t.cpu_transform += _cpu() - cpu
+            t.ncpu_transform += 1
+            t.last = now
+        if r.dropped is not None:
+            r.dropped.add(n, n - len(samples))
+        if fn is None and len(keep) < n:  # a filter alone: the decoded arrays, less the dropped rows
+            take = np.asarray(keep, dtype=np.int64)
+            batch = {k: v[take] if isinstance(v, np.ndarray) else [v[j] for j in keep] for k, v in batch.items()}
+        elif fn is not None and samples:
+            batch = {k: collate([s[k] for s in samples], alloc=self.alloc or np.empty) for k in samples[0]}
+            if self._empty is None:  # what a batch of no rows holds: the transform's features (not a view)
+                self._empty = {
+                    k: np.empty((0, *v.shape[1:]), v.dtype) if isinstance(v, np.ndarray) else []
+                    for k, v in batch.items()
+                }
+        elif fn is not None:  # nothing left: the transform's features, with no rows
+            like = self._empty or {k: v[:0] if isinstance(v, np.ndarray) else [] for k, v in batch.items()}
+            batch = {k: v.copy() if isinstance(v, np.ndarray) else [] for k, v in like.items()}
+        if t is not None:
+            now = _clock()
+            t.batch += now - t.last
+            t.n_batch += 1
+            t.last = now
+        return batch, indices[np.asarray(keep, dtype=np.int64)] if len(keep) < n else indices
 
 
 def timed_apart(build, ids, timings: dict[str, float]) -> dict[str, np.ndarray]:

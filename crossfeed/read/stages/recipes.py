@@ -1,0 +1,293 @@
+"""Data recipes in the read pipeline: filters, per-sample randomness and skips — each a pure
+function of integers (seed, epoch, global sample id, global step), so exact across resume, ranks,
+DataLoader workers, executors and frameworks (docs/read-and-mix.md, "Filters, skips and
+per-sample randomness").
+
+* `sample_rngs`: each sample's ``np.random.Generator`` — Philox keyed by ``(global sample id,
+  a hash of (seed, epoch))``: a transform that takes ``rng`` gets the same stream for the same
+  sample in the same epoch wherever and whenever it runs.
+* `Dropped`: the samples filters dropped (``filter=``, a transform returning None) and the
+  `max_filtered` budget.
+* `SkipIds`: a skip list's sample ids, sorted: ``keep(ids)`` is O(batch · log skipped).
+* `StepSkipSampler`: a sampler whose plans leave out skipped global steps, on every rank alike;
+  its batch counts and positions count the steps it yields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from crossfeed.errors import ConfigError
+
+RNG_STREAM = 0x726E67  # "rng": the per-sample generators' own seed stream, apart from the plan's
+FILTER_MIN_SEEN = 100  # the filter budget is checked once this many samples were seen (a share needs some)
+
+
+def with_rng(fn: Callable) -> Callable:
+    """Mark ``fn`` as a transform that takes ``(sample, rng)`` whatever its parameters are named
+    (a transform whose second parameter is named ``rng`` needs no mark). Returns ``fn`` itself,
+    so it still imports by reference in worker processes (mark it where it is defined, or name
+    the parameter ``rng``, for ``executor="process"``)."""
+    if not callable(fn):
+        raise ConfigError(f"with_rng marks a transform function, got {type(fn).__name__}")
+    try:
+        fn.__crossfeed_rng__ = True  # type: ignore[attr-defined]
+    except AttributeError:
+        raise ConfigError(f"with_rng cannot mark {fn!r}; name its second parameter rng instead") from None
+    return fn
+
+
+def wants_rng(fn: Callable | None) -> bool:
+    """Whether a transform takes the per-sample generator: marked `with_rng`, or a second
+    positional parameter named ``rng``."""
+    if fn is None:
+        return False
+    if getattr(fn, "__crossfeed_rng__", False):
+        return True
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 and positional[1].name == "rng"
+
+
+def epoch_key(seed: int, epoch: int) -> int:
+    """The high word of every sample's Philox key in one epoch."""
+    words = [int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch), RNG_STREAM]
+    return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0])
+
+
+def sample_rng(seed: int, epoch: int, sample: int) -> np.random.Generator:
+    """The generator of global sample ``sample`` in ``epoch`` of a plan seeded ``seed`` (what a
+    transform taking ``rng`` gets: reproduce one sample's augmentation with it)."""
+    return np.random.Generator(np.random.Philox(key=np.array([int(sample), epoch_key(seed, epoch)], np.uint64)))
+
+
+def sample_rngs(seed: int, epoch: int, ids: np.ndarray) -> Iterator[np.random.Generator]:
+    """`sample_rng` of each of ``ids``, the epoch's key computed once."""
+    key = np.array([0, epoch_key(seed, epoch)], np.uint64)
+    for i in np.asarray(ids, dtype=np.int64).tolist():
+        key[0] = i
+        yield np.random.Generator(np.random.Philox(key=key))
+
+
+class EpochIds(np.ndarray):
+    """A batch's sample ids tagged with their epoch (`tag`): the builder keys the per-sample
+    generators by it, and the process executor sends it with the ids, so batches of different
+    epochs in one pass (a dispatcher's leases) each get their own."""
+
+    epoch: int = 0
+
+    def __array_finalize__(self, obj) -> None:
+        self.epoch = getattr(obj, "epoch", 0)  # views and slices keep it
+
+
+def tag(ids: np.ndarray, epoch: int) -> np.ndarray:
+    """``ids`` (a view) carrying ``epoch`` (`EpochIds`)."""
+    out = np.asarray(ids).view(EpochIds)
+    out.epoch = int(epoch)
+    return out
+
+
+def epoch_of(ids, default: int) -> int:
+    """The epoch ``ids`` were tagged with, else ``default``."""
+    return int(getattr(ids, "epoch", default))
+
+
+class SampleRngs:
+    """Each sample's generator, cheaply: one Philox generator per thread, its key and counter
+    reset for each sample (a state write, ~5x cheaper than a new generator; the draws are the
+    same as `sample_rng`'s). A generator is the sample's for the transform's call: the next
+    sample's call resets it (``copy.deepcopy(rng)`` keeps one)."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def generator(self, seed: int, epoch: int, sample: int) -> np.random.Generator:
+        local = self._local
+        if getattr(local, "gen", None) is None:
+            local.bg = np.random.Philox(key=np.zeros(2, np.uint64))
+            local.gen, local.state, local.epoch = np.random.Generator(local.bg), local.bg.state, (None, 0)
+        bg, gen, st = local.bg, local.gen, local.state
+        if local.epoch[0] != (seed, epoch):
+            local.epoch = ((seed, epoch), epoch_key(seed, epoch))
+        inner = st["state"]
+        inner["key"][0], inner["key"][1] = sample, local.epoch[1]
+        inner["counter"][:] = 0
+        st["buffer_pos"], st["has_uint32"], st["uinteger"] = 4, 0, 0
+        bg.state = st
+        return gen
+
+
+class Dropped:
+    """Samples seen and dropped by filters (``filter=`` or a transform returning None) in this
+    process; thread-safe. ``max_share``: past it (once `FILTER_MIN_SEEN` samples were seen) a
+    ConfigError naming the filter and the share."""
+
+    def __init__(self, max_share: float | None, name: str):
+        self.max_share, self.name = max_share, name
+        self.seen = self.dropped = 0
+        self._lock = threading.Lock()
+
+    def add(self, seen: int, dropped: int) -> None:
+        with self._lock:
+            self.seen += seen
+            self.dropped += dropped
+            seen, dropped = self.seen, self.dropped
+        if self.max_share is not None and dropped and seen >= FILTER_MIN_SEEN and dropped > self.max_share * seen:
+            raise ConfigError(
+                f"the {self.name} dropped {dropped:,} of {seen:,} samples ({dropped / seen:.1%}), more than "
+                f"max_filtered={self.max_share:g} ({self.max_share:.1%}); check the filter, or raise max_filtered"
+            )
+
+
+def callable_name(fn) -> str:
+    """A readable name of a filter or transform for messages: ``filter mod:fn``."""
+    if isinstance(fn, str):
+        return fn
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+class SkipIds:
+    """A skip list's global sample ids, sorted (`crossfeed.read.skips.Skip.ids`)."""
+
+    def __init__(self, ids: np.ndarray):
+        self.ids = np.asarray(ids, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def keep(self, ids: np.ndarray) -> np.ndarray:
+        """A mask of ``ids`` not skipped: a binary search each, O(len(ids) · log skipped)."""
+        s = self.ids
+        at = np.searchsorted(s, ids)
+        hit = s[np.minimum(at, len(s) - 1)] == ids
+        return ~hit
+
+
+# ---- skipped steps ------------------------------------------------------------------------------
+
+
+class Kept:
+    """Of ``total`` consecutive plan batches (numbered 0 …), those outside the merged half-open
+    ``skipped`` ranges (local numbers), by rank: `plan_batch` maps the j-th kept one to its
+    plan number in O(ranges)."""
+
+    def __init__(self, total: int, skipped: list[tuple[int, int]]):
+        self.total = total
+        self.skipped = [(max(0, a), min(total, b)) for a, b in skipped if b > 0 and a < total]
+        self.count = total - sum(b - a for a, b in self.skipped)
+
+    def plan_batch(self, j: int) -> int:
+        b = j
+        for lo, hi in self.skipped:
+            if b >= lo:
+                b += hi - lo
+            else:
+                break
+        return b
+
+
+@dataclasses.dataclass
+class StepSkipPlan:
+    """A `crossfeed.read.stages.sampler.Plan` with skipped steps left out: worker ``w`` of ``K``
+    takes the kept batches ``w, w+K, …`` of its rank (as a plan without skips does)."""
+
+    inner: object  # the rank's whole plan (worker 0 of 1), random access
+    kept: Kept
+    worker: int = 0
+    num_workers: int = 1
+    random_access = True
+
+    def batch_ids(self) -> range:
+        return range(self.worker, self.kept.count, self.num_workers)
+
+    def batch(self, j: int) -> np.ndarray:
+        return self.inner.batch(self.kept.plan_batch(j))  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return len(self.batch_ids())
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return map(self.batch, self.batch_ids())
+
+    @property
+    def order(self):
+        return self.inner.order  # type: ignore[attr-defined]
+
+
+class StepSkipSampler:
+    """A `crossfeed.read.stages.sampler.Sampler` whose plans leave out the global steps of
+    ``steps`` (merged half-open ranges; `crossfeed.read.skips`). Global step of a rank's plan
+    batch ``b`` from ``position`` of epoch ``e``: ``e·S + (S − R) + b``, with ``S`` the rank's
+    batches in a whole epoch and ``R`` those from ``position`` — the same on every rank. Its
+    batch counts and positions count the batches it yields; a position after ``d`` of them is the
+    plan's after the plan batch that was the d-th kept."""
+
+    def __init__(self, inner, steps: tuple[tuple[int, int], ...]):
+        self.inner, self.steps = inner, steps
+        self.options, self.total, self.shard = inner.options, inner.total, inner.shard
+
+    def kept(self, epoch: int, position: int) -> Kept:
+        S = self.inner.rank_batch_count(0, epoch)
+        R = self.inner.rank_batch_count(position, epoch)
+        base = epoch * S + (S - R)
+        return Kept(R, [(lo - base, hi - base) for lo, hi in self.steps if hi > base and lo < base + R])
+
+    def global_step(self, epoch: int, position: int) -> int:
+        """The global step of the next plan batch from ``position`` (skipped or not)."""
+        S = self.inner.rank_batch_count(0, epoch)
+        return epoch * S + (S - self.inner.rank_batch_count(position, epoch))
+
+    def plan(self, epoch: int, position: int = 0) -> StepSkipPlan:
+        whole = self.inner.plan(epoch, position)
+        sh = self.inner.shard
+        if sh.num_workers > 1:
+            whole = dataclasses.replace(whole, worker=0, num_workers=1, _chunk={})
+        return StepSkipPlan(whole, self.kept(epoch, position), sh.worker, sh.num_workers)
+
+    def epoch_total(self, epoch: int = 0) -> int:
+        return self.inner.epoch_total(epoch)
+
+    def within(self, epoch: int, position: int) -> bool:
+        return self.inner.within(epoch, position)
+
+    def rank_batch_count(self, position: int = 0, epoch: int = 0) -> int:
+        return self.kept(epoch, position).count
+
+    def position_after(self, position: int, rank_batches_done: int, epoch: int = 0) -> int:
+        if rank_batches_done <= 0:
+            return position
+        kept = self.kept(epoch, position)
+        done = min(rank_batches_done, kept.count)
+        plan_done = kept.plan_batch(done - 1) + 1 if done else 0
+        if done == kept.count:
+            plan_done = kept.total  # skipped steps at the epoch's end are passed too
+        return self.inner.position_after(position, plan_done, epoch)
+
+    def source_positions(self, epoch: int, position: int):
+        return self.inner.source_positions(epoch, position)
+
+
+@dataclasses.dataclass
+class SampleRecipe:
+    """What `crossfeed.read.stages.batch.BatchBuilder` applies per sample besides the transform:
+    ``filter`` (a predicate on the decoded sample), ``rng`` (the transform takes each sample's
+    generator, keyed by ``seed``), ``skip_ids`` (never read) and ``dropped`` (the count and budget)."""
+
+    filter: Callable | None = None
+    rng: bool = False
+    seed: int = 0
+    skip_ids: SkipIds | None = None
+    dropped: Dropped | None = None
+    transform: bool = False  # there is a transform (which may return None: dropped)
+
+    @property
+    def active(self) -> bool:
+        return self.filter is not None or self.rng or self.skip_ids is not None or self.transform

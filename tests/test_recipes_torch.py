@@ -1,0 +1,60 @@
+"""Recipes through the PyTorch adapter: the per-sample generators, filters and skips give the
+Loader's very samples, byte for byte, through DataLoader workers 0 or 2, and a StatefulLoader
+resumes exactly in the middle of a filtered, skipped epoch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import recipe_helpers as rh
+from conftest import lazy_import, requires
+
+import crossfeed
+from crossfeed import Skip
+
+torch = lazy_import("torch")
+cftorch = lazy_import("crossfeed.adapters.torch")
+
+pytestmark = [pytest.mark.slow, requires("torch"), pytest.mark.timeout(240)]
+SKIP = Skip(steps=[(17, 19)], samples=[5, 6, 40])
+KW = dict(batch_size=8, seed=13, return_index=True, skip=SKIP, transform=rh.augment_even, epoch=1)
+
+
+def _np(batches):
+    return [{k: np.asarray(v) for k, v in b.items()} for b in batches]
+
+
+def test_dataloader_workers_get_the_loaders_samples_byte_for_byte(tmp_path):
+    data = rh.write(tmp_path / "d")
+    with crossfeed.Loader(data, **KW) as ld:
+        want = list(ld)
+        assert len(want) == 13
+    for workers in (0, 2):
+        got = _np(cftorch.StatefulLoader(cftorch.TorchDataset(data, **KW), num_workers=workers))
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert a["__index__"].tolist() == b["__index__"].tolist()
+            assert a["noise"].tobytes() == b["noise"].tobytes() and a["shift"].tobytes() == b["shift"].tobytes()
+
+
+def test_a_stateful_loader_resumes_a_filtered_skipped_epoch_exactly(tmp_path):
+    data = rh.write(tmp_path / "d")
+    kw = {**KW, "transform": None, "filter": rh.keep_even}
+    with crossfeed.Loader(data, **kw) as ld:
+        want = [b["__index__"].tolist() for b in ld]
+    first = cftorch.StatefulLoader(cftorch.TorchDataset(data, **kw), num_workers=2)
+    it = iter(first)
+    head = [next(it)["__index__"].tolist() for _ in range(5)]
+    state = first.state_dict()
+    first.close()
+    second = cftorch.StatefulLoader(cftorch.TorchDataset(data, **kw), num_workers=0)
+    second.load_state_dict(state)
+    rest = [b["__index__"].tolist() for b in second]
+    assert head + rest == want
+
+
+def test_one_sample_at_a_time_the_torch_adapter_refuses_a_dropped_sample_by_name(tmp_path):
+    data = rh.write(tmp_path / "d")
+    ds = cftorch.TorchDataset(data, batch_size=None, shuffle="none", filter=rh.keep_even)
+    with pytest.raises(crossfeed.ConfigError, match="TorchDataset with batch_size=None counts the samples"):
+        list(cftorch.StatefulLoader(ds, num_workers=0))
