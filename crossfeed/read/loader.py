@@ -21,17 +21,13 @@ import numpy as np
 from crossfeed.errors import ConfigError
 from crossfeed.format.schema import INDEX_KEY, Feature
 from crossfeed.read import metrics
-from crossfeed.read.identity import StreamIdentity, skip_steps_added
+from crossfeed.read import state as states
 from crossfeed.read.options import LoaderOptions, ReadOptions, Remainder, Shuffle, Source
 from crossfeed.read.pipeline import Pipeline, PlanLike
 from crossfeed.read.replay import StepSamples, replay
 from crossfeed.read.sources.dataset import Dataset, Split
 
 log = logging.getLogger(__name__)
-# 3: a packed plan's cursor (``pack``: the packer's open rows and document position); 2: the
-# stream's identity (`crossfeed.read.identity`), read as 3 without a cursor; 1 is read, unchecked
-STATE_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
 
 __all__ = ["INDEX_KEY", "Loader", "LoaderOptions", "ReadOptions", "Remainder", "Shuffle"]
 
@@ -283,22 +279,7 @@ class Loader:
         """The state of position ``position`` of epoch ``epoch`` (`state_dict`'s form). Packed:
         with ``walk=False`` the cursor is the nearest this process already knows before
         ``position`` (maybe the epoch's start) rather than one a walk there finds."""
-        state = {
-            "version": STATE_VERSION,
-            "seed": self.options.plan.seed,
-            "epoch": int(epoch),
-            "position": int(position),
-            "num_samples": self.pipeline.total,
-            "batch_size": self.options.plan.batch_size,
-            "identity": self.pipeline.identity.to_json(),
-        }
-        where = self.pipeline.source_positions(epoch, position)  # for people: where each source stands
-        if where is not None:
-            state["sources"] = where
-        cursor = self.pipeline.resume_state(epoch, position, walk=walk)
-        if cursor is not None:
-            state["pack"] = cursor
-        return state
+        return states.make(self.pipeline, epoch, position, walk=walk)
 
     def load_state_dict(self, state: dict, *, on_change: str = "refuse") -> None:
         """Continue where ``state`` (a `state_dict`) stood. A state saved under settings that
@@ -307,57 +288,7 @@ class Loader:
         ``on_change="next_epoch"`` it is taken as the end of its epoch instead: the next epoch
         starts from its beginning under the new settings (the rest of the saved epoch is never
         delivered). World size, workers, threads, executor, cache and batch size may differ freely."""
-        if on_change not in ("refuse", "next_epoch"):
-            raise ConfigError(f"on_change must be 'refuse' or 'next_epoch', got {on_change!r}")
-        if not isinstance(state, dict) or state.get("version") not in READ_VERSIONS:
-            got = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ConfigError(
-                f"loader state version {got!r} is not one this crossfeed reads ({', '.join(map(str, READ_VERSIONS))}); "
-                f"save it again with this version, or resume with the crossfeed that saved it"
-            )
-        try:
-            seed, num, epoch, position = (
-                state["seed"],
-                state["num_samples"],
-                int(state["epoch"]),
-                int(state["position"]),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"loader state is missing or has a bad field: {e}") from None
-        now = self.pipeline.identity
-        if state["version"] == 1:  # saved before identities: only its seed and size can be checked
-            log.warning(
-                "a loader state of version 1 carries no stream identity: only its seed and dataset size are "
-                "checked; save a new state to have every setting checked on resume"
-            )
-            diffs = []
-        else:
-            # a mixture schedule's future may change (a phase appended): `resume_differences`;
-            # so may the skipped steps after the resume point (`skip_steps_added`)
-            saved = StreamIdentity.from_json(state.get("identity"))
-            diffs = saved.resume_differences(now, epoch * self.pipeline.total + position)
-            if diffs and skip_steps_added(saved, now, self.pipeline.global_step(epoch, position)):
-                diffs = []  # skipped steps added after the resume point: the past is unchanged
-        if not diffs and (seed != self.options.plan.seed or num != self.pipeline.total):
-            diffs = [f"seed was {seed}, is {self.options.plan.seed}"] if seed != self.options.plan.seed else []
-            diffs += [f"samples per epoch were {num}, are {self.pipeline.total}"] if num != self.pipeline.total else []
-        if diffs:
-            if on_change == "refuse":
-                raise ConfigError(
-                    "this state belongs to another stream: " + "; ".join(diffs) + ". Resume with the saved "
-                    "settings and data, or pass on_change='next_epoch' to start the next epoch with the new ones"
-                )
-            log.warning(
-                "resuming under changed settings (%s): epoch %d ends here, epoch %d starts under the new settings",
-                "; ".join(diffs),
-                epoch,
-                epoch + 1,
-            )
-            epoch, position = (epoch + 1, 0) if position > 0 else (epoch, 0)
-        elif state.get("pack") is not None:  # a packed state's cursor: checked, then walked on from
-            if state["version"] < 3:
-                raise ConfigError(f"loader state pack: a version {state['version']} state carries no packed cursor")
-            self.pipeline.resume_from(state["pack"], epoch, position)
+        epoch, position = states.resume_point(self.pipeline, state, on_change)
         self.start_at(epoch, position)
 
     # -- iteration ----------------------------------------------------------------------------
