@@ -151,6 +151,11 @@ class LeaseBook:
         self._load: dict[int, int] = {}  # server -> batches LEASED to it (not yet claimed)
         self._by_server: dict[int, dict[int, None]] = {}  # server -> its live lease ids, oldest first
         self._idle_since: dict[int, float] = {}  # server with load -> when one of its batches was last claimed
+        # server -> seconds it held work without delivering a batch, before its current hold, since
+        # it last delivered one (kept across epochs and work taken back: a stalled server is judged
+        # once, not again at each epoch's start; `quiet`)
+        self._quiet: dict[int, float] = {}
+        self._now = 0.0  # the latest clock reading any call brought (for the bookkeeping without one)
         self._holding: dict[int, int] = {}  # trainer -> its CLAIMED (not DONE) batches
         self._done_since: dict[int, float] = {}  # trainer holding some -> when it last reported one DONE
         self._done = 0  # DONE batches of this epoch
@@ -176,6 +181,7 @@ class LeaseBook:
     def server_seen(self, server: int, now: float, address: str | None = None) -> bool:
         """A sign of life from `server`; False for one declared dead (it must reset and rejoin
         under a new id)."""
+        self._now = max(self._now, now)
         if server in self.dead_servers:
             return False
         m = self.servers.get(server)
@@ -209,6 +215,7 @@ class LeaseBook:
         self.claimed_from.pop(server, None)
         self._rates.pop(server, None)
         self._unstarted.pop(server, None)
+        self._quiet.pop(server, None)
         _remember(self.dead_servers, server)
         if reason != "left":
             self.counts["servers_lost"] += 1
@@ -253,6 +260,7 @@ class LeaseBook:
     def expire(self, now: float) -> tuple[list[int], list[int]]:
         """Servers and trainers silent for more than `timeout`, or past a progress deadline (see
         the module docstring); removed. Overtaken leases are revoked. Returns (servers, trainers)."""
+        self._now = max(self._now, now)
         servers = [k for k, m in self.servers.items() if now - m.last_seen > self.timeout]
         for k in servers:
             self.remove_server(k, f"silent for more than {self.timeout:g}s, declared dead")
@@ -315,6 +323,7 @@ class LeaseBook:
         """`server` (live) says `unstarted` of its leased batches are not yet started. Holding more
         than twice its cap (`cap`: leased before its rate was known), it gives the excess it has
         not started back (PENDING, for whichever server asks first); returns how many."""
+        self._now = max(self._now, now)
         if server not in self.servers:
             return 0
         load = self._load.get(server, 0)
@@ -327,14 +336,27 @@ class LeaseBook:
         self.counts["batches_taken_over"] += back
         return back
 
-    def _stealable(self, server: int, now: float) -> int:
-        """How many of `server`'s leased batches may be taken back: all once it delivered none
-        for GRACE s and for 4 of its own batch times (stalled, or nearly), else those it reports
-        not started (none if it does not report)."""
-        load = self._load.get(server, 0)
+    def quiet(self, server: int, now: float) -> float:
+        """Seconds `server` has held work without delivering a batch, since it last delivered one
+        (or joined): its holds added up, across epochs and work taken back from it."""
         since = self._idle_since.get(server)
-        r = self.rate(server, now)
-        if since is not None and now - since >= GRACE and (not r or (now - since) * r > 4):
+        return self._quiet.get(server, 0.0) + (max(now - since, 0.0) if since is not None else 0.0)
+
+    def _stalled(self, server: int, now: float) -> bool:
+        """Has `server` held work GRACE s, and 4 of its batch times (at its rate when it last
+        delivered), without delivering any?"""
+        q = self.quiet(server, now)
+        if q < GRACE:
+            return False
+        got = self._rates.get(server)
+        r = self.rate(server, got[1]) if got is not None else None
+        return not r or q * r > 4
+
+    def _stealable(self, server: int, now: float) -> int:
+        """How many of `server`'s leased batches may be taken back: all once it is stalled, or
+        nearly (`_stalled`), else those it reports not started (none if it does not report)."""
+        load = self._load.get(server, 0)
+        if load and self._stalled(server, now):
             return load
         return min(self._unstarted.get(server, 0), load)
 
@@ -344,6 +366,8 @@ class LeaseBook:
 
     def cap(self, server: int, now: float) -> int:
         """Batches `server` may hold leased and unclaimed: HORIZON s of its rate (2..window)."""
+        if self._stalled(server, now):  # one batch at a time, until it delivers again
+            return 1
         r = self.rate(server, now)
         if r is None:  # not measured yet: two leases
             return min(self.window, 2 * self.lease_size)
@@ -354,24 +378,28 @@ class LeaseBook:
         held work without delivering any for GRACE s, at most 2 / (the seconds since it last
         delivered); None (not to be judged yet): never measured, and silent for less than GRACE s."""
         r = self.rate(server, now)
-        since = self._idle_since.get(server)
-        if since is None or now - since < GRACE:
+        q = self.quiet(server, now)
+        if q < GRACE:
             return r
-        bound = 2.0 / (now - since)
+        bound = 2.0 / q
         return bound if r is None else min(r, bound)
 
     def grant_leases(self, now: float) -> list[Lease]:
         """New leases for live servers below their cap (`cap`), the one whose work in hand ends
         soonest first; with no batch PENDING, work taken over from slow servers (`_steal`)."""
+        self._now = max(self._now, now)
         out: list[Lease] = []
         if self.finished:
             return out
         load = {k: self._load.get(k, 0) for k in self.servers}
         caps = {k: self.cap(k, now) for k in self.servers}
-        rates = {k: self.rate(k, now) or 0.0 for k in self.servers}
+        speeds = {k: self._speed(k, now) for k in self.servers}
 
         def ends(k: int) -> float:  # when its work in hand would end (unmeasured: by its fill)
-            return (load[k] + 1) / rates[k] if rates[k] else load[k] / caps[k]
+            v = speeds[k]
+            if v is None:
+                return load[k] / caps[k]
+            return (load[k] + 1) / v if v > 0 else math.inf  # (rate 0: robbed before it delivered)
 
         def has_room(k: int) -> bool:  # for a lease of `lease_size` (of its cap, if smaller)
             return caps[k] - load[k] >= min(self.lease_size, caps[k])
@@ -499,13 +527,17 @@ class LeaseBook:
             if not mine:
                 del self._by_server[lease.server]
         if not self._load[lease.server]:
-            del self._load[lease.server], self._idle_since[lease.server]
+            since = self._idle_since.pop(lease.server)
+            del self._load[lease.server]
             self._unstarted.pop(lease.server, None)
+            if lease.server in self.servers:
+                self._quiet[lease.server] = self._quiet.get(lease.server, 0.0) + max(self._now - since, 0.0)
 
     def _delivered(self, lease: Lease, now: float) -> None:
         """A batch of `lease` reached a trainer: its server made progress, and its older leases
         with batches still unclaimed were overtaken (their clock starts now, if not already)."""
         self._idle_since[lease.server] = now
+        self._quiet.pop(lease.server, None)
         for lid in self._by_server[lease.server]:
             if lid == lease.id:
                 return
@@ -531,6 +563,7 @@ class LeaseBook:
         A copy refused although its token is the batch's current one (an unknown or fenced
         trainer, or one that has its `quota` of this epoch) is dropped by the trainer, so the
         batch goes back to PENDING and out again."""
+        self._now = max(self._now, now)
         b = self._local(seq)
         if b is None or token <= 0:
             return False
@@ -613,6 +646,9 @@ class LeaseBook:
         self._left.clear()
         self._load.clear()
         self._by_server.clear()
+        for k, since in self._idle_since.items():  # (none hold work at an epoch's end; a restart)
+            if k in self.servers:
+                self._quiet[k] = self._quiet.get(k, 0.0) + max(self._now - since, 0.0)
         self._idle_since.clear()
         self._unstarted.clear()  # the servers' next BEATs report afresh
 
