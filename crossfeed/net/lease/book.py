@@ -401,18 +401,27 @@ class LeaseBook:
                 return load[k] / caps[k]
             return (load[k] + 1) / v if v > 0 else math.inf  # (rate 0: robbed before it delivered)
 
-        def has_room(k: int) -> bool:  # for a lease of `lease_size` (of its cap, if smaller)
-            return caps[k] - load[k] >= min(self.lease_size, caps[k])
+        # the epoch's tail (fewer PENDING than a lease per server, several servers): leases of one
+        # batch, each to the server whose work ends soonest, so that their last batches end together
+        pending = self.n - self._done - sum(load.values()) - sum(self._holding.values())
+        tail = self.lease_size * len(load) if len(load) > 1 else 0
+        size = self.lease_size if pending >= tail else 1
+
+        def has_room(k: int) -> bool:  # for a lease of `size` (of its cap, if smaller)
+            return caps[k] - load[k] >= min(size, caps[k])
 
         heap = [(ends(k), k) for k in load if has_room(k)]
         heapq.heapify(heap)
         while heap:
             _, server = heapq.heappop(heap)
-            taken = self._take(min(self.lease_size, caps[server] - load[server]))
+            taken = self._take(min(size, caps[server] - load[server]))
             if not taken:
                 return out + self._steal(load, caps, now)
             out.append(self._lease(server, taken, now))
             load[server] += len(taken)
+            pending -= len(taken)
+            if pending < tail:
+                size = 1
             if has_room(server):
                 heapq.heappush(heap, (ends(server), server))
         return out
