@@ -16,8 +16,9 @@ servers). Configurations, each timed over `--seconds` from `--warmup` s after it
     A+B+stalled      A and B with a server whose transform never returns (alive, beating): its
                      work carried by the others (goal: at their own rate, long before the lease
                      timeout, 120 s)
-  serve (no dispatcher: `serve --rank i --world-size 2`, `connect([a, b])`):
+  serve (no dispatcher: static shares, `serve --rank i --world-size N`, `connect([a, b, ...])`):
     serve A, serve B, serve A+B   goal: the pair >= 0.9 x (r1 + r2)
+    serve A+B+S                   with the straggler: goal >= 0.95 x serve A+B
 
 Prints each configuration's batches/s, the share each server delivered, the ratios against the
 goals, whether every sample was used once in each whole epoch the trainer received (dispatch),
@@ -201,6 +202,7 @@ def main(argv=None) -> None:
         ("serve A", [a], False),
         ("serve B", [b], False),
         ("serve A+B", [a, b], False),
+        ("serve A+B+S", [a, b, s], False),
     ]
     print(
         f"# {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; {args.samples} samples of int64[4], batch "
@@ -233,6 +235,7 @@ def main(argv=None) -> None:
     print(f"dispatch A+B+S / A+B          = {ratio('A+B+S', 'A+B')}  (goal >= 0.95)")
     print(f"dispatch A+B+stalled / A+B    = {ratio('A+B+stalled', 'A+B')}")
     print(f"serve A+B / (serve A + B)     = {ratio('serve A+B', 'serve A', 'serve B')}  (goal >= 0.90)")
+    print(f"serve A+B+S / serve A+B       = {ratio('serve A+B+S', 'serve A+B')}  (goal >= 0.95)")
 
 
 if __name__ == "__main__":
