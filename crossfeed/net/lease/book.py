@@ -35,19 +35,23 @@ Mixed speeds: each server's rate is measured from the claims of its batches (bat
 decayed over RATE_TAU s; `rate`). A server whose rate is known may hold HORIZON s of its own work
 leased and unclaimed (at least 2 batches, at most `window`; one not yet measured: two leases), so a
 slow server holds few batches and a fast one many, and new leases go to the server whose work in
-hand ends soonest. When no batch is PENDING (the epoch's tail, or a stalled server holding the
-last ones), a server with room takes batches over from the one whose work in hand ends last
+hand ends soonest; at the epoch's tail (fewer batches PENDING than a lease for each of several
+servers) leases are of one batch, so that the servers' last batches end together. When no batch
+is PENDING (the epoch's tail, or a stalled server holding the last ones), a server with room takes batches over from the one whose work in hand ends last
 among those STEAL_MARGIN times slower than itself, if it would deliver them STEAL_MARGIN times
 sooner (`_steal`): the newest lease's last batches,
 those its server has least likely started, are revoked from it and leased to the faster one
 under new tokens (the slow copy, if it is ever built, is refused: the same fencing as for a
 revoked lease). Only batches the server reports not yet started are taken (each BEAT says how
 many: the tail of its newest leases, `server_progress`), so a batch is seldom built twice; a
-server that reports nothing gives up nothing this way. A server that delivers nothing while it holds work for GRACE s (and 4 of its own batch times) has
-a rate bounded by 2 / (the seconds since it last delivered) and every leased batch of it may be
-taken (`_stealable`), so a stalled server's work moves to the others within seconds, long before
-`lease_timeout` removes it. Work taken over is counted in
-`counts["batches_taken_over"]`.
+server that reports nothing gives up nothing this way. A server that delivers nothing while it
+holds work for GRACE s (and 4 of its own batch times) is stalled (`_stalled`): its rate is bounded
+by 2 / (those seconds), every leased batch of it may be taken (`_stealable`), and it may hold one
+batch at a time until it delivers again, so a stalled server's work moves to the others within
+seconds, long before `lease_timeout` removes it. Those seconds (`quiet`) are its holds added up
+since it last delivered, across epochs and work taken from it: it is judged once, not again at
+each epoch's start (where it would hold each epoch's end for GRACE s). Work taken over is
+counted in `counts["batches_taken_over"]`.
 
 Durability: every change a restarted dispatcher must know (claims with their tokens, dones,
 epoch advances) is appended to `records` before the change is answered; the dispatcher writes
