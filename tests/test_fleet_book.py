@@ -34,6 +34,10 @@ def _run(book: LeaseBook, rates: dict[int, float], seconds: float, *, report: bo
             queues[lease.server].extend(
                 (lease.epoch * book.batches + b, t) for b, t in zip(lease.batches, lease.tokens)
             )
+        if report:  # a server that reports its unstarted batches is told which were taken back (TAKEN)
+            for k, leases in book.take_taken().items():
+                gone = {book.epoch * book.batches + b for batches in leases.values() for b in batches}
+                queues[k] = collections.deque(x for x in queues[k] if x[0] not in gone)
         book.expire(now)
         for k, rate in rates.items():
             credit[k] = credit[k] + rate * dt if queues[k] else 0.0
@@ -59,6 +63,17 @@ def test_a_fast_server_takes_over_a_slow_ones_unstarted_tail_and_each_batch_is_u
     # epoch (6.4 s of its work per epoch, 19 s in all)
     assert book.counts["batches_taken_over"] > 0 and by[FAST] > 10 * by[SLOW], (by, book.counts)
     assert refused <= book.counts["batches_taken_over"]
+
+
+def test_a_straggler_told_what_was_taken_back_keeps_building_its_own_at_its_rate():
+    """A straggler (1/18 of the fastest) over-leased before its rate was known gives its unstarted
+    excess back and is told which batches (TAKEN): it builds none of them (it used to build them
+    all, each refused, and delivered a third of its rate)."""
+    book = LeaseBook(2000, epochs=1, lease_size=8, window=64, lease_timeout=120.0)
+    used, by, refused, _ = _run(book, {FAST: 108.0, SLOW: 75.0, 13: 6.0}, 12.0)
+    assert book.counts["batches_taken_over"] > 0 and refused == 0
+    assert by[13] >= 0.8 * 6.0 * 12.0, by
+    assert set(used.values()) == {1}
 
 
 def test_a_slow_server_holds_a_few_batches_and_a_fast_one_many():

@@ -176,6 +176,9 @@ class LeaseBook:
         # live server -> its leased batches not yet started (its last BEAT's report, plus what
         # was leased to it since, less what was taken back): the tail of its newest leases
         self._unstarted: dict[int, int] = {}
+        # server -> lease id -> its batches taken back since the dispatcher last asked (`take_taken`:
+        # the server is told, so that it does not build them)
+        self._taken: dict[int, dict[int, list[int]]] = {}
         self._cursor = 0  # no PENDING batch below it (a hint for `_take`)
         # what peers make happen is logged at most LOG_BURST times per 5 s per kind (a flood of fake
         # ids must not flood the log): joins, and servers or trainers leaving, dead or stalled
@@ -335,7 +338,7 @@ class LeaseBook:
         cap = self.cap(server, now)
         back = min(unstarted, load - cap) if load > 2 * cap else 0
         for _ in range(back):
-            self._set_pending(self._newest_leased(server))
+            self._take_back(server, self._newest_leased(server))
         self._unstarted[server] -= back
         self.counts["batches_taken_over"] += back
         return back
@@ -464,7 +467,7 @@ class LeaseBook:
                 victim = max(slower, key=slower.__getitem__)
                 if slower[victim] <= STEAL_MARGIN * mine:
                     break
-                self._set_pending(b := self._newest_leased(victim))
+                self._take_back(victim, b := self._newest_leased(victim))
                 self._rates.setdefault(victim, (0.0, now, now))  # robbed before delivering: rate 0, cap 2
                 if self._unstarted.get(victim):
                     self._unstarted[victim] -= 1
@@ -487,6 +490,16 @@ class LeaseBook:
                 out.append(self._lease(thief, taken, now))
                 load[thief] += len(taken)
         return out
+
+    def _take_back(self, server: int, b: int) -> None:
+        """Leased batch `b` of `server` goes back to PENDING, noted for `take_taken`."""
+        self._taken.setdefault(server, {}).setdefault(self.lease_of[b], []).append(b)
+        self._set_pending(b)
+
+    def take_taken(self) -> dict[int, dict[int, list[int]]]:
+        """Live server -> lease id -> the batches taken back from it since the last call (to tell it)."""
+        out, self._taken = self._taken, {}
+        return {k: v for k, v in out.items() if k in self.servers}
 
     def _newest_leased(self, server: int) -> int:
         """The last LEASED batch of `server`'s newest lease (the one it has least likely started)."""
