@@ -372,24 +372,29 @@ class LeaseBook:
         self._rates[server] = (score * math.exp(-max(now - at, 0.0) / RATE_TAU) + 1.0, now, first)
 
     def cap(self, server: int, now: float) -> int:
-        """Batches `server` may hold leased and unclaimed: HORIZON s of its rate (2..window)."""
-        if self._stalled(server, now):  # one batch at a time, until it delivers again
-            return 1
-        r = self.rate(server, now)
-        if r is None:  # not measured yet: two leases
-            return min(self.window, 2 * self.lease_size)
-        return max(min(math.ceil(r * HORIZON), self.window), min(2, self.window))
+        """Batches `server` may hold leased and unclaimed: HORIZON s of its rate (2..window); a
+        stalled one (`_stalled`) one batch at a time, until it delivers again."""
+        return self._measure(server, now)[0]
 
     def _speed(self, server: int, now: float) -> float | None:
         """The rate to expect of `server` for the work it holds: its measured rate, or once it
         held work without delivering any for GRACE s, at most 2 / (the seconds since it last
         delivered); None (not to be judged yet): never measured, and silent for less than GRACE s."""
+        return self._measure(server, now)[1]
+
+    def _measure(self, server: int, now: float) -> tuple[int, float | None]:
+        """(`cap`, `_speed`) of `server`, its rate and quiet seconds computed once (a grant
+        judges every live server)."""
         r = self.rate(server, now)
         q = self.quiet(server, now)
-        if q < GRACE:
-            return r
-        bound = 2.0 / q
-        return bound if r is None else min(r, bound)
+        speed = r
+        if q >= GRACE:
+            speed = 2.0 / q if r is None else min(r, 2.0 / q)
+            if self._stalled(server, now):
+                return 1, speed
+        if r is None:  # not measured yet: two leases
+            return min(self.window, 2 * self.lease_size), speed
+        return max(min(math.ceil(r * HORIZON), self.window), min(2, self.window)), speed
 
     def grant_leases(self, now: float) -> list[Lease]:
         """New leases for live servers below their cap (`cap`), the one whose work in hand ends
@@ -399,8 +404,9 @@ class LeaseBook:
         if self.finished:
             return out
         load = {k: self._load.get(k, 0) for k in self.servers}
-        caps = {k: self.cap(k, now) for k in self.servers}
-        speeds = {k: self._speed(k, now) for k in self.servers}
+        measured = {k: self._measure(k, now) for k in self.servers}
+        caps = {k: m[0] for k, m in measured.items()}
+        speeds = {k: m[1] for k, m in measured.items()}
 
         def ends(k: int) -> float:  # when its work in hand would end (unmeasured: by its fill)
             v = speeds[k]
