@@ -37,12 +37,13 @@ leased and unclaimed (at least 2 batches, at most `window`; one not yet measured
 slow server holds few batches and a fast one many, and new leases go to the server whose work in
 hand ends soonest; at the epoch's tail (fewer batches PENDING than a lease for each of several
 servers) leases are of one batch, so that the servers' last batches end together. When no batch
-is PENDING (the epoch's tail, or a stalled server holding the last ones), a server with room takes batches over from the one whose work in hand ends last
-among those STEAL_MARGIN times slower than itself, if it would deliver them STEAL_MARGIN times
-sooner (`_steal`): the newest lease's last batches,
-those its server has least likely started, are revoked from it and leased to the faster one
-under new tokens (the slow copy, if it is ever built, is refused: the same fencing as for a
-revoked lease). Only batches the server reports not yet started are taken (each BEAT says how
+is PENDING (the epoch's tail, or a stalled server holding the last ones), a server with room
+takes batches over from the one whose work in hand ends last among those STEAL_MARGIN times
+slower than itself, if it would deliver them STEAL_MARGIN times sooner (`_steal`): the newest
+lease's last batches, those its server has least likely started, are revoked from it and leased
+to the faster one under new tokens, and the slow server is told which (`take_taken`, the
+dispatcher's TAKEN) so that it does not build them (a copy built anyway is refused: the same
+fencing as for a revoked lease). Only batches the server reports not yet started are taken (each BEAT says how
 many: the tail of its newest leases, `server_progress`), so a batch is seldom built twice; a
 server that reports nothing gives up nothing this way. A server that delivers nothing while it
 holds work for GRACE s (and 4 of its own batch times) is stalled (`_stalled`): its rate is bounded
