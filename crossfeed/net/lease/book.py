@@ -43,9 +43,9 @@ slower than itself, if it would deliver them STEAL_MARGIN times sooner (`_steal`
 lease's last batches, those its server has least likely started, are revoked from it and leased
 to the faster one under new tokens, and the slow server is told which (`take_taken`, the
 dispatcher's TAKEN) so that it does not build them (a copy built anyway is refused: the same
-fencing as for a revoked lease). Only batches the server reports not yet started are taken (each BEAT says how
-many: the tail of its newest leases, `server_progress`), so a batch is seldom built twice; a
-server that reports nothing gives up nothing this way. A server that delivers nothing while it
+fencing as for a revoked lease). Only batches the server reports not yet started are taken
+(each BEAT says how many: the tail of its newest leases, `server_progress`), so a batch is
+seldom built twice; a server that reports nothing gives up nothing this way. A server that delivers nothing while it
 holds work for GRACE s (and 4 of its own batch times) is stalled (`_stalled`): its rate is bounded
 by 2 / (those seconds), every leased batch of it may be taken (`_stealable`), and it may hold one
 batch at a time until it delivers again, so a stalled server's work moves to the others within
