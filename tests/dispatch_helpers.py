@@ -63,6 +63,36 @@ def slow(sample: dict) -> dict:
     return sample
 
 
+def sleep_2ms(sample: dict) -> dict:
+    """2 ms a sample, asleep (`--transform dispatch_helpers:sleep_2ms`): a server of a known rate."""
+    time.sleep(0.002)
+    return sample
+
+
+def sleep_3ms(sample: dict) -> dict:
+    """3 ms a sample, asleep: a server 2/3 as fast as `sleep_2ms`'s."""
+    time.sleep(0.003)
+    return sample
+
+
+def serve_trainer(addresses: str, out_file: str) -> None:
+    """`crossfeed.connect([...])` at its defaults over the space-separated `addresses` (plain
+    servers, no dispatcher): one JSON line per batch, [sample ids, server id, epoch], then END."""
+    import logging
+
+    from crossfeed import connect
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    with (
+        open(out_file, "a", buffering=1) as out,
+        connect(addresses.split(), with_meta=True, heartbeat_interval=0.1, heartbeat_timeout=1.5) as c,
+    ):
+        for meta, _batch in c:
+            out.write(json.dumps([meta.sample_ids.tolist(), meta.server_id, meta.epoch]) + "\n")
+            out.flush()
+        out.write("END\n")
+
+
 def start_fleet_dispatcher(tmp_path, dataset, name, *extra):
     """`crossfeed dispatch` at its lease defaults (lease size, window, lease timeout), fast
     heartbeats, batch 4; (process, address)."""

@@ -113,3 +113,44 @@ def test_a_batch_of_a_lease_voided_while_it_is_built_is_dropped(tmp_path):
         ctx.destroy(linger=0)
     assert source.queue.empty()
     assert source.stats["built"] == 3
+
+
+def test_batches_taken_back_are_not_built(tmp_path):
+    """TAKEN (the dispatcher gave those batches of a lease to a faster server): they leave the
+    source's queue of work unbuilt; the lease's other batches are built and offered."""
+    path = str(tmp_path / "ds")
+    n = 32 * BATCH
+    crossfeed.write_dataset(path, ({"label": i} for i in range(n)), num_shards=1).close()
+    gate = Gate()
+    plan = {"split": "train", "batch_size": BATCH, "shuffle": "none", "seed": 0, "world_size": 1}
+
+    def make_loader(p: dict) -> Loader:
+        opts = LoaderOptions.of(split=p["split"], batch_size=p["batch_size"], shuffle=p["shuffle"], num_threads=1)
+        return Loader(path, opts.replace(return_index=True), transform=gate)
+
+    ctx = zmq.Context()
+    d = Dispatcher(ctx)
+    source = LeaseSource(
+        d.address, make_loader, ["tcp://127.0.0.1:1"], server_id="s", heartbeat=Heartbeat(0.05, 5.0)
+    ).start()
+    try:
+        route, _ = d.hello()
+        d.send(route, W.Kind.WELCOME, batches=32, payload=json.dumps(plan))
+        d.send(route, W.Kind.LEASE, lease=5, epoch=0, batches=32, payload=[[b, 100 + b] for b in range(32)])
+        assert gate.entered.wait(20), "batch 0 was never built"  # the rest wait behind it
+        d.send(route, W.Kind.TAKEN, lease=5, payload=list(range(24, 32)))
+        d.send(route, W.Kind.TAKEN, lease=6, payload=[0, 1])  # another lease's: nothing of ours
+        deadline = time.monotonic() + 20
+        while source.stats["taken_back"] < 8 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert source.stats["taken_back"] == 8, source.stats
+        gate.release.set()
+        seqs = [take(source).seq for _ in range(24)]
+        assert seqs == list(range(24))
+        d.send(route, W.Kind.FINISHED)
+        assert isinstance(take(source), StreamEnd)
+    finally:
+        gate.release.set()
+        source.stop()
+        ctx.destroy(linger=0)
+    assert source.stats["built"] == 24

@@ -5,7 +5,9 @@ requests on both sides of the status protocol."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -13,7 +15,7 @@ import time
 
 import pytest
 import zmq
-from dispatch_helpers import start_dispatcher, start_server, write_dataset
+from dispatch_helpers import read_batches, spawn, start_dispatcher, start_fleet_dispatcher, start_server, write_dataset
 from net_helpers import Synthetic, stop, wait_until
 
 from crossfeed.errors import WireError
@@ -62,6 +64,63 @@ def test_top_in_a_terminal_shows_both_servers_and_exits_on_ctrl_c(tmp_path, data
         subprocess.run([*tmux, "send-keys", "-t", "top", "C-c"], check=True)
         screen = wait_until(lambda: shows("EXIT="), 30, "top to exit", procs)
         assert "EXIT=0" in screen and "Traceback" not in screen, screen
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+        stop(*procs)
+
+
+@pytest.mark.skipif(TMUX is None, reason="tmux is not installed")
+def test_top_in_a_terminal_names_the_slow_server_and_shows_the_fast_ones_rate(tmp_path):
+    """A fast server and a slow one (10 ms a sample, asleep) under `dispatch` at its defaults, one
+    unpaced trainer: every frame that names a slowest server names the slow one (the issue saw
+    the idle fast one named), and the fast one's row shows its rate."""
+    path = tmp_path / "ds"
+    write_dataset(str(path), 4000)  # 1,000 batches an epoch: the frames fall inside epochs mostly
+    d, address = start_fleet_dispatcher(tmp_path, str(path), "d", "--epochs", "1000")
+    procs = [d]
+    sock = str(tmp_path / "tmux.sock")
+    tmux = [TMUX, "-S", sock]
+    try:
+        fast = start_server(tmp_path, str(path), address, "fast")
+        slow = start_server(tmp_path, str(path), address, "slow", "--transform", "dispatch_helpers:slow")
+        procs += [fast, slow]
+        logs = [tmp_path / "fast.log", tmp_path / "slow.log"]
+        wait_until(lambda: all("joined the dispatcher" in x.read_text() for x in logs), 60, "the servers", procs)
+        out = tmp_path / "t.out"
+        procs.append(spawn("trainer", address, str(out), 0.0, log=tmp_path / "t.log"))
+        wait_until(lambda: read_batches(out), 60, "a first batch", procs)
+        command = f"unset COLUMNS LINES; {sys.executable} -m crossfeed.cli.main top {address}; sleep 60"
+        subprocess.run([*tmux, "new-session", "-d", "-x", "160", "-y", "40", "-s", "top", command], check=True)
+
+        def pane() -> str:
+            return subprocess.run([*tmux, "capture-pane", "-p", "-t", "top"], capture_output=True, text=True).stdout
+
+        def rate_of(screen: str, proc) -> float | None:  # the batches/s cell of its row
+            for line in screen.splitlines():
+                if f":{proc.pid} " in line and "│" in line and "slowest" not in line:
+                    cell = line.split("│")[3].strip()
+                    return float(cell) if cell.replace(".", "", 1).isdigit() else None
+            return None
+
+        def naming_slow() -> str | None:
+            screen = pane()
+            return screen if f"slowest server: {socket.gethostname()}:{slow.pid} " in screen else None
+
+        screen = wait_until(naming_slow, 60, "the slow server named", procs)
+
+        def whole_frame() -> str | None:  # not one caught while top redraws it
+            screen = pane()
+            return screen if screen.count("└") >= 2 and "dispatcher " in screen else None
+
+        frames = [screen]
+        for _ in range(3):
+            time.sleep(1.5)
+            frames.append(wait_until(whole_frame, 30, "a whole frame", procs))
+        for screen in frames:
+            named = re.findall(r"^slowest server: \S+:(\d+) \(", screen, re.M)
+            assert all(pid == str(slow.pid) for pid in named), screen  # never the fast one
+            fast_rate, slow_rate = rate_of(screen, fast), rate_of(screen, slow)
+            assert fast_rate is not None and slow_rate is not None and fast_rate > slow_rate, screen
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True)
         stop(*procs)

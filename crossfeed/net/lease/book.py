@@ -35,19 +35,24 @@ Mixed speeds: each server's rate is measured from the claims of its batches (bat
 decayed over RATE_TAU s; `rate`). A server whose rate is known may hold HORIZON s of its own work
 leased and unclaimed (at least 2 batches, at most `window`; one not yet measured: two leases), so a
 slow server holds few batches and a fast one many, and new leases go to the server whose work in
-hand ends soonest. When no batch is PENDING (the epoch's tail, or a stalled server holding the
-last ones), a server with room takes batches over from the one whose work in hand ends last
-among those STEAL_MARGIN times slower than itself, if it would deliver them STEAL_MARGIN times
-sooner (`_steal`): the newest lease's last batches,
-those its server has least likely started, are revoked from it and leased to the faster one
-under new tokens (the slow copy, if it is ever built, is refused: the same fencing as for a
-revoked lease). Only batches the server reports not yet started are taken (each BEAT says how
-many: the tail of its newest leases, `server_progress`), so a batch is seldom built twice; a
-server that reports nothing gives up nothing this way. A server that delivers nothing while it holds work for GRACE s (and 4 of its own batch times) has
-a rate bounded by 2 / (the seconds since it last delivered) and every leased batch of it may be
-taken (`_stealable`), so a stalled server's work moves to the others within seconds, long before
-`lease_timeout` removes it. Work taken over is counted in
-`counts["batches_taken_over"]`.
+hand ends soonest; at the epoch's tail (fewer batches PENDING than a lease for each of several
+servers) leases are of one batch, so that the servers' last batches end together. When no batch
+is PENDING (the epoch's tail, or a stalled server holding the last ones), a server with room
+takes batches over from the one whose work in hand ends last among those STEAL_MARGIN times
+slower than itself, if it would deliver them STEAL_MARGIN times sooner (`_steal`): the newest
+lease's last batches, those its server has least likely started, are revoked from it and leased
+to the faster one under new tokens, and the slow server is told which (`take_taken`, the
+dispatcher's TAKEN) so that it does not build them (a copy built anyway is refused: the same
+fencing as for a revoked lease). Only batches the server reports not yet started are taken
+(each BEAT says how many: the tail of its newest leases, `server_progress`), so a batch is
+seldom built twice; a server that reports nothing gives up nothing this way. A server that delivers nothing while it
+holds work for GRACE s (and 4 of its own batch times) is stalled (`_stalled`): its rate is bounded
+by 2 / (those seconds), every leased batch of it may be taken (`_stealable`), and it may hold one
+batch at a time until it delivers again, so a stalled server's work moves to the others within
+seconds, long before `lease_timeout` removes it. Those seconds (`quiet`) are its holds added up
+since it last delivered, across epochs and work taken from it: it is judged once, not again at
+each epoch's start (where it would hold each epoch's end for GRACE s). Work taken over is
+counted in `counts["batches_taken_over"]`.
 
 Durability: every change a restarted dispatcher must know (claims with their tokens, dones,
 epoch advances) is appended to `records` before the change is answered; the dispatcher writes
@@ -151,6 +156,11 @@ class LeaseBook:
         self._load: dict[int, int] = {}  # server -> batches LEASED to it (not yet claimed)
         self._by_server: dict[int, dict[int, None]] = {}  # server -> its live lease ids, oldest first
         self._idle_since: dict[int, float] = {}  # server with load -> when one of its batches was last claimed
+        # server -> seconds it held work without delivering a batch, before its current hold, since
+        # it last delivered one (kept across epochs and work taken back: a stalled server is judged
+        # once, not again at each epoch's start; `quiet`)
+        self._quiet: dict[int, float] = {}
+        self._now = 0.0  # the latest clock reading any call brought (for the bookkeeping without one)
         self._holding: dict[int, int] = {}  # trainer -> its CLAIMED (not DONE) batches
         self._done_since: dict[int, float] = {}  # trainer holding some -> when it last reported one DONE
         self._done = 0  # DONE batches of this epoch
@@ -167,6 +177,9 @@ class LeaseBook:
         # live server -> its leased batches not yet started (its last BEAT's report, plus what
         # was leased to it since, less what was taken back): the tail of its newest leases
         self._unstarted: dict[int, int] = {}
+        # server -> lease id -> its batches taken back since the dispatcher last asked (`take_taken`:
+        # the server is told, so that it does not build them)
+        self._taken: dict[int, dict[int, list[int]]] = {}
         self._cursor = 0  # no PENDING batch below it (a hint for `_take`)
         # what peers make happen is logged at most LOG_BURST times per 5 s per kind (a flood of fake
         # ids must not flood the log): joins, and servers or trainers leaving, dead or stalled
@@ -176,6 +189,7 @@ class LeaseBook:
     def server_seen(self, server: int, now: float, address: str | None = None) -> bool:
         """A sign of life from `server`; False for one declared dead (it must reset and rejoin
         under a new id)."""
+        self._now = max(self._now, now)
         if server in self.dead_servers:
             return False
         m = self.servers.get(server)
@@ -209,6 +223,7 @@ class LeaseBook:
         self.claimed_from.pop(server, None)
         self._rates.pop(server, None)
         self._unstarted.pop(server, None)
+        self._quiet.pop(server, None)
         _remember(self.dead_servers, server)
         if reason != "left":
             self.counts["servers_lost"] += 1
@@ -253,6 +268,7 @@ class LeaseBook:
     def expire(self, now: float) -> tuple[list[int], list[int]]:
         """Servers and trainers silent for more than `timeout`, or past a progress deadline (see
         the module docstring); removed. Overtaken leases are revoked. Returns (servers, trainers)."""
+        self._now = max(self._now, now)
         servers = [k for k, m in self.servers.items() if now - m.last_seen > self.timeout]
         for k in servers:
             self.remove_server(k, f"silent for more than {self.timeout:g}s, declared dead")
@@ -315,6 +331,7 @@ class LeaseBook:
         """`server` (live) says `unstarted` of its leased batches are not yet started. Holding more
         than twice its cap (`cap`: leased before its rate was known), it gives the excess it has
         not started back (PENDING, for whichever server asks first); returns how many."""
+        self._now = max(self._now, now)
         if server not in self.servers:
             return 0
         load = self._load.get(server, 0)
@@ -322,19 +339,32 @@ class LeaseBook:
         cap = self.cap(server, now)
         back = min(unstarted, load - cap) if load > 2 * cap else 0
         for _ in range(back):
-            self._set_pending(self._newest_leased(server))
+            self._take_back(server, self._newest_leased(server))
         self._unstarted[server] -= back
         self.counts["batches_taken_over"] += back
         return back
 
-    def _stealable(self, server: int, now: float) -> int:
-        """How many of `server`'s leased batches may be taken back: all once it delivered none
-        for GRACE s and for 4 of its own batch times (stalled, or nearly), else those it reports
-        not started (none if it does not report)."""
-        load = self._load.get(server, 0)
+    def quiet(self, server: int, now: float) -> float:
+        """Seconds `server` has held work without delivering a batch, since it last delivered one
+        (or joined): its holds added up, across epochs and work taken back from it."""
         since = self._idle_since.get(server)
-        r = self.rate(server, now)
-        if since is not None and now - since >= GRACE and (not r or (now - since) * r > 4):
+        return self._quiet.get(server, 0.0) + (max(now - since, 0.0) if since is not None else 0.0)
+
+    def _stalled(self, server: int, now: float) -> bool:
+        """Has `server` held work GRACE s, and 4 of its batch times (at its rate when it last
+        delivered), without delivering any?"""
+        q = self.quiet(server, now)
+        if q < GRACE:
+            return False
+        got = self._rates.get(server)
+        r = self.rate(server, got[1]) if got is not None else None
+        return not r or q * r > 4
+
+    def _stealable(self, server: int, now: float) -> int:
+        """How many of `server`'s leased batches may be taken back: all once it is stalled, or
+        nearly (`_stalled`), else those it reports not started (none if it does not report)."""
+        load = self._load.get(server, 0)
+        if load and self._stalled(server, now):
             return load
         return min(self._unstarted.get(server, 0), load)
 
@@ -343,48 +373,69 @@ class LeaseBook:
         self._rates[server] = (score * math.exp(-max(now - at, 0.0) / RATE_TAU) + 1.0, now, first)
 
     def cap(self, server: int, now: float) -> int:
-        """Batches `server` may hold leased and unclaimed: HORIZON s of its rate (2..window)."""
-        r = self.rate(server, now)
-        if r is None:  # not measured yet: two leases
-            return min(self.window, 2 * self.lease_size)
-        return max(min(math.ceil(r * HORIZON), self.window), min(2, self.window))
+        """Batches `server` may hold leased and unclaimed: HORIZON s of its rate (2..window); a
+        stalled one (`_stalled`) one batch at a time, until it delivers again."""
+        return self._measure(server, now)[0]
 
     def _speed(self, server: int, now: float) -> float | None:
         """The rate to expect of `server` for the work it holds: its measured rate, or once it
         held work without delivering any for GRACE s, at most 2 / (the seconds since it last
         delivered); None (not to be judged yet): never measured, and silent for less than GRACE s."""
+        return self._measure(server, now)[1]
+
+    def _measure(self, server: int, now: float) -> tuple[int, float | None]:
+        """(`cap`, `_speed`) of `server`, its rate and quiet seconds computed once (a grant
+        judges every live server)."""
         r = self.rate(server, now)
-        since = self._idle_since.get(server)
-        if since is None or now - since < GRACE:
-            return r
-        bound = 2.0 / (now - since)
-        return bound if r is None else min(r, bound)
+        q = self.quiet(server, now)
+        speed = r
+        if q >= GRACE:
+            speed = 2.0 / q if r is None else min(r, 2.0 / q)
+            if self._stalled(server, now):
+                return 1, speed
+        if r is None:  # not measured yet: two leases
+            return min(self.window, 2 * self.lease_size), speed
+        return max(min(math.ceil(r * HORIZON), self.window), min(2, self.window)), speed
 
     def grant_leases(self, now: float) -> list[Lease]:
         """New leases for live servers below their cap (`cap`), the one whose work in hand ends
         soonest first; with no batch PENDING, work taken over from slow servers (`_steal`)."""
+        self._now = max(self._now, now)
         out: list[Lease] = []
         if self.finished:
             return out
         load = {k: self._load.get(k, 0) for k in self.servers}
-        caps = {k: self.cap(k, now) for k in self.servers}
-        rates = {k: self.rate(k, now) or 0.0 for k in self.servers}
+        measured = {k: self._measure(k, now) for k in self.servers}
+        caps = {k: m[0] for k, m in measured.items()}
+        speeds = {k: m[1] for k, m in measured.items()}
 
         def ends(k: int) -> float:  # when its work in hand would end (unmeasured: by its fill)
-            return (load[k] + 1) / rates[k] if rates[k] else load[k] / caps[k]
+            v = speeds[k]
+            if v is None:
+                return load[k] / caps[k]
+            return (load[k] + 1) / v if v > 0 else math.inf  # (rate 0: robbed before it delivered)
 
-        def has_room(k: int) -> bool:  # for a lease of `lease_size` (of its cap, if smaller)
-            return caps[k] - load[k] >= min(self.lease_size, caps[k])
+        # the epoch's tail (fewer PENDING than a lease per server, several servers): leases of one
+        # batch, each to the server whose work ends soonest, so that their last batches end together
+        pending = self.n - self._done - sum(load.values()) - sum(self._holding.values())
+        tail = self.lease_size * len(load) if len(load) > 1 else 0
+        size = self.lease_size if pending >= tail else 1
+
+        def has_room(k: int) -> bool:  # for a lease of `size` (of its cap, if smaller)
+            return caps[k] - load[k] >= min(size, caps[k])
 
         heap = [(ends(k), k) for k in load if has_room(k)]
         heapq.heapify(heap)
         while heap:
             _, server = heapq.heappop(heap)
-            taken = self._take(min(self.lease_size, caps[server] - load[server]))
+            taken = self._take(min(size, caps[server] - load[server]))
             if not taken:
                 return out + self._steal(load, caps, now)
             out.append(self._lease(server, taken, now))
             load[server] += len(taken)
+            pending -= len(taken)
+            if pending < tail:
+                size = 1
             if has_room(server):
                 heapq.heappush(heap, (ends(server), server))
         return out
@@ -423,7 +474,7 @@ class LeaseBook:
                 victim = max(slower, key=slower.__getitem__)
                 if slower[victim] <= STEAL_MARGIN * mine:
                     break
-                self._set_pending(b := self._newest_leased(victim))
+                self._take_back(victim, b := self._newest_leased(victim))
                 self._rates.setdefault(victim, (0.0, now, now))  # robbed before delivering: rate 0, cap 2
                 if self._unstarted.get(victim):
                     self._unstarted[victim] -= 1
@@ -446,6 +497,16 @@ class LeaseBook:
                 out.append(self._lease(thief, taken, now))
                 load[thief] += len(taken)
         return out
+
+    def _take_back(self, server: int, b: int) -> None:
+        """Leased batch `b` of `server` goes back to PENDING, noted for `take_taken`."""
+        self._taken.setdefault(server, {}).setdefault(self.lease_of[b], []).append(b)
+        self._set_pending(b)
+
+    def take_taken(self) -> dict[int, dict[int, list[int]]]:
+        """Live server -> lease id -> the batches taken back from it since the last call (to tell it)."""
+        out, self._taken = self._taken, {}
+        return {k: v for k, v in out.items() if k in self.servers}
 
     def _newest_leased(self, server: int) -> int:
         """The last LEASED batch of `server`'s newest lease (the one it has least likely started)."""
@@ -499,13 +560,17 @@ class LeaseBook:
             if not mine:
                 del self._by_server[lease.server]
         if not self._load[lease.server]:
-            del self._load[lease.server], self._idle_since[lease.server]
+            since = self._idle_since.pop(lease.server)
+            del self._load[lease.server]
             self._unstarted.pop(lease.server, None)
+            if lease.server in self.servers:
+                self._quiet[lease.server] = self._quiet.get(lease.server, 0.0) + max(self._now - since, 0.0)
 
     def _delivered(self, lease: Lease, now: float) -> None:
         """A batch of `lease` reached a trainer: its server made progress, and its older leases
         with batches still unclaimed were overtaken (their clock starts now, if not already)."""
         self._idle_since[lease.server] = now
+        self._quiet.pop(lease.server, None)
         for lid in self._by_server[lease.server]:
             if lid == lease.id:
                 return
@@ -531,6 +596,7 @@ class LeaseBook:
         A copy refused although its token is the batch's current one (an unknown or fenced
         trainer, or one that has its `quota` of this epoch) is dropped by the trainer, so the
         batch goes back to PENDING and out again."""
+        self._now = max(self._now, now)
         b = self._local(seq)
         if b is None or token <= 0:
             return False
@@ -613,6 +679,9 @@ class LeaseBook:
         self._left.clear()
         self._load.clear()
         self._by_server.clear()
+        for k, since in self._idle_since.items():  # (none hold work at an epoch's end; a restart)
+            if k in self.servers:
+                self._quiet[k] = self._quiet.get(k, 0.0) + max(self._now - since, 0.0)
         self._idle_since.clear()
         self._unstarted.clear()  # the servers' next BEATs report afresh
 

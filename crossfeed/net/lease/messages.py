@@ -15,7 +15,10 @@ dispatcher → server: WELCOME(batches per epoch — for a packed plan the strid
                      LEASE(lease id, epoch, batches per epoch; payload = batch number, claim token
                      pairs: the server sends each batch with its token, and only with it),
                      RESET (you were declared dead or are unknown: drop your leases, say HELLO
-                     under a new id), FINISHED (every epoch is done)
+                     under a new id), FINISHED (every epoch is done),
+                     TAKEN(lease id; payload = batch numbers: batches of that lease taken back
+                     for a faster server, not to be built: copies would be refused anyway; an
+                     older server drops the message as one of a kind it does not know)
 trainer → dispatcher: BEAT(sent_ms, wait_permille, role), CLAIM(role; payload = seq, token pairs: the token
                       came with the batch, which proves the trainer received it from its server),
                       DONE(role; payload = seqs), BYE(role)
@@ -76,14 +79,15 @@ class Kind(enum.IntEnum):
     SERVERS = 20
     GRANTS = 21
     DONE_OK = 22
+    TAKEN = 23
 
 
 SERVER_KINDS = frozenset({Kind.HELLO, Kind.BEAT, Kind.BYE})
 TRAINER_KINDS = frozenset({Kind.BEAT, Kind.CLAIM, Kind.DONE, Kind.BYE})
-TO_SERVER = frozenset({Kind.WELCOME, Kind.LEASE, Kind.RESET, Kind.FINISHED})
+TO_SERVER = frozenset({Kind.WELCOME, Kind.LEASE, Kind.RESET, Kind.FINISHED, Kind.TAKEN})
 TO_TRAINER = frozenset({Kind.SERVERS, Kind.GRANTS, Kind.DONE_OK, Kind.RESET})
 _TEXT = frozenset({Kind.HELLO, Kind.WELCOME, Kind.SERVERS})
-_INTS = frozenset({Kind.LEASE, Kind.CLAIM, Kind.DONE, Kind.GRANTS, Kind.DONE_OK})
+_INTS = frozenset({Kind.LEASE, Kind.CLAIM, Kind.DONE, Kind.GRANTS, Kind.DONE_OK, Kind.TAKEN})
 _WIDTH = {Kind.LEASE: 2, Kind.CLAIM: 2, Kind.GRANTS: 3}  # int64s per item (others: 1)
 _KINDS = {int(k): k for k in Kind}
 _RANGES = {"wait_permille": (0, WAIT_END)}  # slots whose values are bounded (checked on arrival)
@@ -105,6 +109,7 @@ SLOTS: dict[Kind, tuple[str | None, str | None, str | None]] = {
     Kind.SERVERS: ("finished", "timeout_ms", "sent_ms"),
     Kind.GRANTS: (None, None, None),
     Kind.DONE_OK: ("finished", None, None),
+    Kind.TAKEN: ("lease", None, None),
 }
 
 

@@ -27,8 +27,10 @@ built are dropped and we say HELLO under a new id; a batch of a void lease that 
 was already building is dropped when it is done, never offered; what was already sent is
 refused to the trainers by the dispatcher (their claims quote revoked tokens), never used twice.
 Each BEAT tells the dispatcher how many leased batches are not yet started (`_todo`, the last
-ones received): it may take them back for a faster server (`LeaseBook`, "Mixed speeds"); one it
-took back and this server builds anyway is refused to the trainers, never used twice.
+ones received): it may take them back for a faster server (`LeaseBook`, "Mixed speeds") and says
+which (TAKEN): they leave `_todo` unbuilt (a straggler spent its time building batches that
+would be refused, and fell behind on its own); one it took back and this server builds anyway
+(started meanwhile) is refused to the trainers, never used twice.
 `stop()` says BYE first: the dispatcher gives our unclaimed batches to the other servers.
 """
 
@@ -94,6 +96,7 @@ class LeaseSource:
         self.queue = Prefetch(prefetch)
         # (join, lease, epoch, b, batches, token), join: the `_joins` count when the lease came
         self._todo: collections.deque[tuple[int, int, int, int, int, int]] = collections.deque()
+        self._todo_lock = threading.Lock()  # a TAKEN filters `_todo` while the builder pops it
         self._joins = 0  # bumped by each RESET: tasks of an earlier join are void
         self._work = threading.Event()  # set when leases arrive
         self._loader: Loader | None = None
@@ -109,7 +112,7 @@ class LeaseSource:
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._thread = threading.Thread(target=self._run, name="crossfeed-lease-source", daemon=True)
-        self.stats = {"leases": 0, "built": 0, "resets": 0, "dropped": 0, "passes": 0}
+        self.stats = {"leases": 0, "built": 0, "resets": 0, "dropped": 0, "passes": 0, "taken_back": 0}
 
     @property
     def loader(self) -> Loader | None:
@@ -216,6 +219,12 @@ class LeaseSource:
                 self.stats["leases"] += 1
                 self._todo.extend((self._joins, msg.lease, msg.epoch, b, msg.batches, t) for b, t in pairs)
                 self._work.set()
+            elif msg.kind is W.Kind.TAKEN:  # batches of a lease given to a faster server: not to build
+                gone = {int(b) for b in msg.payload}
+                with self._todo_lock:
+                    before = len(self._todo)
+                    self._todo = collections.deque(t for t in self._todo if t[1] != msg.lease or t[3] not in gone)
+                    self.stats["taken_back"] += before - len(self._todo)
             elif msg.kind is W.Kind.RESET:
                 logger.warning("the dispatcher does not know us (declared dead, or restarted): joining afresh")
                 self._reset()
@@ -311,10 +320,10 @@ class LeaseSource:
         is left: only leases already received are built ahead."""
         world = len(self._samplers)  # batch b is batch b // world of rank b % world
         while not self._halt.is_set():
-            try:
+            with self._todo_lock:
+                if not self._todo:
+                    return
                 task = self._todo.popleft()
-            except IndexError:
-                return
             if task[0] != self._joins:
                 continue
             _, _, epoch, b, _, _ = task
