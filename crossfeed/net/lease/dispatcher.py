@@ -301,9 +301,9 @@ class LeaseDispatcher:
                     instance=self.instance,
                 )
                 self._out.append((self._routes[lease.server], msg))
-            for server, leases in book.take_taken().items():  # so that it does not build them
+            for server, taken_back in book.take_taken().items():  # so that it does not build them
                 route = self._routes.get(server)
-                for lid, batches in leases.items():
+                for lid, batches in taken_back.items():
                     if route is not None:
                         taken = W.pack(W.Kind.TAKEN, lease=lid, payload=batches, instance=self.instance)
                         self._out.append((route, taken))
