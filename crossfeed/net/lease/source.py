@@ -51,7 +51,8 @@ from crossfeed.net.keys import ClientKeys, secure_client_socket
 from crossfeed.net.lease import messages as W
 from crossfeed.net.lease.book import PACKED_STRIDE
 from crossfeed.net.stream.producer import Prefetch, ProducerFailed, StreamEnd, encode_item, put_until
-from crossfeed.read.stages.recipes import tag
+from crossfeed.read.identity import StreamIdentity
+from crossfeed.read.stages.recipes import StepSkipSampler, tag
 from crossfeed.read.stages.sampler import Sampler
 
 if TYPE_CHECKING:
@@ -62,6 +63,21 @@ SERVER = 1
 
 # builds the Loader for the dispatcher's plan (`LoaderOptions.plan_fields`, a dict of option fields) -> Loader
 LoaderFactory = Callable[[dict], "Loader"]
+
+
+def _differences(fingerprint, settings, ours: StreamIdentity) -> str:
+    """What differs between the dispatcher's stream (its ``settings`` as WELCOME carried them,
+    checked like a saved state's) and ``ours``, by name; the generic reasons without them."""
+    try:
+        theirs = StreamIdentity.from_json(
+            {"version": 1, "fingerprint": fingerprint, "settings": settings}, "the dispatcher's identity"
+        )
+    except ConfigError:
+        return "another dataset, another version of it, or other settings"
+    diffs = theirs.differences(ours)  # "<name> was <the dispatcher's>, is <this server's>"
+    if not diffs:
+        return "other settings"
+    return "was: the dispatcher's, is: this server's: " + "; ".join(diffs)
 
 
 def advertised(endpoints: list[str]) -> str:
@@ -100,6 +116,8 @@ class LeaseSource:
         self._samplers: list[Sampler] = []
         self._walker: Any = None  # a `PackWalker`: a packed plan's batches (builder thread only)
         self._plans: dict[tuple[int, int], Any] = {}  # (rank, epoch) -> Plan (builder thread only)
+        self._skips: StepSkipSampler | None = None  # a plan with skipped steps (leased without them)
+        self._kept: tuple[int, Any] | None = None  # (epoch, its `Kept` steps) (builder thread only)
         self._builder: threading.Thread | None = None
         self._halt = threading.Event()  # stops the builder thread
         self._batches = 0
@@ -244,14 +262,15 @@ class LeaseSource:
         if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= 1 << 16:
             raise WireError(f"the dispatcher's plan names world_size {world!r}")
         identity = plan.pop("identity", None)  # the stream the dispatcher plans (`crossfeed.read.identity`)
+        settings = plan.pop("stream", None)  # its settings, to name what differs (absent: too long to send)
         if self._loader is None:
             self._loader = self._make_loader(plan)
-            ours = self._loader.pipeline.identity.fingerprint
-            if identity is not None and identity != ours:
+            ours = self._loader.pipeline.identity
+            if identity is not None and identity != ours.fingerprint:
                 raise ConfigError(
                     f"the dispatcher plans stream {str(identity)[:32]!r}; this server's dataset and options give "
-                    f"{ours!r} (another dataset, another version of it, or other settings): serve the same "
-                    "dataset, by content, that the dispatcher plans"
+                    f"{ours.fingerprint!r} ({_differences(identity, settings, ours)}): serve the same "
+                    "dataset, by content, that the dispatcher plans, with the same --skip and --weights"
                 )
             if self._loader.options.plan.pack is not None:  # batch b of epoch e: its rows, walked
                 if world != 1 or msg.batches != PACKED_STRIDE:
@@ -265,6 +284,9 @@ class LeaseSource:
                 # one dataset's shards, or a mixture's sources (weights or schedules) planned alike
                 self._samplers = [self._loader.pipeline.rank_sampler(r, world) for r in range(world)]
                 mine = world * self._samplers[0].rank_batch_count()
+                # skipped steps: the dispatcher leases only the kept ones, numbered without the others
+                sampler = self._loader.pipeline.sampler
+                self._skips = sampler if isinstance(sampler, StepSkipSampler) else None
             if mine != msg.batches:
                 raise ConfigError(
                     f"the dispatcher's plan has {msg.batches} batches per epoch, this server's dataset gives "
@@ -328,8 +350,13 @@ class LeaseSource:
                 if len(self._plans) >= 2 * world:
                     self._plans.clear()
                 plan = self._plans[key] = self._samplers[b % world].plan(epoch, 0)
+            step = b // world
+            if self._skips is not None:  # the epoch's kept step `step` is plan step `kept.plan_batch(step)`
+                if self._kept is None or self._kept[0] != epoch:
+                    self._kept = (epoch, self._skips.kept(epoch, 0))
+                step = self._kept[1].plan_batch(step)
             taken.append(task)
-            yield tag(plan.batch(b // world), epoch)  # its epoch keys the per-sample generators
+            yield tag(plan.batch(step), epoch)  # its epoch keys the per-sample generators
 
     def _offer(self, task: tuple[int, int, int, int, int, int], batch) -> None:
         """Hand a built batch to the server, unless its lease went void meanwhile (RESET)."""
