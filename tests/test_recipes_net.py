@@ -186,3 +186,37 @@ def test_a_server_with_another_skip_list_is_refused_naming_it(tmp_path, data, sk
     assert "skip steps was [[2, 4], [13, 15]], is [[2, 5]]" in log and "skip samples was '2 sha256:" in log, log[-3000:]
     assert "with the same --skip" in log and "'leases': 0" in log
     assert "skip steps was [[2, 4], [13, 15]], is unset" in (tmp_path / "bare.log").read_text()
+    with pytest.raises(AssertionError, match="child exited"):  # its journal is of the other skip list
+        start_dispatcher(tmp_path, data, "tcp://127.0.0.1:0", "--skip", str(other), name="again")
+    assert "belongs to another stream" in (tmp_path / "again.log").read_text()
+
+
+def test_a_dispatcher_leases_a_weights_sets_draws_and_a_server_with_other_weights_is_refused(tmp_path):
+    """--weights NAME on dispatch: the servers draw the Loader's weighted batches from their copy of
+    the set; a server whose copy of the set has other bytes is refused, the setting named."""
+    import shutil
+
+    data, copy = str(tmp_path / "w"), str(tmp_path / "copy")
+    samples = [{"x": np.full(3, i, np.int32), "label": i % 3, "w": i % 4} for i in range(N)]
+    crossfeed.write_dataset(data, samples, num_shards=3).close()
+    shutil.copytree(data, copy)
+    crossfeed.write_weights(data, feature="w", name="w")
+    crossfeed.write_weights(copy, balance="label", name="w")  # the same name, other weights
+    extra = ("--seed", str(SEED), "--epochs", "2", "--weights", "w")
+    d, address = start_dispatcher(tmp_path, data, "tcp://127.0.0.1:0", *extra)
+    procs = [d]
+    try:
+        procs.append(start_server(tmp_path, data, address, "s0", "--threads", "1"))
+        (got,) = _trainers(address, 1)
+        assert d.wait(30) == 0, (tmp_path / "d.log").read_text()[-3000:]
+        d, address = start_dispatcher(tmp_path, data, "tcp://127.0.0.1:0", *extra, "--restart", name="d2")
+        procs += [d, start_server(tmp_path, copy, address, "wrong")]
+        log = tmp_path / "wrong.log"
+        wait_until(lambda: "serve the same dataset" in log.read_text(), 60, "the refusal", procs)
+    finally:
+        stop(*procs)
+    want = _loader_batches(data, 2, weights="w")
+    assert sorted(got) == sorted(want) and len(want) == 24
+    drawn = collections.Counter(i for _, b in got for i in b)
+    assert len(drawn) == 36 and max(drawn.values()) > 1  # the 12 samples of weight 0 never, others again
+    assert re.search(r"weights was 'w sha256:\w+', is 'w sha256:\w+'", log.read_text()), log.read_text()[-3000:]
