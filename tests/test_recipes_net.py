@@ -220,3 +220,25 @@ def test_a_dispatcher_leases_a_weights_sets_draws_and_a_server_with_other_weight
     drawn = collections.Counter(i for _, b in got for i in b)
     assert len(drawn) == 36 and max(drawn.values()) > 1  # the 12 samples of weight 0 never, others again
     assert re.search(r"weights was 'w sha256:\w+', is 'w sha256:\w+'", log.read_text()), log.read_text()[-3000:]
+
+
+def test_a_server_whose_filter_drops_past_max_filtered_fails_saying_so(tmp_path):
+    from recipe_helpers import drop_most
+
+    from crossfeed.errors import CrossfeedError
+    from crossfeed.net import run
+    from crossfeed.net.stream.server import ServerOptions
+    from crossfeed.read.options import LoaderOptions
+
+    data = write(tmp_path / "many", n=400, shards=4)
+    opts = LoaderOptions.of(batch_size=8, max_filtered=0.5)
+    server = ServerOptions((f"ipc://{tmp_path}/s",), epochs=1)
+    with run.serving(str(data), opts, server, filter=drop_most) as s:
+        with pytest.raises(CrossfeedError, match="its batch source failed"):
+            with connect(s.endpoints, **FAST_HB) as client:
+                for _ in client:
+                    pass
+        s.wait(30)
+        assert s.filtered > 50 and s.status()["filtered"] == s.filtered
+    with pytest.raises(CrossfeedError, match=r"drop_most dropped \d+ of \d+ samples .* more than max_filtered=0.5"):
+        s.raise_if_failed()

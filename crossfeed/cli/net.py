@@ -172,7 +172,12 @@ def serve(
     *,
     options: LoaderOptions,
 ) -> None:
-    """Run the Loader here and stream ready batches to trainers (`crossfeed.connect`)."""
+    """Run the Loader here and stream ready batches to trainers (`crossfeed.connect`).
+
+    --transform and --filter run here, on every sample this server builds; a filtered sample
+    leaves its batch shorter (counted). With --dispatcher the dispatcher's plan rules, and
+    --skip must name the dispatcher's skip file (a server with another list is refused, the
+    setting named); without one, --skip leaves out the file's steps and samples here."""
     from crossfeed.net.keys import ClientKeys, ServerKeys
 
     keys = ServerKeys.from_dir(auth_keys, server_key) if auth_keys else None
@@ -336,7 +341,11 @@ def dispatch(
     beats but makes no progress is declared stalled after --lease-timeout s (a server none of
     whose leased batches reaches a trainer) or --claim-timeout s (a trainer that reports none of
     its claimed batches used). Either way its work goes to the others and it is fenced: what it
-    sends or claims afterwards under the old lease is refused."""
+    sends or claims afterwards under the old lease is refused.
+
+    Recipes: --skip FILE leaves its global steps out of the plan (never leased; each epoch counts
+    its kept steps) and its sample ids unread; give every server the same --skip FILE. --weights
+    NAME draws by a weights set each server reads from its copy of the dataset."""
     from crossfeed.net.keys import ServerKeys
 
     if metrics is not None:

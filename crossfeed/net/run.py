@@ -217,7 +217,7 @@ def plan_dispatch(
             counts = EpochCounts(lambda e: loader.rank_batch_count(0, epoch=e), epochs)
             plan = DispatchPlan(options.plan_fields(), PACKED_STRIDE, counts(0), True, counts, identity)
         elif steps:  # skipped steps are never leased: epoch e has its kept steps (O(ranges) each), W batches each
-            whole = loader.pipeline.sampler.inner.rank_batch_count(0, epoch=0)  # type: ignore[union-attr]
+            whole = loader.pipeline.rank_sampler(0, world_size).rank_batch_count()  # steps a rank, skipped or not
 
             def kept(e: int) -> int:
                 return world_size * loader.rank_batch_count(0, epoch=e)
