@@ -242,3 +242,50 @@ def test_a_server_whose_filter_drops_past_max_filtered_fails_saying_so(tmp_path)
         assert s.filtered > 50 and s.status()["filtered"] == s.filtered
     with pytest.raises(CrossfeedError, match=r"drop_most dropped \d+ of \d+ samples .* more than max_filtered=0.5"):
         s.raise_if_failed()
+
+
+def test_a_mixtures_skips_through_serve_and_dispatch_are_the_loaders(tmp_path):
+    """A mixture spec file with a skip file of steps and (source, index) ids: `serve` streams the
+    Loader's batches in order, a dispatcher's server leases them (each once)."""
+    import json
+
+    from crossfeed.read.sources.mixture_file import load_mixture_spec
+
+    for name, n, offset in (("broad", 30, 0), ("hq", 10, 1000)):
+        crossfeed.write_dataset(tmp_path / name, [{"id": offset + i} for i in range(n)], num_shards=2).close()
+    spec = tmp_path / "mix.json"
+    sources = [{"path": "broad", "weight": 3}, {"path": "hq", "weight": 1}]
+    spec.write_text(json.dumps({"sources": sources, "samples_per_epoch": 40}))
+    skips = tmp_path / "skips.txt"
+    skips.write_text("steps 1 3\n1 4\n0 7\n")
+    sources, n = load_mixture_spec(spec)
+    opts = dict(batch_size=BATCH, seed=SEED, samples_per_epoch=n, skip=str(skips), return_index=True)
+    with crossfeed.Loader(sources, **opts) as loader:
+        batches = list(loader)
+    want = [(0, b["__source__"].tolist(), b["id"].tolist()) for b in batches]
+    drawn = {(int(s), int(i)) for b in batches for s, i in zip(b["__source__"], b["__index__"])}
+    assert len(want) == 8 and (1, 4) not in drawn and (0, 7) not in drawn and (1, 3) in drawn
+    ep = tmp_path / "ep"
+    proc = child(
+        "cli", "serve", str(spec), "tcp://127.0.0.1:0", "--batch-size", str(BATCH), "--epochs", "1",
+        "--seed", str(SEED), "--skip", str(skips), "--threads", "1", "--heartbeat-interval", "0.1",
+        "--heartbeat-timeout", "2", "--endpoint-file", str(ep), log=tmp_path / "serve.log",
+    )  # fmt: skip
+    try:
+        with connect(read_endpoint(ep, procs=[proc]), with_meta=True, **FAST_HB) as client:
+            served = [(m.epoch, b["__source__"].tolist(), b["id"].tolist()) for m, b in client]
+        assert proc.wait(30) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    finally:
+        stop(proc)
+    assert served == want
+    extra = ("--seed", str(SEED), "--epochs", "1", "--skip", str(skips))
+    d, address = start_dispatcher(tmp_path, str(spec), "tcp://127.0.0.1:0", *extra)
+    procs = [d]
+    try:
+        procs.append(start_server(tmp_path, str(spec), address, "s0", "--threads", "1", "--skip", str(skips)))
+        with connect(dispatcher=address, with_meta=True, **TRAINER) as c:
+            leased = [(m.epoch, b["__source__"].tolist(), b["id"].tolist()) for m, b in c]
+        assert d.wait(30) == 0, (tmp_path / "d.log").read_text()[-3000:]
+    finally:
+        stop(*procs)
+    assert sorted(leased) == sorted(want)
