@@ -289,3 +289,41 @@ def test_a_mixtures_skips_through_serve_and_dispatch_are_the_loaders(tmp_path):
     finally:
         stop(*procs)
     assert sorted(leased) == sorted(want)
+
+
+def test_a_restarted_dispatcher_continues_a_plan_with_skips_exactly_once(tmp_path):
+    """kill -9 of the dispatcher mid-epoch: the restarted one reads its journal (each epoch counted
+    without its skipped steps) and the trainers end with the Loader's samples, each once."""
+    import os
+    import signal
+
+    from dispatch_helpers import spawn, used, write_dataset
+
+    data = str(tmp_path / "big")
+    write_dataset(data, 480)  # 120 steps an epoch
+    skips = tmp_path / "skips.txt"
+    skips.write_text("steps 10 20\nsteps 100 130\nsteps 200 201\n3\n")  # epoch 0 keeps 100, epoch 1 keeps 99
+    extra = ("--seed", str(SEED), "--epochs", "2", "--skip", str(skips))
+    address = f"ipc://{tmp_path}/dispatch.sock"
+    d, _ = start_dispatcher(tmp_path, data, address, *extra)
+    procs = [d]
+    try:
+        procs += [start_server(tmp_path, data, address, f"s{i}", "--skip", str(skips)) for i in range(2)]
+        outs = [tmp_path / f"t{i}.out" for i in range(2)]
+        trainers = [spawn("trainer", address, str(o), 0.05, log=tmp_path / f"t{i}.log") for i, o in enumerate(outs)]
+        procs += trainers
+        wait_until(lambda: sum(used(outs).values()) >= 80, 60, "80 samples used", procs)
+        os.kill(d.pid, signal.SIGKILL)
+        d.wait(10)
+        before = sum(used(outs).values())
+        d2, _ = start_dispatcher(tmp_path, data, address, *extra, name="d2")
+        procs.append(d2)
+        for t in trainers:
+            assert t.wait(120) == 0, [(tmp_path / f"t{i}.log").read_text()[-3000:] for i in range(2)]
+        assert d2.wait(30) == 0, (tmp_path / "d2.log").read_text()[-3000:]
+    finally:
+        stop(*procs)
+    want = _loader_batches(data, 2, skip=str(skips))
+    assert len(want) == 199 and before < sum(len(b) for _, b in want)
+    assert used(outs) == collections.Counter(i for _, b in want for i in b), "a sample lost, used twice or skipped"
+    assert "continuing from journal" in (tmp_path / "d2.log").read_text()
