@@ -5,8 +5,11 @@ learns the plan (WELCOME: split, batch size, shuffle, seed and the epoch's batch
 must match what the local dataset gives), beats every heartbeat interval, and builds the batch
 numbers of each LEASE with a Loader over the local copy of the dataset (batch `b` of epoch `e`
 is batch `b // W` of rank `b % W` in the Loader's plan for `W` ranks, W = the plan's world_size,
-1 unless the trainers are lockstep DDP ranks; fetched, decoded and transformed as the Loader
-does). A packed plan (`pack`, one rank) has a batch count of its own each epoch, and its global
+1 unless the trainers are lockstep DDP ranks; fetched, decoded, filtered and transformed as the
+Loader does, each sample's generator keyed by the lease's epoch). A plan with skipped steps is
+leased without them: batch `b` of epoch `e` is then the epoch's kept step `b // W` (its plan step
+`Kept.plan_batch(b // W)`) of rank `b % W`; the skip list is this server's own (``--skip``), and
+WELCOME's identity (with its settings, to name what differs) must be this server's. A packed plan (`pack`, one rank) has a batch count of its own each epoch, and its global
 ids a fixed stride (`book.PACKED_STRIDE`, which WELCOME carries as the batch count): batch `b` of
 epoch `e` is the plan's `b`-th batch of rows, found by one forward walk over the epoch's rows
 (`PackWalker`; a batch behind the walk, leased again after a server died, walks on from the
