@@ -10,7 +10,8 @@ Loader does, each sample's generator keyed by the lease's epoch). A plan with sk
 leased without them: batch `b` of epoch `e` is then the epoch's kept step `b // W` (its plan step
 `Kept.plan_batch(b // W)`) of rank `b % W`; the skip list is this server's own (``--skip``), and
 WELCOME's identity (with its settings, to name what differs) must be this server's.
-A packed plan (`pack`, one rank) has a batch count of its own each epoch, and its global ids a fixed stride (`book.PACKED_STRIDE`, which WELCOME carries as the batch count): batch `b` of
+A packed plan (`pack`, one rank) has a batch count of its own each epoch, and its global ids a
+fixed stride (`book.PACKED_STRIDE`, which WELCOME carries as the batch count): batch `b` of
 epoch `e` is the plan's `b`-th batch of rows, found by one forward walk over the epoch's rows
 (`PackWalker`; a batch behind the walk, leased again after a server died, walks on from the
 nearest packer cursor before it, not from the epoch's start). Each batch goes to the server's queue as an `Item` with seq `e * batches + b` and the
