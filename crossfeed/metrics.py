@@ -297,6 +297,11 @@ class ServerCollector:
             f = _family("counter", name, doc, ["server"])
             f.add_metric(sid, stats[key])
             yield f
+        filtered = _family(
+            "counter", "crossfeed_samples_filtered", "Samples dropped by the filter (serve --filter)", ["server"]
+        )
+        filtered.add_metric(sid, s.filtered)
+        yield filtered
         alive = _family("gauge", "crossfeed_trainers_alive", "Live trainers of this server", ["server"])
         alive.add_metric(sid, s.trainers())
         yield alive

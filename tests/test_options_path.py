@@ -114,7 +114,7 @@ def captured(monkeypatch):
         raise SystemExit(0)
 
     class Epochs:
-        def __init__(self, dataset, options, *, transform=None):
+        def __init__(self, dataset, options, *, transform=None, filter=None):
             got["serve"] = options
             raise SystemExit(0)
 

@@ -20,7 +20,7 @@ from crossfeed.net import run
 from crossfeed.net.lease.dispatcher import DispatcherOptions
 from crossfeed.net.protocol import Heartbeat
 from crossfeed.net.stream.server import Mode, ServerOptions
-from crossfeed.read.options import LoaderOptions
+from crossfeed.read.options import LoaderOptions, ReadOptions
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,24 @@ def serve(
         ),
     ] = default_of(ServerOptions, "start_epoch"),
     transform: Annotated[str | None, typer.Option(help="module:function applied to each sample.")] = None,
+    filter: Annotated[
+        str | None,
+        typer.Option(
+            "--filter",
+            help="module:function, a predicate on each decoded sample: False drops it (its batch comes shorter; "
+            "counted). Runs here, also under --dispatcher.",
+        ),
+    ] = None,
+    max_filtered: Annotated[
+        float | None,
+        typer.Option(
+            "--max-filtered",
+            min=0,
+            max=1,
+            help="Fail once --filter (or a transform returning None) drops more than this share of the samples "
+            "(default: no limit).",
+        ),
+    ] = default_of(ReadOptions, "max_filtered"),
     rank: Annotated[int | None, typer.Option(min=0, help="This server's share: rank R of --world-size M.")] = None,
     world_size: Annotated[
         int | None, typer.Option("--world-size", min=1, help="How many servers share the dataset.")
@@ -154,7 +172,12 @@ def serve(
     *,
     options: LoaderOptions,
 ) -> None:
-    """Run the Loader here and stream ready batches to trainers (`crossfeed.connect`)."""
+    """Run the Loader here and stream ready batches to trainers (`crossfeed.connect`).
+
+    --transform and --filter run here, on every sample this server builds; a filtered sample
+    leaves its batch shorter (counted). With --dispatcher the dispatcher's plan rules, and
+    --skip must name the dispatcher's skip file (a server with another list is refused, the
+    setting named); without one, --skip leaves out the file's steps and samples here."""
     from crossfeed.net.keys import ClientKeys, ServerKeys
 
     keys = ServerKeys.from_dir(auth_keys, server_key) if auth_keys else None
@@ -181,11 +204,21 @@ def serve(
             )
         options = options.replace(rank=rank, world_size=world_size)
     fn = resolve_callable(transform, option="--transform", search_cwd=True) if transform else None
+    keep = resolve_callable(filter, option="--filter", search_cwd=True) if filter else None
+    if max_filtered is not None:
+        options = options.replace(max_filtered=max_filtered)
     dkeys = ClientKeys.from_dir(dispatcher_keys) if dispatcher_keys else None
     with (
         _stop_on_signals() as stop,
         run.serving(
-            dataset, options, server_options, transform=fn, keys=keys, dispatcher=dispatcher, dispatcher_keys=dkeys
+            dataset,
+            options,
+            server_options,
+            transform=fn,
+            filter=keep,
+            keys=keys,
+            dispatcher=dispatcher,
+            dispatcher_keys=dkeys,
         ) as server,
     ):
         bound = " ".join(server.endpoints + server.broadcast_endpoints)
@@ -308,7 +341,11 @@ def dispatch(
     beats but makes no progress is declared stalled after --lease-timeout s (a server none of
     whose leased batches reaches a trainer) or --claim-timeout s (a trainer that reports none of
     its claimed batches used). Either way its work goes to the others and it is fenced: what it
-    sends or claims afterwards under the old lease is refused."""
+    sends or claims afterwards under the old lease is refused.
+
+    Recipes: --skip FILE leaves its global steps out of the plan (never leased; each epoch counts
+    its kept steps) and its sample ids unread; give every server the same --skip FILE. --weights
+    NAME draws by a weights set each server reads from its copy of the dataset."""
     from crossfeed.net.keys import ServerKeys
 
     if metrics is not None:
@@ -332,6 +369,8 @@ def dispatch(
 
     def ready(d, plan: run.DispatchPlan) -> None:
         what = f"{plan.per_rank} packed batches in epoch 0 (a count of its own each epoch)" if plan.packed else None
+        if what is None and plan.counts is not None:
+            what = f"{plan.per_rank * world_size} of {plan.batches} batches in epoch 0 (skipped steps left out)"
         what = what or f"{plan.batches} batches per epoch"
         typer.echo(f"dispatching {what}, {epochs} epochs, on {d.endpoint}", err=True)
         _write_endpoint_file(endpoint_file, d.endpoint)

@@ -132,6 +132,7 @@ def _loader_options(v: dict) -> LoaderOptions:
         pack=_pack(v),
         batch_by_tokens=v["batch_by_tokens"],
         weights=v["weights"],
+        skip=v["skip"],
         rank=0,
         world_size=1,
     )
@@ -383,6 +384,19 @@ LOADER = Group(
                 ),
             ],
             None,
+        ),
+        "skip": (
+            Annotated[
+                str | None,
+                typer.Option(
+                    "--skip",
+                    metavar="FILE",
+                    help="Leave out the global steps and sample ids a skip file lists (one a line: INDEX, "
+                    "SOURCE INDEX or 'steps START END'; docs/read-and-mix.md). A dispatcher's servers are given "
+                    "the same file: a server whose skip list differs is refused by name.",
+                ),
+            ],
+            default_of(PlanOptions, "skip"),
         ),
         "allow_root": (ALLOW_ROOT, None),
         "storage_option": (STORAGE_OPTION, None),

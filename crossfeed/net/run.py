@@ -45,14 +45,16 @@ class LoaderEpochs:
     """factory(epoch) over one `crossfeed.Loader` with the given `LoaderOptions` (batches carry
     their sample indices, for provenance — not packed rows or token budgets, whose rows hold
     pieces of several records): `set_epoch(epoch)`, then its batches. ``dataset`` may be a
-    mixture spec file (batches then also carry ``__source__``)."""
+    mixture spec file (batches then also carry ``__source__``); ``filter``: the Loader's (a
+    filtered sample leaves its batch shorter, counted in `Loader.filtered`)."""
 
-    def __init__(self, dataset: str, options: LoaderOptions, *, transform=None):
+    def __init__(self, dataset: str, options: LoaderOptions, *, transform=None, filter=None):
         from crossfeed.read.loader import Loader
 
         source, more = _source_of(dataset)
         tokens = options.plan.pack is not None or options.plan.batch_by_tokens is not None
-        self.loader = Loader(source, options.replace(return_index=not tokens, **more), transform=transform)
+        opts = options.replace(return_index=not tokens, **more)
+        self.loader = Loader(source, opts, transform=transform, filter=filter)
 
     def __call__(self, epoch: int):
         self.loader.set_epoch(epoch)
@@ -73,17 +75,20 @@ def _source_of(dataset) -> tuple[object, dict]:
     return dataset, {}
 
 
-def _dispatched_source(dataset, dispatcher: str, local: LoaderOptions, options: ServerOptions, transform, keys):
+def _dispatched_source(
+    dataset, dispatcher: str, local: LoaderOptions, options: ServerOptions, transform, keys, filter=None
+):
     """Server(source=...) building the leases of `dispatcher` from a Loader over `dataset` whose
     options are the dispatcher's plan (`LoaderOptions.plan_fields`, sent on joining), except how
-    hard this server works and where it caches (`LOCAL_FIELDS`): this server's own."""
+    hard this server works and where it caches (`LOCAL_FIELDS`), its skip list (which the plan's
+    identity must name) and its transform and filter: this server's own."""
     from crossfeed.read.loader import Loader
 
     def make_loader(plan: dict):
         opts = LoaderOptions.from_plan(plan, local)
         opts = opts.replace(return_index=opts.plan.pack is None)  # a packed row holds pieces of several records
         # a mixture spec file: its sources (the plan carries the dispatcher's samples_per_epoch)
-        return Loader(_source_of(dataset)[0], opts, transform=transform)
+        return Loader(_source_of(dataset)[0], opts, transform=transform, filter=filter)
 
     def source(endpoints, wake):
         return LeaseSource(
@@ -109,12 +114,15 @@ def serving(
     keys: ServerKeys | None = None,
     dispatcher: str | None = None,
     dispatcher_keys: ClientKeys | None = None,
+    filter: Callable | str | None = None,
 ) -> Iterator[Server]:
     """A started `Server` streaming ``dataset``'s batches (a Loader with ``options``, epochs
     ``server.start_epoch`` on, ``server.epochs`` of them or until stopped); closed, with its
     Loader, when the block ends. With ``dispatcher`` (a ``crossfeed dispatch`` address) it builds
     the batches the dispatcher leases instead: the dispatcher owns the plan, so ``options`` gives
-    only how hard to work and where to cache, and ``server`` must not set epochs."""
+    only how hard to work and where to cache, and ``server`` must not set epochs; ``options``'
+    skip list must be the one the dispatcher plans (its identity says so, or the server is
+    refused). ``transform`` and ``filter`` run here, on each sample this server builds."""
     if not isinstance(options, LoaderOptions):
         raise ConfigError(f"options must be a LoaderOptions, got {type(options).__name__}")
     if not isinstance(server, ServerOptions):
@@ -125,11 +133,11 @@ def serving(
                 "with a dispatcher (--dispatcher) the dispatcher owns the plan: drop epochs/start_epoch "
                 "(--epochs/--start-epoch) and rank/world_size (--rank/--world-size)"
             )
-        source = _dispatched_source(dataset, dispatcher, options, server, transform, dispatcher_keys)
+        source = _dispatched_source(dataset, dispatcher, options, server, transform, dispatcher_keys, filter)
         with Server(None, server, keys=keys, source=source) as s:
             yield s
         return
-    factory = LoaderEpochs(dataset, options, transform=transform)
+    factory = LoaderEpochs(dataset, options, transform=transform, filter=filter)
     try:
         with Server(factory, server, keys=keys) as s:
             yield s
@@ -159,15 +167,17 @@ def serve(
 class DispatchPlan:
     """What a dispatcher hands out: the plan every server's Loader takes (`plan`,
     `LoaderOptions.plan_fields`), the batches of an epoch (`batches`; for packed plans
-    `PACKED_STRIDE`, each epoch's own count in `counts`), each trainer's share (`per_rank`) and the
-    stream's identity (`identity`: journaled with the plan, checked by every server)."""
+    `PACKED_STRIDE`, each epoch's own count in `counts`; with skipped steps every epoch's whole
+    count, its kept batches in `counts`), each trainer's share of epoch 0 (`per_rank`) and the
+    stream's identity (`identity`, `StreamIdentity.to_json`: its fingerprint journaled with the
+    plan, its settings sent to every server, which refuses another stream naming what differs)."""
 
     plan: dict
     batches: int
     per_rank: int
     packed: bool
-    counts: EpochCounts | None = None
-    identity: str | None = None
+    counts: EpochCounts | Callable[[int], int] | None = None
+    identity: dict | None = None
 
 
 @contextlib.contextmanager
@@ -200,11 +210,19 @@ def plan_dispatch(
     source, more = _source_of(dataset)  # a mixture spec file: its sources and samples_per_epoch
     options = options.replace(**more)
     loader = Loader(source, options.replace(num_threads=1))
-    identity = loader.pipeline.identity.fingerprint
+    identity = loader.pipeline.identity.to_json()
+    steps = options.plan.skip.steps if options.plan.skip is not None else ()
     try:
         if packed:  # epoch e has its own count, one walk over its lengths (kept open for every epoch)
             counts = EpochCounts(lambda e: loader.rank_batch_count(0, epoch=e), epochs)
             plan = DispatchPlan(options.plan_fields(), PACKED_STRIDE, counts(0), True, counts, identity)
+        elif steps:  # skipped steps are never leased: epoch e has its kept steps (O(ranges) each), W batches each
+            whole = loader.pipeline.rank_sampler(0, world_size).rank_batch_count()  # steps a rank, skipped or not
+
+            def kept(e: int) -> int:
+                return world_size * loader.rank_batch_count(0, epoch=e)
+
+            plan = DispatchPlan(options.plan_fields(), whole * world_size, kept(0) // world_size, False, kept, identity)
         else:
             per_rank = loader.batch_count()
             plan = DispatchPlan(options.plan_fields(), per_rank * world_size, per_rank, False, identity=identity)
@@ -235,8 +253,8 @@ def _dispatching(dataset, options, dispatcher, *, world_size=1, keys=None):
     if not isinstance(dispatcher, DispatcherOptions):
         raise ConfigError(f"dispatcher must be a DispatcherOptions, got {type(dispatcher).__name__}")
     with plan_dispatch(dataset, options, epochs=dispatcher.epochs, world_size=world_size) as plan:
-        if world_size > 1:
-            dispatcher = dataclasses.replace(dispatcher, quota=plan.per_rank)
+        if world_size > 1:  # each rank's count; with skipped steps the book scales it to each epoch's
+            dispatcher = dataclasses.replace(dispatcher, quota=plan.batches // world_size)
         with LeaseDispatcher(
             plan.plan, plan.batches, dispatcher, keys=keys, counts=plan.counts, identity=plan.identity
         ) as d:

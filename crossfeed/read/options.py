@@ -470,7 +470,8 @@ _GROUPS = {"plan": PlanOptions, "shard": ShardOptions, "read": ReadOptions}
 # a dispatcher keep theirs). With its rank and worker, what is not part of a plan shipped to others.
 # Which roots a server trusts is its own too: a dispatcher's plan never widens them; and so are
 # its credentials and endpoints (storage_options): a dispatcher never ships its secrets; and
-# whether it logs its stage metrics (log_stats).
+# whether it logs its stage metrics (log_stats); and how much its filter may drop (max_filtered: the
+# filter is its own, as its transform is).
 LOCAL_FIELDS = (
     "num_threads",
     "prefetch",
@@ -482,8 +483,12 @@ LOCAL_FIELDS = (
     "read_timeout",
     "storage_options",
     "log_stats",
+    "max_filtered",
 )
 _PER_PROCESS = ("rank", "worker", "num_workers")
+# Named by the stream's identity, not shipped: a server reads its own skip list (``--skip FILE``:
+# 10^7 ids do not fit a message) and refuses a plan whose identity names another one.
+_BY_IDENTITY = ("skip",)
 _FIELDS = {f.name: group for group, cls in _GROUPS.items() for f in dataclasses.fields(cls)}
 
 
@@ -579,23 +584,25 @@ class LoaderOptions:
         return {**out, "split": self.split, "features": features, "return_index": self.return_index}
 
     def plan_fields(self) -> dict:
-        """`flat` less what each process decides for itself (`LOCAL_FIELDS`, its rank and worker):
-        the plan a dispatcher ships to every server, as JSON values."""
-        return {k: v for k, v in self.flat().items() if k not in LOCAL_FIELDS and k not in _PER_PROCESS}
+        """`flat` less what each process decides for itself (`LOCAL_FIELDS`, its rank and worker)
+        and the skip list (each server's own, checked by the stream's identity): the plan a
+        dispatcher ships to every server, as JSON values."""
+        return {k: v for k, v in self.flat().items() if k not in {*LOCAL_FIELDS, *_PER_PROCESS, *_BY_IDENTITY}}
 
     @classmethod
     def from_plan(cls, plan, local: LoaderOptions) -> LoaderOptions:
         """The options a server builds a shipped ``plan`` (`plan_fields`) with: the plan's fields,
-        validated as any options are, and ``local``'s `LOCAL_FIELDS`; rank 0 of the plan's
+        validated as any options are, and ``local``'s `LOCAL_FIELDS` and skip list (the identity
+        the dispatcher sends names its own: a server checks that they agree); rank 0 of the plan's
         world size (a dispatcher picks each batch's rank)."""
         if not isinstance(plan, dict) or not all(isinstance(k, str) for k in plan):
             raise ConfigError(f"a plan is an object of option fields, got {type(plan).__name__}")
-        mine = sorted(set(plan) & {*LOCAL_FIELDS, *_PER_PROCESS})
+        mine = sorted(set(plan) & {*LOCAL_FIELDS, *_PER_PROCESS, *_BY_IDENTITY})
         if mine:
             raise ConfigError(f"a plan does not carry {mine}: each process sets those itself")
         if "batch_size" not in plan:
             raise ConfigError("a plan must carry batch_size")
-        return cls.of(**plan, rank=0, **{k: getattr(local.read, k) for k in LOCAL_FIELDS})
+        return cls.of(**plan, rank=0, skip=local.plan.skip, **{k: getattr(local.read, k) for k in LOCAL_FIELDS})
 
     # the most used fields, flat
     @property

@@ -3,8 +3,11 @@
 The dispatcher's plan is integers: epoch `e` has `batches` batches numbered 0..batches-1 (the
 Loader's plan with one rank); the global id of batch `b` of epoch `e` is `e * batches + b`, and
 that is the `seq` the batch travels under. With `counts` (packed rows, whose number changes with
-the epoch), epoch `e` has `counts(e)` batches (at least 1, at most `batches`, which is then only
-the stride of the global ids: batch `b` of epoch `e` is still `e * batches + b`). Each batch of the current epoch is in one state:
+the epoch), epoch `e` has `counts(e)` batches (at most `batches`, which is then only the stride of
+the global ids: batch `b` of epoch `e` is still `e * batches + b`; skipped steps leave an epoch
+fewer, none when every step of it is skipped: it ends at once). A `quota` then scales with the
+epoch: `quota * counts(e) // batches` (lockstep ranks of an epoch with skipped steps each use its
+kept steps). Each batch of the current epoch is in one state:
 
     PENDING   nobody builds it
     LEASED    lease `lease_of[b]` of a live server builds and sends it
@@ -142,8 +145,9 @@ class LeaseBook:
         self.lease_size, self.window, self.timeout = lease_size, window, timeout
         self.lease_timeout, self.claim_timeout = lease_timeout, claim_timeout
         self._token = tokens  # draws lease ids and claim tokens
-        # lockstep DDP: each trainer uses at most `quota` batches of an epoch (equal counts per rank)
-        self.quota = quota
+        # lockstep DDP: each trainer uses at most `quota` batches of an epoch (equal counts per rank;
+        # with `counts`, scaled by the epoch's count: `_start_epoch`)
+        self._quota = self.quota = quota
         self._claims: dict[int, int] = {}  # batches of this epoch each trainer claimed
         self.epoch = 0
         self.finished = False
@@ -642,32 +646,33 @@ class LeaseBook:
         return True
 
     def _maybe_advance(self) -> None:
-        if self._done < self.n:
-            return
-        logger.info("epoch %d done: %d batches, each consumed once", self.epoch, self.n)
-        self._clear_leases()
-        self._done = 0
-        self.epoch += 1
-        self.records.append({"t": "epoch", "epoch": self.epoch})
-        if self.epochs is not None and self.epoch >= self.epochs:
-            self.finished = True
-            return
-        self._start_epoch()
-        self._claims.clear()
-        self._cursor = 0
+        while self._done >= self.n:  # an epoch of no batches (every step skipped) ends at once
+            logger.info("epoch %d done: %d batches, each consumed once", self.epoch, self.n)
+            self._clear_leases()
+            self._done = 0
+            self.epoch += 1
+            self.records.append({"t": "epoch", "epoch": self.epoch})
+            if self.epochs is not None and self.epoch >= self.epochs:
+                self.finished = True
+                return
+            self._start_epoch()
+            self._claims.clear()
+            self._cursor = 0
 
     def epoch_batches(self, epoch: int) -> int:
         """How many batches epoch `epoch` has."""
         if self._counts is None:
             return self.batches
         n = self._counts(epoch)
-        if not 1 <= n <= self.batches:
-            raise ConfigError(f"epoch {epoch} has {n} batches; an epoch needs 1 to {self.batches}")
+        if not 0 <= n <= self.batches:
+            raise ConfigError(f"epoch {epoch} has {n} batches; an epoch has 0 to {self.batches}")
         return n
 
     def _start_epoch(self) -> None:
         """Every batch of epoch `self.epoch` PENDING."""
         self.n = self.epoch_batches(self.epoch)
+        if self._quota is not None and self._counts is not None:
+            self.quota = self._quota * self.n // self.batches
         self.state = [PENDING] * self.n
         self.lease_of = [0] * self.n
         self.token_of = [0] * self.n

@@ -31,7 +31,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -189,13 +189,27 @@ class LeaseDispatcher:
         *,
         keys: ServerKeys | None = None,
         counts: Counts | None = None,
-        identity: str | None = None,
+        identity: str | Mapping | None = None,
     ):
-        """``identity``: the stream's fingerprint (`crossfeed.read.identity`): journaled with the
-        plan (a journal of another stream is refused, naming both) and sent to every server, which
-        refuses to serve another dataset or version of it."""
+        """``identity``: the stream's fingerprint (`crossfeed.read.identity`), or its whole
+        identity (`StreamIdentity.to_json`): the fingerprint is journaled with the plan (a journal
+        of another stream is refused, naming both) and sent to every server, which refuses to
+        serve another stream; the whole identity's settings go with it in WELCOME (``"stream"``)
+        when they fit a message, so that the server names each setting that differs."""
+        settings = None
+        if isinstance(identity, Mapping):
+            settings, identity = identity.get("settings"), identity.get("fingerprint")
         if identity is not None:
             plan = {**plan, "identity": identity}
+        welcome = json.dumps(plan)
+        if settings is not None and len((full := json.dumps({**plan, "stream": settings})).encode()) <= W.MAX_TEXT:
+            welcome = full
+        if len(welcome.encode()) > W.MAX_TEXT:
+            raise ConfigError(
+                f"the dispatcher's plan is {len(welcome.encode()):,} bytes of JSON, more than one message holds "
+                f"({W.MAX_TEXT:,}): fewer features or sources"
+            )
+        self._welcome = welcome
         if keys is None and not options.insecure and not is_local(options.address):
             raise ConfigError(
                 f"refusing to dispatch on {options.address} without authentication: pass CURVE keys "
@@ -374,7 +388,7 @@ class LeaseDispatcher:
                     self._reply(route, W.Kind.RESET)
                     return
                 self._routes[msg.sender] = route
-                self._reply(route, W.Kind.WELCOME, batches=self.batches, payload=json.dumps(self.plan))
+                self._reply(route, W.Kind.WELCOME, batches=self.batches, payload=self._welcome)
             elif msg.kind is W.Kind.BYE:
                 if msg.sender in book.servers:
                     book.remove_server(msg.sender, "left")

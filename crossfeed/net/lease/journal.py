@@ -132,7 +132,7 @@ class Replay:
         epoch = r.get("epoch", 0)
         if not (-1 if kind == "unclaim" else 0) <= epoch <= last:
             return f"epoch {epoch} is outside 0..{last}"
-        if not 0 <= r.get("b", 0) < self.n:
+        if "b" in r and not 0 <= r["b"] < self.n:  # an epoch may have no batch (every step skipped)
             return f"batch {r['b']} is outside 0..{self.n - 1}"
         if not 0 < r.get("trainer", 1) < _ID_END:
             return f"trainer id {r['trainer']} is not a non-zero 64-bit id"

@@ -5,9 +5,13 @@ learns the plan (WELCOME: split, batch size, shuffle, seed and the epoch's batch
 must match what the local dataset gives), beats every heartbeat interval, and builds the batch
 numbers of each LEASE with a Loader over the local copy of the dataset (batch `b` of epoch `e`
 is batch `b // W` of rank `b % W` in the Loader's plan for `W` ranks, W = the plan's world_size,
-1 unless the trainers are lockstep DDP ranks; fetched, decoded and transformed as the Loader
-does). A packed plan (`pack`, one rank) has a batch count of its own each epoch, and its global
-ids a fixed stride (`book.PACKED_STRIDE`, which WELCOME carries as the batch count): batch `b` of
+1 unless the trainers are lockstep DDP ranks; fetched, decoded, filtered and transformed as the
+Loader does, each sample's generator keyed by the lease's epoch). A plan with skipped steps is
+leased without them: batch `b` of epoch `e` is then the epoch's kept step `b // W` (its plan step
+`Kept.plan_batch(b // W)`) of rank `b % W`; the skip list is this server's own (``--skip``), and
+WELCOME's identity (with its settings, to name what differs) must be this server's.
+A packed plan (`pack`, one rank) has a batch count of its own each epoch, and its global ids a
+fixed stride (`book.PACKED_STRIDE`, which WELCOME carries as the batch count): batch `b` of
 epoch `e` is the plan's `b`-th batch of rows, found by one forward walk over the epoch's rows
 (`PackWalker`; a batch behind the walk, leased again after a server died, walks on from the
 nearest packer cursor before it, not from the epoch's start). Each batch goes to the server's queue as an `Item` with seq `e * batches + b` and the
@@ -53,7 +57,8 @@ from crossfeed.net.keys import ClientKeys, secure_client_socket
 from crossfeed.net.lease import messages as W
 from crossfeed.net.lease.book import PACKED_STRIDE
 from crossfeed.net.stream.producer import Prefetch, ProducerFailed, StreamEnd, encode_item, put_until
-from crossfeed.read.stages.recipes import tag
+from crossfeed.read.identity import StreamIdentity
+from crossfeed.read.stages.recipes import StepSkipSampler, tag
 from crossfeed.read.stages.sampler import Sampler
 
 if TYPE_CHECKING:
@@ -64,6 +69,21 @@ SERVER = 1
 
 # builds the Loader for the dispatcher's plan (`LoaderOptions.plan_fields`, a dict of option fields) -> Loader
 LoaderFactory = Callable[[dict], "Loader"]
+
+
+def _differences(fingerprint, settings, ours: StreamIdentity) -> str:
+    """What differs between the dispatcher's stream (its ``settings`` as WELCOME carried them,
+    checked like a saved state's) and ``ours``, by name; the generic reasons without them."""
+    try:
+        theirs = StreamIdentity.from_json(
+            {"version": 1, "fingerprint": fingerprint, "settings": settings}, "the dispatcher's identity"
+        )
+    except ConfigError:
+        return "another dataset, another version of it, or other settings"
+    diffs = theirs.differences(ours)  # "<name> was <the dispatcher's>, is <this server's>"
+    if not diffs:
+        return "other settings"
+    return "was: the dispatcher's, is: this server's: " + "; ".join(diffs)
 
 
 def advertised(endpoints: list[str]) -> str:
@@ -103,6 +123,8 @@ class LeaseSource:
         self._samplers: list[Sampler] = []
         self._walker: Any = None  # a `PackWalker`: a packed plan's batches (builder thread only)
         self._plans: dict[tuple[int, int], Any] = {}  # (rank, epoch) -> Plan (builder thread only)
+        self._skips: StepSkipSampler | None = None  # a plan with skipped steps (leased without them)
+        self._kept: tuple[int, Any] | None = None  # (epoch, its `Kept` steps) (builder thread only)
         self._builder: threading.Thread | None = None
         self._halt = threading.Event()  # stops the builder thread
         self._batches = 0
@@ -253,14 +275,15 @@ class LeaseSource:
         if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= 1 << 16:
             raise WireError(f"the dispatcher's plan names world_size {world!r}")
         identity = plan.pop("identity", None)  # the stream the dispatcher plans (`crossfeed.read.identity`)
+        settings = plan.pop("stream", None)  # its settings, to name what differs (absent: too long to send)
         if self._loader is None:
             self._loader = self._make_loader(plan)
-            ours = self._loader.pipeline.identity.fingerprint
-            if identity is not None and identity != ours:
+            ours = self._loader.pipeline.identity
+            if identity is not None and identity != ours.fingerprint:
                 raise ConfigError(
                     f"the dispatcher plans stream {str(identity)[:32]!r}; this server's dataset and options give "
-                    f"{ours!r} (another dataset, another version of it, or other settings): serve the same "
-                    "dataset, by content, that the dispatcher plans"
+                    f"{ours.fingerprint!r} ({_differences(identity, settings, ours)}): serve the same "
+                    "dataset, by content, that the dispatcher plans, with the same --skip and --weights"
                 )
             if self._loader.options.plan.pack is not None:  # batch b of epoch e: its rows, walked
                 if world != 1 or msg.batches != PACKED_STRIDE:
@@ -274,6 +297,9 @@ class LeaseSource:
                 # one dataset's shards, or a mixture's sources (weights or schedules) planned alike
                 self._samplers = [self._loader.pipeline.rank_sampler(r, world) for r in range(world)]
                 mine = world * self._samplers[0].rank_batch_count()
+                # skipped steps: the dispatcher leases only the kept ones, numbered without the others
+                sampler = self._loader.pipeline.sampler
+                self._skips = sampler if isinstance(sampler, StepSkipSampler) else None
             if mine != msg.batches:
                 raise ConfigError(
                     f"the dispatcher's plan has {msg.batches} batches per epoch, this server's dataset gives "
@@ -337,8 +363,13 @@ class LeaseSource:
                 if len(self._plans) >= 2 * world:
                     self._plans.clear()
                 plan = self._plans[key] = self._samplers[b % world].plan(epoch, 0)
+            step = b // world
+            if self._skips is not None:  # the epoch's kept step `step` is plan step `kept.plan_batch(step)`
+                if self._kept is None or self._kept[0] != epoch:
+                    self._kept = (epoch, self._skips.kept(epoch, 0))
+                step = self._kept[1].plan_batch(step)
             taken.append(task)
-            yield tag(plan.batch(b // world), epoch)  # its epoch keys the per-sample generators
+            yield tag(plan.batch(step), epoch)  # its epoch keys the per-sample generators
 
     def _offer(self, task: tuple[int, int, int, int, int, int], batch) -> None:
         """Hand a built batch to the server, unless its lease went void meanwhile (RESET)."""

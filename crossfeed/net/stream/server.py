@@ -246,6 +246,11 @@ class Server:
         stats = getattr(getattr(self, "_producer", None), "stats", None) if self._source is not None else None
         return dict(stats) if isinstance(stats, dict) else None
 
+    @property
+    def filtered(self) -> int:
+        """Samples its Loader's filter (or a transform returning None) dropped so far (0 without one)."""
+        return int(getattr(self.loader, "filtered", 0) or 0)
+
     def trainers(self) -> int:
         """Live trainers (distribution mode; 0 in broadcast mode)."""
         return self._distribution.trainers() if self._distribution is not None else 0
@@ -261,6 +266,7 @@ class Server:
             **{k: stats[k] for k in ("delivered", "samples", "bytes", "sent", "epochs", "fenced", "dropped_messages")},
             "trainers": self.trainers(),
             "dispatched": self._source is not None,
+            "filtered": self.filtered,
             "loader": loader_stats(self.loader),
         }
 
