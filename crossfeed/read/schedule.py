@@ -32,6 +32,7 @@ from crossfeed.errors import ConfigError
 KINDS = ("constant", "linear")
 MAX_POINTS = 1024  # points of one schedule
 MAX_PHASES = 4096  # phases of a mixture, every source's together (a linear ramp: one per ``every``)
+MAX_SAMPLE = 1 << 62  # a boundary (and ``every``): the plan counts samples since the start on int64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +57,10 @@ class Schedule:
             if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or len(p) != 2:
                 raise ConfigError(f"a schedule point is a (sample, weight) pair, got {_short(p)}")
             at, w = p
-            if isinstance(at, bool) or not isinstance(at, int) or at < 0:
-                raise ConfigError(f"a schedule point's sample must be an integer >= 0, got {at!r} (in {_short(pts)})")
+            if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at < MAX_SAMPLE:
+                raise ConfigError(
+                    f"a schedule point's sample must be an integer in [0, 2^62), got {_short(at)} (in {_short(pts)})"
+                )
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
                 raise ConfigError(f"a schedule weight must be a number >= 0, got {w!r} (in {_short(pts)})")
             out.append((int(at), float(w) if isinstance(w, float) else int(w)))
@@ -68,8 +71,10 @@ class Schedule:
             raise ConfigError(f"a schedule's points must be at increasing samples, got {starts}")
         object.__setattr__(self, "points", tuple(out))
         if self.kind == "linear":
-            if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-                raise ConfigError(f"a linear schedule needs every= a positive number of samples, got {self.every!r}")
+            if isinstance(self.every, bool) or not isinstance(self.every, int) or not 1 <= self.every < MAX_SAMPLE:
+                raise ConfigError(
+                    f"a linear schedule needs every= a positive number of samples below 2^62, got {_short(self.every)}"
+                )
         elif self.every != 0:
             raise ConfigError("every= is a linear schedule's; a constant one changes only at its points")
 

@@ -1,0 +1,66 @@
+"""Issue 36's recipes from outside, under change and hostile input: mixture schedules, per-sample
+weights, appended dataset versions and step replay given what a demanding user or an untrusted
+directory hands them — numbers past what a plan counts, weights files and kept manifests that are
+links out of the dataset, FIFOs or directories — refused by name (no raw exception, no hang, no
+file read or written outside the dataset), and their parsers fuzzed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import crossfeed
+from crossfeed.cli.main import app
+from crossfeed.errors import ConfigError
+from crossfeed.read.schedule import Schedule
+
+
+def _weighted(root):
+    crossfeed.write_dataset(root, [{"x": i, "w": i % 3} for i in range(10)]).close()
+    crossfeed.write_weights(root, feature="w")
+    return root
+
+
+def _appended(root):
+    crossfeed.write_dataset(root, [{"x": i} for i in range(8)]).close()
+    crossfeed.write_dataset(root, [{"x": 100 + i} for i in range(4)], append=True).close()
+    return root
+
+
+def _read(path, **kw):
+    with crossfeed.Loader(path, batch_size=2, seed=0, **kw) as loader:
+        return sorted(int(x) for b in loader for x in b["x"])
+
+
+# ---- numbers past what a plan counts ---------------------------------------------------------------
+
+
+def test_a_schedule_boundary_past_what_a_plan_counts_is_refused_by_name(tmp_path):
+    """A boundary of 10^29 samples (a typo, or a hostile spec file) is refused where the schedule
+    is made, naming the point — not an OverflowError deep in the sampler, not a traceback."""
+    with pytest.raises(ConfigError, match="sample must be an integer"):
+        Schedule.constant([(0, 3), (10**29, 1)])
+    with pytest.raises(ConfigError, match="sample must be an integer"):
+        Schedule.constant([(0, 3), (2**61, 1)], per_step=8)  # in steps: 2^64 samples
+    with pytest.raises(ConfigError, match="sample must be an integer"):
+        Schedule.from_json({"linear": [[0, 1], [2**63, 2]], "every": 2**62})
+    Schedule.constant([(0, 3), (2**60, 1)])  # far, but counted
+    for name in ("web", "books"):
+        crossfeed.write_dataset(tmp_path / name, [{"x": i} for i in range(8)]).close()
+    spec = tmp_path / "mix.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "sources": [
+                    {"path": str(tmp_path / "web"), "weight": {"constant": [[0, 3], [10**29, 1]]}},
+                    {"path": str(tmp_path / "books")},
+                ],
+                "samples_per_epoch": 16,
+            }
+        )
+    )
+    res = CliRunner().invoke(app, ["replay", str(spec), "--step", "1", "--batch-size", "4"])
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and "sample must be an integer" in res.stderr
