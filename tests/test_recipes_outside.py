@@ -64,3 +64,30 @@ def test_a_schedule_boundary_past_what_a_plan_counts_is_refused_by_name(tmp_path
     res = CliRunner().invoke(app, ["replay", str(spec), "--step", "1", "--batch-size", "4"])
     assert res.exit_code == 2, res.output
     assert "Traceback" not in res.output and "sample must be an integer" in res.stderr
+
+
+def test_a_weighted_or_scheduled_plan_refuses_an_epoch_past_what_it_counts(tmp_path):
+    """A weighted or scheduled plan counts samples since the run began on 64-bit integers: a state
+    of epoch 10^30 (crafted or damaged) or a replayed step that far is refused by name, as a plain
+    plan's position outside its epoch is — never a raw OverflowError."""
+    root = _weighted(tmp_path / "d")
+    crossfeed.write_dataset(tmp_path / "b", [{"x": 100 + i, "w": 1} for i in range(6)]).close()
+    scheduled = [
+        crossfeed.Source(root, weight=Schedule.constant([(0, 1), (9, 2)])),
+        crossfeed.Source(tmp_path / "b"),
+    ]
+    for src, kw in ((root, {"weights": "w"}), (scheduled, {"samples_per_epoch": 20})):
+        with crossfeed.Loader(src, batch_size=5, seed=2, **kw) as loader:
+            next(iter(loader))
+            state = loader.state_dict()
+        state["epoch"] = 10**30
+        with crossfeed.Loader(src, batch_size=5, seed=2, **kw) as loader:
+            with pytest.raises(ConfigError, match="epoch 1000000000000000000000000000000"):
+                loader.load_state_dict(state)
+                list(loader)
+    res = CliRunner().invoke(app, ["replay", str(root), "--step", str(10**20), "--batch-size", "4", "--weights", "w"])
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and "epoch" in res.stderr
+    # a later epoch that fits is planned as usual
+    with crossfeed.Loader(root, batch_size=5, seed=2, weights="w") as loader:
+        assert len(loader.batch_at(10**9)) == 5

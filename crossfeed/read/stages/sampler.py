@@ -42,6 +42,7 @@ from crossfeed.read.options import PlanOptions, Remainder, ShardOptions, Shuffle
 
 TABLE_MAX = 1 << 21  # epochs up to this many samples draw their order as a table (16 MiB at most)
 CHUNK_SAMPLES = 1 << 14  # larger epochs evaluate their order this many positions at a time
+MAX_COUNTED = 1 << 62  # samples since the run began that a weighted or scheduled plan counts (int64)
 _CHUNK_LOCK = threading.Lock()
 
 
@@ -508,7 +509,7 @@ class ScheduledMixtureOrder(MixtureOrder):
         if (self.sizes == 0).any():
             raise ConfigError(f"mixture source {int(np.flatnonzero(self.sizes == 0)[0])} has no samples")
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
-        self.n, self.epoch = int(n), int(epoch)
+        self.n, self.epoch = int(n), _counted(epoch, n, "scheduled mixture")
         self.phases = phases
         self.weights = phases.weights[0]
         self.base = self.epoch * self.n  # the epoch's first global sample
@@ -544,6 +545,18 @@ class ScheduledMixtureOrder(MixtureOrder):
         return out
 
 
+def _counted(epoch, n, what: str) -> int:
+    """``epoch`` if its samples lie within the `MAX_COUNTED` a ``what`` plan counts from the run's
+    start (``epoch × n + position`` on int64), else `ConfigError` naming it."""
+    epoch = int(epoch)
+    if (epoch + 1) * int(n) > MAX_COUNTED:
+        raise ConfigError(
+            f"epoch {epoch} of {n} samples is past the 2^62 samples a {what} plan counts from the run's start; "
+            f"was the state (or the step replayed) meant for another run?"
+        )
+    return epoch
+
+
 class WeightedOrder:
     """The order of one epoch of a split drawn by per-sample weights (`crossfeed.format.weights`),
     as an `EpochOrder` is for plain epochs.
@@ -564,7 +577,7 @@ class WeightedOrder:
         self.counts = np.asarray(counts, dtype=np.int64)
         self.cum = cum  # a `crossfeed.format.weights.CumulativeWeights`
         self.slots = int(cum.total)
-        self.n, self.epoch = int(n), int(epoch)
+        self.n, self.epoch = int(n), _counted(epoch, n, "weighted")
         self._passes = passes
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
