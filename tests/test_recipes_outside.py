@@ -7,13 +7,18 @@ file read or written outside the dataset), and their parsers fuzzed."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from typer.testing import CliRunner
 
 import crossfeed
 from crossfeed.cli.main import app
-from crossfeed.errors import ConfigError
+from crossfeed.errors import ConfigError, RootNotAllowedError
 from crossfeed.read.schedule import Schedule
 
 
@@ -91,3 +96,50 @@ def test_a_weighted_or_scheduled_plan_refuses_an_epoch_past_what_it_counts(tmp_p
     # a later epoch that fits is planned as usual
     with crossfeed.Loader(root, batch_size=5, seed=2, weights="w") as loader:
         assert len(loader.batch_at(10**9)) == 5
+
+
+# ---- a dataset's own files stay inside it ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["json", "cw", "dir"])
+def test_a_weights_set_that_links_out_of_the_dataset_is_refused_unless_allowed(tmp_path, which):
+    """A weights set is a dataset's own file, read as its shards are: one whose description, prefix
+    sums or whole ``weights/`` folder is a symbolic link out of the dataset (the same bytes, so only
+    the link is wrong) is refused naming the link; allowing the target's directory reads it."""
+    root = _weighted(tmp_path / "d")
+    want = _read(root, weights="w")
+    outside = tmp_path / "elsewhere"
+    name = {"json": "weights/w.json", "cw": "weights/w.train.cw", "dir": "weights"}[which]
+    target = outside if which == "dir" else outside / os.path.basename(name)
+    if which != "dir":
+        outside.mkdir()
+    shutil.move(root / name, target)
+    (root / name).symlink_to(target)
+    with pytest.raises(RootNotAllowedError, match="symbolic link.*outside the dataset"):
+        _read(root, weights="w")
+    assert _read(root, weights="w", allowed_roots=[str(outside)]) == want
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_weights_file_that_is_not_a_regular_file_is_refused_without_hanging(tmp_path, kind):
+    """A directory or a FIFO where a weights set's description or prefix sums should be is refused
+    by name (`IndexFileError`), in a fresh process that would otherwise block on the FIFO for ever."""
+    root = _weighted(tmp_path / "d")
+    for name in ("w.json", "w.train.cw"):
+        path = root / "weights" / name
+        saved = path.read_bytes()
+        path.unlink()
+        os.mkdir(path) if kind == "directory" else os.mkfifo(path)
+        code = textwrap.dedent(f"""
+            import crossfeed
+            try:
+                with crossfeed.Loader({str(root)!r}, batch_size=2, weights="w") as loader:
+                    list(loader)
+            except crossfeed.CrossfeedError as e:
+                print(type(e).__name__, e)
+        """)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("IndexFileError") and "not a regular file" in out.stdout, out.stdout
+        os.rmdir(path) if kind == "directory" else path.unlink()
+        path.write_bytes(saved)

@@ -19,6 +19,7 @@ import numpy as np
 
 from crossfeed.errors import ConfigError, IndexFileError
 from crossfeed.format import weights as fw
+from crossfeed.io import roots
 from crossfeed.read.sources.dataset import Dataset, open_dataset
 
 CHUNK = 1 << 16  # records decoded per chunk of weights
@@ -157,6 +158,7 @@ def open_weights(ds: Dataset, name: str, split: str) -> fw.CumulativeWeights:
     root = _local_root(ds)
     meta_file = fw.meta_path(root, name)
     how = f"write it with `crossfeed weights {ds.path} --feature F` (or `--balance F` for crossfeed.balanced(F))"
+    roots.check_own_file(meta_file, root, ds.allowed_roots, IndexFileError)  # no link out, no FIFO
     try:
         with open(meta_file, "rb") as f:
             text = f.read(fw.MAX_META_BYTES + 1)
@@ -180,4 +182,6 @@ def open_weights(ds: Dataset, name: str, split: str) -> fw.CumulativeWeights:
         raise IndexFileError(f"{meta_file}: split {split!r} has {n} records, the set says {info.num_records}; {how}")
     if n and info.total <= 0:
         raise IndexFileError(f"{meta_file}: split {split!r}: every weight is 0; {how}")
-    return fw.CumulativeWeights.open(os.path.join(root, fw.DIR, info.file), info)
+    path = os.path.join(root, fw.DIR, info.file)
+    roots.check_own_file(path, root, ds.allowed_roots, IndexFileError)
+    return fw.CumulativeWeights.open(path, info)
