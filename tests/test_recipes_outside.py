@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 import crossfeed
 from crossfeed.cli.main import app
-from crossfeed.errors import ConfigError, RootNotAllowedError
+from crossfeed.errors import ConfigError, ManifestError, RootNotAllowedError
 from crossfeed.read.schedule import Schedule
 
 
@@ -143,3 +143,36 @@ def test_a_weights_file_that_is_not_a_regular_file_is_refused_without_hanging(tm
         assert out.stdout.startswith("IndexFileError") and "not a regular file" in out.stdout, out.stdout
         os.rmdir(path) if kind == "directory" else path.unlink()
         path.write_bytes(saved)
+
+
+def test_a_kept_version_manifest_that_links_out_or_is_not_a_file_is_refused(tmp_path):
+    """``crossfeed.v1.json`` (version 1 of an appended dataset, read for ``path@v1``) is the
+    dataset's own file: a link out of the dataset to the same bytes is refused unless its directory
+    is allowed; a directory or a FIFO there is a `ManifestError` naming it, never a raw
+    IsADirectoryError or a reader blocked for ever. The current version reads on regardless."""
+    root = _appended(tmp_path / "v")
+    kept = root / "crossfeed.v1.json"
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.move(kept, outside / kept.name)
+    kept.symlink_to(outside / kept.name)
+    with pytest.raises(RootNotAllowedError, match="symbolic link.*outside the dataset"):
+        _read(f"{root}@v1")
+    assert _read(f"{root}@v1", allowed_roots=[str(outside)]) == list(range(8))
+    kept.unlink()
+    kept.mkdir()
+    with pytest.raises(ManifestError, match="crossfeed.v1.json: not a regular file"):
+        _read(f"{root}@v1")
+    kept.rmdir()
+    os.mkfifo(kept)
+    code = textwrap.dedent(f"""
+        import crossfeed
+        try:
+            crossfeed.open_dataset({str(root)!r} + "@v1")
+        except crossfeed.CrossfeedError as e:
+            print(type(e).__name__, e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ManifestError") and "not a regular file" in out.stdout, out.stdout
+    assert _read(root) == [*range(8), *range(100, 104)]

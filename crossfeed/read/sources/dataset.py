@@ -102,12 +102,12 @@ def open_dataset(
     text = _read_manifest(storage)
     manifest = loads(text, storage.url(MANIFEST))
     if version is not None and version != manifest.dataset_version:
-        text, manifest = _read_version(storage, manifest, version)
+        text, manifest = _read_version(storage, manifest, version, allowed)
         return Dataset(storage, manifest, allowed_roots=allowed, text=text, pinned=True)
     return Dataset(storage, manifest, allowed_roots=allowed, text=text)
 
 
-def _read_version(storage: Storage, current: Manifest, version) -> tuple[bytes, Manifest]:
+def _read_version(storage: Storage, current: Manifest, version, allowed=()) -> tuple[bytes, Manifest]:
     """Version ``version``'s manifest bytes (``crossfeed.v<N>.json``), checked against the
     current manifest's ``versions``; `ConfigError` naming the versions there are otherwise."""
     if type(version) is not int or not 1 <= version <= current.dataset_version:
@@ -121,6 +121,8 @@ def _read_version(storage: Storage, current: Manifest, version) -> tuple[bytes, 
             f"manifest lists versions {[v for v, _ in current.versions] + [current.dataset_version]}"
         )
     rel = VERSION_FILE.format(version)
+    if not storage.remote:  # the dataset's own file: no link out of it, no FIFO (`roots.check_own_file`)
+        roots.check_own_file(storage.url(rel), storage.root, allowed, ManifestError)
     try:
         text = storage.read(rel, limit=MAX_MANIFEST_BYTES)
     except (DatasetNotFoundError, FileNotFoundError):
