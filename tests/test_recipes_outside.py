@@ -176,3 +176,19 @@ def test_a_kept_version_manifest_that_links_out_or_is_not_a_file_is_refused(tmp_
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ManifestError") and "not a regular file" in out.stdout, out.stdout
     assert _read(root) == [*range(8), *range(100, 104)]
+
+
+def test_writing_weights_never_writes_through_a_link_out_of_the_dataset(tmp_path):
+    """`crossfeed weights` on a dataset whose ``weights/`` is a link out of it (a planted
+    directory) writes nothing there: refused naming the link and how to allow its target."""
+    root = tmp_path / "d"
+    crossfeed.write_dataset(root, [{"x": i, "w": i % 3} for i in range(10)]).close()
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (root / "weights").symlink_to(outside)
+    res = CliRunner().invoke(app, ["weights", str(root), "--feature", "w"])
+    assert res.exit_code == 2, res.output
+    assert "symbolic link" in res.stderr and "outside the dataset" in res.stderr and "Traceback" not in res.output
+    assert list(outside.iterdir()) == []
+    crossfeed.write_weights(root, feature="w", allowed_roots=[str(outside)])  # allowed: written there
+    assert _read(root, weights="w", samples_per_epoch=9, allowed_roots=[str(outside)]) == [1, 2, 2, 4, 5, 5, 7, 8, 8]

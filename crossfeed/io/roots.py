@@ -123,11 +123,19 @@ def check_own_file(path: str, dataset_root: str, allowed: Iterable[str], error) 
         return
     if not stat.S_ISREG(mode):
         raise error(f"{path}: not a regular file (a directory, FIFO or device); move it away")
+    check_inside(path, dataset_root, allowed)
+
+
+def check_inside(path: str, dataset_root: str, allowed: Iterable[str]) -> None:
+    """`RootNotAllowedError` naming ``path`` (a local file or folder of the dataset at
+    ``dataset_root``) and how to allow its target, when through a symbolic link it lies outside
+    the dataset and under no root in ``allowed`` or `ENV`."""
     real = os.path.realpath(path)
     if not within(real, os.path.realpath(dataset_root), (*allowed, *from_env())):
+        what = os.path.dirname(real) if os.path.isfile(real) else real
         raise RootNotAllowedError(
             f"{path}: a symbolic link to {real}, outside the dataset ({dataset_root}); crossfeed follows links "
-            f"out of a dataset only to a root you allow: {how_to_allow(os.path.dirname(real))}"
+            f"out of a dataset only to a root you allow: {how_to_allow(what)}"
         )
 
 

@@ -98,6 +98,7 @@ def write_weights(
         name = fw.check_weights_name(name or (fw.balanced(by) if balance is not None else by))
         names = list(ds.splits) if splits is None else list(splits)
         os.makedirs(os.path.join(root, fw.DIR), exist_ok=True)
+        roots.check_inside(os.path.join(root, fw.DIR), root, ds.allowed_roots)  # never written through a link out
         out = {}
         for split_name in names:
             split = ds[split_name]
