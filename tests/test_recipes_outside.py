@@ -192,3 +192,16 @@ def test_writing_weights_never_writes_through_a_link_out_of_the_dataset(tmp_path
     assert list(outside.iterdir()) == []
     crossfeed.write_weights(root, feature="w", allowed_roots=[str(outside)])  # allowed: written there
     assert _read(root, weights="w", samples_per_epoch=9, allowed_roots=[str(outside)]) == [1, 2, 2, 4, 5, 5, 7, 8, 8]
+
+
+def test_a_ramp_to_a_huge_finite_weight_is_planned_or_refused_by_name():
+    """A linear schedule between finite weights never evaluates to infinity (the line is
+    interpolated without overflowing), so a ramp to 6.7e296 is planned as shares of 1000, and
+    a constant huge weight is refused as too fine-grained — never a raw OverflowError."""
+    from crossfeed.read.stages.sampler import mixture_phases
+
+    ramp = Schedule.from_json({"linear": [[0, 1], [269699656073, 6.665537364950874e296]], "every": 65892904})
+    phases = mixture_phases([ramp, Schedule.from_json({"linear": [[0, 1], [1, 0.0]], "every": 1})])
+    assert phases[0] == (0, (1, 1)) and all(sum(w) <= 1000 for _, w in phases)
+    with pytest.raises(ConfigError, match="too fine-grained"):
+        mixture_phases([Schedule.constant([(0, 1e300)]), 1])

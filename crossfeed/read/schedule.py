@@ -25,6 +25,7 @@ own from their start: every prefix of every phase holds each source within one s
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 from crossfeed.errors import ConfigError
@@ -97,7 +98,10 @@ class Schedule:
         out: list[tuple[int, float]] = []
         for (a, wa), (b, wb) in zip(self.points, self.points[1:]):
             for x in range(a, b, self.every):
-                out.append((x, wa + (wb - wa) * (x - a) / (b - a)))
+                v = wa + (wb - wa) * (x - a) / (b - a)
+                if not math.isfinite(v):  # (wb - wa) * (x - a) overflowed: the same line, divided first
+                    v = wa + (wb - wa) * ((x - a) / (b - a))
+                out.append((x, v))
                 if len(out) > MAX_PHASES:
                     raise ConfigError(
                         f"a linear schedule of {self.points[-1][0]} samples in steps of every={self.every} has more "
