@@ -13,12 +13,14 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 import crossfeed
 from crossfeed.cli.main import app
 from crossfeed.errors import ConfigError, ManifestError, RootNotAllowedError
+from crossfeed.format import weights as fw
 from crossfeed.read.schedule import Schedule
 
 
@@ -205,3 +207,20 @@ def test_a_ramp_to_a_huge_finite_weight_is_planned_or_refused_by_name():
     assert phases[0] == (0, (1, 1)) and all(sum(w) <= 1000 for _, w in phases)
     with pytest.raises(ConfigError, match="too fine-grained"):
         mixture_phases([Schedule.constant([(0, 1e300)]), 1])
+
+
+def test_integer_weights_times_the_resolution_never_wrap_around(tmp_path):
+    """An integer weight that, times ``--resolution``, passes the slot space (2^62) is refused by
+    name — it wrapped around int64 silently before (2^61 + 1 at resolution 8 became weight 8), and
+    a uint64 weight past 2^63 was called negative."""
+    with pytest.raises(ConfigError, match="past"):
+        fw.quantise(np.array([2**61 + 1, 1]), 8)
+    with pytest.raises(ConfigError, match="past"):
+        fw.quantise(np.array([2**63 + 5, 1], dtype=np.uint64))
+    assert fw.quantise(np.array([2**59, 1]), 8).tolist() == [2**62, 8]
+    root = tmp_path / "q"
+    crossfeed.write_dataset(root, [{"x": i, "w": 2**61 + 1 if i == 0 else 1} for i in range(4)]).close()
+    res = CliRunner().invoke(app, ["weights", str(root), "--feature", "w", "--resolution", "8"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "feature 'w'" in res.stderr and "resolution" in res.stderr
+    assert not (root / "weights" / "w.json").exists()

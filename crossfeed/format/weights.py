@@ -97,8 +97,9 @@ def quantise(values, resolution: int = 1, where: str = "weights") -> np.ndarray:
         if arr.size and arr.max() >= float(MAX_TOTAL):
             raise ConfigError(f"{where}: a weight times resolution {resolution} is past {MAX_TOTAL}")
         return arr.astype(np.int64)
-    arr = arr.astype(np.int64) * int(resolution)
-    return arr
+    if arr.size and int(arr.max()) * int(resolution) > MAX_TOTAL:  # Python ints: int64 would wrap around
+        raise ConfigError(f"{where}: weight {int(arr.max())} times resolution {resolution} is past {MAX_TOTAL}")
+    return arr.astype(np.int64) * int(resolution)
 
 
 def check_weights(w: np.ndarray, where: str) -> None:
