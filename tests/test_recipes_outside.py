@@ -224,3 +224,23 @@ def test_integer_weights_times_the_resolution_never_wrap_around(tmp_path):
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert "feature 'w'" in res.stderr and "resolution" in res.stderr
     assert not (root / "weights" / "w.json").exists()
+
+
+def test_replay_of_a_weighted_run_takes_its_epoch_size_from_the_state(tmp_path):
+    """A weighted run of ``samples_per_epoch`` draws (43 here: no command-line flag sets it) is
+    replayed from its checkpoint: ``--state`` carries the epoch size as it carries the seed and
+    batch size, and the step named is the one the run delivered."""
+    root = tmp_path / "d"
+    crossfeed.write_dataset(root, [{"x": i, "w": i % 4} for i in range(30)], num_shards=2).close()
+    crossfeed.write_weights(root, feature="w")
+    with crossfeed.Loader(root, batch_size=4, seed=3, weights="w", samples_per_epoch=43, return_index=True) as loader:
+        it = iter(loader)
+        delivered = [next(it)["__index__"].tolist() for _ in range(7)]
+        state = loader.state_dict()
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    args = ["replay", str(root), "--weights", "w", "--state", str(tmp_path / "state.json"), "--json"]
+    res = CliRunner().invoke(app, [*args, "--step", "5"])
+    assert res.exit_code == 0, res.output
+    assert [json.loads(line)["index"] for line in res.stdout.splitlines()] == delivered[5]
+    res = CliRunner().invoke(app, ["replay", str(root), "--state", str(tmp_path / "state.json"), "--step", "5"])
+    assert res.exit_code == 2 and "weights was 'w sha256:" in res.stderr, res.output  # the set must still be named

@@ -39,8 +39,9 @@ def _read_state(path: Path) -> dict:
 
 
 def _from_state(ctx: typer.Context, state: dict, path: Path, options: LoaderOptions) -> LoaderOptions:
-    """``options`` with the seed and batch size the state carries; one given on the command line
-    that differs is refused by name."""
+    """``options`` with the seed, batch size and epoch size (``samples_per_epoch``, which no flag
+    sets) the state carries; a seed or batch size given on the command line that differs is
+    refused by name."""
     changes = {}
     for field, flag, now in (
         ("seed", "--seed", options.plan.seed),
@@ -55,7 +56,15 @@ def _from_state(ctx: typer.Context, state: dict, path: Path, options: LoaderOpti
                 f"state's, or replay without --state"
             )
         changes[field] = saved
-    return options.replace(**changes) if changes else options
+    ident = state.get("identity")
+    settings = ident.get("settings") if isinstance(ident, dict) else None
+    spe = settings.get("samples per epoch") if isinstance(settings, dict) else None
+    if spe is not None and options.plan.samples_per_epoch is None:  # no flag sets it: the run's epoch size
+        changes["samples_per_epoch"] = spe
+    try:
+        return options.replace(**changes) if changes else options
+    except ConfigError as e:
+        raise ConfigError(f"--state {path}: {e}") from None
 
 
 def _check_identity(saved: dict, path, loader) -> None:
