@@ -244,3 +244,22 @@ def test_replay_of_a_weighted_run_takes_its_epoch_size_from_the_state(tmp_path):
     assert [json.loads(line)["index"] for line in res.stdout.splitlines()] == delivered[5]
     res = CliRunner().invoke(app, ["replay", str(root), "--state", str(tmp_path / "state.json"), "--step", "5"])
     assert res.exit_code == 2 and "weights was 'w sha256:" in res.stderr, res.output  # the set must still be named
+
+
+def test_a_mixture_weight_that_integers_cannot_hold_is_refused_in_a_short_line_naming_the_spec(tmp_path):
+    """A weight of 1e300 or 1e-300 (a positive number that rounds to 0 at the weights' 1/1000) is
+    refused in one short line that says what happened — not "must be positive numbers" for a
+    positive number, not a 600-digit integer — and, from a spec file, naming the file."""
+    for name in ("web", "books"):
+        crossfeed.write_dataset(tmp_path / name, [{"x": i} for i in range(8)]).close()
+    for w, what in ((1e300, "too fine-grained"), (1e-300, "rounds to 0")):
+        with pytest.raises(ConfigError, match=what) as e:
+            crossfeed.Loader(
+                [crossfeed.Source(tmp_path / "web", weight=w), crossfeed.Source(tmp_path / "books")], batch_size=4
+            )
+        assert len(str(e.value)) < 300, str(e.value)
+        spec = tmp_path / "mix.json"
+        spec.write_text(json.dumps({"sources": [{"path": "web", "weight": w}, {"path": "books"}]}))
+        res = CliRunner().invoke(app, ["replay", str(spec), "--step", "0"])
+        assert res.exit_code == 2 and what in res.stderr and str(spec) in res.stderr, res.output
+        assert len(res.stderr) < 400, res.stderr

@@ -18,6 +18,7 @@ import os
 
 from crossfeed.errors import ConfigError
 from crossfeed.read.options import Source
+from crossfeed.read.schedule import Schedule
 
 _KEYS = {"sources", "samples_per_epoch"}
 _SOURCE_KEYS = {"path", "split", "weight", "rename", "features"}
@@ -57,4 +58,13 @@ def load_mixture_spec(path) -> tuple[list[Source], int | None]:
     n = spec.get("samples_per_epoch")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise ConfigError(f"{path}: samples_per_epoch must be a positive integer, got {n!r}")
+    from crossfeed.read.stages.sampler import integer_weights, mixture_phases
+
+    try:  # the weights as the plan takes them (integers, phases): a problem names this file
+        if any(isinstance(s.weight, Schedule) for s in sources):
+            mixture_phases([s.weight for s in sources])
+        elif len(sources) > 1:
+            integer_weights([s.weight for s in sources])
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     return sources, n

@@ -178,17 +178,27 @@ def integer_weights(weights) -> list[int]:
     """Weights as the smallest integers in the same proportions (floats to 1/1000 precision)."""
     fr = [Fraction(w).limit_denominator(1000) for w in weights]
     if not fr or any(f <= 0 for f in fr):
-        raise ConfigError(f"mixture weights must be positive numbers, got {list(weights)}")
+        tiny = [w for w, f in zip(weights, fr) if f <= 0 and w > 0]
+        if tiny:
+            raise ConfigError(
+                f"mixture weight {tiny[0]!r} rounds to 0 (weights are kept to 1/1000); make it 0.001 or more"
+            )
+        raise ConfigError(f"mixture weights must be positive numbers, got {_short(list(weights))}")
     scale = math.lcm(*(f.denominator for f in fr))
     ints = [int(f * scale) for f in fr]
     g = math.gcd(*ints)
     ints = [i // g for i in ints]
     if sum(ints) > MAX_PERIOD:
         raise ConfigError(
-            f"mixture weights {list(weights)} are too fine-grained (as integers {ints} they sum to "
-            f"{sum(ints)} > {MAX_PERIOD}); round them"
+            f"mixture weights {_short(list(weights))} are too fine-grained (as integers {_short(ints)} they sum "
+            f"to {_short(sum(ints), 24)} > {MAX_PERIOD}); round them"
         )
     return ints
+
+
+def _short(v, n: int = 80) -> str:
+    text = repr(v)
+    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def smooth_schedule(weights: list[int]) -> np.ndarray:
