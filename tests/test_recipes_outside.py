@@ -263,3 +263,17 @@ def test_a_mixture_weight_that_integers_cannot_hold_is_refused_in_a_short_line_n
         res = CliRunner().invoke(app, ["replay", str(spec), "--step", "0"])
         assert res.exit_code == 2 and what in res.stderr and str(spec) in res.stderr, res.output
         assert len(res.stderr) < 400, res.stderr
+
+
+def test_weights_from_a_text_feature_are_refused_by_name(tmp_path):
+    """`crossfeed weights --feature` on a text feature is refused in one line naming the feature
+    (it was a raw TypeError); a text label balances."""
+    root = tmp_path / "n"
+    samples = [{"x": i, "c": float("nan") if i % 3 == 0 else float(i % 2), "s": "ab"[i % 2]} for i in range(9)]
+    crossfeed.write_dataset(root, samples).close()
+    res = CliRunner().invoke(app, ["weights", str(root), "--feature", "s"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "feature 's'" in res.stderr and "numeric" in res.stderr
+    crossfeed.write_weights(root, balance="s")  # a text label balances
+    got = _read(root, weights="balance-s", samples_per_epoch=40)  # one whole pass of 2 × lcm(5, 4) slots
+    assert sum(x % 2 == 0 for x in got) == sum(x % 2 == 1 for x in got) == 20  # 'a' and 'b' alike

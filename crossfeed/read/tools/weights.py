@@ -38,7 +38,11 @@ def _scalar_feature(ds: Dataset, feature: str, balance: bool):
     if feature not in ds.schema.names:
         raise ConfigError(f"{ds.path}: no feature {feature!r} to weigh by; the features are {ds.schema.names}")
     f = ds.schema[feature]
-    if any(d not in (1,) for d in f.shape) or (not balance and np.dtype(f.dtype).kind not in "iufb"):
+    try:
+        numeric = np.dtype(f.dtype).kind in "iufb"
+    except TypeError:  # 'string', 'bytes': no numpy dtype of that name
+        numeric = False
+    if any(d not in (1,) for d in f.shape) or (not balance and not numeric):
         raise ConfigError(
             f"{ds.path}: feature {feature!r} ({f.dtype}, shape {list(f.shape)}) is not one "
             f"{'value' if balance else 'number'} a record; weights are read from a scalar "
