@@ -265,15 +265,20 @@ def test_a_mixture_weight_that_integers_cannot_hold_is_refused_in_a_short_line_n
         assert len(res.stderr) < 400, res.stderr
 
 
-def test_weights_from_a_text_feature_are_refused_by_name(tmp_path):
-    """`crossfeed weights --feature` on a text feature is refused in one line naming the feature
-    (it was a raw TypeError); a text label balances."""
+def test_weights_from_a_text_feature_or_over_nan_labels_are_refused_by_name(tmp_path):
+    """`crossfeed weights --feature` on a text feature, and `--balance` over a float label holding
+    NaN (which equals no class, not even itself), are refused in one line naming the feature —
+    they were a raw TypeError and a raw KeyError."""
     root = tmp_path / "n"
     samples = [{"x": i, "c": float("nan") if i % 3 == 0 else float(i % 2), "s": "ab"[i % 2]} for i in range(9)]
     crossfeed.write_dataset(root, samples).close()
     res = CliRunner().invoke(app, ["weights", str(root), "--feature", "s"])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert "feature 's'" in res.stderr and "numeric" in res.stderr
+    res = CliRunner().invoke(app, ["weights", str(root), "--balance", "c"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "'c'" in res.stderr and "NaN" in res.stderr
+    assert not (root / "weights" / "balance-c.json").exists()
     crossfeed.write_weights(root, balance="s")  # a text label balances
     got = _read(root, weights="balance-s", samples_per_epoch=40)  # one whole pass of 2 × lcm(5, 4) slots
     assert sum(x % 2 == 0 for x in got) == sum(x % 2 == 1 for x in got) == 20  # 'a' and 'b' alike

@@ -71,6 +71,11 @@ def _classes(split, feature: str) -> dict:
         for v in chunk:
             if v is None:
                 raise ConfigError(f"{split.dataset.path}: a record of split {split.name!r} has no {feature!r} value")
+            if v != v:  # NaN: equal to no class, not even itself
+                raise ConfigError(
+                    f"{split.dataset.path}: a record of split {split.name!r} has a NaN {feature!r}; class balance "
+                    f"needs labels that are classes (replace the NaNs, or weigh with --feature)"
+                )
             counts[v] = counts.get(v, 0) + 1
     return counts
 
