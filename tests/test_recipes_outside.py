@@ -282,3 +282,20 @@ def test_weights_from_a_text_feature_or_over_nan_labels_are_refused_by_name(tmp_
     crossfeed.write_weights(root, balance="s")  # a text label balances
     got = _read(root, weights="balance-s", samples_per_epoch=40)  # one whole pass of 2 × lcm(5, 4) slots
     assert sum(x % 2 == 0 for x in got) == sum(x % 2 == 1 for x in got) == 20  # 'a' and 'b' alike
+
+
+def test_a_state_saved_on_an_earlier_version_says_which_version_to_resume_on(tmp_path):
+    """A state saved on version 1 of a dataset that has grown since is refused on the newest
+    version (another stream), and the refusal says how to go on: resume on ``path@v1``."""
+    root = tmp_path / "daily"
+    crossfeed.write_dataset(root, [{"x": i} for i in range(8)]).close()
+    with crossfeed.Loader(root, batch_size=2, seed=0) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    crossfeed.write_dataset(root, [{"x": 100 + i} for i in range(4)], append=True).close()
+    with crossfeed.Loader(root, batch_size=2, seed=0) as loader:
+        with pytest.raises(ConfigError, match=f"saved on version 1 of {root}: resume on '{root}@v1'"):
+            loader.load_state_dict(state)
+    with crossfeed.Loader(f"{root}@v1", batch_size=2, seed=0) as loader:
+        loader.load_state_dict(state)
+        assert len([x for b in loader for x in b["x"]]) == 6

@@ -306,7 +306,8 @@ class Loader:
             if on_change == "refuse":
                 raise ConfigError(
                     "this state belongs to another stream: " + "; ".join(diffs) + ". Resume with the saved "
-                    "settings and data, or pass on_change='next_epoch' to start the next epoch with the new ones"
+                    "settings and data" + self._kept_version_hint(state) + ", or pass on_change='next_epoch' to "
+                    "start the next epoch with the new ones"
                 )
             log.warning(
                 "resuming under changed settings (%s): epoch %d ends here, epoch %d starts under the new settings",
@@ -316,6 +317,20 @@ class Loader:
             )
             epoch, position = (epoch + 1, 0) if position > 0 else (epoch, 0)
         self.start_at(epoch, position)
+
+    def _kept_version_hint(self, state: dict) -> str:
+        """Where a state of another stream was saved on an earlier version of a dataset read here
+        (its manifest's SHA-256 is one the dataset's ``versions`` pins): the ``path@vN`` to resume on."""
+        ident = state.get("identity")
+        settings = ident.get("settings") if isinstance(ident, dict) else None
+        if not isinstance(settings, dict):
+            return ""
+        saved = {v for v in settings.values() if isinstance(v, str) and v.startswith("sha256:")}
+        for ds in self.pipeline.datasets:
+            for version, sha in ds.manifest.versions:
+                if f"sha256:{sha}" in saved:
+                    return f" (it was saved on version {version} of {ds.path}: resume on '{ds.path}@v{version}')"
+        return ""
 
     # -- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Generator[dict[str, np.ndarray], None, None]:
