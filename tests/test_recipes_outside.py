@@ -299,3 +299,18 @@ def test_a_state_saved_on_an_earlier_version_says_which_version_to_resume_on(tmp
     with crossfeed.Loader(f"{root}@v1", batch_size=2, seed=0) as loader:
         loader.load_state_dict(state)
         assert len([x for b in loader for x in b["x"]]) == 6
+
+
+def test_a_state_whose_epoch_or_position_is_not_an_integer_is_refused(tmp_path):
+    """A state's epoch 1.5 or position "5" (damaged or hand-edited) is refused by name; it was
+    taken silently as epoch 1 / position 5."""
+    root = _weighted(tmp_path / "d")
+    with crossfeed.Loader(root, batch_size=2, seed=0) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    for field, value in (("epoch", 1.5), ("position", "2"), ("epoch", True)):
+        with crossfeed.Loader(root, batch_size=2, seed=0) as loader:
+            with pytest.raises(ConfigError, match=f"{field}"):
+                loader.load_state_dict({**state, field: value})
+    with crossfeed.Loader(root, batch_size=2, seed=0) as loader:
+        loader.load_state_dict({**state, "position": np.int64(2)})  # a numpy integer is an integer

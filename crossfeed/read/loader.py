@@ -14,6 +14,7 @@ built once; the Loader is the cursor over its epochs: where it stands, its state
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Callable, Generator, Iterator
 
 import numpy as np
@@ -288,6 +289,9 @@ class Loader:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"loader state is missing or has a bad field: {e}") from None
+        for field in ("epoch", "position"):  # 1.5 or "5" would be taken as 1 or 5, silently
+            if isinstance(state[field], bool) or not isinstance(state[field], numbers.Integral):
+                raise ConfigError(f"loader state's {field} must be an integer, got {state[field]!r}")
         now = self.pipeline.identity
         if state["version"] == 1:  # saved before identities: only its seed and size can be checked
             log.warning(
