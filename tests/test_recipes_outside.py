@@ -22,6 +22,7 @@ from crossfeed.cli.main import app
 from crossfeed.errors import ConfigError, ManifestError, RootNotAllowedError
 from crossfeed.format import weights as fw
 from crossfeed.read.schedule import Schedule
+from crossfeed.read.sources.mixture_file import load_mixture_spec
 
 
 def _weighted(root):
@@ -314,3 +315,45 @@ def test_a_state_whose_epoch_or_position_is_not_an_integer_is_refused(tmp_path):
                 loader.load_state_dict({**state, field: value})
     with crossfeed.Loader(root, batch_size=2, seed=0) as loader:
         loader.load_state_dict({**state, "position": np.int64(2)})  # a numpy integer is an integer
+
+
+def test_replay_with_a_state_follows_a_phase_appended_on_resume(tmp_path):
+    """A run that appended a phase on resume (allowed: docs/read-and-mix.md, "Appending a phase to
+    a running plan") is replayed from its new spec file and the checkpoint it resumed from — the
+    replay allows exactly what `load_state_dict` allows (it refused the new schedule as another
+    stream), and still refuses a change to a phase that had begun, naming it."""
+    for name, n in (("web", 40), ("books", 20)):
+        crossfeed.write_dataset(tmp_path / name, [{"x": i} for i in range(n)]).close()
+
+    def spec(web, books):
+        return {
+            "sources": [
+                {"path": str(tmp_path / "web"), "weight": {"constant": web}},
+                {"path": str(tmp_path / "books"), "weight": {"constant": books}},
+            ],
+            "samples_per_epoch": 64,
+        }
+
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(spec([[0, 3], [40, 1]], [[0, 1], [40, 3]])))
+    sources, n = load_mixture_spec(base)
+    with crossfeed.Loader(sources, batch_size=8, seed=0, samples_per_epoch=n) as loader:
+        it = iter(loader)
+        for _ in range(6):  # 48 samples: phase 1 (from sample 40) has begun
+            next(it)
+        state = loader.state_dict()
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    more = tmp_path / "more.json"
+    more.write_text(json.dumps(spec([[0, 3], [40, 1], [96, 1]], [[0, 1], [40, 3], [96, 0]])))
+    sources, n = load_mixture_spec(more)
+    with crossfeed.Loader(sources, batch_size=8, seed=0, samples_per_epoch=n, return_index=True) as loader:
+        loader.load_state_dict(state)
+        delivered = [b["__index__"].tolist() for b in loader]  # steps 6 and 7 of epoch 0
+    run = CliRunner().invoke
+    res = run(app, ["replay", str(more), "--state", str(tmp_path / "state.json"), "--step", "7", "--json"])
+    assert res.exit_code == 0, res.output
+    assert [json.loads(line)["index"] for line in res.stdout.splitlines()] == delivered[1]
+    changed = tmp_path / "changed.json"
+    changed.write_text(json.dumps(spec([[0, 3], [40, 2]], [[0, 1], [40, 3]])))
+    res = run(app, ["replay", str(changed), "--state", str(tmp_path / "state.json"), "--step", "7"])
+    assert res.exit_code == 2 and "phase 1 (from sample 40, weights [1, 3]) began before" in res.stderr, res.output

@@ -68,12 +68,17 @@ def _from_state(ctx: typer.Context, state: dict, path: Path, options: LoaderOpti
 
 
 def _check_identity(saved: dict, path, loader) -> None:
-    """Refuse a state saved for another stream, naming each difference (the options to fix)."""
+    """Refuse a state saved for another stream, naming each difference (the options to fix); a
+    mixture schedule changed from the state's position on is the same stream, as on resume."""
     from crossfeed.read.identity import StreamIdentity
 
     if saved.get("identity") is None:
         return  # a state of version 1: `load_state_dict` checks its seed and size
-    diffs = StreamIdentity.from_json(saved["identity"]).differences(loader.pipeline.identity)
+    try:  # where the state stands: a mixture schedule's phases from there on may have changed
+        at = int(saved.get("epoch") or 0) * loader.pipeline.total + int(saved.get("position") or 0)
+    except (TypeError, ValueError):
+        at = 0  # `load_state_dict` names the bad field
+    diffs = StreamIdentity.from_json(saved["identity"]).resume_differences(loader.pipeline.identity, at)
     if diffs:
         raise ConfigError(
             f"--state {path} was saved for another stream: {'; '.join(diffs)}; give the dataset and options the "
