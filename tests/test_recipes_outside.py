@@ -357,3 +357,25 @@ def test_replay_with_a_state_follows_a_phase_appended_on_resume(tmp_path):
     changed.write_text(json.dumps(spec([[0, 3], [40, 2]], [[0, 1], [40, 3]])))
     res = run(app, ["replay", str(changed), "--state", str(tmp_path / "state.json"), "--step", "7"])
     assert res.exit_code == 2 and "phase 1 (from sample 40, weights [1, 3]) began before" in res.stderr, res.output
+
+
+def test_a_weights_set_from_before_an_append_says_the_command_that_writes_it_again(tmp_path):
+    """A weights set computed before an append (or any change of the manifest) is refused, and the
+    refusal gives the very command that writes it again — its feature, resolution and name, or
+    its class label — not a template with F to fill in."""
+    root = tmp_path / "daily"
+    samples = [{"x": i, "w": i % 3 / 2, "label": i % 2} for i in range(8)]
+    crossfeed.write_dataset(root, samples).close()
+    crossfeed.write_weights(root, feature="w", resolution=1000, name="half")
+    crossfeed.write_weights(root, balance="label")
+    crossfeed.write_dataset(root, samples[:4], append=True).close()
+    for name, command in (
+        ("half", f"crossfeed weights {root} --feature w --resolution 1000 --name half"),
+        (crossfeed.balanced("label"), f"crossfeed weights {root} --balance label"),
+    ):
+        with pytest.raises(ConfigError, match="computed for another version") as e:
+            _read(root, weights=name)
+        assert command in str(e.value), str(e.value)
+        res = CliRunner().invoke(app, command.split()[1:])
+        assert res.exit_code == 0, res.output
+        assert len(_read(root, weights=name)) == 12

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
 from collections.abc import Iterator
 
 import numpy as np
@@ -161,6 +162,18 @@ def _replace(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _command(path, meta: fw.WeightsMeta) -> str:
+    """The ``crossfeed weights`` command line that writes the set ``meta`` describes."""
+    q = shlex.quote
+    if meta.kind == "balance":
+        cmd, default = f"crossfeed weights {q(str(path))} --balance {q(meta.feature)}", f"balance-{meta.feature}"
+    else:
+        cmd, default = f"crossfeed weights {q(str(path))} --feature {q(meta.feature)}", meta.feature
+        if meta.resolution != 1:
+            cmd += f" --resolution {meta.resolution}"
+    return cmd if meta.name == default else f"{cmd} --name {q(meta.name)}"
+
+
 def open_weights(ds: Dataset, name: str, split: str) -> fw.CumulativeWeights:
     """The weights set ``name`` of ``ds``'s ``split``, memory-mapped and checked: made from this
     very manifest (its SHA-256), for this split, of its record count. `ConfigError` /
@@ -177,6 +190,7 @@ def open_weights(ds: Dataset, name: str, split: str) -> fw.CumulativeWeights:
     meta = fw.WeightsMeta.loads(text, meta_file)
     if meta.name != name:
         raise IndexFileError(f"{meta_file}: names the set {meta.name!r}, not {name!r}; {how}")
+    how = f"write it again with `{_command(ds.path, meta)}`"
     if meta.manifest_sha256 != ds.manifest_sha256:
         raise ConfigError(
             f"{meta_file}: the weights set {name!r} was computed for another version of the dataset (manifest "
