@@ -379,3 +379,21 @@ def test_a_weights_set_from_before_an_append_says_the_command_that_writes_it_aga
         res = CliRunner().invoke(app, command.split()[1:])
         assert res.exit_code == 0, res.output
         assert len(_read(root, weights=name)) == 12
+
+
+def test_writing_to_path_at_a_version_of_a_dataset_is_refused(tmp_path):
+    """``convert … cv@v1 --append`` (or any write to ``DATASET@vN``) made a new dataset in a
+    directory named ``cv@v1`` — which then shadowed version 1 of ``cv`` for every reader (a path
+    that exists as spelled is read as it is). It is refused, naming the dataset to append to."""
+    root = _appended(tmp_path / "cv")
+    target = f"{root}@v1"
+    for kw in ({"append": True}, {}):
+        with pytest.raises(ConfigError, match=f"names version 1 of the dataset {root}"):
+            crossfeed.write_dataset(target, [{"x": 1}], **kw).close()
+    assert not os.path.exists(target)
+    assert _read(target) == list(range(8))  # still version 1 of cv
+    (tmp_path / "t.csv").write_text("x\n1\n2\n")
+    res = CliRunner().invoke(app, ["convert", "csv", str(tmp_path / "t.csv"), target, "--append"])
+    assert res.exit_code == 2 and "names version 1 of the dataset" in res.stderr, res.output
+    assert not os.path.exists(target)
+    crossfeed.write_dataset(tmp_path / "free@v1", [{"x": 1}]).close()  # no dataset 'free': an ordinary name
