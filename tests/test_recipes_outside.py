@@ -397,3 +397,18 @@ def test_writing_to_path_at_a_version_of_a_dataset_is_refused(tmp_path):
     assert res.exit_code == 2 and "names version 1 of the dataset" in res.stderr, res.output
     assert not os.path.exists(target)
     crossfeed.write_dataset(tmp_path / "free@v1", [{"x": 1}]).close()  # no dataset 'free': an ordinary name
+
+
+@pytest.mark.parametrize("epoch", ["x", 1.5, -1, True])
+def test_replay_refuses_a_state_whose_epoch_is_not_an_epoch(tmp_path, epoch):
+    """``crossfeed replay --state`` with a damaged epoch names the file and the field (it was a raw
+    ValueError traceback for "x", and 1.5 was taken as epoch 1)."""
+    root = _weighted(tmp_path / "d")
+    with crossfeed.Loader(root, batch_size=2, seed=0) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps({**state, "epoch": epoch}))
+    res = CliRunner().invoke(app, ["replay", str(root), "--step", "1", "--state", str(path)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert str(path) in res.stderr and "epoch" in res.stderr

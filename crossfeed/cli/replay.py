@@ -198,7 +198,9 @@ def replay(
         assert state is not None
         options = _from_state(ctx, saved, state, options)
         if epoch is None and saved.get("epoch") is not None:
-            epoch = int(saved["epoch"])
+            epoch = saved["epoch"]
+            if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+                raise ConfigError(f"--state {state}: its epoch must be an integer >= 0, got {epoch!r}")
     options = options.replace(rank=rank, world_size=world_size, num_threads=0, prefetch=0, executor="thread")
     source, options = _source(dataset, options)
     with Loader(source, options) as loader:
