@@ -248,3 +248,26 @@ def test_a_crafted_state_is_resumed_or_refused_by_name(data, which, value, kind)
             next(iter(loader), None)
     except CrossfeedError:
         pass
+
+
+@FUZZ
+@given(which=st.integers(0, 10**6), value=json_values, step=st.integers(0, 2**70), raw=st.booleans())
+def test_replay_of_a_crafted_state_exits_with_one_line(data, tmp_path, which, value, step, raw):
+    """``crossfeed replay --state`` of a weighted run's state with any one part replaced by any JSON
+    value (or a file of any JSON at all), at any step: exit 0 or 2 (a one-line error), never a
+    traceback."""
+    from typer.testing import CliRunner
+
+    from crossfeed.cli.main import app
+
+    with crossfeed.Loader(data / "web", batch_size=4, seed=1, weights="w") as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    paths = list(_paths(state))
+    crafted = value if raw else _set(state, paths[which % len(paths)], value)
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(crafted))
+    res = CliRunner().invoke(
+        app, ["replay", str(data / "web"), "--weights", "w", "--state", str(path), "--step", str(step)]
+    )
+    assert res.exit_code in (0, 2) and "Traceback" not in res.output, res.output
