@@ -15,6 +15,8 @@ import textwrap
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import crossfeed
@@ -412,3 +414,64 @@ def test_replay_refuses_a_state_whose_epoch_is_not_an_epoch(tmp_path, epoch):
     res = CliRunner().invoke(app, ["replay", str(root), "--step", "1", "--state", str(path)])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert str(path) in res.stderr and "epoch" in res.stderr
+
+
+@pytest.fixture(scope="module")
+def recipes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipes")
+    crossfeed.write_dataset(root / "a", [{"x": i, "w": i % 4} for i in range(23)], num_shards=3).close()
+    crossfeed.write_dataset(root / "b", [{"x": 100 + i, "w": 1} for i in range(7)]).close()
+    crossfeed.write_weights(root / "a", feature="w")
+    return root
+
+
+def _recipe(root, kind):
+    if kind == "weighted":
+        return root / "a", {"weights": "w", "samples_per_epoch": 29}
+    sched = Schedule.constant([(0, 3), (13, 1), (40, 2)])
+    ramp = Schedule.linear([(0, 1), (50, 3)], every=7)
+    return [crossfeed.Source(root / "a", weight=sched), crossfeed.Source(root / "b", weight=ramp)], {
+        "samples_per_epoch": 29
+    }
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kind=st.sampled_from(["weighted", "scheduled"]),
+    world=st.integers(1, 4),
+    batch=st.integers(1, 6),
+    shuffle=st.sampled_from(["global", "block", "none"]),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 3),
+    cut=st.integers(0, 40),
+    world2=st.integers(1, 4),
+    batch2=st.integers(1, 6),
+)
+def test_weighted_and_scheduled_steps_replay_what_iteration_delivered_also_after_an_elastic_resume(
+    recipes, kind, world, batch, shuffle, drop_last, seed, cut, world2, batch2
+):
+    """Every step of every rank of a weighted or scheduled run, over two epochs, is what
+    `batch_at` names; after a resume at any position under another world size and batch size, each
+    rank's steps are what ``batch_at(k, epoch=, position=state["position"])`` names."""
+    src, kw = _recipe(recipes, kind)
+    opts = dict(batch_size=batch, shuffle=shuffle, drop_last=drop_last, seed=seed, return_index=True, **kw)
+    state = None
+    for rank in range(world):
+        with crossfeed.Loader(src, rank=rank, world_size=world, **opts) as loader:
+            step, seen = 0, 0
+            for epoch in range(2):
+                for got in loader:
+                    assert [s.index for s in loader.batch_at(step)] == got["__index__"].tolist()
+                    step += 1
+                    seen += 1
+                    if rank == 0 and epoch == 1 and state is None and seen * batch * world >= cut:
+                        state = loader.state_dict()
+    if state is None:
+        return
+    opts2 = {**opts, "batch_size": batch2}
+    for rank in range(world2):
+        with crossfeed.Loader(src, rank=rank, world_size=world2, **opts2) as loader:
+            loader.load_state_dict(state)
+            for k, got in enumerate(loader):
+                want = loader.batch_at(k, epoch=state["epoch"], position=state["position"])
+                assert [s.index for s in want] == got["__index__"].tolist()
