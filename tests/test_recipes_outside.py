@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 import crossfeed
 from crossfeed.cli.main import app
-from crossfeed.errors import ConfigError, ManifestError, RootNotAllowedError
+from crossfeed.errors import ConfigError, IndexFileError, ManifestError, RootNotAllowedError
 from crossfeed.format import weights as fw
 from crossfeed.read.schedule import Schedule
 from crossfeed.read.sources.mixture_file import load_mixture_spec
@@ -475,3 +475,16 @@ def test_weighted_and_scheduled_steps_replay_what_iteration_delivered_also_after
             for k, got in enumerate(loader):
                 want = loader.batch_at(k, epoch=state["epoch"], position=state["position"])
                 assert [s.index for s in want] == got["__index__"].tolist()
+
+
+def test_a_damaged_weights_file_says_the_command_that_writes_it_again(tmp_path):
+    """Prefix sums cut short or edited (a write killed between the ``.cw`` file and the set's
+    description leaves them disagreeing too) are refused naming the file and the exact command."""
+    root = _weighted(tmp_path / "d")
+    cw = root / "weights" / "w.train.cw"
+    good = cw.read_bytes()
+    for damaged in (good[:-8], good[:-8] + (2**40).to_bytes(8, "little")):
+        cw.write_bytes(damaged)
+        with pytest.raises(IndexFileError, match="w.train.cw") as e:
+            _read(root, weights="w")
+        assert f"crossfeed weights {root} --feature w`" in str(e.value), str(e.value)

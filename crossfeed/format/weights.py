@@ -218,10 +218,11 @@ class CumulativeWeights:
         self.cum, self.total, self.digest, self.where = cum, int(total), digest, where
 
     @classmethod
-    def open(cls, path: str, info: SplitWeights) -> CumulativeWeights:
+    def open(cls, path: str, info: SplitWeights, fix: str = "") -> CumulativeWeights:
         """The file at ``path`` checked against ``info`` (size, SHA-256, never decreasing, its
-        last entry the total) in chunks; `IndexFileError` naming the file otherwise."""
-        fix = "write the weights again (`crossfeed weights DATASET ...`)"
+        last entry the total) in chunks; `IndexFileError` naming the file otherwise, and ``fix``
+        (how to write it again)."""
+        fix = fix or "write the weights again (`crossfeed weights DATASET ...`)"
         try:
             size = os.path.getsize(path)
         except OSError as e:

@@ -208,4 +208,4 @@ def open_weights(ds: Dataset, name: str, split: str) -> fw.CumulativeWeights:
         raise IndexFileError(f"{meta_file}: split {split!r}: every weight is 0; {how}")
     path = os.path.join(root, fw.DIR, info.file)
     roots.check_own_file(path, root, ds.allowed_roots, IndexFileError)
-    return fw.CumulativeWeights.open(path, info)
+    return fw.CumulativeWeights.open(path, info, how)
