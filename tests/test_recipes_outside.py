@@ -488,3 +488,18 @@ def test_a_damaged_weights_file_says_the_command_that_writes_it_again(tmp_path):
         with pytest.raises(IndexFileError, match="w.train.cw") as e:
             _read(root, weights="w")
         assert f"crossfeed weights {root} --feature w`" in str(e.value), str(e.value)
+
+
+def test_a_sources_features_that_are_not_names_are_refused_by_name(tmp_path):
+    """A mixture spec file's (or a `Source`'s) ``features`` holding something else than feature
+    names (``[[]]``, ``[1]``) is refused naming the source — it was a raw TypeError (unhashable list)."""
+    for name in ("web", "books"):
+        crossfeed.write_dataset(tmp_path / name, [{"x": i} for i in range(8)]).close()
+    for bad in ([[]], [1], [None]):
+        with pytest.raises(ConfigError, match="features must be a list of feature names"):
+            crossfeed.Source(tmp_path / "web", features=bad)
+        spec = tmp_path / "mix.json"
+        spec.write_text(json.dumps({"sources": [{"path": "web", "features": bad}, {"path": "books"}]}))
+        res = CliRunner().invoke(app, ["replay", str(spec), "--step", "0"])
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert str(spec) in res.stderr and "source 0" in res.stderr
