@@ -271,3 +271,29 @@ def test_replay_of_a_crafted_state_exits_with_one_line(data, tmp_path, which, va
         app, ["replay", str(data / "web"), "--weights", "w", "--state", str(path), "--step", str(step)]
     )
     assert res.exit_code in (0, 2) and "Traceback" not in res.output, res.output
+
+
+@FUZZ
+@given(
+    source=st.fixed_dictionaries(
+        {"path": st.sampled_from(["web", "books@v1", "books", "nowhere", "books@v9"])},
+        optional={
+            "split": json_values,
+            "weight": st.one_of(numbers, schedules),
+            "rename": json_values,
+            "features": json_values,
+        },
+    ),
+    step=st.integers(0, 50),
+)
+def test_a_spec_files_source_fields_are_loaded_or_refused_by_name(data, source, step):
+    """A spec file's source with any split, weight, rename and features values (beside a plain
+    second source): loaded, planned and replayed, or refused with the `CrossfeedError` family."""
+    path = data / "spec2.json"
+    path.write_text(json.dumps({"sources": [source, {"path": "books"}], "samples_per_epoch": 12}))
+    try:
+        sources, n = load_mixture_spec(path)
+        with crossfeed.Loader(sources, batch_size=4, seed=1, samples_per_epoch=n) as loader:
+            loader.samples_at(step)
+    except CrossfeedError:
+        pass
