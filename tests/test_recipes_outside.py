@@ -503,3 +503,15 @@ def test_a_sources_features_that_are_not_names_are_refused_by_name(tmp_path):
         res = CliRunner().invoke(app, ["replay", str(spec), "--step", "0"])
         assert res.exit_code == 2 and "Traceback" not in res.output, res.output
         assert str(spec) in res.stderr and "source 0" in res.stderr
+
+
+def test_a_negative_weight_is_named_by_its_record_in_the_split_not_in_its_chunk(tmp_path, monkeypatch):
+    """Weights are computed a chunk of records at a time: a negative weight past the first chunk
+    is named by its record number in the split (it was its number within the chunk)."""
+    from crossfeed.read.tools import weights as tool
+
+    monkeypatch.setattr(tool, "CHUNK", 4)
+    root = tmp_path / "d"
+    crossfeed.write_dataset(root, [{"x": i, "w": -1 if i == 9 else 1} for i in range(12)]).close()
+    with pytest.raises(ConfigError, match="weight -1 of record 9 is negative"):
+        crossfeed.write_weights(root, feature="w")

@@ -102,9 +102,11 @@ def quantise(values, resolution: int = 1, where: str = "weights") -> np.ndarray:
     return arr.astype(np.int64) * int(resolution)
 
 
-def check_weights(w: np.ndarray, where: str) -> None:
+def check_weights(w: np.ndarray, where: str, first: int = 0) -> None:
+    """`ConfigError` naming the lowest negative weight of ``w`` (records ``first``, ``first + 1``, …)."""
     if w.size and int(w.min()) < 0:
-        raise ConfigError(f"{where}: weight {int(w.min())} of record {int(np.argmin(w))} is negative; weights are >= 0")
+        at = first + int(np.argmin(w))
+        raise ConfigError(f"{where}: weight {int(w.min())} of record {at} is negative; weights are >= 0")
 
 
 def class_weights(counts: dict) -> dict:
@@ -272,10 +274,11 @@ class CumulativeWeights:
 def prefix_sums(chunks, where: str):
     """``(prefix-sum chunks, total)`` of integer weight chunks, as a generator of uint64 arrays
     ending with the total (the last item is an ``int``); refuses a negative weight or a total past `MAX_TOTAL`."""
-    run = 0
+    run = done = 0
     for w in chunks:
         w = np.asarray(w, dtype=np.int64)
-        check_weights(w, where)
+        check_weights(w, where, done)
+        done += w.size
         if w.size and run + float(w.sum(dtype=np.float64)) > MAX_TOTAL:
             raise ConfigError(f"{where}: the weights add up past {MAX_TOTAL}; lower the resolution")
         c = np.cumsum(w, dtype=np.int64) + run if w.size else w
