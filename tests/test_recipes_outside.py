@@ -515,3 +515,25 @@ def test_a_negative_weight_is_named_by_its_record_in_the_split_not_in_its_chunk(
     crossfeed.write_dataset(root, [{"x": i, "w": -1 if i == 9 else 1} for i in range(12)]).close()
     with pytest.raises(ConfigError, match="weight -1 of record 9 is negative"):
         crossfeed.write_weights(root, feature="w")
+
+
+def test_writing_weights_split_by_split_keeps_the_sets_other_splits(tmp_path):
+    """``crossfeed weights D --feature w --split validation`` after ``--split train`` adds the
+    validation split to the set — the train split's weights stay (they were dropped from the set,
+    silently, so a train Loader then found no split 'train'). A set of another definition (another
+    feature) replaces the whole set."""
+    root = tmp_path / "d"
+    crossfeed.write_dataset(root, [{"x": i, "w": i % 3, "v": 1} for i in range(9)]).close()
+    crossfeed.write_dataset(
+        root, [{"x": 100 + i, "w": 1, "v": 1} for i in range(4)], split="validation", add_split=True
+    ).close()
+    run = CliRunner().invoke
+    for split in ("train", "validation"):
+        res = run(app, ["weights", str(root), "--feature", "w", "--split", split])
+        assert res.exit_code == 0, res.output
+    assert _read(root, weights="w", samples_per_epoch=9) == [1, 2, 2, 4, 5, 5, 7, 8, 8]
+    assert _read(root, weights="w", split="validation") == [100, 101, 102, 103]
+    res = run(app, ["weights", str(root), "--feature", "v", "--name", "w", "--split", "validation"])
+    assert res.exit_code == 0, res.output
+    with pytest.raises(ConfigError, match="has no split 'train'"):
+        _read(root, weights="w")

@@ -9,6 +9,7 @@ rename before the set's description, so a reader sees the old set or the new one
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from crossfeed.errors import ConfigError, IndexFileError
+from crossfeed.errors import ConfigError, CrossfeedError, IndexFileError
 from crossfeed.format import weights as fw
 from crossfeed.io import roots
 from crossfeed.read.sources.dataset import Dataset, open_dataset
@@ -95,7 +96,8 @@ def write_weights(
     ``feature`` (a scalar number; floats quantised as ``round(value × resolution)``) or, with
     ``balance=FEATURE``, so that every class of that feature has the same total weight (the set
     ``crossfeed.balanced(FEATURE)`` names). ``name`` defaults to the feature's (``balance-F`` for
-    balance). ``splits``: default every split. Returns the set's description."""
+    balance). ``splits``: default every split; given, they are written into the set's
+    description beside the splits it already has (from the same definition). Returns the set's description."""
     if (feature is None) == (balance is None):
         raise ConfigError("weights come from feature= (each record's value) or balance= (a class label), one of them")
     if type(resolution) is not int or not 1 <= resolution <= fw.MAX_RESOLUTION:
@@ -122,10 +124,32 @@ def write_weights(
         meta = fw.WeightsMeta(
             name, "feature" if balance is None else "balance", by, resolution, ds.manifest_sha256, out
         )
+        if splits is not None:  # the set's other splits, written before from the same definition, stay
+            kept = _same_set(root, meta, ds.allowed_roots)
+            meta = dataclasses.replace(meta, splits={**{k: v for k, v in kept.items() if k not in out}, **out})
         _replace(fw.meta_path(root, name), json.dumps(meta.to_json(), indent=1).encode())
         return meta
     finally:
         ds.close()
+
+
+def _same_set(root: str, meta: fw.WeightsMeta, allowed) -> dict:
+    """The splits of the set already written under ``meta.name`` when it is the same set (the same
+    manifest, kind, feature and resolution), else ``{}`` (what is there is replaced whole)."""
+    path = fw.meta_path(root, meta.name)
+    try:
+        roots.check_own_file(path, root, allowed, IndexFileError)
+        with open(path, "rb") as f:
+            old = fw.WeightsMeta.loads(f.read(fw.MAX_META_BYTES + 1), path)
+    except (OSError, CrossfeedError):
+        return {}
+    same = (old.manifest_sha256, old.kind, old.feature, old.resolution) == (
+        meta.manifest_sha256,
+        meta.kind,
+        meta.feature,
+        meta.resolution,
+    )
+    return dict(old.splits) if same else {}
 
 
 def _write_file(root: str, name: str, split: str, n: int, sums) -> fw.SplitWeights:
