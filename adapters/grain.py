@@ -210,6 +210,13 @@ def mix(source: GrainSource, *, seed: int | None = None, weights: Sequence[float
     sources = source.sources
     if sources is None:
         raise ConfigError(f"{source!r} is one dataset, not a mixture: use grain.MapDataset.source(it)")
+    if weights is None:
+        for i, s in enumerate(sources):
+            if not isinstance(s.weight, (int, float)):  # Grain's mix weighs its parts once, for good
+                raise ConfigError(
+                    f"source {i} is weighted by a {type(s.weight).__name__}, which Grain's fixed-weight mix cannot "
+                    f"follow; pass weights= fixed numbers, or read the scheduled mixture with crossfeed.Loader"
+                )
     weights = [s.weight for s in sources] if weights is None else list(weights)
     if len(weights) != len(sources):
         raise ConfigError(f"weights= gives {len(weights)} weights for a mixture of {len(sources)} sources")

@@ -15,6 +15,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import requires
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -537,3 +538,23 @@ def test_writing_weights_split_by_split_keeps_the_sets_other_splits(tmp_path):
     assert res.exit_code == 0, res.output
     with pytest.raises(ConfigError, match="has no split 'train'"):
         _read(root, weights="w")
+
+
+@requires("grain")
+def test_grains_mix_of_a_scheduled_mixture_is_refused_by_name(tmp_path):
+    """`crossfeed.adapters.grain.mix` hands the sources' weights to Grain's fixed-weight mix: a
+    source weighted by a `Schedule` is refused naming it and the way on (a raw TypeError before);
+    fixed ``weights=`` given instead mix as usual."""
+    from crossfeed.adapters.grain import GrainSource, mix
+
+    for name in ("web", "books"):
+        crossfeed.write_dataset(tmp_path / name, [{"x": i} for i in range(8)]).close()
+    src = GrainSource(
+        [
+            crossfeed.Source(tmp_path / "web", weight=Schedule.constant([(0, 3), (16, 1)])),
+            crossfeed.Source(tmp_path / "books"),
+        ]
+    )
+    with pytest.raises(ConfigError, match="source 0 is weighted by a Schedule"):
+        mix(src, seed=1)
+    assert len([mix(src, seed=1, weights=[3, 1])[i]["x"] for i in range(4)]) == 4
