@@ -558,3 +558,21 @@ def test_grains_mix_of_a_scheduled_mixture_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="source 0 is weighted by a Schedule"):
         mix(src, seed=1)
     assert len([mix(src, seed=1, weights=[3, 1])[i]["x"] for i in range(4)]) == 4
+
+
+def test_process_workers_read_the_version_their_loader_opened_through_an_append(tmp_path):
+    """A Loader opened on version 1 goes on reading version 1 when the dataset is appended to
+    meanwhile (docs/convert.md, "Growing datasets") — also with worker processes, which open the
+    dataset again: they open the version planned on (they raised DatasetRewrittenError, as for an
+    overwrite), for one dataset and for a mixture's sources."""
+    root = tmp_path / "daily"
+    crossfeed.write_dataset(root, [{"x": i, "s": f"v{i}"} for i in range(8)], num_shards=2).close()
+    crossfeed.write_dataset(tmp_path / "b", [{"x": 50 + i, "s": "b"} for i in range(4)]).close()
+    opts = dict(batch_size=2, shuffle="none", executor="process", processes=1)
+    mixture = [crossfeed.Source(root, weight=2), crossfeed.Source(tmp_path / "b")]  # 8 and 4 of 12 draws
+    with crossfeed.Loader(root, **opts) as one, crossfeed.Loader(mixture, **opts) as mix:
+        crossfeed.write_dataset(root, [{"x": 100 + i, "s": "n"} for i in range(4)], append=True).close()
+        assert sorted(int(x) for b in one for x in b["x"]) == list(range(8))
+        assert sorted(int(x) for b in mix for x in b["x"]) == [*range(8), *range(50, 54)]
+    with crossfeed.Loader(root, **opts) as now:  # opened after the append: version 2
+        assert sorted(int(x) for b in now for x in b["x"]) == [*range(8), *range(100, 104)]

@@ -56,6 +56,10 @@ def _pipeline(recipe):
     pipeline = Pipeline.build(
         recipe.source, options, transform=recipe.transform, batch_transform=recipe.batch_transform
     )
+    source = recipe.at_kept_versions(pipeline.datasets)
+    if source is not None:  # appended to since the parent planned: its version is kept, open that one
+        pipeline.close()
+        pipeline = Pipeline.build(source, options, transform=recipe.transform, batch_transform=recipe.batch_transform)
     recipe.check_versions(pipeline.datasets)
     return pipeline
 
