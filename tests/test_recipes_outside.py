@@ -576,3 +576,18 @@ def test_process_workers_read_the_version_their_loader_opened_through_an_append(
         assert sorted(int(x) for b in mix for x in b["x"]) == [*range(8), *range(50, 54)]
     with crossfeed.Loader(root, **opts) as now:  # opened after the append: version 2
         assert sorted(int(x) for b in now for x in b["x"]) == [*range(8), *range(100, 104)]
+
+
+def test_replay_names_a_pinned_versions_files_within_their_dataset(tmp_path):
+    """``crossfeed replay`` of a mixture of ``daily@v1`` and ``daily`` prints each file within its
+    dataset for both sources (the pinned source's files were printed as full paths) and names the
+    source by its version."""
+    root = _appended(tmp_path / "daily")
+    spec = tmp_path / "mix.json"
+    spec.write_text(json.dumps({"sources": [{"path": "daily@v1"}, {"path": "daily"}], "samples_per_epoch": 8}))
+    res = CliRunner().invoke(app, ["replay", str(spec), "--step", "0", "--batch-size", "8"])
+    assert res.exit_code == 0, res.output
+    rows = [line.split() for line in res.stdout.splitlines()[2:]]
+    assert {r[1] for r in rows} == {"0:daily@v1", "1:daily"}
+    assert all(not r[2].startswith("/") and r[2].endswith(".tfrecord") for r in rows), res.stdout
+    assert str(root) not in res.stdout

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -237,7 +238,8 @@ def _table(got, options: LoaderOptions) -> None:
     rows = [[*head, "source", "path", "record", "key"]]
     for i, s in enumerate(got):
         base = s.source.rstrip("/")
-        rel = s.path[len(base) + 1 :] if s.path.startswith(base + "/") else redact(s.path)  # within its dataset
+        root = re.sub(r"@v\d{1,6}$", "", base)  # a pinned version (path@vN): its files lie in path
+        rel = s.path[len(root) + 1 :] if s.path.startswith(root + "/") else redact(s.path)  # within its dataset
         cells = [str(i), str(s.row), f"{s.start}+{s.count}"] if got.packed else [str(i)]
         name = redact(f"{s.source_index}:{os.path.basename(base)}")
         rows.append([*cells, name, rel, str(s.record), str(s.key)])
