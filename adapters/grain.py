@@ -211,11 +211,12 @@ def mix(source: GrainSource, *, seed: int | None = None, weights: Sequence[float
     if sources is None:
         raise ConfigError(f"{source!r} is one dataset, not a mixture: use grain.MapDataset.source(it)")
     if weights is None:
-        if any(not isinstance(s.weight, (int, float)) for s in sources):
-            raise ConfigError(
-                "Grain's mix takes fixed weights, not a mixture Schedule: iterate the Loader for a scheduled "
-                "mixture, or give weights= here"
-            )
+        for i, s in enumerate(sources):
+            if not isinstance(s.weight, (int, float)):  # Grain's mix weighs its parts once, for good
+                raise ConfigError(
+                    f"source {i} is weighted by a {type(s.weight).__name__}, which Grain's fixed-weight mix cannot "
+                    f"follow; pass weights= fixed numbers, or read the scheduled mixture with crossfeed.Loader"
+                )
         weights = [float(s.weight) for s in sources]  # type: ignore[arg-type]
     weights = list(weights)
     if len(weights) != len(sources):

@@ -151,6 +151,7 @@ def _resolve(ds: Dataset, opts: TFOptions, *, state, loader_options) -> Engine:
                 "pack=/batch_by_tokens=",
                 opts.loader.plan.pack is not None or opts.loader.plan.batch_by_tokens is not None,
             ),
+            ("weights=", opts.loader.plan.weights is not None),  # drawn by weight: the Loader's plan
             # TF's own file systems read the shards natively: fsspec's options do not reach them
             ("storage_options=", bool(opts.loader.read.storage_options) and ds.storage.remote),
         )

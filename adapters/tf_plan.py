@@ -142,6 +142,7 @@ def build(
         cardinality = len(counter) if state is None and not tokens else None
         feats = counter.features  # as the batches hold them: renamed, reconciled, images fitted
         stats = _statistics(counter)
+        source = counter.pipeline.pinned_source()  # every pass reads this version, whatever is appended
     if element_spec is None and tokens:
         element_spec = tf_spec.token_spec(feats, options)
     one = not opts.batched  # batch_size=None: records one by one, as the native engine gives them

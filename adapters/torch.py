@@ -116,6 +116,8 @@ class TorchDataset(IterableDataset):
         self.source = source.path if isinstance(source, Dataset) else source  # picklable for spawned workers
         self.rank, self.world_size = options.rank, options.world_size
         self._loader(0, 1)  # opens the dataset and validates every option here, not in a worker
+        # workers open that very version again (an append meanwhile does not move them)
+        self.source = self._loaders[(0, 1)].pipeline.pinned_source()
 
     # -- the per-process loaders ----------------------------------------------------------------
     def _loader(self, worker: int, num_workers: int) -> Loader:

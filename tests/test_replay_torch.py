@@ -36,3 +36,35 @@ def test_a_dataloaders_steps_with_two_workers_replay_exactly(tmp_path, world_siz
                     np.testing.assert_array_equal(replay.samples_at(step)["id"], batch["id"].numpy())
                     step += 1
         ds.close()
+
+
+@pytest.mark.parametrize("kind", ["weighted", "scheduled"])
+def test_a_weighted_or_scheduled_dataloaders_steps_replay_exactly(tmp_path, kind):
+    """The same through a weighted dataset (class balance) and a two-phase scheduled mixture: the
+    DataLoader's 2 workers deliver, at step ``k`` over two epochs, exactly what `batch_at(k)` names."""
+    root = tmp_path / "a"
+    crossfeed.write_dataset(root, [{"id": i, "label": int(i < 6)} for i in range(30)], num_shards=2).close()
+    if kind == "weighted":
+        crossfeed.write_weights(root, balance="label")
+        src, extra = root, {"weights": crossfeed.balanced("label"), "samples_per_epoch": 24}
+    else:
+        crossfeed.write_dataset(tmp_path / "b", [{"id": 100 + i, "label": 2} for i in range(9)]).close()
+        sched = crossfeed.Schedule.constant
+        src = [
+            crossfeed.Source(root, weight=sched([(0, 3), (20, 1)])),
+            crossfeed.Source(tmp_path / "b", weight=sched([(0, 1), (20, 3)])),
+        ]
+        extra = {"samples_per_epoch": 24}
+    opts = dict(batch_size=4, seed=5, return_index=True, **extra)
+    ds = cftorch.TorchDataset(src, **opts)
+    loader = torch_data.DataLoader(ds, batch_size=None, num_workers=2)
+    with Loader(src, **opts) as replay:
+        step = 0
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            for batch in loader:
+                assert [s.index for s in replay.batch_at(step)] == batch[INDEX_KEY].tolist()
+                np.testing.assert_array_equal(replay.samples_at(step)["id"], batch["id"].numpy())
+                step += 1
+        assert step == 12
+    ds.close()

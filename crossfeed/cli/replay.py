@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -39,8 +40,9 @@ def _read_state(path: Path) -> dict:
 
 
 def _from_state(ctx: typer.Context, state: dict, path: Path, options: LoaderOptions) -> LoaderOptions:
-    """``options`` with the seed and batch size the state carries; one given on the command line
-    that differs is refused by name."""
+    """``options`` with the seed, batch size and epoch size (``samples_per_epoch``, which no flag
+    sets) the state carries; a seed or batch size given on the command line that differs is
+    refused by name."""
     changes = {}
     for field, flag, now in (
         ("seed", "--seed", options.plan.seed),
@@ -55,16 +57,29 @@ def _from_state(ctx: typer.Context, state: dict, path: Path, options: LoaderOpti
                 f"state's, or replay without --state"
             )
         changes[field] = saved
-    return options.replace(**changes) if changes else options
+    ident = state.get("identity")
+    settings = ident.get("settings") if isinstance(ident, dict) else None
+    spe = settings.get("samples per epoch") if isinstance(settings, dict) else None
+    if spe is not None and options.plan.samples_per_epoch is None:  # no flag sets it: the run's epoch size
+        changes["samples_per_epoch"] = spe
+    try:
+        return options.replace(**changes) if changes else options
+    except ConfigError as e:
+        raise ConfigError(f"--state {path}: {e}") from None
 
 
 def _check_identity(saved: dict, path, loader) -> None:
-    """Refuse a state saved for another stream, naming each difference (the options to fix)."""
+    """Refuse a state saved for another stream, naming each difference (the options to fix); a
+    mixture schedule changed from the state's position on is the same stream, as on resume."""
     from crossfeed.read.identity import StreamIdentity
 
     if saved.get("identity") is None:
         return  # a state of version 1: `load_state_dict` checks its seed and size
-    diffs = StreamIdentity.from_json(saved["identity"]).differences(loader.pipeline.identity)
+    try:  # where the state stands: a mixture schedule's phases from there on may have changed
+        at = int(saved.get("epoch") or 0) * loader.pipeline.total + int(saved.get("position") or 0)
+    except (TypeError, ValueError):
+        at = 0  # `load_state_dict` names the bad field
+    diffs = StreamIdentity.from_json(saved["identity"]).resume_differences(loader.pipeline.identity, at)
     if diffs:
         raise ConfigError(
             f"--state {path} was saved for another stream: {'; '.join(diffs)}; give the dataset and options the "
@@ -184,7 +199,9 @@ def replay(
         assert state is not None
         options = _from_state(ctx, saved, state, options)
         if epoch is None and saved.get("epoch") is not None:
-            epoch = int(saved["epoch"])
+            epoch = saved["epoch"]
+            if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+                raise ConfigError(f"--state {state}: its epoch must be an integer >= 0, got {epoch!r}")
     options = options.replace(rank=rank, world_size=world_size, num_threads=0, prefetch=0, executor="thread")
     source, options = _source(dataset, options)
     with Loader(source, options) as loader:
@@ -221,7 +238,8 @@ def _table(got, options: LoaderOptions) -> None:
     rows = [[*head, "source", "path", "record", "key"]]
     for i, s in enumerate(got):
         base = s.source.rstrip("/")
-        rel = s.path[len(base) + 1 :] if s.path.startswith(base + "/") else redact(s.path)  # within its dataset
+        root = re.sub(r"@v\d{1,6}$", "", base)  # a pinned version (path@vN): its files lie in path
+        rel = s.path[len(root) + 1 :] if s.path.startswith(root + "/") else redact(s.path)  # within its dataset
         cells = [str(i), str(s.row), f"{s.start}+{s.count}"] if got.packed else [str(i)]
         name = redact(f"{s.source_index}:{os.path.basename(base)}")
         rows.append([*cells, name, rel, str(s.record), str(s.key)])

@@ -97,13 +97,16 @@ def quantise(values, resolution: int = 1, where: str = "weights") -> np.ndarray:
         if arr.size and arr.max() >= float(MAX_TOTAL):
             raise ConfigError(f"{where}: a weight times resolution {resolution} is past {MAX_TOTAL}")
         return arr.astype(np.int64)
-    arr = arr.astype(np.int64) * int(resolution)
-    return arr
+    if arr.size and int(arr.max()) * int(resolution) > MAX_TOTAL:  # Python ints: int64 would wrap around
+        raise ConfigError(f"{where}: weight {int(arr.max())} times resolution {resolution} is past {MAX_TOTAL}")
+    return arr.astype(np.int64) * int(resolution)
 
 
-def check_weights(w: np.ndarray, where: str) -> None:
+def check_weights(w: np.ndarray, where: str, first: int = 0) -> None:
+    """`ConfigError` naming the lowest negative weight of ``w`` (records ``first``, ``first + 1``, …)."""
     if w.size and int(w.min()) < 0:
-        raise ConfigError(f"{where}: weight {int(w.min())} of record {int(np.argmin(w))} is negative; weights are >= 0")
+        at = first + int(np.argmin(w))
+        raise ConfigError(f"{where}: weight {int(w.min())} of record {at} is negative; weights are >= 0")
 
 
 def class_weights(counts: dict) -> dict:
@@ -217,10 +220,11 @@ class CumulativeWeights:
         self.cum, self.total, self.digest, self.where = cum, int(total), digest, where
 
     @classmethod
-    def open(cls, path: str, info: SplitWeights) -> CumulativeWeights:
+    def open(cls, path: str, info: SplitWeights, fix: str = "") -> CumulativeWeights:
         """The file at ``path`` checked against ``info`` (size, SHA-256, never decreasing, its
-        last entry the total) in chunks; `IndexFileError` naming the file otherwise."""
-        fix = "write the weights again (`crossfeed weights DATASET ...`)"
+        last entry the total) in chunks; `IndexFileError` naming the file otherwise, and ``fix``
+        (how to write it again)."""
+        fix = fix or "write the weights again (`crossfeed weights DATASET ...`)"
         try:
             size = os.path.getsize(path)
         except OSError as e:
@@ -270,10 +274,11 @@ class CumulativeWeights:
 def prefix_sums(chunks, where: str):
     """``(prefix-sum chunks, total)`` of integer weight chunks, as a generator of uint64 arrays
     ending with the total (the last item is an ``int``); refuses a negative weight or a total past `MAX_TOTAL`."""
-    run = 0
+    run = done = 0
     for w in chunks:
         w = np.asarray(w, dtype=np.int64)
-        check_weights(w, where)
+        check_weights(w, where, done)
+        done += w.size
         if w.size and run + float(w.sum(dtype=np.float64)) > MAX_TOTAL:
             raise ConfigError(f"{where}: the weights add up past {MAX_TOTAL}; lower the resolution")
         c = np.cumsum(w, dtype=np.int64) + run if w.size else w

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import stat
 import urllib.parse
 from collections.abc import Iterable
 
@@ -108,6 +109,34 @@ def how_to_allow(root: str) -> str:
     """The three ways to allow ``root``, spelled out to copy: the keyword, the flag, the variable."""
     quoted = shlex.quote(root)
     return f"allowed_roots=[{root!r}], --allow-root {quoted}, or {ENV}={quoted}"
+
+
+def check_own_file(path: str, dataset_root: str, allowed: Iterable[str], error) -> None:
+    """A local file that belongs to the dataset at ``dataset_root`` (a kept manifest, a weights
+    file), checked before it is opened: a regular file — else ``error(message)`` (a FIFO would block
+    its reader for ever, a directory is no file) — that, through any symbolic link, lies inside the
+    dataset or under a root in ``allowed`` or `ENV` — else `RootNotAllowedError`, naming the link
+    and how to allow its target. A missing file passes: its reader reports it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        raise error(f"{path}: not a regular file (a directory, FIFO or device); move it away")
+    check_inside(path, dataset_root, allowed)
+
+
+def check_inside(path: str, dataset_root: str, allowed: Iterable[str]) -> None:
+    """`RootNotAllowedError` naming ``path`` (a local file or folder of the dataset at
+    ``dataset_root``) and how to allow its target, when through a symbolic link it lies outside
+    the dataset and under no root in ``allowed`` or `ENV`."""
+    real = os.path.realpath(path)
+    if not within(real, os.path.realpath(dataset_root), (*allowed, *from_env())):
+        what = os.path.dirname(real) if os.path.isfile(real) else real
+        raise RootNotAllowedError(
+            f"{path}: a symbolic link to {real}, outside the dataset ({dataset_root}); crossfeed follows links "
+            f"out of a dataset only to a root you allow: {how_to_allow(what)}"
+        )
 
 
 def check_data_root(data_root: str, dataset_root: str, allowed: Iterable[str], where: str) -> str:

@@ -427,7 +427,11 @@ class Source:
             raise ConfigError(f"Source rename gives two features one name: {dict(pairs)!r}")
         object.__setattr__(self, "rename", pairs)
         if self.features is not None:
-            if isinstance(self.features, str) or not isinstance(self.features, Sequence):
+            if (
+                isinstance(self.features, str)
+                or not isinstance(self.features, Sequence)
+                or not all(isinstance(n, str) for n in self.features)
+            ):
                 raise ConfigError(f"Source features must be a list of feature names, got {self.features!r}")
             object.__setattr__(self, "features", tuple(self.features))
 

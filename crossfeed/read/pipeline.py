@@ -410,6 +410,14 @@ class Pipeline:
         S = sampler.rank_batch_count(0, epoch=epoch)
         return epoch * S + S - sampler.rank_batch_count(position, epoch=epoch)
 
+    def pinned_source(self):
+        """The source with each dataset pinned to the version this pipeline opened (``root@vN``):
+        what another process opens to read the same version, whatever is appended meanwhile."""
+        at = [f"{ds.index_storage.root}@v{ds.version}" for ds in self.datasets]
+        if self.sources is None:
+            return at[0]
+        return [dataclasses.replace(s, path=p) for s, p in zip(self.sources, at)]
+
     # -- the plan ---------------------------------------------------------------------------------
     @property
     def total(self) -> int:

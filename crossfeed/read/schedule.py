@@ -25,6 +25,7 @@ own from their start: every prefix of every phase holds each source within one s
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 from crossfeed.errors import ConfigError
@@ -32,6 +33,7 @@ from crossfeed.errors import ConfigError
 KINDS = ("constant", "linear")
 MAX_POINTS = 4096  # points of one schedule (a nested mixture's leaf may hold a phase for every boundary)
 MAX_PHASES = 4096  # phases of a mixture, every source's together (a linear ramp: one per ``every``)
+MAX_SAMPLE = 1 << 62  # a boundary (and ``every``): the plan counts samples since the start on int64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +58,10 @@ class Schedule:
             if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or len(p) != 2:
                 raise ConfigError(f"a schedule point is a (sample, weight) pair, got {_short(p)}")
             at, w = p
-            if isinstance(at, bool) or not isinstance(at, int) or at < 0:
-                raise ConfigError(f"a schedule point's sample must be an integer >= 0, got {at!r} (in {_short(pts)})")
+            if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at < MAX_SAMPLE:
+                raise ConfigError(
+                    f"a schedule point's sample must be an integer in [0, 2^62), got {_short(at)} (in {_short(pts)})"
+                )
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
                 raise ConfigError(f"a schedule weight must be a number >= 0, got {w!r} (in {_short(pts)})")
             out.append((int(at), float(w) if isinstance(w, float) else int(w)))
@@ -68,8 +72,10 @@ class Schedule:
             raise ConfigError(f"a schedule's points must be at increasing samples, got {starts}")
         object.__setattr__(self, "points", tuple(out))
         if self.kind == "linear":
-            if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-                raise ConfigError(f"a linear schedule needs every= a positive number of samples, got {self.every!r}")
+            if isinstance(self.every, bool) or not isinstance(self.every, int) or not 1 <= self.every < MAX_SAMPLE:
+                raise ConfigError(
+                    f"a linear schedule needs every= a positive number of samples below 2^62, got {_short(self.every)}"
+                )
         elif self.every != 0:
             raise ConfigError("every= is a linear schedule's; a constant one changes only at its points")
 
@@ -92,7 +98,10 @@ class Schedule:
         out: list[tuple[int, float]] = []
         for (a, wa), (b, wb) in zip(self.points, self.points[1:]):
             for x in range(a, b, self.every):
-                out.append((x, wa + (wb - wa) * (x - a) / (b - a)))
+                v = wa + (wb - wa) * (x - a) / (b - a)
+                if not math.isfinite(v):  # (wb - wa) * (x - a) overflowed: the same line, divided first
+                    v = wa + (wb - wa) * ((x - a) / (b - a))
+                out.append((x, v))
                 if len(out) > MAX_PHASES:
                     raise ConfigError(
                         f"a linear schedule of {self.points[-1][0]} samples in steps of every={self.every} has more "

@@ -10,6 +10,7 @@ unchecked (a warning says so).
 from __future__ import annotations
 
 import logging
+import numbers
 from typing import Any
 
 from crossfeed.errors import ConfigError
@@ -62,6 +63,9 @@ def resume_point(pipeline: Any, state: Any, on_change: str) -> tuple[int, int]:
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"loader state is missing or has a bad field: {e}") from None
+    for field in ("epoch", "position"):  # 1.5 or "5" would be taken as 1 or 5, silently
+        if isinstance(state[field], bool) or not isinstance(state[field], numbers.Integral):
+            raise ConfigError(f"loader state's {field} must be an integer, got {state[field]!r}")
     now, plan = pipeline.identity, pipeline.options.plan
     if state["version"] == 1:  # saved before identities: only its seed and size can be checked
         log.warning(
@@ -83,7 +87,8 @@ def resume_point(pipeline: Any, state: Any, on_change: str) -> tuple[int, int]:
         if on_change == "refuse":
             raise ConfigError(
                 "this state belongs to another stream: " + "; ".join(diffs) + ". Resume with the saved "
-                "settings and data, or pass on_change='next_epoch' to start the next epoch with the new ones"
+                "settings and data" + _kept_version_hint(pipeline, state) + ", or pass on_change='next_epoch' to "
+                "start the next epoch with the new ones"
             )
         log.warning(
             "resuming under changed settings (%s): epoch %d ends here, epoch %d starts under the new settings",
@@ -97,3 +102,18 @@ def resume_point(pipeline: Any, state: Any, on_change: str) -> tuple[int, int]:
             raise ConfigError(f"loader state pack: a version {state['version']} state carries no packed cursor")
         pipeline.resume_from(state["pack"], epoch, position)
     return epoch, position
+
+
+def _kept_version_hint(pipeline: Any, state: dict) -> str:
+    """Where a state of another stream was saved on an earlier version of a dataset read here
+    (its manifest's SHA-256 is one the dataset's ``versions`` pins): the ``path@vN`` to resume on."""
+    ident = state.get("identity")
+    settings = ident.get("settings") if isinstance(ident, dict) else None
+    if not isinstance(settings, dict):
+        return ""
+    saved = {v for v in settings.values() if isinstance(v, str) and v.startswith("sha256:")}
+    for ds in pipeline.datasets:
+        for version, sha in ds.manifest.versions:
+            if f"sha256:{sha}" in saved:
+                return f" (it was saved on version {version} of {ds.path}: resume on '{ds.path}@v{version}')"
+    return ""

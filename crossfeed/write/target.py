@@ -110,7 +110,15 @@ def local_root(path) -> str:
         s = s[len("file://") :]
     if scheme_of(s) is not None:
         raise ConfigError(f"{s}: a URL, not a local directory; write to it with write_target (storage_options)")
-    return os.path.abspath(s)
+    root = os.path.abspath(s)
+    at = re.fullmatch(r"(.+)@v(\d{1,6})", root)  # how readers spell a version of a dataset: DATASET@vN
+    if at and os.path.isfile(os.path.join(at.group(1), MANIFEST)):
+        raise ConfigError(
+            f"{s}: names version {int(at.group(2))} of the dataset {at.group(1)}, which is read only (a directory "
+            f"of this name would hide it from every reader); append to {at.group(1)} (append=True, --append), or "
+            f"write to another name"
+        )
+    return root
 
 
 @dataclass(frozen=True)

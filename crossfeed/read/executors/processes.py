@@ -152,6 +152,24 @@ class WorkerRecipe:
                     f"found another manifest than the loader planned on); reopen it"
                 )
 
+    def at_kept_versions(self, datasets):
+        """``source`` with each dataset (as a worker opened it) that was appended to since the
+        parent read it pinned to the parent's version, kept as ``root@vN`` (None: none was): a
+        reader goes on reading the version it opened."""
+        at, moved = [], False
+        for ds, want in zip(datasets, self.manifests):
+            kept = [v for v, sha in ds.manifest.versions if sha == want] if want != ds.manifest_sha256 else []
+            at.append(f"{ds.index_storage.root}@v{kept[0]}" if kept else None)
+            moved = moved or bool(kept)
+        if not moved:
+            return None
+        sources = _sources(self.source)
+        if sources is None:
+            return at[0]
+        return [
+            Source.from_json({**s, "path": p}) if p is not None else Source.from_json(s) for s, p in zip(sources, at)
+        ]
+
     def to_json(self) -> dict:
         """The recipe as plain JSON values; a ConfigError, here in the caller's code, for what a
         worker could not rebuild (a lambda, a closure, a function defined in ``__main__``)."""

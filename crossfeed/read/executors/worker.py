@@ -60,6 +60,10 @@ def _pipeline(recipe):
         batch_transform=recipe.batch_transform,
         filter=recipe.filter,
     )
+    source = recipe.at_kept_versions(pipeline.datasets)
+    if source is not None:  # appended to since the parent planned: its version is kept, open that one
+        pipeline.close()
+        pipeline = Pipeline.build(source, options, transform=recipe.transform, batch_transform=recipe.batch_transform)
     if recipe.transform_rng and not pipeline.recipe.rng:  # marked with_rng in the parent only
         pipeline.recipe.rng = True  # the builder's recipe
     recipe.check_versions(pipeline.datasets)

@@ -128,7 +128,7 @@ def open_dataset(
     if since is not None:
         return _delta_view(storage, manifest, text, version, since, allowed)
     if version is not None and version != manifest.dataset_version:
-        text, manifest = _read_version(storage, manifest, version)
+        text, manifest = _read_version(storage, manifest, version, allowed)
         return Dataset(storage, manifest, allowed_roots=allowed, text=text, pinned=True)
     return Dataset(storage, manifest, allowed_roots=allowed, text=text)
 
@@ -143,8 +143,8 @@ def _delta_view(storage: Storage, current: Manifest, text: bytes, version, since
             f"{storage.root}@v{version}-v{since}: a delta view reads what a version appended since an "
             f"earlier one: since= must be a version from 1 to {version!r} - 1"
         )
-    newer_text, newer = (text, current) if version == newest else _read_version(storage, current, version)
-    older_text, older = _read_version(storage, current, since)
+    newer_text, newer = (text, current) if version == newest else _read_version(storage, current, version, allowed)
+    older_text, older = _read_version(storage, current, since, allowed)
     where = f"{storage.root}@v{version}-v{since}"
     old_sha = hashlib.sha256(older_text).hexdigest()
     if dict(newer.versions).get(since) != old_sha:
@@ -178,7 +178,7 @@ def _delta_view(storage: Storage, current: Manifest, text: bytes, version, since
     )
 
 
-def _read_version(storage: Storage, current: Manifest, version) -> tuple[bytes, Manifest]:
+def _read_version(storage: Storage, current: Manifest, version, allowed=()) -> tuple[bytes, Manifest]:
     """Version ``version``'s manifest bytes (``crossfeed.v<N>.json``), checked against the
     current manifest's ``versions``; `ConfigError` naming the versions there are otherwise."""
     if type(version) is not int or not 1 <= version <= current.dataset_version:
@@ -192,6 +192,8 @@ def _read_version(storage: Storage, current: Manifest, version) -> tuple[bytes, 
             f"manifest lists versions {[v for v, _ in current.versions] + [current.dataset_version]}"
         )
     rel = VERSION_FILE.format(version)
+    if not storage.remote:  # the dataset's own file: no link out of it, no FIFO (`roots.check_own_file`)
+        roots.check_own_file(storage.url(rel), storage.root, allowed, ManifestError)
     try:
         text = storage.read(rel, limit=MAX_MANIFEST_BYTES)
     except (DatasetNotFoundError, FileNotFoundError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from crossfeed.errors import ConfigError
 from crossfeed.read.options import Source
+from crossfeed.read.schedule import Schedule
 from crossfeed.read.sources.nested import flatten, is_mixture_spec, read_spec_file
 
 __all__ = ["is_mixture_spec", "load_mixture_spec"]
@@ -31,4 +32,14 @@ def load_mixture_spec(path) -> tuple[list[Source], int | None]:
     sources, n = read_spec_file(path)
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise ConfigError(f"{path}: samples_per_epoch must be a positive integer, got {n!r}")
-    return list(flatten(sources)), n
+    from crossfeed.read.stages.sampler import integer_weights, mixture_phases
+
+    sources = list(flatten(sources))
+    try:  # the weights as the plan takes them (integers, phases): a problem names this file
+        if any(isinstance(s.weight, Schedule) for s in sources):
+            mixture_phases([s.weight for s in sources])
+        elif len(sources) > 1:
+            integer_weights([s.weight for s in sources])
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return sources, n

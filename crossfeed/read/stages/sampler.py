@@ -42,6 +42,7 @@ from crossfeed.read.options import PlanOptions, Remainder, ShardOptions, Shuffle
 
 TABLE_MAX = 1 << 21  # epochs up to this many samples draw their order as a table (16 MiB at most)
 CHUNK_SAMPLES = 1 << 14  # larger epochs evaluate their order this many positions at a time
+MAX_COUNTED = 1 << 62  # samples since the run began that a weighted or scheduled plan counts (int64)
 _CHUNK_LOCK = threading.Lock()
 
 
@@ -177,17 +178,27 @@ def integer_weights(weights) -> list[int]:
     """Weights as the smallest integers in the same proportions (floats to 1/1000 precision)."""
     fr = [Fraction(w).limit_denominator(1000) for w in weights]
     if not fr or any(f <= 0 for f in fr):
-        raise ConfigError(f"mixture weights must be positive numbers, got {list(weights)}")
+        tiny = [w for w, f in zip(weights, fr) if f <= 0 and w > 0]
+        if tiny:
+            raise ConfigError(
+                f"mixture weight {tiny[0]!r} rounds to 0 (weights are kept to 1/1000); make it 0.001 or more"
+            )
+        raise ConfigError(f"mixture weights must be positive numbers, got {_short(list(weights))}")
     scale = math.lcm(*(f.denominator for f in fr))
     ints = [int(f * scale) for f in fr]
     g = math.gcd(*ints)
     ints = [i // g for i in ints]
     if sum(ints) > MAX_PERIOD:
         raise ConfigError(
-            f"mixture weights {list(weights)} are too fine-grained (as integers {ints} they sum to "
-            f"{sum(ints)} > {MAX_PERIOD}); round them"
+            f"mixture weights {_short(list(weights))} are too fine-grained (as integers {_short(ints)} they sum "
+            f"to {_short(sum(ints), 24)} > {MAX_PERIOD}); round them"
         )
     return ints
+
+
+def _short(v, n: int = 80) -> str:
+    text = repr(v)
+    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def smooth_schedule(weights: list[int]) -> np.ndarray:
@@ -508,7 +519,7 @@ class ScheduledMixtureOrder(MixtureOrder):
         if (self.sizes == 0).any():
             raise ConfigError(f"mixture source {int(np.flatnonzero(self.sizes == 0)[0])} has no samples")
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
-        self.n, self.epoch = int(n), int(epoch)
+        self.n, self.epoch = int(n), _counted(epoch, n, "scheduled mixture")
         self.phases = phases
         self.weights = phases.weights[0]
         self.base = self.epoch * self.n  # the epoch's first global sample
@@ -544,6 +555,18 @@ class ScheduledMixtureOrder(MixtureOrder):
         return out
 
 
+def _counted(epoch, n, what: str) -> int:
+    """``epoch`` if its samples lie within the `MAX_COUNTED` a ``what`` plan counts from the run's
+    start (``epoch × n + position`` on int64), else `ConfigError` naming it."""
+    epoch = int(epoch)
+    if (epoch + 1) * int(n) > MAX_COUNTED:
+        raise ConfigError(
+            f"epoch {epoch} of {n} samples is past the 2^62 samples a {what} plan counts from the run's start; "
+            f"was the state (or the step replayed) meant for another run?"
+        )
+    return epoch
+
+
 class WeightedOrder:
     """The order of one epoch of a split drawn by per-sample weights (`crossfeed.format.weights`),
     as an `EpochOrder` is for plain epochs.
@@ -564,7 +587,7 @@ class WeightedOrder:
         self.counts = np.asarray(counts, dtype=np.int64)
         self.cum = cum  # a `crossfeed.format.weights.CumulativeWeights`
         self.slots = int(cum.total)
-        self.n, self.epoch = int(n), int(epoch)
+        self.n, self.epoch = int(n), _counted(epoch, n, "weighted")
         self._passes = passes
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:

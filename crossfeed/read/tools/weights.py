@@ -9,16 +9,19 @@ rename before the set's description, so a reader sees the old set or the new one
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import secrets
+import shlex
 from collections.abc import Iterator
 
 import numpy as np
 
-from crossfeed.errors import ConfigError, IndexFileError
+from crossfeed.errors import ConfigError, CrossfeedError, IndexFileError
 from crossfeed.format import weights as fw
+from crossfeed.io import roots
 from crossfeed.read.sources.dataset import Dataset, open_dataset
 
 CHUNK = 1 << 16  # records decoded per chunk of weights
@@ -37,7 +40,11 @@ def _scalar_feature(ds: Dataset, feature: str, balance: bool):
     if feature not in ds.schema.names:
         raise ConfigError(f"{ds.path}: no feature {feature!r} to weigh by; the features are {ds.schema.names}")
     f = ds.schema[feature]
-    if any(d not in (1,) for d in f.shape) or (not balance and np.dtype(f.dtype).kind not in "iufb"):
+    try:
+        numeric = np.dtype(f.dtype).kind in "iufb"
+    except TypeError:  # 'string', 'bytes': no numpy dtype of that name
+        numeric = False
+    if any(d not in (1,) for d in f.shape) or (not balance and not numeric):
         raise ConfigError(
             f"{ds.path}: feature {feature!r} ({f.dtype}, shape {list(f.shape)}) is not one "
             f"{'value' if balance else 'number'} a record; weights are read from a scalar "
@@ -66,6 +73,11 @@ def _classes(split, feature: str) -> dict:
         for v in chunk:
             if v is None:
                 raise ConfigError(f"{split.dataset.path}: a record of split {split.name!r} has no {feature!r} value")
+            if v != v:  # NaN: equal to no class, not even itself
+                raise ConfigError(
+                    f"{split.dataset.path}: a record of split {split.name!r} has a NaN {feature!r}; class balance "
+                    f"needs labels that are classes (replace the NaNs, or weigh with --feature)"
+                )
             counts[v] = counts.get(v, 0) + 1
     return counts
 
@@ -84,7 +96,8 @@ def write_weights(
     ``feature`` (a scalar number; floats quantised as ``round(value × resolution)``) or, with
     ``balance=FEATURE``, so that every class of that feature has the same total weight (the set
     ``crossfeed.balanced(FEATURE)`` names). ``name`` defaults to the feature's (``balance-F`` for
-    balance). ``splits``: default every split. Returns the set's description."""
+    balance). ``splits``: default every split; given, they are written into the set's
+    description beside the splits it already has (from the same definition). Returns the set's description."""
     if (feature is None) == (balance is None):
         raise ConfigError("weights come from feature= (each record's value) or balance= (a class label), one of them")
     if type(resolution) is not int or not 1 <= resolution <= fw.MAX_RESOLUTION:
@@ -98,6 +111,7 @@ def write_weights(
         name = fw.check_weights_name(name or (fw.balanced(by) if balance is not None else by))
         names = list(ds.splits) if splits is None else list(splits)
         os.makedirs(os.path.join(root, fw.DIR), exist_ok=True)
+        roots.check_inside(os.path.join(root, fw.DIR), root, ds.allowed_roots)  # never written through a link out
         out = {}
         for split_name in names:
             split = ds[split_name]
@@ -113,10 +127,32 @@ def write_weights(
         meta = fw.WeightsMeta(
             name, "feature" if balance is None else "balance", by, resolution, ds.manifest_sha256, out
         )
+        if splits is not None:  # the set's other splits, written before from the same definition, stay
+            kept = _same_set(root, meta, ds.allowed_roots)
+            meta = dataclasses.replace(meta, splits={**{k: v for k, v in kept.items() if k not in out}, **out})
         _replace(fw.meta_path(root, name), json.dumps(meta.to_json(), indent=1).encode())
         return meta
     finally:
         ds.close()
+
+
+def _same_set(root: str, meta: fw.WeightsMeta, allowed) -> dict:
+    """The splits of the set already written under ``meta.name`` when it is the same set (the same
+    manifest, kind, feature and resolution), else ``{}`` (what is there is replaced whole)."""
+    path = fw.meta_path(root, meta.name)
+    try:
+        roots.check_own_file(path, root, allowed, IndexFileError)
+        with open(path, "rb") as f:
+            old = fw.WeightsMeta.loads(f.read(fw.MAX_META_BYTES + 1), path)
+    except (OSError, CrossfeedError):
+        return {}
+    same = (old.manifest_sha256, old.kind, old.feature, old.resolution) == (
+        meta.manifest_sha256,
+        meta.kind,
+        meta.feature,
+        meta.resolution,
+    )
+    return dict(old.splits) if same else {}
 
 
 def _write_file(root: str, name: str, split: str, n: int, sums) -> fw.SplitWeights:
@@ -153,6 +189,18 @@ def _replace(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _command(path, meta: fw.WeightsMeta) -> str:
+    """The ``crossfeed weights`` command line that writes the set ``meta`` describes."""
+    q = shlex.quote
+    if meta.kind == "balance":
+        cmd, default = f"crossfeed weights {q(str(path))} --balance {q(meta.feature)}", f"balance-{meta.feature}"
+    else:
+        cmd, default = f"crossfeed weights {q(str(path))} --feature {q(meta.feature)}", meta.feature
+        if meta.resolution != 1:
+            cmd += f" --resolution {meta.resolution}"
+    return cmd if meta.name == default else f"{cmd} --name {q(meta.name)}"
+
+
 def open_weights(ds: Dataset, name: str, split: str) -> fw.CumulativeWeights:
     """The weights set ``name`` of ``ds``'s ``split``, memory-mapped and checked: made from this
     very manifest (its SHA-256), for this split, of its record count. `ConfigError` /
@@ -160,6 +208,7 @@ def open_weights(ds: Dataset, name: str, split: str) -> fw.CumulativeWeights:
     root = _local_root(ds)
     meta_file = fw.meta_path(root, name)
     how = f"write it with `crossfeed weights {ds.path} --feature F` (or `--balance F` for crossfeed.balanced(F))"
+    roots.check_own_file(meta_file, root, ds.allowed_roots, IndexFileError)  # no link out, no FIFO
     try:
         with open(meta_file, "rb") as f:
             text = f.read(fw.MAX_META_BYTES + 1)
@@ -168,6 +217,7 @@ def open_weights(ds: Dataset, name: str, split: str) -> fw.CumulativeWeights:
     meta = fw.WeightsMeta.loads(text, meta_file)
     if meta.name != name:
         raise IndexFileError(f"{meta_file}: names the set {meta.name!r}, not {name!r}; {how}")
+    how = f"write it again with `{_command(ds.path, meta)}`"
     if meta.manifest_sha256 != ds.manifest_sha256:
         raise ConfigError(
             f"{meta_file}: the weights set {name!r} was computed for another version of the dataset (manifest "
@@ -183,4 +233,6 @@ def open_weights(ds: Dataset, name: str, split: str) -> fw.CumulativeWeights:
         raise IndexFileError(f"{meta_file}: split {split!r} has {n} records, the set says {info.num_records}; {how}")
     if n and info.total <= 0:
         raise IndexFileError(f"{meta_file}: split {split!r}: every weight is 0; {how}")
-    return fw.CumulativeWeights.open(os.path.join(root, fw.DIR, info.file), info)
+    path = os.path.join(root, fw.DIR, info.file)
+    roots.check_own_file(path, root, ds.allowed_roots, IndexFileError)
+    return fw.CumulativeWeights.open(path, info, how)
