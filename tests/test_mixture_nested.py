@@ -92,7 +92,7 @@ def test_every_prefix_of_every_phase_keeps_leaves_within_one_and_groups_within_t
             [[1 + i] for i in range(len(leaves))], plan, ShardOptions(), weights=[s.weight for s in leaves]
         )
     except ConfigError as e:  # a moment where nothing (or no source of a drawn group) weighs
-        assert "weighted 0" in str(e)
+        assert "weighted 0" in str(e) or "too fine-grained" in str(e)  # or more than MAX_PERIOD as integers
         return
     assert [s.path for s in leaves] == names
     order = sampler.plan(0).order

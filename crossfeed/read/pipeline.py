@@ -410,6 +410,12 @@ class Pipeline:
         S = sampler.rank_batch_count(0, epoch=epoch)
         return epoch * S + S - sampler.rank_batch_count(position, epoch=epoch)
 
+    @property
+    def step_skips(self) -> recipes.StepSkipSampler | None:
+        """The plan's skipped global steps (`crossfeed.read.skips`: which steps are kept, numbered
+        without the others), or None when no step is skipped."""
+        return self.sampler if isinstance(self.sampler, recipes.StepSkipSampler) else None
+
     def pinned_source(self):
         """The source with each dataset pinned to the version this pipeline opened (``root@vN``):
         what another process opens to read the same version, whatever is appended meanwhile."""

@@ -298,8 +298,7 @@ class LeaseSource:
                 self._samplers = [self._loader.pipeline.rank_sampler(r, world) for r in range(world)]
                 mine = world * self._samplers[0].rank_batch_count()
                 # skipped steps: the dispatcher leases only the kept ones, numbered without the others
-                sampler = self._loader.pipeline.sampler
-                self._skips = sampler if isinstance(sampler, StepSkipSampler) else None
+                self._skips = self._loader.pipeline.step_skips
             if mine != msg.batches:
                 raise ConfigError(
                     f"the dispatcher's plan has {msg.batches} batches per epoch, this server's dataset gives "
