@@ -481,6 +481,7 @@ def test_pack_options_are_validated_and_travel_as_json():
         (dict(pack={"length": 8, "long": "wrap"}), "pack long"),
         (dict(pack={"length": 8, "split": "bytes"}), "pack split"),
         (dict(pack={"length": 8, "weights_by": "bytes"}), "weights_by"),
+        (dict(pack={"length": 8, "segments": "no"}), "segments"),
         (dict(pack={"length": 8, "colour": 1}), "colour"),
         (dict(pack=2048), "crossfeed.Pack"),
         (dict(batch_by_tokens=0), "batch_by_tokens"),
@@ -494,6 +495,22 @@ def test_process_workers_build_the_same_packed_batches(tmp_path):
     opts = dict(batch_size=2, seed=1, pack=Pack(40))
     with crossfeed.Loader(path, **opts) as a, crossfeed.Loader(path, executor="process", processes=2, **opts) as b:
         assert same(list(a), [{k: np.array(v) for k, v in x.items()} for x in b])
+
+
+@pytest.mark.parametrize("split", ["rows", "documents"])
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_segments_false_delivers_the_same_rows_without_segment_ids(tmp_path, split, executor):
+    path = write_tokens(tmp_path / "t", lognormal(60, 20, 1.0, seed=3))
+    opts = dict(batch_size=3, seed=1, executor=executor)
+    with crossfeed.Loader(path, pack=Pack(32, split=split), **opts) as ld:
+        want = list(ld)
+    with crossfeed.Loader(path, pack=Pack(32, split=split, segments=False), **opts) as ld:
+        got = list(ld)
+    assert len(got) == len(want) > 2
+    for g, w in zip(got, want):
+        assert list(g) == ["tokens"] and g["tokens"].dtype == w["tokens"].dtype
+        assert (np.asarray(g["tokens"]) == w["tokens"]).all()
+    assert Pack.of(Pack(8, segments=False).to_json()) == Pack(8, segments=False)
 
 
 def test_two_features_pack_together_and_pad_with_pad_id(tmp_path):

@@ -1230,8 +1230,8 @@ class PackBuilder:
     Either way each document's length must be the one the plan used (a lengths file that lies is
     named)."""
 
-    def __init__(self, inner, features: list[Feature], lengths: DocLengths, pad_id: int = 0):
-        self.inner, self.lengths, self.pad_id = inner, lengths, pad_id
+    def __init__(self, inner, features: list[Feature], lengths: DocLengths, pad_id: int = 0, segments: bool = True):
+        self.inner, self.lengths, self.pad_id, self.segments = inner, lengths, pad_id, segments
         self.reader, self.budget = inner.reader, inner.budget
         self.features = [(f.name, np.dtype(f.dtype)) for f in features]
         self.return_index = False
@@ -1355,6 +1355,19 @@ class PackBuilder:
                 out[name] = place(
                     np.concatenate(parts or [np.zeros(0, dtype)]).astype(dtype, copy=False), dtype, self.pad_id
                 )
+        if self.segments:
+            out[SEGMENT_IDS], out[POSITIONS] = self._segments(row, count, total, place)
+        if tick is not None:
+            tick.tick("batch")
+        if self.post is not None:
+            out = self.post(out)
+            if tick is not None:
+                tick.tick("transform")
+        return out
+
+    @staticmethod
+    def _segments(row: np.ndarray, count: np.ndarray, total: int, place) -> tuple[np.ndarray, np.ndarray]:
+        """``(segment_ids, positions)`` of pieces ``(row, count)`` laid row by row."""
         new_row = np.empty(len(row), dtype=bool)
         new_row[:1] = True
         np.not_equal(row[1:], row[:-1], out=new_row[1:])
@@ -1364,15 +1377,7 @@ class PackBuilder:
         seg = place(np.repeat((idx - row_first + 1).astype(np.int32), count), np.int32, 0)
         ramp = np.arange(total, dtype=np.int32)
         ramp -= np.repeat(before, count)
-        pos = place(ramp, np.int32, 0)
-        out[SEGMENT_IDS], out[POSITIONS] = seg, pos
-        if tick is not None:
-            tick.tick("batch")
-        if self.post is not None:
-            out = self.post(out)
-            if tick is not None:
-                tick.tick("transform")
-        return out
+        return seg, place(ramp, np.int32, 0)
 
 
 # ---- the Loader's wiring ------------------------------------------------------------------------
@@ -1419,7 +1424,7 @@ def check_token_batch(plan, features) -> None:
                     f"pack pad_id={pad} does not fit feature {f.name!r} ({dtype.name}: {lo} to {hi:,}); "
                     f"pick a pad_id in that range"
                 )
-    per_token = sum(np.dtype(f.dtype).itemsize for f in features) + 8  # + segment_ids, positions (int32)
+    per_token = sum(np.dtype(f.dtype).itemsize for f in features) + 8 * plan.pack.segments  # + segment_ids, positions
     need = plan.batch_size * plan.pack.length * per_token
     try:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -1454,4 +1459,5 @@ def token_stages(sampler, builder, splits, stored: list[list[Feature]], features
     check_token_batch(plan, features)
     lengths = DocLengths(splits, [st[0].name for st in stored])
     pad = plan.pack.pad_id if plan.pack is not None else 0
-    return PackSampler(sampler, lengths, options), PackBuilder(builder, features, lengths, pad)
+    segments = plan.pack is None or plan.pack.segments
+    return PackSampler(sampler, lengths, options), PackBuilder(builder, features, lengths, pad, segments)
