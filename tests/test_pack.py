@@ -116,6 +116,43 @@ def test_best_fit_meets_the_padding_goal_on_log_normal_lengths():
     assert chunks < 2048 / total
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 130), max_size=60),
+    length=st.integers(1, 40),
+    bins=st.integers(1, 5),
+    drop=st.booleans(),
+    cuts=st.lists(st.integers(0, 60), max_size=4),
+    resume=st.booleans(),
+)
+def test_best_fit_a_chunk_at_a_time_packs_exactly_the_rules_rows(lengths, length, bins, drop, cuts, resume):
+    """`_BestFitChunks` (the walk's packer: a chunk of documents at a time, pieces laid out in
+    numpy) gives exactly the rows of `_BestFit` (the rule, one document at a time), whatever the
+    chunks, when restarted from its state at every chunk's end (a cursor), long documents,
+    documents of exactly a row or none, dropped or split."""
+    from crossfeed.read.stages.pack import _BestFit, _BestFitChunks
+
+    lens = np.asarray(lengths, dtype=np.int64)
+    ref, want = _BestFit(length, bins), []
+    for d, n in enumerate(lengths):
+        if not (drop and n > length):
+            ref.add(d, n, want)
+    want += ref.flush()
+    ids = np.arange(len(lens)) * 7 + 3
+    packer, done, blocks = _BestFitChunks.at(length, bins), 0, []
+    bounds = sorted({0, len(lens), *[min(c, len(lens)) for c in cuts]})
+    for a, b in zip(bounds, bounds[1:]):
+        if resume:
+            packer = _BestFitChunks.at(length, bins, packer.state())
+        rows, block = packer.add(ids[a:b], lens[a:b], drop, done)
+        done, blocks = done + rows, blocks + [block]
+    rows, block = packer.flush(done)
+    got: list[list] = [[] for _ in range(done + rows)]
+    for r, doc, start, count, n in np.concatenate(blocks + [block]).tolist():
+        got[r].append(((doc - 3) // 7, start, count, n))
+    assert got == [list(row) for row in want]
+
+
 # ---- every token once, across ranks and workers -------------------------------------------------
 
 
