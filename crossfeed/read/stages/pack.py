@@ -644,9 +644,12 @@ class _BestFitChunks:
         """The open rows, in the order they were opened (what a `PackCursor` carries)."""
         if not self.keys:
             return ()
-        c = self.carry
-        rows = c[:, 0]
-        return tuple(tuple(map(tuple, c[rows == s, 1:].tolist())) for s in self.keys)
+        c = self.carry[np.argsort(self.carry[:, 0], kind="stable")]  # each row's pieces together, in order
+        rows, first = np.unique(c[:, 0], return_index=True)
+        pieces = list(map(tuple, c[:, 1:].tolist()))
+        bounds = np.append(first, len(c)).tolist()
+        at = dict(zip(rows.tolist(), zip(bounds, bounds[1:])))
+        return tuple(tuple(pieces[a:b]) for a, b in map(at.__getitem__, self.keys))
 
     def add(self, ids: np.ndarray, lens: np.ndarray, drop: bool, first: int) -> tuple[int, np.ndarray]:
         """Pack a chunk of documents: ``(rows emitted, their pieces)``, rows numbered from ``first``."""
@@ -1520,15 +1523,20 @@ class PackBuilder:
         idx = np.arange(len(row))
         row_first = np.maximum.accumulate(np.where(new_row, idx, 0))
         seg_of = (idx - row_first + 1).astype(np.int32)
-        if padded is not None:
+        if padded is not None:  # one padding piece after each row's pieces (piece i moves on by its row)
             gap, ends, total = padded
-            count, seg_of = np.insert(count, ends, gap), np.insert(seg_of, ends, 0)
+            rows = len(gap)
+            moved, pads = idx + row, ends + np.arange(rows)
+            count_p = np.empty(len(row) + rows, dtype=np.int64)
+            count_p[moved], count_p[pads] = count, gap
+            seg_p = np.zeros(len(row) + rows, dtype=np.int32)
+            seg_p[moved] = seg_of
+            count, seg_of = count_p, seg_p
         before = (np.cumsum(count) - count).astype(np.int32)
         seg = np.repeat(seg_of, count)
         ramp = np.arange(total, dtype=np.int32)
         ramp -= np.repeat(before, count)
         if padded is not None:
-            rows = len(padded[0])
             np.multiply(ramp, seg != 0, out=ramp)  # padding: position 0
             return seg.reshape(rows, -1), ramp.reshape(rows, -1)
         return place(seg, np.int32, 0), place(ramp, np.int32, 0)
