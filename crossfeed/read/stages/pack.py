@@ -39,7 +39,8 @@ there continues identically, and at another world size covers the rest exactly o
 Cost: memory is O(batch + bins), never O(documents): lengths are gathered ``SCAN`` documents at a
 time from memory-mapped lengths files. Packing is sequential: rows are found by walking the
 epoch's lengths in plan order — integers only, no record is read — a chunk of documents at a time
-(`walk`: ``split="rows"`` in numpy, best-fit a Python step per document), and a batch's rows are
+(`walk`: ``split="rows"`` in numpy; best-fit one ``bisect`` step per document, its pieces laid
+out per chunk in numpy, `_BestFitChunks`), and a batch's rows are
 picked out of each chunk with one mask. Every chunk ends at a `PackCursor` — the rows emitted,
 the documents consumed, and the packer's open rows (at most ``bins``; ``split="rows"``: where
 the open row starts) — from which a walk continues exactly as the uninterrupted one would. A
@@ -839,7 +840,8 @@ def walk(order, lengths, pack: Pack, cursor: PackCursor | None = None) -> Iterat
     token offsets in the epoch's concatenation (a cumulative sum), document ``d`` spans rows
     ``begin_d // L … (end_d - 1) // L`` and its piece in row ``r`` is ``[max(begin_d, r·L),
     min(end_d, (r + 1)·L))`` — one expansion for the chunk, no step per document. Best-fit steps
-    per document (`_BestFit`, a few list operations each)."""
+    per document through its open rows' rooms (`_BestFitChunks`: a bisect and the row each
+    document went to), the chunk's pieces laid out in numpy."""
     L = pack.length
     drop = pack.long is PackLong.DROP
     epoch = getattr(order, "epoch", 0) if cursor is None else cursor.epoch
