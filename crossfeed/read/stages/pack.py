@@ -701,14 +701,14 @@ class _BestFitChunks:
         self.seq = seq
         rows = np.asarray(went, dtype=np.int64)
         placed = rows >= 0
-        start = np.where(lens > L, (lens - 1) // L * L, 0)  # a long document's last piece starts there
+        last = np.where(lens > L, (lens - 1) // L * L, 0)  # a long document's last piece starts there
         parts = [self.carry]
         if whole:
             w = np.asarray(whole, dtype=np.int64)
             parts.append(np.stack([w[:, 0], ids[w[:, 1]], w[:, 2], np.full(len(w), L), lens[w[:, 1]]], axis=1))
         if placed.any():
             d = np.flatnonzero(placed)
-            parts.append(np.stack([rows[d], ids[d], start[d], lens[d] - start[d], lens[d]], axis=1))
+            parts.append(np.stack([rows[d], ids[d], last[d], lens[d] - last[d], lens[d]], axis=1))
         return self._emit(np.concatenate(parts) if len(parts) > 1 else self.carry, emitted, first)
 
     def flush(self, first: int) -> tuple[int, np.ndarray]:
@@ -1477,11 +1477,10 @@ class PackBuilder:
                 lo = offsets[:, i] + start * size
                 cut = map(view.__getitem__, map(slice, lo.tolist(), (lo + count * size).tolist()))
                 if padded:
-                    parts, pad = list(cut), self._pad(dtype, width)
+                    slices, pad = list(cut), self._pad(dtype, width)
                     for r in np.flatnonzero(gap)[::-1].tolist():
-                        parts.insert(int(ends[r]), pad[: int(gap[r]) * size])
-                    joined = bytearray().join(parts)
-                    out[name] = np.frombuffer(joined, dtype.newbyteorder("<")).reshape(rows, width)
+                        slices.insert(int(ends[r]), pad[: int(gap[r]) * size])
+                    out[name] = np.frombuffer(bytearray().join(slices), dtype.newbyteorder("<")).reshape(rows, width)
                     continue
                 joined = bytearray().join(cut) if direct else b"".join(cut)  # (a bytearray: the batch is writable)
                 out[name] = place(np.frombuffer(joined, dtype.newbyteorder("<"), count=total), dtype, self.pad_id)
