@@ -113,12 +113,13 @@ def element_spec(feats, *, batch_size: int | None, drop_last: bool, return_index
 def token_spec(feats, options) -> dict:
     """The element_spec of a token Loader (`crossfeed.read.stages.pack`): ``pack=`` gives dense
     ``(batch_size, length)`` rows of each packed feature with ``segment_ids`` and ``positions``
-    (int32), a static shape; ``batch_by_tokens=`` the same names, ``(None, None)`` (rows and
+    (int32; not with ``segments=False``), a static shape; ``batch_by_tokens=`` the same names, ``(None, None)`` (rows and
     width vary from batch to batch)."""
     pack = options.plan.pack
     shape = (options.batch_size, pack.length) if pack is not None else (None, None)
     out = {f.name: tf.TensorSpec(shape, tf_dtype(f)) for f in feats}
-    out["segment_ids"] = out["positions"] = tf.TensorSpec(shape, tf.int32)
+    if pack is None or pack.segments:  # Pack(segments=False): the features alone
+        out["segment_ids"] = out["positions"] = tf.TensorSpec(shape, tf.int32)
     return out
 
 

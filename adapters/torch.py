@@ -10,7 +10,8 @@
 
 * Each item is one batch (``DataLoader(batch_size=None)``) — or, with ``batch_size=None``, one
   sample (the Loader's per-sample rule; lengths and states count samples): the Loader's numpy arrays as tensors
-  sharing their memory (`crossfeed.adapters.torch_convert`); unsigned integers past uint8 (token
+  sharing their memory (`crossfeed.adapters.torch_convert`; in a DataLoader worker, views of one
+  shared-memory block per batch, copied in once: one storage crosses the worker queue); unsigned integers past uint8 (token
   ids) as int64, what ``nn.Embedding`` and ``cross_entropy`` take (``keep_dtypes=True``: as stored).
 * Splitting: by DDP rank (``torch.distributed`` if initialised when the dataset is made, else
   RANK/WORLD_SIZE, else one process; or pass ``rank``/``world_size``) and, inside ``__iter__``, by
@@ -230,8 +231,11 @@ class TorchDataset(IterableDataset):
     def _batches(self, loader: Loader, epoch: int, position: int) -> Iterator[dict]:
         loader.load_state_dict(self._state(epoch, position, loader))
         one = self.per_sample
+        shared = get_worker_info() is not None  # a DataLoader worker: one storage a batch crosses the queue
         for batch in loader:
-            yield to_torch(one_sample(batch, "TorchDataset") if one else batch, keep_dtypes=self.keep_dtypes)
+            yield to_torch(
+                one_sample(batch, "TorchDataset") if one else batch, keep_dtypes=self.keep_dtypes, shared=shared
+            )
 
     # -- pickling (DataLoader workers started with spawn/forkserver) -----------------------------
     def __getstate__(self):

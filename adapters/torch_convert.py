@@ -5,7 +5,15 @@ Yields the same keys: a numeric ``np.ndarray`` becomes a tensor sharing its memo
 Python lists; a ragged feature (an ``object`` array of arrays) becomes a list of tensors.
 Unsigned integers past ``uint8`` (token ids stored as uint16/uint32), which ``nn.Embedding`` and
 ``cross_entropy`` refuse, become int64 (a copy) unless ``keep_dtypes=True``
-(`crossfeed.adapters.int_dtypes`). Imports torch, never tensorflow.
+(`crossfeed.adapters.int_dtypes`).
+
+``shared=True`` (what a DataLoader worker uses): the batch's numeric arrays are copied, each
+widened on the way, into one block of shared memory, and its tensors are views of it. A
+DataLoader worker's batch crosses to the trainer by pickling each tensor's storage into shared
+memory (a new segment, a copy and a file descriptor handed over per storage); one storage per
+batch makes that one segment and one descriptor whatever the batch holds (a packed batch's
+tokens, segment ids and positions: 3 → 1), and the copy into it is the one the queue made
+anyway. Imports torch, never tensorflow.
 """
 
 from __future__ import annotations
@@ -25,10 +33,15 @@ except ModuleNotFoundError as e:  # one line naming the extra that installs it
 from crossfeed.adapters.int_dtypes import torch_dtype, widen
 from crossfeed.errors import ConfigError
 
+ALIGN = 64  # bytes: where each array starts in a shared block (any dtype's alignment)
 
-def to_torch(batch: Mapping, *, keep_dtypes: bool = False) -> dict:
+
+def to_torch(batch: Mapping, *, keep_dtypes: bool = False, shared: bool = False) -> dict:
     """``dict[str, np.ndarray | list]`` → ``dict[str, torch.Tensor | list]``; ``keep_dtypes``:
-    unsigned integers as stored (else int64, the dtype torch's indexing ops take)."""
+    unsigned integers as stored (else int64, the dtype torch's indexing ops take); ``shared``:
+    the numeric arrays as views of one shared-memory storage (see the module docstring)."""
+    if shared:
+        batch = _shared(batch, keep_dtypes)
     out = {}
     for key, value in batch.items():
         try:
@@ -39,6 +52,50 @@ def to_torch(batch: Mapping, *, keep_dtypes: bool = False) -> dict:
                 f"cast it in the loader's transform or batch_transform"
             ) from e
     return out
+
+
+def _shared(batch: Mapping, keep: bool) -> dict:
+    """``batch`` with its numeric arrays (two or more) replaced by tensors viewing one
+    shared-memory storage, each array copied in once (widened as `_convert` would)."""
+    arrays = {
+        k: np.asarray(v)
+        for k, v in batch.items()
+        if isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biufc" and v.dtype.isnative
+    }
+    if len(arrays) < 2:  # one storage already: torch shares it as it is
+        return dict(batch)
+    dtypes = {k: v.dtype if keep else torch_dtype(v.dtype) or v.dtype for k, v in arrays.items()}
+    starts, size = {}, 0
+    for k, v in arrays.items():
+        starts[k] = size
+        size += -(-v.size * dtypes[k].itemsize // ALIGN) * ALIGN
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is not None:  # allocated in shared memory: the queue's pickling copies nothing more
+        block = torch.empty(0, dtype=torch.uint8).set_(new_shared(size))
+    else:
+        block = torch.empty(size, dtype=torch.uint8).share_memory_()
+    raw = block.numpy()
+    out = dict(batch)
+    for k, v in arrays.items():
+        dt, lo = dtypes[k], starts[k]
+        dst = raw[lo : lo + v.size * dt.itemsize].view(dt).reshape(v.shape)
+        if v.dtype == dt or np.can_cast(v.dtype, dt, "safe"):
+            np.copyto(dst, v, casting="safe")
+        else:  # a narrowing the widening rule decides (uint64 → int64)
+            np.copyto(dst, widen(k, v, dt), casting="unsafe")
+        out[k] = block[lo : lo + v.size * dt.itemsize].view(torch_of(dt)).view(v.shape)
+    return out
+
+
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
+
+
+def torch_of(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of numpy ``dtype`` (one a torch tensor can view)."""
+    got = _TORCH_DTYPES.get(dtype)
+    if got is None:
+        got = _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    return got
 
 
 def _convert(value, key: str = "", keep: bool = False):

@@ -6,7 +6,8 @@ read for one epoch (shuffled) as batches of ``--batch`` rows of ``--length`` tok
 
 * **crossfeed** ``Loader(xf, batch_size=B, pack=Pack(L, split="rows"), num_threads=0)``
   (concatenate and chunk) and ``Pack(L)`` (best-fit into 32 open rows), both with
-  ``segment_ids``/``positions``; ``num_threads=0`` builds each batch in the consumer's thread
+  ``segment_ids``/``positions``, and ``Pack(L, split="rows", segments=False)`` (the tokens
+  alone: what LitData's rows hold); ``num_threads=0`` builds each batch in the consumer's thread
   (a packed batch is a few numpy calls: threads only hand it over), and the Loader's default
   (2 threads) is printed beside it; through ``crossfeed.adapters.torch.TorchDataset`` +
   ``StatefulLoader(num_workers=2)`` for the worker rows;
@@ -42,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 LENGTH, BATCH, VOCAB, MEAN, SIGMA, SHARDS = 2048, 16, 50_000, 600.0, 1.0, 8
-SYSTEMS = ("xf-rows", "xf-best", "xf-rows-threads", "ld")
+SYSTEMS = ("xf-rows", "xf-rows-bare", "xf-best", "xf-rows-threads", "ld")
 
 
 def corpus(data: str, docs: int) -> str:
@@ -138,7 +139,8 @@ def read(system: str, root: str, workers: int, length: int, batch: int) -> dict:
         import crossfeed
 
         split = "documents" if system == "xf-best" else "rows"
-        opts = dict(batch_size=batch, seed=0, pack=crossfeed.Pack(length, split=split))
+        segments = system != "xf-rows-bare"  # Pack(segments=False): the tokens alone, as LitData's rows
+        opts = dict(batch_size=batch, seed=0, pack=crossfeed.Pack(length, split=split, segments=segments))
         if system != "xf-rows-threads":  # built in the consumer's thread (docs/sequences.md: the fast setting)
             opts["num_threads"] = 0
         path = os.path.join(root, "xf")
@@ -194,6 +196,7 @@ def main() -> None:
         print(f"  {k:<28} {v:6.2f}")
     labels = {
         "xf-rows": 'crossfeed Pack(L, split="rows")',
+        "xf-rows-bare": 'crossfeed split="rows", segments=False',
         "xf-best": "crossfeed Pack(L) best-fit",
         "xf-rows-threads": 'crossfeed split="rows", 2 threads',
         "ld": "LitData TokensLoader",
@@ -217,13 +220,13 @@ def main() -> None:
         f"\ntokens/s, rows of {a.length}, batch {a.batch}, best of {a.repeat} epochs (load now {os.getloadavg()[0]:.2f}):"
     )
     print("  (tokens per CPU-second: the process's own CPU, workers=0 only — the load barely moves it)")
-    print(f"  {'system':<34} {'workers':>7} {'tokens/s':>12} {'× LitData':>10} {'tok/CPU-s':>12} {'× LitData':>10}")
+    print(f"  {'system':<40} {'workers':>7} {'tokens/s':>12} {'× LitData':>10} {'tok/CPU-s':>12} {'× LitData':>10}")
     for (system, workers), rate in results.items():
         ref, cref = results.get(("ld", workers)), cpu.get(("ld", workers))
         ratio = f"{rate / ref:9.2f}×" if ref else ""
         per_cpu = f"{cpu[(system, workers)] / 1e6:10.1f} M" if not workers else ""
         cratio = f"{cpu[(system, workers)] / cref:9.2f}×" if cref and not workers else ""
-        print(f"  {labels[system]:<34} {workers:>7} {rate / 1e6:10.1f} M {ratio:>10} {per_cpu:>12} {cratio:>10}")
+        print(f"  {labels[system]:<40} {workers:>7} {rate / 1e6:10.1f} M {ratio:>10} {per_cpu:>12} {cratio:>10}")
 
 
 if __name__ == "__main__":

@@ -116,6 +116,43 @@ def test_best_fit_meets_the_padding_goal_on_log_normal_lengths():
     assert chunks < 2048 / total
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 130), max_size=60),
+    length=st.integers(1, 40),
+    bins=st.integers(1, 5),
+    drop=st.booleans(),
+    cuts=st.lists(st.integers(0, 60), max_size=4),
+    resume=st.booleans(),
+)
+def test_best_fit_a_chunk_at_a_time_packs_exactly_the_rules_rows(lengths, length, bins, drop, cuts, resume):
+    """`_BestFitChunks` (the walk's packer: a chunk of documents at a time, pieces laid out in
+    numpy) gives exactly the rows of `_BestFit` (the rule, one document at a time), whatever the
+    chunks, when restarted from its state at every chunk's end (a cursor), long documents,
+    documents of exactly a row or none, dropped or split."""
+    from crossfeed.read.stages.pack import _BestFit, _BestFitChunks
+
+    lens = np.asarray(lengths, dtype=np.int64)
+    ref, want = _BestFit(length, bins), []
+    for d, n in enumerate(lengths):
+        if not (drop and n > length):
+            ref.add(d, n, want)
+    want += ref.flush()
+    ids = np.arange(len(lens)) * 7 + 3
+    packer, done, blocks = _BestFitChunks.at(length, bins), 0, []
+    bounds = sorted({0, len(lens), *[min(c, len(lens)) for c in cuts]})
+    for a, b in zip(bounds, bounds[1:]):
+        if resume:
+            packer = _BestFitChunks.at(length, bins, packer.state())
+        rows, block = packer.add(ids[a:b], lens[a:b], drop, done)
+        done, blocks = done + rows, blocks + [block]
+    rows, block = packer.flush(done)
+    got: list[list] = [[] for _ in range(done + rows)]
+    for r, doc, start, count, n in np.concatenate(blocks + [block]).tolist():
+        got[r].append(((doc - 3) // 7, start, count, n))
+    assert got == [list(row) for row in want]
+
+
 # ---- every token once, across ranks and workers -------------------------------------------------
 
 
@@ -481,6 +518,7 @@ def test_pack_options_are_validated_and_travel_as_json():
         (dict(pack={"length": 8, "long": "wrap"}), "pack long"),
         (dict(pack={"length": 8, "split": "bytes"}), "pack split"),
         (dict(pack={"length": 8, "weights_by": "bytes"}), "weights_by"),
+        (dict(pack={"length": 8, "segments": "no"}), "segments"),
         (dict(pack={"length": 8, "colour": 1}), "colour"),
         (dict(pack=2048), "crossfeed.Pack"),
         (dict(batch_by_tokens=0), "batch_by_tokens"),
@@ -494,6 +532,22 @@ def test_process_workers_build_the_same_packed_batches(tmp_path):
     opts = dict(batch_size=2, seed=1, pack=Pack(40))
     with crossfeed.Loader(path, **opts) as a, crossfeed.Loader(path, executor="process", processes=2, **opts) as b:
         assert same(list(a), [{k: np.array(v) for k, v in x.items()} for x in b])
+
+
+@pytest.mark.parametrize("split", ["rows", "documents"])
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_segments_false_delivers_the_same_rows_without_segment_ids(tmp_path, split, executor):
+    path = write_tokens(tmp_path / "t", lognormal(60, 20, 1.0, seed=3))
+    opts = dict(batch_size=3, seed=1, executor=executor)
+    with crossfeed.Loader(path, pack=Pack(32, split=split), **opts) as ld:
+        want = list(ld)
+    with crossfeed.Loader(path, pack=Pack(32, split=split, segments=False), **opts) as ld:
+        got = list(ld)
+    assert len(got) == len(want) > 2
+    for g, w in zip(got, want):
+        assert list(g) == ["tokens"] and g["tokens"].dtype == w["tokens"].dtype
+        assert (np.asarray(g["tokens"]) == w["tokens"]).all()
+    assert Pack.of(Pack(8, segments=False).to_json()) == Pack(8, segments=False)
 
 
 def test_two_features_pack_together_and_pad_with_pad_id(tmp_path):

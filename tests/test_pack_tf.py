@@ -35,6 +35,12 @@ def test_tf_gets_the_loaders_packed_rows_with_a_static_shape(tmp_path):
     state = cftf.plan_state(path, steps=2, **opts)
     rest = [{k: v.numpy() for k, v in b.items()} for b in cftf.dataset(path, state=state, **opts)]
     assert all((g[k] == w[k]).all() for g, w in zip(rest, want[2:]) for k in w) and len(rest) == len(want) - 2
+    bare = dict(opts, pack=crossfeed.Pack(length=32, segments=False))  # the features alone
+    assert cftf.element_spec(path, **bare) == {"tokens": tf.TensorSpec((4, 32), tf.int64)}
+    got = [{k: v.numpy() for k, v in b.items()} for b in cftf.dataset(path, **bare)]
+    assert len(got) == len(want) and all(
+        g.keys() == {"tokens"} and (g["tokens"] == w["tokens"]).all() for g, w in zip(got, want)
+    )
 
 
 def test_tf_token_budget_batches_vary_in_shape(tmp_path):

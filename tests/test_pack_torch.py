@@ -34,6 +34,9 @@ def test_torch_gets_the_loaders_packed_rows_with_workers_and_resumes(tmp_path):
         got = []
         for b in loader:
             assert b["tokens"].shape == (4, 32) and b["segment_ids"].dtype == torch.int32
+            # the worker's batch crossed the queue as one shared-memory storage, not three
+            storages = {b[k].untyped_storage().data_ptr() for k in ("tokens", "segment_ids", "positions")}
+            assert len(storages) == 1 and b["tokens"].is_shared()
             got.append(b)
             if len(got) == 3:
                 state = loader.state_dict()

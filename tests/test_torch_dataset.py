@@ -76,6 +76,31 @@ def test_to_torch_handles_read_only_and_negative_strides():
         cftorch.to_torch({"t": np.array(["2020-01-01"], dtype="datetime64[D]")})
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_to_torch_shared_lays_a_batch_in_one_shared_storage(keep):
+    ro = np.arange(5, dtype=np.uint32)
+    ro.flags.writeable = False
+    batch = {
+        "tokens": ro,
+        "seg": np.arange(6, dtype=np.int32).reshape(2, 3)[:, ::-1],  # not contiguous
+        "mask": np.array([True, False, True]),
+        "x": np.float16(1.5),
+        "empty": np.zeros((0, 4), dtype=np.float64),
+        "name": np.array(["a", "b"]),
+        "big": np.array([2**64 - 1], dtype=np.uint64),
+    }
+    plain = cftorch.to_torch(batch, keep_dtypes=keep)
+    shared = cftorch.to_torch(batch, keep_dtypes=keep, shared=True)
+    assert shared.keys() == plain.keys() and shared["name"] == ["a", "b"]
+    numeric = [k for k in batch if k != "name"]
+    for k in numeric:
+        assert shared[k].dtype == plain[k].dtype and shared[k].shape == plain[k].shape, k
+        assert torch.equal(shared[k], plain[k]), k
+    assert len({shared[k].untyped_storage().data_ptr() for k in numeric}) == 1
+    assert shared["tokens"].is_shared() and not np.shares_memory(shared["tokens"].numpy(), ro)
+    assert shared["tokens"].dtype == (torch.uint32 if keep else torch.int64)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_workers_yield_exactly_the_ranks_batches_in_order(ids_dataset, world_size):
     """DataLoader's round-robin over 2 worker processes gives each rank's Loader sequence."""

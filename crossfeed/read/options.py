@@ -83,7 +83,9 @@ class Pack:
     their loss mask; padding is ``pad_id``) and ``segment_ids``/``positions`` ``(B, length)``
     int32: the document's number within its row (1, 2 …; 0 on padding) and the position within
     its piece. ``split`` "documents" (best-fit into ``bins`` open rows) or "rows" (concatenate
-    and chunk); ``long`` "split" or "drop" documents longer than ``length``."""
+    and chunk); ``long`` "split" or "drop" documents longer than ``length``; ``segments=False``:
+    batches of ``features`` alone, no ``segment_ids``/``positions`` (concatenate and chunk
+    trained without document masks needs none: two fewer arrays to build and ship a batch)."""
 
     length: int
     features: tuple[str, ...] = ("tokens",)
@@ -92,6 +94,7 @@ class Pack:
     split: PackSplit = PackSplit.DOCUMENTS
     bins: int = 32  # rows open at once in split="documents" (more: less padding, more work per document)
     weights_by: WeightsBy = WeightsBy.DOCUMENTS
+    segments: bool = True  # segment_ids and positions in each batch
 
     def __post_init__(self):
         object.__setattr__(self, "length", _int(self.length, "pack length", 1, MAX_PACK_LENGTH))
@@ -111,6 +114,8 @@ class Pack:
         if not -(1 << 63) <= self.pad_id < 1 << 64:
             raise ConfigError(f"pack pad_id={self.pad_id} fits no integer dtype (-2^63 to 2^64 - 1)")
         object.__setattr__(self, "bins", _int(self.bins, "pack bins", 1))
+        if not isinstance(self.segments, bool):
+            raise ConfigError(f"pack segments must be True or False, got {self.segments!r}")
 
     @classmethod
     def of(cls, value) -> Pack:
@@ -133,6 +138,7 @@ class Pack:
             "split": self.split.value,
             "bins": self.bins,
             "weights_by": self.weights_by.value,
+            "segments": self.segments,
         }
 
 

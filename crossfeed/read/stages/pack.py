@@ -39,7 +39,8 @@ there continues identically, and at another world size covers the rest exactly o
 Cost: memory is O(batch + bins), never O(documents): lengths are gathered ``SCAN`` documents at a
 time from memory-mapped lengths files. Packing is sequential: rows are found by walking the
 epoch's lengths in plan order — integers only, no record is read — a chunk of documents at a time
-(`walk`: ``split="rows"`` in numpy, best-fit a Python step per document), and a batch's rows are
+(`walk`: ``split="rows"`` in numpy; best-fit one ``bisect`` step per document, its pieces laid
+out per chunk in numpy, `_BestFitChunks`), and a batch's rows are
 picked out of each chunk with one mask. Every chunk ends at a `PackCursor` — the rows emitted,
 the documents consumed, and the packer's open rows (at most ``bins``; ``split="rows"``: where
 the open row starts) — from which a walk continues exactly as the uninterrupted one would. A
@@ -607,8 +608,137 @@ class MixDraws:
         return tuple((a + int(x), b + int(y)) for a, b, x, y in zip(self.drawn, self.tokens, d.tolist(), t.tolist()))
 
 
+class _BestFitChunks:
+    """Best-fit packing into at most ``bins`` open rows (see the module docstring), a chunk of
+    documents at a time: exactly `_BestFit`'s rows (the rule one document at a time, kept as
+    the reference the tests check this against), with the per-document step cut to what the
+    rule needs — a ``bisect`` over the open rows' rooms, each kept as one integer ``room << SH
+    | row`` (ties: the oldest row, the smallest number), and the row the document went to.
+    Pieces are never built per document: a chunk's rows are laid out from the documents'
+    arrays and the rows each went to, in numpy (`_emit`)."""
+
+    SH = 40  # row numbers (opened since the cursor) below 2^40
+    MASK = (1 << SH) - 1
+
+    def __init__(self, length: int, bins: int):
+        self.length, self.bins = length, bins
+        self.spaces: list[int] = []  # room << SH | row of the open rows, sorted
+        self.keys: dict[int, int] = {}  # row → its key in spaces; insertion order = opening order
+        self.seq = 0
+        self.carry = np.zeros((0, PIECE), dtype=np.int64)  # the open rows' pieces: (row, doc, start, count, length)
+
+    @classmethod
+    def at(cls, length: int, bins: int, rows=()) -> _BestFitChunks:
+        """A packer whose open rows are ``rows`` (a `PackCursor`'s, in the order they were opened)."""
+        self = cls(length, bins)
+        pieces: list[tuple] = []
+        for row in rows:
+            s, self.seq = self.seq, self.seq + 1
+            key = (length - sum(p[2] for p in row)) << self.SH | s
+            self.keys[s] = key
+            bisect.insort(self.spaces, key)
+            pieces += [(s, *p) for p in row]
+        self.carry = np.array(pieces, dtype=np.int64).reshape(-1, PIECE)
+        return self
+
+    def state(self) -> tuple:
+        """The open rows, in the order they were opened (what a `PackCursor` carries)."""
+        if not self.keys:
+            return ()
+        c = self.carry[np.argsort(self.carry[:, 0], kind="stable")]  # each row's pieces together, in order
+        rows, first = np.unique(c[:, 0], return_index=True)
+        pieces = list(map(tuple, c[:, 1:].tolist()))
+        bounds = np.append(first, len(c)).tolist()
+        at = dict(zip(rows.tolist(), zip(bounds, bounds[1:])))
+        return tuple(tuple(pieces[a:b]) for a, b in map(at.__getitem__, self.keys))
+
+    def add(self, ids: np.ndarray, lens: np.ndarray, drop: bool, first: int) -> tuple[int, np.ndarray]:
+        """Pack a chunk of documents: ``(rows emitted, their pieces)``, rows numbered from ``first``."""
+        L, bins, SH, MASK = self.length, self.bins, self.SH, self.MASK
+        spaces, keys, seq = self.spaces, self.keys, self.seq
+        left, insort, pop, remove = bisect.bisect_left, bisect.insort, spaces.pop, spaces.remove
+        went = [-1] * len(lens)  # the row each document's (last) piece went to; -1: none
+        emitted: list[int] = []
+        whole: list[tuple[int, int, int]] = []  # (row, document's index, start): full rows of a long document
+        for j, n in enumerate(lens.tolist()):
+            if n > L:
+                if drop:
+                    continue
+                start = 0
+                while n - start > L:
+                    whole.append((seq, j, start))
+                    emitted.append(seq)
+                    seq += 1
+                    start += L
+                n -= start
+            elif not n:
+                continue
+            i = left(spaces, n << SH)
+            if i < len(spaces):
+                key = pop(i)
+                s = key & MASK
+                room = (key >> SH) - n
+                if room:
+                    key = room << SH | s
+                    insort(spaces, key)
+                    keys[s] = key
+                else:  # full: emitted now
+                    del keys[s]
+                    emitted.append(s)
+            else:
+                if len(keys) >= bins:  # the oldest open row is closed
+                    old = next(iter(keys))
+                    remove(keys.pop(old))
+                    emitted.append(old)
+                s, seq = seq, seq + 1
+                if n < L:
+                    key = (L - n) << SH | s
+                    insort(spaces, key)
+                    keys[s] = key
+                else:
+                    emitted.append(s)
+            went[j] = s
+        self.seq = seq
+        rows = np.asarray(went, dtype=np.int64)
+        placed = rows >= 0
+        last = np.where(lens > L, (lens - 1) // L * L, 0)  # a long document's last piece starts there
+        parts = [self.carry]
+        if whole:
+            w = np.asarray(whole, dtype=np.int64)
+            parts.append(np.stack([w[:, 0], ids[w[:, 1]], w[:, 2], np.full(len(w), L), lens[w[:, 1]]], axis=1))
+        if placed.any():
+            d = np.flatnonzero(placed)
+            parts.append(np.stack([rows[d], ids[d], last[d], lens[d] - last[d], lens[d]], axis=1))
+        return self._emit(np.concatenate(parts) if len(parts) > 1 else self.carry, emitted, first)
+
+    def flush(self, first: int) -> tuple[int, np.ndarray]:
+        """The open rows, emitted in the order they were opened (the epoch's end)."""
+        rows = list(self.keys)
+        self.keys, self.spaces = {}, []
+        return self._emit(self.carry, rows, first)
+
+    def _emit(self, pieces: np.ndarray, emitted: list[int], first: int) -> tuple[int, np.ndarray]:
+        """Rows ``emitted`` (in that order) of ``pieces`` (the packer's, each row's in the order
+        they were added) as a block numbered from ``first``; the rest stay open."""
+        if not emitted:
+            self.carry = pieces
+            return 0, pieces[:0]
+        e = np.asarray(emitted, dtype=np.int64)
+        order = np.argsort(e, kind="stable")
+        ranked = e[order]
+        at = np.minimum(np.searchsorted(ranked, pieces[:, 0]), len(e) - 1)
+        out = ranked[at] == pieces[:, 0]
+        rank = order[at[out]]
+        keep = np.argsort(rank, kind="stable")
+        block = pieces[out][keep]
+        block[:, 0] = first + rank[keep]
+        self.carry = pieces[~out]
+        return len(e), block
+
+
 class _BestFit:
-    """Best-fit packing into at most ``bins`` open rows (see the module docstring)."""
+    """Best-fit packing into at most ``bins`` open rows (see the module docstring), one document
+    at a time: the rule as written, the reference `_BestFitChunks` is checked against."""
 
     def __init__(self, length: int, bins: int):
         self.length, self.bins = length, bins
@@ -710,7 +840,8 @@ def walk(order, lengths, pack: Pack, cursor: PackCursor | None = None) -> Iterat
     token offsets in the epoch's concatenation (a cumulative sum), document ``d`` spans rows
     ``begin_d // L … (end_d - 1) // L`` and its piece in row ``r`` is ``[max(begin_d, r·L),
     min(end_d, (r + 1)·L))`` — one expansion for the chunk, no step per document. Best-fit steps
-    per document (`_BestFit`, a few list operations each)."""
+    per document through its open rows' rooms (`_BestFitChunks`: a bisect and the row each
+    document went to), the chunk's pieces laid out in numpy."""
     L = pack.length
     drop = pack.long is PackLong.DROP
     epoch = getattr(order, "epoch", 0) if cursor is None else cursor.epoch
@@ -721,20 +852,15 @@ def walk(order, lengths, pack: Pack, cursor: PackCursor | None = None) -> Iterat
         return draws.at(j) if draws is not None else ()
 
     if pack.split is PackSplit.DOCUMENTS:
-        packer, done = _BestFit.at(L, pack.bins, cursor.open), cursor.rows
+        packer, done = _BestFitChunks.at(L, pack.bins, cursor.open), cursor.rows
         for lo, ids, lens, draws in _chunks(order, lengths, cursor.documents, cursor.mixture):
-            out: list = []
-            add = packer.add
-            for doc, n in zip(ids.tolist(), lens.tolist()):
-                if not (drop and n > L):
-                    add(doc, n, out)
-            block = _block(out, done) if out else np.zeros((0, PIECE), dtype=np.int64)
-            done += len(out)
+            rows, block = packer.add(ids, lens, drop, done)
+            done += rows
             end_mix = mix_at(draws, len(ids))
-            yield len(out), block, PackCursor(epoch, done, lo + len(ids), 0, packer.state(), end_mix)
-        rest = packer.flush()
-        if rest:
-            yield len(rest), _block(rest, done), PackCursor(epoch, done + len(rest), order.n, mixture=end_mix)
+            yield rows, block, PackCursor(epoch, done, lo + len(ids), 0, packer.state(), end_mix)
+        rows, block = packer.flush(done)
+        if rows:
+            yield rows, block, PackCursor(epoch, done + rows, order.n, mixture=end_mix)
         return
     done = cursor.rows  # rows emitted
     tokens = done * L - cursor.offset  # tokens before the next chunk, in the epoch's concatenation
@@ -1230,14 +1356,15 @@ class PackBuilder:
     Either way each document's length must be the one the plan used (a lengths file that lies is
     named)."""
 
-    def __init__(self, inner, features: list[Feature], lengths: DocLengths, pad_id: int = 0):
-        self.inner, self.lengths, self.pad_id = inner, lengths, pad_id
+    def __init__(self, inner, features: list[Feature], lengths: DocLengths, pad_id: int = 0, segments: bool = True):
+        self.inner, self.lengths, self.pad_id, self.segments = inner, lengths, pad_id, segments
         self.reader, self.budget = inner.reader, inner.budget
         self.features = [(f.name, np.dtype(f.dtype)) for f in features]
         self.return_index = False
         self.transform = self.batch_transform = None
         self.post = inner.batch_transform
         self._shards: TokenShards | None | bool = False  # the fast path's checked shards (False: not looked at)
+        self._pads: dict[tuple[str, int], memoryview] = {}
 
     @property
     def alloc(self):
@@ -1319,10 +1446,15 @@ class PackBuilder:
         full = total == rows * width  # every row full (no row holds more): the flat arrays are the batch
         alloc = self.inner.alloc
         direct = full and alloc is None  # ... taken as they are, no copy
+        # rows with room left, sliced from the shards: each row's padding joined in after its
+        # pieces, so the joined arrays are the batch too (no copy row by row)
+        padded = not full and alloc is None and fast is not None
         alloc = alloc or np.empty
         if not full:
             fill = np.bincount(row, weights=count, minlength=rows).astype(np.int64)
             cuts = np.concatenate([[0], np.cumsum(fill)]).tolist()
+            gap = width - fill  # each row's padding
+            ends = np.cumsum(np.bincount(row, minlength=rows))  # where each row's pieces end
 
         def place(flat: np.ndarray, dtype, pad) -> np.ndarray:
             if direct:
@@ -1344,6 +1476,12 @@ class PackBuilder:
                 size = dtype.itemsize
                 lo = offsets[:, i] + start * size
                 cut = map(view.__getitem__, map(slice, lo.tolist(), (lo + count * size).tolist()))
+                if padded:
+                    slices, pad = list(cut), self._pad(dtype, width)
+                    for r in np.flatnonzero(gap)[::-1].tolist():
+                        slices.insert(int(ends[r]), pad[: int(gap[r]) * size])
+                    out[name] = np.frombuffer(bytearray().join(slices), dtype.newbyteorder("<")).reshape(rows, width)
+                    continue
                 joined = bytearray().join(cut) if direct else b"".join(cut)  # (a bytearray: the batch is writable)
                 out[name] = place(np.frombuffer(joined, dtype.newbyteorder("<"), count=total), dtype, self.pad_id)
             if tick is not None:  # the decode: the slices joined
@@ -1355,17 +1493,10 @@ class PackBuilder:
                 out[name] = place(
                     np.concatenate(parts or [np.zeros(0, dtype)]).astype(dtype, copy=False), dtype, self.pad_id
                 )
-        new_row = np.empty(len(row), dtype=bool)
-        new_row[:1] = True
-        np.not_equal(row[1:], row[:-1], out=new_row[1:])
-        idx = np.arange(len(row))
-        row_first = np.maximum.accumulate(np.where(new_row, idx, 0))
-        before = (np.cumsum(count) - count).astype(np.int32)
-        seg = place(np.repeat((idx - row_first + 1).astype(np.int32), count), np.int32, 0)
-        ramp = np.arange(total, dtype=np.int32)
-        ramp -= np.repeat(before, count)
-        pos = place(ramp, np.int32, 0)
-        out[SEGMENT_IDS], out[POSITIONS] = seg, pos
+        if self.segments:
+            out[SEGMENT_IDS], out[POSITIONS] = self._segments(
+                row, count, total, place, (gap, ends, rows * width) if padded else None
+            )
         if tick is not None:
             tick.tick("batch")
         if self.post is not None:
@@ -1373,6 +1504,43 @@ class PackBuilder:
             if tick is not None:
                 tick.tick("transform")
         return out
+
+    def _pad(self, dtype: np.dtype, width: int) -> memoryview:
+        """A row of ``pad_id`` in ``dtype`` (little-endian bytes), made once."""
+        key = (dtype.str, width)
+        got = self._pads.get(key)
+        if got is None:
+            got = self._pads[key] = memoryview(np.full(width, self.pad_id, dtype.newbyteorder("<")).tobytes())
+        return got
+
+    @staticmethod
+    def _segments(row: np.ndarray, count: np.ndarray, total: int, place, padded=None) -> tuple[np.ndarray, np.ndarray]:
+        """``(segment_ids, positions)`` of pieces ``(row, count)`` laid row by row; ``padded``:
+        ``(each row's padding, where each row's pieces end, rows × width)`` — built with the
+        padding as a piece of segment 0 at each row's end, in place."""
+        new_row = np.empty(len(row), dtype=bool)
+        new_row[:1] = True
+        np.not_equal(row[1:], row[:-1], out=new_row[1:])
+        idx = np.arange(len(row))
+        row_first = np.maximum.accumulate(np.where(new_row, idx, 0))
+        seg_of = (idx - row_first + 1).astype(np.int32)
+        if padded is not None:  # one padding piece after each row's pieces (piece i moves on by its row)
+            gap, ends, total = padded
+            rows = len(gap)
+            moved, pads = idx + row, ends + np.arange(rows)
+            count_p = np.empty(len(row) + rows, dtype=np.int64)
+            count_p[moved], count_p[pads] = count, gap
+            seg_p = np.zeros(len(row) + rows, dtype=np.int32)
+            seg_p[moved] = seg_of
+            count, seg_of = count_p, seg_p
+        before = (np.cumsum(count) - count).astype(np.int32)
+        seg = np.repeat(seg_of, count)
+        ramp = np.arange(total, dtype=np.int32)
+        ramp -= np.repeat(before, count)
+        if padded is not None:
+            np.multiply(ramp, seg != 0, out=ramp)  # padding: position 0
+            return seg.reshape(rows, -1), ramp.reshape(rows, -1)
+        return place(seg, np.int32, 0), place(ramp, np.int32, 0)
 
 
 # ---- the Loader's wiring ------------------------------------------------------------------------
@@ -1419,7 +1587,7 @@ def check_token_batch(plan, features) -> None:
                     f"pack pad_id={pad} does not fit feature {f.name!r} ({dtype.name}: {lo} to {hi:,}); "
                     f"pick a pad_id in that range"
                 )
-    per_token = sum(np.dtype(f.dtype).itemsize for f in features) + 8  # + segment_ids, positions (int32)
+    per_token = sum(np.dtype(f.dtype).itemsize for f in features) + 8 * plan.pack.segments  # + segment_ids, positions
     need = plan.batch_size * plan.pack.length * per_token
     try:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -1454,4 +1622,5 @@ def token_stages(sampler, builder, splits, stored: list[list[Feature]], features
     check_token_batch(plan, features)
     lengths = DocLengths(splits, [st[0].name for st in stored])
     pad = plan.pack.pad_id if plan.pack is not None else 0
-    return PackSampler(sampler, lengths, options), PackBuilder(builder, features, lengths, pad)
+    segments = plan.pack is None or plan.pack.segments
+    return PackSampler(sampler, lengths, options), PackBuilder(builder, features, lengths, pad, segments)
