@@ -121,6 +121,27 @@ def served_batches(proc: subprocess.Popen, endpoint_file: Path, log: Path) -> li
     return got
 
 
+def served_rows(tmp_path: Path, source, row) -> list:
+    """``row(meta, batch)`` of every batch a `crossfeed serve SOURCE tcp://127.0.0.1:0 --batch-size 4
+    --epochs 2 --seed 3 --threads 1` child streams (fast heartbeats; read through
+    `crossfeed.net.connect`), after the child has exited cleanly (its log: ``tmp_path/serve.log``)."""
+    from crossfeed.net import connect
+
+    ep, log = tmp_path / "ep", tmp_path / "serve.log"
+    proc = child(
+        "cli", "serve", str(source), "tcp://127.0.0.1:0", "--batch-size", "4", "--epochs", "2", "--seed", "3",
+        "--threads", "1", "--heartbeat-interval", "0.1", "--heartbeat-timeout", "2", "--endpoint-file", str(ep),
+        log=log,
+    )  # fmt: skip
+    try:
+        with connect(read_endpoint(ep, procs=[proc]), with_meta=True, **FAST_HB) as client:
+            got = [row(m, b) for m, b in client]
+        assert proc.wait(30) == 0, log.read_text()
+    finally:
+        stop(proc)
+    return got
+
+
 def read_lines(path: Path) -> list[str]:
     if not path.exists():
         return []

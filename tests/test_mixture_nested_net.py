@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from net_helpers import FAST_HB, child, read_endpoint, stop
+from net_helpers import served_rows
 
 import crossfeed
-from crossfeed.net import connect
 from crossfeed.read.sources.mixture_file import load_mixture_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # real processes
@@ -38,18 +37,7 @@ def test_serve_streams_a_nested_spec_with_a_delta_view_in_the_loaders_order(tmp_
     assert [str(s.path).rsplit("/", 1)[1] for s in sources] == ["hq", "daily@v1", "daily@v2-v1"]
     with crossfeed.Loader(sources, batch_size=4, seed=3, samples_per_epoch=n, return_index=True) as loader:
         want = [(e, b["__source__"].tolist(), b["id"].tolist()) for e in range(2) for b in loader]
-    ep = tmp_path / "ep"
-    proc = child(
-        "cli", "serve", str(spec), "tcp://127.0.0.1:0", "--batch-size", "4", "--epochs", "2", "--seed", "3",
-        "--threads", "1", "--heartbeat-interval", "0.1", "--heartbeat-timeout", "2", "--endpoint-file", str(ep),
-        log=tmp_path / "serve.log",
-    )  # fmt: skip
-    try:
-        with connect(read_endpoint(ep, procs=[proc]), with_meta=True, **FAST_HB) as client:
-            got = [(m.epoch, b["__source__"].tolist(), b["id"].tolist()) for m, b in client]
-        assert proc.wait(30) == 0, (tmp_path / "serve.log").read_text()
-    finally:
-        stop(proc)
+    got = served_rows(tmp_path, spec, lambda m, b: (m.epoch, b["__source__"].tolist(), b["id"].tolist()))
     assert got == want and len(got) == 16
     ids = [i for _, _, b in got for i in b]
     assert not any(100 <= i < 1000 for i in ids[:16]) and any(100 <= i < 1000 for i in ids[16:])

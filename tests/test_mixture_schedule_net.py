@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 from dispatch_helpers import start_dispatcher, start_server
-from net_helpers import FAST_HB, child, read_endpoint, stop
+from net_helpers import FAST_HB, served_rows, stop
 
 import crossfeed
 from crossfeed.net import connect
@@ -42,18 +42,9 @@ def _want(spec, epochs: int = 2):
 
 
 def test_serve_streams_a_scheduled_mixture_in_the_loaders_order(tmp_path, spec):
-    ep = tmp_path / "ep"
-    proc = child(
-        "cli", "serve", str(spec), "tcp://127.0.0.1:0", "--batch-size", "4", "--epochs", "2", "--seed", "3",
-        "--threads", "1", "--heartbeat-interval", "0.1", "--heartbeat-timeout", "2", "--endpoint-file", str(ep),
-        log=tmp_path / "serve.log",
-    )  # fmt: skip
-    try:
-        with connect(read_endpoint(ep, procs=[proc]), with_meta=True, **FAST_HB) as client:
-            got = [(m.epoch, b["__source__"].tolist(), m.sample_ids.tolist(), b["id"].tolist()) for m, b in client]
-        assert proc.wait(30) == 0, (tmp_path / "serve.log").read_text()
-    finally:
-        stop(proc)
+    got = served_rows(
+        tmp_path, spec, lambda m, b: (m.epoch, b["__source__"].tolist(), m.sample_ids.tolist(), b["id"].tolist())
+    )
     want = _want(spec)
     assert got == want and len(got) == 20
     src = np.concatenate([s for _, s, _, _ in got])

@@ -6,11 +6,10 @@ import json
 
 import numpy as np
 import pytest
-from net_helpers import FAST_HB, child, read_endpoint, stop
+from net_helpers import served_rows
 
 import crossfeed
 from crossfeed.errors import ConfigError
-from crossfeed.net import connect
 from crossfeed.read.sources.mixture_file import load_mixture_spec
 
 pytestmark = pytest.mark.timeout(90)
@@ -27,18 +26,9 @@ def test_serve_streams_a_mixture_in_the_loaders_order(tmp_path):
     spec.write_text(
         json.dumps({"sources": [{"path": "big", "weight": 3}, {"path": "small", "weight": 1}], "samples_per_epoch": 40})
     )
-    ep = tmp_path / "ep"
-    proc = child(
-        "cli", "serve", str(spec), "tcp://127.0.0.1:0", "--batch-size", "4", "--epochs", "2", "--seed", "3",
-        "--threads", "1", "--heartbeat-interval", "0.1", "--heartbeat-timeout", "2", "--endpoint-file", str(ep),
-        log=tmp_path / "serve.log",
-    )  # fmt: skip
-    try:
-        with connect(read_endpoint(ep, procs=[proc]), with_meta=True, **FAST_HB) as client:
-            got = [(m.epoch, b["__source__"].tolist(), m.sample_ids.tolist(), b["id"].tolist()) for m, b in client]
-        assert proc.wait(30) == 0, (tmp_path / "serve.log").read_text()
-    finally:
-        stop(proc)
+    got = served_rows(
+        tmp_path, spec, lambda m, b: (m.epoch, b["__source__"].tolist(), m.sample_ids.tolist(), b["id"].tolist())
+    )
     sources, n = load_mixture_spec(spec)
     with crossfeed.Loader(sources, batch_size=4, seed=3, samples_per_epoch=n, return_index=True) as loader:
         want = [
