@@ -268,6 +268,7 @@ def main() -> None:
     flat, off = _arrays(root)
     total = len(flat)
     id_sum = int(flat.sum(dtype=np.uint64))
+    rows_sum = int(flat[: total // a.length * a.length].sum(dtype=np.uint64))  # less the tail under a row
     print(f"corpus: {len(off) - 1:,} documents, {total:,} uint32 tokens (mean {total / (len(off) - 1):.0f})")
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     systems = []
@@ -319,7 +320,8 @@ def main() -> None:
     )
     print("  (tok/CPU-s: tokens per CPU-second of the process's own CPU, workers=0 only — the load barely moves it;")
     print("   epoch: row tokens the epoch delivered over the corpus's tokens, padding included;")
-    print("   ids: the sum of the token ids delivered over the corpus's — 'all' when equal: every token once)")
+    print("   ids: the sum of the token ids delivered over the corpus's — 'all' when equal: every token once;")
+    print(f"   'all-tail': every token but the corpus's last {total % a.length:,}, under one row, which is dropped)")
     head = f"  {'system':<34} {'workers':>7} {'tokens/s':>12} {'× LitData':>10} {'× Mosaic':>9}"
     print(f"{head} {'tok/CPU-s':>12} {'× LitData':>10} {'× Mosaic':>9} {'epoch':>6} {'ids':>8}")
 
@@ -336,7 +338,8 @@ def main() -> None:
             line += f" {c / 1e6:10.1f} M {ratio(c, cpu.get(('ld', 0)), 10)} {ratio(c, cpu.get(('mds', 0)), 9)}"
         if (system, workers) in seen:
             got = sums[(system, workers)]
-            line += f" {seen[(system, workers)] / total:6.3f} {'all' if got == id_sum else f'{got / id_sum:.5f}':>8}"
+            ids = "all" if got == id_sum else "all-tail" if got == rows_sum else f"{got / id_sum:.5f}"
+            line += f" {seen[(system, workers)] / total:6.3f} {ids:>8}"
         print(line)
 
 
