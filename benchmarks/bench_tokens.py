@@ -1,4 +1,5 @@
-"""Language-model tokens: packed rows of 2,048 — crossfeed beside LitData's ``TokensLoader``.
+"""Language-model tokens: packed rows of 2,048 — crossfeed beside LitData's ``TokensLoader`` and
+MosaicML Streaming.
 
 One generated corpus (``--docs`` documents of log-normal length, mean ~600 tokens, σ = 1,
 uint32 ids below 50,000; built once under ``--data``), written by each tool's own writer, then
@@ -12,30 +13,41 @@ read for one epoch (shuffled) as batches of ``--batch`` rows of ``--length`` tok
   (2 threads) is printed beside it; through ``crossfeed.adapters.torch.TorchDataset`` +
   ``StatefulLoader(num_workers=2)`` for the worker rows;
 * **LitData** ``StreamingDataset(ld, item_loader=TokensLoader(block_size=L), shuffle=True)``
-  through ``StreamingDataLoader(batch_size=B, num_workers=0 / 2)`` (concatenate and chunk).
+  through ``StreamingDataLoader(batch_size=B, num_workers=0 / 2)`` (concatenate and chunk);
+* **MosaicML Streaming** the pre-tokenized LM path llm-foundry uses: the writer concatenates the
+  documents and cuts rows of L tokens at write time (``MDSWriter(columns={"tokens":
+  "ndarray:uint32"})``, 64 MB shards, no compression), read by
+  ``StreamingDataset(local=mds, shuffle=True, batch_size=B)`` through a torch
+  ``DataLoader(batch_size=B, num_workers=0 / 2)``.
 
 Printed per system: tokens/s (row tokens delivered per second, the first batch excluded) and
-crossfeed's ratio to LitData's; and the write time of the same token arrays: crossfeed
-``write_dataset`` (8 shards; lengths files — what packing plans from — beside them) against
-LitData's ``optimize`` (``TokensLoader``, one worker). Each read runs in a process of its own;
-the machine's load average is printed beside the numbers.
+crossfeed's ratio to LitData's and MosaicML's; the share of the corpus's tokens the epoch
+delivered (row tokens, padding included, over corpus tokens: ~1 for concatenate-and-chunk — every
+token once, less the tail — a little over 1 for best-fit, which pads); and the write time of the
+same token arrays (tokenization excluded): crossfeed ``write_dataset`` (8 shards; lengths files —
+what packing plans from — written in the same pass) against LitData's ``optimize``
+(``TokensLoader``, one worker) and MosaicML's ``MDSWriter``. Each read runs in a process of its
+own; the machine's load average is printed beside the numbers.
 
-    .venv/bin/python -m pip install litdata --no-deps lightning-utilities obstore tifffile
-    .venv/bin/python benchmarks/bench_tokens.py                      # 20,000 documents, ~2 minutes on 2 cores
+    make bench-env                                                    # pip install --no-deps -r requirements-bench.txt
+    .venv/bin/python benchmarks/bench_tokens.py                      # 20,000 documents, ~3 minutes on 2 cores
     .venv/bin/python benchmarks/bench_tokens.py --docs 50000 --repeat 3
 
-LitData is a benchmark-only package (benchmarks/requirements-bench.txt), never a dependency.
+LitData and MosaicML Streaming are benchmark-only packages (benchmarks/requirements-bench.txt),
+never dependencies; a system whose package is not importable is left out, and said so.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 
@@ -43,7 +55,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 LENGTH, BATCH, VOCAB, MEAN, SIGMA, SHARDS = 2048, 16, 50_000, 600.0, 1.0, 8
-SYSTEMS = ("xf-rows", "xf-rows-bare", "xf-best", "xf-rows-threads", "ld")
+SYSTEMS = ("xf-rows", "xf-rows-bare", "xf-best", "xf-rows-threads", "ld", "mds")
+PEERS = {"ld": "litdata", "mds": "streaming"}  # peer system -> the package it needs
 
 
 def corpus(data: str, docs: int) -> str:
@@ -114,23 +127,78 @@ def write_litdata(root: str) -> float:
     return time.perf_counter() - t
 
 
-class Count:
-    def __init__(self):
-        self.tokens = self.batches = 0
-        self.t0 = None
+def streaming_base():
+    """``streaming.base`` (``MDSWriter``, ``StreamingDataset``) without the top-level package's
+    vision and text modules (they import torchvision); None when MosaicML Streaming is not
+    importable (as benchmarks/bench_cache.py)."""
+    if "streaming" not in sys.modules:
+        spec = importlib.util.find_spec("streaming")
+        if spec is None or spec.submodule_search_locations is None:
+            return None
+        pkg = types.ModuleType("streaming")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        sys.modules["streaming"] = pkg
+    try:
+        import streaming.base as base
+    except ImportError:
+        return None
+    return base
 
-    def add(self, tokens: int) -> None:
+
+def write_mosaic(root: str, length: int = LENGTH) -> float:
+    """llm-foundry's pre-tokenized path (``ConcatTokensDataset`` + ``MDSWriter``): documents are
+    concatenated and cut into rows of ``length`` tokens at write time (the tail under one row is
+    dropped), one MDS sample per row."""
+    base = streaming_base()
+    flat, off = _arrays(root)
+    out = os.path.join(root, "mds")
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.perf_counter()
+    with base.MDSWriter(out=out, columns={"tokens": "ndarray:uint32"}, size_limit=1 << 26) as w:
+        pending: list[np.ndarray] = []
+        held = 0
+        for i in range(len(off) - 1):
+            doc = flat[off[i] : off[i + 1]]
+            pending.append(doc)
+            held += len(doc)
+            if held >= length:
+                buf = np.concatenate(pending)
+                rows = len(buf) // length
+                for r in range(rows):
+                    w.write({"tokens": buf[r * length : (r + 1) * length]})
+                rest = buf[rows * length :]
+                pending, held = [rest], len(rest)
+    return time.perf_counter() - t
+
+
+class Count:
+    """Row tokens per second from the second batch on, and a checksum of every token delivered (the
+    first batch too): the sum of the ids, timed apart and left out of the rate."""
+
+    def __init__(self):
+        self.tokens = self.batches = self.seen = self.total = 0  # seen, total: the first batch too
+        self.t0 = None
+        self.checking = self.checking_cpu = 0.0
+
+    def add(self, tokens) -> None:
+        t, c = time.perf_counter(), time.process_time()
+        a = tokens.numpy() if hasattr(tokens, "numpy") else tokens
+        self.total += int(a.sum(dtype=np.uint64))
+        self.checking += time.perf_counter() - t
+        self.checking_cpu += time.process_time() - c
+        self.seen += a.size
         if self.t0 is None:
             self.t0, self.c0 = time.perf_counter(), time.process_time()
+            self.checking = self.checking_cpu = 0.0
         else:
-            self.tokens += tokens
+            self.tokens += a.size
         self.batches += 1
 
     def rate(self) -> float:
-        return self.tokens / (time.perf_counter() - self.t0)
+        return self.tokens / (time.perf_counter() - self.t0 - self.checking)
 
     def cpu_rate(self) -> float:
-        return self.tokens / max(1e-9, time.process_time() - self.c0)
+        return self.tokens / max(1e-9, time.process_time() - self.c0 - self.checking_cpu)
 
 
 def read(system: str, root: str, workers: int, length: int, batch: int) -> dict:
@@ -150,12 +218,20 @@ def read(system: str, root: str, workers: int, length: int, batch: int) -> dict:
             with TorchDataset(path, rank=0, world_size=1, **opts) as ds:
                 loader = StatefulLoader(ds, num_workers=workers)
                 for b in loader:
-                    count.add(int(b["tokens"].numel()))
+                    count.add(b["tokens"])
                 loader.close()
         else:
             with crossfeed.Loader(path, **opts) as loader:
                 for b in loader:
-                    count.add(int(b["tokens"].size))
+                    count.add(b["tokens"])
+    elif system == "mds":
+        import torch.utils.data
+
+        base = streaming_base()
+        base.util.clean_stale_shared_memory()
+        ds = base.StreamingDataset(local=os.path.join(root, "mds"), shuffle=True, shuffle_seed=0, batch_size=batch)
+        for b in torch.utils.data.DataLoader(ds, batch_size=batch, num_workers=workers):
+            count.add(b["tokens"])
     else:
         from litdata import StreamingDataLoader, StreamingDataset
         from litdata.streaming.item_loader import TokensLoader
@@ -164,8 +240,15 @@ def read(system: str, root: str, workers: int, length: int, batch: int) -> dict:
             os.path.join(root, "ld"), item_loader=TokensLoader(block_size=length), shuffle=True, seed=0
         )
         for b in StreamingDataLoader(ds, batch_size=batch, num_workers=workers):
-            count.add(int(b.numel()))
-    return {"rate": count.rate(), "cpu_rate": count.cpu_rate(), "tokens": count.tokens, "batches": count.batches}
+            count.add(b)
+    return {
+        "rate": count.rate(),
+        "cpu_rate": count.cpu_rate(),
+        "tokens": count.tokens,
+        "seen": count.seen,
+        "sum": count.total,
+        "batches": count.batches,
+    }
 
 
 def main() -> None:
@@ -185,24 +268,42 @@ def main() -> None:
         return
     root = corpus(a.data, a.docs)
     flat, off = _arrays(root)
-    print(f"corpus: {len(off) - 1:,} documents, {len(flat):,} uint32 tokens (mean {len(flat) / (len(off) - 1):.0f})")
+    total = len(flat)
+    id_sum = int(flat.sum(dtype=np.uint64))
+    rows_sum = int(flat[: total // a.length * a.length].sum(dtype=np.uint64))  # less the tail under a row
+    print(f"corpus: {len(off) - 1:,} documents, {total:,} uint32 tokens (mean {total / (len(off) - 1):.0f})")
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    systems = a.systems.split(",")
+    systems = []
+    for system in a.systems.split(","):
+        package = PEERS.get(system)
+        if package and importlib.util.find_spec(package) is None:
+            print(f"  {system}: {package} is not importable here (benchmarks/requirements-bench.txt): left out")
+        elif system == "mds" and streaming_base() is None:
+            print("  mds: streaming.base does not import here (benchmarks/requirements-bench.txt): left out")
+        else:
+            systems.append(system)
     writes = {"crossfeed write_dataset": write_crossfeed(root)}
     if "ld" in systems:
         writes["LitData optimize"] = write_litdata(root)
-    print("\nwrite the same token arrays (s):")
+    if "mds" in systems:
+        writes["MosaicML MDSWriter"] = write_mosaic(root, a.length)
+    print("\nwrite the same token arrays (s; tokenization excluded; crossfeed with its lengths files):")
+    xf_write = writes["crossfeed write_dataset"]
     for k, v in writes.items():
-        print(f"  {k:<28} {v:6.2f}")
+        ratio = f"  crossfeed takes {xf_write / v:.2f}× its time" if k != "crossfeed write_dataset" else ""
+        print(f"  {k:<28} {v:6.2f}{ratio}")
     labels = {
         "xf-rows": 'crossfeed Pack(L, split="rows")',
         "xf-rows-bare": 'crossfeed split="rows", segments=False',
         "xf-best": "crossfeed Pack(L) best-fit",
         "xf-rows-threads": 'crossfeed split="rows", 2 threads',
         "ld": "LitData TokensLoader",
+        "mds": "MosaicML StreamingDataset",
     }
     results: dict[tuple[str, int], float] = {}
     cpu: dict[tuple[str, int], float] = {}
+    seen: dict[tuple[str, int], int] = {}
+    sums: dict[tuple[str, int], int] = {}
     for workers in [int(w) for w in a.workers.split(",")]:
         for system in systems:
             best = best_cpu = 0.0
@@ -215,18 +316,34 @@ def main() -> None:
                     break
                 row = json.loads(got.stdout.strip().splitlines()[-1])
                 best, best_cpu = max(best, row["rate"]), max(best_cpu, row["cpu_rate"])
+                seen[(system, workers)], sums[(system, workers)] = row["seen"], row["sum"]
             results[(system, workers)], cpu[(system, workers)] = best, best_cpu
     print(
         f"\ntokens/s, rows of {a.length}, batch {a.batch}, best of {a.repeat} epochs (load now {os.getloadavg()[0]:.2f}):"
     )
-    print("  (tokens per CPU-second: the process's own CPU, workers=0 only — the load barely moves it)")
-    print(f"  {'system':<40} {'workers':>7} {'tokens/s':>12} {'× LitData':>10} {'tok/CPU-s':>12} {'× LitData':>10}")
+    print("  (tok/CPU-s: tokens per CPU-second of the process's own CPU, workers=0 only — the load barely moves it;")
+    print("   epoch: row tokens the epoch delivered over the corpus's tokens, padding included;")
+    print("   ids: the sum of the token ids delivered over the corpus's — 'all' when equal: every token once;")
+    print(f"   'all-tail': every token but the corpus's last {total % a.length:,}, under one row, which is dropped)")
+    head = f"  {'system':<34} {'workers':>7} {'tokens/s':>12} {'× LitData':>10} {'× Mosaic':>9}"
+    print(f"{head} {'tok/CPU-s':>12} {'× LitData':>10} {'× Mosaic':>9} {'epoch':>6} {'ids':>8}")
+
+    def ratio(num: float, den: float | None, width: int) -> str:
+        return f"{num / den:{width - 1}.2f}×" if den else " " * width
+
     for (system, workers), rate in results.items():
-        ref, cref = results.get(("ld", workers)), cpu.get(("ld", workers))
-        ratio = f"{rate / ref:9.2f}×" if ref else ""
-        per_cpu = f"{cpu[(system, workers)] / 1e6:10.1f} M" if not workers else ""
-        cratio = f"{cpu[(system, workers)] / cref:9.2f}×" if cref and not workers else ""
-        print(f"  {labels[system]:<40} {workers:>7} {rate / 1e6:10.1f} M {ratio:>10} {per_cpu:>12} {cratio:>10}")
+        c = cpu[(system, workers)]
+        line = f"  {labels[system]:<34} {workers:>7} {rate / 1e6:10.1f} M"
+        line += f" {ratio(rate, results.get(('ld', workers)), 10)} {ratio(rate, results.get(('mds', workers)), 9)}"
+        if workers:
+            line += " " * 34
+        else:
+            line += f" {c / 1e6:10.1f} M {ratio(c, cpu.get(('ld', 0)), 10)} {ratio(c, cpu.get(('mds', 0)), 9)}"
+        if (system, workers) in seen:
+            got = sums[(system, workers)]
+            ids = "all" if got == id_sum else "all-tail" if got == rows_sum else f"{got / id_sum:.5f}"
+            line += f" {seen[(system, workers)] / total:6.3f} {ids:>8}"
+        print(line)
 
 
 if __name__ == "__main__":
