@@ -325,7 +325,7 @@ def main() -> None:
     print("   epoch: row tokens the epoch delivered over the corpus's tokens, padding included;")
     print("   ids: the sum of the token ids delivered over the corpus's — 'all' when equal: every token once;")
     print(f"   'all-tail': every token but the corpus's last {total % a.length:,}, under one row, which is dropped)")
-    head = f"  {'system':<34} {'workers':>7} {'tokens/s':>12} {'× LitData':>10} {'× Mosaic':>9}"
+    head = f"  {'system':<40} {'workers':>7} {'tokens/s':>12} {'× LitData':>10} {'× Mosaic':>9}"
     print(f"{head} {'tok/CPU-s':>12} {'× LitData':>10} {'× Mosaic':>9} {'epoch':>6} {'ids':>8}")
 
     def ratio(num: float, den: float | None, width: int) -> str:
@@ -333,7 +333,7 @@ def main() -> None:
 
     for (system, workers), rate in results.items():
         c = cpu[(system, workers)]
-        line = f"  {labels[system]:<34} {workers:>7} {rate / 1e6:10.1f} M"
+        line = f"  {labels[system]:<40} {workers:>7} {rate / 1e6:10.1f} M"
         line += f" {ratio(rate, results.get(('ld', workers)), 10)} {ratio(rate, results.get(('mds', workers)), 9)}"
         if workers:
             line += " " * 34
