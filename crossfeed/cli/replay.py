@@ -172,6 +172,7 @@ def replay(
     """Which samples were in step N of a rank: source, shard file, record in it and global key, planned
     again from the seed (no record is read, nothing logged during training); --dump writes them decoded."""
     from crossfeed.read.loader import Loader
+    from crossfeed.read.replay import take_state
 
     if rank >= world_size:
         raise typer.BadParameter(f"rank {rank} is not below --world-size {world_size}", param_hint="--rank")
@@ -190,8 +191,8 @@ def replay(
     with Loader(source, options) as loader:
         if saved is not None:
             _check_identity(saved, state, loader)
-            try:
-                loader.load_state_dict(saved)
+            try:  # checked; a packed state's cursor is where the walk to a later step starts
+                take_state(loader.pipeline, saved)
             except ConfigError as e:
                 raise ConfigError(f"--state {state}: {e}") from None
         try:

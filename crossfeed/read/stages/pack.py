@@ -1039,6 +1039,17 @@ class PackSampler:
                 break
         return np.concatenate(parts) if parts else np.zeros((0, PIECE), dtype=np.int64)
 
+    def rank_batch(self, epoch: int, position: int, b: int, rank: int) -> np.ndarray:
+        """Rank ``rank``'s batch ``b`` from ``position`` of epoch ``epoch``, encoded as `PackPlan`
+        yields it: global rows ``position + b·B·W …`` (`rows`: from the nearest cursor before
+        them), the rank's ``position + b·B·W + i·W + rank`` as its row ``i``."""
+        W = self.shard.world_size
+        lo = position + b * self.per_batch
+        pieces = self.rows(epoch, lo, lo + self.per_batch)
+        i, r = np.divmod(pieces[:, 0] - lo, W)
+        mine = r == rank
+        return _encoded(np.column_stack([i[mine], pieces[mine, 1:]]), self.options.batch_size, self.packing.length)
+
     def _token_count(self, epoch: int, position: int) -> int:
         key = (epoch, position)
         with self._lock:
