@@ -16,9 +16,9 @@ Printed: each run's epoch seconds and microseconds per delivered sample, wall an
 CPU (best of ``--rounds``, runs alternating; the CPU time is the steadier measure on a shared
 machine), and their ratios per delivered sample — the recipes' cost for the samples that arrive
 (skipped ones are never read, so a whole epoch is faster with them) — and that cost in CPU
-microseconds per delivered sample.
+microseconds per delivered sample (``--parts``: each recipe alone too).
 
-    .venv/bin/python benchmarks/bench_recipes.py [--n 400000] [--skip 100000] [--rounds 3] [--work 0]
+    .venv/bin/python benchmarks/bench_recipes.py [--n 400000] [--skip 100000] [--rounds 3] [--work 0] [--parts]
 
 ``--work 0`` (noise on 32 floats, a few microseconds) is the worst case: the per-sample
 generator's reset (one 96-byte write, `crossfeed.read.stages.recipes.PhiloxRewind`) and the
@@ -88,6 +88,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="builder threads (0: in the consumer's thread)")
     ap.add_argument("--work", type=int, default=0, help="extra numpy steps per sample (~1 us each)")
+    ap.add_argument("--parts", action="store_true", help="also each recipe alone (schedule, skip, rng)")
     a = ap.parse_args(argv)
     WORK[0] = a.work
     sys.path.insert(0, os.path.dirname(HERE))
@@ -100,9 +101,14 @@ def main(argv=None) -> None:
     common = {"num_threads": a.threads, "samples_per_epoch": a.n}
     plain = (_sources(big, small, a.n, False), {"transform": noise_shared, **common})
     recipe = (_sources(big, small, a.n, True), {"transform": noise_rng, "skip": skip, **common})
+    runs = {"plain": plain, "recipes": recipe}
+    if a.parts:  # each recipe alone over the plain run
+        runs["schedule"] = (recipe[0], plain[1])
+        runs["skip"] = (plain[0], {**plain[1], "skip": skip})
+        runs["rng"] = (plain[0], {**plain[1], "transform": noise_rng})
     best: dict[str, list] = {}
     for _ in range(a.rounds):
-        for name, (source, kw) in (("plain", plain), ("recipes", recipe)):
+        for name, (source, kw) in runs.items():
             wall, cpu, n = _epoch(source, **kw)
             b = best.setdefault(name, [wall, cpu, n])
             b[0], b[1] = min(b[0], wall), min(b[1], cpu)
@@ -116,7 +122,9 @@ def main(argv=None) -> None:
         print(
             f"recipes / plain per delivered sample ({what}): {ratio:.3f} (overhead {100 * (ratio - 1):+.1f}%; goal <= +5%)"
         )
-    print(f"recipes' cost: {1e6 * (rc / rn - pc / pn):+.2f} CPU-us per delivered sample")
+    for name in [k for k in best if k != "plain"]:
+        _, c, n = best[name]
+        print(f"cost of {name}: {1e6 * (c / n - pc / pn):+.2f} CPU-us per delivered sample")
     print(f"whole epoch, recipes / plain (CPU): {rc / pc:.3f} (skipped samples are never read)")
 
 

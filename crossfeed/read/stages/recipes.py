@@ -103,7 +103,7 @@ def epoch_of(ids, default: int) -> int:
 class SampleRngs:
     """Each sample's generator, cheaply: one Philox generator per thread, its key and counter
     reset for each sample, so its draws are `sample_rng`'s. The reset writes the bit generator's
-    state in place (`PhiloxRewind`: one 96-byte write) where numpy's layout is the expected one, else
+    state in place (`PhiloxRewind`: a 96-byte copy and the key's word) where numpy's layout is the expected one, else
     through ``state`` (~2-3 µs: a new generator is ~10x that). A generator is the sample's for
     the transform's call: the next sample's call resets it (``copy.deepcopy(rng)`` keeps one)."""
 
@@ -118,12 +118,11 @@ class SampleRngs:
         rewind, gen, k1 = local.rewind, local.gen, local.epoch[1]
         if rewind is None:
             return lambda sample: self.generator(seed, epoch, sample)
-        t, view = rewind.template, rewind.view
-        t[7], rewind._k1 = k1, k1
+        blank, state, words, key = rewind.blank(k1), rewind.bytes, rewind.words, rewind.KEY
 
         def rng(sample: int) -> np.random.Generator:
-            t[6] = sample
-            view[:] = t
+            state[:] = blank
+            words[key] = sample
             return gen
 
         return rng
@@ -151,7 +150,7 @@ class SampleRngs:
 
 class PhiloxRewind:
     """Resets one ``np.random.Philox`` to key ``(k0, k1)``, counter 0 and an empty buffer — what
-    ``bg.state = …`` does — with one write of 96 bytes where numpy keeps that state: through the
+    ``bg.state = …`` does — with a copy of 96 bytes where numpy keeps that state and the key's word: through the
     bit generator's ``ctypes.state_address``, numpy's ``philox_state`` (two pointers, then ``int
     buffer_pos``, ``uint64 buffer[4]``, ``int has_uint32``, ``uint32 uinteger``), followed in the
     object by the key (2 words) and the counter (4 words) the pointers point to. `of` makes one
@@ -163,18 +162,24 @@ class PhiloxRewind:
     WORDS = 12  # uint64 words from buffer_pos to the counter's end
     POS, HAS32, KEY, CTR = 0, 5, 6, 8  # words: buffer_pos (int, low half), has_uint32 (low half), key, counter
 
-    def __init__(self, bg: np.random.Philox, view: np.ndarray):
-        self.bg, self.view = bg, view
-        self.template = np.zeros(self.WORDS, np.uint64)
-        self.template[self.POS] = 4  # the buffer is spent (PHILOX_BUFFER_SIZE): the next draw computes a block
+    def __init__(self, bg: np.random.Philox, words):
+        self.bg, self.words = bg, words  # the state's words (a ctypes array over the bit generator's memory)
+        self.bytes = memoryview(words).cast("B")
         self._k1: int | None = None
+        self._blank = b""
+
+    def blank(self, k1: int) -> bytes:
+        """The state's 96 bytes after a reset to key ``(0, k1)``: the buffer spent (``buffer_pos``
+        = 4, PHILOX_BUFFER_SIZE: the next draw computes a block), no half-spent word, counter 0."""
+        if k1 != self._k1:
+            t = np.zeros(self.WORDS, np.uint64)
+            t[self.POS], t[self.KEY + 1] = 4, k1
+            self._blank, self._k1 = t.tobytes(), k1
+        return self._blank
 
     def __call__(self, k0: int, k1: int) -> None:
-        t = self.template
-        t[6] = k0
-        if k1 != self._k1:
-            t[7] = self._k1 = k1
-        self.view[:] = t
+        self.bytes[:] = self.blank(k1)
+        self.words[self.KEY] = k0
 
     @classmethod
     def of(cls, bg: np.random.Philox) -> PhiloxRewind | None:
@@ -199,7 +204,8 @@ class PhiloxRewind:
         ptrs = (ctypes.c_void_p * 2).from_address(addr)
         if (ptrs[0], ptrs[1]) != (start + 8 * cls.CTR, start + 8 * cls.KEY):
             return None
-        view = np.ctypeslib.as_array((ctypes.c_uint64 * cls.WORDS).from_address(start))
+        words = (ctypes.c_uint64 * cls.WORDS).from_address(start)
+        view = np.ctypeslib.as_array(words)
         half = view.view(np.uint32)
         gen = np.random.Generator(bg)
         for draw in (lambda: None, lambda: gen.integers(0, 7, dtype=np.uint32), lambda: bg.random_raw(5)):
@@ -213,7 +219,7 @@ class PhiloxRewind:
                 and int(half[2 * cls.HAS32]) == st["has_uint32"]
             ):
                 return None
-        rewind = cls(bg, view)
+        rewind = cls(bg, words)
         for k0, k1 in ((3, 0x9E3779B97F4A7C15), (2**63 + 5, 1)):
             gen.integers(0, 7, dtype=np.uint32)  # a half-spent word and buffer, to be forgotten
             rewind(k0, k1)
