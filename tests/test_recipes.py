@@ -388,3 +388,27 @@ def test_either_reset_gives_each_sample_its_sample_rng_stream(data, monkeypatch,
     assert (rngs._local.rewind is not None) is fast
     for i in (0, 5, 2**40):
         assert rng(i).random(3).tobytes() == crossfeed.sample_rng(13, 1, i).random(3).tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    skipped=st.lists(st.integers(0, 2**41), max_size=40, unique=True),
+    near=st.lists(st.integers(-3, 3), max_size=20),
+    far=st.lists(st.integers(0, 2**42), max_size=20),
+)
+def test_skipped_ids_are_found_alike_in_a_dense_range_and_by_binary_search(skipped, near, far):
+    """`SkipIds` looks ids up in a byte per id of a dense range, or by binary search in a sparse
+    one: both answer alike for ids inside, at the edges of and outside the range."""
+    from crossfeed.read.stages.recipes import SkipIds
+
+    ids = np.sort(np.asarray(skipped, dtype=np.int64))
+    small = np.unique(ids % 5000)  # a range of at most 5000 ids: dense
+    dense, sparse = SkipIds(small), SkipIds(small)
+    sparse._flags = None  # the binary search
+    assert (dense._flags is not None) == bool(len(small))
+    if len(ids) > 1 and ids[-1] - ids[0] > 2**30:
+        assert SkipIds(ids)._flags is None  # a sparse range keeps no bytes per id
+    edges = [int(x) + d for x in small.tolist() or [0] for d in near]
+    queries = np.asarray(edges + [f % 6000 for f in far] + [-1, 0, 4999, 5000], dtype=np.int64)
+    want = ~np.isin(queries, small)
+    assert dense.keep(queries).tolist() == want.tolist() == sparse.keep(queries).tolist()
