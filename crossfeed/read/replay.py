@@ -41,7 +41,8 @@ import numpy as np
 
 from crossfeed.errors import ConfigError
 from crossfeed.read import state as states
-from crossfeed.read.stages.pack import HEADER, PIECE, SCAN
+from crossfeed.read.stages import pack
+from crossfeed.read.stages.pack import HEADER, PIECE
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +256,7 @@ def _packed(pipeline, step: int, epoch: int | None, rank: int, position: int) ->
         if not _exists(packer, epoch, position, step):
             raise _beyond(pipeline, step, epoch, position, pipeline.rank_batch_count(position, epoch=epoch))
     lo = position + step * per
-    if lo - start.rows > SCAN:
+    if lo - start.rows > pack.SCAN:  # far (a rule of thumb: more rows than a chunk holds documents)
         log.info(
             "no packer cursor near step %d of epoch %d (rows %d …) in this process: its rows were walked from row "
             "%d; replay with the state saved at or before the step (state=, --state) to start there",
