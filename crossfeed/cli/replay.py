@@ -1,7 +1,8 @@
 """``crossfeed replay DATASET_OR_MIX --step N``: which samples were in a step, and their bytes.
 
 A thin shell over `crossfeed.Loader.batch_at` (`crossfeed.read.replay`): the step is planned again
-from the options (or a saved Loader state), nothing logged during training is needed. Errors are
+from the options (or a saved Loader state, whose packed cursor a packed walk starts from), nothing
+logged during training is needed. Errors are
 raised and turned into one line on stderr by the CLI's one boundary (`crossfeed.cli.main`).
 """
 
@@ -154,7 +155,8 @@ def replay(
         typer.Option(
             "--state",
             help="A saved Loader state_dict() (JSON): its seed, batch size and epoch are taken, and its stream "
-            "identity must match the options given.",
+            "identity must match the options given. Packed: the walk to a step after it starts at its cursor "
+            "(O(bins + batch), not from the epoch's start).",
         ),
     ] = None,
     dump: Annotated[

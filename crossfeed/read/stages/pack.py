@@ -47,7 +47,7 @@ process remembers the cursors it met (`_Marks`: bounded, the recent ones dense),
 `crossfeed.Loader` state carries the one at (or a chunk before) its position, checked strictly
 when loaded (`PackCursor.from_json`). So a walk to row ``p`` — a resume, an elastic resume at
 another world size, a dispatcher's batch leased again, "which documents are in row ``p``"
-(`PackSampler.rows`) — starts at the nearest cursor before ``p``: O(bins + batch + ``SCAN``)
+(`PackSampler.rows`), a replayed step (`PackSampler.rank_batch`, `crossfeed.read.replay`) — starts at the nearest cursor before ``p``: O(bins + batch + ``SCAN``)
 documents, not a walk from the epoch's start. Without one (a version-2 state, ``start=``)
 it walks from the epoch's start. A token-weighted mixture's order (`TokenMixtureOrder`) is
 planned in numpy too, a chunk at a time, and its cursors carry each source's draws. The epoch's number of rows (`PackSampler.epoch_total`, what
