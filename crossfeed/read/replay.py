@@ -232,18 +232,14 @@ def take_state(pipeline, state: dict) -> tuple[int, int]:
 
 
 def _packed(pipeline, step: int, epoch: int | None, rank: int, position: int) -> StepSamples:
-    """A packed plan's step: its rows (`PackSampler.rows`) walked from the nearest cursor at or
-    before them, the rank's picked as `PackPlan` deals them. The step's existence is checked by
-    walking to its rows, not by counting the epoch's steps."""
-    packer = pipeline.sampler
+    """A packed plan's step: its rows walked to from the nearest cursor at or before them, the
+    rank's picked as `PackPlan` deals them (`Pipeline.packed_batch`). The step's existence is
+    found by that walk, not by counting the epoch's steps."""
     step, epoch, position = _checked(step, epoch, position)
-    per, W = packer.per_batch, pipeline.options.shard.world_size
+    W = pipeline.options.shard.world_size
     if epoch is None:  # a global step: each earlier epoch's steps counted
         e = 0
-        while True:
-            start = packer.marks(e).best(step * per)
-            if _exists(packer, e, 0, step):
-                break
+        while (got := pipeline.packed_batch(e, 0, step, rank)) is None:
             n = pipeline.rank_batch_count(0, epoch=e)  # the walk reached the epoch's end: known
             if n <= 0:
                 raise ConfigError(f"epoch {e} has no steps for a rank: nothing to replay")
@@ -252,31 +248,21 @@ def _packed(pipeline, step: int, epoch: int | None, rank: int, position: int) ->
         epoch = e
     else:
         _check_position(pipeline, epoch, position)
-        start = packer.marks(epoch).best(position + step * per)
-        if not _exists(packer, epoch, position, step):
+        got = pipeline.packed_batch(epoch, position, step, rank)
+        if got is None:
             raise _beyond(pipeline, step, epoch, position, pipeline.rank_batch_count(position, epoch=epoch))
-    lo = position + step * per
-    if lo - start.rows > pack.SCAN:  # far (a rule of thumb: more rows than a chunk holds documents)
+    planned, start = got
+    lo = position + step * pipeline.options.plan.batch_size * W
+    if lo - start > pack.SCAN:  # far (a rule of thumb: more rows than a chunk holds documents)
         log.info(
             "no packer cursor near step %d of epoch %d (rows %d …) in this process: its rows were walked from row "
             "%d; replay with the state saved at or before the step (state=, --state) to start there",
             step,
             epoch,
             lo,
-            start.rows,
+            start,
         )
-    planned = packer.rank_batch(epoch, position, step, rank)
-    refs = _piece_refs(pipeline, planned)
-    return StepSamples(epoch, step, rank, W, position, refs, planned, True, start.rows)
-
-
-def _exists(packer, epoch: int, position: int, step: int) -> bool:
-    """Whether rank batch ``step`` from ``position`` lies in the epoch: its first row does (the
-    epoch's last batch is completed with empty rows), every row of it with ``drop_last``; walked
-    no further than the step's rows."""
-    lo = position + step * packer.per_batch
-    need = lo + (packer.per_batch if packer.options.drop_last else 1)
-    return packer.rows_upto(epoch, need) == need
+    return StepSamples(epoch, step, rank, W, position, _piece_refs(pipeline, planned), planned, True, start)
 
 
 def _piece_refs(pipeline, planned: np.ndarray) -> tuple[SampleRef, ...]:

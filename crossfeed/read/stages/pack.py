@@ -1039,16 +1039,23 @@ class PackSampler:
                 break
         return np.concatenate(parts) if parts else np.zeros((0, PIECE), dtype=np.int64)
 
-    def rank_batch(self, epoch: int, position: int, b: int, rank: int) -> np.ndarray:
+    def rank_batch(self, epoch: int, position: int, b: int, rank: int) -> tuple[np.ndarray, int] | None:
         """Rank ``rank``'s batch ``b`` from ``position`` of epoch ``epoch``, encoded as `PackPlan`
-        yields it: global rows ``position + b·B·W …`` (`rows`: from the nearest cursor before
-        them), the rank's ``position + b·B·W + i·W + rank`` as its row ``i``."""
-        W = self.shard.world_size
-        lo = position + b * self.per_batch
-        pieces = self.rows(epoch, lo, lo + self.per_batch)
+        yields it, and the row the walk to it began at (the nearest cursor known before it); None
+        where the batch lies past the epoch's end — found by walking no further than its rows (the
+        epoch's batches are not counted). Its global rows are ``position + b·B·W …`` (`rows`), the
+        rank's ``position + b·B·W + i·W + rank`` its row ``i``."""
+        W, per = self.shard.world_size, self.per_batch
+        lo = position + b * per
+        start = self.marks(epoch).best(lo).rows
+        need = lo + (per if self.options.drop_last else 1)  # the last batch is completed with empty rows
+        if self.rows_upto(epoch, need) < need:
+            return None
+        pieces = self.rows(epoch, lo, lo + per)
         i, r = np.divmod(pieces[:, 0] - lo, W)
         mine = r == rank
-        return _encoded(np.column_stack([i[mine], pieces[mine, 1:]]), self.options.batch_size, self.packing.length)
+        encoded = _encoded(np.column_stack([i[mine], pieces[mine, 1:]]), self.options.batch_size, self.packing.length)
+        return encoded, start
 
     def _token_count(self, epoch: int, position: int) -> int:
         key = (epoch, position)
