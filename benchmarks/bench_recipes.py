@@ -1,24 +1,29 @@
-"""Data recipes' overhead: the same epoch plain, and with a skip list of 10^5 sample ids and a
-per-sample generator in the transform (issue 36: together at most 5% over the plain epoch).
+"""Data recipes' overhead: the same mixture epoch with and without a mixture schedule, a skip
+list of 10^5 sample ids and per-sample randomness (issue 36: together at most 5% over it).
 
-Both runs read the "tabular" workload (``--n`` samples of 32 float32 and a label) with a
-per-sample transform that adds Gaussian noise to ``x``: the plain run draws it from one shared
-generator (what a transform does without recipes: not reproducible), the recipe run from each
-sample's own generator (``rng``, keyed by seed, epoch and sample id) with ``--skip`` random sample
-ids skipped (never read). Printed: each run's epoch seconds and microseconds per delivered
-sample, wall and this process's CPU (best of ``--rounds``, runs alternating; the CPU time is the
-steadier measure on a shared machine), and their ratios per delivered sample — the
-recipes' cost for the samples that arrive (skipped ones are never read, so a whole epoch is
-faster with them).
+Both runs read a mixture of two "tabular" workloads (``--n`` and ``--n // 4`` samples of 32
+float32 and a label; ``--n`` samples an epoch) through the same per-sample augmentation — Gaussian
+noise added to ``x``, then ``--work`` extra numpy steps — so the difference is the recipes' cost
+alone:
 
-    .venv/bin/python benchmarks/bench_recipes.py [--n 400000] [--skip 100000] [--rounds 3] [--work 0]
+* plain: fixed weights 3:1, the noise drawn from one shared generator (what a transform does
+  without recipes: the same work, not reproducible);
+* recipes: a two-phase `crossfeed.Schedule` (3:1, then 1:3 from the epoch's middle), ``--skip``
+  random sample ids of the first source skipped (never read), and the noise drawn from each
+  sample's own generator (``rng``, keyed by seed, epoch and sample id).
 
-The generator's cost is fixed per sample (a Philox state reset, ~2-3 us on a loaded core), so
-its share depends on the transform: ``--work 0`` (a trivial 5 us transform on 32 floats) is the
-worst case; ``--work 60`` stands for a realistic augmentation.
+Printed: each run's epoch seconds and microseconds per delivered sample, wall and this process's
+CPU (best of ``--rounds``, runs alternating; the CPU time is the steadier measure on a shared
+machine), and their ratios per delivered sample — the recipes' cost for the samples that arrive
+(skipped ones are never read, so a whole epoch is faster with them) — and that cost in CPU
+microseconds per delivered sample (``--parts``: each recipe alone too).
 
-A mixture schedule (issue 36, item 1) joins the recipe run where this crossfeed has one: see
-`_schedule` (the hook returns nothing on branches without schedules).
+    .venv/bin/python benchmarks/bench_recipes.py [--n 400000] [--skip 100000] [--rounds 3] [--work 0] [--parts]
+
+``--work 0`` (noise on 32 floats, a few microseconds) is the worst case: the per-sample
+generator's reset (one 96-byte write, `crossfeed.read.stages.recipes.PhiloxRewind`) and the
+per-sample recipe loop are a fixed cost per sample; ``--work 60`` stands for a realistic
+augmentation.
 """
 
 from __future__ import annotations
@@ -53,17 +58,24 @@ def noise_rng(sample, rng):
     return out
 
 
-def _schedule(path: str) -> dict:
-    """Loader keywords that add a mixture schedule to the recipe run, where schedules exist
-    (issue 36, item 1); nothing here: the recipe run reads ``path`` alone."""
-    return {}
+def _sources(big: str, small: str, n: int, scheduled: bool) -> list:
+    """The mixture: fixed weights 3:1, or (``scheduled``) 3:1 then 1:3 from sample ``n // 2``."""
+    import crossfeed
+
+    if not scheduled:
+        return [crossfeed.Source(big, weight=3), crossfeed.Source(small, weight=1)]
+    half = n // 2
+    return [
+        crossfeed.Source(big, weight=crossfeed.Schedule.constant([(0, 3), (half, 1)])),
+        crossfeed.Source(small, weight=crossfeed.Schedule.constant([(0, 1), (half, 3)])),
+    ]
 
 
-def _epoch(path: str, **kw) -> tuple[float, float, int]:
+def _epoch(source, **kw) -> tuple[float, float, int]:
     """``(wall seconds, CPU seconds of this process, samples delivered)`` of one epoch."""
     import crossfeed
 
-    with crossfeed.Loader(path, batch_size=256, seed=0, **kw) as ld:
+    with crossfeed.Loader(source, batch_size=256, seed=0, **kw) as ld:
         t, c = time.perf_counter(), time.process_time()
         n = sum(len(b["label"]) for b in ld)
         return time.perf_counter() - t, time.process_time() - c, n
@@ -76,21 +88,28 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="builder threads (0: in the consumer's thread)")
     ap.add_argument("--work", type=int, default=0, help="extra numpy steps per sample (~1 us each)")
+    ap.add_argument("--parts", action="store_true", help="also each recipe alone (schedule, skip, rng)")
     a = ap.parse_args(argv)
     WORK[0] = a.work
     sys.path.insert(0, os.path.dirname(HERE))
     import crossfeed
     from benchmarks.workloads import ensure
 
-    path = ensure("tabular", a.n)
-    ids = np.random.default_rng(1).choice(a.n, size=min(a.skip, a.n), replace=False)
-    skip = crossfeed.Skip(samples=np.sort(ids))
-    plain = {"transform": noise_shared, "num_threads": a.threads}
-    recipe = {"transform": noise_rng, "skip": skip, "num_threads": a.threads, **_schedule(path)}
+    big, small = ensure("tabular", a.n), ensure("tabular", max(1, a.n // 4))
+    ids = np.sort(np.random.default_rng(1).choice(a.n, size=min(a.skip, a.n), replace=False))
+    skip = crossfeed.Skip(samples=np.stack([np.zeros_like(ids), ids], axis=1))  # (source 0, index)
+    common = {"num_threads": a.threads, "samples_per_epoch": a.n}
+    plain = (_sources(big, small, a.n, False), {"transform": noise_shared, **common})
+    recipe = (_sources(big, small, a.n, True), {"transform": noise_rng, "skip": skip, **common})
+    runs = {"plain": plain, "recipes": recipe}
+    if a.parts:  # each recipe alone over the plain run
+        runs["schedule"] = (recipe[0], plain[1])
+        runs["skip"] = (plain[0], {**plain[1], "skip": skip})
+        runs["rng"] = (plain[0], {**plain[1], "transform": noise_rng})
     best: dict[str, list] = {}
     for _ in range(a.rounds):
-        for name, kw in (("plain", plain), ("recipes", recipe)):
-            wall, cpu, n = _epoch(path, **kw)
+        for name, (source, kw) in runs.items():
+            wall, cpu, n = _epoch(source, **kw)
             b = best.setdefault(name, [wall, cpu, n])
             b[0], b[1] = min(b[0], wall), min(b[1], cpu)
     for name, (wall, cpu, n) in best.items():
@@ -103,6 +122,10 @@ def main(argv=None) -> None:
         print(
             f"recipes / plain per delivered sample ({what}): {ratio:.3f} (overhead {100 * (ratio - 1):+.1f}%; goal <= +5%)"
         )
+    for name in [k for k in best if k != "plain"]:
+        _, c, n = best[name]
+        print(f"cost of {name}: {1e6 * (c / n - pc / pn):+.2f} CPU-us per delivered sample")
+    print(f"whole epoch, recipes / plain (CPU): {rc / pc:.3f} (skipped samples are never read)")
 
 
 if __name__ == "__main__":

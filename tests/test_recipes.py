@@ -338,3 +338,77 @@ def test_every_sample_draws_its_own_generators_numbers_however_it_is_read(
     for (e, i), v in got.items():
         g = crossfeed.sample_rng(21, e, i)
         assert v == g.random(4).tobytes() + np.int64(g.integers(0, 1000)).tobytes()
+
+
+# ---- the per-sample generators' reset -----------------------------------------------------------
+
+
+def test_the_in_place_reset_is_used_here_and_draws_a_new_philoxs_numbers():
+    """This numpy's Philox layout is the one `PhiloxRewind` checks for (the fast reset is in
+    use), and a reset after any partial use — a half-spent 32-bit word, a spent buffer, normals —
+    draws exactly what a new ``Philox`` of that key draws, for keys across the whole range."""
+    from crossfeed.read.stages.recipes import PhiloxRewind
+
+    bg = np.random.Philox(key=np.zeros(2, np.uint64))
+    rewind = PhiloxRewind.of(bg)
+    assert rewind is not None
+    gen = np.random.Generator(bg)
+    rng = np.random.default_rng(5)
+    for k0, k1 in [(0, 0), (2**64 - 1, 2**64 - 1), *rng.integers(0, 2**63, (40, 2)).tolist()]:
+        gen.integers(0, 9, int(rng.integers(0, 7)), dtype=np.uint32)  # leave a half-spent word or not
+        gen.standard_normal(int(rng.integers(0, 5)))
+        rewind(k0, k1)
+        want = np.random.Generator(np.random.Philox(key=np.array([k0, k1], np.uint64)))
+        assert (
+            gen.integers(0, 2**32, 5, dtype=np.uint32).tobytes()
+            == want.integers(0, 2**32, 5, dtype=np.uint32).tobytes()
+        )
+        assert gen.random(7).tobytes() == want.random(7).tobytes()
+        for part in ("counter", "key"):  # where each stands after the draws
+            assert np.array_equal(bg.state["state"][part], want.bit_generator.state["state"][part])
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["in place", "state setter"])
+def test_either_reset_gives_each_sample_its_sample_rng_stream(data, monkeypatch, fast):
+    """With the in-place reset or without it (numpy's ``state`` setter, where the layout is not
+    the expected one), every sample draws `crossfeed.sample_rng`'s numbers."""
+    from crossfeed.read.stages import recipes
+
+    if not fast:
+        monkeypatch.setattr(recipes.PhiloxRewind, "of", classmethod(lambda cls, bg: None))
+    kw = {"batch_size": 7, "seed": 13, "return_index": True, "transform": rh.augment}
+    for epoch in (0, 2):
+        with Loader(data, epoch=epoch, **kw) as ld:
+            got = rh.noise_by_id(ld)
+        for i, v in got.items():
+            g = crossfeed.sample_rng(13, epoch, i)
+            assert v == g.random(4).tobytes() + np.int64(g.integers(0, 1000)).tobytes()
+    rngs = recipes.SampleRngs()
+    rng = rngs.keyed(13, 1)
+    assert (rngs._local.rewind is not None) is fast
+    for i in (0, 5, 2**40):
+        assert rng(i).random(3).tobytes() == crossfeed.sample_rng(13, 1, i).random(3).tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    skipped=st.lists(st.integers(0, 2**41), max_size=40, unique=True),
+    near=st.lists(st.integers(-3, 3), max_size=20),
+    far=st.lists(st.integers(0, 2**42), max_size=20),
+)
+def test_skipped_ids_are_found_alike_in_a_dense_range_and_by_binary_search(skipped, near, far):
+    """`SkipIds` looks ids up in a byte per id of a dense range, or by binary search in a sparse
+    one: both answer alike for ids inside, at the edges of and outside the range."""
+    from crossfeed.read.stages.recipes import SkipIds
+
+    ids = np.sort(np.asarray(skipped, dtype=np.int64))
+    small = np.unique(ids % 5000)  # a range of at most 5000 ids: dense
+    dense, sparse = SkipIds(small), SkipIds(small)
+    sparse._flags = None  # the binary search
+    assert (dense._flags is not None) == bool(len(small))
+    if len(ids) > 1 and ids[-1] - ids[0] > 2**30:
+        assert SkipIds(ids)._flags is None  # a sparse range keeps no bytes per id
+    edges = [int(x) + d for x in small.tolist() or [0] for d in near]
+    queries = np.asarray(edges + [f % 6000 for f in far] + [-1, 0, 4999, 5000], dtype=np.int64)
+    want = ~np.isin(queries, small)
+    assert dense.keep(queries).tolist() == want.tolist() == sparse.keep(queries).tolist()

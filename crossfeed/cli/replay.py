@@ -1,7 +1,8 @@
 """``crossfeed replay DATASET_OR_MIX --step N``: which samples were in a step, and their bytes.
 
 A thin shell over `crossfeed.Loader.batch_at` (`crossfeed.read.replay`): the step is planned again
-from the options (or a saved Loader state), nothing logged during training is needed. Errors are
+from the options (or a saved Loader state, whose packed cursor a packed walk starts from), nothing
+logged during training is needed. Errors are
 raised and turned into one line on stderr by the CLI's one boundary (`crossfeed.cli.main`).
 """
 
@@ -169,7 +170,8 @@ def replay(
         typer.Option(
             "--state",
             help="A saved Loader state_dict() (JSON): its seed, batch size and epoch are taken, and its stream "
-            "identity must match the options given.",
+            "identity must match the options given. Packed: the walk to a step after it starts at its cursor "
+            "(O(bins + batch), not from the epoch's start).",
         ),
     ] = None,
     dump: Annotated[
@@ -187,6 +189,7 @@ def replay(
     """Which samples were in step N of a rank: source, shard file, record in it and global key, planned
     again from the seed (no record is read, nothing logged during training); --dump writes them decoded."""
     from crossfeed.read.loader import Loader
+    from crossfeed.read.replay import take_state
 
     if rank >= world_size:
         raise typer.BadParameter(f"rank {rank} is not below --world-size {world_size}", param_hint="--rank")
@@ -207,8 +210,8 @@ def replay(
     with Loader(source, options) as loader:
         if saved is not None:
             _check_identity(saved, state, loader)
-            try:
-                loader.load_state_dict(saved)
+            try:  # checked; a packed state's cursor is where the walk to a later step starts
+                take_state(loader.pipeline, saved)
             except ConfigError as e:
                 raise ConfigError(f"--state {state}: {e}") from None
         try:

@@ -229,7 +229,13 @@ class Loader:
 
     # -- replay -------------------------------------------------------------------------------
     def batch_at(
-        self, step: int, *, epoch: int | None = None, rank: int | None = None, position: int = 0
+        self,
+        step: int,
+        *,
+        epoch: int | None = None,
+        rank: int | None = None,
+        position: int = 0,
+        state: dict | None = None,
     ) -> StepSamples:
         """Which samples were in step ``step`` of rank ``rank`` (default: this Loader's), planned
         again from the seed — no record is read, nothing was logged (`crossfeed.read.replay`): a
@@ -243,10 +249,16 @@ class Loader:
         epoch's steps one after the other (what ``for epoch …: for batch in loader`` counts).
         A step is the rank's batch, however many workers share the rank's batches out.
 
-        O(batch) for unpacked plans. Packed plans (``pack=``, ``batch_by_tokens=``) walk the
-        epoch's lengths up to the step (integers only; O(1) packed replay arrives with the
-        packed-state work)."""
-        return replay(self.pipeline, step, epoch=epoch, rank=rank, position=position)
+        ``state``: a saved `state_dict` of this stream (checked as `load_state_dict` checks it;
+        the Loader's own position is left as it is): ``epoch`` defaults to its epoch, and a
+        packed state's cursor is where the walk to a later step starts.
+
+        O(batch) for unpacked plans. Packed plans (``pack=``) walk the epoch's lengths (integers
+        only) from the packer's nearest cursor at or before the step's rows — one this process
+        met, or ``state``'s: O(bins + batch) for a step at or after a state's position, however
+        far into the epoch; from further back (the epoch's start at worst) without one near
+        (``walked_from`` says where). ``batch_by_tokens=`` walks from the epoch's start."""
+        return replay(self.pipeline, step, epoch=epoch, rank=rank, position=position, state=state)
 
     def samples_at(
         self,
@@ -256,12 +268,13 @@ class Loader:
         rank: int | None = None,
         position: int = 0,
         built: bool = False,
+        state: dict | None = None,
     ) -> dict[str, np.ndarray]:
         """The decoded samples of a step (`batch_at`'s), as a batch of the records themselves:
         CRC-checked, no transform (`Pipeline.records`; packed: each document of the step once, in
         the order it first appears). ``built=True``: the batch exactly as iteration built it
         (transforms applied; packed: the rows)."""
-        got = self.batch_at(step, epoch=epoch, rank=rank, position=position)
+        got = self.batch_at(step, epoch=epoch, rank=rank, position=position, state=state)
         if built:
             batch = self.pipeline.build_batch(got.planned)
             return sample_of(batch) if self.per_sample else batch

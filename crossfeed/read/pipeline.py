@@ -479,6 +479,14 @@ class Pipeline:
             raise ConfigError("loader state pack: this Loader does not pack rows; the state was saved by one that does")
         return sampler.resume(state, epoch, position)
 
+    def packed_batch(self, epoch: int, position: int, b: int, rank: int) -> tuple[np.ndarray, int] | None:
+        """A packed plan's rank batch by number (`pack.PackSampler.rank_batch`: walked to from the
+        nearest cursor): ``(encoded batch, the row its walk began at)``; None past the epoch's end."""
+        sampler: Any = self.sampler
+        if getattr(sampler, "pack", None) is None:
+            raise ConfigError("packed_batch: this Loader does not pack rows (pack=)")
+        return sampler.rank_batch(epoch, position, b, rank)
+
     def walker(self) -> pack.PackWalker:
         """Global batches of a packed plan by number, in any order (a dispatcher's leases)."""
         return pack.PackWalker(self.sampler)  # refuses any other plan (those are random access: `Plan.batch`)

@@ -129,25 +129,36 @@ class BatchBuilder:
         every sample was dropped keeps its features with no rows (the transform's, once it made one)."""
         cpu = _cpu() if t is not None else 0
         fn, pred, n = self.transform, r.filter, len(indices)
-        rngs, seed = (self._rngs, r.seed) if r.rng else (None, 0)
+        rng = self._rngs.keyed(r.seed, epoch) if r.rng else None
         ids = indices.tolist()
-        samples, keep = [], []
-        for i in range(n):
+        samples: list = []
+        keep: list = []
+        if pred is None and fn is not None:  # a transform alone (the common case): one comprehension
+            items = batch.items()
+            if rng is not None:
+                samples = [fn({k: v[i] for k, v in items}, rng(j)) for i, j in enumerate(ids)]
+            else:
+                samples = [fn({k: v[i] for k, v in items}) for i in range(n)]
+            if set(map(type, samples)) <= {dict}:  # every sample kept
+                keep = list(range(n))
+            else:  # None (dropped), or not a dict: one by one
+                made, samples = samples, []
+                for i, s in enumerate(made):
+                    if s is not None:
+                        samples.append(_returned(fn, s, ids[i]))
+                        keep.append(i)
+        for i in range(n) if pred is not None or fn is None else ():
             s = {k: v[i] for k, v in batch.items()}
             if pred is not None and not pred(s):
                 continue
             if fn is not None:
-                if rngs is not None:
-                    s = fn(s, rngs.generator(seed, epoch, ids[i]))
+                if rng is not None:
+                    s = fn(s, rng(ids[i]))
                 else:
                     s = fn(s)
                 if s is None:
                     continue
-                if not isinstance(s, dict):
-                    raise ConfigError(
-                        f"the transform {callable_name(fn)} returned a {type(s).__name__} for sample {ids[i]}; "
-                        f"it must return the sample's dict (or None to drop it)"
-                    )
+                _returned(fn, s, ids[i])
             samples.append(s)
             keep.append(i)
         if t is not None:
@@ -178,6 +189,16 @@ class BatchBuilder:
             t.n_batch += 1
             t.last = now
         return batch, indices[np.asarray(keep, dtype=np.int64)] if len(keep) < n else indices
+
+
+def _returned(fn, s, sample: int) -> dict:
+    """A transform's sample, refused by name unless a dict."""
+    if not isinstance(s, dict):
+        raise ConfigError(
+            f"the transform {callable_name(fn)} returned a {type(s).__name__} for sample {sample}; "
+            f"it must return the sample's dict (or None to drop it)"
+        )
+    return s
 
 
 def timed_apart(build, ids, timings: dict[str, float]) -> dict[str, np.ndarray]:

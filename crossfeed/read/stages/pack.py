@@ -48,7 +48,7 @@ process remembers the cursors it met (`_Marks`: bounded, the recent ones dense),
 `crossfeed.Loader` state carries the one at (or a chunk before) its position, checked strictly
 when loaded (`PackCursor.from_json`). So a walk to row ``p`` — a resume, an elastic resume at
 another world size, a dispatcher's batch leased again, "which documents are in row ``p``"
-(`PackSampler.rows`) — starts at the nearest cursor before ``p``: O(bins + batch + ``SCAN``)
+(`PackSampler.rows`), a replayed step (`PackSampler.rank_batch`, `crossfeed.read.replay`) — starts at the nearest cursor before ``p``: O(bins + batch + ``SCAN``)
 documents, not a walk from the epoch's start. Without one (a version-2 state, ``start=``)
 it walks from the epoch's start. A token-weighted mixture's order (`TokenMixtureOrder`) is
 planned in numpy too, a chunk at a time, and its cursors carry each source's draws. The epoch's number of rows (`PackSampler.epoch_total`, what
@@ -1164,6 +1164,24 @@ class PackSampler:
             if k >= hi:
                 break
         return np.concatenate(parts) if parts else np.zeros((0, PIECE), dtype=np.int64)
+
+    def rank_batch(self, epoch: int, position: int, b: int, rank: int) -> tuple[np.ndarray, int] | None:
+        """Rank ``rank``'s batch ``b`` from ``position`` of epoch ``epoch``, encoded as `PackPlan`
+        yields it, and the row the walk to it began at (the nearest cursor known before it); None
+        where the batch lies past the epoch's end — found by walking no further than its rows (the
+        epoch's batches are not counted). Its global rows are ``position + b·B·W …`` (`rows`), the
+        rank's ``position + b·B·W + i·W + rank`` its row ``i``."""
+        W, per = self.shard.world_size, self.per_batch
+        lo = position + b * per
+        start = self.marks(epoch).best(lo).rows
+        need = lo + (per if self.options.drop_last else 1)  # the last batch is completed with empty rows
+        if self.rows_upto(epoch, need) < need:
+            return None
+        pieces = self.rows(epoch, lo, lo + per)
+        i, r = np.divmod(pieces[:, 0] - lo, W)
+        mine = r == rank
+        encoded = _encoded(np.column_stack([i[mine], pieces[mine, 1:]]), self.options.batch_size, self.packing.length)
+        return encoded, start
 
     def _token_count(self, epoch: int, position: int) -> int:
         key = (epoch, position)
