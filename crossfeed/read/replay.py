@@ -163,6 +163,8 @@ def replay(pipeline, step: int, *, epoch: int | None = None, rank: int | None = 
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= int(rank) < world:
         raise ConfigError(f"rank must be in 0 … {world - 1} (world_size {world}), got {rank!r}")
     rank = int(rank)
+    if pipeline.step_skips is not None:  # steps count skipped ones too, as the run's trainer did
+        pipeline = _Unskipped(pipeline)
     epoch, step = resolve_step(pipeline, step, epoch=epoch, position=position)
     plan = pipeline.plan(epoch, position)
     packed = not getattr(plan, "random_access", False)
@@ -183,6 +185,23 @@ def replay(pipeline, step: int, *, epoch: int | None = None, rank: int | None = 
             for ref, p in zip(base, pieces.tolist())
         )
     return StepSamples(epoch, step, rank, world, position, refs, planned, packed)
+
+
+class _Unskipped:
+    """A pipeline's plan without its skipped steps (`Pipeline.step_skips`): a step number counts
+    the skipped steps too (a replay of a skipped step names what the plan had there)."""
+
+    def __init__(self, pipeline):
+        self._pipeline, self._plan = pipeline, pipeline.step_skips.inner
+
+    def __getattr__(self, name: str):
+        return getattr(self._pipeline, name)
+
+    def plan(self, epoch: int, position: int = 0):
+        return self._plan.plan(epoch, position)
+
+    def rank_batch_count(self, position: int = 0, epoch: int = 0) -> int:
+        return self._plan.rank_batch_count(position, epoch=epoch)
 
 
 def _refs(pipeline, keys: np.ndarray) -> Iterator[SampleRef]:
