@@ -282,12 +282,16 @@ class FirstSteps:
 
     def __init__(self, sampler):
         self.sampler = sampler
-        self.uniform = uniform_epochs(sampler)
+        self._uniform: bool | None = None  # asked when first needed (split="rows" sums the lengths files)
         self._counts: list[int] = []  # steps of epochs 0, 1, … (non-uniform plans)
         self._lock = threading.Lock()
 
     def epoch_start(self, epoch: int) -> int:
-        if self.uniform:
+        if epoch == 0:
+            return 0
+        if self._uniform is None:
+            self._uniform = uniform_epochs(self.sampler)
+        if self._uniform:
             return epoch * self.sampler.rank_batch_count(0, epoch=epoch)
         with self._lock:
             while len(self._counts) < epoch:
