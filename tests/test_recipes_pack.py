@@ -185,3 +185,15 @@ def test_a_loader_with_skipped_steps_replays_steps_as_the_trainer_counted_them(t
         want = [ld.batch_at(n).keys.tolist() for n in (1, 2, 5)]
     with crossfeed.Loader(tokens, **kw, skip=crossfeed.Skip(steps=[(2, 4)])) as ld:
         assert [ld.batch_at(n).keys.tolist() for n in (1, 2, 5)] == want
+
+
+def test_a_dispatcher_refuses_to_plan_packed_skipped_steps_by_name(tokens):
+    from crossfeed.net import run
+    from crossfeed.read.options import LoaderOptions
+
+    options = LoaderOptions.given(
+        None, dict(batch_size=2, pack=crossfeed.Pack(40), skip=crossfeed.Skip(steps=[(1, 2)]))
+    )
+    with pytest.raises(ConfigError, match="does not lease a plan with skipped steps"):
+        with run.plan_dispatch(tokens, options, epochs=1):
+            pass
