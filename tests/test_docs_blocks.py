@@ -206,6 +206,23 @@ def _write_shell_workspace(ws: Path) -> None:
     (ws / "tokens").mkdir()
     ids = [rng.integers(0, 100, int(rng.integers(2, 20))).tolist() for _ in range(20)]
     pq.write_table(pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32()))}), ws / "tokens" / "t.parquet")
+    _write_lm_mix(ws)
+
+
+def _write_lm_mix(ws: Path) -> None:
+    """docs/recipes/lm-run.md's two token sources (lm/web, lm/books, with lengths files) and its
+    scheduled mixture's spec file (lm-mix.json), as its Python blocks write them."""
+    import json
+
+    import crossfeed
+
+    rng = np.random.default_rng(0)
+    for path, n, first in (("lm/web", 400, 1), ("lm/books", 100, 1000)):
+        docs = [{"tokens": (first + rng.integers(0, 999, int(rng.integers(8, 120)))).tolist()} for _ in range(n)]
+        crossfeed.write_dataset(ws / path, docs, num_shards=2, lengths=("tokens",)).close()
+    weights = [[[0, 3], [300, 1]], [[0, 1], [300, 4]]]
+    spec = {"sources": [{"path": p, "weight": {"constant": w}} for p, w in zip(("lm/web", "lm/books"), weights)]}
+    (ws / "lm-mix.json").write_text(json.dumps(spec))
 
 
 def _image_schema():

@@ -58,3 +58,32 @@ def test_one_sample_at_a_time_the_torch_adapter_refuses_a_dropped_sample_by_name
     ds = cftorch.TorchDataset(data, batch_size=None, shuffle="none", filter=rh.keep_even)
     with pytest.raises(crossfeed.ConfigError, match="TorchDataset with batch_size=None counts the samples"):
         list(cftorch.StatefulLoader(ds, num_workers=0))
+
+
+@pytest.mark.parametrize("split", ["documents", "rows"])
+def test_dataloader_workers_skip_the_loaders_packed_steps_and_resume(tmp_path, split):
+    from token_data import write_tokens
+
+    path = write_tokens(tmp_path / "t", np.arange(1, 90) % 23 + 1)
+    opts = dict(batch_size=2, seed=2, pack=crossfeed.Pack(length=32, split=split), skip=Skip(steps=[(1, 3), (6, 7)]))
+    with crossfeed.Loader(path, **{**opts, "skip": None}) as ld:
+        plain = list(ld)
+    want = plain[:1] + plain[3:6] + plain[7:]
+    with cftorch.TorchDataset(path, rank=0, world_size=1, **opts) as ds:
+        assert len(ds) == len(want)
+        loader = cftorch.StatefulLoader(ds, num_workers=2)
+        got = []
+        for b in loader:
+            got.append(b)
+            if len(got) == 3:
+                state = loader.state_dict()
+        loader.close()
+    assert len(got) == len(want)
+    assert all(all(np.array_equal(np.asarray(g[k]), w[k]) for k in w) for g, w in zip(_np(got), want))
+    with cftorch.TorchDataset(path, rank=0, world_size=1, **opts) as ds:
+        loader = cftorch.StatefulLoader(ds, num_workers=2)
+        loader.load_state_dict(state)
+        rest = _np(loader)
+        loader.close()
+    assert len(rest) == len(want) - 3
+    assert all(all(np.array_equal(g[k], w[k]) for k in w) for g, w in zip(rest, want[3:]))

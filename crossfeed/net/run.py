@@ -205,6 +205,11 @@ def plan_dispatch(
             "changes from epoch to epoch; lockstep DDP needs equal per-rank counts: drop world_size "
             "(--world-size), or use crossfeed serve --rank/--world-size"
         )
+    if packed and options.plan.skip is not None and options.plan.skip.steps:
+        raise ConfigError(
+            "with pack (--pack-length) the dispatcher does not lease a plan with skipped steps (--skip steps) yet: "
+            "use crossfeed serve --rank/--world-size (one server per rank), or the Loader"
+        )
     if packed and (epochs is None or epochs > MAX_PACKED_EPOCHS):
         raise ConfigError(f"at most {MAX_PACKED_EPOCHS} epochs (--epochs) with pack (--pack-length), got {epochs}")
     source, more = _source_of(dataset)  # a mixture spec file: its sources and samples_per_epoch

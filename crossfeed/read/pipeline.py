@@ -334,9 +334,12 @@ class Pipeline:
         if tokens is not None:  # token datasets: rows packed (or budgets batched) over the documents' plan
             self.sampler, self.builder = pack.token_stages(sampler, builder, splits, stored, self.features, options)
         else:
-            skips = plan.skip.steps if plan.skip is not None else ()  # skipped steps leave the plan
-            self.sampler = recipes.StepSkipSampler(sampler, skips) if skips else sampler
-            self.builder = builder
+            self.sampler, self.builder = sampler, builder
+        self._plan_sampler: Any = self.sampler  # the plan without skipped steps (packed cursors, walks)
+        skips = plan.skip.steps if plan.skip is not None else ()  # skipped steps leave the plan
+        if skips:
+            self.sampler = recipes.StepSkipSampler(self.sampler, skips)
+        self._first_steps = recipes.FirstSteps(self._plan_sampler)
         # Small records cut column-wise are short numpy steps that hold the GIL: a thread only
         # contends for it, and handing a batch over costs more than building it (measured: 1.65M vs
         # 1.2M samples/s at batch 256), so they are built in the consumer's thread when it asks.
@@ -362,10 +365,11 @@ class Pipeline:
         plan, filter_ = self.options.plan, self._filter
         skip = plan.skip
         rng = recipes.wants_rng(transform)
-        if packed and (filter_ is not None or skip is not None or rng):
+        if packed and (filter_ is not None or (skip is not None and len(skip.samples)) or rng):
             raise ConfigError(
-                "filter=, skip= and transforms taking rng are not built for token pipelines (pack=, "
-                "batch_by_tokens=) yet: filter the documents when converting, or read unpacked"
+                "filter=, skipped sample ids (skip= samples) and transforms taking rng are not built for token "
+                "pipelines (pack=, batch_by_tokens=) yet: filter the documents when converting, or read unpacked; "
+                "skipped steps (Skip(steps=[(start, end)])) are"
             )
         skip_ids = None
         if skip is not None and len(skip.samples):
@@ -401,14 +405,11 @@ class Pipeline:
 
     def global_step(self, epoch: int, position: int) -> int:
         """The global step (skipped ones counted) of the plan batch at ``position`` of ``epoch``:
-        ``epoch × steps_per_epoch + step`` (`crossfeed.read.skips`); -1 outside the epoch."""
-        sampler = self.sampler
-        if isinstance(sampler, recipes.StepSkipSampler):
-            sampler = sampler.inner
-        if not sampler.within(epoch, position):
+        ``epoch × steps_per_epoch + step`` (`crossfeed.read.skips`; a token plan whose epochs differ
+        in length: the earlier epochs' steps summed, `recipes.FirstSteps`); -1 outside the epoch."""
+        if not self._plan_sampler.within(epoch, position):
             return -1
-        S = sampler.rank_batch_count(0, epoch=epoch)
-        return epoch * S + S - sampler.rank_batch_count(position, epoch=epoch)
+        return self._first_steps.global_step(epoch, position)
 
     @property
     def step_skips(self) -> recipes.StepSkipSampler | None:
@@ -465,7 +466,7 @@ class Pipeline:
         """A packed plan's cursor at or just before ``position`` (`pack.PackCursor.to_json`): what
         a state carries so a resume walks on from there (``walk=False``: the nearest one known,
         no walk); None for any other plan."""
-        sampler: Any = self.sampler
+        sampler: Any = self._plan_sampler
         if not hasattr(sampler, "cursor_at") or getattr(sampler, "pack", None) is None:
             return None
         cursor = sampler.cursor_at(epoch, position) if walk else sampler.marks(epoch).best(position)
@@ -474,7 +475,7 @@ class Pipeline:
     def resume_from(self, state, epoch: int, position: int) -> bool:
         """Take a state's packed cursor (checked: `pack.PackCursor.from_json`) as a place to walk on
         from to ``position``; False where it does not lead there (another epoch, past it)."""
-        sampler: Any = self.sampler
+        sampler: Any = self._plan_sampler
         if getattr(sampler, "pack", None) is None:
             raise ConfigError("loader state pack: this Loader does not pack rows; the state was saved by one that does")
         return sampler.resume(state, epoch, position)
@@ -482,13 +483,19 @@ class Pipeline:
     def packed_batch(self, epoch: int, position: int, b: int, rank: int) -> tuple[np.ndarray, int] | None:
         """A packed plan's rank batch by number (`pack.PackSampler.rank_batch`: walked to from the
         nearest cursor): ``(encoded batch, the row its walk began at)``; None past the epoch's end."""
-        sampler: Any = self.sampler
+        skips = self.step_skips  # numbered as the plan has them, skipped steps counted
+        sampler: Any = self.sampler if skips is None else skips.inner
         if getattr(sampler, "pack", None) is None:
             raise ConfigError("packed_batch: this Loader does not pack rows (pack=)")
         return sampler.rank_batch(epoch, position, b, rank)
 
     def walker(self) -> pack.PackWalker:
         """Global batches of a packed plan by number, in any order (a dispatcher's leases)."""
+        if self.step_skips is not None:
+            raise ConfigError(
+                "a dispatcher does not lease a packed plan with skipped steps (skip=, --skip) yet: read it with "
+                "the Loader, or serve each rank with crossfeed serve --rank/--world-size"
+            )
         return pack.PackWalker(self.sampler)  # refuses any other plan (those are random access: `Plan.batch`)
 
     # -- the two operations -----------------------------------------------------------------------

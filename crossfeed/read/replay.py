@@ -205,6 +205,8 @@ def replay(
     if state is not None:
         saved_epoch, _ = take_state(pipeline, state)
         epoch = saved_epoch if epoch is None else epoch
+    if pipeline.step_skips is not None:  # steps count skipped ones too, as the run's trainer did
+        pipeline = _Unskipped(pipeline)
     if pipeline.options.plan.pack is not None:
         return _packed(pipeline, step, epoch, rank, position)
     epoch, step = resolve_step(pipeline, step, epoch=epoch, position=position)
@@ -273,6 +275,23 @@ def _piece_refs(pipeline, planned: np.ndarray) -> tuple[SampleRef, ...]:
         dataclasses.replace(ref, row=int(p[0]), start=int(p[2]), count=int(p[3]))
         for ref, p in zip(base, pieces.tolist())
     )
+
+
+class _Unskipped:
+    """A pipeline's plan without its skipped steps (`Pipeline.step_skips`): a step number counts
+    the skipped steps too (a replay of a skipped step names what the plan had there)."""
+
+    def __init__(self, pipeline):
+        self._pipeline, self._plan = pipeline, pipeline.step_skips.inner
+
+    def __getattr__(self, name: str):
+        return getattr(self._pipeline, name)
+
+    def plan(self, epoch: int, position: int = 0):
+        return self._plan.plan(epoch, position)
+
+    def rank_batch_count(self, position: int = 0, epoch: int = 0) -> int:
+        return self._plan.rank_batch_count(position, epoch=epoch)
 
 
 def _refs(pipeline, keys: np.ndarray) -> Iterator[SampleRef]:

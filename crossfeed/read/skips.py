@@ -7,6 +7,10 @@
   not yielded, on every rank alike. A global step counts a rank's batches from the plan's start:
   ``epoch * steps_per_epoch + step`` under this world size and batch size (``steps_per_epoch``:
   ``len(loader)`` at an epoch's start, without skips) — the number a trainer's step counter shows.
+  Token pipelines (``pack=``, ``batch_by_tokens=``), whose epochs may differ in steps, count the
+  earlier epochs' steps summed, as `crossfeed.read.replay` does (each epoch's count is a walk of
+  its lengths, once per process: `crossfeed.read.stages.recipes.FirstSteps`); they take step
+  ranges only, not sample ids.
 * **Samples** ``(source, index)``: a mixture's source by number (its place in the list) and the
   sample's index within it; a plain index for one dataset. A skipped sample never arrives; the
   rest of the epoch is unchanged (its batch comes out shorter).

@@ -10,13 +10,15 @@ per-sample randomness").
   `max_filtered` budget.
 * `SkipIds`: a skip list's sample ids, sorted: ``keep(ids)`` is O(batch · log skipped).
 * `StepSkipSampler`: a sampler whose plans leave out skipped global steps, on every rank alike;
-  its batch counts and positions count the steps it yields.
+  its batch counts and positions count the steps it yields (unpacked plans, and token plans:
+  ``pack=``, ``batch_by_tokens=``, whose skipped steps are walked past, never built).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 
@@ -350,32 +352,116 @@ class StepSkipPlan:
         return self.inner.order  # type: ignore[attr-defined]
 
 
+class StepSkipWalk:
+    """A plan walked in order (a token plan's `crossfeed.read.stages.pack.PackPlan`) with skipped
+    steps left out: each run of kept plan batches is walked from its own first batch's position
+    (``inner.position_after``, then ``inner.plan`` there: the packer walks on from its nearest
+    cursor, so a skipped step's batch is never encoded, built nor read). Worker ``w`` of ``K``
+    takes the kept batches ``w, w+K, …`` of its rank, as `StepSkipPlan` does."""
+
+    random_access = False
+
+    def __init__(self, inner, epoch: int, position: int, kept: Kept, worker: int = 0, num_workers: int = 1):
+        self.inner, self.epoch, self.position, self.kept = inner, epoch, position, kept
+        self.worker, self.num_workers = worker, num_workers
+
+    def __len__(self) -> int:
+        return len(range(self.worker, self.kept.count, self.num_workers))
+
+    def runs(self) -> Iterator[tuple[int, int]]:
+        """The kept plan batches as half-open runs ``(lo, hi)`` (numbers from ``position``)."""
+        lo = 0
+        for a, b in self.kept.skipped:
+            if a > lo:
+                yield lo, a
+            lo = max(lo, b)
+        if lo < self.kept.total:
+            yield lo, self.kept.total
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        j, K = 0, self.num_workers  # j: kept batches before the run
+        for lo, hi in self.runs():
+            start = self.inner.position_after(self.position, lo, epoch=self.epoch)
+            plan = self.inner.plan(self.epoch, start)
+            # the run's batch g is kept batch j + g: this worker's are g ≡ worker − j (mod K)
+            plan.worker, plan.num_workers = (self.worker - j) % K, K
+            yield from itertools.islice(iter(plan), len(range(plan.worker, hi - lo, K)))
+            j += hi - lo
+
+
+def uniform_epochs(sampler) -> bool:
+    """Whether every epoch of ``sampler``'s plan has the same number of steps: an unpacked plan,
+    or ``split="rows"`` packing of one dataset (its rows are the lengths' sum cut in rows)."""
+    if getattr(sampler, "budget", None) is not None:
+        return False  # batch_by_tokens: each epoch's order groups its documents its own way
+    if getattr(sampler, "pack", None) is None:
+        return True
+    return sampler.exact_rows(0) is not None
+
+
+class FirstSteps:
+    """The global step of each epoch's first batch (``epoch_start(e)``): ``e · S`` where every
+    epoch has the same ``S`` steps a rank (`uniform_epochs`), else the earlier epochs' steps
+    summed — what a trainer's step counter shows and `crossfeed.read.replay` counts. Cost: an
+    epoch's step count is ``rank_batch_count(0, e)``: O(1) for unpacked plans; for a packed one
+    (best-fit packing, a mixture) or ``batch_by_tokens`` one walk of that epoch's lengths
+    (integers only, no record read; what ``len(loader)`` needs anyway), once per epoch and
+    process (kept: one integer an epoch)."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+        self._uniform: bool | None = None  # asked when first needed (split="rows" sums the lengths files)
+        self._counts: list[int] = []  # steps of epochs 0, 1, … (non-uniform plans)
+        self._lock = threading.Lock()
+
+    def epoch_start(self, epoch: int) -> int:
+        if epoch == 0:
+            return 0
+        if self._uniform is None:
+            self._uniform = uniform_epochs(self.sampler)
+        if self._uniform:
+            return epoch * self.sampler.rank_batch_count(0, epoch=epoch)
+        with self._lock:
+            while len(self._counts) < epoch:
+                self._counts.append(self.sampler.rank_batch_count(0, epoch=len(self._counts)))
+            return sum(self._counts[:epoch])
+
+    def global_step(self, epoch: int, position: int) -> int:
+        """The global step of the plan batch at ``position`` of ``epoch`` (skipped or not)."""
+        S = self.sampler.rank_batch_count(0, epoch=epoch)
+        return self.epoch_start(epoch) + S - self.sampler.rank_batch_count(position, epoch=epoch)
+
+
 class StepSkipSampler:
-    """A `crossfeed.read.stages.sampler.Sampler` whose plans leave out the global steps of
-    ``steps`` (merged half-open ranges; `crossfeed.read.skips`). Global step of a rank's plan
-    batch ``b`` from ``position`` of epoch ``e``: ``e·S + (S − R) + b``, with ``S`` the rank's
-    batches in a whole epoch and ``R`` those from ``position`` — the same on every rank. Its
-    batch counts and positions count the batches it yields; a position after ``d`` of them is the
-    plan's after the plan batch that was the d-th kept."""
+    """A `crossfeed.read.stages.sampler.Sampler` (or a token plan's
+    `crossfeed.read.stages.pack.PackSampler`) whose plans leave out the global steps of ``steps``
+    (merged half-open ranges; `crossfeed.read.skips`). Global step of a rank's plan batch ``b``
+    from ``position`` of epoch ``e``: ``first(e) + (S − R) + b``, with ``S`` the rank's batches in
+    the whole epoch, ``R`` those from ``position`` and ``first(e)`` the epoch's first global step
+    (`FirstSteps`: ``e·S`` for unpacked plans) — the same on every rank. Its batch counts and
+    positions count the batches it yields; a position after ``d`` of them is the plan's after the
+    plan batch that was the d-th kept. A token plan is walked in order (`StepSkipWalk`); counting
+    its epoch's steps costs what ``len(loader)`` does (`FirstSteps`)."""
 
     def __init__(self, inner, steps: tuple[tuple[int, int], ...]):
         self.inner, self.steps = inner, steps
         self.options, self.total, self.shard = inner.options, inner.total, inner.shard
+        self.first = FirstSteps(inner)
 
     def kept(self, epoch: int, position: int) -> Kept:
-        S = self.inner.rank_batch_count(0, epoch)
         R = self.inner.rank_batch_count(position, epoch)
-        base = epoch * S + (S - R)
+        base = self.first.global_step(epoch, position)
         return Kept(R, [(lo - base, hi - base) for lo, hi in self.steps if hi > base and lo < base + R])
 
     def global_step(self, epoch: int, position: int) -> int:
         """The global step of the next plan batch from ``position`` (skipped or not)."""
-        S = self.inner.rank_batch_count(0, epoch)
-        return epoch * S + (S - self.inner.rank_batch_count(position, epoch))
+        return self.first.global_step(epoch, position)
 
-    def plan(self, epoch: int, position: int = 0) -> StepSkipPlan:
+    def plan(self, epoch: int, position: int = 0) -> StepSkipPlan | StepSkipWalk:
         whole = self.inner.plan(epoch, position)
         sh = self.inner.shard
+        if not getattr(whole, "random_access", False):  # a token plan: walked run by run
+            return StepSkipWalk(self.inner, epoch, position, self.kept(epoch, position), sh.worker, sh.num_workers)
         if sh.num_workers > 1:
             whole = dataclasses.replace(whole, worker=0, num_workers=1, _chunk={})
         return StepSkipPlan(whole, self.kept(epoch, position), sh.worker, sh.num_workers)
