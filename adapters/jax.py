@@ -61,16 +61,18 @@ except ModuleNotFoundError as e:  # one line naming the extra that installs it
 from crossfeed.adapters.jax_arrays import (
     AlignedArrays,
     Assembler,
+    Padder,
     batch_shards,
     check_features,
     check_pad_to,
     default_sharding,
 )
 from crossfeed.errors import ConfigError, CrossfeedError
+from crossfeed.format.schema import VALID_KEY
 from crossfeed.read import metrics
 from crossfeed.read.env import rank_and_world
 from crossfeed.read.executors.threads import ExecutorKind
-from crossfeed.read.loader import Loader
+from crossfeed.read.loader import Loader, is_empty
 from crossfeed.read.options import LoaderOptions
 from crossfeed.read.pipeline import SourceKind, classify
 
@@ -132,8 +134,11 @@ class JaxLoader:
         epoch: int = 0,
         keep_dtypes: bool = False,
         filter: Callable[[dict], bool] | str | None = None,
+        mask: bool | None = None,
         **fields,
     ):
+        if mask is not None and not isinstance(mask, bool):
+            raise ConfigError(f"mask must be True, False or None (on with filter= or skipped sample ids), got {mask!r}")
         if device_prefetch is not None and (
             isinstance(device_prefetch, bool) or not isinstance(device_prefetch, int) or device_prefetch < 0
         ):
@@ -158,7 +163,13 @@ class JaxLoader:
             self.rank, self.world_size = _rank_and_world(fields.pop("rank", None), fields.pop("world_size", None))
             extra = sorted(
                 k
-                for k, v in {"options": options, "transform": transform, "filter": filter, **fields}.items()
+                for k, v in {
+                    "options": options,
+                    "transform": transform,
+                    "filter": filter,
+                    "mask": mask,
+                    **fields,
+                }.items()
                 if v is not None
             )
             if extra or batch_transform is not None or epoch:
@@ -197,12 +208,20 @@ class JaxLoader:
         pad = check_pad_to(pad_to, self.global_batch_size)  # (B, length) of each padded feature: bounded
         local = self._local_batch(self.global_batch_size)
         skip = opts.plan.skip
-        if filter is not None or (skip is not None and len(skip.samples) > 0):
-            raise ConfigError(
-                "filter= and skipped sample ids make batches shorter, and a JaxLoader's global arrays have static "
-                "shapes; filter when converting, or use skip= steps (whole steps are left out) — refilled "
-                "steps are not built yet"
+        shorter = [
+            what
+            for what, given in (
+                ("filter=", filter is not None),
+                ("skipped sample ids", skip is not None and len(skip.samples) > 0),
             )
+            if given
+        ]
+        if shorter and mask is False:
+            raise ConfigError(
+                f"{' and '.join(shorter)} make batches shorter, and a JaxLoader's global arrays have static shapes: "
+                f"leave mask= on (None or True) to pad them back with a {VALID_KEY!r} mask, or filter when converting"
+            )
+        self.mask = bool(shorter) if mask is None else mask
         self.options = opts.replace(batch_size=local, rank=self.rank, world_size=self.world_size)
         # batches built straight into aligned buffers (a worker process's slots are aligned already)
         aligned = self._alloc if self.options.read.executor is not ExecutorKind.PROCESS else None
@@ -225,6 +244,7 @@ class JaxLoader:
         except BaseException:
             self.loader.close()
             raise
+        self._pad = Padder(local, pad, alloc=self._alloc) if self.mask else None
         self._state = self.loader.state_dict()
 
     def _local_batch(self, global_batch: int) -> int:
@@ -341,12 +361,24 @@ class JaxLoader:
 
     def _produce(self, loader: Loader, count: int | None) -> Generator[tuple, None, None]:
         """``("batch", arrays, state after it)`` for each batch, ``("end", None, state)`` after each epoch."""
-        done = 0
+        done, pad = 0, self._pad
         while count is None or done < count:
             epoch = iter(loader)
+            held: list[tuple[dict, dict]] = []  # empty batches before the first with rows (`Padder`)
             try:
                 for batch in epoch:
-                    yield "batch", self._assemble(batch), loader.state_dict()
+                    if pad is None:
+                        yield "batch", self._assemble(batch), loader.state_dict()
+                    elif not pad.known and is_empty(batch):  # its features' shapes are not known yet
+                        held.append((batch, loader.state_dict()))
+                    else:
+                        padded = pad(batch)
+                        for empty, state in held:
+                            yield "batch", self._assemble(pad(empty)), state
+                        held = []
+                        yield "batch", self._assemble(padded), loader.state_dict()
+                for empty, state in held:  # this process's whole epoch was dropped: as its empty batches hold
+                    yield "batch", self._assemble(pad.like(empty) if pad is not None else empty), state
             finally:
                 epoch.close()
             done += 1

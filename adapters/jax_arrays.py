@@ -49,7 +49,7 @@ import numpy as np
 
 from crossfeed.adapters.int_dtypes import jax_dtype, widen
 from crossfeed.errors import ConfigError, SchemaError
-from crossfeed.format.schema import Feature
+from crossfeed.format.schema import VALID_KEY, Feature
 from crossfeed.read.options import MAX_BATCH_TOKENS, MAX_PACK_LENGTH
 
 PAD_VALUE = 0  # what pad_to fills with
@@ -254,6 +254,66 @@ def _text(name: str) -> str:
     )
 
 
+@dataclasses.dataclass
+class Padder:
+    """Pads a batch that a filter, a transform returning None or skipped sample ids made shorter
+    back to ``rows`` (this process's share of the global batch), and adds `VALID_KEY`: a bool
+    ``(rows,)`` array, True for the real samples (first, in the Loader's order), False for the
+    padding after them. Padded rows hold 0 in every feature (``__index__``/``__source__`` too).
+
+    Each feature's per-row shape and dtype (after ``pad_to``) are learnt from the first batch
+    that has rows (`known`) and kept: a batch with no rows (every sample of its step dropped)
+    becomes ``rows`` rows of padding of those features — not the decoded features an empty batch
+    may carry when a transform never ran on it. `like` pads such a batch from what it holds,
+    for when none with rows came (the caller holds empty batches back until one does)."""
+
+    rows: int
+    pad_to: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    alloc: Callable | None = None  # where padded arrays are built (an `AlignedArrays`: used in place)
+    _rows: dict = dataclasses.field(default_factory=dict, init=False, repr=False)  # name -> (row shape, dtype)
+
+    @property
+    def known(self) -> bool:
+        return bool(self._rows)
+
+    def __call__(self, batch: Mapping) -> dict[str, np.ndarray]:
+        n = _rows_of(batch)
+        if n > self.rows:
+            raise SchemaError(f"a batch of {n} rows where at most {self.rows} were expected")
+        if n == 0 and self._rows:
+            return self._padded({k: np.empty((0, *shape), dtype) for k, (shape, dtype) in self._rows.items()}, 0)
+        arrays = {name: dense(name, value, self.pad_to.get(name)) for name, value in batch.items()}
+        if n and not self._rows:
+            self._rows = {k: (v.shape[1:], v.dtype) for k, v in arrays.items()}
+        return self._padded(arrays, n)
+
+    def like(self, batch: Mapping) -> dict[str, np.ndarray]:
+        """An empty ``batch`` padded from its own arrays' shapes (no batch with rows came to learn from)."""
+        return self._padded({name: dense(name, value, self.pad_to.get(name)) for name, value in batch.items()}, 0)
+
+    def _padded(self, arrays: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for name, value in arrays.items():
+            if n == self.rows:
+                out[name] = value
+                continue
+            full = (self.alloc or np.empty)((self.rows, *value.shape[1:]), value.dtype)
+            full[:n] = value[:n]
+            full[n:] = 0
+            out[name] = full
+        valid = np.zeros(self.rows, dtype=bool)
+        valid[:n] = True
+        out[VALID_KEY] = valid
+        return out
+
+
+def _rows_of(batch: Mapping) -> int:
+    """The rows of a batch (its first value's length; 0 for a batch with no values)."""
+    for value in batch.values():
+        return len(value)
+    return 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Assembler:
     """Builds global arrays from this process's rows: ``sharding`` lays every feature out (its
@@ -282,7 +342,8 @@ class Assembler:
             if self.local_rows is not None and rows.shape[0] != self.local_rows:
                 raise SchemaError(
                     f"feature {name!r}: a batch of {rows.shape[0]} rows where {self.local_rows} were expected "
-                    f"(static shapes: partial batches must be dropped, drop_last=True)"
+                    f"(static shapes: partial batches must be dropped, drop_last=True; a transform that returns None "
+                    f"makes them shorter: pass mask=True to pad them back, with a {VALID_KEY!r} mask)"
                 )
             if not self.keep_dtypes:
                 rows = widen(name, rows, jax_dtype(rows.dtype))

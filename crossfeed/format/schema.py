@@ -41,6 +41,7 @@ from crossfeed.format.images import decode_image  # noqa: F401  (re-exported)
 
 INDEX_KEY = "__index__"  # a batch key, never a feature: the sample indices of the batch
 SOURCE_KEY = "__source__"  # a batch key of mixtures: the source (position in the list) of each sample
+VALID_KEY = "__valid__"  # a batch key of fixed-shape batches (JaxLoader): True for a real sample, False for padding
 
 
 @dataclass(frozen=True)
