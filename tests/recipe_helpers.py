@@ -58,3 +58,8 @@ def noise_by_id(batches) -> dict[int, bytes]:
         for i, n, s in zip(np.asarray(b["__index__"]).tolist(), np.asarray(b["noise"]), np.asarray(b["shift"])):
             out[int(i)] = n.tobytes() + np.int64(s).tobytes()
     return out
+
+
+def positive_y(sample) -> bool:
+    """A filter of `framework_helpers.write_xy`'s samples: about half have y > 0."""
+    return float(sample["y"]) > 0
