@@ -44,3 +44,42 @@ def test_two_hosts_train_on_the_loaders_shares(tmp_path):
     # the remainder: both hosts stop after the same 8 steps, with the plan's samples
     odd_ids = odd_out[0]["ids"]
     assert_plan([[r[:4], r[4:]] for r in odd_ids], epoch_order(odd, SEED), position=0, world=2, batch=4)
+
+
+def test_two_hosts_pad_their_filtered_shares_to_one_global_shape(tmp_path):
+    """A filter and skipped sample ids on two hosts: each pads its own share back to 4 rows, so
+    every step is one global (8,) shape; the valid rows of host r's half are the Loader's
+    filtered batch of rank r of 2, in order, padded with 0 (the worker's step takes the masked loss)."""
+    import crossfeed
+
+    data = write_xy(tmp_path / "xy", 64)
+    skipped = [3, 17, 40]
+    run = dict(
+        source=data,
+        batch_size=8,
+        seed=SEED,
+        steps=None,
+        epochs=1,
+        state_in=None,
+        out=str(tmp_path / "masked"),
+        filter="recipe_helpers:positive_y",
+        skip_samples=skipped,
+    )
+    (per_process,) = run_jax_hosts([run], tmp_path)
+    assert per_process[0]["ids"] == per_process[1]["ids"] and per_process[0]["valid"] == per_process[1]["valid"]
+    assert per_process[0]["state"] == per_process[1]["state"]
+    ids, valid = per_process[0]["ids"], per_process[0]["valid"]
+    assert len(ids) == len(valid) == 8 and all(len(r) == 8 and len(v) == 8 for r, v in zip(ids, valid))
+    for rank in range(2):
+        kw = dict(batch_size=4, seed=SEED, rank=rank, world_size=2, return_index=True, drop_last=True)
+        with crossfeed.Loader(
+            data, filter="recipe_helpers:positive_y", skip=crossfeed.Skip(samples=skipped), **kw
+        ) as ld:
+            want = [b["__index__"].tolist() for b in ld]
+        assert len(want) == 8
+        for step, (row, mask, w) in enumerate(zip(ids, valid, want)):
+            half, ok = row[rank * 4 : rank * 4 + 4], mask[rank * 4 : rank * 4 + 4]
+            assert ok == [True] * len(w) + [False] * (4 - len(w)), (step, rank)
+            assert half[: len(w)] == w and all(i == 0 for i in half[len(w) :]), (step, rank)
+    kept = sorted(i for row, mask in zip(ids, valid) for i, ok in zip(row, mask) if ok)
+    assert kept and not set(kept) & set(skipped) and len(kept) == len(set(kept)) < 64
