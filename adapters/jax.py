@@ -22,6 +22,11 @@
   unless ``pad_to={name: length}`` pads it with 0 (or truncates it) on its first axis; string and
   bytes features raise ConfigError unless left out (``features=``) or turned into numbers by a
   ``transform``.
+* Filters and skipped sample ids (``filter=``, ``skip=Skip(samples=...)``; ``mask=True`` for a
+  transform that may return None) make the Loader's batches shorter: each process pads its own
+  back to its fixed share with zeros and adds ``__valid__`` (`VALID_KEY`), a bool ``(batch_size,)``
+  array, True for the real samples (the Loader's, in its order, first in each process's rows);
+  weigh the padded rows 0 in the loss (`jax_arrays.Padder`; docs/jax.md).
 * Device prefetch: a thread keeps the next ``device_prefetch`` batches on the devices while the
   step runs; its errors are raised in the consumer; it stops when the iteration ends, is broken
   off, or `close` is called. Default (None): 2, or 0 (no thread) when every device of the
