@@ -63,3 +63,8 @@ def noise_by_id(batches) -> dict[int, bytes]:
 def positive_y(sample) -> bool:
     """A filter of `framework_helpers.write_xy`'s samples: about half have y > 0."""
     return float(sample["y"]) > 0
+
+
+def augment_tenth(sample, rng):
+    """Keeps one label in ten (drop_most's), augments it: its features are known only once one is kept."""
+    return augment(sample, rng) if int(sample["label"]) % 10 == 0 else None

@@ -32,11 +32,15 @@ RECIPES = {
     "filter": dict(filter=rh.keep_even),
     "transform-none-rng": dict(transform=rh.augment_even, mask=True),
     "most-dropped": dict(filter=rh.drop_most),  # the epoch's first step loses every sample
+    # ... and its empty batch holds the decoded features, not the transform's (noise, shift)
+    "most-dropped-transform": dict(transform=rh.augment_tenth, mask=True),
+    # worker processes: batches in shared-memory slots, each worker's empty batches its own
+    "transform-none-rng-process": dict(transform=rh.augment_even, mask=True, executor="process", processes=2),
 }
 
 
 def _loader(data, recipe, **kw):
-    recipe = {k: v for k, v in recipe.items() if k != "mask"}
+    recipe = {k: v for k, v in recipe.items() if k not in ("mask", "executor", "processes")}
     with crossfeed.Loader(data, drop_last=True, **{**KW, **recipe, **kw}) as ld:
         return list(ld)
 
@@ -77,9 +81,11 @@ def test_valid_rows_are_the_loaders_filtered_batches_and_every_step_has_one_shap
         _check_step(g, w, 8)
     shapes = {tuple((k, v.shape, v.dtype.str) for k, v in sorted(g.items())) for g in got}
     assert len(shapes) == 1, shapes  # one shape, one dtype for every step: jit compiles once
-    if name == "most-dropped":
+    if name.startswith("most-dropped"):
         assert not got[0][VALID_KEY].any() and got[1][VALID_KEY].any()  # held until the shapes were known
-    if name == "transform-none-rng":  # the per-sample generators' draws, byte for byte
+        if name == "most-dropped-transform":  # the Loader's empty step never met the transform's features
+            assert "noise" not in want[0] and {"noise", "shift"} <= set(got[0])
+    if name.startswith("transform-none-rng"):  # the per-sample generators' draws, byte for byte
         assert {"noise", "shift"} <= set(got[0])
         assert sum(int(g[VALID_KEY].sum()) for g in got) == sum(len(w["__index__"]) for w in want) > 0
 
