@@ -14,6 +14,11 @@
 * **Samples** ``(source, index)``: a mixture's source by number (its place in the list) and the
   sample's index within it; a plain index for one dataset. A skipped sample never arrives; the
   rest of the epoch is unchanged (its batch comes out shorter).
+* **Refill** (``Skip(samples=…, refill=True)``): the skipped samples are taken out of each
+  epoch's order and the rest close up, so every step is full (the epoch is that many samples
+  shorter, so it may have fewer steps; equal steps per rank as the remainder policy gives). One
+  dataset with the plain plan only: a mixture, per-sample weights and token pipelines refuse it by
+  name. Positions then count the closed-up order, so refill is part of the stream's identity.
 
 A file holds one entry a line (``#`` comments, blank lines): ``INDEX``, ``SOURCE INDEX`` or
 ``steps START END`` as text, or JSON lines — an integer, ``[SOURCE, INDEX]``, ``{"source": S,
@@ -151,6 +156,7 @@ class Skip:
 
     steps: tuple[tuple[int, int], ...] = ()
     samples: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 2), np.int64), compare=False)
+    refill: bool = False  # skipped samples leave the order, the rest close up: every step full
     digest: str = dataclasses.field(default="", init=False)
 
     def __post_init__(self):
@@ -158,6 +164,8 @@ class Skip:
         if len(steps) > MAX_STEP_RANGES:
             raise ConfigError(f"skip steps: {len(steps)} ranges, more than {MAX_STEP_RANGES}; merge them")
         object.__setattr__(self, "steps", _merge(steps))
+        if not isinstance(self.refill, bool):
+            raise ConfigError(f"skip refill: True or False, got {self.refill!r}")
         s = _pairs(self.samples)
         if s.ndim != 2 or s.shape[1] != 2 or s.dtype.kind not in "iu" or (s < 0).any():
             raise ConfigError(f"skip samples: an (n, 2) array of non-negative (source, index), got {s.dtype}{s.shape}")
@@ -177,24 +185,28 @@ class Skip:
             return value
         if isinstance(value, (str, os.PathLike)):
             value = {"file": os.fspath(value)}
-        if not isinstance(value, Mapping) or not set(value) <= {"steps", "samples", "file"}:
+        if not isinstance(value, Mapping) or not set(value) <= {"steps", "samples", "file", "refill"}:
             raise ConfigError(
-                "skip= takes a crossfeed.Skip(steps=[(start, end)], samples=[(source, index)]), a skip file's path, "
-                f"or a dict with 'steps', 'samples' and/or 'file'; got {value!r:.120}"
+                "skip= takes a crossfeed.Skip(steps=[(start, end)], samples=[(source, index)], refill=False), a skip "
+                f"file's path, or a dict with 'steps', 'samples', 'refill' and/or 'file'; got {value!r:.120}"
             )
         steps, samples = list(value.get("steps") or ()), _pairs(value.get("samples"))
         if value.get("file") is not None:
             more_steps, more = _read_file(os.fspath(value["file"]))
             steps += more_steps
             samples = np.concatenate([samples, np.asarray(more, dtype=np.int64).reshape(-1, 2)])
-        return cls(tuple(steps), samples)
+        return cls(tuple(steps), samples, refill=value.get("refill", False))
 
     def __bool__(self) -> bool:
         return bool(self.steps) or len(self.samples) > 0
 
     def to_json(self) -> dict:
-        """``{"steps": [[start, end], …], "samples": [[source, index], …]}`` (`of` reads it back)."""
-        return {"steps": [list(r) for r in self.steps], "samples": self.samples.tolist()}
+        """``{"steps": [[start, end], …], "samples": [[source, index], …]}`` and ``"refill": true``
+        when set (`of` reads it back)."""
+        out: dict = {"steps": [list(r) for r in self.steps], "samples": self.samples.tolist()}
+        if self.refill:
+            out["refill"] = True
+        return out
 
     def ids(self, starts: np.ndarray, where: list[str] | None = None) -> np.ndarray:
         """The skipped samples as sorted global ids: ``starts[source] + index`` (``starts``: each
