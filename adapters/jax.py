@@ -197,11 +197,11 @@ class JaxLoader:
         pad = check_pad_to(pad_to, self.global_batch_size)  # (B, length) of each padded feature: bounded
         local = self._local_batch(self.global_batch_size)
         skip = opts.plan.skip
-        if filter is not None or (skip is not None and len(skip.samples) > 0):
+        if filter is not None or (skip is not None and len(skip.samples) > 0 and not skip.refill):
             raise ConfigError(
                 "filter= and skipped sample ids make batches shorter, and a JaxLoader's global arrays have static "
-                "shapes; filter when converting, or use skip= steps (whole steps are left out) — refilled "
-                "steps are not built yet"
+                "shapes; filter when converting, refill the skipped ids' steps (Skip(samples=…, refill=True)), "
+                "or use skip= steps (whole steps are left out)"
             )
         self.options = opts.replace(batch_size=local, rank=self.rank, world_size=self.world_size)
         # batches built straight into aligned buffers (a worker process's slots are aligned already)
