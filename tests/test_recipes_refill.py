@@ -184,3 +184,15 @@ def test_refill_is_refused_by_name_where_it_is_not_built(data, tmp_path):
         Loader(data, batch_size=8, skip=Skip(samples=range(N), refill=True))
     with pytest.raises(ConfigError, match="skip refill: True or False"):
         Skip(samples=[1], refill="yes")
+
+
+def test_a_skip_file_refills_and_a_dispatchers_rank_plans_refill_too(data, tmp_path):
+    text, lines = tmp_path / "skips.txt", tmp_path / "skips.jsonl"
+    text.write_text("# spike at step 40\n3\n17\nrefill\n")
+    lines.write_text('3\n[0, 17]\n{"refill": true}\n')
+    assert Skip.of(text) == Skip.of(lines) == Skip(samples=[3, 17], refill=True)
+    assert not Skip.of({"samples": [3, 17]}).refill
+    with Loader(data, batch_size=8, seed=6, skip=text, world_size=2, rank=1, return_index=True) as ld:
+        got = [i for b in _ids(ld) for i in b]
+        planned = ld.pipeline.rank_sampler(1, 2).plan(0).samples  # what a lease server plans for rank 1
+    assert planned.tolist() == got and len(got) == 59 and not {3, 17} & set(got)
