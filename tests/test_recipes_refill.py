@@ -196,3 +196,12 @@ def test_a_skip_file_refills_and_a_dispatchers_rank_plans_refill_too(data, tmp_p
         got = [i for b in _ids(ld) for i in b]
         planned = ld.pipeline.rank_sampler(1, 2).plan(0).samples  # what a lease server plans for rank 1
     assert planned.tolist() == got and len(got) == 59 and not {3, 17} & set(got)
+
+
+def test_token_pipelines_refuse_refilled_skips_by_name(tmp_path):
+    from token_data import write_tokens
+
+    tokens = write_tokens(tmp_path / "t", [5, 9, 12, 3, 7, 20, 11, 4], num_shards=2)
+    for how in ({"pack": crossfeed.Pack(16)}, {"batch_by_tokens": 32}):
+        with pytest.raises(ConfigError, match=r"skipped sample ids \(skip= samples\) .* not built for token pipelines"):
+            Loader(tokens, batch_size=2, skip=Skip(samples=[1], refill=True), **how)
