@@ -205,3 +205,11 @@ def test_token_pipelines_refuse_refilled_skips_by_name(tmp_path):
     for how in ({"pack": crossfeed.Pack(16)}, {"batch_by_tokens": 32}):
         with pytest.raises(ConfigError, match=r"skipped sample ids \(skip= samples\) .* not built for token pipelines"):
             Loader(tokens, batch_size=2, skip=Skip(samples=[1], refill=True), **how)
+
+
+def test_batch_at_replays_a_refilled_step_without_a_walk(data):
+    skip = Skip(samples=[2, 30, 31, 99], refill=True)
+    with Loader(data, batch_size=8, seed=8, skip=skip, world_size=2, rank=1, return_index=True) as ld:
+        got = _ids(ld)
+        for step in (0, 3, len(got) - 1):
+            assert [r.key for r in ld.batch_at(step)] == got[step]
