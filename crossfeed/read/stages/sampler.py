@@ -231,13 +231,14 @@ class RefilledOrder:
     def __init__(self, inner: EpochOrder, skipped: np.ndarray):
         self.inner = inner
         self.counts = inner.counts
-        pos = np.sort(inner.positions_of(skipped))
-        self.n = inner.n - len(pos)
         self._table: np.ndarray | None = None
-        if inner._table is not None:
-            keep = np.ones(inner.n, dtype=bool)
-            keep[pos] = False
-            self._table = inner._table[keep]
+        if inner._table is not None:  # one pass over the table: the skipped samples' places, in order
+            gone = np.isin(inner._table, skipped, assume_unique=True)
+            pos = np.flatnonzero(gone)
+            self._table = inner._table[~gone]
+        else:
+            pos = np.sort(inner.positions_of(skipped))
+        self.n = inner.n - len(pos)
         self._before = pos - np.arange(len(pos), dtype=np.int64)  # kept positions before each skipped one
 
     @property
