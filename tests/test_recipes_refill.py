@@ -213,3 +213,13 @@ def test_batch_at_replays_a_refilled_step_without_a_walk(data):
         got = _ids(ld)
         for step in (0, 3, len(got) - 1):
             assert [r.key for r in ld.batch_at(step)] == got[step]
+
+
+def test_refill_with_skipped_steps_and_worker_processes(data):
+    kw = {"batch_size": 8, "seed": 12, "return_index": True}
+    with Loader(data, skip=Skip(samples=[4, 8, 15, 16, 23, 42], refill=True), **kw) as ld:
+        refilled = _ids(ld)
+    both = Skip(steps=[(2, 4)], samples=[4, 8, 15, 16, 23, 42], refill=True)
+    for executor in ("thread", "process"):
+        with Loader(data, skip=both, executor=executor, **kw) as ld:
+            assert _ids(ld) == refilled[:2] + refilled[4:]
