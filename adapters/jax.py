@@ -217,7 +217,7 @@ class JaxLoader:
             what
             for what, given in (
                 ("filter=", filter is not None),
-                ("skipped sample ids", skip is not None and len(skip.samples) > 0),
+                ("skipped sample ids not refilled", skip is not None and len(skip.samples) > 0 and not skip.refill),
             )
             if given
         ]

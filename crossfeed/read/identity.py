@@ -12,7 +12,7 @@ future may change on resume: `resume_differences`); per-sample weights (the set'
 weights file's SHA-256, ``weights``); packing (length, split, bins, long, weights_by, features, pad_id) and
 batch_by_tokens; the decode options that change values (decode_images, image_size, channels,
 resize); a skip list (``skip=``: its global step ranges, and its sample ids by count and
-digest — adding step ranges that lie wholly after the resume point is allowed, see
+digest, and whether they are refilled, ``skip refill`` — adding step ranges that lie wholly after the resume point is allowed, see
 `skip_steps_added`). What is *not* in it may change on resume without loss, because the plan re-splits what is
 left: world size and rank, DataLoader workers, executor, threads, processes, prefetch, cache,
 timeouts, on_error, return_index, and the batch size (a position counts samples, rows or documents,
@@ -178,6 +178,8 @@ class StreamIdentity:
         if skip is not None:  # absent without one: identities saved before skips stay the same
             s["skip steps"] = [list(r) for r in skip.steps]
             s["skip samples"] = skip.digest
+            if skip.refill and len(skip.samples):  # absent unless it acts: the closed-up order's positions differ
+                s["skip refill"] = True
         s["decode images"] = read.decode_images
         if read.image_size is not None or read.channels is not None:
             s["image size"] = None if read.image_size is None else list(read.image_size)

@@ -372,7 +372,7 @@ class Pipeline:
                 "skipped steps (Skip(steps=[(start, end)])) are"
             )
         skip_ids = None
-        if skip is not None and len(skip.samples):
+        if skip is not None and len(skip.samples) and not skip.refill:  # refilled: out of the plan already
             names = [str(ds.path) for ds in self.datasets]
             skip_ids = recipes.SkipIds(skip.ids(self.starts, names))
         name = self._filter_name or self._transform_name or "filter"

@@ -14,10 +14,15 @@
 * **Samples** ``(source, index)``: a mixture's source by number (its place in the list) and the
   sample's index within it; a plain index for one dataset. A skipped sample never arrives; the
   rest of the epoch is unchanged (its batch comes out shorter).
+* **Refill** (``Skip(samples=…, refill=True)``): the skipped samples are taken out of each
+  epoch's order and the rest close up, so every step is full (the epoch is that many samples
+  shorter, so it may have fewer steps; equal steps per rank as the remainder policy gives). One
+  dataset with the plain plan only: a mixture, per-sample weights and token pipelines refuse it by
+  name. Positions then count the closed-up order, so refill is part of the stream's identity.
 
 A file holds one entry a line (``#`` comments, blank lines): ``INDEX``, ``SOURCE INDEX`` or
 ``steps START END`` as text, or JSON lines — an integer, ``[SOURCE, INDEX]``, ``{"source": S,
-"index": I}`` or ``{"steps": [START, END]}``. It is read once, strictly (an error names the file and
+"index": I}`` or ``{"steps": [START, END]}``; a line ``refill`` (or ``{"refill": true}``) refills. It is read once, strictly (an error names the file and
 line), and bounded (`MAX_FILE_BYTES`, `MAX_SAMPLES`, `MAX_STEP_RANGES`). The skip list is part of
 the stream's identity (`crossfeed.read.identity`) by content: its step ranges, and the count and
 digest of its sorted sample ids.
@@ -95,8 +100,8 @@ def _pairs(samples) -> np.ndarray:
     return np.asarray([_sample(v, "skip samples") for v in samples], dtype=np.int64).reshape(-1, 2)
 
 
-def _read_file(path: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """``(steps, samples)`` of a skip file (module docstring), parsed strictly."""
+def _read_file(path: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]], bool]:
+    """``(steps, samples, refill)`` of a skip file (module docstring), parsed strictly."""
     try:
         size = os.path.getsize(path)
         if size > MAX_FILE_BYTES:
@@ -107,6 +112,7 @@ def _read_file(path: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]
         raise ConfigError(f"skip file {path}: cannot read it ({e})") from None
     steps: list[tuple[int, int]] = []
     samples: list[tuple[int, int]] = []
+    refill = False
     for n, line in enumerate(text.splitlines(), 1):
         where = f"skip file {path}, line {n}"
         line = line.split("#", 1)[0].strip()
@@ -119,21 +125,27 @@ def _read_file(path: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]
                 raise ConfigError(f"{where}: not JSON ({e}): {line[:80]!r}") from None
             if isinstance(v, dict) and set(v) == {"steps"}:
                 steps.append(_step_range(v["steps"], where))
+            elif v == {"refill": True}:
+                refill = True
             else:
                 samples.append(_sample(v, where))
         else:
             words = line.split()
-            if words[0] == "steps" and len(words) == 3:
+            if words == ["refill"]:
+                refill = True
+            elif words[0] == "steps" and len(words) == 3:
                 steps.append(_step_range([_int(w, where) for w in words[1:]], where))
             elif len(words) in (1, 2):
                 samples.append(
                     _sample([_int(w, where) for w in words] if len(words) == 2 else _int(words[0], where), where)
                 )
             else:
-                raise ConfigError(f"{where}: expected 'INDEX', 'SOURCE INDEX' or 'steps START END', got {line[:80]!r}")
+                raise ConfigError(
+                    f"{where}: expected 'INDEX', 'SOURCE INDEX', 'steps START END' or 'refill', got {line[:80]!r}"
+                )
         if len(samples) > MAX_SAMPLES or len(steps) > MAX_STEP_RANGES:
             raise ConfigError(f"{where}: more than {MAX_SAMPLES:,} samples or {MAX_STEP_RANGES} step ranges")
-    return steps, samples
+    return steps, samples, refill
 
 
 def _int(word: str, where: str) -> int:
@@ -151,6 +163,7 @@ class Skip:
 
     steps: tuple[tuple[int, int], ...] = ()
     samples: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 2), np.int64), compare=False)
+    refill: bool = False  # skipped samples leave the order, the rest close up: every step full
     digest: str = dataclasses.field(default="", init=False)
 
     def __post_init__(self):
@@ -158,6 +171,8 @@ class Skip:
         if len(steps) > MAX_STEP_RANGES:
             raise ConfigError(f"skip steps: {len(steps)} ranges, more than {MAX_STEP_RANGES}; merge them")
         object.__setattr__(self, "steps", _merge(steps))
+        if not isinstance(self.refill, bool):
+            raise ConfigError(f"skip refill: True or False, got {self.refill!r}")
         s = _pairs(self.samples)
         if s.ndim != 2 or s.shape[1] != 2 or s.dtype.kind not in "iu" or (s < 0).any():
             raise ConfigError(f"skip samples: an (n, 2) array of non-negative (source, index), got {s.dtype}{s.shape}")
@@ -177,24 +192,30 @@ class Skip:
             return value
         if isinstance(value, (str, os.PathLike)):
             value = {"file": os.fspath(value)}
-        if not isinstance(value, Mapping) or not set(value) <= {"steps", "samples", "file"}:
+        if not isinstance(value, Mapping) or not set(value) <= {"steps", "samples", "file", "refill"}:
             raise ConfigError(
-                "skip= takes a crossfeed.Skip(steps=[(start, end)], samples=[(source, index)]), a skip file's path, "
-                f"or a dict with 'steps', 'samples' and/or 'file'; got {value!r:.120}"
+                "skip= takes a crossfeed.Skip(steps=[(start, end)], samples=[(source, index)], refill=False), a skip "
+                f"file's path, or a dict with 'steps', 'samples', 'refill' and/or 'file'; got {value!r:.120}"
             )
         steps, samples = list(value.get("steps") or ()), _pairs(value.get("samples"))
+        refill = value.get("refill", False)
         if value.get("file") is not None:
-            more_steps, more = _read_file(os.fspath(value["file"]))
+            more_steps, more, file_refill = _read_file(os.fspath(value["file"]))
             steps += more_steps
             samples = np.concatenate([samples, np.asarray(more, dtype=np.int64).reshape(-1, 2)])
-        return cls(tuple(steps), samples)
+            refill = refill or file_refill
+        return cls(tuple(steps), samples, refill=refill)
 
     def __bool__(self) -> bool:
         return bool(self.steps) or len(self.samples) > 0
 
     def to_json(self) -> dict:
-        """``{"steps": [[start, end], …], "samples": [[source, index], …]}`` (`of` reads it back)."""
-        return {"steps": [list(r) for r in self.steps], "samples": self.samples.tolist()}
+        """``{"steps": [[start, end], …], "samples": [[source, index], …]}`` and ``"refill": true``
+        when set (`of` reads it back)."""
+        out: dict = {"steps": [list(r) for r in self.steps], "samples": self.samples.tolist()}
+        if self.refill:
+            out["refill"] = True
+        return out
 
     def ids(self, starts: np.ndarray, where: list[str] | None = None) -> np.ndarray:
         """The skipped samples as sorted global ids: ``starts[source] + index`` (``starts``: each

@@ -84,6 +84,32 @@ class Permutation:
             out = out[y[out] >= self.n]
         return y.astype(np.int64)
 
+    def _unstep(self, y: np.ndarray) -> np.ndarray:
+        """``_step``'s inverse: the rounds backwards, each ``x ^= x >> s`` undone by xor-shifts
+        until the shifted bits run out, each ``x = x·m + c`` by ``(x − c)·m⁻¹`` (``m`` odd: it
+        has an inverse modulo ``2**b``)."""
+        mask, shift = self._mask, self._shift
+        bits = int(mask).bit_length()
+        for m, c in reversed(self._rounds):
+            x = y.copy()
+            for _ in range(-(-bits // int(shift))):  # after j passes x is right on j·s more bits
+                x = y ^ (x >> shift)
+            y = ((x - c) * self._inverse(m)) & mask
+        return y
+
+    def _inverse(self, m: np.uint64) -> np.uint64:
+        return np.uint64(pow(int(m), -1, 1 << 64))
+
+    def inverse(self, y: np.ndarray) -> np.ndarray:
+        """The positions ``k`` with ``self(k) == y`` (``y`` in ``[0, n)``): the cycle walk
+        backwards — step back until the value lands in range again."""
+        x = self._unstep(np.asarray(y, dtype=np.uint64))
+        out = np.flatnonzero(x >= self.n)
+        while len(out):
+            x[out] = self._unstep(x[out])
+            out = out[x[out] >= self.n]
+        return x.astype(np.int64)
+
 
 class EpochOrder:
     """``order(positions)``: the samples at those positions of one epoch's order (global,
@@ -162,6 +188,77 @@ class EpochOrder:
             before = np.concatenate([[0], cum])[j]
             out[m] = self._starts[shards[j]] + inner - before
         return out
+
+    def positions_of(self, samples: np.ndarray) -> np.ndarray:
+        """The positions of ``samples`` (global ids in ``[0, n)``) in this epoch's order: the
+        order's inverse, O(len(samples)) for evaluated orders (`Permutation.inverse`; block shuffle:
+        the sample's window and its place there, inverted), one pass over a table (small epochs)."""
+        samples = np.asarray(samples, dtype=np.int64)
+        if self._table is not None:
+            inv = np.empty(self.n, dtype=np.int64)
+            inv[self._table] = np.arange(self.n, dtype=np.int64)
+            return inv[samples]
+        if self.shuffle is Shuffle.GLOBAL:
+            return self._perm.inverse(samples)
+        if self.shuffle is Shuffle.NONE:
+            return (samples - self._shift) % self.n if self.n else samples
+        shard = np.searchsorted(self._starts, samples, side="right") - 1
+        win_of = np.empty(len(self.counts), dtype=np.int64)
+        before = np.empty(len(self.counts), dtype=np.int64)  # the shard's first place in its window
+        for win, shards in enumerate(self._windows):
+            win_of[shards] = win
+            before[shards] = np.concatenate([[0], np.cumsum(self.counts[shards])[:-1]])
+        out = np.empty(len(samples), dtype=np.int64)
+        w = win_of[shard]
+        inner = before[shard] + samples - self._starts[shard]
+        for win in np.unique(w).tolist():
+            m = w == win
+            size = int(self._wstarts[win + 1] - self._wstarts[win])
+            out[m] = self._wstarts[win] + Permutation(size, _keys(*self._wkeys, 2, win)).inverse(inner[m])
+        return out
+
+
+class RefilledOrder:
+    """An epoch's order with some samples taken out and the rest closed up (``Skip(refill=True)``,
+    `crossfeed.read.skips`): position ``k`` is the inner order's ``k``-th position that holds no
+    skipped sample. Built from the skipped samples' positions (the inner order's inverse), sorted:
+    ``select(k) = k + #{skipped positions ≤ select(k)}``, a binary search over ``p_i − i`` (the
+    kept positions before each skipped one) — O(log S) a position, O(S) memory. A table (small
+    epochs) is closed up once instead."""
+
+    sequential = False
+
+    def __init__(self, inner: EpochOrder, skipped: np.ndarray):
+        self.inner = inner
+        self.counts = inner.counts
+        self._table: np.ndarray | None = None
+        if inner._table is not None:  # one pass over the table: the skipped samples' places, in order
+            gone = np.isin(inner._table, skipped, assume_unique=True)
+            pos = np.flatnonzero(gone)
+            self._table = inner._table[~gone]
+        else:
+            pos = np.sort(inner.positions_of(skipped))
+        self.n = inner.n - len(pos)
+        self._before = pos - np.arange(len(pos), dtype=np.int64)  # kept positions before each skipped one
+
+    @property
+    def materialised(self) -> bool:
+        return self._table is not None or self.inner.materialised
+
+    def select(self, k: np.ndarray) -> np.ndarray:
+        """The inner order's positions of kept positions ``k``."""
+        k = np.asarray(k, dtype=np.int64)
+        return k + np.searchsorted(self._before, k, side="right")
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        if self._table is not None:
+            return self._table[np.asarray(positions, dtype=np.int64)]
+        return self.inner(self.select(positions))
+
+    def run(self, lo: int, hi: int) -> np.ndarray:
+        if self._table is not None:
+            return self._table[lo:hi]
+        return self(np.arange(lo, hi, dtype=np.int64))
 
 
 def epoch_order(counts, *, seed: int, epoch: int, shuffle: Shuffle, block_shards: int = 4) -> np.ndarray:
@@ -652,7 +749,7 @@ def num_batches(n: int, batch_size: int, drop_last: bool) -> int:
 class Plan:
     """One rank's (and worker's) batches for the rest of an epoch, computed batch by batch."""
 
-    order: EpochOrder | MixtureOrder | WeightedOrder
+    order: EpochOrder | MixtureOrder | WeightedOrder | RefilledOrder
     position: int  # samples of the epoch all ranks consumed before this plan
     per_rank: int  # samples this rank delivers (all its workers together)
     rank: int
@@ -753,7 +850,19 @@ class Sampler:
             self.counts = [np.asarray(c, dtype=np.int64) for c in counts]
             sizes = sum(int(c.sum()) for c in self.counts)
             self.total = int(plan.samples_per_epoch) if plan.samples_per_epoch is not None else sizes
-        self._order: tuple[int, EpochOrder | MixtureOrder | WeightedOrder] | None = None
+        self._order: tuple[int, EpochOrder | MixtureOrder | WeightedOrder | RefilledOrder] | None = None
+        self.refill: np.ndarray | None = None  # skipped sample ids taken out of every epoch (Skip(refill=True))
+        skip = getattr(plan, "skip", None)
+        if skip is not None and skip.refill and len(skip.samples):
+            if self.weights is not None or sample_weights is not None:
+                raise ConfigError(
+                    "Skip(refill=True) closes up one dataset's order; a mixture's or per-sample-weighted plan draws "
+                    "its samples by weight and cannot refill: use Skip(samples=…) without refill (shorter steps)"
+                )
+            self.refill = skip.ids(np.array([0, self.total], dtype=np.int64))
+            if len(self.refill) >= self.total:
+                raise ConfigError(f"skip= takes out all {self.total:,} samples of the epoch; nothing is left to read")
+            self.total -= len(self.refill)
         self._passes: PassOrders | None = (
             PassOrders(self.counts, plan.seed, plan.shuffle, plan.block_shards) if self.weights is not None else None
         )
@@ -776,7 +885,8 @@ class Sampler:
                 self.counts, self.sample_weights, n=self.total, seed=o.seed, epoch=epoch, passes=self._passes
             )
         if self.weights is None:
-            return EpochOrder(self.counts, seed=o.seed, epoch=epoch, shuffle=o.shuffle, block_shards=o.block_shards)
+            order = EpochOrder(self.counts, seed=o.seed, epoch=epoch, shuffle=o.shuffle, block_shards=o.block_shards)
+            return order if self.refill is None else RefilledOrder(order, self.refill)
         if self.phases is not None:
             return ScheduledMixtureOrder(
                 self.counts,
