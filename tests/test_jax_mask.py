@@ -152,7 +152,7 @@ def test_what_mask_takes_and_refuses(tmp_path):
         _check_step(g, w, 8)
     with cfjax.JaxLoader(data, **plain) as jl:  # off unless something makes batches shorter
         assert not jl.mask and VALID_KEY not in next(iter(jl))
-    with pytest.raises(crossfeed.ConfigError, match="filter= and skipped sample ids make batches shorter"):
+    with pytest.raises(crossfeed.ConfigError, match="filter= and skipped sample ids not refilled make batches shorter"):
         cfjax.JaxLoader(data, filter=rh.keep_even, mask=False, **KW)
     with pytest.raises(crossfeed.ConfigError, match="mask must be"):
         cfjax.JaxLoader(data, mask="yes", **plain)
