@@ -53,6 +53,10 @@ class ShardSink:
     def write(self, payload: bytes) -> None:
         self._writer.write(payload)
 
+    def write_many(self, payloads: list) -> None:
+        """`write` of each of ``payloads`` in order, framed and written as one batch (the same bytes)."""
+        self._writer.write_many(payloads)
+
     @property
     def num_records(self) -> int:
         return len(self._writer.offsets)
