@@ -178,3 +178,17 @@ def test_statistics_at_once_refuse_what_they_cannot_promise():
     assert not st.add_arrays([np.full(2, 2**62, np.int64)])  # the sum would round in float64
     assert not st.add_arrays([[1, 2]])
     assert st == FeatureStats()
+
+
+@pytest.mark.parametrize("n, top", [(1023, 10**6), (1024, 9), (1024, 10), (5000, 10**6), (3000, 10**13)])
+def test_index_lines_are_the_format_strings(n, top):
+    rng = np.random.default_rng(n)
+    offsets = [(0, 16)] + [
+        (int(o), int(m)) for o, m in zip(np.sort(rng.integers(0, top, n - 1)), rng.integers(16, top + 17, n - 1))
+    ]
+    if n < 1024:
+        want = "".join(f"{o} {m}\n" for o, m in offsets)
+    else:
+        wo, wm = len(str(max(o for o, _ in offsets))), len(str(max(m for _, m in offsets)))
+        want = "".join(f"{o:0{wo}d} {m:0{wm}d}\n" for o, m in offsets)
+    assert format_index(offsets) == want.encode()

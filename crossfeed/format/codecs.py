@@ -560,21 +560,17 @@ def _varying_column(f):
 
     def column(col, n):
         vals = col if isinstance(col, list) else list(col)
-        pres: list[bytes] = []
-        shps: list[bytes] = []
-        sizes = np.empty((2, n), dtype=np.int64)
+        if not n or not all(isinstance(v, np.ndarray) and v.dtype == dt and v.flags.c_contiguous for v in vals):
+            return None
         get = memo.get
-        for i, v in enumerate(vals):
-            if not (isinstance(v, np.ndarray) and v.dtype == dt and v.flags.c_contiguous):
-                return None
-            h = get(v.shape) or heads(v.shape)
-            if h is None:
-                return None
-            pres.append(h[0])
-            shps.append(h[1])
-            sizes[0, i] = h[2]
-            sizes[1, i] = h[3]
-        return [([pres, vals], sizes[0]), ([shps], sizes[1])]
+        hs = [get(v.shape) or heads(v.shape) for v in vals]
+        if None in hs:
+            return None
+        pres, shps, pre_sizes, shp_sizes = zip(*hs)
+        return [
+            ([list(pres), vals], np.array(pre_sizes, dtype=np.int64)),
+            ([list(shps)], np.array(shp_sizes, dtype=np.int64)),
+        ]
 
     return column
 

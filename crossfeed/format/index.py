@@ -38,9 +38,25 @@ def format_index(offsets) -> bytes:
     offsets = list(offsets)
     if len(offsets) < FIXED_MIN:
         return "".join(f"{o} {n}\n" for o, n in offsets).encode()
-    wo = len(str(max(o for o, _ in offsets)))
-    wn = len(str(max(n for _, n in offsets)))
-    return "".join(f"{o:0{wo}d} {n:0{wn}d}\n" for o, n in offsets).encode()
+    arr = np.array(offsets, dtype=np.int64).reshape(-1, 2)
+    if arr.min() < 0:  # not an index crossfeed writes: as the format reads, number by number
+        wo = len(str(max(o for o, _ in offsets)))
+        wn = len(str(max(n for _, n in offsets)))
+        return "".join(f"{o:0{wo}d} {n:0{wn}d}\n" for o, n in offsets).encode()
+    # the lines' characters as a (records, width) matrix: each number's digits, zero-padded
+    wo, wn = len(str(int(arr[:, 0].max()))), len(str(int(arr[:, 1].max())))
+    out = np.empty((len(arr), wo + wn + 2), dtype=np.uint8)
+    out[:, :wo] = _digits(arr[:, 0], wo)
+    out[:, wo] = ord(" ")
+    out[:, wo + 1 : -1] = _digits(arr[:, 1], wn)
+    out[:, -1] = ord("\n")
+    return out.tobytes()
+
+
+def _digits(values: np.ndarray, width: int) -> np.ndarray:
+    """The ASCII decimal digits of non-negative ``values``, zero-padded to ``width``: ``(n, width)``."""
+    powers = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
+    return (values[:, None] // powers % 10 + ord("0")).astype(np.uint8)
 
 
 def write_index(path: str | os.PathLike, offsets) -> str:

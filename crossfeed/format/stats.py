@@ -61,12 +61,16 @@ class FeatureStats:
             lo, hi = int(flat.min()), int(flat.max())
             if max(abs(lo), abs(hi)) * flat.size >= 1 << 53:
                 return False
-            sums = np.zeros(len(col), dtype=np.float64)
-            full = sizes > 0  # reduceat gives an empty segment the next value, not 0: leave those out
-            sums[full] = np.add.reduceat(flat, (np.cumsum(sizes) - sizes)[full], dtype=np.int64)
+            bound = max(abs(lo), abs(hi)) * flat.size
+            if float(self.total).is_integer() and abs(self.total) + bound < 1 << 53:  # every partial sum exact
+                self.total = float(int(self.total) + int(flat.sum(dtype=np.int64)))
+            else:
+                sums = np.zeros(len(col), dtype=np.float64)
+                full = sizes > 0  # reduceat gives an empty segment the next value, not 0: leave those out
+                sums[full] = np.add.reduceat(flat, (np.cumsum(sizes) - sizes)[full], dtype=np.int64)
+                self.total = float(np.add.accumulate(np.concatenate(([self.total], sums)))[-1])
             self.min = float(lo) if self.min is None else min(self.min, float(lo))
             self.max = float(hi) if self.max is None else max(self.max, float(hi))
-            self.total = float(np.add.accumulate(np.concatenate(([self.total], sums)))[-1])
             self.n_values += int(flat.size)
         self.count += len(col)
         for shape, k in Counter(v.shape for v in col).items():  # first seen first, as `add` counts them
