@@ -59,13 +59,15 @@ def _digits(values: np.ndarray, width: int) -> np.ndarray:
     return (values[:, None] // powers % 10 + ord("0")).astype(np.uint8)
 
 
-def write_index(path: str | os.PathLike, offsets) -> str:
-    """Write an index file (fsynced) and return its sha256, for the manifest."""
+def write_index(path: str | os.PathLike, offsets, *, sync: bool = True) -> str:
+    """Write an index file (fsynced, unless ``sync`` is False: the caller fsyncs it) and return
+    its sha256, for the manifest."""
     data = format_index(offsets)
     with open(path, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
     return hashlib.sha256(data).hexdigest()
 
 

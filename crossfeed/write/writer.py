@@ -25,7 +25,7 @@ from crossfeed.format.stats import FeatureStats, merge_all
 from crossfeed.policy import OnError
 from crossfeed.write.commit import check_target, commit_split, read_manifest_or_none, writer_lock
 from crossfeed.write.options import WriteOptions
-from crossfeed.write.staging import ShardSink, StagedShard, discard
+from crossfeed.write.staging import ShardSink, StagedShard, discard, finish_all
 from crossfeed.write.target import write_target
 
 log = logging.getLogger(__name__)
@@ -205,12 +205,15 @@ def _write(
                 sizes[-1].append(rows[i : i + m])
             i += m
 
-    def finish(k: int) -> StagedShard:
+    def _sizes_of(k: int) -> np.ndarray | None:
         if not keys:
-            return sinks[k].finish()
+            return None
         got = np.concatenate([np.zeros((0, len(keys)), dtype=np.int64), *sizes[k]])
         sizes[k] = []
-        return sinks[k].finish(got)
+        return got
+
+    def finish(k: int) -> StagedShard:
+        return sinks[k].finish(_sizes_of(k))
 
     keys = counted
 
@@ -265,7 +268,8 @@ def _write(
         missing = [k for k in keys if k not in final.names]
         if missing:
             raise ConfigError(f"lengths={list(keys)}: no feature {missing[0]!r} in the schema {list(final.names)}")
-        staged += [finish(k) for k in (range(len(sinks)) if num_shards is not None else [len(sinks) - 1])]
+        last = range(len(sinks)) if num_shards is not None else [len(sinks) - 1]  # the shards still open
+        staged += finish_all([sinks[k] for k in last], [_sizes_of(k) for k in last])
         commit_split(
             root,
             split,
