@@ -224,13 +224,17 @@ class WriteShardDoFn(beam.DoFn):
         sink = ShardSink(self.cfg.root, f"{self.cfg.token}-{split}-{index:05d}", compress=self.cfg.options.compress)
         mine = order[p.lo - p.first_offset : p.hi - p.first_offset]
         try:
-            for i in mine.tolist():
-                sink.write(payloads[i])
+            rows = mine.tolist()
+            for at in range(0, len(rows), _WRITE_BATCH):  # framed and written a batch at a time
+                sink.write_many([payloads[i] for i in rows[at : at + _WRITE_BATCH]])
             staged = sink.finish(None if lengths is None else lengths[mine])
         except BaseException:
             sink.abort()
             raise
         yield 0, ("staged", split, index, staged)
+
+
+_WRITE_BATCH = 1024  # records framed and written at once (`ShardSink.write_many`)
 
 
 def _lengths_of(pieces: list[Part], k: int) -> np.ndarray | None:

@@ -32,6 +32,7 @@ own; the machine's load average is printed beside the numbers.
     make bench-env                                                    # pip install --no-deps -r requirements-bench.txt
     .venv/bin/python benchmarks/bench_tokens.py                      # 20,000 documents, ~3 minutes on 2 cores
     .venv/bin/python benchmarks/bench_tokens.py --docs 50000 --repeat 3
+    .venv/bin/python benchmarks/bench_tokens.py --docs 50000 --write-only --repeat 5   # the writers alone
 
 LitData and MosaicML Streaming are benchmark-only packages (benchmarks/requirements-bench.txt),
 never dependencies; a system whose package is not importable is left out, and said so.
@@ -251,6 +252,31 @@ def read(system: str, root: str, workers: int, length: int, batch: int) -> dict:
     }
 
 
+def write_writers(root: str, systems: list[str], length: int, repeat: int) -> None:
+    """Time each writer on the same token arrays, ``repeat`` rounds taking turns (a loaded machine
+    slows them alike), and print the best of each and crossfeed's ratio to it."""
+    writers = {"crossfeed write_dataset": write_crossfeed}
+    if "ld" in systems:
+        writers["LitData optimize"] = write_litdata
+    if "mds" in systems:
+        writers["MosaicML MDSWriter"] = lambda r: write_mosaic(r, length)
+    times: dict[str, list[float]] = {k: [] for k in writers}
+    for _ in range(repeat):
+        for k, write in writers.items():
+            times[k].append(write(root))
+    print(
+        f"\nwrite the same token arrays (s, best of {repeat}; tokenization excluded; crossfeed with its lengths "
+        f"files; load now {os.getloadavg()[0]:.2f}):"
+    )
+    xf = times["crossfeed write_dataset"]
+    for k, v in times.items():
+        ratio = f"  crossfeed takes {min(xf) / min(v):.2f}× its time" if k != "crossfeed write_dataset" else ""
+        if repeat > 1:  # the median's ratio too: the load moves single rounds
+            ratio += f" (median {float(np.median(xf)) / float(np.median(v)):.2f}×)" if ratio else ""
+            ratio += "  rounds: " + ", ".join(f"{t:.2f}" for t in v)
+        print(f"  {k:<28} {min(v):6.2f}{ratio}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=20_000)
@@ -259,6 +285,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="epochs per system and setting (the best is printed)")
     ap.add_argument("--workers", default="0,2")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument(
+        "--write-only", action="store_true", help="time the writers alone (--repeat rounds, the best printed); no reads"
+    )
     ap.add_argument("--data", default=os.environ.get("CROSSFEED_BENCH_DATA", os.path.join(HERE, "_data")))
     ap.add_argument("--child", nargs=3, metavar=("SYSTEM", "ROOT", "WORKERS"), help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -282,16 +311,9 @@ def main() -> None:
             print("  mds: streaming.base does not import here (benchmarks/requirements-bench.txt): left out")
         else:
             systems.append(system)
-    writes = {"crossfeed write_dataset": write_crossfeed(root)}
-    if "ld" in systems:
-        writes["LitData optimize"] = write_litdata(root)
-    if "mds" in systems:
-        writes["MosaicML MDSWriter"] = write_mosaic(root, a.length)
-    print("\nwrite the same token arrays (s; tokenization excluded; crossfeed with its lengths files):")
-    xf_write = writes["crossfeed write_dataset"]
-    for k, v in writes.items():
-        ratio = f"  crossfeed takes {xf_write / v:.2f}× its time" if k != "crossfeed write_dataset" else ""
-        print(f"  {k:<28} {v:6.2f}{ratio}")
+    write_writers(root, systems, a.length, a.repeat if a.write_only else 1)
+    if a.write_only:
+        return
     labels = {
         "xf-rows": 'crossfeed Pack(L, split="rows")',
         "xf-rows-bare": 'crossfeed split="rows", segments=False',

@@ -486,7 +486,10 @@ class TensorCodec(Codec):
 
     def compile(self, fc) -> None:
         f, generic = fc.f, fc.generic
-        if not f.fixed or not _LITTLE:
+        if not _LITTLE:
+            return
+        if not f.fixed:
+            fc.column = _varying_column(f)
             return
         dt = np.dtype(f.dtype)
         nbytes = dt.itemsize * int(np.prod(f.shape, dtype=np.int64))
@@ -529,6 +532,47 @@ class TensorCodec(Codec):
             raise SchemaError(
                 f"tensor feature {f.name!r}: {len(vals[0])} bytes do not fit {f.dtype}{list(shape)}"
             ) from e
+
+
+def _varying_column(f):
+    """The column encoder of a variable-shape tensor feature (a document's tokens): a record's
+    entries are a prefix and its ``/shape`` entry that depend on its shape alone (made once per
+    shape, kept in a bounded table) and the array's own bytes, joined once into the payload — no
+    per-value work. Bytes are `TensorCodec.encode_reference`'s. None (the per-value path, and its
+    errors) unless every value is a C-contiguous array of the schema's dtype in native (little)
+    byte order whose shape fits."""
+    dt = np.dtype(f.dtype)
+    ndim = len(f.shape)
+    shape_name = f.name + SHAPE_SUFFIX
+    memo: dict[tuple, tuple[bytes, bytes, int, int]] = {}
+
+    def heads(shape: tuple):
+        if len(shape) != ndim or not shape_fits(shape, f.shape):
+            return None
+        nbytes = dt.itemsize * math.prod(shape)
+        raw = b"\x0a" + ex.varint(nbytes)  # the BytesList's one value: tag, length (the bytes follow)
+        pre = ex.entry_prefix(f.name, ex.BYTES, len(raw) + nbytes) + raw
+        shp = ex.entry(shape_name, ex.INT64, ex.encode_int64_list(shape))
+        if len(memo) >= 1 << 16:
+            memo.clear()
+        got = memo[shape] = (pre, shp, len(pre) + nbytes, len(shp))
+        return got
+
+    def column(col, n):
+        vals = col if isinstance(col, list) else list(col)
+        if not n or not all(isinstance(v, np.ndarray) and v.dtype == dt and v.flags.c_contiguous for v in vals):
+            return None
+        get = memo.get
+        hs = [get(v.shape) or heads(v.shape) for v in vals]
+        if None in hs:
+            return None
+        pres, shps, pre_sizes, shp_sizes = zip(*hs)
+        return [
+            ([list(pres), vals], np.array(pre_sizes, dtype=np.int64)),
+            ([list(shps)], np.array(shp_sizes, dtype=np.int64)),
+        ]
+
+    return column
 
 
 TENSOR = TensorCodec()

@@ -38,18 +38,36 @@ def format_index(offsets) -> bytes:
     offsets = list(offsets)
     if len(offsets) < FIXED_MIN:
         return "".join(f"{o} {n}\n" for o, n in offsets).encode()
-    wo = len(str(max(o for o, _ in offsets)))
-    wn = len(str(max(n for _, n in offsets)))
-    return "".join(f"{o:0{wo}d} {n:0{wn}d}\n" for o, n in offsets).encode()
+    arr = np.array(offsets, dtype=np.int64).reshape(-1, 2)
+    if arr.min() < 0:  # not an index crossfeed writes: as the format reads, number by number
+        wo = len(str(max(o for o, _ in offsets)))
+        wn = len(str(max(n for _, n in offsets)))
+        return "".join(f"{o:0{wo}d} {n:0{wn}d}\n" for o, n in offsets).encode()
+    # the lines' characters as a (records, width) matrix: each number's digits, zero-padded
+    wo, wn = len(str(int(arr[:, 0].max()))), len(str(int(arr[:, 1].max())))
+    out = np.empty((len(arr), wo + wn + 2), dtype=np.uint8)
+    out[:, :wo] = _digits(arr[:, 0], wo)
+    out[:, wo] = ord(" ")
+    out[:, wo + 1 : -1] = _digits(arr[:, 1], wn)
+    out[:, -1] = ord("\n")
+    return out.tobytes()
 
 
-def write_index(path: str | os.PathLike, offsets) -> str:
-    """Write an index file (fsynced) and return its sha256, for the manifest."""
+def _digits(values: np.ndarray, width: int) -> np.ndarray:
+    """The ASCII decimal digits of non-negative ``values``, zero-padded to ``width``: ``(n, width)``."""
+    powers = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
+    return (values[:, None] // powers % 10 + ord("0")).astype(np.uint8)
+
+
+def write_index(path: str | os.PathLike, offsets, *, sync: bool = True) -> str:
+    """Write an index file (fsynced, unless ``sync`` is False: the caller fsyncs it) and return
+    its sha256, for the manifest."""
     data = format_index(offsets)
     with open(path, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
     return hashlib.sha256(data).hexdigest()
 
 

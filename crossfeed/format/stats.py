@@ -5,6 +5,7 @@ Built per shard (or per Beam bundle) and merged, so they cost one pass over the 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +39,44 @@ class FeatureStats:
             self.max = float(hi) if self.max is None else max(self.max, float(hi))
             self.total += float(arr.sum(dtype=np.float64))
             self.n_values += int(arr.size)
+
+    def add_arrays(self, col: list) -> bool:
+        """`add` of each array of ``col`` (numpy arrays of one integer dtype and one number of
+        dimensions: a chunk's token arrays) with a few numpy operations over the whole column and
+        exactly `add`'s result — each array's sum is exact (its values' magnitudes total under
+        2**53) and the running total is summed left to right. False, adding nothing, where that
+        cannot be promised (other values: then `add` each)."""
+        if not col or not isinstance(col[0], np.ndarray):
+            return False
+        dt, ndim = col[0].dtype, col[0].ndim
+        if (
+            dt.kind not in "iu"
+            or not ndim
+            or not all(isinstance(v, np.ndarray) and v.dtype == dt and v.ndim == ndim for v in col)
+        ):
+            return False
+        sizes = np.fromiter((v.size for v in col), dtype=np.int64, count=len(col))
+        flat = np.concatenate(col if ndim == 1 else [v.reshape(-1) for v in col])
+        if flat.size:
+            lo, hi = int(flat.min()), int(flat.max())
+            if max(abs(lo), abs(hi)) * flat.size >= 1 << 53:
+                return False
+            bound = max(abs(lo), abs(hi)) * flat.size
+            if float(self.total).is_integer() and abs(self.total) + bound < 1 << 53:  # every partial sum exact
+                self.total = float(int(self.total) + int(flat.sum(dtype=np.int64)))
+            else:
+                sums = np.zeros(len(col), dtype=np.float64)
+                full = sizes > 0  # reduceat gives an empty segment the next value, not 0: leave those out
+                sums[full] = np.add.reduceat(flat, (np.cumsum(sizes) - sizes)[full], dtype=np.int64)
+                self.total = float(np.add.accumulate(np.concatenate(([self.total], sums)))[-1])
+            self.min = float(lo) if self.min is None else min(self.min, float(lo))
+            self.max = float(hi) if self.max is None else max(self.max, float(hi))
+            self.n_values += int(flat.size)
+        self.count += len(col)
+        for shape, k in Counter(v.shape for v in col).items():  # first seen first, as `add` counts them
+            key = "x".join(map(str, shape))
+            self.shapes[key] = self.shapes.get(key, 0) + k
+        return True
 
     def add_shape(self, shape) -> None:
         """Count a shape without the values (images: the decoded height, width, channels)."""

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +54,10 @@ class ShardSink:
     def write(self, payload: bytes) -> None:
         self._writer.write(payload)
 
+    def write_many(self, payloads: list) -> None:
+        """`write` of each of ``payloads`` in order, framed and written as one batch (the same bytes)."""
+        self._writer.write_many(payloads)
+
     @property
     def num_records(self) -> int:
         return len(self._writer.offsets)
@@ -64,16 +69,23 @@ class ShardSink:
     def finish(self, lengths: np.ndarray | None = None) -> StagedShard:
         """Close the shard and write its index; with ``lengths`` (``(num_records, k)``, each
         record's lengths in the order written) its lengths file too."""
+        return finish_all([self], [lengths])[0]
+
+    def _close(self, lengths: np.ndarray | None) -> tuple[StagedShard, list[str]]:
+        """Close the shard and write its index and lengths files, not yet durable: the shard
+        staged, and the files to fsync before any manifest can name it."""
         self._writer.close()
         n = len(self._writer.offsets)
         if lengths is not None and len(lengths) != n:
             raise ValueError(f"{self.tmp_path}: {len(lengths)} lengths for {n} records")
-        with open(self.tmp_path, "rb") as f:  # durable before any manifest can name it
-            os.fsync(f.fileno())
-        index_sha = idx.write_index(idx.index_path(self.tmp_path), self._writer.offsets)
-        lengths_sha = None if lengths is None else write_lengths(lengths_path(self.tmp_path), lengths)
-        crash_point("shard staged")
-        return StagedShard(self.tmp_path, n, self._writer.num_bytes, self._writer.sha256, index_sha, lengths_sha)
+        files = [self.tmp_path, idx.index_path(self.tmp_path)]
+        index_sha = idx.write_index(files[1], self._writer.offsets, sync=False)
+        lengths_sha = None
+        if lengths is not None:
+            files.append(lengths_path(self.tmp_path))
+            lengths_sha = write_lengths(files[2], lengths, sync=False)
+        staged = StagedShard(self.tmp_path, n, self._writer.num_bytes, self._writer.sha256, index_sha, lengths_sha)
+        return staged, files
 
     def abort(self) -> None:
         self._writer.close()
@@ -82,13 +94,41 @@ class ShardSink:
                 os.unlink(p)
 
 
-def write_lengths(path: str, lengths) -> str:
-    """Write a lengths file durably (`crossfeed.format.lengths.format_lengths`); its sha256."""
+def finish_all(sinks: list[ShardSink], lengths: list) -> list[StagedShard]:
+    """`ShardSink.finish` of each of ``sinks`` (``lengths``: each one's, or None): every shard
+    closed and its index and lengths files written, then all their files fsynced together (a
+    thread each: the file system commits them at once, rather than one journal commit a file),
+    then a "shard staged" crash point a shard, in order. Every file is durable on return."""
+    closed = [s._close(ln) for s, ln in zip(sinks, lengths)]
+    files = [p for _, ps in closed for p in ps]
+    if len(files) > 1:
+        with ThreadPoolExecutor(min(len(files), 16)) as pool:
+            list(pool.map(_fsync, files))
+    else:
+        for p in files:
+            _fsync(p)
+    for _ in closed:
+        crash_point("shard staged")
+    return [staged for staged, _ in closed]
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_lengths(path: str, lengths, *, sync: bool = True) -> str:
+    """Write a lengths file (`crossfeed.format.lengths.format_lengths`), durably unless ``sync``
+    is False (the caller fsyncs it); its sha256."""
     data = format_lengths(lengths)
     with open(path, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
     return hashlib.sha256(data).hexdigest()
 
 

@@ -10,12 +10,14 @@ write never mixes two datasets in one directory: see `check_target` for ``overwr
 from __future__ import annotations
 
 import logging
+import operator
 import secrets
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 
 from crossfeed.errors import ConfigError, CrossfeedError, SchemaError
+from crossfeed.format import tfrecord
 from crossfeed.format.encode import SampleSchemaError, encoder_for
 from crossfeed.format.encode_codec import FLOAT_SCALARS, INT_SCALARS
 from crossfeed.format.schema import Feature, Schema, infer_feature, widen
@@ -23,7 +25,7 @@ from crossfeed.format.stats import FeatureStats, merge_all
 from crossfeed.policy import OnError
 from crossfeed.write.commit import check_target, commit_split, read_manifest_or_none, writer_lock
 from crossfeed.write.options import WriteOptions
-from crossfeed.write.staging import ShardSink, StagedShard, discard
+from crossfeed.write.staging import ShardSink, StagedShard, discard, finish_all
 from crossfeed.write.target import write_target
 
 log = logging.getLogger(__name__)
@@ -174,14 +176,44 @@ def _write(
             k = len(sinks) - 1
         sinks[k].write(payload)
         if size is not None:
-            sizes[k].append(size)
+            sizes[k].append(np.asarray(size, dtype=np.int64).reshape(1, -1))
+
+    def put_many(payloads: list[bytes], done: int, rows: np.ndarray | None) -> None:
+        """`put` of records ``done + 1``, ``done + 2``, … (``rows``: their sizes, ``(n, k)``): each
+        shard's share framed and written as one batch, to the shards `put` would choose."""
+        n = len(payloads)
+        if num_shards is not None:
+            for k in range(num_shards):
+                j = (k - done) % num_shards  # the first of these records that goes to shard k
+                sinks[k].write_many(payloads[j::num_shards])
+                if rows is not None:
+                    sizes[k].append(rows[j::num_shards])
+            return
+        framed = np.fromiter(map(len, payloads), dtype=np.int64, count=n) + _FRAMING
+        i = 0
+        while i < n:
+            if not sinks or sinks[-1].num_bytes >= shard_size:
+                if sinks:
+                    staged.append(finish(len(sinks) - 1))
+                new_sink()
+            if compress:  # the compressed size grows as the stream flushes: a record at a time
+                m = 1
+            else:  # up to and including the record that reaches shard_size
+                m = min(n - i, int(np.searchsorted(np.cumsum(framed[i:]), shard_size - sinks[-1].num_bytes)) + 1)
+            sinks[-1].write_many(payloads[i : i + m])
+            if rows is not None:
+                sizes[-1].append(rows[i : i + m])
+            i += m
+
+    def _sizes_of(k: int) -> np.ndarray | None:
+        if not keys:
+            return None
+        got = np.concatenate([np.zeros((0, len(keys)), dtype=np.int64), *sizes[k]])
+        sizes[k] = []
+        return got
 
     def finish(k: int) -> StagedShard:
-        if not keys:
-            return sinks[k].finish()
-        got = np.asarray(sizes[k], dtype=np.int64).reshape(-1, len(keys))
-        sizes[k] = []
-        return sinks[k].finish(got)
+        return sinks[k].finish(_sizes_of(k))
 
     keys = counted
 
@@ -224,10 +256,8 @@ def _write(
                             _add_stats({}, chunk[: e.index])  # what would have failed before it
                         raise SchemaError(f"sample {count + e.index}: {e.reason}") from None
                     _add_stats(stats, chunk)
-                    rows = [_sizes(x, keys) for x in chunk] if keys else [None] * len(chunk)
-                    for payload, size in zip(payloads, rows):
-                        count += 1
-                        put(payload, count, size)
+                    put_many(payloads, count, _chunk_sizes(chunk, keys) if keys else None)
+                    count += len(chunk)
                 if pending is not None:
                     raise pending
                 if len(chunk) < _CHUNK:
@@ -238,7 +268,8 @@ def _write(
         missing = [k for k in keys if k not in final.names]
         if missing:
             raise ConfigError(f"lengths={list(keys)}: no feature {missing[0]!r} in the schema {list(final.names)}")
-        staged += [finish(k) for k in (range(len(sinks)) if num_shards is not None else [len(sinks) - 1])]
+        last = range(len(sinks)) if num_shards is not None else [len(sinks) - 1]  # the shards still open
+        staged += finish_all([sinks[k] for k in last], [_sizes_of(k) for k in last])
         commit_split(
             root,
             split,
@@ -260,6 +291,7 @@ def _write(
 
 
 _CHUNK = 1024
+_FRAMING = tfrecord.HEADER + tfrecord.FOOTER  # a framed record's bytes beyond its payload
 
 
 def _lengthy(f) -> bool:
@@ -274,6 +306,24 @@ def _sizes(sample: Mapping, keys: list[str]) -> tuple[int, ...]:
         return tuple(len(v) if isinstance(v, (list, tuple)) else int(np.size(v)) for v in map(sample.__getitem__, keys))
     except KeyError as e:
         raise ConfigError(f"lengths={list(keys)}: the samples have no feature {e.args[0]!r}") from None
+
+
+def _chunk_sizes(chunk: list, keys: list[str]) -> np.ndarray:
+    """`_sizes` of each sample of ``chunk`` (samples with the same keys), as an ``(n, k)`` array."""
+    missing = [k for k in keys if k not in chunk[0]]
+    if missing:
+        raise ConfigError(f"lengths={list(keys)}: the samples have no feature {missing[0]!r}")
+    out = np.empty((len(chunk), len(keys)), dtype=np.int64)
+    for j, k in enumerate(keys):
+        out[:, j] = np.fromiter(
+            (
+                v.size if isinstance(v, np.ndarray) else len(v) if isinstance(v, (list, tuple)) else int(np.size(v))
+                for v in map(operator.itemgetter(k), chunk)
+            ),
+            dtype=np.int64,
+            count=len(chunk),
+        )
+    return out
 
 
 _STAT_SCALARS: dict = {**FLOAT_SCALARS, **INT_SCALARS}  # the scalar types whose columns are summed by numpy
@@ -291,6 +341,8 @@ def _add_stats(stats: dict[str, FeatureStats], chunk: list) -> None:
             st.count += len(col)
             continue
         if len(types) == 1 and _add_scalars(st, col, _STAT_SCALARS.get(types.pop())):
+            continue
+        if st.add_arrays(col):  # integer arrays: tokens
             continue
         for v in col:
             st.add(v)
