@@ -58,6 +58,11 @@ kept. A batch is built by `PackBuilder` with a few numpy calls, its pieces
 sliced from the shards where `crossfeed.read.stages.tokens` checked them. A split
 without lengths files has its lengths learned by decoding each shard once, kept in memory (4
 bytes per record): write lengths files to avoid both.
+
+Skipped documents (``skip=Skip(samples=…)``): `DocLengths` gives a skipped document length 0
+wherever the plan reads lengths (a chunk's, a mixture's draws, a cursor's check), so every walk —
+from the start, from a cursor, on any rank or worker — treats it as absent: it fills no row, is
+never read, and the documents after it are packed on (O(chunk · log skipped) a chunk).
 """
 
 from __future__ import annotations
