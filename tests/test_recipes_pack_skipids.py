@@ -214,3 +214,15 @@ def test_a_token_weighted_mixture_skips_documents_of_a_source(tmp_path):
         ld.load_state_dict(state)
         assert same(list(ld), got[3:])
     assert len(planned) == 60
+
+
+def test_a_dispatchers_walker_leases_the_loaders_batches_with_skipped_documents(tokens):
+    """The batches a dispatcher leases (`PackWalker`, any order, one behind the walk) are the
+    Loader's, skipped documents absent."""
+    kw = dict(batch_size=2, seed=9, pack=Pack(40), skip=crossfeed.Skip(samples=list(range(1, 120, 4))))
+    with crossfeed.Loader(tokens, **kw) as ld:
+        whole = list(ld)
+        walker = ld.pipeline.walker()
+        order = [2, 0, 1, len(whole) - 1, 3]
+        got = [ld.pipeline.build_batch(walker.batch(0, b)) for b in order]
+    assert same(got, [whole[b] for b in order])
