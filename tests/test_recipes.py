@@ -210,11 +210,16 @@ def test_a_plan_without_a_skip_list_keeps_its_identity(data):
         ld.load_state_dict(state)  # adding a future skip to a run that had none
 
 
-def test_skips_are_refused_for_token_pipelines_by_name(tmp_path):
+def test_refilled_skips_are_refused_for_token_pipelines_by_name(tmp_path):
     pytest.importorskip("crossfeed.read.stages.pack")
     crossfeed.write_dataset(tmp_path / "t", [{"tokens": list(range(i % 7 + 1))} for i in range(40)]).close()
     with pytest.raises(ConfigError, match="not built for token pipelines"):
-        Loader(tmp_path / "t", batch_size=2, pack={"length": 8, "features": ["tokens"]}, skip=Skip(samples=[1]))
+        Loader(
+            tmp_path / "t",
+            batch_size=2,
+            pack={"length": 8, "features": ["tokens"]},
+            skip=Skip(samples=[1], refill=True),
+        )
 
 
 # ---- properties ---------------------------------------------------------------------------------

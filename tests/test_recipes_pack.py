@@ -170,9 +170,11 @@ def test_global_steps_of_packed_epochs_add_up_as_replay_counts_them(tokens):
         assert same(list(ld), e0) and same(list(ld), e1[:2] + e1[3:])
 
 
-def test_token_pipelines_refuse_skipped_sample_ids_and_a_dispatcher_refuses_skipped_steps(tokens):
-    with pytest.raises(ConfigError, match=r"skipped sample ids .* not built for token pipelines"):
-        crossfeed.Loader(tokens, batch_size=2, pack=crossfeed.Pack(40), skip=crossfeed.Skip(samples=[1]))
+def test_token_pipelines_refuse_filters_and_a_dispatcher_refuses_skipped_steps(tokens):
+    with pytest.raises(ConfigError, match=r"filter= .* not built for token pipelines"):
+        crossfeed.Loader(tokens, batch_size=2, pack=crossfeed.Pack(40), filter=lambda s: True)
+    with crossfeed.Loader(tokens, batch_size=2, pack=crossfeed.Pack(40), skip=crossfeed.Skip(samples=[1])) as ld:
+        assert len(list(ld)) == len(ld)  # skipped documents are taken (tests/test_recipes_pack_skipids.py)
     with crossfeed.Loader(tokens, batch_size=2, pack=crossfeed.Pack(40), skip=crossfeed.Skip(steps=[(1, 2)])) as ld:
         with pytest.raises(ConfigError, match="does not lease a packed plan with skipped steps"):
             ld.pipeline.walker()

@@ -365,14 +365,20 @@ class Pipeline:
         plan, filter_ = self.options.plan, self._filter
         skip = plan.skip
         rng = recipes.wants_rng(transform)
-        if packed and (filter_ is not None or (skip is not None and len(skip.samples)) or rng):
+        if packed and (filter_ is not None or rng):
             raise ConfigError(
-                "filter=, skipped sample ids (skip= samples) and transforms taking rng are not built for token "
-                "pipelines (pack=, batch_by_tokens=) yet: filter the documents when converting, or read unpacked; "
-                "skipped steps (Skip(steps=[(start, end)])) are"
+                "filter= and transforms taking rng are not built for token pipelines (pack=, batch_by_tokens=) "
+                "yet: filter the documents when converting, or read unpacked; skipped steps and skipped documents "
+                "(Skip(steps=[(start, end)], samples=[(source, index)])) are"
             )
-        skip_ids = None
-        if skip is not None and len(skip.samples) and not skip.refill:  # refilled: out of the plan already
+        if packed and skip is not None and len(skip.samples) and skip.refill:
+            raise ConfigError(
+                "refilled skipped sample ids (skip= samples) are not built for token pipelines (pack=, "
+                "batch_by_tokens=), nor needed: a skipped document is absent from their plan (the rows pack the "
+                "following documents, so steps stay full); drop refill=True"
+            )
+        skip_ids = None  # a token pipeline's skipped documents have length 0 in its plan (`pack.DocLengths`)
+        if skip is not None and len(skip.samples) and not skip.refill and not packed:  # refilled: out of the plan
             names = [str(ds.path) for ds in self.datasets]
             skip_ids = recipes.SkipIds(skip.ids(self.starts, names))
         name = self._filter_name or self._transform_name or "filter"

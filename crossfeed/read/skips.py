@@ -9,11 +9,12 @@
   ``len(loader)`` at an epoch's start, without skips) — the number a trainer's step counter shows.
   Token pipelines (``pack=``, ``batch_by_tokens=``), whose epochs may differ in steps, count the
   earlier epochs' steps summed, as `crossfeed.read.replay` does (each epoch's count is a walk of
-  its lengths, once per process: `crossfeed.read.stages.recipes.FirstSteps`); they take step
-  ranges only, not sample ids.
+  its lengths, once per process: `crossfeed.read.stages.recipes.FirstSteps`).
 * **Samples** ``(source, index)``: a mixture's source by number (its place in the list) and the
   sample's index within it; a plain index for one dataset. A skipped sample never arrives; the
-  rest of the epoch is unchanged (its batch comes out shorter).
+  rest of the epoch is unchanged (its batch comes out shorter). In a token pipeline a skipped
+  sample is a document the packer takes as absent (length 0: never read, no tokens, the rows
+  after it pack the following documents; `crossfeed.read.stages.pack.DocLengths`).
 * **Refill** (``Skip(samples=…, refill=True)``): the skipped samples are taken out of each
   epoch's order and the rest close up, so every step is full (the epoch is that many samples
   shorter, so it may have fewer steps; equal steps per rank as the remainder policy gives). One

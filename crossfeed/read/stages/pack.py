@@ -58,6 +58,11 @@ kept. A batch is built by `PackBuilder` with a few numpy calls, its pieces
 sliced from the shards where `crossfeed.read.stages.tokens` checked them. A split
 without lengths files has its lengths learned by decoding each shard once, kept in memory (4
 bytes per record): write lengths files to avoid both.
+
+Skipped documents (``skip=Skip(samples=…)``): `DocLengths` gives a skipped document length 0
+wherever the plan reads lengths (a chunk's, a mixture's draws, a cursor's check), so every walk —
+from the start, from a cursor, on any rank or worker — treats it as absent: it fills no row, is
+never read, and the documents after it are packed on (O(chunk · log skipped) a chunk).
 """
 
 from __future__ import annotations
@@ -107,10 +112,14 @@ class DocLengths:
     ``lengths_sha256`` the first time the shard is touched); a split whose manifest does not list
     ``feature`` has its shards decoded once each instead (logged; 4 bytes per record kept)."""
 
-    def __init__(self, splits, names: list[str]):
-        """``splits``: one `Split` per source; ``names``: the feature's name in each."""
+    def __init__(self, splits, names: list[str], skipped: np.ndarray | None = None):
+        """``splits``: one `Split` per source; ``names``: the feature's name in each; ``skipped``:
+        the sorted global ids of skipped documents (``skip=`` sample ids), whose length the plan
+        takes as 0 — never read, no tokens, the documents after them packed on (`__call__`)."""
         self.splits, self.names = list(splits), list(names)
         self.starts = np.concatenate([[0], np.cumsum([len(sp) for sp in self.splits])]).astype(np.int64)
+        self.skipped = np.zeros(0, np.int64) if skipped is None else np.asarray(skipped, dtype=np.int64)
+        self._skipped_lengths: np.ndarray | None = None  # their stored lengths, for `total`
         self._cols: list[int | None] = []
         for sp, name in zip(self.splits, self.names):
             listed = tuple(getattr(sp.dataset.manifest, "lengths", ()) or ())
@@ -131,6 +140,13 @@ class DocLengths:
 
     def __call__(self, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
+        out = self.stored(ids)
+        if len(self.skipped):  # a skipped document is absent: length 0 (O(ids · log skipped))
+            out[self.is_skipped(ids)] = 0
+        return out
+
+    def stored(self, ids: np.ndarray) -> np.ndarray:
+        """The lengths files' lengths of documents ``ids`` (skipped ones too)."""
         out = np.empty(len(ids), dtype=np.int64)
         src = np.searchsorted(self.starts, ids, side="right") - 1
         for s in np.unique(src).tolist():
@@ -145,6 +161,14 @@ class DocLengths:
                 file = self._files.get((s, k)) if len(j) <= SPARSE else None
                 out[at[m]] = lens[j] if file is None else self._read(file, j)
         return out
+
+    def is_skipped(self, ids: np.ndarray) -> np.ndarray:
+        """Which of global ids ``ids`` are skipped (a bool mask)."""
+        sk = self.skipped
+        if not len(sk):
+            return np.zeros(len(ids), dtype=bool)
+        at = np.minimum(np.searchsorted(sk, ids), len(sk) - 1)
+        return sk[at] == ids
 
     @staticmethod
     def _read(file: tuple[str, int, int], entries: np.ndarray) -> np.ndarray:
@@ -171,6 +195,13 @@ class DocLengths:
             for k in range(len(sp.shards)):
                 lens = self.shard(s, k)
                 got += int(lens.sum(dtype=np.int64) if limit is None else lens[lens <= limit].sum(dtype=np.int64))
+        if len(self.skipped):  # skipped documents hold no tokens of the plan
+            sk = self._skipped_lengths
+            if sk is None:  # their stored lengths, looked up once
+                sk = self._skipped_lengths = np.concatenate(
+                    [self.stored(self.skipped[i : i + SCAN]) for i in range(0, len(self.skipped), SCAN)]
+                )
+            got -= int(sk.sum(dtype=np.int64) if limit is None else sk[sk <= limit].sum(dtype=np.int64))
         return got
 
     def where(self, doc: int) -> str:
@@ -244,6 +275,8 @@ class DocLengths:
         Empty documents are rare; at most `EMPTY_CHECKS` per shard (a sample, remote)."""
         sp, name = self.splits[s], self.names[s]
         zeros = np.flatnonzero(lengths == 0)
+        if len(self.skipped) and len(zeros):  # a skipped document is never read, empty or not
+            zeros = zeros[~self.is_skipped(zeros + int(self.starts[s] + sp.starts[k]))]
         most = EMPTY_CHECKS if not sp.dataset.storage.remote else EMPTY_CHECKS // 64
         if len(zeros) > most:
             zeros = zeros[np.linspace(0, len(zeros) - 1, most).astype(np.int64)]
@@ -1638,7 +1671,12 @@ def token_stages(sampler, builder, splits, stored: list[list[Feature]], features
                 f"{what} reads one-dimensional token features (of any length)"
             )
     check_token_batch(plan, features)
-    lengths = DocLengths(splits, [st[0].name for st in stored])
+    skip = plan.skip
+    skipped = None
+    if skip is not None and len(skip.samples):  # skipped documents: length 0 in the plan (`DocLengths`)
+        starts = np.concatenate([[0], np.cumsum([len(sp) for sp in splits])]).astype(np.int64)
+        skipped = skip.ids(starts, [str(sp.dataset.path) for sp in splits])
+    lengths = DocLengths(splits, [st[0].name for st in stored], skipped)
     pad = plan.pack.pad_id if plan.pack is not None else 0
     segments = plan.pack is None or plan.pack.segments
     return PackSampler(sampler, lengths, options), PackBuilder(builder, features, lengths, pad, segments)
