@@ -33,6 +33,14 @@ own; the machine's load average is printed beside the numbers.
     .venv/bin/python benchmarks/bench_tokens.py                      # 20,000 documents, ~3 minutes on 2 cores
     .venv/bin/python benchmarks/bench_tokens.py --docs 50000 --repeat 3
     .venv/bin/python benchmarks/bench_tokens.py --docs 50000 --write-only --repeat 5   # the writers alone
+    .venv/bin/python benchmarks/bench_tokens.py --docs 50000 --write-only --convert-text --repeat 3
+
+``--convert-text`` (with ``--write-only``) also times ``crossfeed convert text`` of the same corpus
+written as text (``.txt``, a document per line, each id as its decimal word; a word-level
+``tokenizers`` tokenizer maps word N to id N, so the tokens written are the corpus's own — checked
+document by document after the first round): the job the command runs, in this process, less the
+time its tokenizer took inside the same run (``encode_batch_fast`` and the id lists), beside the
+tokenizer timed alone on the same documents.
 
 LitData and MosaicML Streaming are benchmark-only packages (benchmarks/requirements-bench.txt),
 never dependencies; a system whose package is not importable is left out, and said so.
