@@ -652,8 +652,13 @@ class TokenizeDoFn(beam.DoFn):
             if not ids:
                 empty += 1
                 continue
-            top = max(ids)
-            if top >= spec.id_limit or min(ids) < 0:
+            try:  # the Rust tokenizer's ids are u32: one C conversion, then the bound checked with numpy
+                wide = np.asarray(ids, dtype=np.uint32)
+                fits = int(wide.max()) < spec.id_limit
+            except OverflowError:  # an id under 0 or past 32 bits
+                fits = False
+            if not fits:
+                top = max(ids)
                 how = "--token-dtype" if spec.token_dtype is not None else "chosen from its vocabulary size"
                 skips.bad(
                     f"{batch.keys[i]}: tokenizer {spec.name} gave id {top if top >= spec.id_limit else min(ids):,}, "
@@ -661,7 +666,7 @@ class TokenizeDoFn(beam.DoFn):
                 )
                 continue
             keep.append(i)
-            tokens.append(np.asarray(ids, dtype=dtype))
+            tokens.append(wide.astype(dtype, copy=False))
         dropped = dict(batch.dropped)
         if empty:
             dropped[EMPTY] = dropped.get(EMPTY, 0) + empty

@@ -33,6 +33,14 @@ own; the machine's load average is printed beside the numbers.
     .venv/bin/python benchmarks/bench_tokens.py                      # 20,000 documents, ~3 minutes on 2 cores
     .venv/bin/python benchmarks/bench_tokens.py --docs 50000 --repeat 3
     .venv/bin/python benchmarks/bench_tokens.py --docs 50000 --write-only --repeat 5   # the writers alone
+    .venv/bin/python benchmarks/bench_tokens.py --docs 50000 --write-only --convert-text --repeat 3
+
+``--convert-text`` (with ``--write-only``) also times ``crossfeed convert text`` of the same corpus
+written as text (``.txt``, a document per line, each id as its decimal word; a word-level
+``tokenizers`` tokenizer maps word N to id N, so the tokens written are the corpus's own — checked
+document by document after the first round): the job the command runs, in this process, less the
+time its tokenizer took inside the same run (``encode_batch_fast`` and the id lists), beside the
+tokenizer timed alone on the same documents.
 
 LitData and MosaicML Streaming are benchmark-only packages (benchmarks/requirements-bench.txt),
 never dependencies; a system whose package is not importable is left out, and said so.
@@ -172,6 +180,123 @@ def write_mosaic(root: str, length: int = LENGTH) -> float:
     return time.perf_counter() - t
 
 
+TEXT_FILES = 8  # the text corpus's .txt files (one document per line), as many as the shards
+
+
+def text_corpus(root: str) -> str:
+    """The same corpus as text for ``crossfeed convert text``, made once under ``root/text``: a
+    word-level tokenizer (``tokenizer.json``: word ``"N"`` is id N, split on whitespace, no special
+    tokens) and ``TEXT_FILES`` ``.txt`` files of one document per line, each token id written as its
+    decimal number — so the tokenizer gives back exactly the corpus's token arrays."""
+    out = os.path.join(root, "text")
+    tok_path = os.path.join(out, "tokenizer.json")
+    if not os.path.exists(tok_path):
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        os.makedirs(out, exist_ok=True)
+        flat, off = _arrays(root)
+        words = np.array([str(i) for i in range(VOCAB)], dtype=object)
+        n = len(off) - 1
+        for k in range(TEXT_FILES):
+            with open(os.path.join(out, f"docs-{k:02d}.txt"), "w") as f:
+                for i in range(k * n // TEXT_FILES, (k + 1) * n // TEXT_FILES):
+                    f.write(" ".join(words[flat[off[i] : off[i + 1]]]) + "\n")
+        vocab = {str(i): i for i in range(VOCAB)} | {"[UNK]": VOCAB}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.save(tok_path + ".tmp")
+        os.replace(tok_path + ".tmp", tok_path)
+    return out
+
+
+def tokenize_text(text_dir: str) -> float:
+    """Tokenization alone, as ``convert text`` does it: the same documents, read whole first
+    (untimed), encoded in batches of its ``BATCH_DOCS`` with ``encode_batch_fast`` and each
+    document's ids made a ``uint32`` array — what any writer's caller pays to get token arrays."""
+    from tokenizers import Tokenizer
+
+    from crossfeed.beam_jobs.text_source import BATCH_DOCS
+
+    tok = Tokenizer.from_file(os.path.join(text_dir, "tokenizer.json"))
+    docs = []
+    for k in range(TEXT_FILES):
+        with open(os.path.join(text_dir, f"docs-{k:02d}.txt"), encoding="utf-8") as f:
+            docs += [line.rstrip("\n") for line in f]
+    t = time.perf_counter()
+    for b in range(0, len(docs), BATCH_DOCS):
+        for enc in tok.encode_batch_fast(docs[b : b + BATCH_DOCS], add_special_tokens=False):
+            np.asarray(enc.ids, dtype="<u4")
+    return time.perf_counter() - t
+
+
+def convert_text(root: str, text_dir: str, check: bool = False) -> tuple[float, float]:
+    """``crossfeed convert text DOCS... xf-text --tokenizer tokenizer.json --per-line --shards 8
+    --token-dtype uint32 --no-special-tokens --no-verify`` in this process: the job the command
+    runs (`crossfeed.beam_jobs.job.convert`, Beam's in-process runner), timed from the scan to the
+    commit. Returns (seconds, of which tokenizing): the tokenizer's time measured inside the same
+    run — each batch's ``encode_batch_fast`` and the reading of its documents' id lists, wrapped
+    around `TokenizeDoFn._encode` — so that a loaded machine's swings do not land between two runs.
+    ``check``: the tokens written equal the corpus's, document by document (untimed)."""
+    import types as _types
+
+    from crossfeed.beam_jobs import job
+    from crossfeed.beam_jobs.text_source import TokenizeDoFn
+    from crossfeed.write.options import WriteOptions
+
+    out = os.path.join(root, "xf-text")
+    shutil.rmtree(out, ignore_errors=True)
+    files = [os.path.join(text_dir, f"docs-{k:02d}.txt") for k in range(TEXT_FILES)]
+    spent = [0.0]
+    encode = TokenizeDoFn._encode
+
+    def timed(self, texts, keys):
+        t0 = time.perf_counter()
+        got = [_types.SimpleNamespace(ids=e.ids) for e in encode(self, texts, keys)]
+        spent[0] += time.perf_counter() - t0
+        return got
+
+    TokenizeDoFn._encode = timed
+    try:
+        t = time.perf_counter()
+        source = job.make_source(
+            "text",
+            files,
+            tokenizer=os.path.join(text_dir, "tokenizer.json"),
+            per_line=True,
+            add_special_tokens=False,
+            token_dtype="uint32",
+        )
+        job.convert(source, out, options=WriteOptions(num_shards=SHARDS))
+        seconds = time.perf_counter() - t
+    finally:
+        TokenizeDoFn._encode = encode
+    if check:
+        _check_text(root, out)
+    return seconds, spent[0]
+
+
+def _check_text(root: str, out: str) -> None:
+    """Every document's tokens as written by ``convert text`` equal the corpus's (keys
+    ``docs-KK.txt:LINE``, lines counted from 1)."""
+    import crossfeed
+
+    flat, off = _arrays(root)
+    n = len(off) - 1
+    seen = 0
+    with crossfeed.open_dataset(out) as ds:
+        for rec in ds["train"]:
+            key = rec["id"].decode() if isinstance(rec["id"], bytes) else str(rec["id"])
+            name, line = key.rsplit(":", 1)
+            k = int(name.rsplit("-", 1)[1].split(".")[0])
+            i = k * n // TEXT_FILES + int(line) - 1
+            if not np.array_equal(np.asarray(rec["tokens"]), flat[off[i] : off[i + 1]]):
+                raise SystemExit(f"convert text wrote other tokens for document {i} ({key})")
+            seen += 1
+    if seen != n:
+        raise SystemExit(f"convert text wrote {seen:,} documents of {n:,}")
+    print(f"  (convert text's tokens checked: all {n:,} documents equal the corpus's)")
+
+
 class Count:
     """Row tokens per second from the second batch on, and a checksum of every token delivered (the
     first batch too): the sum of the ids, timed apart and left out of the rate."""
@@ -252,10 +377,22 @@ def read(system: str, root: str, workers: int, length: int, batch: int) -> dict:
     }
 
 
-def write_writers(root: str, systems: list[str], length: int, repeat: int) -> None:
+def write_writers(root: str, systems: list[str], length: int, repeat: int, text: bool = False) -> None:
     """Time each writer on the same token arrays, ``repeat`` rounds taking turns (a loaded machine
-    slows them alike), and print the best of each and crossfeed's ratio to it."""
+    slows them alike), and print the best of each and crossfeed's ratio to it; ``text``: also
+    ``convert text`` of the same corpus as text, less its tokenization (timed apart)."""
     writers = {"crossfeed write_dataset": write_crossfeed}
+    if text:
+        text_dir = text_corpus(root)
+        inside: list[float] = []  # convert text's own tokenizing time, round by round
+
+        def conv(r: str) -> float:
+            seconds, tokenizing = convert_text(r, text_dir, check=not inside)
+            inside.append(tokenizing)
+            return seconds
+
+        writers["crossfeed convert text"] = conv
+        writers["tokenization"] = lambda r: tokenize_text(text_dir)
     if "ld" in systems:
         writers["LitData optimize"] = write_litdata
     if "mds" in systems:
@@ -270,11 +407,22 @@ def write_writers(root: str, systems: list[str], length: int, repeat: int) -> No
     )
     xf = times["crossfeed write_dataset"]
     for k, v in times.items():
-        ratio = f"  crossfeed takes {min(xf) / min(v):.2f}× its time" if k != "crossfeed write_dataset" else ""
+        peer = not k.startswith("crossfeed") and k != "tokenization"
+        ratio = f"  crossfeed takes {min(xf) / min(v):.2f}× its time" if peer else ""
         if repeat > 1:  # the median's ratio too: the load moves single rounds
             ratio += f" (median {float(np.median(xf)) / float(np.median(v)):.2f}×)" if ratio else ""
             ratio += "  rounds: " + ", ".join(f"{t:.2f}" for t in v)
         print(f"  {k:<28} {min(v):6.2f}{ratio}")
+    if text:
+        print(f"  {'  of which tokenizing':<28} {min(inside):6.2f}  rounds: " + ", ".join(f"{t:.2f}" for t in inside))
+        conv = [c - t for c, t in zip(times["crossfeed convert text"], inside)]
+        print(f"  {'convert text - tokenizing':<28} {min(conv):6.2f}  rounds: " + ", ".join(f"{t:.2f}" for t in conv))
+        for k in times:
+            if k not in ("crossfeed convert text", "tokenization", "crossfeed write_dataset"):
+                print(
+                    f"    convert text less tokenization over {k}: {min(conv) / min(times[k]):.2f}× "
+                    f"(median {float(np.median(conv)) / float(np.median(times[k])):.2f}×)"
+                )
 
 
 def main() -> None:
@@ -287,6 +435,11 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument(
         "--write-only", action="store_true", help="time the writers alone (--repeat rounds, the best printed); no reads"
+    )
+    ap.add_argument(
+        "--convert-text",
+        action="store_true",
+        help="with --write-only: also time `convert text` of the same corpus as text, less its tokenization",
     )
     ap.add_argument("--data", default=os.environ.get("CROSSFEED_BENCH_DATA", os.path.join(HERE, "_data")))
     ap.add_argument("--child", nargs=3, metavar=("SYSTEM", "ROOT", "WORKERS"), help=argparse.SUPPRESS)
@@ -311,7 +464,7 @@ def main() -> None:
             print("  mds: streaming.base does not import here (benchmarks/requirements-bench.txt): left out")
         else:
             systems.append(system)
-    write_writers(root, systems, a.length, a.repeat if a.write_only else 1)
+    write_writers(root, systems, a.length, a.repeat if a.write_only else 1, text=a.convert_text)
     if a.write_only:
         return
     labels = {
