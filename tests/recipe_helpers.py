@@ -68,3 +68,13 @@ def positive_y(sample) -> bool:
 def augment_tenth(sample, rng):
     """Keeps one label in ten (drop_most's), augments it: its features are known only once one is kept."""
     return augment(sample, rng) if int(sample["label"]) % 10 == 0 else None
+
+
+def day(base: int, n: int) -> list[dict]:
+    """A day's new records for a growing dataset: ``x`` = base … base + n - 1, and a vector."""
+    return [{"x": base + i, "v": np.full(2, base + i, np.float32)} for i in range(n)]
+
+
+def xs(ds, split="train") -> list[int]:
+    """The sorted ``x`` of every record of a dataset's split."""
+    return sorted(int(r["x"]) for r in ds[split])

@@ -13,6 +13,7 @@ import signal
 
 import numpy as np
 import pytest
+from recipe_helpers import day, xs
 from typer.testing import CliRunner
 
 import crossfeed
@@ -21,21 +22,13 @@ from crossfeed.errors import ConfigError, ManifestError, SchemaError
 from crossfeed.format.manifest import MANIFEST, check_name, loads
 
 
-def _day(base: int, n: int) -> list[dict]:
-    return [{"x": base + i, "v": np.full(2, base + i, np.float32)} for i in range(n)]
-
-
-def _xs(ds, split="train") -> list[int]:
-    return sorted(int(r["x"]) for r in ds[split])
-
-
 @pytest.fixture()
 def grown(tmp_path):
     root = str(tmp_path / "ds")
-    crossfeed.write_dataset(root, _day(0, 12), num_shards=2).close()
+    crossfeed.write_dataset(root, day(0, 12), num_shards=2).close()
     with open(os.path.join(root, MANIFEST), "rb") as f:
         v1 = f.read()
-    crossfeed.write_dataset(root, _day(100, 5), num_shards=1, append=True).close()
+    crossfeed.write_dataset(root, day(100, 5), num_shards=1, append=True).close()
     return root, v1
 
 
@@ -43,20 +36,20 @@ def test_an_appended_version_keeps_the_old_one_readable_as_it_was(grown):
     root, v1 = grown
     with crossfeed.open_dataset(root) as now, crossfeed.open_dataset(root + "@v1") as old:
         assert now.version == 2 and old.version == 1
-        assert _xs(now) == list(range(12)) + list(range(100, 105))
-        assert _xs(old) == list(range(12))
+        assert xs(now) == list(range(12)) + list(range(100, 105))
+        assert xs(old) == list(range(12))
         assert old.manifest_sha256 == hashlib.sha256(v1).hexdigest()  # the same bytes: the same identity
         assert old.path == os.path.abspath(root) + "@v1"
         assert now.manifest.versions == ((1, old.manifest_sha256),)
         stats = now.manifest.splits["train"].statistics["x"]
         assert stats["count"] == 17 and stats["min"] == 0 and stats["max"] == 104
     with crossfeed.open_dataset(root, version=1) as old:
-        assert _xs(old) == list(range(12))
-    crossfeed.write_dataset(root, _day(200, 3), append=True).close()  # v3: v1 and v2 both kept
-    crossfeed.write_dataset(root, _day(300, 2), split="val", add_split=True).close()  # a versioned dataset: v4
+        assert xs(old) == list(range(12))
+    crossfeed.write_dataset(root, day(200, 3), append=True).close()  # v3: v1 and v2 both kept
+    crossfeed.write_dataset(root, day(300, 2), split="val", add_split=True).close()  # a versioned dataset: v4
     with crossfeed.open_dataset(root) as now:
         assert now.version == 4 and [v for v, _ in now.manifest.versions] == [1, 2, 3]
-    assert [_xs(crossfeed.open_dataset(f"{root}@v{v}")) for v in (1, 2, 3)] == [
+    assert [xs(crossfeed.open_dataset(f"{root}@v{v}")) for v in (1, 2, 3)] == [
         list(range(12)),
         list(range(12)) + list(range(100, 105)),
         list(range(12)) + list(range(100, 105)) + list(range(200, 203)),
@@ -67,14 +60,14 @@ def test_an_appended_version_keeps_the_old_one_readable_as_it_was(grown):
 
 def test_a_state_of_the_old_version_resumes_on_it_and_the_new_version_is_another_stream(tmp_path):
     root = str(tmp_path / "ds")
-    crossfeed.write_dataset(root, _day(0, 12), num_shards=2).close()
+    crossfeed.write_dataset(root, day(0, 12), num_shards=2).close()
     kw = dict(batch_size=3, seed=4)
     with crossfeed.Loader(root, **kw) as loader:
         whole = [b["x"].tolist() for b in loader]
     loader = crossfeed.Loader(root, **kw)
     it = iter(loader)
     head = [next(it)["x"].tolist()]
-    crossfeed.write_dataset(root, _day(100, 5), append=True).close()  # while the Loader reads
+    crossfeed.write_dataset(root, day(100, 5), append=True).close()  # while the Loader reads
     head += [b["x"].tolist() for b in it]  # unaffected: its version's files all stay
     assert head == whole
     with crossfeed.Loader(root, **kw) as loader:
@@ -95,12 +88,12 @@ def test_a_state_of_the_old_version_resumes_on_it_and_the_new_version_is_another
 
 def test_an_append_is_not_a_rewrite_to_an_open_reader_but_an_overwrite_is(tmp_path):
     root = str(tmp_path / "ds")
-    crossfeed.write_dataset(root, _day(0, 4)).close()
+    crossfeed.write_dataset(root, day(0, 4)).close()
     ds = crossfeed.open_dataset(root)
-    crossfeed.write_dataset(root, _day(100, 2), append=True).close()
+    crossfeed.write_dataset(root, day(100, 2), append=True).close()
     ds.check_version("a shard")  # the manifest changed, but keeps this version: no error
-    assert ds.rewritten("a shard", "gone") is None and _xs(ds) == [0, 1, 2, 3]
-    crossfeed.write_dataset(root, _day(200, 2), overwrite=True).close()
+    assert ds.rewritten("a shard", "gone") is None and xs(ds) == [0, 1, 2, 3]
+    crossfeed.write_dataset(root, day(200, 2), overwrite=True).close()
     assert "rewritten while this reader had it open" in str(ds.rewritten("a shard", "gone"))
     ds.close()
 
@@ -127,7 +120,7 @@ def test_a_different_schema_is_refused_naming_the_feature(grown):
     crossfeed.write_dataset(root, [{"x": 7, "v": np.ones(2, np.float32)}], schema=schema, append=True).close()
     assert sorted(n for n in os.listdir(root) if n.startswith(".")) == []  # no staged leftovers
     with pytest.raises(ConfigError, match="not with overwrite"):
-        crossfeed.write_dataset(root, _day(0, 1), append=True, overwrite=True)
+        crossfeed.write_dataset(root, day(0, 1), append=True, overwrite=True)
 
 
 def test_the_version_chain_is_parsed_strictly(grown):
@@ -156,10 +149,10 @@ def test_the_version_chain_is_parsed_strictly(grown):
 
 def test_overwrite_drops_the_history(grown):
     root, _ = grown
-    crossfeed.write_dataset(root, _day(500, 2), overwrite=True).close()
+    crossfeed.write_dataset(root, day(500, 2), overwrite=True).close()
     assert not os.path.exists(os.path.join(root, "crossfeed.v1.json"))
     with crossfeed.open_dataset(root) as ds:
-        assert ds.version == 1 and _xs(ds) == [500, 501]
+        assert ds.version == 1 and xs(ds) == [500, 501]
     with pytest.raises(ConfigError, match="no version 2"):
         crossfeed.open_dataset(root + "@v2")
 
@@ -190,28 +183,28 @@ def test_an_append_killed_at_any_step_leaves_the_old_version_or_the_new(tmp_path
     whole (and then version 1 too), never a mix; the next append goes through."""
     for k in range(1, 100):
         root = str(tmp_path / f"{k}")
-        crossfeed.write_dataset(root, _day(0, 6), num_shards=2).close()
+        crossfeed.write_dataset(root, day(0, 6), num_shards=2).close()
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
                 os.environ["CROSSFEED_TEST_CRASH_AT"] = str(k)
-                crossfeed.write_dataset(root, _day(100, 3), num_shards=1, append=True).close()
+                crossfeed.write_dataset(root, day(100, 3), num_shards=1, append=True).close()
                 code = 0
             finally:
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         with crossfeed.open_dataset(root) as ds:
-            got = (ds.version, _xs(ds))
+            got = (ds.version, xs(ds))
         assert got in ((1, list(range(6))), (2, list(range(6)) + [100, 101, 102])), (k, got)
         if got[0] == 2:
-            assert _xs(crossfeed.open_dataset(root + "@v1")) == list(range(6))
+            assert xs(crossfeed.open_dataset(root + "@v1")) == list(range(6))
         if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
             assert k > 3
             break
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
-        crossfeed.write_dataset(root, _day(200, 2), append=True).close()  # cleans up what the dead one left
+        crossfeed.write_dataset(root, day(200, 2), append=True).close()  # cleans up what the dead one left
         with crossfeed.open_dataset(root) as ds:
-            assert _xs(ds)[-2:] == [200, 201] and ds.version == got[0] + 1
+            assert xs(ds)[-2:] == [200, 201] and ds.version == got[0] + 1
     else:
         pytest.fail("the writer never finished")

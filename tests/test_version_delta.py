@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 import pytest
+from recipe_helpers import day, xs
 
 import crossfeed
 from crossfeed import Schedule, Source
@@ -18,19 +19,11 @@ from crossfeed.errors import ConfigError
 from crossfeed.format.manifest import MANIFEST
 
 
-def _day(base: int, n: int) -> list[dict]:
-    return [{"x": base + i, "v": np.full(2, base + i, np.float32)} for i in range(n)]
-
-
-def _xs(ds, split="train") -> list[int]:
-    return sorted(int(r["x"]) for r in ds[split])
-
-
 @pytest.fixture()
 def grown(tmp_path):
     root = str(tmp_path / "ds")
-    crossfeed.write_dataset(root, _day(0, 12), num_shards=2).close()
-    crossfeed.write_dataset(root, _day(100, 6), num_shards=2, append=True).close()
+    crossfeed.write_dataset(root, day(0, 12), num_shards=2).close()
+    crossfeed.write_dataset(root, day(100, 6), num_shards=2, append=True).close()
     return root
 
 
@@ -40,12 +33,12 @@ def test_a_delta_view_holds_what_a_version_appended_and_names_both_versions(grow
         crossfeed.open_dataset(grown, version=2, since=1) as same,
         crossfeed.open_dataset(grown, since=1) as newest,
     ):
-        assert _xs(delta) == _xs(same) == _xs(newest) == list(range(100, 106))
+        assert xs(delta) == xs(same) == xs(newest) == list(range(100, 106))
         assert delta.path == os.path.abspath(grown) + "@v2-v1" and delta.version == 2 and delta.since_version == 1
-    crossfeed.write_dataset(grown, _day(200, 3), append=True).close()  # v3
+    crossfeed.write_dataset(grown, day(200, 3), append=True).close()  # v3
     with crossfeed.open_dataset(grown + "@v3-v1") as d31, crossfeed.open_dataset(grown + "@v2-v1") as d21:
-        assert _xs(d31) == list(range(100, 106)) + list(range(200, 203))
-        assert _xs(d21) == list(range(100, 106))  # pinned: the same view after another append
+        assert xs(d31) == list(range(100, 106)) + list(range(200, 203))
+        assert xs(d21) == list(range(100, 106))  # pinned: the same view after another append
         assert d21.path.endswith("@v2-v1")
     for bad, match in [
         (grown + "@v2-v2", "since= must be a version from 1"),
@@ -68,7 +61,7 @@ def test_the_delta_identity_is_both_manifests_and_a_state_on_it_resumes_after_an
         rest = [b["x"].tolist() for b in it]
     with crossfeed.open_dataset(grown) as v2, crossfeed.open_dataset(grown + "@v1") as v1:
         assert ident == f"sha256:{v2.manifest_sha256} since sha256:{v1.manifest_sha256}"
-    crossfeed.write_dataset(grown, _day(200, 3), append=True).close()  # v3 meanwhile: the view is the same
+    crossfeed.write_dataset(grown, day(200, 3), append=True).close()  # v3 meanwhile: the view is the same
     with crossfeed.Loader(grown + "@v2-v1", **kw) as again:
         again.load_state_dict(state)
         assert [b["x"].tolist() for b in again] == rest
@@ -86,7 +79,7 @@ def test_a_delta_of_versions_that_are_no_append_chain_is_refused(grown):
         json.dump(m, f)
     with pytest.raises(ConfigError, match="not an append chain"):
         crossfeed.open_dataset(grown + "@v2-v1")
-    crossfeed.write_dataset(grown, _day(0, 2), overwrite=True).close()  # the history is gone
+    crossfeed.write_dataset(grown, day(0, 2), overwrite=True).close()  # the history is gone
     with pytest.raises(ConfigError, match="no version 2"):
         crossfeed.open_dataset(grown + "@v2-v1")
 

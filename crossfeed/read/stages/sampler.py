@@ -887,27 +887,12 @@ class Sampler:
         if self.weights is None:
             order = EpochOrder(self.counts, seed=o.seed, epoch=epoch, shuffle=o.shuffle, block_shards=o.block_shards)
             return order if self.refill is None else RefilledOrder(order, self.refill)
-        if self.phases is not None:
-            return ScheduledMixtureOrder(
-                self.counts,
-                self.phases,
-                n=self.total,
-                seed=o.seed,
-                epoch=epoch,
-                shuffle=o.shuffle,
-                block_shards=o.block_shards,
-                passes=self._passes,
-            )
-        return MixtureOrder(
-            self.counts,
-            self.weights,
-            n=self.total,
-            seed=o.seed,
-            epoch=epoch,
-            shuffle=o.shuffle,
-            block_shards=o.block_shards,
-            passes=self._passes,
+        kw: dict[str, Any] = dict(
+            n=self.total, seed=o.seed, epoch=epoch, shuffle=o.shuffle, block_shards=o.block_shards, passes=self._passes
         )
+        if self.phases is not None:
+            return ScheduledMixtureOrder(self.counts, self.phases, **kw)
+        return MixtureOrder(self.counts, self.weights, **kw)
 
     def plan(self, epoch: int, position: int = 0) -> Plan:
         o, sh = self.options, self.shard
