@@ -288,7 +288,11 @@ class ServerCollector:
         s = self._server
         stats, sid = dict(s.stats), [s.options.server_id]
         for key, name, doc in (
-            ("delivered", "crossfeed_batches", "Batches delivered (acknowledged by a trainer; published in broadcast)"),
+            (
+                "delivered",
+                "crossfeed_batches",
+                "Batches delivered (acknowledged by a trainer, a copy its claim refused included; published in broadcast)",
+            ),
             ("samples", "crossfeed_samples", "Samples of the batches delivered"),
             ("bytes", "crossfeed_bytes", "Payload bytes of the batches delivered"),
             ("sent", "crossfeed_batches_sent", "Batch sends, re-sends of a lost trainer's batches included"),
