@@ -60,6 +60,29 @@ def test_one_sample_at_a_time_the_torch_adapter_refuses_a_dropped_sample_by_name
         list(cftorch.StatefulLoader(ds, num_workers=0))
 
 
+def _same(got, want) -> bool:
+    return len(got) == len(want) and all(all(np.array_equal(g[k], w[k]) for k in w) for g, w in zip(got, want))
+
+
+def _run_and_resume(path, opts, stop: int = 3) -> tuple[list, list]:
+    """A StatefulLoader (2 workers) over a whole epoch, its state saved after ``stop`` batches;
+    then the rest of the epoch from that state in a fresh one: (every batch, the rest)."""
+    with cftorch.TorchDataset(path, rank=0, world_size=1, **opts) as ds:
+        loader = cftorch.StatefulLoader(ds, num_workers=2)
+        got = []
+        for b in loader:
+            got.append(b)
+            if len(got) == stop:
+                state = loader.state_dict()
+        loader.close()
+    with cftorch.TorchDataset(path, rank=0, world_size=1, **opts) as ds:
+        loader = cftorch.StatefulLoader(ds, num_workers=2)
+        loader.load_state_dict(state)
+        rest = _np(loader)
+        loader.close()
+    return _np(got), rest
+
+
 @pytest.mark.parametrize("split", ["documents", "rows"])
 def test_dataloader_workers_skip_the_loaders_packed_steps_and_resume(tmp_path, split):
     from token_data import write_tokens
@@ -71,19 +94,25 @@ def test_dataloader_workers_skip_the_loaders_packed_steps_and_resume(tmp_path, s
     want = plain[:1] + plain[3:6] + plain[7:]
     with cftorch.TorchDataset(path, rank=0, world_size=1, **opts) as ds:
         assert len(ds) == len(want)
-        loader = cftorch.StatefulLoader(ds, num_workers=2)
-        got = []
-        for b in loader:
-            got.append(b)
-            if len(got) == 3:
-                state = loader.state_dict()
-        loader.close()
-    assert len(got) == len(want)
-    assert all(all(np.array_equal(np.asarray(g[k]), w[k]) for k in w) for g, w in zip(_np(got), want))
+    got, rest = _run_and_resume(path, opts)
+    assert _same(got, want)
+    assert _same(rest, want[3:])
+
+
+@pytest.mark.parametrize("split", ["documents", "rows"])
+def test_dataloader_workers_and_processes_skip_the_same_documents(tmp_path, split):
+    """Skipped documents of a packed plan: the Loader's very rows through the process executor
+    and DataLoader workers, and a StatefulLoader resumes exactly."""
+    from token_data import write_tokens
+
+    path = write_tokens(tmp_path / "t", np.arange(1, 90) % 23 + 1)
+    opts = dict(batch_size=2, seed=2, pack=crossfeed.Pack(length=32, split=split), skip=Skip(samples=[0, 4, 5, 60]))
+    with crossfeed.Loader(path, **opts) as ld:
+        want = list(ld)
+    with crossfeed.Loader(path, executor="process", processes=2, **opts) as ld:
+        assert _same(list(ld), want)
     with cftorch.TorchDataset(path, rank=0, world_size=1, **opts) as ds:
-        loader = cftorch.StatefulLoader(ds, num_workers=2)
-        loader.load_state_dict(state)
-        rest = _np(loader)
-        loader.close()
-    assert len(rest) == len(want) - 3
-    assert all(all(np.array_equal(g[k], w[k]) for k in w) for g, w in zip(rest, want[3:]))
+        assert len(ds) == len(want)
+    got, rest = _run_and_resume(path, opts)
+    assert _same(got, want)
+    assert _same(rest, want[3:])

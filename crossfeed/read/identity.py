@@ -31,6 +31,7 @@ from collections.abc import Mapping
 
 from crossfeed.errors import ConfigError
 from crossfeed.read.schedule import Schedule
+from crossfeed.read.skips import merge_ranges
 
 VERSION = 1
 MAX_SETTINGS = 4096  # a state read from a file is bounded before it is compared
@@ -246,26 +247,16 @@ def skip_steps_added(saved: StreamIdentity, now: StreamIdentity, from_step: int)
         after = {(int(lo), int(hi)) for lo, hi in new}
     except (TypeError, ValueError):
         return False
-    covered = _cover(after)
+    covered = merge_ranges(after)
     # every saved range still skipped; every step newly skipped lies at or after from_step
     if not all(_within(r, covered) for r in before):
         return False
-    old_cover = _cover(before)
+    old_cover = merge_ranges(before)
     for lo, hi in covered:
         for x, _ in _minus((lo, hi), old_cover):
             if x < from_step:
                 return False
     return True
-
-
-def _cover(ranges) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for lo, hi in sorted(ranges):
-        if out and lo <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], hi)
-        else:
-            out.append([lo, hi])
-    return [(a, b) for a, b in out]
 
 
 def _within(r, cover) -> bool:

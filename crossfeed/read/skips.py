@@ -48,7 +48,7 @@ MAX_STEP_RANGES = 4096  # step ranges (they go into the stream identity as a lis
 __all__ = ["Skip"]
 
 
-def _merge(ranges) -> tuple[tuple[int, int], ...]:
+def merge_ranges(ranges) -> tuple[tuple[int, int], ...]:
     """Half-open ranges sorted and merged (overlapping or touching ones become one)."""
     out: list[list[int]] = []
     for lo, hi in sorted(ranges):
@@ -171,7 +171,7 @@ class Skip:
         steps = [_step_range(r, "skip steps") for r in self.steps]
         if len(steps) > MAX_STEP_RANGES:
             raise ConfigError(f"skip steps: {len(steps)} ranges, more than {MAX_STEP_RANGES}; merge them")
-        object.__setattr__(self, "steps", _merge(steps))
+        object.__setattr__(self, "steps", merge_ranges(steps))
         if not isinstance(self.refill, bool):
             raise ConfigError(f"skip refill: True or False, got {self.refill!r}")
         s = _pairs(self.samples)

@@ -32,11 +32,10 @@ from typing import Any
 from crossfeed.errors import ConfigError
 from crossfeed.read.options import Source
 from crossfeed.read.schedule import MAX_PHASES, Schedule
+from crossfeed.read.stages.sampler import MAX_PERIOD, RAMP_SHARES, ramp_shares
 
 MAX_DEPTH = 8  # levels of nesting (a spec file in a spec file counts as one)
 MAX_LEAVES = 256  # leaf sources of one mixture, every level together
-MAX_PERIOD = 1 << 14  # as `crossfeed.read.stages.sampler.MAX_PERIOD`: a phase's integer weights' sum
-RAMP_SHARES = 1000  # as `crossfeed.read.stages.sampler.RAMP_SHARES`
 
 
 def is_group(source: Source) -> bool:
@@ -154,14 +153,7 @@ def _integers(shares: list[Fraction], ramp: bool, at: int) -> list[int]:
     g = math.gcd(*ints)
     ints = [i // g for i in ints]
     if ramp and sum(ints) > RAMP_SHARES:
-        total = sum(shares)
-        exact = [s * RAMP_SHARES / total for s in shares]
-        ints = [max(1, math.floor(e)) if e > 0 else 0 for e in exact]
-        order = sorted((j for j in range(len(ints)) if exact[j] > 0), key=lambda j: (ints[j] - exact[j], j))
-        for j in order[: max(0, RAMP_SHARES - sum(ints))]:
-            ints[j] += 1
-        g = math.gcd(*ints)
-        ints = [i // g for i in ints]
+        ints = ramp_shares(shares)
     elif sum(ints) > MAX_PERIOD:
         raise ConfigError(
             f"a nested mixture's weights at sample {at} are too fine-grained: as integers its sources weigh "

@@ -23,6 +23,7 @@ from crossfeed.read.stages.fetch import MixtureReader, SourceReader
 from crossfeed.read.stages.recipes import SampleRecipe, SampleRngs, callable_name, epoch_of
 
 STAGES = ("read", "decode", "transform", "batch")  # what `BatchBuilder` times, in order
+_TRANSFORM_ONLY = SampleRecipe(transform=True)  # a builder given no recipe: its transform alone
 
 
 class BatchBuilder:
@@ -81,25 +82,8 @@ class BatchBuilder:
             indices = indices[r.skip_ids.keep(indices)]  # skipped samples are never read
         batch, kept = self.reader(indices, self.budget, t)
         indices = indices[kept]
-        if r is not None and (r.filter is not None or r.rng or self.transform is not None):
-            batch, indices = self._per_sample(batch, indices, r, t, epoch)
-        elif self.transform is not None:
-            cpu = _cpu() if t is not None else 0
-            samples = [self.transform({k: v[i] for k, v in batch.items()}) for i in range(len(indices))]
-            if t is not None:
-                now = _clock()
-                t.transform += now - t.last
-                t.n_transform += 1
-                t.cpu_transform += _cpu() - cpu
-                t.ncpu_transform += 1
-                t.last = now
-            if samples:
-                batch = {k: collate([s[k] for s in samples], alloc=self.alloc or np.empty) for k in samples[0]}
-            if t is not None:
-                now = _clock()
-                t.batch += now - t.last
-                t.n_batch += 1
-                t.last = now
+        if self.transform is not None or (r is not None and (r.filter is not None or r.rng)):
+            batch, indices = self._per_sample(batch, indices, r or _TRANSFORM_ONLY, t, epoch)
         if self.return_index:
             if self.reader.mixture:  # which source, and the index within it
                 starts = self.reader.starts

@@ -77,12 +77,16 @@ class Permutation:
         return x
 
     def __call__(self, k: np.ndarray) -> np.ndarray:
-        y = self._step(np.asarray(k, dtype=np.uint64))
-        out = np.flatnonzero(y >= self.n)
+        return self._walk(self._step, np.asarray(k, dtype=np.uint64))
+
+    def _walk(self, step, x: np.ndarray) -> np.ndarray:
+        """``step`` applied to each of ``x``, again to those that leave ``[0, n)``, until all are in."""
+        x = step(x)
+        out = np.flatnonzero(x >= self.n)
         while len(out):
-            y[out] = self._step(y[out])
-            out = out[y[out] >= self.n]
-        return y.astype(np.int64)
+            x[out] = step(x[out])
+            out = out[x[out] >= self.n]
+        return x.astype(np.int64)
 
     def _unstep(self, y: np.ndarray) -> np.ndarray:
         """``_step``'s inverse: the rounds backwards, each ``x ^= x >> s`` undone by xor-shifts
@@ -94,21 +98,13 @@ class Permutation:
             x = y.copy()
             for _ in range(-(-bits // int(shift))):  # after j passes x is right on j·s more bits
                 x = y ^ (x >> shift)
-            y = ((x - c) * self._inverse(m)) & mask
+            y = ((x - c) * np.uint64(pow(int(m), -1, 1 << 64))) & mask
         return y
-
-    def _inverse(self, m: np.uint64) -> np.uint64:
-        return np.uint64(pow(int(m), -1, 1 << 64))
 
     def inverse(self, y: np.ndarray) -> np.ndarray:
         """The positions ``k`` with ``self(k) == y`` (``y`` in ``[0, n)``): the cycle walk
         backwards — step back until the value lands in range again."""
-        x = self._unstep(np.asarray(y, dtype=np.uint64))
-        out = np.flatnonzero(x >= self.n)
-        while len(out):
-            x[out] = self._unstep(x[out])
-            out = out[x[out] >= self.n]
-        return x.astype(np.int64)
+        return self._walk(self._unstep, np.asarray(y, dtype=np.uint64))
 
 
 class EpochOrder:
@@ -505,10 +501,17 @@ def _phase_weights(values: list, ramp: bool) -> list[int]:
         ints = []
     if not ramp or (ints and sum(ints) <= RAMP_SHARES):
         return ints
+    return ramp_shares(values)
+
+
+def ramp_shares(values) -> list[int]:
+    """``values`` (numbers ≥ 0, some > 0) as shares of `RAMP_SHARES` by largest remainders — each
+    positive value at least 1, a 0 stays 0 — in lowest terms: a ramp phase's integer weights."""
     fr = [Fraction(v) for v in values]
     exact = [f * RAMP_SHARES / sum(fr) for f in fr]
-    out = [max(1, math.floor(e)) for e in exact]
-    for j in sorted(range(len(out)), key=lambda j: (out[j] - exact[j], j))[: max(0, RAMP_SHARES - sum(out))]:
+    out = [max(1, math.floor(e)) if e > 0 else 0 for e in exact]
+    drawn = sorted((j for j in range(len(out)) if exact[j] > 0), key=lambda j: (out[j] - exact[j], j))
+    for j in drawn[: max(0, RAMP_SHARES - sum(out))]:
         out[j] += 1
     g = math.gcd(*out)
     return [o // g for o in out]
