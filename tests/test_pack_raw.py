@@ -6,6 +6,9 @@ skipped), a lengths file that lies is named, another layout is read by the decod
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 import token_data
@@ -117,3 +120,90 @@ def test_records_with_a_document_id_beside_the_tokens_take_the_fast_path(tmp_pat
         assert shards is not None and shards.model.prefix == [b"\n\x02id"]
         assert (shards._table[:, 0] >= 0).all()
     assert same(got, want)
+
+
+def _manifest(root):
+    import json
+
+    from crossfeed.format.manifest import MANIFEST
+
+    path = root / MANIFEST if hasattr(root, "joinpath") else os.path.join(root, MANIFEST)
+    with open(path) as f:
+        return path, json.load(f)
+
+
+def _count_payload_checks(monkeypatch) -> list[int]:
+    from crossfeed.read.stages import tokens
+
+    seen = [0]
+    real = tokens.bad_payloads
+
+    def counted(payloads, stored):
+        seen[0] += len(payloads)
+        return real(payloads, stored)
+
+    monkeypatch.setattr(tokens, "bad_payloads", counted)
+    return seen
+
+
+LONG = [int(n) for n in np.random.default_rng(3).integers(1, 300, size=400)]  # 1- and 2-byte length prefixes
+
+
+def test_a_shard_with_the_manifests_crc32c_is_checked_whole_not_record_by_record(tmp_path, monkeypatch):
+    """The writer records each shard's CRC32C in the manifest; a reader's first touch of a shard
+    checks it in one C call, and byte for byte only one record of each layout (plus the first and
+    last): the same rows as record-by-record checking, a fraction of the per-record work."""
+    import crc32c
+
+    root = write_tokens(tmp_path / "t", LONG, num_shards=2)
+    path, m = _manifest(root)
+    for sh in m["splits"]["train"]["shards"]:
+        with open(os.path.join(root, sh["file"]), "rb") as f:
+            assert sh["crc32c"] == crc32c.crc32c(f.read())  # the file's bytes, unmasked
+    opts = dict(batch_size=4, seed=2, pack=Pack(64, split="rows"))
+    seen = _count_payload_checks(monkeypatch)
+    with crossfeed.Loader(root, **opts) as ld:
+        got = list(ld)
+        assert (_shards(ld)._table[:, 0] >= 0).all()
+    whole = seen[0]
+    assert 0 < whole <= 2 * 8  # per shard: one record per layout (a handful) and the first and last
+    for sh in m["splits"]["train"]["shards"]:  # a manifest without them (older crossfeed): block by block
+        del sh["crc32c"]
+    with open(path, "w") as f:
+        json.dump(m, f)
+    seen[0] = 0
+    with crossfeed.Loader(root, **opts) as ld:
+        assert same(list(ld), got)
+    assert seen[0] == len(LONG)
+    assert np.sort(tokens_of(got)).tolist() == every_token(LONG).tolist()
+
+
+def test_a_shard_whose_bytes_miss_the_manifests_crc32c_is_checked_record_by_record(tmp_path, monkeypatch):
+    root = write_tokens(tmp_path / "t", LONG, num_shards=2)
+    opts = dict(batch_size=4, seed=2, pack=Pack(64, split="rows"))
+    with crossfeed.Loader(root, **opts) as ld:
+        want = list(ld)
+    path, m = _manifest(root)
+    m["splits"]["train"]["shards"][0]["crc32c"] ^= 1  # not these bytes: the shard goes block by block
+    with open(path, "w") as f:
+        json.dump(m, f)
+    seen = _count_payload_checks(monkeypatch)
+    with crossfeed.Loader(root, **opts) as ld:
+        assert same(list(ld), want)
+    assert seen[0] >= m["splits"]["train"]["shards"][0]["num_records"]
+
+
+def test_a_damaged_shard_with_a_crc32c_still_names_its_record(tmp_path):
+    root = write_tokens(tmp_path / "t", LONG, num_shards=1)
+    with crossfeed.open_dataset(root) as ds:
+        sp = ds["train"]
+        path, (offset, length) = sp.file(0).path, sp.index(0)[200]
+    with open(path, "r+b") as f:
+        f.seek(int(offset) + 12 + (int(length) - 16) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with crossfeed.Loader(root, batch_size=2, shuffle="none", pack=Pack(64)) as ld:
+        with pytest.raises(CorruptRecordError) as e:
+            list(ld)
+    assert str(int(offset)) in str(e.value)

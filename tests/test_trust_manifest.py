@@ -141,3 +141,14 @@ def test_a_split_of_many_shards_makes_objects_only_for_the_shards_it_reads(small
     out = _limited([sys.executable, "-c", script, str(root)])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == [str(n), str(30 * n), "29", "1"]
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 32, "0x1234", 1.5, True, None])
+def test_a_shards_crc32c_must_be_a_32_bit_integer(small, bad):
+    """The whole-shard CRC32C a writer records (`ShardInfo.crc32c`) is parsed strictly: a value
+    that is not an unsigned 32-bit integer is a `ManifestError` naming the field."""
+    root, m = small
+    assert isinstance(m["splits"]["train"]["shards"][0]["crc32c"], int)
+    m["splits"]["train"]["shards"][0]["crc32c"] = bad
+    with pytest.raises(crossfeed.CrossfeedError, match=r"shards\[0\]\.crc32c"):
+        mf.loads(json.dumps(m), "crossfeed.json")

@@ -286,15 +286,17 @@ def stream_records(chunks: Iterable[bytes], path: str) -> Iterator[tuple[int, by
 
 
 class _HashingFile:
-    """A write-only file that hashes and counts what passes through it."""
+    """A write-only file that hashes (sha256 and CRC32C) and counts what passes through it."""
 
     def __init__(self, f: BinaryIO):
         self._f = f
         self.hash = hashlib.sha256()
+        self.crc = 0
         self.size = 0
 
     def write(self, data) -> int:
         self.hash.update(data)
+        self.crc = _crc32c.crc32c(data, self.crc)
         self.size += len(data)
         return self._f.write(data)
 
@@ -357,6 +359,11 @@ class RecordWriter:
     def sha256(self) -> str:
         """Hex sha256 of the file's bytes; final after `close`."""
         return self._raw.hash.hexdigest()
+
+    @property
+    def crc32c(self) -> int:
+        """CRC32C of the file's bytes (unmasked); final after `close`."""
+        return self._raw.crc
 
     def close(self) -> None:
         if self._f is not self._raw:

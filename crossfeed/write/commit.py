@@ -393,7 +393,9 @@ def commit_splits(
                     os.replace(lengths_path(s.tmp_path), lengths_path(os.path.join(root, final)))
                     crash_point("lengths renamed")
                 infos.append(
-                    ShardInfo(final, s.num_records, s.num_bytes, s.sha256, s.index_sha256, None, s.lengths_sha256)
+                    ShardInfo(
+                        final, s.num_records, s.num_bytes, s.sha256, s.index_sha256, None, s.lengths_sha256, s.crc32c
+                    )
                 )
             stats = (statistics or {}).get(name, {})
             if name in splits:  # appended to a split the dataset has: its shards first, then these

@@ -35,6 +35,7 @@ class StagedShard:
     sha256: str
     index_sha256: str | None = None
     lengths_sha256: str | None = None  # of the staged lengths file (`crossfeed.format.lengths`), if any
+    crc32c: int | None = None  # of the shard file's bytes (`crossfeed.format.manifest.ShardInfo.crc32c`)
 
 
 def _companions(tmp_path: str) -> tuple[str, str]:
@@ -84,7 +85,8 @@ class ShardSink:
         if lengths is not None:
             files.append(lengths_path(self.tmp_path))
             lengths_sha = write_lengths(files[2], lengths, sync=False)
-        staged = StagedShard(self.tmp_path, n, self._writer.num_bytes, self._writer.sha256, index_sha, lengths_sha)
+        w = self._writer
+        staged = StagedShard(self.tmp_path, n, w.num_bytes, w.sha256, index_sha, lengths_sha, w.crc32c)
         return staged, files
 
     def abort(self) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import mmap
 import threading
 
+import crc32c as _crc32c
 import numpy as np
 
 from crossfeed.errors import CrossfeedError
@@ -302,6 +303,7 @@ class TokenShards:
         empty = Span({}, shards)
         self.current = (empty, memoryview(empty.u8))  # type: ignore[arg-type]  # numpy arrays are buffers  # the span of the mapped shards and its view: replaced whole
         self._lock = threading.Lock()
+        self._tried: set[int] = set()  # shards whose whole-shard check ran (`_whole`)
 
     @classmethod
     def of(cls, reader, lengths, names: list[str]) -> TokenShards | None:
@@ -344,36 +346,79 @@ class TokenShards:
         with self._lock:
             if self._table[lo, 0] != -1:
                 return
-            got = self._checked(s, lo - int(self.starts[s]), hi - int(self.starts[s]))
+            if s not in self._tried:  # first touch of the shard: the whole of it at once, if its CRC32C is known
+                self._tried.add(s)
+                got = self._whole(s)
+                if got is not None:
+                    self._install(s, got[1], int(self.starts[s]), int(self.starts[s + 1]), got[0])
+                    return
+            rows = np.arange(lo - int(self.starts[s]), hi - int(self.starts[s]), dtype=np.int64)
+            got = self._checked(s, rows)
             if got is None:
                 self._table[lo:hi, 0] = -2
                 return
-            if s not in self._arrays or self.current[0].base[s] < 0:
-                self._arrays[s] = got[1]
-                span = Span(self._arrays, len(self.starts) - 1)
-                self.current = (span, memoryview(span.u8))  # type: ignore[arg-type]  # a buffer
-            self._table[lo:hi] = got[0]
+            self._install(s, got[1], lo, hi, got[0])
 
-    def _checked(self, s: int, a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """Records ``a:b`` of shard ``s``: their table rows (see ``_table``), their layout checked,
-        and the shard's bytes; None: they go the general way."""
+    def _install(self, s: int, u8: np.ndarray, lo: int, hi: int, rows: np.ndarray) -> None:
+        if s not in self._arrays or self.current[0].base[s] < 0:
+            self._arrays[s] = u8
+            span = Span(self._arrays, len(self.starts) - 1)
+            self.current = (span, memoryview(span.u8))  # type: ignore[arg-type]  # a buffer
+        self._table[lo:hi] = rows
+
+    def _whole(self, s: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Every record of shard ``s`` by the whole-shard check (the module docstring), or None:
+        the shard goes block by block."""
+        info = self.split.shards[s]
+        if getattr(info, "crc32c", None) is None or info.compressed:
+            return None
+        try:
+            buf = self.frames._buffer(s)
+        except CrossfeedError:
+            return None
+        if buf is None or len(memoryview(buf)) != info.num_bytes:
+            return None
+        _populate(buf, 0, info.num_bytes)
+        if _crc32c.crc32c(buf) != info.crc32c:
+            return None  # damaged (or not the bytes the manifest names): block by block, which names the record
+        n = int(self.starts[s + 1] - self.starts[s])
+        ns = np.asarray(self.lengths.shard(self.source, s), dtype=np.int64)
+        if len(ns) != n:
+            return None
+        ops, _ = self.model.ops(ns)
+        # one record of each layout the shard holds (the varint widths of its length prefixes), its
+        # first and its last, checked byte for byte: the writer's encoder is the model's
+        key = np.zeros(n, dtype=np.int64)
+        for kind, arg in ops:
+            if kind == "v":
+                key = key * 8 + varint_widths(arg)
+        reps = np.unique(np.concatenate([np.unique(key, return_index=True)[1], [0, n - 1]]))
+        if n and self._checked(s, reps.astype(np.int64)) is None:
+            return None
+        return self._checked(s, np.arange(n, dtype=np.int64), verify=False)
+
+    def _checked(self, s: int, rows: np.ndarray, verify: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+        """Records ``rows`` of shard ``s``: their table rows (see ``_table``), their framing and
+        layout checked (``verify``; else their places only, the shard's bytes checked whole by
+        `_whole`), and the shard's bytes; None: they go the general way."""
         try:
             buf = self.frames._buffer(s)
         except CrossfeedError:
             return None
         if buf is None:
             return None
-        index = self.split.index(s)[a:b]
+        index = self.split.index(s)[rows]
         u8 = np.frombuffer(buf, dtype=np.uint8)
         offs, lens = index[:, 0].astype(np.int64), index[:, 1].astype(np.int64)
         if not len(u8) or out_of_bounds(offs, lens, len(u8)).any():
             return None
-        _populate(buf, int(offs.min()), int((offs + lens).max()))
-        if bad_headers(gather(u8, offs, HEADER), lens).any():
-            return None
-        if bad_payloads(payload_views(buf, offs, lens), stored_crcs(u8, offs, lens)).any():
-            return None
-        ns = np.asarray(self.lengths.shard(self.source, s), dtype=np.int64)[a:b]
+        if verify:
+            _populate(buf, int(offs.min()), int((offs + lens).max()))
+            if bad_headers(gather(u8, offs, HEADER), lens).any():
+                return None
+            if bad_payloads(payload_views(buf, offs, lens), stored_crcs(u8, offs, lens)).any():
+                return None
+        ns = np.asarray(self.lengths.shard(self.source, s), dtype=np.int64)[rows]
         if len(ns) != len(offs):
             return None
         start, size = offs + HEADER, lens - FRAMING
@@ -403,9 +448,11 @@ class TokenShards:
         for kind, arg in ops:
             if kind == "c":
                 want = np.frombuffer(arg, dtype=np.uint8)
-                if (gather(u8, np.minimum(pos, last - len(want) + 1), len(want)) != want).any():
+                if verify and (gather(u8, np.minimum(pos, last - len(want) + 1), len(want)) != want).any():
                     return None
                 pos += len(want)
+            elif kind == "v" and not verify:
+                pos += varint_widths(arg)
             elif kind == "v":
                 widths = varint_widths(arg)
                 top = int(widths.max())
