@@ -41,6 +41,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 try:
     import torch.distributed as dist
     from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -49,7 +51,7 @@ except ModuleNotFoundError as e:  # one line naming the extra that installs it
 
     raise missing_extra(e, "crossfeed.adapters.torch") from None
 
-from crossfeed.adapters.torch_convert import to_torch
+from crossfeed.adapters.torch_convert import to_torch, to_torch_group
 from crossfeed.adapters.torch_cursor import Cursor
 from crossfeed.errors import ConfigError
 from crossfeed.read import metrics
@@ -237,6 +239,28 @@ class TorchDataset(IterableDataset):
                 one_sample(batch, "TorchDataset") if one else batch, keep_dtypes=self.keep_dtypes, shared=shared
             )
 
+    def _groups(self, size: int, worker: int, num_workers: int) -> Iterator[dict]:
+        """This DataLoader worker's batches ``size`` at a time (fewer once they hold `GROUP_BYTES`),
+        each group one shared-memory storage (`StatefulLoader`'s ``batches_per_transfer``):
+        ``{GROUP: [the iteration's batch numbers], "batches": [...]}`` — worker ``w`` of ``K``'s
+        ``j``-th batch is batch ``w + j·K``."""
+        loader = self._loader(worker, num_workers)
+        loader.load_state_dict(self._state(*self._next_start(), loader))
+        one, keep = self.per_sample, self.keep_dtypes
+        pending: list = []
+        made = held = 0
+        for batch in loader:
+            pending.append(one_sample(batch, "TorchDataset") if one else batch)
+            held += sum(v.nbytes for v in pending[-1].values() if isinstance(v, np.ndarray))
+            if len(pending) < size and held < GROUP_BYTES:
+                continue
+            ids = [worker + (made + i) * num_workers for i in range(len(pending))]
+            yield {GROUP: ids, "batches": to_torch_group(pending, keep_dtypes=keep)}
+            made, pending, held = made + len(pending), [], 0
+        if pending:
+            ids = [worker + (made + i) * num_workers for i in range(len(pending))]
+            yield {GROUP: ids, "batches": to_torch_group(pending, keep_dtypes=keep)}
+
     # -- pickling (DataLoader workers started with spawn/forkserver) -----------------------------
     def __getstate__(self):
         if self._stream is not None:
@@ -260,6 +284,25 @@ class TorchDataset(IterableDataset):
         self.close()
 
 
+GROUP = "__crossfeed_group__"  # the key of a group of batches crossing a DataLoader's queue as one item
+GROUP_BYTES = 8 << 20  # a group is cut at this many bytes of arrays: large batches cross one at a time
+
+
+class _Grouped(IterableDataset):
+    """What a `StatefulLoader`'s DataLoader iterates: the dataset's batches, in each DataLoader
+    worker ``size`` at a time (`TorchDataset._groups`); the dataset object itself is left as it
+    is (a plain DataLoader over it still gets one batch an item)."""
+
+    def __init__(self, dataset: TorchDataset, size: int):
+        self.dataset, self.size = dataset, size
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        if info is None or self.size <= 1 or self.dataset._stream is not None:
+            return iter(self.dataset)
+        return self.dataset._groups(self.size, info.id, info.num_workers)
+
+
 class StatefulLoader:
     """A `torch.utils.data.DataLoader` over a `TorchDataset` that knows where it is in the epoch.
 
@@ -270,9 +313,15 @@ class StatefulLoader:
     batches the workers had prefetched — and ``load_state_dict()`` makes the next iteration (in a
     fresh process, any ``num_workers``, any world size) start there. When an epoch ends it moves
     the dataset to the next epoch, so ``set_epoch`` calls are optional.
+
+    ``batches_per_transfer`` (default 8 with workers; fewer where they pass `GROUP_BYTES`): each DataLoader worker hands its batches
+    over that many at a time, in one shared-memory storage (one segment and one file descriptor
+    passed, where a batch each costs one apiece: the queue's per-item cost, not the batches,
+    bounds a DataLoader on few cores); the loader yields them one by one, in the dataset's order.
+    A worker's first batch waits for its group; 1: a batch an item, as a DataLoader does.
     """
 
-    def __init__(self, dataset: TorchDataset, **dataloader_kwargs):
+    def __init__(self, dataset: TorchDataset, *, batches_per_transfer: int | None = None, **dataloader_kwargs):
         if not isinstance(dataset, TorchDataset):
             raise ConfigError(f"StatefulLoader wraps a TorchDataset, got {type(dataset).__name__}")
         for bad in ("sampler", "batch_sampler", "shuffle", "drop_last"):
@@ -283,7 +332,12 @@ class StatefulLoader:
         if dataloader_kwargs.pop("batch_size", None) is not None:
             raise ConfigError("batch_size belongs to the TorchDataset; the DataLoader gets batch_size=None")
         self.dataset = dataset
-        self.dataloader = DataLoader(dataset, batch_size=None, **dataloader_kwargs)
+        workers = int(dataloader_kwargs.get("num_workers") or 0)
+        group = (8 if workers else 1) if batches_per_transfer is None else batches_per_transfer
+        if type(group) is not int or not 1 <= group <= 1024:
+            raise ConfigError(f"batches_per_transfer must be an integer from 1 to 1024, got {batches_per_transfer!r}")
+        self.batches_per_transfer = group
+        self.dataloader = DataLoader(_Grouped(dataset, group), batch_size=None, **dataloader_kwargs)
         self._running: tuple[int, int] | None = None  # (epoch, start position) of the iteration under way
         self._taken = 0
         self._meter = metrics.Meter(processes=self.dataloader.num_workers)  # the trainer's wait, timed here
@@ -304,7 +358,7 @@ class StatefulLoader:
         epoch, position = self.dataset._next_start()
         self._running, self._taken = (epoch, position), 0
         asked = time.perf_counter_ns()
-        for batch in self.dataloader:
+        for batch in self._in_order():
             self._taken += 1
             got = meter.delivered(batch, asked)
             yield batch
@@ -313,6 +367,22 @@ class StatefulLoader:
         if self._running == (epoch, position):
             self._running = None
             self.dataset.set_epoch(epoch + 1)
+
+    def _in_order(self) -> Iterator[dict]:
+        """The DataLoader's items, groups of batches (`TorchDataset._groups`) taken apart and put
+        back in the dataset's order (groups come round-robin over the workers)."""
+        pending: dict[int, dict] = {}
+        expected = 0
+        for item in self.dataloader:
+            if not (isinstance(item, dict) and GROUP in item):
+                yield item
+                continue
+            pending.update(zip(item[GROUP], item["batches"]))
+            while expected in pending:
+                yield pending.pop(expected)
+                expected += 1
+        if pending:  # a worker's batches missing before these: never (each worker's come in order)
+            raise RuntimeError(f"DataLoader workers left batches {sorted(pending)[:5]} without batch {expected}")
 
     def stats(self) -> metrics.Stats:
         """The trainer's view, timed in this process around the DataLoader: batches, samples, its

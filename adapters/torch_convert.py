@@ -54,36 +54,49 @@ def to_torch(batch: Mapping, *, keep_dtypes: bool = False, shared: bool = False)
     return out
 
 
+def to_torch_group(batches: list, *, keep_dtypes: bool = False) -> list[dict]:
+    """`to_torch` of each of ``batches`` with ``shared=True``, their numeric arrays all in one
+    shared-memory storage: several batches cross the DataLoader's queue for one segment and one
+    file descriptor (`crossfeed.adapters.torch.StatefulLoader`'s ``batches_per_transfer``)."""
+    return [to_torch(b, keep_dtypes=keep_dtypes) for b in _in_block(batches, keep_dtypes)]
+
+
 def _shared(batch: Mapping, keep: bool) -> dict:
     """``batch`` with its numeric arrays (two or more) replaced by tensors viewing one
     shared-memory storage, each array copied in once (widened as `_convert` would)."""
-    arrays = {
-        k: np.asarray(v)
+    return _in_block([batch], keep)[0]
+
+
+def _in_block(batches: list, keep: bool) -> list[dict]:
+    """``batches`` with their numeric arrays (two or more in all) replaced by tensors viewing one
+    shared-memory storage, each array copied in once (widened as `_convert` would)."""
+    arrays = [
+        (i, k, np.asarray(v))
+        for i, batch in enumerate(batches)
         for k, v in batch.items()
         if isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biufc" and v.dtype.isnative
-    }
+    ]
+    out = [dict(b) for b in batches]
     if len(arrays) < 2:  # one storage already: torch shares it as it is
-        return dict(batch)
-    dtypes = {k: v.dtype if keep else torch_dtype(v.dtype) or v.dtype for k, v in arrays.items()}
-    starts, size = {}, 0
-    for k, v in arrays.items():
-        starts[k] = size
-        size += -(-v.size * dtypes[k].itemsize // ALIGN) * ALIGN
+        return out
+    dtypes = [v.dtype if keep else torch_dtype(v.dtype) or v.dtype for _, _, v in arrays]
+    starts, size = [], 0
+    for (_, _, v), dt in zip(arrays, dtypes):
+        starts.append(size)
+        size += -(-v.size * dt.itemsize // ALIGN) * ALIGN
     new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
     if new_shared is not None:  # allocated in shared memory: the queue's pickling copies nothing more
         block = torch.empty(0, dtype=torch.uint8).set_(new_shared(size))
     else:
         block = torch.empty(size, dtype=torch.uint8).share_memory_()
     raw = block.numpy()
-    out = dict(batch)
-    for k, v in arrays.items():
-        dt, lo = dtypes[k], starts[k]
+    for (i, k, v), dt, lo in zip(arrays, dtypes, starts):
         dst = raw[lo : lo + v.size * dt.itemsize].view(dt).reshape(v.shape)
         if v.dtype == dt or np.can_cast(v.dtype, dt, "safe"):
             np.copyto(dst, v, casting="safe")
         else:  # a narrowing the widening rule decides (uint64 → int64)
             np.copyto(dst, widen(k, v, dt), casting="unsafe")
-        out[k] = block[lo : lo + v.size * dt.itemsize].view(torch_of(dt)).view(v.shape)
+        out[i][k] = block[lo : lo + v.size * dt.itemsize].view(torch_of(dt)).view(v.shape)
     return out
 
 
