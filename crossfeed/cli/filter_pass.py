@@ -36,7 +36,7 @@ def filter_command(
         typer.Option(
             "--refill/--shorter",
             help="Write a refill line: the Loader closes each epoch's order up around the dropped samples, so every "
-            "step is full (one dataset, unpacked). --shorter (the default): their steps come out shorter, and token "
+            "step is full (unpacked, unweighted plans). --shorter (the default): their steps come out shorter, and token "
             "pipelines (--pack-length, --batch-by-tokens) take the file.",
         ),
     ] = False,

@@ -14,7 +14,8 @@ stored order, decoded as the Loader decodes it (the same reader, the same ``feat
 error options) and hands each to the predicate, as ``filter=`` would. The ids it rejects become
 ``SOURCE INDEX`` lines, with ``#`` comments naming the filter, the datasets and the counts, and a
 ``refill`` line under ``refill=True``: the Loader then closes the epoch's order up around them,
-so every step is full (one dataset, the plain plan: `crossfeed.read.skips`). Without refill a
+so every step is full (a mixture: each source's passes; not with per-sample weights or token
+pipelines: `crossfeed.read.skips`). Without refill a
 filtered sample is accounted exactly like a skipped one (its step shorter; in a token plan, a
 document of length 0).
 
