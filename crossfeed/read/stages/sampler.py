@@ -896,17 +896,17 @@ class Sampler:
                     )
                 self.total -= len(self.refill)
             else:  # each source's passes close up around its skipped samples
-                sizes = np.array([int(c.sum()) for c in self.counts], dtype=np.int64)
-                starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+                stored = np.array([int(c.sum()) for c in self.counts], dtype=np.int64)
+                starts = np.concatenate([[0], np.cumsum(stored)]).astype(np.int64)
                 self.refill = skip.ids(starts)
                 skipped = [
                     self.refill[(self.refill >= lo) & (self.refill < hi)] - lo for lo, hi in zip(starts, starts[1:])
                 ]
-                gone = np.flatnonzero(sizes == np.array([len(k) for k in skipped]))
+                gone = np.flatnonzero(stored == np.array([len(k) for k in skipped]))
                 if len(gone):
                     g = int(gone[0])
                     raise ConfigError(
-                        f"mixture source {g} has no samples left: skip= takes out all {int(sizes[g]):,} of them"
+                        f"mixture source {g} has no samples left: skip= takes out all {int(stored[g]):,} of them"
                     )
                 if plan.samples_per_epoch is None:
                     self.total -= len(self.refill)
