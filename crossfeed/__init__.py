@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # the names as a type checker (and a reader) sees them; at ru
     from crossfeed.read.skips import Skip
     from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
     from crossfeed.read.stages.recipes import sample_rng, with_rng
+    from crossfeed.read.tools.filter_pass import filter_pass
     from crossfeed.read.tools.weights import write_weights
     from crossfeed.write.options import WriteOptions
 
@@ -109,6 +110,7 @@ _LAZY = {
     "BatchMeta": "crossfeed.format.wire",
     "balanced": "crossfeed.format.weights",
     "write_weights": "crossfeed.read.tools.weights",
+    "filter_pass": "crossfeed.read.tools.filter_pass",
     "Skip": "crossfeed.read.skips",
     **dict.fromkeys(("sample_rng", "with_rng"), "crossfeed.read.stages.recipes"),
 }
@@ -165,6 +167,7 @@ __all__ = [
     "WriteOptions",
     "balanced",
     "connect",
+    "filter_pass",
     "open_dataset",
     "sample_rng",
     "with_rng",

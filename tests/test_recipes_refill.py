@@ -178,8 +178,15 @@ def test_refill_is_part_of_the_streams_identity(data):
 def test_refill_is_refused_by_name_where_it_is_not_built(data, tmp_path):
     refill = Skip(samples=[(0, 1)], refill=True)
     mix = [crossfeed.Source(data, weight=1), crossfeed.Source(data, weight=2)]
-    with pytest.raises(ConfigError, match=r"Skip\(refill=True\) closes up one dataset's order; a mixture"):
-        Loader(mix, batch_size=8, skip=refill)
+    Loader(mix, batch_size=8, skip=refill).close()  # a mixture refills each source's passes (test_filter_pass.py)
+    every = Skip(samples=[(1, i) for i in range(N)], refill=True)
+    with pytest.raises(ConfigError, match="mixture source 1 has no samples left: skip= takes out all 120 of them"):
+        Loader(mix, batch_size=8, skip=every)
+    weighed = crossfeed.write_dataset(tmp_path / "w", [{"x": i, "label": i % 3} for i in range(30)])
+    weighed.close()
+    crossfeed.write_weights(tmp_path / "w", balance="label", name="b")
+    with pytest.raises(ConfigError, match=r"a per-sample-weighted plan draws its samples by weight and cannot refill"):
+        Loader(tmp_path / "w", batch_size=8, weights="b", skip=Skip(samples=[1], refill=True))
     with pytest.raises(ConfigError, match="takes out all 120 samples"):
         Loader(data, batch_size=8, skip=Skip(samples=range(N), refill=True))
     with pytest.raises(ConfigError, match="skip refill: True or False"):

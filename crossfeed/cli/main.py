@@ -96,7 +96,7 @@ def _silence_stdout() -> None:
 # puts sub-groups such as `convert` after every plain command). Commands not named here come last.
 COMMAND_ORDER = (
     "convert", "index", "info", "head", "verify", "weights", "bench",
-    "serve", "dispatch", "mon", "stat", "show", "top", "replay", "cache", "keygen",
+    "serve", "dispatch", "mon", "stat", "show", "top", "replay", "filter", "cache", "keygen",
 )  # fmt: skip
 
 
@@ -227,6 +227,7 @@ GROUPS = (
     "crossfeed.cli.top",
     "crossfeed.cli.cache",
     "crossfeed.cli.replay",
+    "crossfeed.cli.filter_pass",
 )
 
 for _name in GROUPS:

@@ -367,15 +367,17 @@ class Pipeline:
         rng = recipes.wants_rng(transform)
         if packed and (filter_ is not None or rng):
             raise ConfigError(
-                "filter= and transforms taking rng are not built for token pipelines (pack=, batch_by_tokens=) "
-                "yet: filter the documents when converting, or read unpacked; skipped steps and skipped documents "
-                "(Skip(steps=[(start, end)], samples=[(source, index)])) are"
+                "filter= and transforms taking rng are not built for token pipelines (pack=, batch_by_tokens=), "
+                "which plan rows before a document is read: run the filter once ahead instead — `crossfeed filter "
+                "DATASET --filter module:fn --out filtered.txt` (crossfeed.filter_pass) — then read with "
+                "skip='filtered.txt' (a filtered document is absent from the packed plan), or read unpacked"
             )
         if packed and skip is not None and len(skip.samples) and skip.refill:
             raise ConfigError(
                 "refilled skipped sample ids (skip= samples) are not built for token pipelines (pack=, "
                 "batch_by_tokens=), nor needed: a skipped document is absent from their plan (the rows pack the "
-                "following documents, so steps stay full); drop refill=True"
+                "following documents, so steps stay full); drop refill=True (a filter pass's file: run "
+                "`crossfeed filter` without --refill)"
             )
         skip_ids = None  # a token pipeline's skipped documents have length 0 in its plan (`pack.DocLengths`)
         if skip is not None and len(skip.samples) and not skip.refill and not packed:  # refilled: out of the plan

@@ -17,9 +17,9 @@
   after it pack the following documents; `crossfeed.read.stages.pack.DocLengths`).
 * **Refill** (``Skip(samples=…, refill=True)``): the skipped samples are taken out of each
   epoch's order and the rest close up, so every step is full (the epoch is that many samples
-  shorter, so it may have fewer steps; equal steps per rank as the remainder policy gives). One
-  dataset with the plain plan only: a mixture, per-sample weights and token pipelines refuse it by
-  name. Positions then count the closed-up order, so refill is part of the stream's identity.
+  shorter, so it may have fewer steps; equal steps per rank as the remainder policy gives). A
+  mixture closes up each source's passes around its skipped samples (`PassOrders`); per-sample
+  weights and token pipelines refuse it by name. Positions then count the closed-up order, so refill is part of the stream's identity.
 
 A file holds one entry a line (``#`` comments, blank lines): ``INDEX``, ``SOURCE INDEX`` or
 ``steps START END`` as text, or JSON lines — an integer, ``[SOURCE, INDEX]``, ``{"source": S,

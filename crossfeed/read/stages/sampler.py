@@ -326,6 +326,19 @@ def smooth_schedule(weights: list[int]) -> np.ndarray:
     return out
 
 
+def _source_sizes(counts: list[np.ndarray], passes: PassOrders | None) -> tuple[np.ndarray, np.ndarray]:
+    """A mixture's ``(starts, sizes)``: each source's first global id (and the total), from its
+    stored samples; and the samples of each of its passes — fewer where ``Skip(refill=True)``
+    takes some out of every pass (`PassOrders.sizes`). A source with none is refused by name."""
+    stored = np.array([int(c.sum()) for c in counts], dtype=np.int64)
+    sizes = passes.sizes if passes is not None else stored
+    if (sizes == 0).any():
+        s = int(np.flatnonzero(sizes == 0)[0])
+        why = f" left: skip= takes out all {int(stored[s]):,} of them" if stored[s] else ""
+        raise ConfigError(f"mixture source {s} has no samples{why}")
+    return np.concatenate([[0], np.cumsum(stored)]).astype(np.int64), sizes
+
+
 class MixtureOrder:
     """The order of one epoch of a weighted mixture of sources, as an `EpochOrder` is for one.
 
@@ -356,10 +369,7 @@ class MixtureOrder:
         """``passes``: the sources' per-pass orders, shared by the epochs of one `Sampler` (a
         source's pass usually straddles two epochs: its order is drawn once)."""
         self.counts = [np.asarray(c, dtype=np.int64) for c in counts]
-        self.sizes = np.array([int(c.sum()) for c in self.counts], dtype=np.int64)
-        if (self.sizes == 0).any():
-            raise ConfigError(f"mixture source {int(np.flatnonzero(self.sizes == 0)[0])} has no samples")
-        self.starts = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.starts, self.sizes = _source_sizes(self.counts, passes)
         self.n, self.epoch = int(n), int(epoch)
         self.weights = np.asarray(weights, dtype=np.int64)
         self.schedule = smooth_schedule(list(weights))
@@ -615,10 +625,7 @@ class ScheduledMixtureOrder(MixtureOrder):
         passes: PassOrders | None = None,
     ):
         self.counts = [np.asarray(c, dtype=np.int64) for c in counts]
-        self.sizes = np.array([int(c.sum()) for c in self.counts], dtype=np.int64)
-        if (self.sizes == 0).any():
-            raise ConfigError(f"mixture source {int(np.flatnonzero(self.sizes == 0)[0])} has no samples")
-        self.starts = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.starts, self.sizes = _source_sizes(self.counts, passes)
         self.n, self.epoch = int(n), _counted(epoch, n, "scheduled mixture")
         self.phases = phases
         self.weights = phases.weights[0]
@@ -714,26 +721,44 @@ class PassOrders:
     drawn with the source's own seed stream. The last ``keep`` passes of each source are kept: a
     pass usually straddles two epochs, and the `MixtureOrder`s of one `Sampler` share these."""
 
-    def __init__(self, counts: list, seed: int, shuffle: Shuffle, block_shards: int = 4, keep: int = 2):
+    def __init__(
+        self,
+        counts: list,
+        seed: int,
+        shuffle: Shuffle,
+        block_shards: int = 4,
+        keep: int = 2,
+        skipped: list[np.ndarray] | None = None,
+    ):
+        """``skipped``: each source's skipped sample indices (sorted), taken out of each of its
+        passes, which close up (`RefilledOrder`; ``Skip(refill=True)``): ``sizes`` counts the rest."""
         self.counts, self.keep = counts, keep
+        self.skipped = skipped
+        self.sizes = np.array(
+            [int(np.asarray(c).sum()) - (len(skipped[s]) if skipped else 0) for s, c in enumerate(counts)],
+            dtype=np.int64,
+        )
         self._seeds = [
             int(np.random.SeedSequence([int(seed), s, 0x6D6978]).generate_state(1, np.uint64)[0] >> 2)
             for s in range(len(counts))
         ]
         self._shuffle, self._block = Shuffle(shuffle), block_shards
-        self._orders: list[dict[int, EpochOrder]] = [{} for _ in counts]
+        self._orders: list[dict[int, EpochOrder | RefilledOrder]] = [{} for _ in counts]
         self._lock = threading.Lock()
 
-    def __call__(self, s: int, p: int) -> EpochOrder:
+    def __call__(self, s: int, p: int) -> EpochOrder | RefilledOrder:
         kept = self._orders[s]
         with self._lock:
             got = kept.get(p)
             if got is None:
                 while len(kept) >= self.keep:
                     del kept[next(iter(kept))]  # the oldest first
-                got = kept[p] = EpochOrder(
+                got = EpochOrder(
                     self.counts[s], seed=self._seeds[s], epoch=p, shuffle=self._shuffle, block_shards=self._block
                 )
+                if self.skipped is not None and len(self.skipped[s]):
+                    got = RefilledOrder(got, self.skipped[s])
+                kept[p] = got
         return got
 
 
@@ -856,18 +881,39 @@ class Sampler:
         self._order: tuple[int, EpochOrder | MixtureOrder | WeightedOrder | RefilledOrder] | None = None
         self.refill: np.ndarray | None = None  # skipped sample ids taken out of every epoch (Skip(refill=True))
         skip = getattr(plan, "skip", None)
+        skipped: list[np.ndarray] | None = None  # a mixture's refilled ids, by source (its passes close up)
         if skip is not None and skip.refill and len(skip.samples):
-            if self.weights is not None or sample_weights is not None:
+            if sample_weights is not None:
                 raise ConfigError(
-                    "Skip(refill=True) closes up one dataset's order; a mixture's or per-sample-weighted plan draws "
-                    "its samples by weight and cannot refill: use Skip(samples=…) without refill (shorter steps)"
+                    "Skip(refill=True) closes up an order of samples; a per-sample-weighted plan draws its samples "
+                    "by weight and cannot refill: use Skip(samples=…) without refill (shorter steps)"
                 )
-            self.refill = skip.ids(np.array([0, self.total], dtype=np.int64))
-            if len(self.refill) >= self.total:
-                raise ConfigError(f"skip= takes out all {self.total:,} samples of the epoch; nothing is left to read")
-            self.total -= len(self.refill)
+            if self.weights is None:
+                self.refill = skip.ids(np.array([0, self.total], dtype=np.int64))
+                if len(self.refill) >= self.total:
+                    raise ConfigError(
+                        f"skip= takes out all {self.total:,} samples of the epoch; nothing is left to read"
+                    )
+                self.total -= len(self.refill)
+            else:  # each source's passes close up around its skipped samples
+                stored = np.array([int(c.sum()) for c in self.counts], dtype=np.int64)
+                starts = np.concatenate([[0], np.cumsum(stored)]).astype(np.int64)
+                self.refill = skip.ids(starts)
+                skipped = [
+                    self.refill[(self.refill >= lo) & (self.refill < hi)] - lo for lo, hi in zip(starts, starts[1:])
+                ]
+                gone = np.flatnonzero(stored == np.array([len(k) for k in skipped]))
+                if len(gone):
+                    g = int(gone[0])
+                    raise ConfigError(
+                        f"mixture source {g} has no samples left: skip= takes out all {int(stored[g]):,} of them"
+                    )
+                if plan.samples_per_epoch is None:
+                    self.total -= len(self.refill)
         self._passes: PassOrders | None = (
-            PassOrders(self.counts, plan.seed, plan.shuffle, plan.block_shards) if self.weights is not None else None
+            PassOrders(self.counts, plan.seed, plan.shuffle, plan.block_shards, skipped=skipped)
+            if self.weights is not None
+            else None
         )
         if sample_weights is not None:
             if len(sample_weights) != int(self.counts.sum()):
