@@ -1,7 +1,8 @@
 """Packed rows through `crossfeed serve` → `crossfeed.connect`: a real server process on an
 ipc:// socket streams the Loader's packed batches, every token of the epoch exactly once; and
 through `crossfeed dispatch --pack-length` to `serve --dispatcher` servers (one killed
-mid-epoch), every token exactly once per epoch."""
+mid-epoch), every token exactly once per epoch; with --skip (ranges inside an epoch and across its
+end, a server killed mid-epoch) only the kept steps, the Loader's batches at the same global steps."""
 
 from __future__ import annotations
 
@@ -187,6 +188,23 @@ def test_dispatch_packed_with_skipped_steps_a_server_killed_mid_epoch_still_exac
     _check_epochs(used, path, lengths, seed=3, epochs=1, skip=str(skips))
     assert 0 < sum(x[2].endswith(f":{victim.pid}") for x in used) < len(used) // 2
     assert "declared dead" in (tmp_path / "d.log").read_text()
+
+
+def test_dispatch_packed_refuses_a_server_with_another_skip_list_naming_it(tmp_path):
+    path = write_tokens(tmp_path / "t", [5, 9, 30, 2, 17, 8, 40, 3, 11, 25])
+    mine, other = tmp_path / "mine.txt", tmp_path / "other.txt"
+    mine.write_text("steps 1 3\n")
+    other.write_text("steps 1 4\n")
+    extra = ["--pack-length", "24", "--epochs", "1", "--skip", str(mine)]
+    d, address = start_dispatcher(tmp_path, path, "tcp://127.0.0.1:0", *extra, batch=2)
+    procs = [d]
+    try:
+        procs.append(start_server(tmp_path, path, address, "wrong", "--skip", str(other)))
+        wait_until(lambda: "serve the same dataset" in (tmp_path / "wrong.log").read_text(), 60, "a refusal", procs)
+    finally:
+        stop(*procs)
+    log = (tmp_path / "wrong.log").read_text()
+    assert "skip steps was [[1, 3]], is [[1, 4]]" in log and "with the same --skip" in log, log[-3000:]
 
 
 def test_pack_walker_builds_leased_batches_in_any_order(tmp_path):
