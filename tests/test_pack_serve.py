@@ -186,6 +186,7 @@ def test_dispatch_packed_with_skipped_steps_a_server_killed_mid_epoch_still_exac
     skips.write_text("steps 10 20\nsteps 40 42\n")
     used, victim = _dispatched(tmp_path, path, seed=3, epochs=1, kill=True, skip=str(skips))
     _check_epochs(used, path, lengths, seed=3, epochs=1, skip=str(skips))
+    assert len(used) == 81 - 12  # the epoch's 81 steps, 12 of them skipped
     assert 0 < sum(x[2].endswith(f":{victim.pid}") for x in used) < len(used) // 2
     assert "declared dead" in (tmp_path / "d.log").read_text()
 
