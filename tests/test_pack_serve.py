@@ -65,10 +65,13 @@ def test_serve_streams_packed_rows_every_token_once(tmp_path):
     assert np.sort(tokens_of(got)).tolist() == every_token(lengths).tolist()
 
 
-def _dispatched(tmp_path, path, *, seed: int, epochs: int, kill: bool = False, skip: str | None = None):
+def _dispatched(
+    tmp_path, path, *, seed: int, epochs: int, kill: bool = False, skip: str | None = None, pace_after: str = "0.01"
+):
     """`crossfeed dispatch --pack-length 24` (batches of 2 rows), two `serve --dispatcher`
     servers and two trainers (`dispatch_helpers.packed_trainer`) in real processes; `kill`: one
-    server is SIGKILLed mid-epoch, after its first batch reached a trainer; `skip`: a skip file
+    server is SIGKILLed mid-epoch, after its first batch reached a trainer (then the trainers
+    sleep `pace_after` s a batch); `skip`: a skip file
     the dispatcher and both servers are given (`--skip`). Returns what the trainers used,
     (epoch, seq, server id, columns) each, and the killed server's process."""
     skipping = ["--skip", skip] if skip is not None else []
@@ -95,7 +98,7 @@ def _dispatched(tmp_path, path, *, seed: int, epochs: int, kill: bool = False, s
                 procs,
             )
             os.kill(victim.pid, signal.SIGKILL)  # mid-epoch, holding leases
-            pace.write_text("0.01")
+            pace.write_text(pace_after)
         for t in procs[3:]:
             assert t.wait(60) == 0, [(tmp_path / f"t{i}.log").read_text()[-3000:] for i in range(2)]
         assert d.wait(30) == 0, (tmp_path / "d.log").read_text()[-3000:]
@@ -184,7 +187,9 @@ def test_dispatch_packed_with_skipped_steps_a_server_killed_mid_epoch_still_exac
     path = write_tokens(tmp_path / "t", lengths)
     skips = tmp_path / "skips.txt"
     skips.write_text("steps 10 20\nsteps 40 42\n")
-    used, victim = _dispatched(tmp_path, path, seed=3, epochs=1, kill=True, skip=str(skips))
+    # the trainers keep their pace: the epoch outlasts the victim's heartbeat timeout, so the
+    # dispatcher declares it dead mid-epoch (its work may have been taken over before)
+    used, victim = _dispatched(tmp_path, path, seed=3, epochs=1, kill=True, skip=str(skips), pace_after="0.1")
     _check_epochs(used, path, lengths, seed=3, epochs=1, skip=str(skips))
     assert len(used) == 81 - 12  # the epoch's 81 steps, 12 of them skipped
     assert 0 < sum(x[2].endswith(f":{victim.pid}") for x in used) < len(used) // 2
