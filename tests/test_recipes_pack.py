@@ -170,14 +170,27 @@ def test_global_steps_of_packed_epochs_add_up_as_replay_counts_them(tokens):
         assert same(list(ld), e0) and same(list(ld), e1[:2] + e1[3:])
 
 
-def test_token_pipelines_refuse_filters_and_a_dispatcher_refuses_skipped_steps(tokens):
+def test_token_pipelines_refuse_filters_and_a_dispatchers_walker_builds_kept_steps(tokens):
+    """A dispatcher's server walks a packed plan with skipped steps by kept step (`StepSkipWalker`):
+    in any order (behind the walk: a re-lease), each the Loader's batch; past the kept ones refused."""
     with pytest.raises(ConfigError, match=r"filter= .* not built for token pipelines"):
         crossfeed.Loader(tokens, batch_size=2, pack=crossfeed.Pack(40), filter=lambda s: True)
     with crossfeed.Loader(tokens, batch_size=2, pack=crossfeed.Pack(40), skip=crossfeed.Skip(samples=[1])) as ld:
         assert len(list(ld)) == len(ld)  # skipped documents are taken (tests/test_recipes_pack_skipids.py)
-    with crossfeed.Loader(tokens, batch_size=2, pack=crossfeed.Pack(40), skip=crossfeed.Skip(steps=[(1, 2)])) as ld:
-        with pytest.raises(ConfigError, match="does not lease a packed plan with skipped steps"):
-            ld.pipeline.walker()
+    kw = dict(batch_size=2, seed=4, pack=crossfeed.Pack(40))
+    with crossfeed.Loader(tokens, **kw) as ld:
+        n0 = len(ld)  # epoch 0's steps: the second range spans into epoch 1
+    with crossfeed.Loader(tokens, **kw, skip=crossfeed.Skip(steps=[(1, 3), (n0 - 1, n0 + 2)])) as ld:
+        walker = ld.pipeline.walker()
+        for e in (0, 1):
+            ld.set_epoch(e)
+            want = list(ld)
+            assert len(want) == ld.rank_batch_count(0, epoch=e) == (n0 - 3 if e == 0 else len(want))
+            order = [0, 2, 1, len(want) - 1, 3, 0]
+            assert same([ld.pipeline.builder(walker.batch(e, j)) for j in order], [want[j] for j in order])
+            with pytest.raises(ConfigError, match="past the epoch's .* kept steps"):
+                walker.batch(e, len(want))
+        assert walker.restarts >= 2
 
 
 @pytest.mark.parametrize("pack", [None, crossfeed.Pack(40)])
@@ -189,13 +202,18 @@ def test_a_loader_with_skipped_steps_replays_steps_as_the_trainer_counted_them(t
         assert [ld.batch_at(n).keys.tolist() for n in (1, 2, 5)] == want
 
 
-def test_a_dispatcher_refuses_to_plan_packed_skipped_steps_by_name(tokens):
+def test_a_dispatcher_plans_each_packed_epochs_kept_steps(tokens):
+    """The dispatcher's packed plan counts each epoch's kept steps (an epoch of skipped steps only
+    counts none), under the packed stride, as the Loader with the same skip list does."""
     from crossfeed.net import run
+    from crossfeed.net.lease.book import PACKED_STRIDE
     from crossfeed.read.options import LoaderOptions
 
-    options = LoaderOptions.given(
-        None, dict(batch_size=2, pack=crossfeed.Pack(40), skip=crossfeed.Skip(steps=[(1, 2)]))
-    )
-    with pytest.raises(ConfigError, match="does not lease a plan with skipped steps"):
-        with run.plan_dispatch(tokens, options, epochs=1):
-            pass
+    kw = dict(batch_size=2, pack=crossfeed.Pack(40))
+    with crossfeed.Loader(tokens, **kw) as ld:
+        whole = [ld.rank_batch_count(0, epoch=e) for e in range(3)]
+    skip = crossfeed.Skip(steps=[(1, 3), (whole[0], whole[0] + whole[1])])  # epoch 1: every step
+    options = LoaderOptions.given(None, dict(kw, skip=skip))
+    with run.plan_dispatch(tokens, options, epochs=3) as plan:
+        assert plan.packed and plan.batches == PACKED_STRIDE and plan.per_rank == whole[0] - 2
+        assert [plan.counts(e) for e in range(3)] == [whole[0] - 2, 0, whole[2]]

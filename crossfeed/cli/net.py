@@ -344,7 +344,8 @@ def dispatch(
     sends or claims afterwards under the old lease is refused.
 
     Recipes: --skip FILE leaves its global steps out of the plan (never leased; each epoch counts
-    its kept steps) and its sample ids unread; give every server the same --skip FILE. --weights
+    its kept steps, packed ones with --pack-length too) and its sample ids unread; give every
+    server the same --skip FILE. --weights
     NAME draws by a weights set each server reads from its copy of the dataset."""
     from crossfeed.net.keys import ServerKeys
 
@@ -369,6 +370,8 @@ def dispatch(
 
     def ready(d, plan: run.DispatchPlan) -> None:
         what = f"{plan.per_rank} packed batches in epoch 0 (a count of its own each epoch)" if plan.packed else None
+        if plan.packed and options.plan.skip is not None and options.plan.skip.steps:
+            what = f"{plan.per_rank} packed batches in epoch 0 (a count of its own each epoch, skipped steps left out)"
         if what is None and plan.counts is not None:
             what = f"{plan.per_rank * world_size} of {plan.batches} batches in epoch 0 (skipped steps left out)"
         what = what or f"{plan.batches} batches per epoch"

@@ -392,8 +392,9 @@ LOADER = Group(
                     "--skip",
                     metavar="FILE",
                     help="Leave out the global steps and sample ids a skip file lists (one a line: INDEX, "
-                    "SOURCE INDEX or 'steps START END'; docs/read-and-mix.md). A dispatcher's servers are given "
-                    "the same file: a server whose skip list differs is refused by name.",
+                    "SOURCE INDEX or 'steps START END'; docs/read-and-mix.md). A dispatcher leases no skipped step "
+                    "(packed plans too) and its servers are given the same file: a server whose skip list differs "
+                    "is refused by name.",
                 ),
             ],
             default_of(PlanOptions, "skip"),

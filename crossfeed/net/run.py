@@ -167,8 +167,9 @@ def serve(
 class DispatchPlan:
     """What a dispatcher hands out: the plan every server's Loader takes (`plan`,
     `LoaderOptions.plan_fields`), the batches of an epoch (`batches`; for packed plans
-    `PACKED_STRIDE`, each epoch's own count in `counts`; with skipped steps every epoch's whole
-    count, its kept batches in `counts`), each trainer's share of epoch 0 (`per_rank`) and the
+    `PACKED_STRIDE`, each epoch's own count in `counts`, its kept steps where steps are skipped;
+    unpacked with skipped steps every epoch's whole count, its kept batches in `counts`), each
+    trainer's share of epoch 0 (`per_rank`) and the
     stream's identity (`identity`, `StreamIdentity.to_json`: its fingerprint journaled with the
     plan, its settings sent to every server, which refuses another stream naming what differs)."""
 
@@ -205,11 +206,6 @@ def plan_dispatch(
             "changes from epoch to epoch; lockstep DDP needs equal per-rank counts: drop world_size "
             "(--world-size), or use crossfeed serve --rank/--world-size"
         )
-    if packed and options.plan.skip is not None and options.plan.skip.steps:
-        raise ConfigError(
-            "with pack (--pack-length) the dispatcher does not lease a plan with skipped steps (--skip steps) yet: "
-            "use crossfeed serve --rank/--world-size (one server per rank), or the Loader"
-        )
     if packed and (epochs is None or epochs > MAX_PACKED_EPOCHS):
         raise ConfigError(f"at most {MAX_PACKED_EPOCHS} epochs (--epochs) with pack (--pack-length), got {epochs}")
     source, more = _source_of(dataset)  # a mixture spec file: its sources and samples_per_epoch
@@ -218,7 +214,7 @@ def plan_dispatch(
     identity = loader.pipeline.identity.to_json()
     steps = options.plan.skip.steps if options.plan.skip is not None else ()
     try:
-        if packed:  # epoch e has its own count, one walk over its lengths (kept open for every epoch)
+        if packed:  # epoch e has its own count (skipped steps left out), one walk over its lengths (kept open)
             counts = EpochCounts(lambda e: loader.rank_batch_count(0, epoch=e), epochs)
             plan = DispatchPlan(options.plan_fields(), PACKED_STRIDE, counts(0), True, counts, identity)
         elif steps:  # skipped steps are never leased: epoch e has its kept steps (O(ranges) each), W batches each

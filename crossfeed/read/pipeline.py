@@ -497,13 +497,12 @@ class Pipeline:
             raise ConfigError("packed_batch: this Loader does not pack rows (pack=)")
         return sampler.rank_batch(epoch, position, b, rank)
 
-    def walker(self) -> pack.PackWalker:
-        """Global batches of a packed plan by number, in any order (a dispatcher's leases)."""
-        if self.step_skips is not None:
-            raise ConfigError(
-                "a dispatcher does not lease a packed plan with skipped steps (skip=, --skip) yet: read it with "
-                "the Loader, or serve each rank with crossfeed serve --rank/--world-size"
-            )
+    def walker(self) -> pack.PackWalker | recipes.StepSkipWalker:
+        """Global batches of a packed plan by number, in any order (a dispatcher's leases); with
+        skipped steps numbered without them, as the dispatcher counts an epoch's kept steps."""
+        skips = self.step_skips
+        if skips is not None:  # kept step j: plan batch `Kept.plan_batch(j)` of the walk
+            return recipes.StepSkipWalker(pack.PackWalker(skips.inner), skips)
         return pack.PackWalker(self.sampler)  # refuses any other plan (those are random access: `Plan.batch`)
 
     # -- the two operations -----------------------------------------------------------------------

@@ -14,7 +14,10 @@ A packed plan (`pack`, one rank) has a batch count of its own each epoch, and it
 fixed stride (`book.PACKED_STRIDE`, which WELCOME carries as the batch count): batch `b` of
 epoch `e` is the plan's `b`-th batch of rows, found by one forward walk over the epoch's rows
 (`PackWalker`; a batch behind the walk, leased again after a server died, walks on from the
-nearest packer cursor before it, not from the epoch's start). Each batch goes to the server's queue as an `Item` with seq `e * batches + b` and the
+nearest packer cursor before it, not from the epoch's start). With skipped steps a packed
+epoch's count is its kept steps, and batch `b` is its kept step `b`: plan batch
+`Kept.plan_batch(b)` of the walk (`StepSkipWalker`), whose skipped rows are walked past as
+integers, never built. Each batch goes to the server's queue as an `Item` with seq `e * batches + b` and the
 batch's claim token (from the LEASE; it travels in the BATCH envelope's token, to the one trainer
 the batch goes to, which quotes it when it claims the batch). Yields, like `Producer`:
     Item(seq, epoch, frames, n, lease)   one encoded batch
@@ -285,7 +288,7 @@ class LeaseSource:
                     f"{ours.fingerprint!r} ({_differences(identity, settings, ours)}): serve the same "
                     "dataset, by content, that the dispatcher plans, with the same --skip and --weights"
                 )
-            if self._loader.options.plan.pack is not None:  # batch b of epoch e: its rows, walked
+            if self._loader.options.plan.pack is not None:  # batch b of epoch e (kept step b): its rows, walked
                 if world != 1 or msg.batches != PACKED_STRIDE:
                     raise ConfigError(
                         f"the dispatcher's packed plan names world_size {world} and a stride of {msg.batches} "

@@ -389,6 +389,39 @@ class StepSkipWalk:
             j += hi - lo
 
 
+class StepSkipWalker:
+    """A dispatcher's packed leases of a plan with skipped steps (`crossfeed.net.lease.source`):
+    kept step ``j`` of epoch ``e`` (numbered without the skipped ones, as the dispatcher counts
+    them) is plan batch ``kept(e).plan_batch(j)`` of the walk over the epoch's rows
+    (`crossfeed.read.stages.pack.PackWalker`, which passes a skipped step's rows as integers:
+    never encoded, built nor read). The epoch's `Kept` is found once per epoch (O(ranges); its
+    step count is the one ``len(loader)`` walks once per process), so a kept step costs what a
+    packed lease without skips does."""
+
+    def __init__(self, walker, skips: StepSkipSampler):
+        self.walker, self.skips = walker, skips
+        self._kept: tuple[int, Kept] | None = None  # (epoch, its kept steps)
+
+    @property
+    def restarts(self) -> int:
+        return self.walker.restarts
+
+    def plan_batch(self, epoch: int, j: int) -> int:
+        """The plan batch (skipped steps counted) of kept step ``j`` of ``epoch``."""
+        if self._kept is None or self._kept[0] != epoch:
+            self._kept = (epoch, self.skips.kept(epoch, 0))
+        kept = self._kept[1]
+        if not 0 <= j < kept.count:
+            raise ConfigError(
+                f"packed batch {j} of epoch {epoch} lies past the epoch's {kept.count} kept steps here: serve the "
+                "same dataset, with the same --skip, that the dispatcher plans"
+            )
+        return kept.plan_batch(j)
+
+    def batch(self, epoch: int, j: int) -> np.ndarray:
+        return self.walker.batch(epoch, self.plan_batch(epoch, j))
+
+
 def uniform_epochs(sampler) -> bool:
     """Whether every epoch of ``sampler``'s plan has the same number of steps: an unpacked plan,
     or ``split="rows"`` packing of one dataset (its rows are the lengths' sum cut in rows)."""
