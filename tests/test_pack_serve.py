@@ -160,7 +160,7 @@ def test_dispatch_packed_two_epochs_of_different_row_counts_every_token_once(tmp
 def test_dispatch_packed_a_server_killed_mid_epoch_every_token_once(tmp_path):
     lengths = np.random.default_rng(1).integers(5, 20, 300).tolist()
     path = write_tokens(tmp_path / "t", lengths)
-    used, victim = _dispatched(tmp_path, path, seed=3, epochs=1, kill=True)
+    used, victim = _dispatched(tmp_path, path, seed=3, epochs=1, kill=True, pace_after="0.1")  # outlasts the timeout
     _check_epochs(used, path, lengths, seed=3, epochs=1)
     from_victim = sum(x[2].endswith(f":{victim.pid}") for x in used)
     assert 0 < from_victim < len(used) // 2, from_victim
