@@ -409,6 +409,16 @@ class Pipeline:
         if hasattr(self.executor, "epoch"):
             self.executor.epoch = int(epoch)
 
+    def schedule_point(self, epoch: int, position: int, cursor=None) -> int:
+        """The global sample (document) a mixture schedule stands at when ``position`` of
+        ``epoch`` is reached: ``epoch × samples per epoch + position``; a packed plan's position
+        counts rows: the documents its walk consumed to emit the rows before it
+        (`pack.PackSampler.documents_before`, on from ``cursor``, a state's packed cursor)."""
+        sampler: Any = self._plan_sampler
+        if getattr(sampler, "pack", None) is not None and hasattr(sampler, "documents_before"):
+            return epoch * self.total + sampler.documents_before(epoch, position, cursor)
+        return epoch * self.total + position
+
     def global_step(self, epoch: int, position: int) -> int:
         """The global step (skipped ones counted) of the plan batch at ``position`` of ``epoch``:
         ``epoch × steps_per_epoch + step`` (`crossfeed.read.skips`; a token plan whose epochs differ

@@ -831,11 +831,6 @@ class Sampler:
         self.weights: list[int] | None
         self.total: int
         if weights is not None and any(not isinstance(w, (int, float)) for w in weights):
-            if plan.pack is not None and plan.pack.weights_by.value == "tokens":
-                raise ConfigError(
-                    "a mixture schedule counts documents: Pack(weights_by='tokens') cannot follow one; "
-                    "use weights_by='documents' or fixed weights"
-                )
             self.phases = MixturePhases(mixture_phases(weights))
             self.weights = [int(w) for w in self.phases.weights[0]]
         else:
