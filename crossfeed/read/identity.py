@@ -155,6 +155,8 @@ class StreamIdentity:
             s["samples per epoch"] = plan.samples_per_epoch
         if plan.weights is not None:  # which samples arrive, how often: the set's name and its bytes
             w = getattr(sample_weights, "digest", None)
+            if isinstance(sample_weights, list):  # a mixture's: each source's set
+                w = ",".join(x.digest for x in sample_weights)
             s["weights"] = f"{plan.weights} sha256:{w}" if w else plan.weights
             s["samples per epoch"] = plan.samples_per_epoch
         s["features"] = [f.name for f in features]
