@@ -126,10 +126,11 @@ def test_a_fine_ramp_is_rounded_to_shares_of_a_thousand_and_a_fine_constant_is_r
         mixture_phases([Schedule.constant([(0, 1), (5, 0.997)]), Schedule.constant([(0, 1), (5, 0.331)]), 29])
 
 
-def test_packing_by_tokens_cannot_follow_a_schedule():
+def test_packing_by_tokens_follows_a_schedule():
+    """A token-weighted packed plan takes a schedule (tests/test_token_schedule.py): no refusal."""
     plan = PlanOptions(batch_size=2, pack=crossfeed.Pack(length=8, weights_by="tokens"))
-    with pytest.raises(ConfigError, match="weights_by='tokens'"):
-        Sampler([[4], [4]], plan, ShardOptions(), weights=[Schedule.constant([(0, 1), (8, 2)]), 1])
+    sampler = Sampler([[4], [4]], plan, ShardOptions(), weights=[Schedule.constant([(0, 1), (8, 2)]), 1])
+    assert sampler.phases is not None and [a for a, _ in sampler.phases.phases] == [0, 8]
 
 
 def _source(root, name: str, n: int, offset: int, shards: int = 2):
@@ -306,7 +307,8 @@ def test_a_mixture_file_takes_a_schedule(paths, tmp_path):
 def test_a_packed_scheduled_mixture_packs_the_scheduled_documents_and_resumes(tmp_path):
     """``pack=`` over a scheduled mixture (weights by documents): the rows hold exactly the
     documents the unpacked scheduled plan draws, each whole, once per draw; a resume at any step
-    with another world size delivers the rest; a packed plan's schedule may not change on resume."""
+    with another world size delivers the rest; a phase after the documents the state's rows
+    consumed may be appended on resume, a change to a begun one is refused."""
     from test_pack import pieces
     from token_data import source_doc_pos, write_tokens
 
@@ -338,7 +340,10 @@ def test_a_packed_scheduled_mixture_packs_the_scheduled_documents_and_resumes(tm
     later = [crossfeed.Source(r, weight=Schedule.constant([(0, 3), (24, 1), (70, 2)])) for r in roots[:1]]
     later.append(crossfeed.Source(roots[1], weight=weights[1]))
     with crossfeed.Loader(later, **opts) as ld:
-        with pytest.raises(ConfigError, match="source 0 weight was"):
+        ld.load_state_dict(state)  # the epoch's 40 documents all consumed: a phase at 70 is in the future
+    changed = [crossfeed.Source(roots[0], weight=Schedule.constant([(0, 3), (24, 2)])), later[1]]
+    with crossfeed.Loader(changed, **opts) as ld:
+        with pytest.raises(ConfigError, match=r"phase 1 \(from sample 24"):
             ld.load_state_dict(state)
 
 

@@ -193,7 +193,7 @@ def test_a_damaged_stale_or_missing_set_is_refused(data, tmp_path):
         crossfeed.Loader(data, batch_size=2, weights="../x")
     with pytest.raises(ConfigError, match="scalar numeric feature"):
         crossfeed.write_weights(data, feature="label")
-    with pytest.raises(ConfigError, match="one dataset"):
+    with pytest.raises(ConfigError, match="another version of the dataset"):  # a mixture's source's set too
         crossfeed.Loader([crossfeed.Source(data, weight=1)], batch_size=2, weights="w")
 
 

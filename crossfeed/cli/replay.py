@@ -76,11 +76,15 @@ def _check_identity(saved: dict, path, loader) -> None:
 
     if saved.get("identity") is None:
         return  # a state of version 1: `load_state_dict` checks its seed and size
+    ident = StreamIdentity.from_json(saved["identity"])
     try:  # where the state stands: a mixture schedule's phases from there on may have changed
-        at = int(saved.get("epoch") or 0) * loader.pipeline.total + int(saved.get("position") or 0)
+        epoch, position = int(saved.get("epoch") or 0), int(saved.get("position") or 0)
+        at = epoch * loader.pipeline.total + position
     except (TypeError, ValueError):
-        at = 0  # `load_state_dict` names the bad field
-    diffs = StreamIdentity.from_json(saved["identity"]).resume_differences(loader.pipeline.identity, at)
+        epoch, position, at = 0, 0, 0  # `load_state_dict` names the bad field
+    if ident.weights_differ_only(loader.pipeline.identity):  # packed: the documents before the state's row
+        at = loader.pipeline.schedule_point(epoch, position, saved.get("pack"))
+    diffs = ident.resume_differences(loader.pipeline.identity, at)
     if diffs:
         raise ConfigError(
             f"--state {path} was saved for another stream: {'; '.join(diffs)}; give the dataset and options the "

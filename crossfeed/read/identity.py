@@ -83,6 +83,11 @@ class StreamIdentity:
                 out.append(f"{k} was {_show(a)}, is {_show(b)}")
         return out
 
+    def weights_differ_only(self, now: StreamIdentity) -> bool:
+        """Whether ``now`` differs from ``self`` in its sources' weights (schedules) and nothing else."""
+        keys = {k for k in set(self.settings) | set(now.settings) if self.settings.get(k) != now.settings.get(k)}
+        return bool(keys) and all(k.startswith("source ") and k.endswith(" weight") for k in keys)
+
     def resume_differences(self, now: StreamIdentity, at: int) -> list[str]:
         """`differences` of a state saved under ``self`` resumed under ``now`` at global sample
         ``at`` (``epoch × samples per epoch + position``), less a mixture schedule's changes to
@@ -91,13 +96,12 @@ class StreamIdentity:
         `crossfeed.read.stages.sampler.mixture_phases`) is a phase of the new one, and the new one
         has no other phase beginning before ``at`` — so the samples before ``at`` and the draws
         they made are the same; phases from ``at`` on may be appended, changed or removed, and
-        the running phase may end at ``at`` or later. A packed plan's position counts rows, not
-        the mixture's documents: its schedule may not change. A change to a phase that has begun
-        is refused by name."""
+        the running phase may end at ``at`` or later. A packed plan's position counts rows: its
+        caller passes the documents the walk consumed to emit the rows before it
+        (`crossfeed.read.pipeline.Pipeline.schedule_point`), which those rows depend on alone. A
+        change to a phase that has begun is refused by name."""
         diffs = self.differences(now)
-        keys = {k for k in set(self.settings) | set(now.settings) if self.settings.get(k) != now.settings.get(k)}
-        weights = {k for k in keys if k.startswith("source ") and k.endswith(" weight")}
-        if not weights or keys != weights or self.settings.get("pack length") is not None:
+        if not self.weights_differ_only(now):
             return diffs
         from crossfeed.read.stages.sampler import mixture_phases  # the plan's own phases
 
@@ -151,6 +155,8 @@ class StreamIdentity:
             s["samples per epoch"] = plan.samples_per_epoch
         if plan.weights is not None:  # which samples arrive, how often: the set's name and its bytes
             w = getattr(sample_weights, "digest", None)
+            if isinstance(sample_weights, list):  # a mixture's: each source's set
+                w = ",".join(x.digest for x in sample_weights)
             s["weights"] = f"{plan.weights} sha256:{w}" if w else plan.weights
             s["samples per epoch"] = plan.samples_per_epoch
         s["features"] = [f.name for f in features]

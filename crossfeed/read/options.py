@@ -211,7 +211,7 @@ class PlanOptions:
     # token datasets (`crossfeed.read.stages.pack`): batches of packed rows, or of documents under a token budget
     pack: Pack | None = None
     batch_by_tokens: int | None = None  # a rank's batch holds at most this many tokens, padding counted
-    # per-sample weights: the name of a weights set of the dataset (`crossfeed.format.weights`;
+    # per-sample weights: the name of a weights set of the dataset, or of each source of a mixture (`crossfeed.format.weights`;
     # ``crossfeed.balanced("label")`` names a class-balance set); None: every sample once an epoch
     weights: str | None = None
     skip: Skip | None = None  # global steps and sample ids left out (`crossfeed.read.skips`; a path: a skip file)

@@ -288,15 +288,16 @@ class Pipeline:
             Prefetcher(self.cache) if self.cache is not None and any(r.frames.cache for r in readers) else None
         )
         reader: SourceReader | MixtureReader
-        self.sample_weights = None  # a `crossfeed.format.weights.CumulativeWeights` under weights=
-        if plan.weights is not None:
-            if self.sources is not None:
-                raise ConfigError(
-                    "weights= weighs the samples of one dataset; a mixture weighs its sources (Source(weight=))"
-                )
+        self.sample_weights: Any = None  # a `crossfeed.format.weights.CumulativeWeights` under weights=
+        if plan.weights is not None:  # a mixture's: the set of that name of each source, within its share
             from crossfeed.read.tools.weights import open_weights
 
-            self.sample_weights = open_weights(self.dataset, plan.weights, options.split)
+            if self.sources is None:
+                self.sample_weights = open_weights(self.dataset, plan.weights, options.split)
+            else:
+                self.sample_weights = [
+                    open_weights(ds, plan.weights, src.split) for ds, src in zip(self.datasets, self.sources)
+                ]
         self._plan_counts: Any = splits[0].block_counts if self.sources is None else [sp.counts for sp in splits]
         self._weights = None if self.sources is None else [s.weight for s in self.sources]
         if self.sources is None:
@@ -305,7 +306,9 @@ class Pipeline:
             rows = readers[0].frames.rows
             self.starts = np.array([0, len(splits[0])], dtype=np.int64)
         else:
-            sampler = Sampler(self._plan_counts, plan, options.shard, weights=self._weights)
+            sampler = Sampler(
+                self._plan_counts, plan, options.shard, weights=self._weights, sample_weights=self.sample_weights
+            )
             sizes = [len(sp) for sp in splits]
             self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
             if alike:
@@ -410,6 +413,16 @@ class Pipeline:
         self.builder.epoch = int(epoch)  # type: ignore[attr-defined]
         if hasattr(self.executor, "epoch"):
             self.executor.epoch = int(epoch)
+
+    def schedule_point(self, epoch: int, position: int, cursor=None) -> int:
+        """The global sample (document) a mixture schedule stands at when ``position`` of
+        ``epoch`` is reached: ``epoch × samples per epoch + position``; a packed plan's position
+        counts rows: the documents its walk consumed to emit the rows before it
+        (`pack.PackSampler.documents_before`, on from ``cursor``, a state's packed cursor)."""
+        sampler: Any = self._plan_sampler
+        if getattr(sampler, "pack", None) is not None and hasattr(sampler, "documents_before"):
+            return epoch * self.total + sampler.documents_before(epoch, position, cursor)
+        return epoch * self.total + position
 
     def global_step(self, epoch: int, position: int) -> int:
         """The global step (skipped ones counted) of the plan batch at ``position`` of ``epoch``:

@@ -77,7 +77,10 @@ def resume_point(pipeline: Any, state: Any, on_change: str) -> tuple[int, int]:
         # a mixture schedule's future may change (a phase appended): `resume_differences`;
         # so may the skipped steps after the resume point (`skip_steps_added`)
         saved = StreamIdentity.from_json(state.get("identity"))
-        diffs = saved.resume_differences(now, epoch * pipeline.total + position)
+        at = epoch * pipeline.total + position
+        if saved.weights_differ_only(now):  # a packed plan's position counts rows: the documents before them
+            at = pipeline.schedule_point(epoch, position, state.get("pack"))
+        diffs = saved.resume_differences(now, at)
         if diffs and skip_steps_added(saved, now, pipeline.global_step(epoch, position)):
             diffs = []  # skipped steps added after the resume point: the past is unchanged
     if not diffs and (seed != plan.seed or num != pipeline.total):

@@ -342,13 +342,17 @@ class PackCursor:
         return self._json
 
     @classmethod
-    def from_json(cls, d, *, pack: Pack, documents: int, ids: int, lengths, sources: int = 0) -> PackCursor:
+    def from_json(
+        cls, d, *, pack: Pack, documents: int, ids: int, lengths, sources: int = 0, phased: bool = False
+    ) -> PackCursor:
         """A cursor read from a state, bounded and checked before anything is planned from it:
         ``documents`` (the epoch's documents) bounds its position, ``ids`` (the documents' global
         ids) its pieces' documents, ``pack.bins`` its open rows and ``pack.length`` their tokens,
         and every piece's length must be its document's (``lengths``), its tokens within it; a
         token mixture's (``sources`` > 0) ``mixture`` holds a ``[draws, tokens]`` pair per source,
-        the draws summing to ``documents``. Raises `ConfigError` naming the field."""
+        the draws summing to ``documents`` (the tokens at least the draws, each document counting
+        one or more; ``phased``: a scheduled one's count from the phase's start, at least 0).
+        Raises `ConfigError` naming the field."""
 
         def bad(field: str, why: str) -> ConfigError:
             where = f"pack.{field}" if field else "pack"
@@ -426,7 +430,7 @@ class PackCursor:
                 if not isinstance(m, list) or len(m) != 2:
                     raise bad(f"mixture[{i}]", "expected [draws, tokens]")
                 drawn = integer(m[0], f"mixture[{i}][0] (draws)", 0, docs)
-                mixture.append((drawn, integer(m[1], f"mixture[{i}][1] (tokens)", drawn, 2**62)))
+                mixture.append((drawn, integer(m[1], f"mixture[{i}][1] (tokens)", 0 if phased else drawn, 2**62)))
             if sum(m[0] for m in mixture) != docs:
                 raise bad("mixture", f"its sources' draws sum to {sum(m[0] for m in mixture)}, not documents={docs}")
         return cls(epoch, rows, docs, offset, tuple(tuple(row) for row in out), tuple(mixture))
@@ -527,19 +531,43 @@ class TokenMixtureOrder:
     a cursor says each source stands. A source's ``c``-th document of
     epoch ``e`` is its draw ``e · n + c`` (``n``: the epoch's documents) — its passes' orders as
     in `MixtureOrder` — so epochs never share draws, and within an epoch a source repeats a
-    document only after drawing all of them."""
+    document only after drawing all of them.
+
+    A scheduled mixture (`crossfeed.read.schedule.Schedule`; `ScheduledMixtureOrder`) has phases
+    over the documents consumed since training began (``g = e · n + p``, as a sample-weighted
+    one): the epoch is cut where a phase begins into segments, and each segment is a token
+    mixture of its own under its phase's integer weights — the tokens count from the segment's
+    start (the phase's start, or the epoch's for a phase begun in an earlier epoch, as an
+    unscheduled plan restarts every epoch), a source weighted 0 there is not drawn — so every
+    prefix of every phase's part of an epoch holds each source within a document of its token
+    share. A cursor's tokens are then the segment's (at a segment's first position the walk
+    counts from 0 whatever it holds)."""
 
     sequential = True  # walked in order, from the epoch's start or a cursor's draws (`_chunks`)
 
     def __init__(self, mix):
         self.mix, self.n, self.epoch = mix, mix.n, mix.epoch
-        weights = [int(w) for w in mix.weights]
-        lcm = math.lcm(*weights)
-        self.steps = [lcm // w for w in weights]
+        phases = getattr(mix, "phases", None)  # a scheduled mixture's (`ScheduledMixtureOrder`)
+        self.phased = phases is not None
+        segments: list[tuple[int, tuple[int, ...]]] = [(0, tuple(int(w) for w in mix.weights))]
+        if phases is not None:  # the phases this epoch meets, each from its start or the epoch's
+            base, j = int(mix.base), int(phases.phase_of(np.array([mix.base]))[0])
+            segments = [(0, tuple(int(w) for w in phases.weights[j]))]
+            for a, w in zip(phases.starts[j + 1 :].tolist(), phases.weights[j + 1 :]):
+                if a >= base + self.n:
+                    break
+                segments.append((a - base, tuple(int(x) for x in w)))
+        self.bounds = [a for a, _ in segments] + [self.n]  # each segment's first position, and the epoch's end
+        self.segment_steps = [_steps(w) for _, w in segments]
+        self.steps = self.segment_steps[0]
 
     @property
     def sources(self) -> int:
         return len(self.steps)
+
+    def segment(self, position: int) -> int:
+        """The segment (a phase's part in this epoch) that position ``position`` lies in."""
+        return bisect.bisect_right(self.bounds, position, hi=len(self.bounds) - 1) - 1
 
     def walk(self, lengths, start: tuple[int, list[int], list[int]] | None = None):
         """``(position, ids, lengths, draws)`` of the epoch's documents in order, from ``start``
@@ -553,16 +581,20 @@ class TokenMixtureOrder:
         the sources' key sequences, sorted by (key, source): a chunk of ``count`` documents is the
         first ``count`` of the merge of each source's next ``count`` candidates (one `lexsort`)."""
         mix, k = self.mix, len(self.steps)
-        steps = np.asarray(self.steps, dtype=np.int64)
         lo, drawn, tokens = (0, [0] * k, [0] * k) if start is None else (start[0], list(start[1]), list(start[2]))
         base = self.epoch * self.n
         buf_ids = [np.zeros(0, dtype=np.int64) for _ in range(k)]  # each source's next draws, fetched ahead
         buf_lens = [np.zeros(0, dtype=np.int64) for _ in range(k)]
         size = FIRST_SCAN
         while lo < self.n:
-            count = min(size, self.n - lo)
+            seg = self.segment(lo)
+            if self.phased and lo == self.bounds[seg]:  # a phase's part begins: its tokens count from here
+                tokens = [0] * k
+            steps = self.segment_steps[seg]
+            live = [s for s in range(k) if steps[s]]  # a source weighted 0 in the phase is not drawn
+            count = min(size, self.bounds[seg + 1] - lo)  # a chunk never crosses a phase's start
             keys = []
-            for s in range(k):
+            for s in live:
                 have = len(buf_ids[s])
                 if have < count:
                     got = mix._draws(s, base + drawn[s] + have, count - have)
@@ -570,11 +602,11 @@ class TokenMixtureOrder:
                     buf_lens[s] = np.concatenate([buf_lens[s], np.asarray(lengths(got), dtype=np.int64)])
                 w = np.maximum(buf_lens[s][:count], 1)
                 before = tokens[s] + np.cumsum(w) - w
-                if int(steps[s]) * (int(before[-1]) + 1) >= 1 << 62:  # past int64: the exact step in Python ints
+                if steps[s] * (int(before[-1]) + 1) >= 1 << 62:  # past int64: the exact step in Python ints
                     yield from self._walk_python(lengths, lo, drawn, tokens)
                     return
                 keys.append(steps[s] * (before + 1))
-            source = np.repeat(np.arange(k, dtype=np.int64), count)
+            source = np.repeat(np.asarray(live, dtype=np.int64), count)
             picked = np.lexsort((source, np.concatenate(keys)))[:count]
             src = source[picked]
             take = np.bincount(src, minlength=k)
@@ -594,12 +626,16 @@ class TokenMixtureOrder:
 
     def _walk_python(self, lengths, lo: int, drawn: list[int], tokens: list[int]):
         """`walk` one document at a time in Python integers (weights whose keys pass int64)."""
-        mix, steps = self.mix, self.steps
+        mix, k = self.mix, len(self.steps)
         drawn, tokens = list(drawn), list(tokens)
-        keys = [st * (t + 1) for st, t in zip(steps, tokens)]
         base, size = self.epoch * self.n, FIRST_SCAN
         while lo < self.n:
-            count = min(size, self.n - lo)
+            seg = self.segment(lo)
+            if self.phased and lo == self.bounds[seg]:
+                tokens = [0] * k
+            steps = self.segment_steps[seg]
+            keys = [st * (t + 1) if st else math.inf for st, t in zip(steps, tokens)]
+            count = min(size, self.bounds[seg + 1] - lo)
             ids, lens, src = [0] * count, [0] * count, [0] * count
             start_drawn, start_tokens = list(drawn), list(tokens)
             for j in range(count):
@@ -618,6 +654,12 @@ class TokenMixtureOrder:
                 MixDraws(start_drawn, start_tokens, np.asarray(src), lens_a),
             )
             lo, size = lo + count, min(SCAN, 2 * size)
+
+
+def _steps(weights) -> list[int]:
+    """Each source's key step ``lcm / w`` for integer weights ``w`` (0: a source not drawn)."""
+    lcm = math.lcm(*(w for w in weights if w))
+    return [lcm // w if w else 0 for w in weights]
 
 
 class MixDraws:
@@ -1176,6 +1218,7 @@ class PackSampler:
             ids=int(self.lengths.starts[-1]),
             lengths=self.lengths,
             sources=order.sources if order.sequential else 0,
+            phased=getattr(order, "phased", False),
         )
         if cursor.epoch != epoch or cursor.rows > position:
             log.debug(
@@ -1184,6 +1227,52 @@ class PackSampler:
             return False
         self.marks(epoch).add(cursor)
         return True
+
+    def documents_before(self, epoch: int, position: int, state=None) -> int:
+        """The documents of epoch ``epoch``'s order the walk consumes to emit its rows before row
+        ``position`` (the epoch's documents when it has fewer rows): exactly, one document at a
+        time (`_BestFit`, or the running token count of ``split="rows"``) from the last cursor
+        before that row — a state's (``state``: `PackCursor.to_json`, checked; it is not kept)
+        or one this process knows. Where a mixture schedule stands at that row: its rows depend on
+        those documents alone (`crossfeed.read.identity.StreamIdentity.resume_differences`)."""
+        if position <= 0:
+            return 0
+        order, pack = self.order(epoch), self.packing
+        start = self.marks(epoch).best(position - 1)
+        if state is not None:
+            given = PackCursor.from_json(
+                state,
+                pack=pack,
+                documents=self.total,
+                ids=int(self.lengths.starts[-1]),
+                lengths=self.lengths,
+                sources=order.sources if order.sequential else 0,
+                phased=getattr(order, "phased", False),
+            )
+            if given.epoch == epoch and start.key < given.key and given.rows < position:
+                start = given
+        for _, _, after in walk(order, self.lengths, pack, start):  # to the chunk that emits row position - 1
+            if after.rows >= position:
+                break
+            start = after
+        L, rows = pack.length, start.rows
+        drop = pack.long is PackLong.DROP
+        packer = _BestFit.at(L, pack.bins, start.open) if pack.split is PackSplit.DOCUMENTS else None
+        need = (position - rows) * L + start.offset  # split="rows": tokens from the cursor's document's start
+        out: list = []
+        for lo, ids, lens, _ in _chunks(order, self.lengths, start.documents, start.mixture):
+            for j, n in enumerate(lens.tolist()):
+                if not n or drop and n > L:
+                    continue
+                if packer is None:
+                    need -= n
+                    if need <= 0:
+                        return lo + j + 1
+                    continue
+                packer.add(int(ids[j]), n, out)
+                if rows + len(out) >= position:
+                    return lo + j + 1
+        return order.n
 
     def rows(self, epoch: int, lo: int, hi: int) -> np.ndarray:
         """The pieces ``(row, document, start, count, length)`` of rows ``lo … hi - 1`` of epoch

@@ -415,16 +415,16 @@ class MixtureOrder:
 
     def _ids(self, s: int, c: np.ndarray) -> np.ndarray:
         """Source ``s``'s samples (global ids) at its draws ``c`` (any order)."""
-        passes, within = np.divmod(c, self.sizes[s])
+        passes, within = np.divmod(c, self._passes.sizes[s])
         lo, hi = int(passes.min()), int(passes.max())
         if lo == hi:
-            got = self._passes(s, lo)(within)
+            got = self._passes.samples(s, lo, within)
         else:
             got = np.empty(len(c), dtype=np.int64)
             for p in range(lo, hi + 1):
                 q = passes == p
                 if q.any():
-                    got[q] = self._passes(s, p)(within[q])
+                    got[q] = self._passes.samples(s, p, within[q])
         return self.starts[s] + got
 
     def drawn(self, position: int) -> np.ndarray:
@@ -451,12 +451,12 @@ class MixtureOrder:
 
     def _draws(self, s: int, first: int, count: int) -> np.ndarray:
         """Source ``s``'s samples (global ids) at its draws ``first .. first + count - 1``."""
-        size, out = int(self.sizes[s]), np.empty(count, dtype=np.int64)
+        size, out = int(self._passes.sizes[s]), np.empty(count, dtype=np.int64)
         c, end = int(first), int(first) + count
         while c < end:
             p, w = divmod(c, size)
             take = min(size - w, end - c)
-            np.add(self._passes(s, p).run(w, w + take), self.starts[s], out=out[c - first : c - first + take])
+            np.add(self._passes.run(s, p, w, w + take), self.starts[s], out=out[c - first : c - first + take])
             c += take
         return out
 
@@ -729,11 +729,18 @@ class PassOrders:
         block_shards: int = 4,
         keep: int = 2,
         skipped: list[np.ndarray] | None = None,
+        owners: list | None = None,
     ):
         """``skipped``: each source's skipped sample indices (sorted), taken out of each of its
-        passes, which close up (`RefilledOrder`; ``Skip(refill=True)``): ``sizes`` counts the rest."""
+        passes, which close up (`RefilledOrder`; ``Skip(refill=True)``): ``sizes`` counts the rest.
+        ``owners``: a mixture's per-sample weights, one per source (a `CumulativeWeights`, or None
+        for a source drawn uniformly): such a source's passes run over its slots (each shard's
+        ``shard_slots``), and a slot's sample is its owner (`samples`, `run`), as `WeightedOrder`."""
+        self.owners = list(owners) if owners is not None else [None] * len(counts)
+        counts = [c if o is None else o.shard_slots(c) for c, o in zip(counts, self.owners)]
         self.counts, self.keep = counts, keep
         self.skipped = skipped
+        # each source's pass: its samples (less the skipped ones), or its slots
         self.sizes = np.array(
             [int(np.asarray(c).sum()) - (len(skipped[s]) if skipped else 0) for s, c in enumerate(counts)],
             dtype=np.int64,
@@ -760,6 +767,18 @@ class PassOrders:
                     got = RefilledOrder(got, self.skipped[s])
                 kept[p] = got
         return got
+
+    def samples(self, s: int, p: int, within: np.ndarray) -> np.ndarray:
+        """Source ``s``'s samples (its own numbering) at places ``within`` of its pass ``p``."""
+        got = self(s, p)(within)
+        owner = self.owners[s]
+        return got if owner is None else owner.sample_of(got)
+
+    def run(self, s: int, p: int, lo: int, hi: int) -> np.ndarray:
+        """Source ``s``'s samples at places ``lo … hi - 1`` of its pass ``p``."""
+        got = self(s, p).run(lo, hi)
+        owner = self.owners[s]
+        return got if owner is None else owner.sample_of(got)
 
 
 def per_rank(remaining: int, world_size: int, remainder: Remainder) -> int:
@@ -856,18 +875,16 @@ class Sampler:
         self.weights: list[int] | None
         self.total: int
         if weights is not None and any(not isinstance(w, (int, float)) for w in weights):
-            if plan.pack is not None and plan.pack.weights_by.value == "tokens":
-                raise ConfigError(
-                    "a mixture schedule counts documents: Pack(weights_by='tokens') cannot follow one; "
-                    "use weights_by='documents' or fixed weights"
-                )
             self.phases = MixturePhases(mixture_phases(weights))
             self.weights = [int(w) for w in self.phases.weights[0]]
         else:
             self.weights = integer_weights(weights) if weights is not None else None
-        self.sample_weights = sample_weights
+        self.source_weights: list | None = None  # a mixture's per-sample weights, one per source
         if sample_weights is not None and weights is not None:
-            raise ConfigError("per-sample weights apply to one dataset, not a mixture of sources")
+            if not isinstance(sample_weights, (list, tuple)) or len(sample_weights) != len(weights):
+                raise ConfigError("a mixture's per-sample weights are one weights set per source")
+            self.source_weights, sample_weights = list(sample_weights), None
+        self.sample_weights = sample_weights
         self.counts: Any  # the shards' record counts (an int64 array), or a mixture's: one array per source
         if self.weights is None:
             self.counts = np.asarray(counts, dtype=np.int64)
@@ -883,7 +900,7 @@ class Sampler:
         skip = getattr(plan, "skip", None)
         skipped: list[np.ndarray] | None = None  # a mixture's refilled ids, by source (its passes close up)
         if skip is not None and skip.refill and len(skip.samples):
-            if sample_weights is not None:
+            if sample_weights is not None or any(w is not None for w in self.source_weights or ()):
                 raise ConfigError(
                     "Skip(refill=True) closes up an order of samples; a per-sample-weighted plan draws its samples "
                     "by weight and cannot refill: use Skip(samples=…) without refill (shorter steps)"
@@ -910,8 +927,18 @@ class Sampler:
                     )
                 if plan.samples_per_epoch is None:
                     self.total -= len(self.refill)
+        if self.source_weights is not None:
+            for i, (c, sw) in enumerate(zip(self.counts, self.source_weights)):
+                if sw is None:  # a source drawn uniformly
+                    continue
+                if len(sw) != int(c.sum()):
+                    raise ConfigError(f"{sw.where}: weights of {len(sw)} records, source {i} has {int(c.sum())}")
+                if not sw.total:
+                    raise ConfigError(f"{sw.where}: every weight of source {i} is 0; none of its samples can be drawn")
         self._passes: PassOrders | None = (
-            PassOrders(self.counts, plan.seed, plan.shuffle, plan.block_shards, skipped=skipped)
+            PassOrders(
+                self.counts, plan.seed, plan.shuffle, plan.block_shards, skipped=skipped, owners=self.source_weights
+            )
             if self.weights is not None
             else None
         )
@@ -982,4 +1009,5 @@ class Sampler:
             return None
         order: Any = self.plan(epoch, position).order  # a `MixtureOrder`: weights are given
         draws = order.drawn(position)
-        return [{"pass": int(d // k), "offset": int(d % k)} for d, k in zip(draws.tolist(), order.sizes.tolist())]
+        sizes = order._passes.sizes  # a pass: a source's samples, or its slots under per-sample weights
+        return [{"pass": int(d // k), "offset": int(d % k)} for d, k in zip(draws.tolist(), sizes)]
