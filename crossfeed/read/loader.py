@@ -276,7 +276,7 @@ class Loader:
         (transforms applied; packed: the rows)."""
         got = self.batch_at(step, epoch=epoch, rank=rank, position=position, state=state)
         if built:
-            batch = self.pipeline.build_batch(got.planned)
+            batch = self.pipeline.build_batch(self.pipeline.step_tagged(got.planned, got.epoch, got.position, got.step))
             return sample_of(batch) if self.per_sample else batch
         return self.pipeline.records(got.keys)
 

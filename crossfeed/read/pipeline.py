@@ -323,8 +323,8 @@ class Pipeline:
         self._reader = reader
         # stage metrics, always on (`stats`): a few clock reads per batch
         self.meter = metrics.Meter(cache=self.cache) if metrics.ENABLED else None
-        self.recipe = self._sample_recipe(transform, tokens is not None)
-        recipe = dataclasses.replace(recipe, transform_rng=self.recipe.rng)
+        self.recipe = self._sample_recipe(transform, tokens is not None, batch_transform)
+        recipe = dataclasses.replace(recipe, transform_rng=self.recipe.rng, batch_transform_rng=self.recipe.batch_rng)
         builder = BatchBuilder(
             reader,
             transform=transform,
@@ -363,14 +363,21 @@ class Pipeline:
             options, self.datasets, self.sources, self.features, sample_weights=self.sample_weights
         )
 
-    def _sample_recipe(self, transform, packed: bool) -> recipes.SampleRecipe:
-        """The filter, the per-sample generators and the skipped sample ids of the builder."""
+    def _sample_recipe(self, transform, packed: bool, batch_transform=None) -> recipes.SampleRecipe:
+        """The filter, the per-sample and per-batch generators and the skipped sample ids of the builder."""
         plan, filter_ = self.options.plan, self._filter
         skip = plan.skip
         rng = recipes.wants_rng(transform)
-        if packed and (filter_ is not None or rng):
+        if packed and rng:
             raise ConfigError(
-                "filter= and transforms taking rng are not built for token pipelines (pack=, batch_by_tokens=), "
+                "per-sample transforms taking rng are not built for token pipelines (pack=, batch_by_tokens=), "
+                "which plan rows from the stored lengths before a document is read; use a batch_transform taking "
+                "rng instead — batch_transform=fn(batch, rng): it gets the packed batch and a generator keyed by "
+                "(seed, epoch, the batch's global step), the same in any process, worker and resume"
+            )
+        if packed and filter_ is not None:
+            raise ConfigError(
+                "filter= is not built for token pipelines (pack=, batch_by_tokens=), "
                 "which plan rows before a document is read: run the filter once ahead instead — `crossfeed filter "
                 "DATASET --filter module:fn --out filtered.txt` (crossfeed.filter_pass) — then read with "
                 "skip='filtered.txt' (a filtered document is absent from the packed plan), or read unpacked"
@@ -393,6 +400,8 @@ class Pipeline:
         return recipes.SampleRecipe(
             filter=filter_,
             rng=rng,
+            batch_rng=recipes.wants_rng(batch_transform),
+            rank=self.options.shard.rank,
             seed=plan.seed,
             skip_ids=skip_ids,
             # a token pipeline's documents are planned into rows: its transform may not drop one
@@ -577,11 +586,32 @@ class Pipeline:
         self.set_epoch(epoch)
         ahead = self.prefetcher is not None and plan.random_access and self._uncached()
         items = self._prefetching(plan) if ahead else iter(plan)
-        if self.recipe.rng:  # each batch's ids carry their epoch (the per-sample generators' key)
+        if self.recipe.batch_rng:  # ... and their global step (the batch transform's generator's key)
+            items = self._stepped(plan, items, epoch, position)
+        elif self.recipe.rng:  # each batch's ids carry their epoch (the per-sample generators' key)
             items = (recipes.tag(ids, epoch) for ids in items)
         yield from self.batches(items)
         if self.meter is not None:
             self.meter.own.epochs += 1
+
+    def _stepped(self, plan, items, epoch: int, position: int) -> Iterator[np.ndarray]:
+        """The plan's batches tagged with their epoch and global step (`recipes.tag`): worker ``w``
+        of ``K`` yields the rank's kept batches ``w, w+K, …`` from ``position`` (a step-skipping
+        plan's kept batch ``j`` is plan batch ``kept.plan_batch(j)``), so its i-th is global step
+        ``global_step(epoch, position) + plan batch`` — as ``skip=`` and replay count steps."""
+        first = self.global_step(epoch, position)
+        kept = getattr(plan, "kept", None)
+        worker, k = getattr(plan, "worker", 0), getattr(plan, "num_workers", 1)
+        for i, ids in enumerate(items):
+            j = worker + i * k
+            yield recipes.tag(ids, epoch, first + (kept.plan_batch(j) if kept is not None else j))
+
+    def step_tagged(self, planned: np.ndarray, epoch: int, position: int, step: int) -> np.ndarray:
+        """``planned`` (a replayed batch: rank batch ``step`` of ``epoch`` from ``position``, skipped
+        steps counted) tagged as iteration tagged it, so its transforms draw the same."""
+        if not (self.recipe.rng or self.recipe.batch_rng):
+            return planned
+        return recipes.tag(planned, epoch, self.global_step(epoch, position) + step)
 
     def records(self, keys) -> dict[str, np.ndarray]:
         """The decoded records of global ``keys`` (a mixture's keys run through its sources in

@@ -141,6 +141,7 @@ class WorkerRecipe:
     manifests: tuple = ()
     filter: object = None  # a predicate on each decoded sample (`crossfeed.read.stages.recipes`)
     transform_rng: bool = False  # the transform takes each sample's generator (found in the parent)
+    batch_transform_rng: bool = False  # the batch transform takes each batch's generator (found in the parent)
 
     def check_versions(self, datasets) -> None:
         """A `DatasetRewrittenError` unless ``datasets`` (a worker's) hold the manifests the parent
@@ -182,6 +183,7 @@ class WorkerRecipe:
             "manifests": list(self.manifests),
             "filter": _reference("filter", self.filter),
             "transform_rng": self.transform_rng,
+            "batch_transform_rng": self.batch_transform_rng,
         }
 
     @staticmethod
@@ -197,6 +199,7 @@ class WorkerRecipe:
             manifests,
             filter=d.get("filter"),
             transform_rng=bool(d.get("transform_rng", False)),
+            batch_transform_rng=bool(d.get("batch_transform_rng", False)),
         )
 
 
@@ -417,7 +420,8 @@ class ProcessExecutor:
             try:
                 ids = np.ascontiguousarray(item, dtype="<i8")
                 epoch = int(getattr(item, "epoch", self.epoch))  # tagged ids carry theirs (`recipes.tag`)
-                w.channel.send(["build", gen, sent, slot.id, epoch], [ids], (slot.fd,) if new else ())
+                step = int(getattr(item, "step", -1))  # and their global step (a batch transform's generator)
+                w.channel.send(["build", gen, sent, slot.id, epoch, step], [ids], (slot.fd,) if new else ())
             except OSError:  # it died: name the batch it was building, if it held one
                 pool.release(slot.id)
                 held = [q for q in range(got, sent) if q % k == w.index]

@@ -66,6 +66,8 @@ def _pipeline(recipe):
         pipeline = Pipeline.build(source, options, transform=recipe.transform, batch_transform=recipe.batch_transform)
     if recipe.transform_rng and not pipeline.recipe.rng:  # marked with_rng in the parent only
         pipeline.recipe.rng = True  # the builder's recipe
+    if recipe.batch_transform_rng and not pipeline.recipe.batch_rng:
+        pipeline.recipe.batch_rng = True
     recipe.check_versions(pipeline.datasets)
     return pipeline
 
@@ -97,6 +99,10 @@ def main(fd: int) -> None:
         (_, gen, seq, slot_id, *more), ids, fd = task
         if more:  # the epoch of the batch (each sample's generator is keyed by it)
             pipeline.set_epoch(int(more[0]))
+        if len(more) > 1 and int(more[1]) >= 0:  # its global step (the batch transform's generator's key)
+            from crossfeed.read.stages.recipes import tag
+
+            ids = tag(ids, int(more[0]), int(more[1]))
         if fd is not None:
             slots[slot_id] = Slot(fd, slot_id)
         writer = SlotWriter(slots[slot_id])

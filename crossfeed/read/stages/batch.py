@@ -20,7 +20,7 @@ from crossfeed.policy import ErrorBudget
 from crossfeed.read.metrics import Meter, Tally
 from crossfeed.read.stages.decode import collate
 from crossfeed.read.stages.fetch import MixtureReader, SourceReader
-from crossfeed.read.stages.recipes import SampleRecipe, SampleRngs, callable_name, epoch_of
+from crossfeed.read.stages.recipes import SampleRecipe, SampleRngs, batch_rng, callable_name, epoch_of, step_of
 
 STAGES = ("read", "decode", "transform", "batch")  # what `BatchBuilder` times, in order
 _TRANSFORM_ONLY = SampleRecipe(transform=True)  # a builder given no recipe: its transform alone
@@ -76,7 +76,7 @@ class BatchBuilder:
         if t is not None:  # each stage boundary below: one clock read, ending a stage and beginning the next
             t.start = t.last = _clock()
         r = self.recipe
-        epoch = epoch_of(indices, self.epoch)
+        epoch, step = epoch_of(indices, self.epoch), step_of(indices)
         indices = np.asarray(indices)  # a plain array from here (`tag`ged ids are a view)
         if r is not None and r.skip_ids is not None and len(indices):
             indices = indices[r.skip_ids.keep(indices)]  # skipped samples are never read
@@ -96,7 +96,7 @@ class BatchBuilder:
                 t.last = _clock()
         if self.batch_transform is not None:
             cpu = _cpu() if t is not None else 0
-            batch = self.batch_transform(batch)
+            batch = call_batch_transform(self.batch_transform, batch, r, epoch, step)
             if t is not None:
                 now = _clock()
                 t.transform += now - t.last
@@ -173,6 +173,21 @@ class BatchBuilder:
             t.n_batch += 1
             t.last = now
         return batch, indices[np.asarray(keep, dtype=np.int64)] if len(keep) < n else indices
+
+
+def call_batch_transform(fn, batch: dict, r: SampleRecipe | None, epoch: int, step: int) -> dict:
+    """``fn(batch)``, or — a batch transform taking ``rng`` (``r.batch_rng``) — ``fn(batch, rng)``
+    with the batch's generator (`crossfeed.read.stages.recipes.batch_rng` of its epoch and global
+    step: the ids' `crossfeed.read.stages.recipes.tag`); a batch without a step is refused."""
+    if r is None or not r.batch_rng:
+        return fn(batch)
+    if step < 0:
+        raise ConfigError(
+            f"the batch_transform {callable_name(fn)} takes rng, a generator keyed by the batch's global step, "
+            f"but this batch was built without its step; build batches by iterating the Loader (or "
+            f"Loader.samples_at(step, built=True)), or make the transform take the batch alone"
+        )
+    return fn(batch, batch_rng(r.seed, epoch, step, r.rank))
 
 
 def _returned(fn, s, sample: int) -> dict:

@@ -86,7 +86,8 @@ from crossfeed.errors import ConfigError, DatasetNotFoundError, IndexFileError, 
 from crossfeed.format.lengths import DTYPE, check_bound, checked_lengths, lengths_path, record_bound
 from crossfeed.format.schema import Feature
 from crossfeed.read.options import LoaderOptions, Pack, PackLong, PackSplit, WeightsBy
-from crossfeed.read.stages.batch import timed_apart
+from crossfeed.read.stages.batch import call_batch_transform, timed_apart
+from crossfeed.read.stages.recipes import epoch_of, step_of
 from crossfeed.read.stages.tokens import TokenShards
 
 log = logging.getLogger(__name__)
@@ -1503,6 +1504,7 @@ class PackBuilder:
         self.return_index = False
         self.transform = self.batch_transform = None
         self.post = inner.batch_transform
+        self.epoch = 0  # the epoch of untagged batches (`Pipeline.set_epoch`)
         self._shards: TokenShards | None | bool = False  # the fast path's checked shards (False: not looked at)
         self._pads: dict[tuple[str, int], memoryview] = {}
 
@@ -1639,8 +1641,10 @@ class PackBuilder:
             )
         if tick is not None:
             tick.tick("batch")
-        if self.post is not None:
-            out = self.post(out)
+        if self.post is not None:  # its generator (a transform taking rng) keyed by the batch's tagged step
+            out = call_batch_transform(
+                self.post, out, self.inner.recipe, epoch_of(encoded, self.epoch), step_of(encoded)
+            )
             if tick is not None:
                 tick.tick("transform")
         return out

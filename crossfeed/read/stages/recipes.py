@@ -6,6 +6,9 @@ per-sample randomness").
 * `sample_rngs`: each sample's ``np.random.Generator`` — Philox keyed by ``(global sample id,
   a hash of (seed, epoch))``: a transform that takes ``rng`` gets the same stream for the same
   sample in the same epoch wherever and whenever it runs.
+* `batch_rng`: each batch's ``np.random.Generator`` for a ``batch_transform`` that takes ``rng``
+  (token pipelines' randomness: MLM masking of packed rows) — Philox keyed by ``(the batch's
+  global step, a hash of (seed, epoch, rank))``, the step as ``skip=`` and replay count it.
 * `Dropped`: the samples filters dropped (``filter=``, a transform returning None) and the
   `max_filtered` budget.
 * `SkipIds`: a skip list's sample ids, sorted: ``keep(ids)`` is O(batch · log skipped).
@@ -27,6 +30,7 @@ import numpy as np
 from crossfeed.errors import ConfigError
 
 RNG_STREAM = 0x726E67  # "rng": the per-sample generators' own seed stream, apart from the plan's
+BATCH_RNG_STREAM = 0x62726E67  # "brng": the per-batch generators' (a batch_transform taking rng)
 FILTER_MIN_SEEN = 100  # the filter budget is checked once this many samples were seen (a share needs some)
 
 
@@ -71,6 +75,22 @@ def sample_rng(seed: int, epoch: int, sample: int) -> np.random.Generator:
     return np.random.Generator(np.random.Philox(key=np.array([int(sample), epoch_key(seed, epoch)], np.uint64)))
 
 
+def batch_key(seed: int, epoch: int, rank: int) -> int:
+    """The high word of every batch's Philox key of one rank in one epoch."""
+    words = [int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch), int(rank), BATCH_RNG_STREAM]
+    return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0])
+
+
+def batch_rng(seed: int, epoch: int, step: int, rank: int = 0) -> np.random.Generator:
+    """The generator of rank ``rank``'s batch at global step ``step`` (``epoch × steps_per_epoch +
+    step``, skipped steps counted: `crossfeed.read.skips`, `crossfeed.Loader.batch_at`) in
+    ``epoch`` of a plan seeded ``seed`` — what a ``batch_transform`` taking ``rng`` gets: reproduce
+    one batch's masking with it. A new generator per batch: the transform may keep it."""
+    if int(step) < 0:
+        raise ConfigError(f"a batch's generator needs its global step (>= 0), got {step}")
+    return np.random.Generator(np.random.Philox(key=np.array([int(step), batch_key(seed, epoch, rank)], np.uint64)))
+
+
 def sample_rngs(seed: int, epoch: int, ids: np.ndarray) -> Iterator[np.random.Generator]:
     """`sample_rng` of each of ``ids``, the epoch's key computed once."""
     key = np.array([0, epoch_key(seed, epoch)], np.uint64)
@@ -82,19 +102,27 @@ def sample_rngs(seed: int, epoch: int, ids: np.ndarray) -> Iterator[np.random.Ge
 class EpochIds(np.ndarray):
     """A batch's sample ids tagged with their epoch (`tag`): the builder keys the per-sample
     generators by it, and the process executor sends it with the ids, so batches of different
-    epochs in one pass (a dispatcher's leases) each get their own."""
+    epochs in one pass (a dispatcher's leases) each get their own. ``step``: the batch's global
+    step (-1: not known), the key of a batch transform's generator (`batch_rng`)."""
 
     epoch: int = 0
+    step: int = -1
 
     def __array_finalize__(self, obj) -> None:
         self.epoch = getattr(obj, "epoch", 0)  # views and slices keep it
+        self.step = getattr(obj, "step", -1)
 
 
-def tag(ids: np.ndarray, epoch: int) -> np.ndarray:
-    """``ids`` (a view) carrying ``epoch`` (`EpochIds`)."""
+def tag(ids: np.ndarray, epoch: int, step: int = -1) -> np.ndarray:
+    """``ids`` (a view) carrying ``epoch`` and the batch's global ``step`` (`EpochIds`)."""
     out = np.asarray(ids).view(EpochIds)
-    out.epoch = int(epoch)
+    out.epoch, out.step = int(epoch), int(step)
     return out
+
+
+def step_of(ids) -> int:
+    """The global step ``ids`` were tagged with (-1: none)."""
+    return int(getattr(ids, "step", -1))
 
 
 def epoch_of(ids, default: int) -> int:
@@ -526,10 +554,14 @@ class StepSkipSampler:
 class SampleRecipe:
     """What `crossfeed.read.stages.batch.BatchBuilder` applies per sample besides the transform:
     ``filter`` (a predicate on the decoded sample), ``rng`` (the transform takes each sample's
-    generator, keyed by ``seed``), ``skip_ids`` (never read) and ``dropped`` (the count and budget)."""
+    generator, keyed by ``seed``), ``skip_ids`` (never read) and ``dropped`` (the count and budget);
+    ``batch_rng``: the batch transform takes each batch's generator (`batch_rng`, keyed by
+    ``seed``, the batch's epoch and step, and ``rank``)."""
 
     filter: Callable | None = None
     rng: bool = False
+    batch_rng: bool = False
+    rank: int = 0
     seed: int = 0
     skip_ids: SkipIds | None = None
     dropped: Dropped | None = None
@@ -537,4 +569,4 @@ class SampleRecipe:
 
     @property
     def active(self) -> bool:
-        return self.filter is not None or self.rng or self.skip_ids is not None or self.transform
+        return self.filter is not None or self.rng or self.skip_ids is not None or self.transform or self.batch_rng
