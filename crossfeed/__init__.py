@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # the names as a type checker (and a reader) sees them; at ru
     from crossfeed.read.schedule import Schedule
     from crossfeed.read.skips import Skip
     from crossfeed.read.sources.dataset import Dataset, Split, open_dataset
-    from crossfeed.read.stages.recipes import sample_rng, with_rng
+    from crossfeed.read.stages.recipes import batch_rng, sample_rng, with_rng
     from crossfeed.read.tools.filter_pass import filter_pass
     from crossfeed.read.tools.weights import write_weights
     from crossfeed.write.options import WriteOptions
@@ -112,7 +112,7 @@ _LAZY = {
     "write_weights": "crossfeed.read.tools.weights",
     "filter_pass": "crossfeed.read.tools.filter_pass",
     "Skip": "crossfeed.read.skips",
-    **dict.fromkeys(("sample_rng", "with_rng"), "crossfeed.read.stages.recipes"),
+    **dict.fromkeys(("batch_rng", "sample_rng", "with_rng"), "crossfeed.read.stages.recipes"),
 }
 
 
@@ -166,6 +166,7 @@ __all__ = [
     "WorkerError",
     "WriteOptions",
     "balanced",
+    "batch_rng",
     "connect",
     "filter_pass",
     "open_dataset",
