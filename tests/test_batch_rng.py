@@ -25,7 +25,7 @@ def mask(batch, rng):
     """MLM-style masking of packed rows: 15% of the tokens, and the raw draws to compare."""
     out = dict(batch)
     out["mask"] = rng.random(np.shape(batch["tokens"])) < 0.15
-    out["draw"] = rng.integers(0, 2**62, 3)
+    out["draw"] = rng.integers(0, 2**31 - 1, (len(batch["tokens"]), 3))  # a row each, int32-safe: JAX
     return out
 
 
@@ -74,7 +74,7 @@ def want_draws(batch: dict, seed: int, epoch: int, step: int, rank: int = 0) -> 
     """Whether ``batch`` holds the draws of `crossfeed.batch_rng` of that step (as `mask` draws them)."""
     g = crossfeed.batch_rng(seed, epoch, step, rank)
     m = g.random(np.shape(batch["tokens"])) < 0.15
-    return (m == batch["mask"]).all() and (g.integers(0, 2**62, 3) == batch["draw"]).all()
+    return (m == batch["mask"]).all() and (g.integers(0, 2**31 - 1, (len(batch["tokens"]), 3)) == batch["draw"]).all()
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -90,6 +90,7 @@ def test_each_packed_batch_gets_its_global_steps_generator(tokens, world):
         assert per_rank[0][0] != per_rank[1][0]
 
 
+@pytest.mark.slow  # worker processes
 def test_threads_and_worker_processes_draw_the_same(tokens):
     want = run(tokens, **packed())
     assert len(want) > 8
@@ -97,6 +98,7 @@ def test_threads_and_worker_processes_draw_the_same(tokens):
     assert same(run(tokens, executor="process", processes=2, **packed()), want)
 
 
+@pytest.mark.slow  # worker processes
 def test_batch_by_tokens_and_unpacked_batches_get_their_steps_generator(tokens):
     kw = dict(seed=SEED, batch_transform=mask, epoch=2)
     for opts in (dict(batch_size=1, batch_by_tokens=64), dict(batch_size=4)):
@@ -124,6 +126,7 @@ def test_a_batch_transform_without_rng_is_called_with_the_batch_alone(tokens):
     assert same(got, [no_rng(b) for b in plain])
 
 
+@pytest.mark.slow  # worker processes
 def test_skipped_steps_keep_the_other_steps_draws(tokens):
     """Skipped global steps are counted: a kept step draws what it drew without the skip."""
     want = run(tokens, **packed())
