@@ -20,6 +20,7 @@ per-sample randomness").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import itertools
 import threading
@@ -75,8 +76,9 @@ def sample_rng(seed: int, epoch: int, sample: int) -> np.random.Generator:
     return np.random.Generator(np.random.Philox(key=np.array([int(sample), epoch_key(seed, epoch)], np.uint64)))
 
 
+@functools.lru_cache(maxsize=64)
 def batch_key(seed: int, epoch: int, rank: int) -> int:
-    """The high word of every batch's Philox key of one rank in one epoch."""
+    """The high word of every batch's Philox key of one rank in one epoch (kept: one an epoch)."""
     words = [int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch), int(rank), BATCH_RNG_STREAM]
     return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0])
 
@@ -88,7 +90,9 @@ def batch_rng(seed: int, epoch: int, step: int, rank: int = 0) -> np.random.Gene
     one batch's masking with it. A new generator per batch: the transform may keep it."""
     if int(step) < 0:
         raise ConfigError(f"a batch's generator needs its global step (>= 0), got {step}")
-    return np.random.Generator(np.random.Philox(key=np.array([int(step), batch_key(seed, epoch, rank)], np.uint64)))
+    return np.random.Generator(
+        np.random.Philox(key=np.array([int(step), batch_key(int(seed), int(epoch), int(rank))], np.uint64))
+    )
 
 
 def sample_rngs(seed: int, epoch: int, ids: np.ndarray) -> Iterator[np.random.Generator]:
