@@ -117,9 +117,17 @@ class BatchBuilder:
         ids = indices.tolist()
         samples: list = []
         keep: list = []
-        if pred is None and fn is not None:  # a transform alone (the common case): one comprehension
+        if pred is None and fn is not None:  # a transform alone (the common case): one pass
             items = batch.items()
-            if rng is not None:
+            reset = self._rngs.inline(r.seed, epoch) if r.rng else None
+            if reset is not None:  # each sample's generator reset in the loop (`SampleRngs.inline`)
+                gen, state, blank, words, key, whole = reset
+                append = samples.append
+                for i, j in enumerate(ids):
+                    state[whole] = blank
+                    words[key] = j
+                    append(fn({k: v[i] for k, v in items}, gen))
+            elif rng is not None:
                 samples = [fn({k: v[i] for k, v in items}, rng(j)) for i, j in enumerate(ids)]
             else:
                 samples = [fn({k: v[i] for k, v in items}) for i in range(n)]
