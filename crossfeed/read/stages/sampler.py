@@ -597,7 +597,8 @@ class MixturePhases:
             hi = end if j + 1 == len(self.starts) else min(end, int(self.starts[j + 1]))
             sched = phase_schedule(self._keys[j])[0]
             o = (lo - int(self.starts[j])) % len(sched)
-            out[lo - g : hi - g] = np.resize(np.concatenate([sched[o:], sched[:o]]), hi - lo)
+            period = np.concatenate([sched[o:], sched[:o]])
+            out[lo - g : hi - g] = np.tile(period, -(-(hi - lo) // len(period)))[: hi - lo]
             lo, j = hi, j + 1
         return out
 
