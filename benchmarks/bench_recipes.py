@@ -20,6 +20,11 @@ microseconds per delivered sample (``--parts``: each recipe alone too).
 
     .venv/bin/python benchmarks/bench_recipes.py [--n 400000] [--skip 100000] [--rounds 3] [--work 0] [--parts]
 
+``--instructions`` (with valgrind, its ``valgrind/callgrind.h`` and a C compiler): instead of
+timing, each run in a process of its own under callgrind, counting the instructions of one epoch
+(the second: collection is switched on around it) — the same count whatever else the machine runs,
+where a shared machine's CPU times swing by more than the parts cost.
+
 ``--work 0`` (noise on 32 floats, a few microseconds) is the worst case: the per-sample
 generator's reset (one 96-byte write, `crossfeed.read.stages.recipes.PhiloxRewind`) and the
 per-sample recipe loop are a fixed cost per sample; ``--work 60`` stands for a realistic
@@ -30,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -81,6 +88,47 @@ def _epoch(source, **kw) -> tuple[float, float, int]:
         return time.perf_counter() - t, time.process_time() - c, n
 
 
+CALLGRIND_C = """#include <valgrind/callgrind.h>
+void cg_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_TOGGLE_COLLECT; }
+void cg_stop(void) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+
+
+def _counted_epoch(source, lib: str, **kw) -> int:
+    """One epoch's samples, the instructions of the second epoch counted (``--instructions``)."""
+    import ctypes
+
+    import crossfeed
+
+    cg = ctypes.CDLL(lib)
+    with crossfeed.Loader(source, batch_size=256, seed=0, **kw) as ld:
+        sum(len(b["label"]) for b in ld)  # the first epoch: files opened, caches warm
+        cg.cg_start()
+        n = sum(len(b["label"]) for b in ld)
+        cg.cg_stop()
+    return n
+
+
+def _instructions(names, argv: list[str]) -> dict[str, tuple[int, int]]:
+    """``{run: (instructions of one epoch, samples delivered)}``, each run under callgrind."""
+    tmp = tempfile.mkdtemp(prefix="bench_recipes_")
+    lib, src = os.path.join(tmp, "cg.so"), os.path.join(tmp, "cg.c")
+    with open(src, "w") as f:
+        f.write(CALLGRIND_C)
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", lib, src], check=True)
+    out = {}
+    for name in names:
+        log = os.path.join(tmp, f"{name}.callgrind")
+        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no"]
+        cmd += [f"--callgrind-out-file={log}", sys.executable, os.path.abspath(__file__), *argv]
+        run = subprocess.run([*cmd, "--one", name, "--lib", lib], capture_output=True, text=True, check=True)
+        delivered = int(run.stdout.split("DELIVERED")[1].split()[0])
+        with open(log) as f:
+            total = next(int(line.split()[1]) for line in f if line.startswith("totals:"))
+        out[name] = (total, delivered)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=400_000)
@@ -89,6 +137,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="builder threads (0: in the consumer's thread)")
     ap.add_argument("--work", type=int, default=0, help="extra numpy steps per sample (~1 us each)")
     ap.add_argument("--parts", action="store_true", help="also each recipe alone (schedule, skip, rng)")
+    ap.add_argument("--instructions", action="store_true", help="count each run's instructions (valgrind)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # --instructions: this run, in this process
+    ap.add_argument("--lib", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     WORK[0] = a.work
     sys.path.insert(0, os.path.dirname(HERE))
@@ -106,6 +157,21 @@ def main(argv=None) -> None:
         runs["schedule"] = (recipe[0], plain[1])
         runs["skip"] = (plain[0], {**plain[1], "skip": skip})
         runs["rng"] = (plain[0], {**plain[1], "transform": noise_rng})
+    if a.one:
+        print("DELIVERED", _counted_epoch(runs[a.one][0], a.lib, **runs[a.one][1]))
+        return
+    if a.instructions:
+        args = [x for x in (sys.argv[1:] if argv is None else argv) if x != "--instructions"]
+        got = _instructions(list(runs), args)
+        pi, pn = got["plain"]
+        for name, (i, n) in got.items():
+            print(f"{name:8s} {i:15,} instructions/epoch  {n:9,} samples  {i / n:9,.0f} per delivered sample")
+        for name in [k for k in got if k != "plain"]:
+            i, n = got[name]
+            print(
+                f"cost of {name}: {i / n - pi / pn:+,.0f} instructions per delivered sample ({i / n / (pi / pn) - 1:+.1%})"
+            )
+        return
     best: dict[str, list] = {}
     for _ in range(a.rounds):
         for name, (source, kw) in runs.items():

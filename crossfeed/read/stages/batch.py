@@ -113,13 +113,22 @@ class BatchBuilder:
         every sample was dropped keeps its features with no rows (the transform's, once it made one)."""
         cpu = _cpu() if t is not None else 0
         fn, pred, n = self.transform, r.filter, len(indices)
-        rng = self._rngs.keyed(r.seed, epoch) if r.rng else None
+        alone = pred is None and fn is not None  # a transform alone (the common case): one pass
+        reset = self._rngs.inline(r.seed, epoch) if r.rng and alone else None
+        rng = self._rngs.keyed(r.seed, epoch) if r.rng and reset is None else None
         ids = indices.tolist()
         samples: list = []
         keep: list = []
-        if pred is None and fn is not None:  # a transform alone (the common case): one comprehension
+        if alone:
             items = batch.items()
-            if rng is not None:
+            if reset is not None:  # each sample's generator reset in the loop (`SampleRngs.inline`)
+                gen, state, blank, words, key, whole = reset
+                samples = [None] * n
+                for i, j in enumerate(ids):
+                    state[whole] = blank
+                    words[key] = j
+                    samples[i] = fn({k: v[i] for k, v in items}, gen)
+            elif rng is not None:
                 samples = [fn({k: v[i] for k, v in items}, rng(j)) for i, j in enumerate(ids)]
             else:
                 samples = [fn({k: v[i] for k, v in items}) for i in range(n)]

@@ -598,6 +598,20 @@ class MixturePhases:
             src[m], draw[m] = self._in_phase(j, g[m])
         return src, draw
 
+    def sources(self, g: int, count: int) -> np.ndarray:
+        """`locate`'s sources of the ``count`` consecutive global samples from ``g``: each phase's
+        period repeated over its part (no per-sample arithmetic)."""
+        out = np.empty(count, dtype=np.int64)
+        lo, end, j = g, g + count, int(self.phase_of(np.array([g]))[0])
+        while lo < end:
+            hi = end if j + 1 == len(self.starts) else min(end, int(self.starts[j + 1]))
+            sched = phase_schedule(self._keys[j])[0]
+            o = (lo - int(self.starts[j])) % len(sched)
+            period = np.concatenate([sched[o:], sched[:o]])
+            out[lo - g : hi - g] = np.tile(period, -(-(hi - lo) // len(period)))[: hi - lo]
+            lo, j = hi, j + 1
+        return out
+
     def _in_phase(self, j: int, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         sched, before = phase_schedule(self._keys[j])
         whole, part = np.divmod(g - self.starts[j], len(sched))
@@ -652,7 +666,7 @@ class ScheduledMixtureOrder(MixtureOrder):
 
     def _whole_epoch(self) -> np.ndarray:
         """Each source's draws in an epoch are consecutive: slices of its passes' orders."""
-        src = self.source_of(np.arange(self.n, dtype=np.int64))
+        src = self.phases.sources(self.base, self.n)
         first = self.drawn(0)
         out = np.empty(self.n, dtype=np.int64)
         for s in range(len(self.sizes)):
