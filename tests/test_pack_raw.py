@@ -54,16 +54,21 @@ def test_raw_records_take_the_fast_path_and_give_the_general_paths_rows(tmp_path
     assert np.sort(tokens_of(got)).tolist() == every_token(LENS).tolist()
 
 
+def _flip_a_value_byte(path, offset, length) -> None:
+    """One byte in the middle of the payload of the record at ``offset`` (a value byte) flipped."""
+    with open(path, "r+b") as f:
+        f.seek(int(offset) + 12 + (int(length) - 16) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
 def test_a_corrupt_raw_record_is_named_or_skipped(tmp_path):
     root = write_tokens(tmp_path / "t", [6, 7, 8], num_shards=1)
     with crossfeed.open_dataset(root) as ds:
         sp = ds["train"]
         path, (offset, length) = sp.file(0).path, sp.index(0)[1]
-    with open(path, "r+b") as f:  # one value byte of document 1: its payload CRC no longer matches
-        f.seek(int(offset) + 12 + (int(length) - 16) // 2)  # the middle of the payload: a value byte
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
+    _flip_a_value_byte(path, offset, length)  # of document 1: its payload CRC no longer matches
     with crossfeed.Loader(root, batch_size=2, shuffle="none", pack=Pack(16)) as ld:
         with pytest.raises(CorruptRecordError) as e:
             list(ld)
@@ -198,11 +203,7 @@ def test_a_damaged_shard_with_a_crc32c_still_names_its_record(tmp_path):
     with crossfeed.open_dataset(root) as ds:
         sp = ds["train"]
         path, (offset, length) = sp.file(0).path, sp.index(0)[200]
-    with open(path, "r+b") as f:
-        f.seek(int(offset) + 12 + (int(length) - 16) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
+    _flip_a_value_byte(path, offset, length)
     with crossfeed.Loader(root, batch_size=2, shuffle="none", pack=Pack(64)) as ld:
         with pytest.raises(CorruptRecordError) as e:
             list(ld)
