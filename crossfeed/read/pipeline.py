@@ -619,6 +619,16 @@ class Pipeline:
         batch, _ = self._reader(np.asarray(keys, dtype=np.int64))
         return batch
 
+    def decoded(self, keys) -> tuple[dict, np.ndarray]:
+        """The samples of global ``keys`` decoded as a batch builds them, no transform: ``(batch,
+        kept)``, ``kept`` each decoded sample's place in ``keys`` (under ``on_error="skip"`` an
+        unreadable one is left out, within the budget)."""
+        return self.builder.reader(np.asarray(keys, dtype=np.int64), self.builder.budget)
+
+    def map(self, fn: Callable, items) -> Iterator:
+        """``fn`` of each of ``items`` on this pipeline's executor, the results in order."""
+        return self.executor.map(fn, items)
+
     def where(self, key: int) -> str:
         """Where record ``key`` lies: shard and byte offset (a mixture's source too)."""
         return self._reader.where(int(key))

@@ -112,12 +112,11 @@ def filter_pass(
     with Pipeline.build(source, options) as pipeline:
         where = [redact(str(ds.path)) for ds in pipeline.datasets]
         starts = pipeline.starts.tolist()
-        reader, budget = pipeline.builder.reader, pipeline.builder.budget
 
         def run(item: tuple[int, int, int]) -> tuple[int, int, np.ndarray, int]:
             s, lo, hi = item
             ids = np.arange(starts[s] + lo, starts[s] + hi, dtype=np.int64)
-            batch, kept = reader(ids, budget)
+            batch, kept = pipeline.decoded(ids)
             items = list(batch.items())
             rows = np.asarray(kept, dtype=np.int64).tolist()
             gone = []
@@ -141,7 +140,7 @@ def filter_pass(
         seen = [0] * (len(starts) - 1)
         dropped: list[list[np.ndarray]] = [[] for _ in seen]
         total_dropped = unreadable = 0
-        for s, n, gone, bad in pipeline.executor.map(run, chunks()):
+        for s, n, gone, bad in pipeline.map(run, chunks()):
             seen[s] += n
             unreadable += bad
             dropped[s].append(gone)
