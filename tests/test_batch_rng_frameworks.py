@@ -41,11 +41,14 @@ def test_each_framework_draws_the_loaders_masks(tokens, tmp_path, framework):
         want = [{k: np.asarray(b[k]).astype(np.int64).tolist() for k in KEYS} for b in ld]
     assert len(want) > 4 and len({json.dumps(w["draw"]) for w in want}) == len(want)
     out = tmp_path / "got.json"
+    # one JAX device: other tests' XLA_FLAGS (several host devices) must not split the batch of 2
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "batch_rng_worker.py"), framework, tokens, str(out)],
         capture_output=True,
         text=True,
         timeout=500,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(out.read_text())
