@@ -69,6 +69,10 @@ def _plan(length: int, batch: int, split: str) -> list[str]:
     return ["--batch-size", str(batch), "--seed", "0", "--pack-length", str(length), "--pack-split", split]
 
 
+SERVE_ARGS: list[str] = ["--threads", "0"]  # --serve-args
+CLIENT: dict = {}  # --credits
+
+
 def run(xf: str, way: str, split: str, length: int, batch: int, tmp: str) -> tuple[float, int, int]:
     import crossfeed
 
@@ -88,15 +92,15 @@ def run(xf: str, way: str, split: str, length: int, batch: int, tmp: str) -> tup
             logs.append(dlog)
             dispatcher = _endpoint(dend, procs[-1], dlog)
             slog = os.path.join(tmp, "s.log")
-            argv = [CLI, "serve", xf, "tcp://127.0.0.1:0", "--dispatcher", dispatcher, "--threads", "0"]
+            argv = [CLI, "serve", xf, "tcp://127.0.0.1:0", "--dispatcher", dispatcher, *SERVE_ARGS]
             procs.append(subprocess.Popen(argv, stdout=open(slog, "w"), stderr=subprocess.STDOUT))
-            with crossfeed.connect(dispatcher=dispatcher) as client:
+            with crossfeed.connect(dispatcher=dispatcher, **CLIENT) as client:
                 return _count(client)
         slog, send = os.path.join(tmp, "s.log"), os.path.join(tmp, "s.endpoint")
-        argv = [CLI, "serve", xf, "tcp://127.0.0.1:0", "--epochs", "1", "--threads", "0", "--endpoint-file", send]
+        argv = [CLI, "serve", xf, "tcp://127.0.0.1:0", "--epochs", "1", *SERVE_ARGS, "--endpoint-file", send]
         procs.append(subprocess.Popen([*argv, *plan], stdout=open(slog, "w"), stderr=subprocess.STDOUT))
         address = _endpoint(send, procs[-1], slog)
-        with crossfeed.connect(address) as client:
+        with crossfeed.connect(address, **CLIENT) as client:
             return _count(client)
     finally:
         for p in procs:
@@ -117,7 +121,12 @@ def main() -> None:
     ap.add_argument("--splits", default="rows,documents")
     ap.add_argument("--ways", default="loader,serve,dispatch")
     ap.add_argument("--data", default=os.environ.get("CROSSFEED_BENCH_DATA", os.path.join(bench_tokens.HERE, "_data")))
+    ap.add_argument("--serve-args", default="--threads 0", help="the server's Loader flags (default: --threads 0)")
+    ap.add_argument("--credits", type=int, help="batches each server may have in flight (connect's credits=)")
     args = ap.parse_args()
+    SERVE_ARGS[:] = args.serve_args.split()
+    if args.credits:
+        CLIENT["credits"] = args.credits
     root = bench_tokens.corpus(args.data, args.docs)
     xf = os.path.join(root, "xf")
     if not os.path.exists(os.path.join(xf, "crossfeed.json")):
