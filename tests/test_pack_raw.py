@@ -183,6 +183,19 @@ def test_a_shard_with_the_manifests_crc32c_is_checked_whole_not_record_by_record
     assert np.sort(tokens_of(got)).tolist() == every_token(LONG).tolist()
 
 
+def test_a_shard_past_the_whole_check_size_is_checked_block_by_block(tmp_path, monkeypatch):
+    """A shard larger than `TokenShards.WHOLE_MAX` is not read whole on a first batch: the blocks
+    a batch touches are checked record by record, as without a CRC32C."""
+    root = write_tokens(tmp_path / "t", LONG, num_shards=2)
+    monkeypatch.setattr(TokenShards, "WHOLE_MAX", 1024)
+    monkeypatch.setattr(TokenShards, "BLOCK", 16)  # blocks smaller than the shards of 200 records
+    seen = _count_payload_checks(monkeypatch)
+    with crossfeed.Loader(root, batch_size=1, seed=2, pack=Pack(64, split="rows")) as ld:
+        next(iter(ld))
+        assert 0 < seen[0] <= 4 * TokenShards.BLOCK  # the first row's blocks, not the shards
+        assert (_shards(ld)._table[:, 0] == -1).any()  # the rest not checked yet
+
+
 def test_a_shard_whose_bytes_miss_the_manifests_crc32c_is_checked_record_by_record(tmp_path, monkeypatch):
     root = write_tokens(tmp_path / "t", LONG, num_shards=2)
     opts = dict(batch_size=4, seed=2, pack=Pack(64, split="rows"))
