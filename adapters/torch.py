@@ -246,20 +246,22 @@ class TorchDataset(IterableDataset):
         ``j``-th batch is batch ``w + j·K``."""
         loader = self._loader(worker, num_workers)
         loader.load_state_dict(self._state(*self._next_start(), loader))
-        one, keep = self.per_sample, self.keep_dtypes
+        one = self.per_sample
         pending: list = []
         made = held = 0
         for batch in loader:
             pending.append(one_sample(batch, "TorchDataset") if one else batch)
             held += sum(v.nbytes for v in pending[-1].values() if isinstance(v, np.ndarray))
-            if len(pending) < size and held < GROUP_BYTES:
-                continue
-            ids = [worker + (made + i) * num_workers for i in range(len(pending))]
-            yield {GROUP: ids, "batches": to_torch_group(pending, keep_dtypes=keep)}
-            made, pending, held = made + len(pending), [], 0
+            if len(pending) == size or held >= GROUP_BYTES:
+                yield self._group(pending, made, worker, num_workers)
+                made, pending, held = made + len(pending), [], 0
         if pending:
-            ids = [worker + (made + i) * num_workers for i in range(len(pending))]
-            yield {GROUP: ids, "batches": to_torch_group(pending, keep_dtypes=keep)}
+            yield self._group(pending, made, worker, num_workers)
+
+    def _group(self, batches: list, made: int, worker: int, num_workers: int) -> dict:
+        """One group item of `_groups`: ``batches`` after ``made`` of this worker's, in one storage."""
+        ids = [worker + (made + i) * num_workers for i in range(len(batches))]
+        return {GROUP: ids, "batches": to_torch_group(batches, keep_dtypes=self.keep_dtypes)}
 
     # -- pickling (DataLoader workers started with spawn/forkserver) -----------------------------
     def __getstate__(self):

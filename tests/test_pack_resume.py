@@ -272,7 +272,7 @@ def reference_token_order(order, lengths) -> list[int]:
     keys, drawn, out = list(steps), [0] * len(steps), []
     for _ in range(order.n):
         s = keys.index(min(keys))
-        doc = int(mix._draws(s, order.epoch * order.n + drawn[s], 1)[0])
+        doc = int(mix.source_samples(s, order.epoch * order.n + drawn[s], 1)[0])
         drawn[s] += 1
         keys[s] += max(int(lengths(np.array([doc]))[0]), 1) * steps[s]
         out.append(doc)

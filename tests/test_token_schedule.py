@@ -63,7 +63,7 @@ def reference_order(phases, mix, lengths, epoch: int, n: int) -> list[tuple[int,
         lcm = math.lcm(*(x for x in w if x))
         keys = [(tokens[s] + 1) * (lcm // w[s]) if w[s] else math.inf for s in range(k)]
         s = keys.index(min(keys))
-        doc = int(mix._draws(s, epoch * n + drawn[s], 1)[0])
+        doc = int(mix.source_samples(s, epoch * n + drawn[s], 1)[0])
         drawn[s] += 1
         tokens[s] += max(int(lengths(np.array([doc]))[0]), 1)
         out.append((s, doc))

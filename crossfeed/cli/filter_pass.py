@@ -54,7 +54,7 @@ def filter_command(
 ) -> None:
     """Run a filter over every sample once and write the ids it drops as a skip file: train with
     --skip FILE (Loader(skip=FILE)) for shorter steps, or with --refill for full ones; exact on resume."""
-    from crossfeed.cli.replay import _source
+    from crossfeed.read.sources.mixture_file import source_of
     from crossfeed.read.tools.filter_pass import filter_pass
 
     for name, flag in (
@@ -71,7 +71,8 @@ def filter_command(
     pred = resolve_callable(filter, option="--filter", search_cwd=True)
     if max_filtered is not None:
         options = options.replace(max_filtered=max_filtered)
-    source, options = _source(dataset, options)
+    source, more = source_of(dataset)
+    options = options.replace(**more)
     done = filter_pass(source, pred, out, refill=refill, options=options)
     how = "refilled: every step full" if refill else "shorter steps"
     typer.echo(

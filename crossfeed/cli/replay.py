@@ -92,16 +92,6 @@ def _check_identity(saved: dict, path, loader) -> None:
         )
 
 
-def _source(dataset: str, options: LoaderOptions):
-    """``(source, options)``: a dataset path, or a mixture spec file's sources."""
-    from crossfeed.read.sources.mixture_file import is_mixture_spec, load_mixture_spec
-
-    if is_mixture_spec(dataset):
-        sources, n = load_mixture_spec(dataset)
-        return sources, (options.replace(samples_per_epoch=n) if n is not None else options)
-    return dataset, options
-
-
 def _plain(value):
     """A decoded feature value as an array ``np.load`` reads without pickle (bytes as uint8)."""
     if isinstance(value, bytes):
@@ -210,7 +200,10 @@ def replay(
             if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
                 raise ConfigError(f"--state {state}: its epoch must be an integer >= 0, got {epoch!r}")
     options = options.replace(rank=rank, world_size=world_size, num_threads=0, prefetch=0, executor="thread")
-    source, options = _source(dataset, options)
+    from crossfeed.read.sources.mixture_file import source_of
+
+    source, more = source_of(dataset)
+    options = options.replace(**more)
     with Loader(source, options) as loader:
         if saved is not None:
             _check_identity(saved, state, loader)

@@ -27,6 +27,7 @@ from crossfeed.net.lease.dispatcher import DispatcherOptions, EpochCounts, Lease
 from crossfeed.net.lease.source import LeaseSource
 from crossfeed.net.stream.server import Server, ServerOptions
 from crossfeed.read.options import LoaderOptions
+from crossfeed.read.sources.mixture_file import source_of
 
 logger = logging.getLogger(__name__)
 __all__ = [
@@ -51,7 +52,7 @@ class LoaderEpochs:
     def __init__(self, dataset: str, options: LoaderOptions, *, transform=None, filter=None):
         from crossfeed.read.loader import Loader
 
-        source, more = _source_of(dataset)
+        source, more = source_of(dataset)
         tokens = options.plan.pack is not None or options.plan.batch_by_tokens is not None
         opts = options.replace(return_index=not tokens, **more)
         self.loader = Loader(source, opts, transform=transform, filter=filter)
@@ -62,17 +63,6 @@ class LoaderEpochs:
 
     def close(self) -> None:
         self.loader.close()
-
-
-def _source_of(dataset) -> tuple[object, dict]:
-    """What a Loader reads for ``dataset`` (a mixture spec file's sources, or the dataset) and
-    the options the file sets (its ``samples_per_epoch``)."""
-    from crossfeed.read.sources.mixture_file import is_mixture_spec, load_mixture_spec
-
-    if isinstance(dataset, str) and is_mixture_spec(dataset):
-        sources, n = load_mixture_spec(dataset)
-        return sources, {"samples_per_epoch": n}
-    return dataset, {}
 
 
 def _dispatched_source(
@@ -88,7 +78,7 @@ def _dispatched_source(
         opts = LoaderOptions.from_plan(plan, local)
         opts = opts.replace(return_index=opts.plan.pack is None)  # a packed row holds pieces of several records
         # a mixture spec file: its sources (the plan carries the dispatcher's samples_per_epoch)
-        return Loader(_source_of(dataset)[0], opts, transform=transform, filter=filter)
+        return Loader(source_of(dataset)[0], opts, transform=transform, filter=filter)
 
     def source(endpoints, wake):
         return LeaseSource(
@@ -208,7 +198,7 @@ def plan_dispatch(
         )
     if packed and (epochs is None or epochs > MAX_PACKED_EPOCHS):
         raise ConfigError(f"at most {MAX_PACKED_EPOCHS} epochs (--epochs) with pack (--pack-length), got {epochs}")
-    source, more = _source_of(dataset)  # a mixture spec file: its sources and samples_per_epoch
+    source, more = source_of(dataset)  # a mixture spec file: its sources and samples_per_epoch
     options = options.replace(**more)
     loader = Loader(source, options.replace(num_threads=1))
     identity = loader.pipeline.identity.to_json()

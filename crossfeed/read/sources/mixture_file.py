@@ -22,7 +22,7 @@ from crossfeed.read.options import Source
 from crossfeed.read.schedule import Schedule
 from crossfeed.read.sources.nested import flatten, is_mixture_spec, read_spec_file
 
-__all__ = ["is_mixture_spec", "load_mixture_spec"]
+__all__ = ["is_mixture_spec", "load_mixture_spec", "source_of"]
 
 
 def load_mixture_spec(path) -> tuple[list[Source], int | None]:
@@ -43,3 +43,12 @@ def load_mixture_spec(path) -> tuple[list[Source], int | None]:
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     return sources, n
+
+
+def source_of(dataset) -> tuple[object, dict]:
+    """What a Loader reads for ``dataset`` — a mixture spec file's sources, or the dataset itself —
+    and the options the file sets (its ``samples_per_epoch``, when it gives one)."""
+    if isinstance(dataset, str) and is_mixture_spec(dataset):
+        sources, n = load_mixture_spec(dataset)
+        return sources, ({"samples_per_epoch": n} if n is not None else {})
+    return dataset, {}

@@ -278,7 +278,7 @@ class FrameReader:
         ready = self._ready
         entries: list = [ready.get(s) for s in present]  # each shard's (buffer, u8), or None
         if None in entries:  # a shard not loaded (or not local, or not yet checked) yet
-            bufs = [self._buffer(s) for s in present]
+            bufs = [self.shard_buffer(s) for s in present]
             if any(b is None for b in bufs):  # remote range reads: checked record by record as they arrive
                 return self._by_record(indices, shard, on_error)
             entries = [self._entry(s, b) for s, b in zip(present, bufs)]
@@ -427,7 +427,7 @@ class FrameReader:
             s = int(shard[j])
             o, n = (int(x) for x in self.split.index(s)[int(indices[j]) - int(self.split.starts[s])])
             f = self.split.file(s)
-            return tfrecord.unframe(self._buffer(s), o, n, f.path) if self._in_memory(f) else f.record(o, n)
+            return tfrecord.unframe(self.shard_buffer(s), o, n, f.path) if self._in_memory(f) else f.record(o, n)
 
         return self._each(indices, read, on_error)
 
@@ -440,7 +440,7 @@ class FrameReader:
             s = int(shard[j])
             o, n = (int(x) for x in self.split.index(s)[int(indices[j]) - int(self.split.starts[s])])
             f = self.split.file(s)
-            buf = self._buffer(s)
+            buf = self.shard_buffer(s)
             buf, base = (buf, 0) if buf is not None else f.raw(o, n)
             return tar.read_sample(buf, o - base, n, f.path, base)
 
@@ -465,7 +465,7 @@ class FrameReader:
     def _in_memory(self, f) -> bool:
         return not f.storage.remote or self.whole_shards or tfrecord.is_gzip(f.rel)
 
-    def _buffer(self, s: int):
+    def shard_buffer(self, s: int):
         """Shard ``s``'s whole uncompressed stream, or None where records are range reads. The
         first time, its whole index is checked to lie inside it (then no batch checks bounds);
         a shard whose index does not fit goes through `_diagnose`, which names the bad entry."""

@@ -598,7 +598,7 @@ class TokenMixtureOrder:
             for s in live:
                 have = len(buf_ids[s])
                 if have < count:
-                    got = mix._draws(s, base + drawn[s] + have, count - have)
+                    got = mix.source_samples(s, base + drawn[s] + have, count - have)
                     buf_ids[s] = np.concatenate([buf_ids[s], got])
                     buf_lens[s] = np.concatenate([buf_lens[s], np.asarray(lengths(got), dtype=np.int64)])
                 w = np.maximum(buf_lens[s][:count], 1)
@@ -641,7 +641,7 @@ class TokenMixtureOrder:
             start_drawn, start_tokens = list(drawn), list(tokens)
             for j in range(count):
                 s = keys.index(min(keys))
-                got = mix._draws(s, base + drawn[s], 1)
+                got = mix.source_samples(s, base + drawn[s], 1)
                 ids[j], n, src[j] = int(got[0]), int(lengths(got)[0]), s
                 lens[j] = n
                 drawn[s] += 1

@@ -443,13 +443,13 @@ class MixtureOrder:
         for s in range(len(self.sizes)):
             cols = np.flatnonzero(self.schedule == s)
             count = int(self.per_epoch[s])
-            got = self._draws(s, self.epoch * count, count)
+            got = self.source_samples(s, self.epoch * count, count)
             body = rows * len(cols)
             grid[:rows, cols] = got[:body].reshape(rows, len(cols))
             grid[rows, cols[cols < tail]] = got[body:]
         return out[: self.n]
 
-    def _draws(self, s: int, first: int, count: int) -> np.ndarray:
+    def source_samples(self, s: int, first: int, count: int) -> np.ndarray:
         """Source ``s``'s samples (global ids) at its draws ``first .. first + count - 1``."""
         size, out = int(self._passes.sizes[s]), np.empty(count, dtype=np.int64)
         c, end = int(first), int(first) + count
@@ -672,7 +672,7 @@ class ScheduledMixtureOrder(MixtureOrder):
         for s in range(len(self.sizes)):
             at = np.flatnonzero(src == s)
             if len(at):
-                out[at] = self._draws(s, int(first[s]), len(at))
+                out[at] = self.source_samples(s, int(first[s]), len(at))
         return out
 
 

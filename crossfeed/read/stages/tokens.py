@@ -316,7 +316,7 @@ class TokenShards:
         split = getattr(frames, "split", None)
         if getattr(reader, "mixture", True) or split is None or split.info.format != "tfrecord":
             return None
-        if not hasattr(frames, "_buffer") or len(split) > ALL_INDEX_MAX:
+        if not hasattr(frames, "shard_buffer") or len(split) > ALL_INDEX_MAX:
             return None
         model = RecordModel.of(split.dataset.schema, list(names))
         return None if model is None else cls(frames, model, lengths, 0, len(names))
@@ -376,7 +376,7 @@ class TokenShards:
         if getattr(info, "crc32c", None) is None or info.compressed or info.num_bytes > self.WHOLE_MAX:
             return None
         try:
-            buf = self.frames._buffer(s)
+            buf = self.frames.shard_buffer(s)
         except CrossfeedError:
             return None
         if buf is None or len(memoryview(buf)) != info.num_bytes:
@@ -388,7 +388,8 @@ class TokenShards:
         ns = np.asarray(self.lengths.shard(self.source, s), dtype=np.int64)
         if len(ns) != n:
             return None
-        ops, _ = self.model.ops(ns)
+        planned = self.model.ops(ns)
+        ops = planned[0]
         # one record of each layout the shard holds (the varint widths of its length prefixes), its
         # first and its last, checked byte for byte: the writer's encoder is the model's
         key = np.zeros(n, dtype=np.int64)
@@ -398,14 +399,17 @@ class TokenShards:
         reps = np.unique(np.concatenate([np.unique(key, return_index=True)[1], [0, n - 1]]))
         if n and self._checked(s, reps.astype(np.int64)) is None:
             return None
-        return self._checked(s, np.arange(n, dtype=np.int64), verify=False)
+        return self._checked(s, np.arange(n, dtype=np.int64), verify=False, planned=(ns, planned))
 
-    def _checked(self, s: int, rows: np.ndarray, verify: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+    def _checked(
+        self, s: int, rows: np.ndarray, verify: bool = True, planned: tuple | None = None
+    ) -> tuple[np.ndarray, np.ndarray] | None:
         """Records ``rows`` of shard ``s``: their table rows (see ``_table``), their framing and
         layout checked (``verify``; else their places only, the shard's bytes checked whole by
-        `_whole`), and the shard's bytes; None: they go the general way."""
+        `_whole`), and the shard's bytes; None: they go the general way. ``planned``: the rows'
+        lengths and their `RecordModel.ops`, where the caller has them already."""
         try:
-            buf = self.frames._buffer(s)
+            buf = self.frames.shard_buffer(s)
         except CrossfeedError:
             return None
         if buf is None:
@@ -421,11 +425,13 @@ class TokenShards:
                 return None
             if bad_payloads(payload_views(buf, offs, lens), stored_crcs(u8, offs, lens)).any():
                 return None
-        ns = np.asarray(self.lengths.shard(self.source, s), dtype=np.int64)[rows]
+        if planned is None:
+            ns = np.asarray(self.lengths.shard(self.source, s), dtype=np.int64)[rows]
+            planned = (ns, self.model.ops(ns))
+        ns, (ops, total) = planned
         if len(ns) != len(offs):
             return None
         start, size = offs + HEADER, lens - FRAMING
-        ops, total = self.model.ops(ns)
         last = len(u8) - 1
         if self.model.prefix is None:
             if (total != size).any():
