@@ -108,3 +108,37 @@ def test_ctrl_c_in_the_first_second_is_interrupted_exit_130(big_csv, tmp_path, d
     assert "Traceback" not in err and "Error" not in err, err[-4000:]
     assert code == EXIT_INTERRUPTED and err.rstrip().endswith("interrupted"), (code, err[-4000:])
     assert not os.path.exists(tmp_path / "out" / "crossfeed.json")
+
+
+def test_a_ctrl_c_python_could_not_raise_is_delivered_again(tmp_path):
+    """A KeyboardInterrupt that lands in a weakref callback inside an import (where Python can only
+    print "Exception ignored …") is handed back to the main thread while a command runs, so the
+    boundary ends the command as any Ctrl-C; other unraisable errors still reach the usual hook."""
+    import types
+    import weakref
+
+    from crossfeed.cli import main as cli_main
+
+    seen = []
+    handle = cli_main._interrupt_unraisable(seen.append)
+    other = types.SimpleNamespace(exc_type=ValueError)
+    handle(other)
+    assert seen == [other]
+
+    class Thing:
+        pass
+
+    def callback(_ref):
+        raise KeyboardInterrupt  # as a SIGINT landing in importlib's module-lock callback
+
+    hook, sys.unraisablehook = sys.unraisablehook, handle
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            thing = Thing()
+            ref = weakref.ref(thing, callback)
+            del thing  # the callback's KeyboardInterrupt is unraisable: delivered again
+            for _ in range(1000):  # the main thread raises it at its next check
+                time.sleep(0.001)
+        assert ref() is None
+    finally:
+        sys.unraisablehook = hook

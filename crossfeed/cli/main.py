@@ -40,6 +40,29 @@ def _exit_interrupted(signum, frame) -> None:
     os._exit(EXIT_INTERRUPTED)
 
 
+def _interrupt_unraisable(hook):
+    """``sys.unraisablehook`` while a command runs: a Ctrl-C whose KeyboardInterrupt landed where
+    Python cannot raise it (a weakref callback inside an import, a finalizer) is delivered again to
+    the main thread (`_thread.interrupt_main`, from a thread of its own a moment later: raised here
+    it would land in this hook, unraisable again), so the boundary ends the command as any Ctrl-C, instead of
+    Python printing "Exception ignored … KeyboardInterrupt" and the command running on; anything
+    else goes to ``hook``."""
+    import _thread
+    import time
+
+    def later() -> None:
+        time.sleep(0.02)  # the hook and the callback it came from have returned by then
+        _thread.interrupt_main()
+
+    def handle(unraisable) -> None:
+        if unraisable.exc_type is KeyboardInterrupt:
+            threading.Thread(target=later, name="crossfeed-interrupt", daemon=True).start()
+            return
+        hook(unraisable)
+
+    return handle
+
+
 def _set_sigint(handler):
     """Install ``handler`` for SIGINT and return the one it replaces; None (nothing done) outside
     the main thread, where signal handlers cannot be set."""
@@ -138,6 +161,7 @@ class _Boundary(TyperGroup):
 
     def invoke(self, ctx):
         previous = _set_sigint(signal.default_int_handler)  # from here a Ctrl-C is a KeyboardInterrupt
+        hook, sys.unraisablehook = sys.unraisablehook, _interrupt_unraisable(sys.unraisablehook)
         command = " ".join(["crossfeed", *_command(ctx)])  # before invoking: click consumes the arguments
         try:
             return super().invoke(ctx)
@@ -159,6 +183,7 @@ class _Boundary(TyperGroup):
             typer.echo("interrupted", err=True)
             raise typer.Exit(EXIT_INTERRUPTED) from None
         finally:
+            sys.unraisablehook = hook
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
 
