@@ -14,12 +14,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from crossfeed.beam_jobs.policy import DuplicateKeyError
-from crossfeed.beam_jobs.records import BUCKET_BITS, NUM_BUCKETS, Part
+from crossfeed.beam_jobs.records import BUCKET_BITS, NUM_BUCKETS, Part, StagedPart
 from crossfeed.errors import ConfigError, CrossfeedError
+
+P = TypeVar("P", Part, StagedPart)
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ def route_table(plans: list[ShardPlan]) -> tuple[np.ndarray, np.ndarray, np.ndar
     )
 
 
-def route(part: Part, table: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Iterator[tuple[int, Part]]:
+def route(part: P, table: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Iterator[tuple[int, P]]:
     """Yields ``(shard_index, records)``: each record goes to every shard whose bucket range holds
     its bucket (one shard, or several for a boundary bucket)."""
     first, last, index = table

@@ -79,6 +79,37 @@ class Part:
 
 
 @dataclass
+class StagedPart:
+    """A `Part` whose records are framed (TFRecord) in a file of the job's staging folder,
+    ``name``, in hash order (`steps.stage_part`): what travels through the runner is each record's
+    hash, key, place in the file (``starts``, framed ``sizes``) and lengths — never its bytes.
+    A shard writer copies the framed records it keeps from the file."""
+
+    split: str
+    name: str
+    hashes: np.ndarray  # uint64 shuffle hash per record
+    keys: list[str]
+    starts: np.ndarray  # int64: each framed record's offset in the file
+    sizes: np.ndarray  # int64: each framed record's size
+    lengths: np.ndarray | None = None  # (records, k) uint32, as `Part.lengths`
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def take(self, idx: np.ndarray) -> StagedPart:
+        ids = idx.tolist()
+        return StagedPart(
+            self.split,
+            self.name,
+            self.hashes[idx],
+            [self.keys[i] for i in ids],
+            self.starts[idx],
+            self.sizes[idx],
+            None if self.lengths is None else self.lengths[idx],
+        )
+
+
+@dataclass
 class Summary:
     """The small facts about one batch that the shard plan needs."""
 

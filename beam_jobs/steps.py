@@ -1,10 +1,17 @@
 """The DoFns of `WriteDataset` (see write.py for how they are wired), each one job:
 
-``Encode``      SampleBatch                      -> (batch_id, Encoded: Parts + Summary)
+``Encode``      SampleBatch                      -> (batch_id, Encoded: StagedParts + Summary)
 ``Plan``        (0, [Summary…, begin marker])    -> ("route", batch_id, tables) / ("shard", (split, i), ShardPlan) / ("commit", CommitInfo)
-``Route``       (batch_id, [Parts, tables])      -> ((split, i), ("piece", Part))
-``WriteShard``  ((split, i), [ShardPlan, Part…]) -> (0, ("staged", split, i, StagedShard))
+``Route``       (batch_id, [StagedParts, tables]) -> ((split, i), ("piece", StagedPart))
+``WriteShard``  ((split, i), [ShardPlan, StagedPart…]) -> (0, ("staged", split, i, StagedShard))
 ``Commit``      (0, [CommitInfo, staged…])       -> WriteResult
+
+The records' bytes never go through the runner: ``Encode`` frames each batch's records (TFRecord)
+into a file of the job's staging folder (``.tmp-<token>.batches`` in the output root, which every
+worker reaches as it reaches the shards it writes), sorted by hash, and passes on only each
+record's hash, key, place in that file and lengths (`records.StagedPart`); ``WriteShard`` reads
+the byte range of each batch file its records lie in and copies the framed records it keeps into
+its shard, in order. ``Commit`` removes the folder.
 
 No DoFn uses side inputs, tagged outputs or ``finish_bundle`` output: every runner, DaskRunner
 included, executes them the same way, and each output is a pure function of the data.
@@ -12,9 +19,11 @@ included, executes them the same way, and each output is a pure function of the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import secrets
 from dataclasses import dataclass, field
 
 import apache_beam as beam
@@ -23,13 +32,15 @@ import numpy as np
 from crossfeed.beam_jobs import plan as planning
 from crossfeed.beam_jobs.commit import commit_splits, remove_temporaries
 from crossfeed.beam_jobs.policy import EmptyInputError, ErrorPolicy
-from crossfeed.beam_jobs.records import NUM_BUCKETS, Part, SampleBatch, Summary, encode_parts
+from crossfeed.beam_jobs.records import NUM_BUCKETS, Part, SampleBatch, StagedPart, Summary, encode_parts
 from crossfeed.beam_jobs.splits import SplitSpec
 from crossfeed.errors import ConfigError, CrossfeedError, SchemaError
+from crossfeed.format import tfrecord
 from crossfeed.format.schema import Schema, widen
 from crossfeed.format.stats import FeatureStats
+from crossfeed.write.commit import remove_entry
 from crossfeed.write.options import WriteOptions
-from crossfeed.write.staging import ShardSink, StagedShard
+from crossfeed.write.staging import TMP_PREFIX, ShardSink, StagedShard
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +81,11 @@ class WriteConfig:
     def progress_dir(self) -> str:
         return os.path.join(self.root, f".tmp-{self.token}.progress")
 
+    @property
+    def batches_dir(self) -> str:
+        """Where ``Encode`` stages each batch's framed records until the commit."""
+        return os.path.join(self.root, f"{TMP_PREFIX}{self.token}.batches")
+
 
 @dataclass
 class CommitInfo:
@@ -97,9 +113,40 @@ class EncodeDoFn(beam.DoFn):
 
     def process(self, batch: SampleBatch):
         parts, summary = encode_parts(batch, self.cfg.schema, self.cfg.splits.assign, self.cfg.seed, self.cfg.lengths)
+        name = hashlib.blake2b(batch.batch_id.encode(), digest_size=10, person=b"crossfeed.bat").hexdigest()
+        staged = [stage_part(p, self.cfg.batches_dir, f"{name}-{j}") for j, p in enumerate(parts)]
         if self.cfg.progress:
             _report_progress(self.cfg.progress_dir, batch.batch_id, len(batch), sum(summary.num_bytes.values()))
-        yield batch.batch_id, (parts, summary)
+        yield batch.batch_id, (staged, summary)
+
+
+def stage_part(part: Part, folder: str, name: str) -> StagedPart:
+    """``part``'s records framed, in hash order, into ``folder/name`` (written under a name of its
+    own, then renamed: a retried bundle writes the same bytes again), as a `StagedPart`. In hash
+    order, the records a shard keeps — a range of hashes — are one range of the file."""
+    order = np.argsort(part.hashes, kind="stable")
+    ids = order.tolist()
+    data, sizes = tfrecord.frame_many([part.payloads[i] for i in ids])
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return StagedPart(
+        part.split,
+        name,
+        part.hashes[order],
+        [part.keys[i] for i in ids],
+        np.cumsum(sizes) - sizes,
+        sizes,
+        None if part.lengths is None else part.lengths[order],
+    )
 
 
 def _report_progress(folder: str, batch_id: str, samples: int, num_bytes: int) -> None:
@@ -198,7 +245,8 @@ def route_batch(element):
 
 
 class WriteShardDoFn(beam.DoFn):
-    """Sorts what one shard received and writes its ranks ``[lo, hi)`` to a staged shard."""
+    """Sorts what one shard received and writes its ranks ``[lo, hi)`` to a staged shard: the
+    framed records copied from the batches' staged files."""
 
     def __init__(self, cfg: WriteConfig):
         self.cfg = cfg
@@ -206,13 +254,12 @@ class WriteShardDoFn(beam.DoFn):
     def process(self, element):
         (split, index), values = element[0], list(element[1])
         plans = [v for tag, v in values if tag == "plan"]
-        pieces: list[Part] = [v for tag, v in values if tag == "piece"]
+        pieces: list[StagedPart] = [v for tag, v in values if tag == "piece"]
         if len(plans) != 1:
             raise CrossfeedError(f"shard {index} of split {split!r}: expected one plan, got {len(plans)}")
         p: planning.ShardPlan = plans[0]
         hashes = np.concatenate([x.hashes for x in pieces]) if pieces else np.zeros(0, np.uint64)
         keys = [k for x in pieces for k in x.keys]
-        payloads = [b for x in pieces for b in x.payloads]
         lengths = _lengths_of(pieces, len(self.cfg.lengths))
         if len(keys) != p.end_offset - p.first_offset:
             raise CrossfeedError(
@@ -224,9 +271,14 @@ class WriteShardDoFn(beam.DoFn):
         sink = ShardSink(self.cfg.root, f"{self.cfg.token}-{split}-{index:05d}", compress=self.cfg.options.compress)
         mine = order[p.lo - p.first_offset : p.hi - p.first_offset]
         try:
-            rows = mine.tolist()
-            for at in range(0, len(rows), _WRITE_BATCH):  # framed and written a batch at a time
-                sink.write_many([payloads[i] for i in rows[at : at + _WRITE_BATCH]])
+            views, starts = _read_pieces(self.cfg.batches_dir, pieces)
+            which = np.repeat(np.arange(len(pieces)), [len(x) for x in pieces])[mine].tolist()
+            sizes = np.concatenate([x.sizes for x in pieces])[mine] if pieces else np.zeros(0, np.int64)
+            begin = starts[mine]
+            rows = list(zip(which, begin.tolist(), (begin + sizes).tolist()))
+            for at in range(0, len(rows), _WRITE_BATCH):  # written a batch at a time, as they were framed
+                data = b"".join([views[w][a:b] for w, a, b in rows[at : at + _WRITE_BATCH]])
+                sink.write_framed(data, sizes[at : at + _WRITE_BATCH])
             staged = sink.finish(None if lengths is None else lengths[mine])
         except BaseException:
             sink.abort()
@@ -234,10 +286,36 @@ class WriteShardDoFn(beam.DoFn):
         yield 0, ("staged", split, index, staged)
 
 
-_WRITE_BATCH = 1024  # records framed and written at once (`ShardSink.write_many`)
+_WRITE_BATCH = 1024  # records written at once (`ShardSink.write_framed`)
 
 
-def _lengths_of(pieces: list[Part], k: int) -> np.ndarray | None:
+def _read_pieces(folder: str, pieces: list[StagedPart]) -> tuple[list[memoryview], np.ndarray]:
+    """The byte range of its batch's staged file that each piece's records lie in (one read a
+    piece: the file is in hash order, a piece a range of hashes), and every record's offset in its
+    piece's range, in the pieces' order."""
+    views, starts = [], []
+    for x in pieces:
+        lo, hi = (int(x.starts.min()), int((x.starts + x.sizes).max())) if len(x) else (0, 0)
+        path = os.path.join(folder, x.name)
+        try:
+            with open(path, "rb") as f:
+                f.seek(lo)
+                buf = f.read(hi - lo)
+        except FileNotFoundError:
+            raise CrossfeedError(
+                f"{path}: a batch's staged records are gone; was the job's staging folder removed?"
+            ) from None
+        if len(buf) != hi - lo:
+            raise CrossfeedError(
+                f"{path}: a batch's staged records end at byte {lo + len(buf)}, the plan expects {hi}; "
+                f"the staging folder was changed while the job ran"
+            )
+        views.append(memoryview(buf))
+        starts.append(x.starts - lo)
+    return views, (np.concatenate(starts) if starts else np.zeros(0, np.int64))
+
+
+def _lengths_of(pieces: list[StagedPart], k: int) -> np.ndarray | None:
     """The pieces' records' lengths, ``(records, k)``, in the pieces' order (None: no lengths kept)."""
     if not k:
         return None
@@ -288,6 +366,7 @@ class CommitDoFn(beam.DoFn):
         except BaseException:
             remove_temporaries(cfg.root, token=cfg.token)
             raise
+        remove_entry(cfg.batches_dir)
         remove_temporaries(cfg.root)  # this job's progress files and any stale job's leftovers
         yield WriteResult(
             cfg.root,

@@ -307,6 +307,23 @@ class _HashingFile:
         self._f.close()
 
 
+def frame_many(payloads: list) -> tuple[bytes, np.ndarray]:
+    """``payloads`` (bytes-like) framed as TFRecords, concatenated, and each framed record's size
+    (int64): the length headers and their CRCs computed with numpy, the payload CRCs one C call
+    each — the bytes `frame` gives one record at a time."""
+    n = len(payloads)
+    lens = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
+    head = np.empty((n, HEADER), dtype=np.uint8)
+    head[:, :8] = lens.astype("<u8").view(np.uint8).reshape(n, 8)
+    head[:, 8:] = mask(crc32c_rows(head[:, :8])).astype("<u4").view(np.uint8).reshape(n, 4)
+    foot = mask(np.fromiter(map(_crc32c.crc32c, payloads), dtype=np.uint32, count=n)).astype("<u4")
+    pieces: list = [b""] * (3 * n)
+    pieces[0::3] = head.view(f"V{HEADER}").ravel().tolist()
+    pieces[1::3] = payloads
+    pieces[2::3] = foot.view(f"V{FOOTER}").tolist()
+    return b"".join(pieces), lens + (HEADER + FOOTER)
+
+
 class RecordWriter:
     """Appends framed records to one shard file and remembers each record's ``(offset, length)``
     in the uncompressed stream, for the index file."""
@@ -332,22 +349,17 @@ class RecordWriter:
         """`write` of each of ``payloads`` (bytes-like) in order, framed as a batch — the same
         bytes: the length headers and their CRCs computed with numpy, the payload CRCs one C call
         each, and one write of the whole batch."""
-        n = len(payloads)
-        if not n:
+        if payloads:
+            self.write_framed(*frame_many(payloads))
+
+    def write_framed(self, data, sizes: np.ndarray) -> None:
+        """Write ``data``, records already framed (`frame_many`) whose framed sizes are
+        ``sizes``, in one write: the same bytes and index as `write_many` of their payloads."""
+        if not len(sizes):
             return
-        lens = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
-        head = np.empty((n, HEADER), dtype=np.uint8)
-        head[:, :8] = lens.astype("<u8").view(np.uint8).reshape(n, 8)
-        head[:, 8:] = mask(crc32c_rows(head[:, :8])).astype("<u4").view(np.uint8).reshape(n, 4)
-        foot = mask(np.fromiter(map(_crc32c.crc32c, payloads), dtype=np.uint32, count=n)).astype("<u4")
-        pieces: list = [b""] * (3 * n)
-        pieces[0::3] = head.view(f"V{HEADER}").ravel().tolist()
-        pieces[1::3] = payloads
-        pieces[2::3] = foot.view(f"V{FOOTER}").tolist()
-        self._f.write(b"".join(pieces))
-        framed = lens + (HEADER + FOOTER)
-        ends = np.cumsum(framed) + self._pos
-        self.offsets.extend(zip((ends - framed).tolist(), framed.tolist()))
+        self._f.write(data)
+        ends = np.cumsum(sizes, dtype=np.int64) + self._pos
+        self.offsets.extend(zip((ends - sizes).tolist(), np.asarray(sizes, dtype=np.int64).tolist()))
         self._pos = int(ends[-1])
 
     @property

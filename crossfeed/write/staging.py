@@ -59,6 +59,11 @@ class ShardSink:
         """`write` of each of ``payloads`` in order, framed and written as one batch (the same bytes)."""
         self._writer.write_many(payloads)
 
+    def write_framed(self, data, sizes: np.ndarray) -> None:
+        """Records already framed (`crossfeed.format.tfrecord.frame_many`), ``sizes`` their framed
+        sizes, written as one batch: the same bytes and index as `write_many` of their payloads."""
+        self._writer.write_framed(data, sizes)
+
     @property
     def num_records(self) -> int:
         return len(self._writer.offsets)
