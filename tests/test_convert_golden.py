@@ -105,3 +105,39 @@ def test_numpy_and_csv_convert_to_the_same_bytes(tmp_path):
     beam_job.convert(src, tmp_path / "c1", seed=7, num_shards=5)
     got["csv-seed"] = summary(tmp_path / "c1")
     assert got == {k: GOLDEN[k] for k in got}
+
+
+def test_encode_passes_on_no_record_bytes_and_a_damaged_staged_file_is_named(tmp_path):
+    """What ``Encode`` hands the runner is each record's hash, key, place and lengths (a few
+    dozen bytes a record), not its bytes; those are framed in the batch's staged file, where a
+    shard writer that finds the file cut short names it."""
+    import pickle
+
+    from crossfeed.beam_jobs import steps
+    from crossfeed.beam_jobs.records import SampleBatch
+    from crossfeed.beam_jobs.splits import SplitSpec
+    from crossfeed.errors import CrossfeedError
+    from crossfeed.format import tfrecord
+    from crossfeed.format.schema import Encoding, Feature, Schema
+
+    schema = Schema([Feature("v", "float32", (2048,), Encoding.TENSOR)])
+    cfg = steps.WriteConfig(str(tmp_path), "t0", SplitSpec.single("train"), schema=schema)
+    rng = np.random.default_rng(0)
+    batch = SampleBatch("b0", [f"k{i}" for i in range(64)], {"v": rng.normal(size=(64, 2048)).astype(np.float32)})
+    [(batch_id, (parts, summary))] = list(steps.EncodeDoFn(cfg).process(batch))
+    [part] = parts
+    path = os.path.join(cfg.batches_dir, part.name)
+    size = os.path.getsize(path)
+    assert batch_id == "b0" and size > 64 * 8192 and len(pickle.dumps((parts, summary))) < size / 20
+    assert list(part.hashes) == sorted(part.hashes)  # in hash order: a shard's records are one range
+    with open(path, "rb") as f:  # TFRecord frames (both CRCs checked), where the part says they are
+        assert [at for at, _ in tfrecord.records(f.read(), path)] == part.starts.tolist()
+    views, starts = steps._read_pieces(cfg.batches_dir, [part])
+    assert len(views[0]) == size and starts[0] == 0
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(CrossfeedError, match=part.name):
+        steps._read_pieces(cfg.batches_dir, [part])
+    os.unlink(path)
+    with pytest.raises(CrossfeedError, match="staged records are gone"):
+        steps._read_pieces(cfg.batches_dir, [part])
