@@ -48,6 +48,7 @@ def test_killed_conversion_leaves_nothing_readable_and_rerun_is_clean(tmp_path):
     run_killed(tmp_path, tmp_path / "x.npy", out)
     leftovers = os.listdir(out)
     assert any(f.startswith(".tmp-") for f in leftovers) and "crossfeed.json" not in leftovers
+    assert any(f.startswith(".tmp-") and f.endswith(".batches") for f in leftovers)  # the batches' staged records
     with pytest.raises(DatasetNotFoundError):
         open_dataset(out)
     r = beam_job.convert(beam_job.make_source("numpy", tmp_path / "x.npy"), out, num_shards=4)

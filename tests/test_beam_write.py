@@ -132,6 +132,26 @@ def test_duplicate_keys_fail_and_leave_nothing(tmp_path):
         open_dataset(tmp_path)
 
 
+def test_a_failed_conversion_removes_its_staged_batches(tmp_path, monkeypatch):
+    """The batches' staged records live beside the staged shards (``.tmp-<token>.batches`` in the
+    output root); a job that fails after staging them leaves no ``.tmp-`` entry behind."""
+    np.save(tmp_path / "x.npy", np.arange(300, dtype=np.int64))
+    out = tmp_path / "out"
+    seen = []
+
+    def fail(self, element):
+        seen.append(os.path.relpath(self.cfg.batches_dir, out))
+        seen.extend(os.listdir(self.cfg.batches_dir))
+        raise RuntimeError("a shard writer failed")
+        yield
+
+    monkeypatch.setattr(beam_steps.WriteShardDoFn, "process", fail)
+    with pytest.raises(Exception, match="a shard writer failed"):
+        beam_job.convert(beam_job.make_source("numpy", tmp_path / "x.npy"), out, num_shards=2)
+    assert seen[0].startswith(".tmp-") and seen[0].endswith(".batches") and len(seen) > 1
+    assert not [f for f in os.listdir(out) if f.startswith(".tmp-")]
+
+
 def test_empty_input_is_a_clear_error(tmp_path):
     with pytest.raises(Exception, match="no samples") as info:
         with pipeline() as p:
