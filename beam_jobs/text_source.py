@@ -60,7 +60,7 @@ import apache_beam as beam
 import numpy as np
 
 from crossfeed.beam_jobs.policy import ErrorPolicy, OnError, Skips
-from crossfeed.beam_jobs.records import SampleBatch
+from crossfeed.beam_jobs.records import Ragged, SampleBatch
 from crossfeed.beam_jobs.sources import list_files
 from crossfeed.config import parse_size
 from crossfeed.errors import BadInputError, ConfigError, CorruptRecordError, require
@@ -643,49 +643,60 @@ class TokenizeDoFn(beam.DoFn):
     def process(self, batch: SampleBatch):
         spec = self.spec
         texts = batch.columns["text"]
-        encodings = self._encode(texts, batch.keys) if texts else []
-        dtype = np.dtype(spec.dtype).newbyteorder("<")
+        ids = self._encode(texts, batch.keys) if texts else []
+        n = len(ids)
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=n)
+        wide = [x for x in ids if isinstance(x, np.ndarray)]
+        flat = np.concatenate(wide) if wide else np.zeros(0, np.uint32)
+        if len(wide) < n:  # an id past 32 bits: its document's ids left out of the batch's array
+            narrow = np.fromiter(map(lambda x: isinstance(x, np.ndarray), ids), dtype=bool, count=n)
+            flat_lengths = np.where(narrow, lengths, 0)
+        else:
+            narrow, flat_lengths = None, lengths
+        if spec.eos_id is not None:  # the eos id after each document's ids
+            flat = np.insert(flat, np.cumsum(flat_lengths), np.uint32(spec.eos_id))
+            lengths, flat_lengths = lengths + 1, flat_lengths + 1
+        bad = np.zeros(n, dtype=bool) if narrow is None else ~narrow
+        if len(flat) and int(flat.max()) >= spec.id_limit:  # the documents holding an id the dtype cannot hold
+            ends = np.cumsum(flat_lengths)
+            bad[np.searchsorted(ends, np.flatnonzero(flat >= spec.id_limit), side="right")] = True
+        empty = lengths == 0
         skips = Skips(self.on_error)
-        keep, tokens, empty = [], [], 0
-        for i, enc in enumerate(encodings):
-            ids = enc.ids
-            if spec.eos_id is not None:
-                ids = [*ids, spec.eos_id]
-            if not ids:
-                empty += 1
-                continue
-            try:  # the Rust tokenizer's ids are u32: one C conversion (array's: 1.6× numpy's), the bound checked with numpy
-                wide = np.frombuffer(array.array(_U32, ids), dtype=np.uint32)
-                fits = int(wide.max()) < spec.id_limit
-            except OverflowError:  # an id under 0 or past 32 bits
-                fits = False
-            if not fits:
-                top = max(ids)
-                how = "--token-dtype" if spec.token_dtype is not None else "chosen from its vocabulary size"
-                skips.bad(
-                    f"{batch.keys[i]}: tokenizer {spec.name} gave id {top if top >= spec.id_limit else min(ids):,}, "
-                    f"which {spec.dtype} tokens cannot hold ({spec.dtype} {how}); pass --token-dtype uint32"
-                )
-                continue
-            keep.append(i)
-            tokens.append(wide.astype(dtype, copy=False))
+        for i in np.flatnonzero(bad).tolist():
+            doc = [
+                *(ids[i] if isinstance(ids[i], list) else ids[i].tolist()),
+                *([spec.eos_id] if spec.eos_id is not None else []),
+            ]
+            top = max(doc)
+            how = "--token-dtype" if spec.token_dtype is not None else "chosen from its vocabulary size"
+            skips.bad(
+                f"{batch.keys[i]}: tokenizer {spec.name} gave id {top if top >= spec.id_limit else min(doc):,}, "
+                f"which {spec.dtype} tokens cannot hold ({spec.dtype} {how}); pass --token-dtype uint32"
+            )
+        keep = ~(bad | empty)
+        if not keep.all():
+            flat = flat[np.repeat(keep, flat_lengths)]
+        dtype = np.dtype(spec.dtype).newbyteorder("<")
+        tokens = Ragged(flat.astype(dtype, copy=False), lengths[keep])
         dropped = dict(batch.dropped)
-        if empty:
-            dropped[EMPTY] = dropped.get(EMPTY, 0) + empty
-        keys = [batch.keys[i] for i in keep]
+        if int(empty.sum()):
+            dropped[EMPTY] = dropped.get(EMPTY, 0) + int(empty.sum())
+        kept = np.flatnonzero(keep).tolist()
+        keys = [batch.keys[i] for i in kept]
         yield SampleBatch(
             batch.batch_id,
             keys,
-            {TOKENS: tokens, ID: [batch.columns[ID][i] for i in keep]},
+            {TOKENS: tokens, ID: [batch.columns[ID][i] for i in kept]},
             skipped=batch.skipped + skips.count,
             dropped=dropped,
         )
 
-    def _encode(self, texts: list[str], keys: list[str]):
-        """The batch's encodings; a tokenizer that fails is named with the first document it fails on."""
+    def _encode(self, texts: list[str], keys: list[str]) -> list:
+        """Each document's ids as a ``uint32`` array (its id list where an id does not fit 32
+        bits); a tokenizer that fails is named with the first document it fails on."""
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         try:
-            return encode(texts, add_special_tokens=self.spec.add_special_tokens)
+            encodings = encode(texts, add_special_tokens=self.spec.add_special_tokens)
         except Exception:  # the Rust side raises plain Exceptions
             for key, text in zip(keys, texts):
                 try:
@@ -696,3 +707,13 @@ class TokenizeDoFn(beam.DoFn):
                         f"tokenizer"
                     ) from e
             raise
+        return [_uint32(enc.ids) for enc in encodings]
+
+
+def _uint32(ids: list):
+    """A document's ids (the Rust tokenizer's are u32) as a uint32 array — one C conversion,
+    ``array``'s (1.6× numpy's) — or, where one is under 0 or past 32 bits, the list itself."""
+    try:
+        return np.frombuffer(array.array(_U32, ids), dtype=np.uint32)
+    except OverflowError:
+        return ids

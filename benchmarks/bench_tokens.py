@@ -39,8 +39,11 @@ own; the machine's load average is printed beside the numbers.
 written as text (``.txt``, a document per line, each id as its decimal word; a word-level
 ``tokenizers`` tokenizer maps word N to id N, so the tokens written are the corpus's own — checked
 document by document after the first round): the job the command runs, in this process, less the
-time its tokenizer took inside the same run (``encode_batch_fast`` and the id lists), beside the
-tokenizer timed alone on the same documents.
+time its tokenizer took inside the same run (``encode_batch_fast`` and the id lists made
+``uint32`` arrays), beside the tokenizer timed alone on the same documents (the same work), and
+beside the Beam floor: the job's own graph — the same transforms and ``GroupByKey``s on the same
+in-process runner, as many elements at each step — with trivial elements and steps
+(`beam_floor`), the runner's fixed cost that ``convert text`` cannot go under.
 
 LitData and MosaicML Streaming are benchmark-only packages (benchmarks/requirements-bench.txt),
 never dependencies; a system whose package is not importable is left out, and said so.
@@ -234,11 +237,10 @@ def convert_text(root: str, text_dir: str, check: bool = False) -> tuple[float, 
     --token-dtype uint32 --no-special-tokens --no-verify`` in this process: the job the command
     runs (`crossfeed.beam_jobs.job.convert`, Beam's in-process runner), timed from the scan to the
     commit. Returns (seconds, of which tokenizing): the tokenizer's time measured inside the same
-    run — each batch's ``encode_batch_fast`` and the reading of its documents' id lists, wrapped
-    around `TokenizeDoFn._encode` — so that a loaded machine's swings do not land between two runs.
+    run — each batch's ``encode_batch_fast`` and its documents' id lists made ``uint32`` arrays,
+    what `tokenize_text` times, wrapped around `TokenizeDoFn._encode` — so that a loaded machine's
+    swings do not land between two runs.
     ``check``: the tokens written equal the corpus's, document by document (untimed)."""
-    import types as _types
-
     from crossfeed.beam_jobs import job
     from crossfeed.beam_jobs.text_source import TokenizeDoFn
     from crossfeed.write.options import WriteOptions
@@ -251,7 +253,7 @@ def convert_text(root: str, text_dir: str, check: bool = False) -> tuple[float, 
 
     def timed(self, texts, keys):
         t0 = time.perf_counter()
-        got = [_types.SimpleNamespace(ids=e.ids) for e in encode(self, texts, keys)]
+        got = encode(self, texts, keys)
         spent[0] += time.perf_counter() - t0
         return got
 
@@ -273,6 +275,86 @@ def convert_text(root: str, text_dir: str, check: bool = False) -> tuple[float, 
     if check:
         _check_text(root, out)
     return seconds, spent[0]
+
+
+def beam_floor(root: str, docs: int) -> float:
+    """The runner's fixed cost of ``convert text``'s job: the same graph (`WriteDataset`'s
+    transforms and ``GroupByKey``s, behind the same ``Create`` of work units and read and tokenize
+    steps) on the same runner (`crossfeed.beam_jobs.runner.run_pipeline`, the in-process
+    ``FnApiRunner``), the same number of elements at every step — ``TEXT_FILES`` units, batches of
+    ``BATCH_DOCS`` documents, ``SHARDS`` shards — but each a few bytes and each step trivial: no
+    reading, tokenizing, encoding or writing. What this takes, ``convert text`` cannot go under."""
+    import apache_beam as beam
+
+    from crossfeed.beam_jobs import runner, write
+    from crossfeed.beam_jobs.text_source import BATCH_DOCS
+
+    per_file = -(-(docs // TEXT_FILES) // BATCH_DOCS)
+    batch_ids = [f"{k}-{c}" for k in range(TEXT_FILES) for c in range(per_file)]
+
+    class Read(beam.DoFn):
+        def process(self, unit):
+            yield from (f"{unit}-{c}" for c in range(per_file))
+
+    class Encode(beam.DoFn):
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        def process(self, batch_id):
+            yield batch_id, ([("train", batch_id)], ("summary", batch_id))
+
+    class Plan(beam.DoFn):
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        def process(self, element):
+            got = list(element[1])
+            assert len(got) == len(batch_ids) + 1, len(got)
+            for b in batch_ids:
+                yield "route", b, "table"
+            for i in range(SHARDS):
+                yield "shard", ("train", i), ("plan", i)
+            yield "commit", 0, "info"
+
+    def route(element):
+        for i in range(SHARDS):
+            yield ("train", i), ("piece", element[0])
+
+    class WriteShard(beam.DoFn):
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        def process(self, element):
+            got = list(element[1])
+            assert len(got) == len(batch_ids) + 1, len(got)
+            yield 0, ("staged", element[0])
+
+    class Commit(beam.DoFn):
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        def process(self, element):
+            got = list(element[1])
+            assert len(got) == SHARDS + 1, len(got)
+            yield len(got)
+
+    real = {n: getattr(write, n) for n in ("EncodeDoFn", "PlanDoFn", "route_batch", "WriteShardDoFn", "CommitDoFn")}
+    fake = {"EncodeDoFn": Encode, "PlanDoFn": Plan, "route_batch": route, "WriteShardDoFn": WriteShard}
+    for name, value in {**fake, "CommitDoFn": Commit}.items():
+        setattr(write, name, value)
+    try:
+        t = time.perf_counter()
+        write_step = write.WriteDataset(os.path.join(root, "floor"), batched=True, token="floor")
+
+        def build(p):
+            units = p | "Units" >> beam.Create(list(range(TEXT_FILES)), reshuffle=False) | "Read" >> beam.ParDo(Read())
+            return units | "Tokenize" >> beam.Map(lambda b: b) | "Write" >> write_step
+
+        runner.run_pipeline(build, work_units=TEXT_FILES)
+        return time.perf_counter() - t
+    finally:
+        for name, value in real.items():
+            setattr(write, name, value)
 
 
 def _check_text(root: str, out: str) -> None:
@@ -393,6 +475,8 @@ def write_writers(root: str, systems: list[str], length: int, repeat: int, text:
 
         writers["crossfeed convert text"] = conv
         writers["tokenization"] = lambda r: tokenize_text(text_dir)
+        docs = int(np.load(os.path.join(root, "offsets.npy"), mmap_mode="r").shape[0]) - 1
+        writers["Beam floor (convert's graph)"] = lambda r: beam_floor(r, docs)
     if "ld" in systems:
         writers["LitData optimize"] = write_litdata
     if "mds" in systems:
@@ -407,7 +491,7 @@ def write_writers(root: str, systems: list[str], length: int, repeat: int, text:
     )
     xf = times["crossfeed write_dataset"]
     for k, v in times.items():
-        peer = not k.startswith("crossfeed") and k != "tokenization"
+        peer = not k.startswith(("crossfeed", "Beam floor")) and k != "tokenization"
         ratio = f"  crossfeed takes {min(xf) / min(v):.2f}× its time" if peer else ""
         if repeat > 1:  # the median's ratio too: the load moves single rounds
             ratio += f" (median {float(np.median(xf)) / float(np.median(v)):.2f}×)" if ratio else ""
@@ -418,7 +502,12 @@ def write_writers(root: str, systems: list[str], length: int, repeat: int, text:
         conv = [c - t for c, t in zip(times["crossfeed convert text"], inside)]
         print(f"  {'convert text - tokenizing':<28} {min(conv):6.2f}  rounds: " + ", ".join(f"{t:.2f}" for t in conv))
         for k in times:
-            if k not in ("crossfeed convert text", "tokenization", "crossfeed write_dataset"):
+            if k not in (
+                "crossfeed convert text",
+                "tokenization",
+                "crossfeed write_dataset",
+                "Beam floor (convert's graph)",
+            ):
                 print(
                     f"    convert text less tokenization over {k}: {min(conv) / min(times[k]):.2f}× "
                     f"(median {float(np.median(conv)) / float(np.median(times[k])):.2f}×)"

@@ -85,6 +85,57 @@ def test_text_converts_to_the_same_bytes(tmp_path):
     assert got == {k: GOLDEN[k] for k in got}
 
 
+def test_text_with_eos_uint16_skips_and_crlf_converts_to_the_same_bytes(tmp_path):
+    """JSONL and .txt lines (CRLF and LF, blank lines, lines that are not JSON), an eos id after
+    every document, uint16 tokens forced and ids past them skipped (digests computed at 94d33ba,
+    before the batch-at-a-time tokens step)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from crossfeed.beam_jobs.policy import ErrorPolicy
+
+    words = [f"w{i}" for i in range(70_000)]
+    vocab = {w: i for i, w in enumerate(words)} | {"[UNK]": 70_000, "[EOS]": 70_001}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tok.json"))
+    rng = np.random.default_rng(11)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    with open(docs / "a.jsonl", "w") as f:
+        for i in range(900):
+            text = " ".join(
+                words[j] for j in rng.integers(0, 70_000 if i % 7 == 0 else 60_000, int(rng.integers(0, 40)))
+            )
+            f.write(("not json" if i % 97 == 5 else "" if i % 50 == 3 else json.dumps({"text": text})) + "\n")
+    with open(docs / "b.txt", "wb") as f:
+        for i in range(600):
+            text = " ".join(words[j] for j in rng.integers(0, 60_000, int(rng.integers(0, 30))))
+            f.write((text + ("\r\n" if i % 3 else "\n")).encode())
+    got = {}
+    for name, dtype, eos, options in (
+        ("text-u16-eos-skip", "uint16", "w5", {"num_shards": 3}),
+        ("text-u32-eos-splits", None, "[EOS]", {"splits": "train=0.6,test=0.4", "num_shards": 2}),
+    ):
+        src = beam_job.make_source(
+            "text",
+            docs,
+            tokenizer=str(tmp_path / "tok.json"),
+            per_line=True,
+            token_dtype=dtype,
+            eos=eos,
+            add_special_tokens=False,
+            on_error=ErrorPolicy("skip", 1000),
+        )
+        beam_job.convert(src, tmp_path / name, max_skips=1000, **options)
+        got[name] = summary(tmp_path / name)
+    assert got == {
+        "text-u16-eos-skip": "10 f00b05ed5cb096e255358f5a016018ea",
+        "text-u32-eos-splits": "13 055ca4c919a92bf5e2b87ae06d22255f",
+    }
+
+
 def test_numpy_and_csv_convert_to_the_same_bytes(tmp_path):
     rng = np.random.default_rng(5)
     np.savez(tmp_path / "a.npz", x=rng.normal(size=(900, 2, 3)).astype(np.float32), y=rng.integers(0, 5, 900))
