@@ -5,8 +5,10 @@ work ``units()`` (small descriptors in a fixed order, e.g. a file and a row rang
 ``read(unit)``, which yields `records.SampleBatch` chunks with stable keys and batch ids. The
 unit list is made on the launching machine; units are read in parallel by the runner's workers.
 A source may also name ``steps()``: ``(label, DoFn)`` pairs each batch goes through after it is
-read (the text source's tokenizer, loaded once per worker in the DoFn's ``setup``), and
-``length_features``: the features whose per-record lengths the dataset keeps (lengths files).
+read (the text source's tokenizer, loaded once per worker in the DoFn's ``setup``),
+``length_features``: the features whose per-record lengths the dataset keeps (lengths files), and
+``reader()``: the copy of itself the read step ships to the workers, less what only its steps
+need (the text source's tokenizer JSON: the runner pickles, compresses and loads each step's DoFn).
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ class ReadSource(beam.PTransform):
 
     def expand(self, pbegin):
         out = (
-            pbegin | "Units" >> beam.Create(self._units, reshuffle=False) | "Read" >> beam.ParDo(_ReadUnit(self.source))
+            pbegin
+            | "Units" >> beam.Create(self._units, reshuffle=False)
+            | "Read" >> beam.ParDo(_ReadUnit(getattr(self.source, "reader", lambda: self.source)()))
         )
         for label, dofn in getattr(self.source, "steps", list)():
             out = out | label >> beam.ParDo(dofn)

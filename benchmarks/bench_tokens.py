@@ -277,13 +277,15 @@ def convert_text(root: str, text_dir: str, check: bool = False) -> tuple[float, 
     return seconds, spent[0]
 
 
-def beam_floor(root: str, docs: int) -> float:
+def beam_floor(root: str, docs: int, carry: str = "") -> float:
     """The runner's fixed cost of ``convert text``'s job: the same graph (`WriteDataset`'s
     transforms and ``GroupByKey``s, behind the same ``Create`` of work units and read and tokenize
     steps) on the same runner (`crossfeed.beam_jobs.runner.run_pipeline`, the in-process
     ``FnApiRunner``), the same number of elements at every step — ``TEXT_FILES`` units, batches of
     ``BATCH_DOCS`` documents, ``SHARDS`` shards — but each a few bytes and each step trivial: no
-    reading, tokenizing, encoding or writing. What this takes, ``convert text`` cannot go under."""
+    reading, tokenizing, encoding or writing. What this takes, ``convert text`` cannot go under.
+    ``carry``: text the read and tokenize steps hold (as the job's hold its tokenizer's JSON, which
+    the runner pickles with them)."""
     import apache_beam as beam
 
     from crossfeed.beam_jobs import runner, write
@@ -293,8 +295,18 @@ def beam_floor(root: str, docs: int) -> float:
     batch_ids = [f"{k}-{c}" for k in range(TEXT_FILES) for c in range(per_file)]
 
     class Read(beam.DoFn):
+        def __init__(self, carry: str):
+            self.carry = carry
+
         def process(self, unit):
             yield from (f"{unit}-{c}" for c in range(per_file))
+
+    class Tokenize(beam.DoFn):
+        def __init__(self, carry: str):
+            self.carry = carry
+
+        def process(self, batch_id):
+            yield batch_id
 
     class Encode(beam.DoFn):
         def __init__(self, cfg):
@@ -347,8 +359,9 @@ def beam_floor(root: str, docs: int) -> float:
         write_step = write.WriteDataset(os.path.join(root, "floor"), batched=True, token="floor")
 
         def build(p):
-            units = p | "Units" >> beam.Create(list(range(TEXT_FILES)), reshuffle=False) | "Read" >> beam.ParDo(Read())
-            return units | "Tokenize" >> beam.Map(lambda b: b) | "Write" >> write_step
+            units = p | "Units" >> beam.Create(list(range(TEXT_FILES)), reshuffle=False)
+            batches = units | "Read" >> beam.ParDo(Read(carry)) | "Tokenize" >> beam.ParDo(Tokenize(carry))
+            return batches | "Write" >> write_step
 
         runner.run_pipeline(build, work_units=TEXT_FILES)
         return time.perf_counter() - t

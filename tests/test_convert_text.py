@@ -221,3 +221,23 @@ def test_verify_names_a_changed_or_missing_lengths_file(tmp_path):
     (out / name).unlink()
     r = runner.invoke(root, ["verify", str(out)])
     assert r.exit_code == 1 and f"{name}: lengths file is missing" in r.output
+
+
+def test_the_tokenizer_travels_once_and_compressed(tmp_path):
+    """The read step ships the source without the tokenizer's JSON (only the tokenize step
+    needs it), and a pickled tokenizer spec holds its JSON compressed, the same spec unpickled."""
+    import pickle
+
+    from crossfeed.beam_jobs.job import make_source
+
+    tok = tmp_path / "tok.json"
+    train_tokenizer(tok, added=2000)
+    (tmp_path / "d.txt").write_text("the quick fox\n")
+    src = make_source("text", tmp_path / "d.txt", tokenizer=tok, per_line=True, eos="[EOS]")
+    text = src.tokenizer.text
+    assert len(text) > 50_000
+    assert pickle.loads(pickle.dumps(src)) == src
+    assert len(pickle.dumps(src.tokenizer)) < len(text) / 2
+    reader = src.reader()
+    assert len(pickle.dumps(reader)) < 4_000 and reader.tokenizer.text == ""
+    assert list(reader.read(reader.units()[0]))[0].keys == ["d.txt:1"]
