@@ -380,7 +380,7 @@ class TextSource:
         sub = f"{unit[3]:06d}" if kind == "parquet" else "0"
         chunk, keys, texts, empty, reported, size = 0, [], [], 0, 0, 0
         for key, text in docs:
-            if text is None or not text.strip():
+            if not text or text.isspace():  # None, empty or whitespace only (strip's whitespace, without its copy)
                 empty += 1
             else:
                 keys.append(key)
@@ -396,7 +396,7 @@ class TextSource:
         path = os.path.join(self.root, rel)
         limit = self.max_document_bytes
         with _open(path) as f:
-            lines = _Lines(f, limit, path)
+            lines = Lines(f, limit, path) if isinstance(f, gzip.GzipFile) else BlockLines(f, limit, path)
             for raw in _good_lines(lines, skips):
                 line = lines.line
                 if jsonl:
@@ -455,7 +455,7 @@ class TextSource:
         path = os.path.join(self.root, rel)
         _raise_csv_field_limit(self.max_document_bytes)
         with open(path, "rb") as f:
-            lines = _Lines(f, self.max_document_bytes, path, decode=True)
+            lines = Lines(f, self.max_document_bytes, path, decode=True)
             reader = csv.reader(lines, delimiter="\t" if rel.lower().endswith(".tsv") else ",")
             try:
                 head = next(reader, None) or []
@@ -491,7 +491,7 @@ class _BadLine(Exception):
     """A line that is no document: longer than the bound, or not UTF-8 (its message says which)."""
 
 
-class _Lines:
+class Lines:
     """The lines of an open binary file, each read with a bounded ``readline``: a line longer than
     ``limit`` bytes is never held whole (its rest is read past in small pieces) and raises
     `_BadLine`, as does one that is not UTF-8 when ``decode``; the iteration goes on after either
@@ -529,11 +529,72 @@ class _Lines:
             raise _BadLine(f"not UTF-8 text (byte {e.start} of the line)") from None
 
 
+class BlockLines(Lines):
+    """`Lines` of a plain (not gzip) file read a block at a time: the same lines, line numbers
+    and errors, without a ``readline`` call and its copy a line. A line is cut from the block it
+    lies in; one longer than ``limit`` is never held whole (at most ``limit + 1`` bytes of it, and
+    a block) and its rest is read past a block at a time. ``block``: the bytes read at once."""
+
+    block = 1 << 20
+
+    def __init__(self, f, limit: int, path: str, *, decode: bool = False):
+        super().__init__(f, limit, path, decode=decode)
+        self._buf, self._at, self._eof = b"", 0, False
+
+    def _more(self) -> bool:
+        """The next block after what is left unread of this one; False at the end of the file."""
+        if self._eof:
+            return False
+        rest = self._buf[self._at :]
+        try:
+            got = self.f.read(max(self.block, len(rest)))
+        except OSError as e:
+            raise _Unreadable(f"{self.path}: not readable after line {self.line} ({e})") from e
+        if not got:
+            self._eof = True
+            return False
+        self._buf, self._at = rest + got, 0
+        return True
+
+    def __next__(self):
+        while self._inside:  # past the rest of an over-long line
+            nl = self._buf.find(b"\n", self._at)
+            if nl >= 0:
+                self._at, self._inside = nl + 1, False
+            else:
+                self._buf, self._at = b"", 0
+                self._inside = self._more()
+        while True:
+            end = self._at + self.limit + 1
+            nl = self._buf.find(b"\n", self._at, end)
+            if nl >= 0:
+                raw, self._at = self._buf[self._at : nl + 1], nl + 1
+                break
+            if len(self._buf) >= end:  # limit + 1 bytes and no line end yet
+                self.line += 1
+                self._at, self._inside = end, True
+                raise _BadLine(
+                    f"a line of more than {self.limit:,} bytes, longer than a document may be (--max-document-bytes)"
+                )
+            if not self._more():
+                if self._at >= len(self._buf):
+                    raise StopIteration
+                raw, self._at = self._buf[self._at :], len(self._buf)
+                break
+        self.line += 1
+        if not self.decode:
+            return raw
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _BadLine(f"not UTF-8 text (byte {e.start} of the line)") from None
+
+
 class _Unreadable(Exception):
     """The rest of a file cannot be read (a damaged gzip stream)."""
 
 
-def _good_lines(lines: _Lines, skips: Skips):
+def _good_lines(lines: Lines, skips: Skips):
     """The lines of ``lines`` that are not `_BadLine` (those go to ``skips``, named file:line)."""
     while True:
         try:
@@ -593,7 +654,7 @@ def _csv_column(path: str, column: str, limit: int = MAX_DOCUMENT_BYTES) -> None
             head = (
                 next(
                     csv.reader(
-                        _Lines(f, limit, path, decode=True), delimiter="\t" if path.lower().endswith(".tsv") else ","
+                        Lines(f, limit, path, decode=True), delimiter="\t" if path.lower().endswith(".tsv") else ","
                     ),
                     None,
                 )

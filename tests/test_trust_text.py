@@ -351,3 +351,39 @@ def test_a_batch_of_documents_is_bounded_by_its_text(tmp_path, tok, monkeypatch)
     batches = [b for u in source.units() for b in source.read(u)]
     assert [len(b) for b in batches] == [2, 2, 2, 1]
     assert all(sum(map(len, b.columns["text"])) < 100 + 64 for b in batches)
+
+
+def _walk_lines(lines) -> list:
+    """Every line a line reader gives, or the `_BadLine` it raises, with its line number."""
+    out = []
+    while True:
+        try:
+            got = next(lines)
+        except StopIteration:
+            return out
+        except Exception as e:  # the reader's bad line: named, and the reading goes on
+            out.append((lines.line, type(e).__name__, str(e)))
+        else:
+            out.append((lines.line, got))
+
+
+_PIECES = [b"a", b"bc", b"\n", b"\r\n", b"\r", b"\xff", b"\xc3\xa9", b"x" * 7, b"\n\n"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    body=st.one_of(st.binary(max_size=120), st.lists(st.sampled_from(_PIECES), max_size=40).map(b"".join)),
+    limit=st.integers(1, 12),
+    block=st.integers(1, 9),
+    decode=st.booleans(),
+)
+def test_lines_read_a_block_at_a_time_are_those_of_readline(body, limit, block, decode):
+    """A plain .txt or .jsonl file's lines are read a block at a time: the same lines, line
+    numbers and over-long or non-UTF-8 lines as the bounded ``readline`` gives, whatever the
+    block size."""
+    import io
+
+    want = _walk_lines(_text_source.Lines(io.BytesIO(body), limit, "f.txt", decode=decode))
+    fast = _text_source.BlockLines(io.BytesIO(body), limit, "f.txt", decode=decode)
+    fast.block = block
+    assert _walk_lines(fast) == want
