@@ -191,7 +191,7 @@ def encode_parts(
         parts.append(part)
         buckets, counts = np.unique((part.hashes >> np.uint64(64 - BUCKET_BITS)).astype(np.int64), return_counts=True)
         summary.buckets[name] = (buckets, counts.astype(np.int64))
-        summary.num_bytes[name] = sum(len(p) for p in part.payloads)
+        summary.num_bytes[name] = sum(map(len, part.payloads))
         summary.stats[name] = batch_stats(schema, batch if everything else batch.take(idx), lengths)
     return parts, summary
 

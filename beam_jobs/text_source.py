@@ -180,8 +180,15 @@ class TokenizerSpec:
     def __reduce__(self):
         """Pickled with its JSON zlib-compressed: the runner pickles each step's DoFn and
         bz2-compresses it, which takes about 0.1 s a MB of JSON (a tokenizer's is 1-10 MB)."""
-        fields = (self.name, self.sha256, self.vocab_size, self.add_special_tokens, self.eos_id)
-        return _unpack_spec, (fields, zlib.compress(self.text.encode("utf-8"), 1), self.token_dtype)
+        fields = {
+            "name": self.name,
+            "sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "add_special_tokens": self.add_special_tokens,
+            "eos_id": self.eos_id,
+            "token_dtype": self.token_dtype,
+        }
+        return _unpack_spec, (fields, zlib.compress(self.text.encode("utf-8"), 1))
 
     def metadata(self) -> dict:
         return {
@@ -195,8 +202,8 @@ class TokenizerSpec:
         }
 
 
-def _unpack_spec(fields: tuple, packed: bytes, token_dtype: str | None) -> TokenizerSpec:
-    return TokenizerSpec(*fields, text=zlib.decompress(packed).decode("utf-8"), token_dtype=token_dtype)
+def _unpack_spec(fields: dict, packed: bytes) -> TokenizerSpec:
+    return TokenizerSpec(**fields, text=zlib.decompress(packed).decode("utf-8"))
 
 
 def _post_processor_ids(text: str) -> list[int]:
