@@ -73,6 +73,7 @@ import itertools
 import logging
 import math
 import mmap
+import operator
 import os
 import sys
 import threading
@@ -1507,6 +1508,7 @@ class PackBuilder:
         self.epoch = 0  # the epoch of untagged batches (`Pipeline.set_epoch`)
         self._shards: TokenShards | None | bool = False  # the fast path's checked shards (False: not looked at)
         self._pads: dict[tuple[str, int], memoryview] = {}
+        self._ranges: dict[tuple[str, int], np.ndarray] = {}  # `_count`, `_ramp`
 
     @property
     def alloc(self):
@@ -1573,6 +1575,83 @@ class PackBuilder:
         if fast is not None and tick is not None:  # the read: the checked shards' offsets looked up
             tick.bytes += int(pieces[:, 3].sum()) * sum(d.itemsize for _, d in self.features)
             tick.tick("read")
+        if fast is not None and self.inner.alloc is None:  # this process's own batch: `_sliced`
+            out = self._sliced(pieces, rows, width, fast, tick)
+        else:
+            out = self._built(pieces, rows, width, fast, tick)
+        if self.post is not None:  # its generator (a transform taking rng) keyed by the batch's tagged step
+            out = call_batch_transform(
+                self.post, out, self.inner.recipe, epoch_of(encoded, self.epoch), step_of(encoded)
+            )
+            if tick is not None:
+                tick.tick("transform")
+        return out
+
+    def _sliced(self, pieces: np.ndarray, rows: int, width: int, fast, tick) -> dict[str, np.ndarray]:
+        """The batch of ``pieces`` (row by row, each row's from column 0) cut from the checked
+        shards' bytes: per feature one ``bytearray.join`` of the pieces' slices, each row's padding
+        (a slice of a row of ``pad_id``, empty for a full row) after its pieces, so the joined bytes
+        are the batch; segment ids and positions with the padding as a piece of segment 0 after
+        each row's, one ``np.repeat`` each over the batch's pieces."""
+        offsets, view = fast
+        n = len(pieces)
+        up = self._count(n + rows)  # 0, 1, 2, …
+        row, count = pieces[:, 0], pieces[:, 3]
+        ends = np.concatenate((up[:1], row.searchsorted(up[1 : rows + 1])))  # where each row's pieces end (after 0)
+        through = np.concatenate((up[:1], count.cumsum()))[ends]  # tokens through each row (after 0)
+        gap = width - (through[1:] - through[:-1])  # each row's padding
+        # the pieces and padding entries laid row by row: piece i at i + its row, row r's padding
+        # after its pieces (at ends[r + 1] + r)
+        moved = up[:n] + row
+        pads = ends[1:] + up[:rows]
+        m = n + rows
+        counts = np.empty(m, dtype=np.int64)
+        counts[moved], counts[pads] = count, gap
+        padding = np.zeros(m, dtype=np.int8)
+        padding[pads] = 1
+        which = padding.tolist()
+        lo = np.zeros(m, dtype=np.int64)
+        out = {}
+        for i, (name, dtype) in enumerate(self.features):
+            size = dtype.itemsize
+            lo[moved] = offsets[:, i] + pieces[:, 2] * size
+            sources = map((view, self._pad(dtype, width)).__getitem__, which)
+            cut = map(operator.getitem, sources, map(slice, lo.tolist(), (lo + counts * size).tolist()))
+            out[name] = np.frombuffer(bytearray().join(cut), dtype.newbyteorder("<")).reshape(rows, width)
+        if tick is not None:  # the decode: the slices joined
+            tick.tick("decode")
+        if self.segments:
+            seg_of = np.zeros(m, dtype=np.int32)  # each piece's number in its row, from 1; padding 0
+            seg_of[moved] = up[1 : n + 1] - ends[row]
+            seg = seg_of.repeat(counts)
+            before = (counts.cumsum() - counts).astype(np.int32)  # where each entry starts in the batch
+            pos = before.repeat(counts)
+            np.subtract(self._ramp(rows * width), pos, out=pos)
+            np.copyto(pos, 0, where=seg == 0)  # padding: position 0
+            out[SEGMENT_IDS], out[POSITIONS] = seg.reshape(rows, width), pos.reshape(rows, width)
+        if tick is not None:
+            tick.tick("batch")
+        return out
+
+    def _count(self, n: int) -> np.ndarray:
+        """``0, 1, 2, …`` (int64, read only) of at least ``n + 1`` numbers, made once (grown as needed)."""
+        got = self._ranges.get(("count", 0))
+        if got is None or len(got) <= n:
+            got = self._ranges[("count", 0)] = np.arange(max(2 * n, 1024), dtype=np.int64)
+            got.flags.writeable = False
+        return got
+
+    def _ramp(self, total: int) -> np.ndarray:
+        """``0 .. total - 1`` (int32), made once (read only)."""
+        got = self._ranges.get(("ramp", total))
+        if got is None:
+            got = self._ranges[("ramp", total)] = np.arange(total, dtype=np.int32)
+            got.flags.writeable = False
+        return got
+
+    def _built(self, pieces: np.ndarray, rows: int, width: int, fast, tick) -> dict[str, np.ndarray]:
+        """The batch of ``pieces`` by the general way (records read and decoded), or sliced from
+        the checked shards into arrays of ``alloc`` (a worker process's shared memory)."""
         if fast is None:
             ids, first = np.unique(pieces[:, 1], return_index=True)
             values, kept = self._decoded(ids, pieces[first, 4], tick)
@@ -1588,15 +1667,10 @@ class PackBuilder:
         full = total == rows * width  # every row full (no row holds more): the flat arrays are the batch
         alloc = self.inner.alloc
         direct = full and alloc is None  # ... taken as they are, no copy
-        # rows with room left, sliced from the shards: each row's padding joined in after its
-        # pieces, so the joined arrays are the batch too (no copy row by row)
-        padded = not full and alloc is None and fast is not None
         alloc = alloc or np.empty
         if not full:
             fill = np.bincount(row, weights=count, minlength=rows).astype(np.int64)
             cuts = np.concatenate([[0], np.cumsum(fill)]).tolist()
-            gap = width - fill  # each row's padding
-            ends = np.cumsum(np.bincount(row, minlength=rows))  # where each row's pieces end
 
         def place(flat: np.ndarray, dtype, pad) -> np.ndarray:
             if direct:
@@ -1618,12 +1692,6 @@ class PackBuilder:
                 size = dtype.itemsize
                 lo = offsets[:, i] + start * size
                 cut = map(view.__getitem__, map(slice, lo.tolist(), (lo + count * size).tolist()))
-                if padded:
-                    slices, pad = list(cut), self._pad(dtype, width)
-                    for r in np.flatnonzero(gap)[::-1].tolist():
-                        slices.insert(int(ends[r]), pad[: int(gap[r]) * size])
-                    out[name] = np.frombuffer(bytearray().join(slices), dtype.newbyteorder("<")).reshape(rows, width)
-                    continue
                 joined = bytearray().join(cut) if direct else b"".join(cut)  # (a bytearray: the batch is writable)
                 out[name] = place(np.frombuffer(joined, dtype.newbyteorder("<"), count=total), dtype, self.pad_id)
             if tick is not None:  # the decode: the slices joined
@@ -1636,17 +1704,9 @@ class PackBuilder:
                     np.concatenate(parts or [np.zeros(0, dtype)]).astype(dtype, copy=False), dtype, self.pad_id
                 )
         if self.segments:
-            out[SEGMENT_IDS], out[POSITIONS] = self._segments(
-                row, count, total, place, (gap, ends, rows * width) if padded else None
-            )
+            out[SEGMENT_IDS], out[POSITIONS] = self._segments(row, count, total, place)
         if tick is not None:
             tick.tick("batch")
-        if self.post is not None:  # its generator (a transform taking rng) keyed by the batch's tagged step
-            out = call_batch_transform(
-                self.post, out, self.inner.recipe, epoch_of(encoded, self.epoch), step_of(encoded)
-            )
-            if tick is not None:
-                tick.tick("transform")
         return out
 
     def _pad(self, dtype: np.dtype, width: int) -> memoryview:
@@ -1658,32 +1718,19 @@ class PackBuilder:
         return got
 
     @staticmethod
-    def _segments(row: np.ndarray, count: np.ndarray, total: int, place, padded=None) -> tuple[np.ndarray, np.ndarray]:
-        """``(segment_ids, positions)`` of pieces ``(row, count)`` laid row by row; ``padded``:
-        ``(each row's padding, where each row's pieces end, rows × width)`` — built with the
-        padding as a piece of segment 0 at each row's end, in place."""
+    def _segments(row: np.ndarray, count: np.ndarray, total: int, place) -> tuple[np.ndarray, np.ndarray]:
+        """``(segment_ids, positions)`` of pieces ``(row, count)`` laid row by row, each put in
+        the batch by ``place``."""
         new_row = np.empty(len(row), dtype=bool)
         new_row[:1] = True
         np.not_equal(row[1:], row[:-1], out=new_row[1:])
         idx = np.arange(len(row))
         row_first = np.maximum.accumulate(np.where(new_row, idx, 0))
         seg_of = (idx - row_first + 1).astype(np.int32)
-        if padded is not None:  # one padding piece after each row's pieces (piece i moves on by its row)
-            gap, ends, total = padded
-            rows = len(gap)
-            moved, pads = idx + row, ends + np.arange(rows)
-            count_p = np.empty(len(row) + rows, dtype=np.int64)
-            count_p[moved], count_p[pads] = count, gap
-            seg_p = np.zeros(len(row) + rows, dtype=np.int32)
-            seg_p[moved] = seg_of
-            count, seg_of = count_p, seg_p
         before = (np.cumsum(count) - count).astype(np.int32)
         seg = np.repeat(seg_of, count)
         ramp = np.arange(total, dtype=np.int32)
         ramp -= np.repeat(before, count)
-        if padded is not None:
-            np.multiply(ramp, seg != 0, out=ramp)  # padding: position 0
-            return seg.reshape(rows, -1), ramp.reshape(rows, -1)
         return place(seg, np.int32, 0), place(ramp, np.int32, 0)
 
 
