@@ -730,55 +730,68 @@ class _BestFitChunks:
         return tuple(tuple(pieces[a:b]) for a, b in map(at.__getitem__, self.keys))
 
     def add(self, ids: np.ndarray, lens: np.ndarray, drop: bool, first: int) -> tuple[int, np.ndarray]:
-        """Pack a chunk of documents: ``(rows emitted, their pieces)``, rows numbered from ``first``."""
+        """Pack a chunk of documents: ``(rows emitted, their pieces)``, rows numbered from ``first``.
+
+        The step per document is a search, a removal and an insertion in ``spaces`` (its end held
+        by a key past every room, so a search always lands) and the key of the row it went to;
+        what the step needs of each document (its last piece's tokens, shifted into a key) is
+        computed for the chunk in numpy first, and long or empty documents take a branch of
+        their own."""
         L, bins, SH, MASK = self.length, self.bins, self.SH, self.MASK
         spaces, keys, seq = self.spaces, self.keys, self.seq
-        left, insort, pop, remove = bisect.bisect_left, bisect.insort, spaces.pop, spaces.remove
-        went = [-1] * len(lens)  # the row each document's (last) piece went to; -1: none
+        left, insort, remove = bisect.bisect_left, bisect.insort, spaces.remove
+        end = (L + 1) << SH  # past every room
+        spaces.append(end)
+        went: list[int] = []  # per document: the key of the row its (last) piece went to; -1: none
+        put = went.append
         emitted: list[int] = []
+        emit = emitted.append
         whole: list[tuple[int, int, int]] = []  # (row, document's index, start): full rows of a long document
-        for j, n in enumerate(lens.tolist()):
-            if n > L:
-                if drop:
+        last = np.where(lens > L, (lens - 1) // L * L, 0)  # a long document's last piece starts there
+        needs = ((lens - last) << SH).tolist()  # each document's last piece, as a key
+        odd = (lens > L) | (lens <= 0)
+        special = odd.tolist() if odd.any() else None
+        for j, need in enumerate(needs):
+            if special is not None and special[j]:
+                n = int(lens[j])
+                if not n or drop:
+                    put(-1)
                     continue
-                start = 0
-                while n - start > L:
+                for start in range(0, n - L, L):
                     whole.append((seq, j, start))
-                    emitted.append(seq)
+                    emit(seq)
                     seq += 1
-                    start += L
-                n -= start
-            elif not n:
-                continue
-            i = left(spaces, n << SH)
-            if i < len(spaces):
-                key = pop(i)
-                s = key & MASK
-                room = (key >> SH) - n
-                if room:
-                    key = room << SH | s
+            i = left(spaces, need)
+            key = spaces[i]
+            if key != end:  # the best-fitting open row
+                del spaces[i]
+                key -= need
+                if key > MASK:
                     insort(spaces, key)
-                    keys[s] = key
+                    keys[key & MASK] = key
                 else:  # full: emitted now
-                    del keys[s]
-                    emitted.append(s)
+                    del keys[key]
+                    emit(key)
+                put(key)
+                continue
+            if len(keys) >= bins:  # the oldest open row is closed
+                old = next(iter(keys))
+                remove(keys.pop(old))
+                emit(old)
+            key = (L << SH) - need
+            if key:
+                key |= seq
+                insort(spaces, key)
+                keys[seq] = key
             else:
-                if len(keys) >= bins:  # the oldest open row is closed
-                    old = next(iter(keys))
-                    remove(keys.pop(old))
-                    emitted.append(old)
-                s, seq = seq, seq + 1
-                if n < L:
-                    key = (L - n) << SH | s
-                    insort(spaces, key)
-                    keys[s] = key
-                else:
-                    emitted.append(s)
-            went[j] = s
+                emit(seq)
+            put(seq)
+            seq += 1
+        spaces.pop()
         self.seq = seq
         rows = np.asarray(went, dtype=np.int64)
         placed = rows >= 0
-        last = np.where(lens > L, (lens - 1) // L * L, 0)  # a long document's last piece starts there
+        rows &= MASK
         parts = [self.carry]
         if whole:
             w = np.asarray(whole, dtype=np.int64)
@@ -801,12 +814,23 @@ class _BestFitChunks:
             self.carry = pieces
             return 0, pieces[:0]
         e = np.asarray(emitted, dtype=np.int64)
-        order = np.argsort(e, kind="stable")
-        ranked = e[order]
-        at = np.minimum(np.searchsorted(ranked, pieces[:, 0]), len(e) - 1)
-        out = ranked[at] == pieces[:, 0]
-        rank = order[at[out]]
-        keep = np.argsort(rank, kind="stable")
+        numbers = pieces[:, 0]
+        bounds = [int(e.min()), int(e.max())] + ([int(numbers.min()), int(numbers.max())] if len(numbers) else [])
+        lo, span = min(bounds), max(bounds) - min(bounds) + 1
+        if span <= 4 * len(pieces) + 1024:  # each row's rank by a table over the rows' numbers
+            table = np.full(span, -1, dtype=np.int64)
+            table[e - lo] = np.arange(len(e))
+            rank = table[numbers - lo]
+            out = rank >= 0
+            rank = rank[out]
+        else:  # an open row far older than the rest (memory stays O(pieces)): by a search
+            order = np.argsort(e, kind="stable")
+            ranked = e[order]
+            at = np.minimum(np.searchsorted(ranked, numbers), len(e) - 1)
+            out = ranked[at] == numbers
+            rank = order[at[out]]
+        # each row's pieces in the order they were added (a stable sort; a radix sort on 16 bits)
+        keep = np.argsort(rank.astype(np.uint16) if len(e) <= 1 << 16 else rank, kind="stable")
         block = pieces[out][keep]
         block[:, 0] = first + rank[keep]
         self.carry = pieces[~out]
