@@ -748,11 +748,11 @@ class _BestFitChunks:
         emit = emitted.append
         whole: list[tuple[int, int, int]] = []  # (row, document's index, start): full rows of a long document
         last = np.where(lens > L, (lens - 1) // L * L, 0)  # a long document's last piece starts there
-        needs = ((lens - last) << SH).tolist()  # each document's last piece, as a key
-        odd = (lens > L) | (lens <= 0)
-        special = odd.tolist() if odd.any() else None
-        for j, need in enumerate(needs):
-            if special is not None and special[j]:
+        # each document's last piece as a key; a long or empty document's -1 - its index
+        needs = np.where((lens > L) | (lens <= 0), -1 - np.arange(len(lens)), (lens - last) << SH).tolist()
+        for need in needs:
+            if need < 0:
+                j = -1 - need
                 n = int(lens[j])
                 if not n or drop:
                     put(-1)
@@ -761,6 +761,7 @@ class _BestFitChunks:
                     whole.append((seq, j, start))
                     emit(seq)
                     seq += 1
+                need = (n - int(last[j])) << SH
             i = left(spaces, need)
             key = spaces[i]
             if key != end:  # the best-fitting open row
@@ -1631,17 +1632,19 @@ class PackBuilder:
         m = n + rows
         counts = np.empty(m, dtype=np.int64)
         counts[moved], counts[pads] = count, gap
-        padding = np.zeros(m, dtype=np.int8)
-        padding[pads] = 1
-        which = padding.tolist()
-        lo = np.zeros(m, dtype=np.int64)
+        # the slices are made pieces first, then the rows' padding, and put in that order by one
+        # C call (`itemgetter`)
+        place = np.empty(m, dtype=np.int64)
+        place[moved], place[pads] = up[:n], up[n:m]
+        laid = operator.itemgetter(*place.tolist(), m)  # (and one more, so that it always gives a tuple)
         out = {}
         for i, (name, dtype) in enumerate(self.features):
             size = dtype.itemsize
-            lo[moved] = offsets[:, i] + pieces[:, 2] * size
-            sources = map((view, self._pad(dtype, width)).__getitem__, which)
-            cut = map(operator.getitem, sources, map(slice, lo.tolist(), (lo + counts * size).tolist()))
-            out[name] = np.frombuffer(bytearray().join(cut), dtype.newbyteorder("<")).reshape(rows, width)
+            lo = offsets[:, i] + pieces[:, 2] * size
+            cut = list(map(view.__getitem__, map(slice, lo.tolist(), (lo + count * size).tolist())))
+            cut += map(self._pad(dtype, width).__getitem__, map(slice, (gap * size).tolist()))
+            cut.append(b"")
+            out[name] = np.frombuffer(bytearray().join(laid(cut)), dtype.newbyteorder("<")).reshape(rows, width)
         if tick is not None:  # the decode: the slices joined
             tick.tick("decode")
         if self.segments:
