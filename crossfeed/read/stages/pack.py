@@ -1621,40 +1621,50 @@ class PackBuilder:
         offsets, view = fast
         n = len(pieces)
         up = self._count(n + rows)  # 0, 1, 2, …
-        row, count = pieces[:, 0], pieces[:, 3]
-        ends = np.concatenate((up[:1], row.searchsorted(up[1 : rows + 1])))  # where each row's pieces end (after 0)
-        through = np.concatenate((up[:1], count.cumsum()))[ends]  # tokens through each row (after 0)
-        gap = width - (through[1:] - through[:-1])  # each row's padding
-        # the pieces and padding entries laid row by row: piece i at i + its row, row r's padding
-        # after its pieces (at ends[r + 1] + r)
-        moved = up[:n] + row
-        pads = ends[1:] + up[:rows]
-        m = n + rows
-        counts = np.empty(m, dtype=np.int64)
-        counts[moved], counts[pads] = count, gap
-        # the slices are made pieces first, then the rows' padding, and put in that order by one
-        # C call (`itemgetter`)
-        place = np.empty(m, dtype=np.int64)
-        place[moved], place[pads] = up[:n], up[n:m]
-        laid = operator.itemgetter(*place.tolist(), m)  # (and one more, so that it always gives a tuple)
+        row, start, count = pieces[:, 0], pieces[:, 2], pieces[:, 3]
+        full = int(count.sum()) == rows * width  # every row full (no row holds more): no padding
+        if not full:
+            ends = np.concatenate((up[:1], row.searchsorted(up[1 : rows + 1])))  # where each row's pieces end (after 0)
+            through = np.concatenate((up[:1], count.cumsum()))[ends]  # tokens through each row (after 0)
+            gap = width - (through[1:] - through[:-1])  # each row's padding
+            # the pieces and padding entries laid row by row: piece i at i + its row, row r's
+            # padding after its pieces (at ends[r + 1] + r)
+            moved = up[:n] + row
+            pads = ends[1:] + up[:rows]
+            m = n + rows
+            counts = np.empty(m, dtype=np.int64)
+            counts[moved], counts[pads] = count, gap
+            # the slices are made pieces first, then the rows' padding, and put in that order by
+            # one C call (`itemgetter`; one more entry, so that it always gives a tuple)
+            place = np.empty(m, dtype=np.int64)
+            place[moved], place[pads] = up[:n], up[n:m]
+            laid = operator.itemgetter(*place.tolist(), m)
         out = {}
         for i, (name, dtype) in enumerate(self.features):
             size = dtype.itemsize
-            lo = offsets[:, i] + pieces[:, 2] * size
-            cut = list(map(view.__getitem__, map(slice, lo.tolist(), (lo + count * size).tolist())))
-            cut += map(self._pad(dtype, width).__getitem__, map(slice, (gap * size).tolist()))
-            cut.append(b"")
-            out[name] = np.frombuffer(bytearray().join(laid(cut)), dtype.newbyteorder("<")).reshape(rows, width)
+            lo = offsets[:, i] + start * size
+            cut: Any = map(view.__getitem__, map(slice, lo.tolist(), (lo + count * size).tolist()))
+            if not full:
+                slices = list(cut)
+                slices += map(self._pad(dtype, width).__getitem__, map(slice, (gap * size).tolist()))
+                slices.append(b"")
+                cut = laid(slices)
+            out[name] = np.frombuffer(bytearray().join(cut), dtype.newbyteorder("<")).reshape(rows, width)
         if tick is not None:  # the decode: the slices joined
             tick.tick("decode")
         if self.segments:
-            seg_of = np.zeros(m, dtype=np.int32)  # each piece's number in its row, from 1; padding 0
-            seg_of[moved] = up[1 : n + 1] - ends[row]
-            seg = seg_of.repeat(counts)
-            before = (counts.cumsum() - counts).astype(np.int32)  # where each entry starts in the batch
-            pos = before.repeat(counts)
-            np.subtract(self._ramp(rows * width), pos, out=pos)
-            np.copyto(pos, 0, where=seg == 0)  # padding: position 0
+            number = up[1 : n + 1] - row.searchsorted(row)  # each piece's number in its row, from 1
+            if full:
+                seg = number.astype(np.int32).repeat(count)
+                pos = (count.cumsum() - count).astype(np.int32).repeat(count)  # each piece's start, per token
+                np.subtract(self._ramp(rows * width), pos, out=pos)
+            else:
+                seg_of = np.zeros(m, dtype=np.int32)  # padding: segment 0
+                seg_of[moved] = number
+                seg = seg_of.repeat(counts)
+                pos = (counts.cumsum() - counts).astype(np.int32).repeat(counts)  # each entry's start, per token
+                np.subtract(self._ramp(rows * width), pos, out=pos)
+                np.copyto(pos, 0, where=seg == 0)  # padding: position 0
             out[SEGMENT_IDS], out[POSITIONS] = seg.reshape(rows, width), pos.reshape(rows, width)
         if tick is not None:
             tick.tick("batch")
