@@ -1624,13 +1624,11 @@ class PackBuilder:
         row, start, count = pieces[:, 0], pieces[:, 2], pieces[:, 3]
         full = int(count.sum()) == rows * width  # every row full (no row holds more): no padding
         if not full:
-            ends = np.concatenate((up[:1], row.searchsorted(up[1 : rows + 1])))  # where each row's pieces end (after 0)
-            through = np.concatenate((up[:1], count.cumsum()))[ends]  # tokens through each row (after 0)
-            gap = width - (through[1:] - through[:-1])  # each row's padding
+            gap = (width - np.bincount(row, count, rows)).astype(np.int64)  # each row's padding
             # the pieces and padding entries laid row by row: piece i at i + its row, row r's
-            # padding after its pieces (at ends[r + 1] + r)
+            # padding after its pieces (at r + the pieces of rows 0 .. r)
             moved = up[:n] + row
-            pads = ends[1:] + up[:rows]
+            pads = np.bincount(row, minlength=rows).cumsum() + up[:rows]
             m = n + rows
             counts = np.empty(m, dtype=np.int64)
             counts[moved], counts[pads] = count, gap
