@@ -1511,6 +1511,24 @@ class PackWalker:
 # ---- building a batch ---------------------------------------------------------------------------
 
 
+class _Prefixes(dict):
+    """``prefixes[n]``: the first ``n`` items of a row (``n · itemsize`` bytes of ``row``), a view
+    made on first use and kept (the first ``KEEP`` lengths asked for), so that a batch's padding
+    and position slices are dict lookups in one ``map``, not a slice each."""
+
+    KEEP = 1 << 13  # views kept (~1.5 MB): every length of a row of up to 8,191
+
+    def __init__(self, row: bytes, itemsize: int):
+        super().__init__()
+        self.row, self.itemsize = memoryview(row), itemsize
+
+    def __missing__(self, n: int) -> memoryview:
+        got = self.row[: n * self.itemsize]
+        if len(self) < self.KEEP:
+            self[n] = got
+        return got
+
+
 class PackBuilder:
     """Stage 4 for token datasets: an encoded batch of the plan → ``{feature: (rows, width),
     segment_ids, positions}`` dense arrays, gathered with one fancy index per array.
@@ -1532,8 +1550,8 @@ class PackBuilder:
         self.post = inner.batch_transform
         self.epoch = 0  # the epoch of untagged batches (`Pipeline.set_epoch`)
         self._shards: TokenShards | None | bool = False  # the fast path's checked shards (False: not looked at)
-        self._pads: dict[tuple[str, int], memoryview] = {}
-        self._ranges: dict[tuple[str, int], np.ndarray] = {}  # `_count`, `_ramp`
+        self._pads: dict[tuple[str, int], _Prefixes] = {}  # `_pad`, `_positions`
+        self._ranges: dict[tuple[str, int], np.ndarray] = {}  # `_count`
 
     @property
     def alloc(self):
@@ -1637,6 +1655,7 @@ class PackBuilder:
             place = np.empty(m, dtype=np.int64)
             place[moved], place[pads] = up[:n], up[n:m]
             laid = operator.itemgetter(*place.tolist(), m)
+            gaps = gap.tolist()
         out = {}
         for i, (name, dtype) in enumerate(self.features):
             size = dtype.itemsize
@@ -1644,7 +1663,7 @@ class PackBuilder:
             cut: Any = map(view.__getitem__, map(slice, lo.tolist(), (lo + count * size).tolist()))
             if not full:
                 slices = list(cut)
-                slices += map(self._pad(dtype, width).__getitem__, map(slice, (gap * size).tolist()))
+                slices += map(self._pad(dtype, width).__getitem__, gaps)
                 slices.append(b"")
                 cut = laid(slices)
             out[name] = np.frombuffer(bytearray().join(cut), dtype.newbyteorder("<")).reshape(rows, width)
@@ -1654,15 +1673,19 @@ class PackBuilder:
             number = up[1 : n + 1] - row.searchsorted(row)  # each piece's number in its row, from 1
             if full:
                 seg = number.astype(np.int32).repeat(count)
-                pos = (count.cumsum() - count).astype(np.int32).repeat(count)  # each piece's start, per token
-                np.subtract(self._ramp(rows * width), pos, out=pos)
             else:
                 seg_of = np.zeros(m, dtype=np.int32)  # padding: segment 0
                 seg_of[moved] = number
                 seg = seg_of.repeat(counts)
-                pos = (counts.cumsum() - counts).astype(np.int32).repeat(counts)  # each entry's start, per token
-                np.subtract(self._ramp(rows * width), pos, out=pos)
-                np.copyto(pos, 0, where=seg == 0)  # padding: position 0
+            # positions: each piece's 0, 1, 2, … and its row's padding's zeros, joined as the tokens are
+            ramps, zeros = self._positions(width)
+            cut = map(ramps.__getitem__, count.tolist())
+            if not full:
+                slices = list(cut)
+                slices += map(zeros.__getitem__, gaps)
+                slices.append(b"")
+                cut = laid(slices)
+            pos = np.frombuffer(bytearray().join(cut), np.int32)
             out[SEGMENT_IDS], out[POSITIONS] = seg.reshape(rows, width), pos.reshape(rows, width)
         if tick is not None:
             tick.tick("batch")
@@ -1673,14 +1696,6 @@ class PackBuilder:
         got = self._ranges.get(("count", 0))
         if got is None or len(got) <= n:
             got = self._ranges[("count", 0)] = np.arange(max(2 * n, 1024), dtype=np.int64)
-            got.flags.writeable = False
-        return got
-
-    def _ramp(self, total: int) -> np.ndarray:
-        """``0 .. total - 1`` (int32), made once (read only)."""
-        got = self._ranges.get(("ramp", total))
-        if got is None:
-            got = self._ranges[("ramp", total)] = np.arange(total, dtype=np.int32)
             got.flags.writeable = False
         return got
 
@@ -1744,13 +1759,25 @@ class PackBuilder:
             tick.tick("batch")
         return out
 
-    def _pad(self, dtype: np.dtype, width: int) -> memoryview:
-        """A row of ``pad_id`` in ``dtype`` (little-endian bytes), made once."""
+    def _pad(self, dtype: np.dtype, width: int) -> _Prefixes:
+        """Runs of ``pad_id`` in ``dtype`` (little-endian bytes) of up to ``width``, made once."""
         key = (dtype.str, width)
         got = self._pads.get(key)
         if got is None:
-            got = self._pads[key] = memoryview(np.full(width, self.pad_id, dtype.newbyteorder("<")).tobytes())
+            got = self._pads[key] = _Prefixes(
+                np.full(width, self.pad_id, dtype.newbyteorder("<")).tobytes(), dtype.itemsize
+            )
         return got
+
+    def _positions(self, width: int) -> tuple[_Prefixes, _Prefixes]:
+        """Runs ``0, 1, 2, …`` and ``0, 0, …`` of up to ``width`` int32 (a piece's positions, and
+        padding's), made once."""
+        key = ("positions", width)
+        got = self._pads.get(key)
+        if got is None:
+            got = self._pads[key] = _Prefixes(np.arange(width, dtype=np.int32).tobytes(), 4)
+            self._pads[("zeros", width)] = _Prefixes(bytes(4 * width), 4)
+        return got, self._pads[("zeros", width)]
 
     @staticmethod
     def _segments(row: np.ndarray, count: np.ndarray, total: int, place) -> tuple[np.ndarray, np.ndarray]:
