@@ -1545,6 +1545,7 @@ class PackBuilder:
         self.inner, self.lengths, self.pad_id, self.segments = inner, lengths, pad_id, segments
         self.reader, self.budget = inner.reader, inner.budget
         self.features = [(f.name, np.dtype(f.dtype)) for f in features]
+        self._token_bytes = sum(d.itemsize for _, d in self.features)  # a token's bytes, every feature's
         self.return_index = False
         self.transform = self.batch_transform = None
         self.post = inner.batch_transform
@@ -1615,11 +1616,12 @@ class PackBuilder:
         if tick is not None:
             tick.start = tick.last = time.perf_counter_ns()
         fast = self._fast(pieces[:, 1], tick)  # (each piece's document's value offsets, their bytes)
+        total = int(pieces[:, 3].sum()) if fast is not None else 0  # the batch's tokens
         if fast is not None and tick is not None:  # the read: the checked shards' offsets looked up
-            tick.bytes += int(pieces[:, 3].sum()) * sum(d.itemsize for _, d in self.features)
+            tick.bytes += total * self._token_bytes
             tick.tick("read")
         if fast is not None and self.inner.alloc is None:  # this process's own batch: `_sliced`
-            out = self._sliced(pieces, rows, width, fast, tick)
+            out = self._sliced(pieces, rows, width, fast, tick, total)
         else:
             out = self._built(pieces, rows, width, fast, tick)
         if self.post is not None:  # its generator (a transform taking rng) keyed by the batch's tagged step
@@ -1630,7 +1632,7 @@ class PackBuilder:
                 tick.tick("transform")
         return out
 
-    def _sliced(self, pieces: np.ndarray, rows: int, width: int, fast, tick) -> dict[str, np.ndarray]:
+    def _sliced(self, pieces: np.ndarray, rows: int, width: int, fast, tick, total: int) -> dict[str, np.ndarray]:
         """The batch of ``pieces`` (row by row, each row's from column 0) cut from the checked
         shards' bytes: per feature one ``bytearray.join`` of the pieces' slices, each row's padding
         (a slice of a row of ``pad_id``, empty for a full row) after its pieces, so the joined bytes
@@ -1640,7 +1642,7 @@ class PackBuilder:
         n = len(pieces)
         up = self._count(n + rows)  # 0, 1, 2, …
         row, start, count = pieces[:, 0], pieces[:, 2], pieces[:, 3]
-        full = int(count.sum()) == rows * width  # every row full (no row holds more): no padding
+        full = total == rows * width  # every row full (no row holds more): no padding
         if not full:
             gap = (width - np.bincount(row, count, rows)).astype(np.int64)  # each row's padding
             # the pieces and padding entries laid row by row: piece i at i + its row, row r's

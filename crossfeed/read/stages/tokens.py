@@ -309,6 +309,7 @@ class TokenShards:
         self.current = (empty, memoryview(empty.u8), 0)  # type: ignore[arg-type]  # numpy arrays are buffers
         self._lock = threading.Lock()
         self._tried: set[int] = set()  # shards whose whole-shard check ran (`_whole`)
+        self._unchecked = len(self.split)  # records not yet in the table: when none, `at` looks no further
 
     @classmethod
     def of(cls, reader, lengths, names: list[str]) -> TokenShards | None:
@@ -330,7 +331,7 @@ class TokenShards:
         rows = self._table[ids]
         if not len(rows):
             return None
-        if int(rows[:, 0].min()) < 0:
+        if self._unchecked and int(rows[:, 0].min()) < 0:
             todo = ids[rows[:, 0] == -1]
             for s, blk in {(int(s), int(b)) for s, b in zip(*self._blocks(todo))}:
                 self._check(s, blk)
@@ -370,6 +371,7 @@ class TokenShards:
             origin = span.u8.ctypes.data if len(span.u8) else 0
             self.current = (span, memoryview(span.u8), origin)  # type: ignore[arg-type]  # a buffer
         self._table[lo:hi] = rows + self._arrays[s].ctypes.data
+        self._unchecked -= hi - lo
 
     def _whole(self, s: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Every record of shard ``s`` by the whole-shard check (the module docstring), or None:
