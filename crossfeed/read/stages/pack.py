@@ -1051,7 +1051,7 @@ def _encoded(pieces: np.ndarray, rows: int, width: int) -> np.ndarray:
     """A batch for the builder from ``(n, 5)`` pieces whose first column is the row in the batch."""
     out = np.empty(HEADER + pieces.size, dtype=np.int64)
     out[0], out[1] = rows, width
-    out[HEADER:] = pieces.ravel()
+    out[HEADER:].reshape(pieces.shape)[...] = pieces
     return out
 
 
@@ -1421,19 +1421,24 @@ class PackPlan:
             if mine.any():
                 pending = np.concatenate([pending, np.column_stack([g[mine], i[mine], pieces[mine, 1:]])])
             ready = max(0, (seen - p) // per)  # batches whose every row is known
-            while g_next < ready:
-                if self._mine(g_next):
-                    cut = int(np.searchsorted(pending[:, 0], g_next, side="right"))
-                    yield _encoded(pending[:cut, 1:], B, L)
-                    pending = pending[cut:]
-                g_next += 1
+            if g_next < ready:
+                cuts = np.searchsorted(pending[:, 0], np.arange(g_next, ready), side="right")
+                yield from self._cut(pending, g_next, cuts.tolist(), B, L)
+                pending, g_next = pending[int(cuts[-1]) :], ready
         left = max(0, seen - p)
         count = left // per if s.options.drop_last else -(-left // per)
-        for g_now in range(g_next, count):
-            if self._mine(g_now):
-                cut = int(np.searchsorted(pending[:, 0], g_now, side="right"))
-                yield _encoded(pending[:cut, 1:], B, L)
-                pending = pending[cut:]
+        if g_next < count:
+            cuts = np.searchsorted(pending[:, 0], np.arange(g_next, count), side="right")
+            yield from self._cut(pending, g_next, cuts.tolist(), B, L)
+
+    def _cut(self, pending: np.ndarray, first: int, cuts: list[int], B: int, L: int) -> Iterator[np.ndarray]:
+        """This worker's batches of batches ``first, first + 1, …``, whose pieces (``pending``, by
+        batch) end at ``cuts``."""
+        lo = 0
+        for g, cut in enumerate(cuts, first):
+            if self._mine(g):
+                yield _encoded(pending[lo:cut, 1:], B, L)
+            lo = cut
 
     def _by_tokens(self) -> Iterator[np.ndarray]:
         s = self.sampler
