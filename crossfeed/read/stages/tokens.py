@@ -328,10 +328,11 @@ class TokenShards:
         """``(len(ids), k)`` offsets of each record's values per feature in the returned view of
         the mapped shards' bytes, every record's block checked; None: the general way (a block
         that failed its check)."""
+        unchecked = self._unchecked  # read first: 0 here means every row below was in place
         rows = self._table[ids]
         if not len(rows):
             return None
-        if self._unchecked and int(rows[:, 0].min()) < 0:
+        if unchecked and int(rows[:, 0].min()) < 0:
             todo = ids[rows[:, 0] == -1]
             for s, blk in {(int(s), int(b)) for s, b in zip(*self._blocks(todo))}:
                 self._check(s, blk)
