@@ -1625,10 +1625,17 @@ class PackBuilder:
         if fast is not None and tick is not None:  # the read: the checked shards' offsets looked up
             tick.bytes += total * self._token_bytes
             tick.tick("read")
-        if fast is not None and self.inner.alloc is None:  # this process's own batch: `_sliced`
+        if fast is not None:
             out = self._sliced(pieces, rows, width, fast, tick, total)
+            alloc = self.inner.alloc
+            if alloc is not None:  # the batch arrays made by `alloc` (a worker's shared memory): copied in
+                dtypes = dict(self.features)
+                for name, a in out.items():
+                    made = alloc(a.shape, dtypes.get(name, a.dtype))
+                    made[...] = a
+                    out[name] = made
         else:
-            out = self._built(pieces, rows, width, fast, tick)
+            out = self._built(pieces, rows, width, tick)
         if self.post is not None:  # its generator (a transform taking rng) keyed by the batch's tagged step
             out = call_batch_transform(
                 self.post, out, self.inner.recipe, epoch_of(encoded, self.epoch), step_of(encoded)
@@ -1706,17 +1713,15 @@ class PackBuilder:
             got.flags.writeable = False
         return got
 
-    def _built(self, pieces: np.ndarray, rows: int, width: int, fast, tick) -> dict[str, np.ndarray]:
-        """The batch of ``pieces`` by the general way (records read and decoded), or sliced from
-        the checked shards into arrays of ``alloc`` (a worker process's shared memory)."""
-        if fast is None:
-            ids, first = np.unique(pieces[:, 1], return_index=True)
-            values, kept = self._decoded(ids, pieces[first, 4], tick)
-            slot = np.full(len(ids), -1, dtype=np.int64)  # a document's place among the kept ones
-            slot[kept] = np.arange(len(kept))
-            at = slot[np.searchsorted(ids, pieces[:, 1])]
-            if not (at >= 0).all():  # pieces of documents dropped under on_error="skip": padding
-                pieces, at = pieces[at >= 0], at[at >= 0]
+    def _built(self, pieces: np.ndarray, rows: int, width: int, tick) -> dict[str, np.ndarray]:
+        """The batch of ``pieces`` by the general way (records read and decoded)."""
+        ids, first = np.unique(pieces[:, 1], return_index=True)
+        values, kept = self._decoded(ids, pieces[first, 4], tick)
+        slot = np.full(len(ids), -1, dtype=np.int64)  # a document's place among the kept ones
+        slot[kept] = np.arange(len(kept))
+        at = slot[np.searchsorted(ids, pieces[:, 1])]
+        if not (at >= 0).all():  # pieces of documents dropped under on_error="skip": padding
+            pieces, at = pieces[at >= 0], at[at >= 0]
         row, start, count = pieces[:, 0], pieces[:, 2], pieces[:, 3]
         # each row's tokens, its pieces end to end, then all rows end to end: one flat array per
         # feature (pieces come row by row, each row's from column 0)
@@ -1743,23 +1748,12 @@ class PackBuilder:
             return a
 
         out = {}
-        if fast is not None:  # slices of the checked shards' bytes, joined in C: no per-piece bytecode
-            offsets, view = fast
-            for i, (name, dtype) in enumerate(self.features):
-                size = dtype.itemsize
-                lo = offsets[:, i] + start * size
-                cut = map(view.__getitem__, map(slice, lo.tolist(), (lo + count * size).tolist()))
-                joined = bytearray().join(cut) if direct else b"".join(cut)  # (a bytearray: the batch is writable)
-                out[name] = place(np.frombuffer(joined, dtype.newbyteorder("<"), count=total), dtype, self.pad_id)
-            if tick is not None:  # the decode: the slices joined
-                tick.tick("decode")
-        else:
-            at_l, start_l, stop_l = at.tolist(), start.tolist(), (start + count).tolist()
-            for (name, dtype), docs in zip(self.features, values):
-                parts = [docs[k][a:b] for k, a, b in zip(at_l, start_l, stop_l)]
-                out[name] = place(
-                    np.concatenate(parts or [np.zeros(0, dtype)]).astype(dtype, copy=False), dtype, self.pad_id
-                )
+        at_l, start_l, stop_l = at.tolist(), start.tolist(), (start + count).tolist()
+        for (name, dtype), docs in zip(self.features, values):
+            parts = [docs[k][a:b] for k, a, b in zip(at_l, start_l, stop_l)]
+            out[name] = place(
+                np.concatenate(parts or [np.zeros(0, dtype)]).astype(dtype, copy=False), dtype, self.pad_id
+            )
         if self.segments:
             out[SEGMENT_IDS], out[POSITIONS] = self._segments(row, count, total, place)
         if tick is not None:
