@@ -1536,15 +1536,14 @@ class _Prefixes(dict):
 
 class PackBuilder:
     """Stage 4 for token datasets: an encoded batch of the plan → ``{feature: (rows, width),
-    segment_ids, positions}`` dense arrays, gathered with one fancy index per array.
+    segment_ids, positions}`` dense arrays.
 
-    The batch's documents are read once each (CRC-checked by the Loader's frame reader) and their
-    values laid end to end in one flat array per feature; every piece's tokens are then placed by
-    index arrays computed for the whole batch at once. Records of crossfeed's own single-feature
-    layout are cut without a protobuf parse (`_Templates`: their bytes outside the values must be
-    exactly those of the planned length); any other record goes through the Loader's decoder.
-    Either way each document's length must be the one the plan used (a lengths file that lies is
-    named)."""
+    Records of crossfeed's own token layout, checked once per process (`TokenShards`), are cut
+    straight out of the mapped shards: the batch is built in one pass over its pieces and its
+    rows' padding (`_sliced`: a ``bytearray.join`` of slices per feature, no step per row or
+    token). Any other record is read once (CRC-checked by the Loader's frame reader) and
+    decoded, its values laid end to end and placed row by row (`_built`); each document's
+    length must be the one the plan used (a lengths file that lies is named)."""
 
     def __init__(self, inner, features: list[Feature], lengths: DocLengths, pad_id: int = 0, segments: bool = True):
         self.inner, self.lengths, self.pad_id, self.segments = inner, lengths, pad_id, segments
@@ -1647,9 +1646,9 @@ class PackBuilder:
     def _sliced(self, pieces: np.ndarray, rows: int, width: int, fast, tick, total: int) -> dict[str, np.ndarray]:
         """The batch of ``pieces`` (row by row, each row's from column 0) cut from the checked
         shards' bytes: per feature one ``bytearray.join`` of the pieces' slices, each row's padding
-        (a slice of a row of ``pad_id``, empty for a full row) after its pieces, so the joined bytes
-        are the batch; segment ids and positions with the padding as a piece of segment 0 after
-        each row's, one ``np.repeat`` each over the batch's pieces."""
+        (a run of ``pad_id``) after its pieces, so the joined bytes are the batch (a batch of full
+        rows: the pieces alone); positions joined the same way from runs of 0, 1, 2, … (padding:
+        0); segment ids one ``np.repeat`` of each piece's number in its row (padding: 0)."""
         offsets, view = fast
         n = len(pieces)
         up = self._count(n + rows)  # 0, 1, 2, …
