@@ -610,3 +610,16 @@ def test_opening_a_first_batch_and_a_state_mid_epoch_do_not_walk_the_whole_epoch
         assert same([next(iter(ld))], whole[2:3])
         with pytest.raises(AssertionError, match="whole epoch"):
             len(ld)
+
+
+def test_the_builders_runs_of_padding_and_positions_past_the_views_it_keeps():
+    """A batch's padding and positions are views of one row, kept by length up to `KEEP`; a length
+    asked for after that is cut from the row all the same (right bytes, not kept)."""
+    from crossfeed.read.stages.pack import _Prefixes
+
+    row = np.arange(10, dtype=np.int32).tobytes()
+    runs = _Prefixes(row, 4)
+    runs.KEEP = 2
+    for n in (3, 0, 7, 10, 3):
+        assert bytes(runs[n]) == row[: 4 * n]
+    assert sorted(runs) == [0, 3]  # the first two lengths kept, the rest cut each time

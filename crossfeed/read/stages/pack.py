@@ -73,6 +73,7 @@ import itertools
 import logging
 import math
 import mmap
+import operator
 import os
 import sys
 import threading
@@ -729,55 +730,69 @@ class _BestFitChunks:
         return tuple(tuple(pieces[a:b]) for a, b in map(at.__getitem__, self.keys))
 
     def add(self, ids: np.ndarray, lens: np.ndarray, drop: bool, first: int) -> tuple[int, np.ndarray]:
-        """Pack a chunk of documents: ``(rows emitted, their pieces)``, rows numbered from ``first``."""
+        """Pack a chunk of documents: ``(rows emitted, their pieces)``, rows numbered from ``first``.
+
+        The step per document is a search, a removal and an insertion in ``spaces`` (its end held
+        by a key past every room, so a search always lands) and the key of the row it went to;
+        what the step needs of each document (its last piece's tokens, shifted into a key) is
+        computed for the chunk in numpy first, and long or empty documents take a branch of
+        their own."""
         L, bins, SH, MASK = self.length, self.bins, self.SH, self.MASK
         spaces, keys, seq = self.spaces, self.keys, self.seq
-        left, insort, pop, remove = bisect.bisect_left, bisect.insort, spaces.pop, spaces.remove
-        went = [-1] * len(lens)  # the row each document's (last) piece went to; -1: none
+        left, insort, remove = bisect.bisect_left, bisect.insort, spaces.remove
+        end = (L + 1) << SH  # past every room
+        spaces.append(end)
+        went: list[int] = []  # per document: the key of the row its (last) piece went to; -1: none
+        put = went.append
         emitted: list[int] = []
+        emit = emitted.append
         whole: list[tuple[int, int, int]] = []  # (row, document's index, start): full rows of a long document
-        for j, n in enumerate(lens.tolist()):
-            if n > L:
-                if drop:
+        last = np.where(lens > L, (lens - 1) // L * L, 0)  # a long document's last piece starts there
+        # each document's last piece as a key; a long or empty document's -1 - its index
+        needs = np.where((lens > L) | (lens <= 0), -1 - np.arange(len(lens)), (lens - last) << SH).tolist()
+        for need in needs:
+            if need < 0:
+                j = -1 - need
+                n = int(lens[j])
+                if not n or drop:
+                    put(-1)
                     continue
-                start = 0
-                while n - start > L:
+                for start in range(0, n - L, L):
                     whole.append((seq, j, start))
-                    emitted.append(seq)
+                    emit(seq)
                     seq += 1
-                    start += L
-                n -= start
-            elif not n:
-                continue
-            i = left(spaces, n << SH)
-            if i < len(spaces):
-                key = pop(i)
-                s = key & MASK
-                room = (key >> SH) - n
-                if room:
-                    key = room << SH | s
+                need = (n - int(last[j])) << SH
+            i = left(spaces, need)
+            key = spaces[i]
+            if key != end:  # the best-fitting open row
+                del spaces[i]
+                key -= need
+                if key > MASK:
                     insort(spaces, key)
-                    keys[s] = key
+                    keys[key & MASK] = key
                 else:  # full: emitted now
-                    del keys[s]
-                    emitted.append(s)
+                    del keys[key]
+                    emit(key)
+                put(key)
+                continue
+            if len(keys) >= bins:  # the oldest open row is closed
+                old = next(iter(keys))
+                remove(keys.pop(old))
+                emit(old)
+            key = (L << SH) - need
+            if key:
+                key |= seq
+                insort(spaces, key)
+                keys[seq] = key
             else:
-                if len(keys) >= bins:  # the oldest open row is closed
-                    old = next(iter(keys))
-                    remove(keys.pop(old))
-                    emitted.append(old)
-                s, seq = seq, seq + 1
-                if n < L:
-                    key = (L - n) << SH | s
-                    insort(spaces, key)
-                    keys[s] = key
-                else:
-                    emitted.append(s)
-            went[j] = s
+                emit(seq)
+            put(seq)
+            seq += 1
+        spaces.pop()
         self.seq = seq
         rows = np.asarray(went, dtype=np.int64)
         placed = rows >= 0
-        last = np.where(lens > L, (lens - 1) // L * L, 0)  # a long document's last piece starts there
+        rows &= MASK
         parts = [self.carry]
         if whole:
             w = np.asarray(whole, dtype=np.int64)
@@ -800,12 +815,23 @@ class _BestFitChunks:
             self.carry = pieces
             return 0, pieces[:0]
         e = np.asarray(emitted, dtype=np.int64)
-        order = np.argsort(e, kind="stable")
-        ranked = e[order]
-        at = np.minimum(np.searchsorted(ranked, pieces[:, 0]), len(e) - 1)
-        out = ranked[at] == pieces[:, 0]
-        rank = order[at[out]]
-        keep = np.argsort(rank, kind="stable")
+        numbers = pieces[:, 0]
+        bounds = [int(e.min()), int(e.max())] + ([int(numbers.min()), int(numbers.max())] if len(numbers) else [])
+        lo, span = min(bounds), max(bounds) - min(bounds) + 1
+        if span <= 4 * len(pieces) + 1024:  # each row's rank by a table over the rows' numbers
+            table = np.full(span, -1, dtype=np.int64)
+            table[e - lo] = np.arange(len(e))
+            rank = table[numbers - lo]
+            out = rank >= 0
+            rank = rank[out]
+        else:  # an open row far older than the rest (memory stays O(pieces)): by a search
+            order = np.argsort(e, kind="stable")
+            ranked = e[order]
+            at = np.minimum(np.searchsorted(ranked, numbers), len(e) - 1)
+            out = ranked[at] == numbers
+            rank = order[at[out]]
+        # each row's pieces in the order they were added (a stable sort; a radix sort on 16 bits)
+        keep = np.argsort(rank.astype(np.uint16) if len(e) <= 1 << 16 else rank, kind="stable")
         block = pieces[out][keep]
         block[:, 0] = first + rank[keep]
         self.carry = pieces[~out]
@@ -1025,7 +1051,7 @@ def _encoded(pieces: np.ndarray, rows: int, width: int) -> np.ndarray:
     """A batch for the builder from ``(n, 5)`` pieces whose first column is the row in the batch."""
     out = np.empty(HEADER + pieces.size, dtype=np.int64)
     out[0], out[1] = rows, width
-    out[HEADER:] = pieces.ravel()
+    out[HEADER:].reshape(pieces.shape)[...] = pieces
     return out
 
 
@@ -1395,19 +1421,24 @@ class PackPlan:
             if mine.any():
                 pending = np.concatenate([pending, np.column_stack([g[mine], i[mine], pieces[mine, 1:]])])
             ready = max(0, (seen - p) // per)  # batches whose every row is known
-            while g_next < ready:
-                if self._mine(g_next):
-                    cut = int(np.searchsorted(pending[:, 0], g_next, side="right"))
-                    yield _encoded(pending[:cut, 1:], B, L)
-                    pending = pending[cut:]
-                g_next += 1
+            if g_next < ready:
+                cuts = np.searchsorted(pending[:, 0], np.arange(g_next, ready), side="right")
+                yield from self._cut(pending, g_next, cuts.tolist(), B, L)
+                pending, g_next = pending[int(cuts[-1]) :], ready
         left = max(0, seen - p)
         count = left // per if s.options.drop_last else -(-left // per)
-        for g_now in range(g_next, count):
-            if self._mine(g_now):
-                cut = int(np.searchsorted(pending[:, 0], g_now, side="right"))
-                yield _encoded(pending[:cut, 1:], B, L)
-                pending = pending[cut:]
+        if g_next < count:
+            cuts = np.searchsorted(pending[:, 0], np.arange(g_next, count), side="right")
+            yield from self._cut(pending, g_next, cuts.tolist(), B, L)
+
+    def _cut(self, pending: np.ndarray, first: int, cuts: list[int], B: int, L: int) -> Iterator[np.ndarray]:
+        """This worker's batches of batches ``first, first + 1, …``, whose pieces (``pending``, by
+        batch) end at ``cuts``."""
+        lo = 0
+        for g, cut in enumerate(cuts, first):
+            if self._mine(g):
+                yield _encoded(pending[lo:cut, 1:], B, L)
+            lo = cut
 
     def _by_tokens(self) -> Iterator[np.ndarray]:
         s = self.sampler
@@ -1485,28 +1516,47 @@ class PackWalker:
 # ---- building a batch ---------------------------------------------------------------------------
 
 
+class _Prefixes(dict):
+    """``prefixes[n]``: the first ``n`` items of a row (``n · itemsize`` bytes of ``row``), a view
+    made on first use and kept (the first ``KEEP`` lengths asked for), so that a batch's padding
+    and position slices are dict lookups in one ``map``, not a slice each."""
+
+    KEEP = 1 << 13  # views kept (~1.5 MB): every length of a row of up to 8,191
+
+    def __init__(self, row: bytes, itemsize: int):
+        super().__init__()
+        self.row, self.itemsize = memoryview(row), itemsize
+
+    def __missing__(self, n: int) -> memoryview:
+        got = self.row[: n * self.itemsize]
+        if len(self) < self.KEEP:
+            self[n] = got
+        return got
+
+
 class PackBuilder:
     """Stage 4 for token datasets: an encoded batch of the plan → ``{feature: (rows, width),
-    segment_ids, positions}`` dense arrays, gathered with one fancy index per array.
+    segment_ids, positions}`` dense arrays.
 
-    The batch's documents are read once each (CRC-checked by the Loader's frame reader) and their
-    values laid end to end in one flat array per feature; every piece's tokens are then placed by
-    index arrays computed for the whole batch at once. Records of crossfeed's own single-feature
-    layout are cut without a protobuf parse (`_Templates`: their bytes outside the values must be
-    exactly those of the planned length); any other record goes through the Loader's decoder.
-    Either way each document's length must be the one the plan used (a lengths file that lies is
-    named)."""
+    Records of crossfeed's own token layout, checked once per process (`TokenShards`), are cut
+    straight out of the mapped shards: the batch is built in one pass over its pieces and its
+    rows' padding (`_sliced`: a ``bytearray.join`` of slices per feature, no step per row or
+    token). Any other record is read once (CRC-checked by the Loader's frame reader) and
+    decoded, its values laid end to end and placed row by row (`_built`); each document's
+    length must be the one the plan used (a lengths file that lies is named)."""
 
     def __init__(self, inner, features: list[Feature], lengths: DocLengths, pad_id: int = 0, segments: bool = True):
         self.inner, self.lengths, self.pad_id, self.segments = inner, lengths, pad_id, segments
         self.reader, self.budget = inner.reader, inner.budget
         self.features = [(f.name, np.dtype(f.dtype)) for f in features]
+        self._token_bytes = sum(d.itemsize for _, d in self.features)  # a token's bytes, every feature's
         self.return_index = False
         self.transform = self.batch_transform = None
         self.post = inner.batch_transform
         self.epoch = 0  # the epoch of untagged batches (`Pipeline.set_epoch`)
         self._shards: TokenShards | None | bool = False  # the fast path's checked shards (False: not looked at)
-        self._pads: dict[tuple[str, int], memoryview] = {}
+        self._pads: dict[tuple[str, int], _Prefixes] = {}  # `_pad`, `_positions`
+        self._ranges: dict[tuple[str, int], np.ndarray] = {}  # `_count`
 
     @property
     def alloc(self):
@@ -1570,17 +1620,107 @@ class PackBuilder:
         if tick is not None:
             tick.start = tick.last = time.perf_counter_ns()
         fast = self._fast(pieces[:, 1], tick)  # (each piece's document's value offsets, their bytes)
+        total = int(pieces[:, 3].sum()) if fast is not None else 0  # the batch's tokens
         if fast is not None and tick is not None:  # the read: the checked shards' offsets looked up
-            tick.bytes += int(pieces[:, 3].sum()) * sum(d.itemsize for _, d in self.features)
+            tick.bytes += total * self._token_bytes
             tick.tick("read")
-        if fast is None:
-            ids, first = np.unique(pieces[:, 1], return_index=True)
-            values, kept = self._decoded(ids, pieces[first, 4], tick)
-            slot = np.full(len(ids), -1, dtype=np.int64)  # a document's place among the kept ones
-            slot[kept] = np.arange(len(kept))
-            at = slot[np.searchsorted(ids, pieces[:, 1])]
-            if not (at >= 0).all():  # pieces of documents dropped under on_error="skip": padding
-                pieces, at = pieces[at >= 0], at[at >= 0]
+        if fast is not None:
+            out = self._sliced(pieces, rows, width, fast, tick, total)
+            alloc = self.inner.alloc
+            if alloc is not None:  # the batch arrays made by `alloc` (a worker's shared memory): copied in
+                dtypes = dict(self.features)
+                for name, a in out.items():
+                    made = alloc(a.shape, dtypes.get(name, a.dtype))
+                    made[...] = a
+                    out[name] = made
+        else:
+            out = self._built(pieces, rows, width, tick)
+        if self.post is not None:  # its generator (a transform taking rng) keyed by the batch's tagged step
+            out = call_batch_transform(
+                self.post, out, self.inner.recipe, epoch_of(encoded, self.epoch), step_of(encoded)
+            )
+            if tick is not None:
+                tick.tick("transform")
+        return out
+
+    def _sliced(self, pieces: np.ndarray, rows: int, width: int, fast, tick, total: int) -> dict[str, np.ndarray]:
+        """The batch of ``pieces`` (row by row, each row's from column 0) cut from the checked
+        shards' bytes: per feature one ``bytearray.join`` of the pieces' slices, each row's padding
+        (a run of ``pad_id``) after its pieces, so the joined bytes are the batch (a batch of full
+        rows: the pieces alone); positions joined the same way from runs of 0, 1, 2, … (padding:
+        0); segment ids one ``np.repeat`` of each piece's number in its row (padding: 0)."""
+        offsets, view = fast
+        n = len(pieces)
+        up = self._count(n + rows)  # 0, 1, 2, …
+        row, start, count = pieces[:, 0], pieces[:, 2], pieces[:, 3]
+        full = total == rows * width  # every row full (no row holds more): no padding
+        if not full:
+            gap = (width - np.bincount(row, count, rows)).astype(np.int64)  # each row's padding
+            # the pieces and padding entries laid row by row: piece i at i + its row, row r's
+            # padding after its pieces (at r + the pieces of rows 0 .. r)
+            moved = up[:n] + row
+            pads = np.bincount(row, minlength=rows).cumsum() + up[:rows]
+            m = n + rows
+            counts = np.empty(m, dtype=np.int64)
+            counts[moved], counts[pads] = count, gap
+            # the slices are made pieces first, then the rows' padding, and put in that order by
+            # one C call (`itemgetter`; one more entry, so that it always gives a tuple)
+            place = np.empty(m, dtype=np.int64)
+            place[moved], place[pads] = up[:n], up[n:m]
+            laid = operator.itemgetter(*place.tolist(), m)
+            gaps = gap.tolist()
+        out = {}
+        for i, (name, dtype) in enumerate(self.features):
+            size = dtype.itemsize
+            lo = offsets[:, i] + start * size
+            cut: Any = map(view.__getitem__, map(slice, lo.tolist(), (lo + count * size).tolist()))
+            if not full:
+                slices = list(cut)
+                slices += map(self._pad(dtype, width).__getitem__, gaps)
+                slices.append(b"")
+                cut = laid(slices)
+            out[name] = np.frombuffer(bytearray().join(cut), dtype.newbyteorder("<")).reshape(rows, width)
+        if tick is not None:  # the decode: the slices joined
+            tick.tick("decode")
+        if self.segments:
+            number = up[1 : n + 1] - row.searchsorted(row)  # each piece's number in its row, from 1
+            if full:
+                seg = number.astype(np.int32).repeat(count)
+            else:
+                seg_of = np.zeros(m, dtype=np.int32)  # padding: segment 0
+                seg_of[moved] = number
+                seg = seg_of.repeat(counts)
+            # positions: each piece's 0, 1, 2, … and its row's padding's zeros, joined as the tokens are
+            ramps, zeros = self._positions(width)
+            cut = map(ramps.__getitem__, count.tolist())
+            if not full:
+                slices = list(cut)
+                slices += map(zeros.__getitem__, gaps)
+                slices.append(b"")
+                cut = laid(slices)
+            pos = np.frombuffer(bytearray().join(cut), np.int32)
+            out[SEGMENT_IDS], out[POSITIONS] = seg.reshape(rows, width), pos.reshape(rows, width)
+        if tick is not None:
+            tick.tick("batch")
+        return out
+
+    def _count(self, n: int) -> np.ndarray:
+        """``0, 1, 2, …`` (int64, read only) of at least ``n + 1`` numbers, made once (grown as needed)."""
+        got = self._ranges.get(("count", 0))
+        if got is None or len(got) <= n:
+            got = self._ranges[("count", 0)] = np.arange(max(2 * n, 1024), dtype=np.int64)
+            got.flags.writeable = False
+        return got
+
+    def _built(self, pieces: np.ndarray, rows: int, width: int, tick) -> dict[str, np.ndarray]:
+        """The batch of ``pieces`` by the general way (records read and decoded)."""
+        ids, first = np.unique(pieces[:, 1], return_index=True)
+        values, kept = self._decoded(ids, pieces[first, 4], tick)
+        slot = np.full(len(ids), -1, dtype=np.int64)  # a document's place among the kept ones
+        slot[kept] = np.arange(len(kept))
+        at = slot[np.searchsorted(ids, pieces[:, 1])]
+        if not (at >= 0).all():  # pieces of documents dropped under on_error="skip": padding
+            pieces, at = pieces[at >= 0], at[at >= 0]
         row, start, count = pieces[:, 0], pieces[:, 2], pieces[:, 3]
         # each row's tokens, its pieces end to end, then all rows end to end: one flat array per
         # feature (pieces come row by row, each row's from column 0)
@@ -1588,15 +1728,10 @@ class PackBuilder:
         full = total == rows * width  # every row full (no row holds more): the flat arrays are the batch
         alloc = self.inner.alloc
         direct = full and alloc is None  # ... taken as they are, no copy
-        # rows with room left, sliced from the shards: each row's padding joined in after its
-        # pieces, so the joined arrays are the batch too (no copy row by row)
-        padded = not full and alloc is None and fast is not None
         alloc = alloc or np.empty
         if not full:
             fill = np.bincount(row, weights=count, minlength=rows).astype(np.int64)
             cuts = np.concatenate([[0], np.cumsum(fill)]).tolist()
-            gap = width - fill  # each row's padding
-            ends = np.cumsum(np.bincount(row, minlength=rows))  # where each row's pieces end
 
         def place(flat: np.ndarray, dtype, pad) -> np.ndarray:
             if direct:
@@ -1612,78 +1747,52 @@ class PackBuilder:
             return a
 
         out = {}
-        if fast is not None:  # slices of the checked shards' bytes, joined in C: no per-piece bytecode
-            offsets, view = fast
-            for i, (name, dtype) in enumerate(self.features):
-                size = dtype.itemsize
-                lo = offsets[:, i] + start * size
-                cut = map(view.__getitem__, map(slice, lo.tolist(), (lo + count * size).tolist()))
-                if padded:
-                    slices, pad = list(cut), self._pad(dtype, width)
-                    for r in np.flatnonzero(gap)[::-1].tolist():
-                        slices.insert(int(ends[r]), pad[: int(gap[r]) * size])
-                    out[name] = np.frombuffer(bytearray().join(slices), dtype.newbyteorder("<")).reshape(rows, width)
-                    continue
-                joined = bytearray().join(cut) if direct else b"".join(cut)  # (a bytearray: the batch is writable)
-                out[name] = place(np.frombuffer(joined, dtype.newbyteorder("<"), count=total), dtype, self.pad_id)
-            if tick is not None:  # the decode: the slices joined
-                tick.tick("decode")
-        else:
-            at_l, start_l, stop_l = at.tolist(), start.tolist(), (start + count).tolist()
-            for (name, dtype), docs in zip(self.features, values):
-                parts = [docs[k][a:b] for k, a, b in zip(at_l, start_l, stop_l)]
-                out[name] = place(
-                    np.concatenate(parts or [np.zeros(0, dtype)]).astype(dtype, copy=False), dtype, self.pad_id
-                )
-        if self.segments:
-            out[SEGMENT_IDS], out[POSITIONS] = self._segments(
-                row, count, total, place, (gap, ends, rows * width) if padded else None
+        at_l, start_l, stop_l = at.tolist(), start.tolist(), (start + count).tolist()
+        for (name, dtype), docs in zip(self.features, values):
+            parts = [docs[k][a:b] for k, a, b in zip(at_l, start_l, stop_l)]
+            out[name] = place(
+                np.concatenate(parts or [np.zeros(0, dtype)]).astype(dtype, copy=False), dtype, self.pad_id
             )
+        if self.segments:
+            out[SEGMENT_IDS], out[POSITIONS] = self._segments(row, count, total, place)
         if tick is not None:
             tick.tick("batch")
-        if self.post is not None:  # its generator (a transform taking rng) keyed by the batch's tagged step
-            out = call_batch_transform(
-                self.post, out, self.inner.recipe, epoch_of(encoded, self.epoch), step_of(encoded)
-            )
-            if tick is not None:
-                tick.tick("transform")
         return out
 
-    def _pad(self, dtype: np.dtype, width: int) -> memoryview:
-        """A row of ``pad_id`` in ``dtype`` (little-endian bytes), made once."""
+    def _pad(self, dtype: np.dtype, width: int) -> _Prefixes:
+        """Runs of ``pad_id`` in ``dtype`` (little-endian bytes) of up to ``width``, made once."""
         key = (dtype.str, width)
         got = self._pads.get(key)
         if got is None:
-            got = self._pads[key] = memoryview(np.full(width, self.pad_id, dtype.newbyteorder("<")).tobytes())
+            got = self._pads[key] = _Prefixes(
+                np.full(width, self.pad_id, dtype.newbyteorder("<")).tobytes(), dtype.itemsize
+            )
         return got
 
+    def _positions(self, width: int) -> tuple[_Prefixes, _Prefixes]:
+        """Runs ``0, 1, 2, …`` and ``0, 0, …`` of up to ``width`` int32 (a piece's positions, and
+        padding's), made once."""
+        key = ("positions", width)
+        got = self._pads.get(key)
+        if got is None:
+            got = self._pads[key] = _Prefixes(np.arange(width, dtype=np.int32).tobytes(), 4)
+            self._pads[("zeros", width)] = _Prefixes(bytes(4 * width), 4)
+        return got, self._pads[("zeros", width)]
+
     @staticmethod
-    def _segments(row: np.ndarray, count: np.ndarray, total: int, place, padded=None) -> tuple[np.ndarray, np.ndarray]:
-        """``(segment_ids, positions)`` of pieces ``(row, count)`` laid row by row; ``padded``:
-        ``(each row's padding, where each row's pieces end, rows × width)`` — built with the
-        padding as a piece of segment 0 at each row's end, in place."""
+    def _segments(row: np.ndarray, count: np.ndarray, total: int, place) -> tuple[np.ndarray, np.ndarray]:
+        """``(segment_ids, positions)`` of pieces ``(row, count)`` laid row by row, each put in
+        the batch by ``place``."""
         new_row = np.empty(len(row), dtype=bool)
         new_row[:1] = True
         np.not_equal(row[1:], row[:-1], out=new_row[1:])
         idx = np.arange(len(row))
         row_first = np.maximum.accumulate(np.where(new_row, idx, 0))
         seg_of = (idx - row_first + 1).astype(np.int32)
-        if padded is not None:  # one padding piece after each row's pieces (piece i moves on by its row)
-            gap, ends, total = padded
-            rows = len(gap)
-            moved, pads = idx + row, ends + np.arange(rows)
-            count_p = np.empty(len(row) + rows, dtype=np.int64)
-            count_p[moved], count_p[pads] = count, gap
-            seg_p = np.zeros(len(row) + rows, dtype=np.int32)
-            seg_p[moved] = seg_of
-            count, seg_of = count_p, seg_p
         before = (np.cumsum(count) - count).astype(np.int32)
         seg = np.repeat(seg_of, count)
         ramp = np.arange(total, dtype=np.int32)
         ramp -= np.repeat(before, count)
-        if padded is not None:
-            np.multiply(ramp, seg != 0, out=ramp)  # padding: position 0
-            return seg.reshape(rows, -1), ramp.reshape(rows, -1)
         return place(seg, np.int32, 0), place(ramp, np.int32, 0)
 
 

@@ -299,14 +299,17 @@ class TokenShards:
         self.k = features
         self.starts = np.asarray(self.split.starts, dtype=np.int64)
         shards = len(self.starts) - 1
-        # every record's value offsets in its shard's bytes, once its block is checked (-1 before;
-        # -2: the general way)
+        # every record's value addresses in this process (its shard's mapped bytes' address plus
+        # its offsets in them), once its block is checked (-1 before; -2: the general way): a batch's
+        # offsets in the span are one gather and one subtraction
         self._table = np.full((len(self.split), features), -1, dtype=np.int64)
         self._arrays: dict[int, np.ndarray] = {}  # the mapped shards
         empty = Span({}, shards)
-        self.current = (empty, memoryview(empty.u8))  # type: ignore[arg-type]  # numpy arrays are buffers  # the span of the mapped shards and its view: replaced whole
+        # the span of the mapped shards, its view and the address of its first byte: replaced whole
+        self.current = (empty, memoryview(empty.u8), 0)  # type: ignore[arg-type]  # numpy arrays are buffers
         self._lock = threading.Lock()
         self._tried: set[int] = set()  # shards whose whole-shard check ran (`_whole`)
+        self._unchecked = len(self.split)  # records not yet in the table: when none, `at` looks no further
 
     @classmethod
     def of(cls, reader, lengths, names: list[str]) -> TokenShards | None:
@@ -325,19 +328,19 @@ class TokenShards:
         """``(len(ids), k)`` offsets of each record's values per feature in the returned view of
         the mapped shards' bytes, every record's block checked; None: the general way (a block
         that failed its check)."""
+        unchecked = self._unchecked  # read first: 0 here means every row below was in place
         rows = self._table[ids]
         if not len(rows):
             return None
-        if int(rows[:, 0].min()) < 0:
+        if unchecked and int(rows[:, 0].min()) < 0:
             todo = ids[rows[:, 0] == -1]
             for s, blk in {(int(s), int(b)) for s, b in zip(*self._blocks(todo))}:
                 self._check(s, blk)
             rows = self._table[ids]
             if int(rows[:, 0].min()) < 0:
                 return None
-        span, view = self.current
-        shard = np.searchsorted(self.starts, ids, side="right") - 1
-        return rows + span.base[shard][:, None], view
+        _, view, origin = self.current
+        return rows - origin, view
 
     def _blocks(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         shard = np.searchsorted(self.starts, ids, side="right") - 1
@@ -366,8 +369,10 @@ class TokenShards:
         if s not in self._arrays or self.current[0].base[s] < 0:
             self._arrays[s] = u8
             span = Span(self._arrays, len(self.starts) - 1)
-            self.current = (span, memoryview(span.u8))  # type: ignore[arg-type]  # a buffer
-        self._table[lo:hi] = rows
+            origin = span.u8.ctypes.data if len(span.u8) else 0
+            self.current = (span, memoryview(span.u8), origin)  # type: ignore[arg-type]  # a buffer
+        self._table[lo:hi] = rows + self._arrays[s].ctypes.data
+        self._unchecked -= hi - lo
 
     def _whole(self, s: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Every record of shard ``s`` by the whole-shard check (the module docstring), or None:
