@@ -11,8 +11,9 @@ over to the reader of the queue once builds are quick: after INLINE_AFTER batche
 built in under FAST seconds, the thread stops and `queue.get_nowait()` builds the next batch on
 the caller's thread when the queue is empty — no thread hand-over per batch (a lock, a wake-up
 and a GIL switch each way, which cost a small packed batch as much CPU as building it). A build
-that takes longer than SLOW seconds (the dataset's first reads, a cold cache) gives the building
-back to a thread, so the server loop never stops beating to its trainers for long.
+that takes longer than SLOW seconds (an epoch's start, a cold cache) gives the building back to a
+thread; that one build held the reader (the server loop, which beats to its trainers) for as long
+as it took: a build that stalls on storage holds the loop's heartbeats with it.
 """
 
 from __future__ import annotations
@@ -275,7 +276,10 @@ class Producer:
                 logger.warning("producer thread did not stop within %.1fs", timeout)
                 return
         if not self._thread.is_alive():
-            self._items.close()  # the factory's iterator is closed (a Loader's epoch ends)
+            try:
+                self._items.close()  # the factory's iterator is closed (a Loader's epoch ends)
+            except ValueError:  # the reader is building on it right now (stopped from another thread)
+                logger.debug("producer stopped while its reader builds; its iterator is closed when collected")
 
 
 class _Inline:
