@@ -10,8 +10,19 @@ batches of ``--batch`` rows, each packing mode (``split="rows"``, best-fit), thr
 * **dispatch**: the same server under ``crossfeed dispatch`` (leases, claims, a journal in a temp
   folder), read through ``crossfeed.connect(dispatcher=...)``.
 
+and, with ``--ways ...,floor``, the transport alone:
+
+* **floor**: one process sending the frames of one packed batch (the same three arrays, encoded
+  once by `crossfeed.format.wire`) over and over through a bare ZeroMQ ROUTER to a DEALER here,
+  at most 32 in flight, acknowledged every 16, each decoded by `wire.decode`: no build, no
+  server bookkeeping, as many batches as the Loader's epoch has. What loopback TCP and pyzmq cost
+  a batch of this size on this machine, the bound under the other ways.
+
 Printed: row tokens per second (the first batch excluded) and each way's ratio to the Loader in
-the same run, with the machine's load. The trainer only counts what it receives (and checks every
+the same run, with the machine's load; and the CPU time per batch (user + system, every thread,
+from the second batch on) of the trainer (this process: receiving, decoding, acknowledging; the
+id sums left out) and of the other processes of that way (the server, or the dispatcher and its
+server, or the floor's sender). The trainer only counts what it receives (and checks every
 token's id sum against the Loader's epoch), so the ratio is the serving path's cost.
 
     .venv/bin/python benchmarks/bench_pack_serve.py --docs 50000 --repeat 3
@@ -21,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -35,22 +47,110 @@ from benchmarks import bench_tokens  # noqa: E402  (the corpus and its writer)
 CLI = os.path.join(os.path.dirname(sys.executable), "crossfeed")
 
 
-def _count(batches) -> tuple[float, int, int]:
-    """(tokens/s from the second batch, tokens, id sum) of an iterable of packed batches; the
-    id sum's own time is left out of the rate."""
-    tokens = total = 0
+def _cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system, all threads) used so far by the processes `pids` (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def _own_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _count(batches, peers: list[int] = ()) -> tuple[float, int, int, float, float]:
+    """(tokens/s from the second batch, tokens, id sum, this process's and `peers`' CPU seconds
+    per batch from the second batch) of an iterable of packed batches; the id sum's own time is
+    left out of the rate and of this process's CPU."""
+    tokens = total = n = 0
     t0 = None
-    checking = 0.0
+    checking = checking_cpu = 0.0
     for b in batches:
         x = np.asarray(b["tokens"])
-        c = time.perf_counter()
+        c, cc = time.perf_counter(), time.thread_time()
         if t0 is None:
-            t0, first = c, x.size
+            t0, first, own0, peers0 = c, x.size, _own_cpu(), _cpu(list(peers))
+        n += 1
         tokens += x.size
         total += int(x.sum(dtype=np.int64))
         checking += time.perf_counter() - c
-    seconds = time.perf_counter() - t0 - checking if t0 is not None else float("nan")
-    return (tokens - first) / seconds, tokens, total
+        checking_cpu += time.thread_time() - cc
+    if t0 is None or n < 2:
+        return float("nan"), tokens, total, float("nan"), float("nan")
+    seconds = time.perf_counter() - t0 - checking
+    own = (_own_cpu() - own0 - checking_cpu) / (n - 1)
+    other = (_cpu(list(peers)) - peers0) / (n - 1) if peers else float("nan")
+    return (tokens - first) / seconds, tokens, total, own, other
+
+
+# the floor's sender: argv = endpoint file, batches, batch rows, row length; sends the frames of
+# one packed batch `batches` times to the first DEALER that says hello, 32 in flight, then "end"
+FLOOR_SENDER = r"""
+import sys, numpy as np, zmq
+from crossfeed.format import wire
+out, n, rows, length = sys.argv[1], *map(int, sys.argv[2:5])
+rng = np.random.default_rng(0)
+batch = {"tokens": rng.integers(0, 50_000, (rows, length)).astype(np.uint32),
+         "segment_ids": np.repeat(np.arange(1, 5, dtype=np.int32), length // 4)[None].repeat(rows, 0),
+         "positions": np.tile(np.arange(length // 4, dtype=np.int32), 4)[None].repeat(rows, 0)}
+frames = [b"batch", *wire.encode(batch, wire.BatchMeta(seq=0, server_id="floor"))]
+ctx = zmq.Context(); sock = ctx.socket(zmq.ROUTER); port = sock.bind_to_random_port("tcp://127.0.0.1")
+open(out + ".tmp", "w").write(f"tcp://127.0.0.1:{port}"); __import__("os").rename(out + ".tmp", out)
+peer, _ = sock.recv_multipart()
+sent = acked = 0
+while sent < n:
+    if sent - acked < 32:
+        sock.send(peer, zmq.SNDMORE)
+        sock.send_multipart(frames, copy=False)
+        sent += 1
+    else:
+        sock.recv_multipart()
+        acked += 16
+sock.send_multipart([peer, b"end"]); sock.recv_multipart(); sock.close(linger=1000); ctx.term()
+"""
+
+
+def _floor(batches: int, rows: int, length: int, tmp: str):
+    """The transport alone: batches from FLOOR_SENDER, decoded here as a trainer decodes them."""
+    import zmq
+
+    from crossfeed.format import wire
+
+    end = os.path.join(tmp, "floor.endpoint")
+    proc = subprocess.Popen([sys.executable, "-c", FLOOR_SENDER, end, str(batches), str(rows), str(length)])
+    try:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(_endpoint(end, proc, os.devnull))
+        sock.send(b"hello")
+
+        def received():
+            got = 0
+            while True:
+                frames = sock.recv_multipart(copy=False)
+                if frames[0].bytes == b"end":
+                    sock.send(b"bye")
+                    return
+                got += 1
+                if got % 16 == 0:
+                    sock.send(b"ack")
+                yield wire.decode(frames[1:])[1]
+
+        try:
+            return _count(received(), [proc.pid])
+        finally:
+            sock.close(linger=1000)
+            ctx.term()
+    finally:
+        proc.wait(30)
 
 
 def _endpoint(path: str, proc: subprocess.Popen, log: str) -> str:
@@ -73,13 +173,22 @@ SERVE_ARGS: list[str] = ["--threads", "0"]  # --serve-args
 CLIENT: dict = {}  # --credits
 
 
-def run(xf: str, way: str, split: str, length: int, batch: int, tmp: str) -> tuple[float, int, int]:
+BATCHES: dict[str, int] = {}  # split -> the Loader's batches in the epoch (the floor sends as many)
+
+
+def run(xf: str, way: str, split: str, length: int, batch: int, tmp: str) -> tuple:
     import crossfeed
 
     if way == "loader":
         pack = crossfeed.Pack(length, split=split)
         with crossfeed.Loader(xf, batch_size=batch, seed=0, pack=pack, num_threads=0) as ld:
+            BATCHES[split] = len(ld)
             return _count(ld)
+    if way == "floor":
+        if split not in BATCHES:
+            with crossfeed.Loader(xf, batch_size=batch, seed=0, pack=crossfeed.Pack(length, split=split)) as ld:
+                BATCHES[split] = len(ld)
+        return _floor(BATCHES[split], batch, length, tmp)
     procs, logs = [], []
     try:
         plan = _plan(length, batch, split)
@@ -95,13 +204,13 @@ def run(xf: str, way: str, split: str, length: int, batch: int, tmp: str) -> tup
             argv = [CLI, "serve", xf, "tcp://127.0.0.1:0", "--dispatcher", dispatcher, *SERVE_ARGS]
             procs.append(subprocess.Popen(argv, stdout=open(slog, "w"), stderr=subprocess.STDOUT))
             with crossfeed.connect(dispatcher=dispatcher, **CLIENT) as client:
-                return _count(client)
+                return _count(client, [p.pid for p in procs])
         slog, send = os.path.join(tmp, "s.log"), os.path.join(tmp, "s.endpoint")
         argv = [CLI, "serve", xf, "tcp://127.0.0.1:0", "--epochs", "1", *SERVE_ARGS, "--endpoint-file", send]
         procs.append(subprocess.Popen([*argv, *plan], stdout=open(slog, "w"), stderr=subprocess.STDOUT))
         address = _endpoint(send, procs[-1], slog)
         with crossfeed.connect(address, **CLIENT) as client:
-            return _count(client)
+            return _count(client, [p.pid for p in procs])
     finally:
         for p in procs:
             p.terminate()
@@ -119,7 +228,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=bench_tokens.BATCH)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--splits", default="rows,documents")
-    ap.add_argument("--ways", default="loader,serve,dispatch")
+    ap.add_argument("--ways", default="loader,serve,dispatch", help="of loader, serve, dispatch, floor")
     ap.add_argument("--data", default=os.environ.get("CROSSFEED_BENCH_DATA", os.path.join(bench_tokens.HERE, "_data")))
     ap.add_argument("--serve-args", default="--threads 0", help="the server's Loader flags (default: --threads 0)")
     ap.add_argument("--credits", type=int, help="batches each server may have in flight (connect's credits=)")
@@ -143,10 +252,16 @@ def main() -> None:
                 if way not in best or got[0] > best[way][0]:
                     best[way] = got
         ref = best.get("loader")
-        for way, (rate, tokens, total) in best.items():
+        for way, (rate, tokens, total, own, other) in best.items():
             ratio = f"{rate / ref[0]:.2f}× the Loader" if ref else ""
-            same = "every token as the Loader's" if ref and (tokens, total) == ref[1:] else f"{tokens:,} tokens"
-            print(f"  split={split:<9s} {way:<8s} {rate / 1e6:8.1f} M tokens/s  {ratio:<18s} {same}")
+            if way == "floor":
+                same = "(one batch's frames, sent again and again)"
+            else:
+                same = "every token as the Loader's" if ref and (tokens, total) == ref[1:3] else f"{tokens:,} tokens"
+            cpu = f"trainer {own * 1e6:4.0f} µs" + ("" if other != other else f", others {other * 1e6:4.0f} µs")
+            print(
+                f"  split={split:<9s} {way:<8s} {rate / 1e6:8.1f} M tokens/s  {ratio:<18s} CPU/batch: {cpu:<32s} {same}"
+            )
     print(f"(load now {os.getloadavg()[0]:.2f})")
 
 

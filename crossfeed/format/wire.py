@@ -187,30 +187,58 @@ def decode(frames: Sequence[Any], limits: WireLimits = DEFAULT_LIMITS) -> tuple[
         raise WireError(f"{nfields} fields declared, at most {limits.max_fields}")
     if not 0 <= num_ids <= limits.max_items:
         raise WireError(f"{num_ids} sample ids declared, limit {limits.max_items}")
-    server_id = r.text(sid_len, "server id")
     if len(bufs[1]) != num_ids * _IDS.itemsize:
         raise WireError(f"sample-id frame has {len(bufs[1])} bytes, expected {num_ids * 8}")
+    server_id, fields = _described(bufs[0], sid_len, nfields, limits)
     ids = np.frombuffer(bufs[1], dtype=_IDS) if num_ids else np.zeros(0, _IDS)
     ids.flags.writeable = False
     batch: dict[str, Any] = {}
     index = 2
+    for name, kind, code, dims in fields:
+        batch[name], index = decode_field(name, kind, code, dims, bufs, index, limits)
+    if index != len(bufs):
+        raise WireError(f"header describes {index} frames, message has {len(bufs)}")
+    return BatchMeta(epoch=epoch, seq=seq, server_id=server_id, sample_ids=ids), batch
+
+
+Fields = tuple[tuple[str, int, int, tuple[int, ...]], ...]  # (name, kind, dtype code, dims) of each field
+_DESCRIBED: dict[tuple[bytes, int, int, WireLimits], tuple[str, Fields]] = {}
+_DESCRIBED_MAX, _DESCRIBED_BYTES = 256, 4096  # parses kept; the longest header tail kept
+
+
+def _described(header: memoryview, sid_len: int, nfields: int, limits: WireLimits) -> tuple[str, Fields]:
+    """The server id and the field descriptors of a header (after its prefix), checked in full.
+    A stream's batches repeat them byte for byte (only the prefix's epoch, seq and id count
+    change): a tail parsed before, under the same limits, is not parsed again."""
+    tail = bytes(header[_PREFIX.size :])
+    key = (tail, sid_len, nfields, limits)
+    known = _DESCRIBED.get(key)
+    if known is not None:
+        return known
+    r = _Reader(memoryview(tail))
+    server_id = r.text(sid_len, "server id")
+    fields = []
+    names: set[str] = set()
     for _ in range(nfields):
         (name_len,) = _NAME_LEN.unpack(r.take(_NAME_LEN.size, "field name length"))
         if name_len > limits.max_name_bytes:
             raise WireError(f"field name of {name_len} bytes, at most {limits.max_name_bytes}")
         name = r.text(name_len, "field name")
-        if name in batch:
+        if name in names:
             raise WireError(f"field {name!r} appears twice")
+        names.add(name)
         kind, code, ndim = _FIELD.unpack(r.take(_FIELD.size, f"field {name!r} descriptor"))
         if ndim > limits.max_ndim:
             raise WireError(f"field {name!r} declares {ndim} dims, at most {limits.max_ndim}")
-        dims = list(_dims(ndim).unpack(r.take(8 * ndim, f"field {name!r} shape")))
-        batch[name], index = decode_field(name, kind, code, dims, bufs, index, limits)
-    if r.pos != len(bufs[0]):
-        raise WireError(f"{len(bufs[0]) - r.pos} trailing bytes after the last field in the header")
-    if index != len(bufs):
-        raise WireError(f"header describes {index} frames, message has {len(bufs)}")
-    return BatchMeta(epoch=epoch, seq=seq, server_id=server_id, sample_ids=ids), batch
+        fields.append((name, kind, code, _dims(ndim).unpack(r.take(8 * ndim, f"field {name!r} shape"))))
+    if r.pos != len(tail):
+        raise WireError(f"{len(tail) - r.pos} trailing bytes after the last field in the header")
+    described = (server_id, tuple(fields))
+    if len(tail) <= _DESCRIBED_BYTES:
+        if len(_DESCRIBED) >= _DESCRIBED_MAX:
+            _DESCRIBED.clear()
+        _DESCRIBED[key] = described
+    return described
 
 
 _DIMS = [struct.Struct(f"<{n}Q") for n in range(17)]

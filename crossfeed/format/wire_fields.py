@@ -122,7 +122,7 @@ def encode_field(name: str, value: Any, limits) -> tuple[int, int, tuple[int, ..
     return _encode_text_object(name, arr)
 
 
-def decode_field(name: str, kind: int, code: int, dims: list[int], bufs: list[memoryview], index: int, limits):
+def decode_field(name: str, kind: int, code: int, dims: Sequence[int], bufs: list[memoryview], index: int, limits):
     """`(value, next frame index)` of one field whose frames start at `bufs[index]`."""
     if kind == ARRAY:
         return _decode_array(name, code, dims, bufs, index, limits)
