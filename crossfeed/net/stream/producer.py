@@ -1,19 +1,10 @@
-"""The producing side of a server: runs `factory(epoch)` and encodes batches.
+"""The producing side of a server: a thread that runs `factory(epoch)` and encodes batches.
 
 Yields into a bounded `Prefetch` queue, in order:
     Item(seq, epoch, frames, n)       one encoded batch
     EpochEnd(epoch, batches)          after the last batch of an epoch
     StreamEnd(epochs)                 after the last epoch (only with a finite `epochs`)
     ProducerFailed(message)           the factory or its iterator raised; nothing follows
-
-A thread builds them, and with `inline=True` (the server's distribution loop) hands the building
-over to the reader of the queue once builds are quick: after INLINE_AFTER batches in a row each
-built in under FAST seconds, the thread stops and `queue.get_nowait()` builds the next batch on
-the caller's thread when the queue is empty — no thread hand-over per batch (a lock, a wake-up
-and a GIL switch each way, which cost a small packed batch as much CPU as building it). A build
-that takes longer than SLOW seconds (an epoch's start, a cold cache) gives the building back to a
-thread; that one build held the reader (the server loop, which beats to its trainers) for as long
-as it took: a build that stalls on storage holds the loop's heartbeats with it.
 """
 
 from __future__ import annotations
@@ -23,8 +14,7 @@ import dataclasses
 import logging
 import queue
 import threading
-import time
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -159,14 +149,8 @@ def put_until(q: queue.Queue | Prefetch, item: Any, stop, on_put=None, void=None
     return False
 
 
-INLINE_AFTER = 8  # quick builds in a row before the building moves to the queue's reader
-FAST = 0.005  # seconds: a build this quick may run on the server loop's thread
-SLOW = 0.05  # seconds: a build this slow moves the building back to a thread
-
-
 class Producer:
-    """Runs epochs `start, start+1, ...` (`epochs` of them, or until stopped) on a thread (or,
-    with `inline`, on the queue's reader's thread while builds are quick: see the module)."""
+    """Runs epochs `start, start+1, ...` (`epochs` of them, or until stopped) on a thread."""
 
     def __init__(
         self,
@@ -178,34 +162,24 @@ class Producer:
         prefetch: int = 4,
         prefetch_bytes: int = 0,
         on_put: Callable[[], None] | None = None,
-        inline: bool = False,
     ):
         self._factory = factory
         self._server_id = server_id
         self._epochs = epochs
         self._start = start_epoch
         self._on_put = on_put  # called on this thread after each put (the server's wake-up)
-        self._prefetch = Prefetch(prefetch, prefetch_bytes)
-        self.queue: Prefetch | _Inline = _Inline(self) if inline else self._prefetch
-        self._allow_inline = inline
-        self._items = self._produce()  # advanced by one thread at a time: the builder's, or the reader's
-        self._inline = False  # True: the builder thread has stopped and the reader builds
-        self._finished = False
-        self.handovers = 0  # times the building moved between the thread and the reader
+        self.queue = Prefetch(prefetch, prefetch_bytes)
         self._stop = threading.Event()
-        self._thread = self._new_thread()
-
-    def _new_thread(self) -> threading.Thread:
-        return threading.Thread(target=self._run, name="crossfeed-producer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="crossfeed-producer", daemon=True)
 
     def start(self) -> Producer:
         self._thread.start()
         return self
 
     def _put(self, item: Any) -> bool:
-        return put_until(self._prefetch, item, self._stop, self._on_put)
+        return put_until(self.queue, item, self._stop, self._on_put)
 
-    def _produce(self) -> Generator[Any, None, None]:
+    def _run(self) -> None:
         seq = 0
         epoch = self._start
         try:
@@ -214,7 +188,9 @@ class Producer:
                 batches = self._factory(epoch)
                 try:
                     for batch in batches:
-                        yield encode_item(batch, epoch=epoch, seq=seq, server_id=self._server_id)
+                        item = encode_item(batch, epoch=epoch, seq=seq, server_id=self._server_id)
+                        if not self._put(item):
+                            return
                         seq += 1
                         count += 1
                 finally:
@@ -223,50 +199,13 @@ class Producer:
                         close()
                 if count == 0:
                     raise ValueError(f"the batch factory gave no batches for epoch {epoch}")
-                yield EpochEnd(epoch, count)
+                if not self._put(EpochEnd(epoch, count)):
+                    return
                 epoch += 1
-            yield StreamEnd(epoch - self._start)
+            self._put(StreamEnd(epoch - self._start))
         except Exception as e:  # crosses the thread boundary wrapped, never swallowed
             logger.exception("producing epoch %d failed", epoch)
-            yield ProducerFailed(f"epoch {epoch}: {type(e).__name__}: {e}")
-
-    def _run(self) -> None:
-        quick = 0
-        while not self._stop.is_set():
-            began = time.perf_counter()
-            item = next(self._items, None)
-            if item is None:
-                self._finished = True
-                return
-            quick = quick + 1 if time.perf_counter() - began < FAST else 0
-            if not self._put(item):
-                return
-            if isinstance(item, (StreamEnd, ProducerFailed)):
-                self._finished = True
-                return
-            if self._allow_inline and quick >= INLINE_AFTER:
-                self.handovers += 1
-                self._inline = True  # this thread's last step but the wake-up: the reader builds from here on
-                if self._on_put is not None:
-                    self._on_put()  # a loop waiting for this thread's next put builds it now
-                return
-
-    def build_here(self) -> Any:
-        """The next item, built on the caller's thread (inline mode, the builder thread
-        stopped); None when there is none (the stream ended, or stopping). A slow build gives
-        the building back to a thread."""
-        if self._finished or self._stop.is_set():
-            return None
-        began = time.perf_counter()
-        item = next(self._items, None)
-        if item is None or isinstance(item, (StreamEnd, ProducerFailed)):
-            self._finished = True
-        elif time.perf_counter() - began > SLOW:
-            self.handovers += 1
-            self._inline = False
-            self._thread = self._new_thread()
-            self._thread.start()
-        return item
+            self._put(ProducerFailed(f"epoch {epoch}: {type(e).__name__}: {e}"))
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -274,39 +213,3 @@ class Producer:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.warning("producer thread did not stop within %.1fs", timeout)
-                return
-        if not self._thread.is_alive():
-            try:
-                self._items.close()  # the factory's iterator is closed (a Loader's epoch ends)
-            except ValueError:  # the reader is building on it right now (stopped from another thread)
-                logger.debug("producer stopped while its reader builds; its iterator is closed when collected")
-
-
-class _Inline:
-    """The queue a server loop reads from an inline `Producer`: what the thread put first, then
-    batches built on the reader's thread while the building is handed over."""
-
-    def __init__(self, producer: Producer):
-        self._producer = producer
-
-    def empty(self) -> bool:
-        p = self._producer
-        return p._prefetch.empty() and not (p._inline and not p._finished)
-
-    def get_nowait(self) -> Any:
-        p = self._producer
-        try:
-            return p._prefetch.get_nowait()
-        except queue.Empty:
-            if not p._inline:
-                raise
-        item = p.build_here()
-        if item is None:
-            raise queue.Empty
-        return item
-
-    def get(self, timeout: float) -> Any:
-        try:
-            return self.get_nowait()
-        except queue.Empty:
-            return self._producer._prefetch.get(timeout)

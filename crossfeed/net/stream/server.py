@@ -212,7 +212,6 @@ class Server:
             prefetch=self.options.prefetch,
             prefetch_bytes=self.options.prefetch_bytes,
             on_put=wake,
-            inline=self.options.mode is Mode.DISTRIBUTE,  # the loop builds quick batches itself
         ).start()
 
     def _bind(self, kind: int, addresses: tuple[str, ...], out: list[str]) -> zmq.Socket:
