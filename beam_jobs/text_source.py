@@ -523,11 +523,18 @@ class Lines:
             self.line += 1
             if len(raw) > self.limit and not raw.endswith(b"\n"):
                 self._inside = True
-                raise _BadLine(
-                    f"a line of more than {self.limit:,} bytes, longer than a document may be (--max-document-bytes)"
-                )
+                raise self._too_long()
         except (OSError, EOFError, zlib.error) as e:  # a damaged gzip stream: nothing after it can be read
             raise _Unreadable(f"{self.path}: not readable after line {self.line} ({e})") from e
+        return self._text(raw)
+
+    def _too_long(self) -> Exception:
+        return _BadLine(
+            f"a line of more than {self.limit:,} bytes, longer than a document may be (--max-document-bytes)"
+        )
+
+    def _text(self, raw: bytes):
+        """The line as read (bytes), or as UTF-8 text with ``decode``."""
         if not self.decode:
             return raw
         try:
@@ -580,21 +587,14 @@ class BlockLines(Lines):
             if len(self._buf) >= end:  # limit + 1 bytes and no line end yet
                 self.line += 1
                 self._at, self._inside = end, True
-                raise _BadLine(
-                    f"a line of more than {self.limit:,} bytes, longer than a document may be (--max-document-bytes)"
-                )
+                raise self._too_long()
             if not self._more():
                 if self._at >= len(self._buf):
                     raise StopIteration
                 raw, self._at = self._buf[self._at :], len(self._buf)
                 break
         self.line += 1
-        if not self.decode:
-            return raw
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise _BadLine(f"not UTF-8 text (byte {e.start} of the line)") from None
+        return self._text(raw)
 
 
 class _Unreadable(Exception):
