@@ -332,12 +332,14 @@ class TokenShards:
         rows = self._table[ids]
         if not len(rows):
             return None
-        if unchecked and int(rows[:, 0].min()) < 0:
-            todo = ids[rows[:, 0] == -1]
+        # every column looked at: a block being installed on another thread (numpy copies without
+        # the GIL) may show a row whose first column is in place and whose next is not yet
+        if unchecked and int(rows.min()) < 0:
+            todo = ids[(rows == -1).any(axis=1)]
             for s, blk in {(int(s), int(b)) for s, b in zip(*self._blocks(todo))}:
-                self._check(s, blk)
+                self._check(s, blk)  # under the lock: a block being installed is whole when it returns
             rows = self._table[ids]
-            if int(rows[:, 0].min()) < 0:
+            if int(rows.min()) < 0:
                 return None
         _, view, origin = self.current
         return rows - origin, view
