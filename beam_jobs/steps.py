@@ -34,8 +34,9 @@ from crossfeed.beam_jobs.commit import commit_splits, remove_temporaries
 from crossfeed.beam_jobs.policy import EmptyInputError, ErrorPolicy
 from crossfeed.beam_jobs.records import NUM_BUCKETS, Part, SampleBatch, StagedPart, Summary, encode_parts
 from crossfeed.beam_jobs.splits import SplitSpec
-from crossfeed.errors import ConfigError, CrossfeedError, SchemaError
+from crossfeed.errors import ConfigError, CorruptRecordError, CrossfeedError, SchemaError
 from crossfeed.format import tfrecord
+from crossfeed.format.frames import check_frames
 from crossfeed.format.schema import Schema, widen
 from crossfeed.format.stats import FeatureStats
 from crossfeed.write.commit import remove_entry
@@ -310,6 +311,12 @@ def _read_pieces(folder: str, pieces: list[StagedPart]) -> tuple[list[memoryview
                 f"{path}: a batch's staged records end at byte {lo + len(buf)}, the plan expects {hi}; "
                 f"the staging folder was changed while the job ran"
             )
+        try:  # both CRCs of every staged record checked, so a shard never blesses bytes changed on disk
+            check_frames(buf, x.starts - lo, x.sizes, path)
+        except CorruptRecordError as e:
+            raise CorruptRecordError(
+                path, lo + e.offset, f"{e.reason}; a batch's staged record changed while the job ran (run it again)"
+            ) from None
         views.append(memoryview(buf))
         starts.append(x.starts - lo)
     return views, (np.concatenate(starts) if starts else np.zeros(0, np.int64))

@@ -167,7 +167,7 @@ def test_encode_passes_on_no_record_bytes_and_a_damaged_staged_file_is_named(tmp
     from crossfeed.beam_jobs import steps
     from crossfeed.beam_jobs.records import SampleBatch
     from crossfeed.beam_jobs.splits import SplitSpec
-    from crossfeed.errors import CrossfeedError
+    from crossfeed.errors import CorruptRecordError, CrossfeedError
     from crossfeed.format import tfrecord
     from crossfeed.format.schema import Encoding, Feature, Schema
 
@@ -185,6 +185,17 @@ def test_encode_passes_on_no_record_bytes_and_a_damaged_staged_file_is_named(tmp
         assert [at for at, _ in tfrecord.records(f.read(), path)] == part.starts.tolist()
     views, starts = steps._read_pieces(cfg.batches_dir, [part])
     assert len(views[0]) == size and starts[0] == 0
+    at = int(part.starts[5]) + 100  # a byte inside the sixth record's payload, flipped on disk
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CorruptRecordError, match=f"{part.name}: corrupt record at byte offset {int(part.starts[5])}"):
+        steps._read_pieces(cfg.batches_dir, [part])
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(byte)
     with open(path, "r+b") as f:
         f.truncate(size - 100)
     with pytest.raises(CrossfeedError, match=part.name):
