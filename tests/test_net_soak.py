@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 
 import pytest
 from net_helpers import FAST_HB, child, read_endpoint, stop
@@ -32,9 +33,11 @@ def test_memory_stays_flat_while_streaming(tmp_path):
     same data between samples as an idle one. Resident memory first climbs to a plateau (socket
     buffers, credits in flight, the allocator's per-thread arenas; how high depends on the
     scheduling, which is why no absolute number of MB is asserted) and must then stay there: the
-    highest RSS of the last quarter of the epochs may exceed the highest of the second quarter by
+    median RSS of the last quarter of the epochs may exceed the median of the second quarter by
     less than 1/64 of the data streamed in between (36 MB of 2.3 GB), so a leak of even 24 KB per
-    1.5 MB batch fails, while the plateau's height, whatever it is, does not."""
+    1.5 MB batch fails (a leak raises every sample after it), while the plateau's height, whatever
+    it is, does not — nor does a passing spike (the allocator's arenas on a loaded machine once
+    lifted one epoch's highest by 45 MB and gave it back the next)."""
     # endless server; 64 batches/epoch of 32 x 64x64x3 float32
     server = child(
         "run_server",
@@ -70,10 +73,10 @@ def test_memory_stays_flat_while_streaming(tmp_path):
     bound = streamed_between / LEAK_FRACTION
     for side, samples in rss.items():
         assert len(samples) == SOAK_EPOCHS * SAMPLES_PER_EPOCH
-        plateau, last = max(samples[quarter : 2 * quarter]), max(samples[3 * quarter :])
+        plateau, last = statistics.median(samples[quarter : 2 * quarter]), statistics.median(samples[3 * quarter :])
         per_epoch = [round(max(samples[i : i + SAMPLES_PER_EPOCH])) for i in range(0, len(samples), SAMPLES_PER_EPOCH)]
         assert last - plateau < bound, (
-            f"{side} RSS grew {last - plateau:.1f} MB from the second quarter of the soak to the last "
+            f"{side} median RSS grew {last - plateau:.1f} MB from the second quarter of the soak to the last "
             f"(bound {bound:.0f} MB, 1/{LEAK_FRACTION} of the {streamed_between:.0f} MB streamed "
             f"in between); highest MB per epoch: {per_epoch}"
         )
