@@ -181,14 +181,17 @@ def test_an_entry_removed_after_it_was_opened_stays_readable(served, tmp_path):
 
 
 def _cache_bytes(cache_dir) -> int:
-    """Every byte under the cache directory (entries, downloads in progress, locks), its marker aside."""
-    total = 0
+    """Every byte under the cache directory (entries, downloads in progress, locks), its marker
+    aside, each file once: a download renamed from its temporary name while the directory is
+    listed can be listed under both names (the same inode)."""
+    sizes = {}
     for d, _, files in os.walk(cache_dir):
         for f in files:
             if f != MARKER:
                 with contextlib.suppress(OSError):
-                    total += os.lstat(os.path.join(d, f)).st_size
-    return total
+                    st = os.lstat(os.path.join(d, f))
+                    sizes[st.st_dev, st.st_ino] = st.st_size
+    return sum(sizes.values())
 
 
 @pytest.mark.parametrize(
