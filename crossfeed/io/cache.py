@@ -520,9 +520,13 @@ class ShardCache:
     def _evict(self) -> None:
         if self.limit is None:
             return
-        entries = self.entries()
         with self._lock:  # the downloads in flight will take their size: room for them counts
-            total = sum(e.size for e in entries) + sum(self._downloading.values())
+            flight = sum(self._downloading.values())
+        # listed after the downloads in flight were counted: one that ends meanwhile is renamed into
+        # place before it leaves the count, so it is counted at least once (listed first, one that
+        # ended between the listing and the count would be missed, and the cache run a shard over)
+        entries = self.entries()
+        total = sum(e.size for e in entries) + flight
         if total <= self.limit:
             return
         with self._lock:
