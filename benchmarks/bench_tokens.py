@@ -546,6 +546,9 @@ def main() -> None:
     ap.add_argument("--data", default=os.environ.get("CROSSFEED_BENCH_DATA", os.path.join(HERE, "_data")))
     ap.add_argument("--child", nargs=3, metavar=("SYSTEM", "ROOT", "WORKERS"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    unknown = sorted(set(a.systems.split(",")) - set(SYSTEMS))
+    if unknown:
+        ap.error(f"--systems: unknown {', '.join(unknown)}; choose from {','.join(SYSTEMS)}")
     if a.child:
         system, root, workers = a.child
         print(json.dumps(read(system, root, int(workers), a.length, a.batch)))
