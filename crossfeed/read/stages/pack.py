@@ -1556,7 +1556,7 @@ class PackBuilder:
         self.epoch = 0  # the epoch of untagged batches (`Pipeline.set_epoch`)
         self._shards: TokenShards | None | bool = False  # the fast path's checked shards (False: not looked at)
         self._pads: dict[tuple[str, int], _Prefixes] = {}  # `_pad`, `_positions`
-        self._ranges: dict[tuple[str, int], np.ndarray] = {}  # `_count`
+        self._up = np.zeros(0, dtype=np.int64)  # `_count`
 
     @property
     def alloc(self):
@@ -1675,10 +1675,7 @@ class PackBuilder:
             lo = offsets[:, i] + start * size
             cut: Any = map(view.__getitem__, map(slice, lo.tolist(), (lo + count * size).tolist()))
             if not full:
-                slices = list(cut)
-                slices += map(self._pad(dtype, width).__getitem__, gaps)
-                slices.append(b"")
-                cut = laid(slices)
+                cut = laid([*cut, *map(self._pad(dtype, width).__getitem__, gaps), b""])
             out[name] = np.frombuffer(bytearray().join(cut), dtype.newbyteorder("<")).reshape(rows, width)
         if tick is not None:  # the decode: the slices joined
             tick.tick("decode")
@@ -1694,10 +1691,7 @@ class PackBuilder:
             ramps, zeros = self._positions(width)
             cut = map(ramps.__getitem__, count.tolist())
             if not full:
-                slices = list(cut)
-                slices += map(zeros.__getitem__, gaps)
-                slices.append(b"")
-                cut = laid(slices)
+                cut = laid([*cut, *map(zeros.__getitem__, gaps), b""])
             pos = np.frombuffer(bytearray().join(cut), np.int32)
             out[SEGMENT_IDS], out[POSITIONS] = seg.reshape(rows, width), pos.reshape(rows, width)
         if tick is not None:
@@ -1706,11 +1700,10 @@ class PackBuilder:
 
     def _count(self, n: int) -> np.ndarray:
         """``0, 1, 2, …`` (int64, read only) of at least ``n + 1`` numbers, made once (grown as needed)."""
-        got = self._ranges.get(("count", 0))
-        if got is None or len(got) <= n:
-            got = self._ranges[("count", 0)] = np.arange(max(2 * n, 1024), dtype=np.int64)
-            got.flags.writeable = False
-        return got
+        if len(self._up) <= n:
+            self._up = np.arange(max(2 * n, 1024), dtype=np.int64)
+            self._up.flags.writeable = False
+        return self._up
 
     def _built(self, pieces: np.ndarray, rows: int, width: int, tick) -> dict[str, np.ndarray]:
         """The batch of ``pieces`` by the general way (records read and decoded)."""
