@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from crossfeed.beam_jobs.commit import remove_temporaries
-from crossfeed.beam_jobs.runner import run_pipeline
+from crossfeed.beam_jobs.runner import in_process, run_pipeline
 from crossfeed.beam_jobs.sources import ReadSource, Source
 from crossfeed.beam_jobs.splits import SplitSpec
 from crossfeed.beam_jobs.write import WriteDataset
@@ -45,6 +45,11 @@ class ConvertResult:
     @property
     def samples_per_second(self) -> float:
         return self.total_samples / self.seconds if self.seconds > 0 else float("inf")
+
+
+# Bytes of encoded batches a job on the in-process runner keeps in memory until its shard writers
+# copy them, rather than staging them in files (`WriteDataset(stage_in_memory=)`); past it, on disk.
+MEMORY_STAGING = 1 << 30
 
 
 def convert(
@@ -114,6 +119,7 @@ def _convert(
         lengths=lengths,
         options=options,
         append=append,
+        stage_in_memory=MEMORY_STAGING if in_process(runner, beam_args) else 0,
     )
     read = ReadSource(source)
     watcher = _Watcher(write.cfg.progress_dir, on_progress) if on_progress is not None else None

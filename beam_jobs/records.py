@@ -14,6 +14,7 @@ records within a split (the write-time shuffle; a nonzero ``seed`` keys the hash
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +102,8 @@ class StagedPart:
     """A `Part` whose records are framed (TFRecord) in a file of the job's staging folder,
     ``name``, in hash order (`steps.stage_part`): what travels through the runner is each record's
     hash, key, place in the file (``starts``, framed ``sizes``) and lengths — never its bytes.
-    A shard writer copies the framed records it keeps from the file."""
+    A shard writer copies the framed records it keeps from the file (``in_memory``: from the
+    same bytes held in `STAGED`, this process's memory, instead)."""
 
     split: str
     name: str
@@ -110,6 +112,7 @@ class StagedPart:
     starts: np.ndarray  # int64: each framed record's offset in the file
     sizes: np.ndarray  # int64: each framed record's size
     lengths: np.ndarray | None = None  # (records, k) uint32, as `Part.lengths`
+    in_memory: bool = False  # held in `STAGED` by the process that encoded it, not in a file
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -124,7 +127,51 @@ class StagedPart:
             self.starts[idx],
             self.sizes[idx],
             None if self.lengths is None else self.lengths[idx],
+            self.in_memory,
         )
+
+
+class StagedMemory:
+    """Batches' framed records kept in this process's memory instead of files of the staging
+    folder, for a job whose every step runs in this process (the embedded runner: `job.convert`
+    asks for it): what would be written to a batch file and read back by the shard writers never
+    goes to disk. At most ``budget`` bytes a job (``token``); past it a batch is staged in a file
+    as usual. A job's bytes are dropped at its commit or when it fails
+    (`crossfeed.beam_jobs.commit.remove_temporaries`)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._jobs: dict[str, dict[str, bytes]] = {}
+        self._held: dict[str, int] = {}  # bytes held a job
+
+    def put(self, token: str, name: str, data: bytes, budget: int) -> bool:
+        """Hold ``data`` as batch ``name`` of job ``token`` if the job stays within ``budget``
+        bytes (a retried batch replaces its earlier bytes); False: not held."""
+        with self._lock:
+            batches = self._jobs.setdefault(token, {})
+            size = self._held.get(token, 0) - len(batches.get(name, b"")) + len(data)
+            if size > budget:
+                return False
+            batches[name] = data
+            self._held[token] = size
+            return True
+
+    def get(self, token: str, name: str) -> bytes | None:
+        with self._lock:
+            return self._jobs.get(token, {}).get(name)
+
+    def held(self, token: str) -> int:
+        """Bytes held for job ``token``."""
+        with self._lock:
+            return self._held.get(token, 0)
+
+    def drop(self, token: str) -> None:
+        with self._lock:
+            self._jobs.pop(token, None)
+            self._held.pop(token, None)
+
+
+STAGED = StagedMemory()  # this process's
 
 
 @dataclass

@@ -55,6 +55,17 @@ def make_runner(name: str | None):
     return name
 
 
+def in_process(runner: str | None, beam_args: Sequence[str] = ()) -> bool:
+    """Whether ``runner`` with ``beam_args`` runs every step of a job in this process: the
+    embedded runner, unless ``--direct_running_mode=multi_processing``."""
+    from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions
+
+    known, rest = parse_runner_args(beam_args)
+    if (runner or known.runner) not in LOCAL_NAMES:
+        return False
+    return PipelineOptions(rest).view_as(DirectOptions).direct_running_mode != "multi_processing"
+
+
 def runner_name(runner) -> str:
     return runner if isinstance(runner, str) else type(runner).__name__
 

@@ -11,7 +11,9 @@ into a file of the job's staging folder (``.tmp-<token>.batches`` in the output 
 worker reaches as it reaches the shards it writes), sorted by hash, and passes on only each
 record's hash, key, place in that file and lengths (`records.StagedPart`); ``WriteShard`` reads
 the byte range of each batch file its records lie in and copies the framed records it keeps into
-its shard, in order. ``Commit`` removes the folder.
+its shard, in order. ``Commit`` removes the folder. A job whose every step runs in one process
+(``WriteConfig.memory_budget``: the embedded runner, `job.convert`) keeps those batches in that
+process's memory instead (`records.STAGED`, up to the budget), never on disk.
 
 No DoFn uses side inputs, tagged outputs or ``finish_bundle`` output: every runner, DaskRunner
 included, executes them the same way, and each output is a pure function of the data.
@@ -32,7 +34,7 @@ import numpy as np
 from crossfeed.beam_jobs import plan as planning
 from crossfeed.beam_jobs.commit import commit_splits, remove_temporaries
 from crossfeed.beam_jobs.policy import EmptyInputError, ErrorPolicy
-from crossfeed.beam_jobs.records import NUM_BUCKETS, Part, SampleBatch, StagedPart, Summary, encode_parts
+from crossfeed.beam_jobs.records import NUM_BUCKETS, STAGED, Part, SampleBatch, StagedPart, Summary, encode_parts
 from crossfeed.beam_jobs.splits import SplitSpec
 from crossfeed.errors import ConfigError, CorruptRecordError, CrossfeedError, SchemaError
 from crossfeed.format import tfrecord
@@ -62,10 +64,15 @@ class WriteConfig:
     add_split: bool = False
     append: bool = False  # the shards join the dataset as its next version (`commit_splits`)
     lengths: tuple[str, ...] = ()  # features whose per-record lengths go into lengths files
+    # Bytes of staged batches held in this process's memory rather than in files: only for a
+    # runner that runs every step in this process (0: all staged on disk).
+    memory_budget: int = 0
 
     def __post_init__(self):
         if not isinstance(self.options, WriteOptions):
             raise ConfigError(f"options must be a WriteOptions, got {type(self.options).__name__}")
+        if not isinstance(self.memory_budget, int) or self.memory_budget < 0:
+            raise ConfigError(f"memory_budget must be a whole number of bytes >= 0, got {self.memory_budget!r}")
         if not self.token or not self.token.isalnum():
             raise ConfigError(f"job token must be alphanumeric, got {self.token!r}")
         object.__setattr__(self, "lengths", tuple(self.lengths))
@@ -115,19 +122,37 @@ class EncodeDoFn(beam.DoFn):
     def process(self, batch: SampleBatch):
         parts, summary = encode_parts(batch, self.cfg.schema, self.cfg.splits.assign, self.cfg.seed, self.cfg.lengths)
         name = hashlib.blake2b(batch.batch_id.encode(), digest_size=10, person=b"crossfeed.bat").hexdigest()
-        staged = [stage_part(p, self.cfg.batches_dir, f"{name}-{j}") for j, p in enumerate(parts)]
+        staged = [stage_part(p, self.cfg, f"{name}-{j}") for j, p in enumerate(parts)]
         if self.cfg.progress:
             _report_progress(self.cfg.progress_dir, batch.batch_id, len(batch), sum(summary.num_bytes.values()))
         yield batch.batch_id, (staged, summary)
 
 
-def stage_part(part: Part, folder: str, name: str) -> StagedPart:
-    """``part``'s records framed, in hash order, into ``folder/name`` (written under a name of its
-    own, then renamed: a retried bundle writes the same bytes again), as a `StagedPart`. In hash
-    order, the records a shard keeps — a range of hashes — are one range of the file."""
+def stage_part(part: Part, cfg: WriteConfig, name: str) -> StagedPart:
+    """``part``'s records framed, in hash order, into ``cfg.batches_dir/name`` (written under a
+    name of its own, then renamed: a retried bundle writes the same bytes again) or, within the
+    job's ``memory_budget``, held in this process's memory under that name (`records.STAGED`), as
+    a `StagedPart`. In hash order, the records a shard keeps — a range of hashes — are one range
+    of the file."""
     order = np.argsort(part.hashes, kind="stable")
     ids = order.tolist()
     data, sizes = tfrecord.frame_many([part.payloads[i] for i in ids])
+    held = bool(cfg.memory_budget) and STAGED.put(cfg.token, name, data, cfg.memory_budget)
+    if not held:
+        _write_batch(cfg.batches_dir, name, data)
+    return StagedPart(
+        part.split,
+        name,
+        part.hashes[order],
+        [part.keys[i] for i in ids],
+        np.cumsum(sizes) - sizes,
+        sizes,
+        None if part.lengths is None else part.lengths[order],
+        held,
+    )
+
+
+def _write_batch(folder: str, name: str, data: bytes) -> None:
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, name)
     tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}")
@@ -139,15 +164,6 @@ def stage_part(part: Part, folder: str, name: str) -> StagedPart:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    return StagedPart(
-        part.split,
-        name,
-        part.hashes[order],
-        [part.keys[i] for i in ids],
-        np.cumsum(sizes) - sizes,
-        sizes,
-        None if part.lengths is None else part.lengths[order],
-    )
 
 
 def _report_progress(folder: str, batch_id: str, samples: int, num_bytes: int) -> None:
@@ -272,7 +288,7 @@ class WriteShardDoFn(beam.DoFn):
         sink = ShardSink(self.cfg.root, f"{self.cfg.token}-{split}-{index:05d}", compress=self.cfg.options.compress)
         mine = order[p.lo - p.first_offset : p.hi - p.first_offset]
         try:
-            views, starts = _read_pieces(self.cfg.batches_dir, pieces)
+            views, starts = _read_pieces(self.cfg.batches_dir, pieces, self.cfg.token)
             which = np.repeat(np.arange(len(pieces)), [len(x) for x in pieces])[mine].tolist()
             sizes = np.concatenate([x.sizes for x in pieces])[mine] if pieces else np.zeros(0, np.int64)
             begin = starts[mine]
@@ -290,14 +306,26 @@ class WriteShardDoFn(beam.DoFn):
 _WRITE_BATCH = 1024  # records written at once (`ShardSink.write_framed`)
 
 
-def _read_pieces(folder: str, pieces: list[StagedPart]) -> tuple[list[memoryview], np.ndarray]:
+def _read_pieces(folder: str, pieces: list[StagedPart], token: str = "") -> tuple[list[memoryview], np.ndarray]:
     """The byte range of its batch's staged file that each piece's records lie in (one read a
     piece: the file is in hash order, a piece a range of hashes), and every record's offset in its
-    piece's range, in the pieces' order."""
+    piece's range, in the pieces' order. A piece held in memory (job ``token``'s, `records.STAGED`)
+    is a view of those bytes, which never left this process (no read, no check)."""
     views, starts = [], []
     for x in pieces:
         lo, hi = (int(x.starts.min()), int((x.starts + x.sizes).max())) if len(x) else (0, 0)
         path = os.path.join(folder, x.name)
+        if x.in_memory:
+            data = STAGED.get(token, x.name)
+            if data is None or len(data) < hi:
+                raise CrossfeedError(
+                    f"{path}: a batch's records were staged in the memory of the process that encoded them, "
+                    f"which this shard writer does not share; run the job on the in-process runner, or stage "
+                    f"on disk (memory_budget=0)"
+                )
+            views.append(memoryview(data)[lo:hi])
+            starts.append(x.starts - lo)
+            continue
         try:
             with open(path, "rb") as f:
                 f.seek(lo)
@@ -374,6 +402,7 @@ class CommitDoFn(beam.DoFn):
             remove_temporaries(cfg.root, token=cfg.token)
             raise
         remove_entry(cfg.batches_dir)
+        STAGED.drop(cfg.token)
         remove_temporaries(cfg.root)  # this job's progress files and any stale job's leftovers
         yield WriteResult(
             cfg.root,

@@ -49,7 +49,9 @@ class WriteDataset(beam.PTransform):
     ``add_split=True`` adds new splits to it (`crossfeed.write.writer.check_target`); the commit
     is one atomic rename. ``lengths`` names variable-length features whose per-record lengths
     (number of values) are written beside each shard (``NAME.len``, `crossfeed.format.lengths`),
-    pinned by the manifest.
+    pinned by the manifest. ``stage_in_memory``: bytes of encoded batches held in this process's
+    memory rather than staged in files until the shard writers copy them — only for a runner that
+    runs every step in this process (the embedded in-process runner; `job.convert` sets it there).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class WriteDataset(beam.PTransform):
         lengths: tuple[str, ...] = (),
         options: WriteOptions | None = None,
         append: bool = False,
+        stage_in_memory: int = 0,
         **fields,
     ):
         super().__init__()
@@ -91,6 +94,7 @@ class WriteDataset(beam.PTransform):
             add_split=add_split,
             lengths=tuple(lengths),
             append=append,
+            memory_budget=stage_in_memory,
         )
         self.batched = batched
         self.key_groups = key_groups

@@ -132,24 +132,37 @@ def test_duplicate_keys_fail_and_leave_nothing(tmp_path):
         open_dataset(tmp_path)
 
 
-def test_a_failed_conversion_removes_its_staged_batches(tmp_path, monkeypatch):
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_a_failed_conversion_removes_its_staged_batches(tmp_path, monkeypatch, in_memory):
     """The batches' staged records live beside the staged shards (``.tmp-<token>.batches`` in the
-    output root); a job that fails after staging them leaves no ``.tmp-`` entry behind."""
+    output root) or, on the in-process runner, in this process's memory; a job that fails after
+    staging them leaves no ``.tmp-`` entry behind and holds none of their bytes."""
+    from crossfeed.beam_jobs.records import STAGED
+
     np.save(tmp_path / "x.npy", np.arange(300, dtype=np.int64))
     out = tmp_path / "out"
-    seen = []
+    seen, held = [], []
 
     def fail(self, element):
-        seen.append(os.path.relpath(self.cfg.batches_dir, out))
-        seen.extend(os.listdir(self.cfg.batches_dir))
+        held.append((self.cfg.token, STAGED.held(self.cfg.token)))
+        if not in_memory:
+            seen.append(os.path.relpath(self.cfg.batches_dir, out))
+            seen.extend(os.listdir(self.cfg.batches_dir))
         raise RuntimeError("a shard writer failed")
         yield
 
     monkeypatch.setattr(beam_steps.WriteShardDoFn, "process", fail)
+    if not in_memory:
+        monkeypatch.setattr("crossfeed.beam_jobs.job.MEMORY_STAGING", 0)
     with pytest.raises(Exception, match="a shard writer failed"):
         beam_job.convert(beam_job.make_source("numpy", tmp_path / "x.npy"), out, num_shards=2)
-    assert seen[0].startswith(".tmp-") and seen[0].endswith(".batches") and len(seen) > 1
+    token, nbytes = held[0]
+    if in_memory:  # every record staged in memory (300 framed int64 records), no folder
+        assert nbytes > 300 * 16 and not [f for f in os.listdir(out) if f.endswith(".batches")]
+    else:
+        assert nbytes == 0 and seen[0].startswith(".tmp-") and seen[0].endswith(".batches") and len(seen) > 1
     assert not [f for f in os.listdir(out) if f.startswith(".tmp-")]
+    assert STAGED.held(token) == 0
 
 
 def test_empty_input_is_a_clear_error(tmp_path):

@@ -14,6 +14,7 @@ import os
 import struct
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 import crc32c as _crc32c
@@ -285,8 +286,22 @@ def stream_records(chunks: Iterable[bytes], path: str) -> Iterator[tuple[int, by
         base += size  # size >= 16: the walk advances
 
 
+_OVERLAP = 1 << 20  # a write of at least this many bytes is hashed on another thread as it is written
+_hashers: dict[int, ThreadPoolExecutor] = {}  # by process: a forked child makes its own
+
+
+def _hasher() -> ThreadPoolExecutor:
+    pid = os.getpid()
+    pool = _hashers.get(pid)
+    if pool is None:
+        pool = _hashers.setdefault(pid, ThreadPoolExecutor(1, thread_name_prefix="crossfeed-sha256"))
+    return pool
+
+
 class _HashingFile:
-    """A write-only file that hashes (sha256 and CRC32C) and counts what passes through it."""
+    """A write-only file that hashes (sha256 and CRC32C) and counts what passes through it. A
+    large write's sha256 runs on a thread of its own while the bytes go to the file (both release
+    the GIL), so the hash costs next to nothing beside the write; it has ended when `write` returns."""
 
     def __init__(self, f: BinaryIO):
         self._f = f
@@ -295,10 +310,16 @@ class _HashingFile:
         self.size = 0
 
     def write(self, data) -> int:
-        self.hash.update(data)
+        hashing = _hasher().submit(self.hash.update, data) if len(data) >= _OVERLAP else None
+        if hashing is None:
+            self.hash.update(data)
         self.crc = _crc32c.crc32c(data, self.crc)
         self.size += len(data)
-        return self._f.write(data)
+        try:
+            return self._f.write(data)
+        finally:
+            if hashing is not None:
+                hashing.result()
 
     def flush(self) -> None:
         self._f.flush()

@@ -1,0 +1,95 @@
+"""Where a conversion stages its encoded batches until the shard writers copy them: in files of
+the job's staging folder, or — on the in-process runner, within `job.MEMORY_STAGING` bytes — in
+this process's memory (`crossfeed.beam_jobs.records.STAGED`). Wherever they were, the dataset is
+the same bytes."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from conftest import lazy_import, requires
+from test_convert_golden import GOLDEN, convert_text, summary
+
+beam_runner = lazy_import("crossfeed.beam_jobs.runner")
+pytestmark = requires("apache_beam", "tokenizers")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [0, 200_000])  # all on disk; the first batches in memory, the rest on disk
+def test_batches_staged_on_disk_or_partly_in_memory_give_the_same_bytes(tmp_path, monkeypatch, budget):
+    from crossfeed.beam_jobs.records import STAGED
+
+    monkeypatch.setattr("crossfeed.beam_jobs.job.MEMORY_STAGING", budget)
+    put = STAGED.put
+    held = []
+
+    def spy(token, name, data, limit):
+        held.append(put(token, name, data, limit))
+        return held[-1]
+
+    monkeypatch.setattr(STAGED, "put", spy)
+    out = convert_text(tmp_path, "a", num_shards=3)
+    assert summary(out) == GOLDEN["text-3"]
+    if budget:
+        assert True in held and False in held  # some batches held, then the budget was spent
+    else:
+        assert held == []
+
+
+def test_a_shard_writer_that_does_not_share_the_encoders_memory_names_the_batch(tmp_path):
+    """A part staged in memory reaching a shard writer in another process (a runner that is not
+    in-process, given a memory budget by mistake) is a clear error, never a wrong shard."""
+    from crossfeed.beam_jobs import steps
+    from crossfeed.beam_jobs.records import STAGED, SampleBatch
+    from crossfeed.beam_jobs.splits import SplitSpec
+    from crossfeed.errors import CrossfeedError
+    from crossfeed.format.schema import Encoding, Feature, Schema
+
+    schema = Schema([Feature("v", "float32", (16,), Encoding.TENSOR)])
+    cfg = steps.WriteConfig(str(tmp_path), "t1", SplitSpec.single("train"), schema=schema, memory_budget=1 << 20)
+    batch = SampleBatch("b0", [f"k{i}" for i in range(8)], {"v": np.ones((8, 16), np.float32)})
+    [(_, ([part], _))] = list(steps.EncodeDoFn(cfg).process(batch))
+    assert part.in_memory and STAGED.held("t1") > 8 * 64 and not os.path.exists(cfg.batches_dir)
+    STAGED.drop("t1")  # as if in another process
+    with pytest.raises(CrossfeedError, match=f"{part.name}: a batch's records were staged in the memory"):
+        steps._read_pieces(cfg.batches_dir, [part], cfg.token)
+    with pytest.raises(Exception, match="memory_budget must be"):
+        steps.WriteConfig(str(tmp_path), "t2", SplitSpec.single("train"), memory_budget=-1)
+
+
+def test_only_the_in_process_runner_stages_in_memory():
+    assert beam_runner.in_process(None) and beam_runner.in_process("DirectRunner", ["--direct_num_workers=2"])
+    assert beam_runner.in_process(None, ["--direct_running_mode=multi_threading"])
+    assert not beam_runner.in_process(None, ["--direct_running_mode=multi_processing"])
+    assert not beam_runner.in_process(None, ["--runner=DaskRunner"]) and not beam_runner.in_process("FlinkRunner")
+
+
+def test_a_forked_child_hashes_its_shards_too(tmp_path):
+    """A large write's sha256 runs on a thread of its own; a process forked after the parent used
+    that thread gets its own (the parent's does not exist in the child): the child's shard is
+    hashed right, and it does not hang."""
+    import hashlib
+    import multiprocessing
+
+    from crossfeed.format.tfrecord import RecordWriter
+
+    big = os.urandom(3 << 20)
+    with RecordWriter(tmp_path / "parent.tfrecord") as w:
+        w.write(big)
+    with open(tmp_path / "parent.tfrecord", "rb") as f:
+        assert w.sha256 == hashlib.sha256(f.read()).hexdigest()
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        sha = pool.apply_async(_child_sha, (str(tmp_path / "child.tfrecord"), big)).get(timeout=60)
+    with open(tmp_path / "child.tfrecord", "rb") as f:
+        assert sha == hashlib.sha256(f.read()).hexdigest()
+
+
+def _child_sha(path: str, payload: bytes) -> str:
+    from crossfeed.format.tfrecord import RecordWriter
+
+    with RecordWriter(path) as w:
+        w.write(payload)
+    return w.sha256
