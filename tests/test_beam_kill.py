@@ -20,8 +20,11 @@ pytestmark = [pytest.mark.slow, requires("apache_beam")]  # slow: kill tests
 
 KILLER = textwrap.dedent("""
     import os, signal, sys
-    from crossfeed.beam_jobs import steps
+    from crossfeed.beam_jobs import job, steps
     from crossfeed.beam_jobs.job import convert, make_source
+
+    if len(sys.argv) > 3:
+        job.MEMORY_STAGING = int(sys.argv[3])  # 0: the batches staged on disk
 
     real = steps.WriteShardDoFn.process
 
@@ -35,20 +38,23 @@ KILLER = textwrap.dedent("""
 """)
 
 
-def run_killed(tmp_path, src, out):
+def run_killed(tmp_path, src, out, *memory):
     script = tmp_path / "killer.py"
     script.write_text(KILLER)
-    proc = subprocess.run([sys.executable, str(script), str(src), str(out)], capture_output=True, timeout=240)
+    args = [sys.executable, str(script), str(src), str(out), *map(str, memory)]
+    proc = subprocess.run(args, capture_output=True, timeout=240)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
 
 
-def test_killed_conversion_leaves_nothing_readable_and_rerun_is_clean(tmp_path):
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_killed_conversion_leaves_nothing_readable_and_rerun_is_clean(tmp_path, on_disk):
     np.save(tmp_path / "x.npy", np.arange(400, dtype=np.int64))
     out = tmp_path / "out"
-    run_killed(tmp_path, tmp_path / "x.npy", out)
+    run_killed(tmp_path, tmp_path / "x.npy", out, *([0] if on_disk else []))
     leftovers = os.listdir(out)
     assert any(f.startswith(".tmp-") for f in leftovers) and "crossfeed.json" not in leftovers
-    assert any(f.startswith(".tmp-") and f.endswith(".batches") for f in leftovers)  # the batches' staged records
+    batches = [f for f in leftovers if f.startswith(".tmp-") and f.endswith(".batches")]
+    assert bool(batches) == on_disk  # the batches' staged records: on disk, or in the killed process's memory
     with pytest.raises(DatasetNotFoundError):
         open_dataset(out)
     r = beam_job.convert(beam_job.make_source("numpy", tmp_path / "x.npy"), out, num_shards=4)
