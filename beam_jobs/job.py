@@ -47,9 +47,18 @@ class ConvertResult:
         return self.total_samples / self.seconds if self.seconds > 0 else float("inf")
 
 
+def _memory_staging() -> int:
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that says
+        physical = 8 << 30
+    return min(1 << 30, physical // 8)
+
+
 # Bytes of encoded batches a job on the in-process runner keeps in memory until its shard writers
-# copy them, rather than staging them in files (`WriteDataset(stage_in_memory=)`); past it, on disk.
-MEMORY_STAGING = 1 << 30
+# copy them, rather than staging them in files (`WriteDataset(stage_in_memory=)`); past it, on
+# disk. 1 GiB, or an eighth of the machine's memory if that is less.
+MEMORY_STAGING = _memory_staging()
 
 
 def convert(
