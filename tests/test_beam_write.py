@@ -195,3 +195,25 @@ def test_more_shards_than_samples_gives_empty_shards(tmp_path):
         p | beam.Create(pairs(3)) | beam_write.WriteDataset(tmp_path, num_shards=5)
     counts = [s.num_records for s in open_dataset(tmp_path).splits["train"].shards]
     assert sorted(counts) == [0, 0, 1, 1, 1]
+
+
+def test_only_the_in_process_runner_skips_construction_type_checks():
+    """The default runner builds crossfeed's own graph without Beam's construction-time type
+    inference (a fixed cost of every job); any other runner gets the Beam options as given."""
+    from apache_beam.options.pipeline_options import TypeOptions
+
+    from crossfeed.beam_jobs import runner
+
+    local = runner.runner_name(runner.make_runner(None))
+    assert not runner.beam_options([], runner_name=local).view_as(TypeOptions).pipeline_type_check
+    assert (
+        not runner.beam_options(["--no_pipeline_type_check"], runner_name=local)
+        .view_as(TypeOptions)
+        .pipeline_type_check
+    )
+    for other in ("FlinkRunner", "SparkRunner", "DataflowRunner"):
+        assert (
+            runner.beam_options(["--flink_master=host:8081"], runner_name=other)
+            .view_as(TypeOptions)
+            .pipeline_type_check
+        )
