@@ -90,6 +90,21 @@ def route_table(plans: list[ShardPlan]) -> tuple[np.ndarray, np.ndarray, np.ndar
 def route(part: P, table: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Iterator[tuple[int, P]]:
     """Yields ``(shard_index, records)``: each record goes to every shard whose bucket range holds
     its bucket (one shard, or several for a boundary bucket)."""
+    for shard, r in _destinations(part, table):
+        yield shard, part.take(r)
+
+
+def route_ranges(part: StagedPart, table: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Iterator[tuple[int, int, int]]:
+    """`route` of a part whose records are in hash order, as ``(shard_index, lo, hi)``: the records
+    a shard keeps (whole buckets, contiguous in hash order) are the range ``[lo, hi)``."""
+    for shard, r in _destinations(part, table):
+        lo, hi = int(r.min()), int(r.max()) + 1
+        if hi - lo != len(r):
+            raise CrossfeedError(f"split {part.split!r}: a staged batch's records are not in hash order")
+        yield shard, lo, hi
+
+
+def _destinations(part: Part | StagedPart, table) -> Iterator[tuple[int, np.ndarray]]:
     first, last, index = table
     b = (part.hashes >> np.uint64(64 - BUCKET_BITS)).astype(np.int64)
     lo = np.searchsorted(last, b, side="left")  # first live shard ending at or after b
@@ -108,7 +123,7 @@ def route(part: P, table: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Iterator
     cuts = np.flatnonzero(np.diff(dest_all)) + 1
     for d, r in zip(np.split(dest_all, cuts), np.split(recs_all, cuts)):
         if len(d):
-            yield int(index[d[0]]), part.take(r)
+            yield int(index[d[0]]), r
 
 
 def sorted_order(hashes: np.ndarray, keys: list[str], split: str) -> np.ndarray:

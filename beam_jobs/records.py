@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from crossfeed.errors import SampleSchemaError, SchemaError
+from crossfeed.errors import CrossfeedError, SampleSchemaError, SchemaError
 from crossfeed.format.encode import encoder_for
 from crossfeed.format.schema import Feature, Schema, infer_schema
 from crossfeed.format.stats import FeatureStats, LengthStats
@@ -131,34 +131,79 @@ class StagedPart:
         )
 
 
+@dataclass(frozen=True)
+class HeldPart:
+    """Records ``[lo, hi)`` (in hash order) of a batch's `StagedPart` that `STAGED` holds whole,
+    with its framed records, in this process's memory: all that crosses the runner's shuffles
+    for it is this handle. `resolve` gives the `StagedPart` of those records."""
+
+    split: str
+    name: str
+    lo: int
+    hi: int
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def resolve(self, token: str) -> StagedPart:
+        whole = STAGED.part(token, self.name)
+        lo, hi = self.lo, self.hi
+        return StagedPart(
+            whole.split,
+            whole.name,
+            whole.hashes[lo:hi],
+            whole.keys[lo:hi],
+            whole.starts[lo:hi],
+            whole.sizes[lo:hi],
+            None if whole.lengths is None else whole.lengths[lo:hi],
+            True,
+        )
+
+
 class StagedMemory:
-    """Batches' framed records kept in this process's memory instead of files of the staging
-    folder, for a job whose every step runs in this process (the embedded runner: `job.convert`
-    asks for it): what would be written to a batch file and read back by the shard writers never
-    goes to disk. At most ``budget`` bytes a job (``token``); past it a batch is staged in a file
-    as usual. A job's bytes are dropped at its commit or when it fails
+    """Batches' framed records (and their `StagedPart`) kept in this process's memory instead of
+    files of the staging folder, for a job whose every step runs in this process (the embedded
+    runner: `job.convert` asks for it): what would be written to a batch file and read back by the
+    shard writers never goes to disk, and only a `HeldPart` handle crosses the shuffles. At most
+    ``budget`` bytes of records a job (``token``); past it a batch is staged in a file as usual. A
+    job's batches are dropped at its commit or when it fails
     (`crossfeed.beam_jobs.commit.remove_temporaries`)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._jobs: dict[str, dict[str, bytes]] = {}
+        self._jobs: dict[str, dict[str, tuple[bytes, StagedPart]]] = {}
         self._held: dict[str, int] = {}  # bytes held a job
 
-    def put(self, token: str, name: str, data: bytes, budget: int) -> bool:
-        """Hold ``data`` as batch ``name`` of job ``token`` if the job stays within ``budget``
-        bytes (a retried batch replaces its earlier bytes); False: not held."""
+    def put(self, token: str, part: StagedPart, data: bytes, budget: int) -> bool:
+        """Hold ``data``, the framed records of ``part`` (batch ``part.name`` of job ``token``), if
+        the job stays within ``budget`` bytes (a retried batch replaces its earlier bytes); False:
+        not held."""
         with self._lock:
             batches = self._jobs.setdefault(token, {})
-            size = self._held.get(token, 0) - len(batches.get(name, b"")) + len(data)
+            old = batches.get(part.name)
+            size = self._held.get(token, 0) - (len(old[0]) if old else 0) + len(data)
             if size > budget:
                 return False
-            batches[name] = data
+            batches[part.name] = (data, part)
             self._held[token] = size
             return True
 
-    def get(self, token: str, name: str) -> bytes | None:
+    def _get(self, token: str, name: str) -> tuple[bytes, StagedPart]:
         with self._lock:
-            return self._jobs.get(token, {}).get(name)
+            got = self._jobs.get(token, {}).get(name)
+        if got is None:
+            raise CrossfeedError(
+                f"batch {name}: its records were staged in the memory of the process that encoded them, which "
+                f"this step does not share; run the job on the in-process runner, or stage on disk (memory_budget=0)"
+            )
+        return got
+
+    def data(self, token: str, name: str) -> bytes:
+        """The framed records of batch ``name`` of job ``token``."""
+        return self._get(token, name)[0]
+
+    def part(self, token: str, name: str) -> StagedPart:
+        return self._get(token, name)[1]
 
     def held(self, token: str) -> int:
         """Bytes held for job ``token``."""

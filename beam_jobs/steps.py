@@ -22,6 +22,7 @@ included, executes them the same way, and each output is a pure function of the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -34,7 +35,16 @@ import numpy as np
 from crossfeed.beam_jobs import plan as planning
 from crossfeed.beam_jobs.commit import commit_splits, remove_temporaries
 from crossfeed.beam_jobs.policy import EmptyInputError, ErrorPolicy
-from crossfeed.beam_jobs.records import NUM_BUCKETS, STAGED, Part, SampleBatch, StagedPart, Summary, encode_parts
+from crossfeed.beam_jobs.records import (
+    NUM_BUCKETS,
+    STAGED,
+    HeldPart,
+    Part,
+    SampleBatch,
+    StagedPart,
+    Summary,
+    encode_parts,
+)
 from crossfeed.beam_jobs.splits import SplitSpec
 from crossfeed.errors import ConfigError, CorruptRecordError, CrossfeedError, SchemaError
 from crossfeed.format import tfrecord
@@ -128,19 +138,16 @@ class EncodeDoFn(beam.DoFn):
         yield batch.batch_id, (staged, summary)
 
 
-def stage_part(part: Part, cfg: WriteConfig, name: str) -> StagedPart:
+def stage_part(part: Part, cfg: WriteConfig, name: str) -> StagedPart | HeldPart:
     """``part``'s records framed, in hash order, into ``cfg.batches_dir/name`` (written under a
-    name of its own, then renamed: a retried bundle writes the same bytes again) or, within the
-    job's ``memory_budget``, held in this process's memory under that name (`records.STAGED`), as
-    a `StagedPart`. In hash order, the records a shard keeps — a range of hashes — are one range
-    of the file."""
+    name of its own, then renamed: a retried bundle writes the same bytes again), as a
+    `StagedPart`; or, within the job's ``memory_budget``, held in this process's memory under that
+    name (`records.STAGED`), as a `HeldPart` handle. In hash order, the records a shard keeps — a
+    range of hashes — are one range of the file."""
     order = np.argsort(part.hashes, kind="stable")
     ids = order.tolist()
     data, sizes = tfrecord.frame_many([part.payloads[i] for i in ids])
-    held = bool(cfg.memory_budget) and STAGED.put(cfg.token, name, data, cfg.memory_budget)
-    if not held:
-        _write_batch(cfg.batches_dir, name, data)
-    return StagedPart(
+    staged = StagedPart(
         part.split,
         name,
         part.hashes[order],
@@ -148,8 +155,12 @@ def stage_part(part: Part, cfg: WriteConfig, name: str) -> StagedPart:
         np.cumsum(sizes) - sizes,
         sizes,
         None if part.lengths is None else part.lengths[order],
-        held,
+        bool(cfg.memory_budget),
     )
+    if cfg.memory_budget and STAGED.put(cfg.token, staged, data, cfg.memory_budget):
+        return HeldPart(part.split, name, 0, len(staged))
+    _write_batch(cfg.batches_dir, name, data)
+    return dataclasses.replace(staged, in_memory=False)
 
 
 def _write_batch(folder: str, name: str, data: bytes) -> None:
@@ -247,7 +258,9 @@ def _widen_schema(feats: dict, s: Summary) -> dict:
     return out
 
 
-def route_batch(element):
+def route_batch(element, token: str = ""):
+    """A batch's parts sent to the shards that keep their records: each piece a range of the
+    part's records (in hash order; a `HeldPart` handle for a part held in memory by job ``token``)."""
     batch_id, values = element[0], list(element[1])
     parts = [v for tag, v in values if tag == "parts"]
     tables = [v for tag, v in values if tag == "table"]
@@ -257,6 +270,10 @@ def route_batch(element):
             f"are two batches using the same id?"
         )
     for part in parts[0]:
+        if isinstance(part, HeldPart):
+            for shard, lo, hi in planning.route_ranges(part.resolve(token), tables[0][part.split]):
+                yield (part.split, shard), ("piece", HeldPart(part.split, part.name, part.lo + lo, part.lo + hi))
+            continue
         for shard, piece in planning.route(part, tables[0][part.split]):
             yield (part.split, shard), ("piece", piece)
 
@@ -271,7 +288,9 @@ class WriteShardDoFn(beam.DoFn):
     def process(self, element):
         (split, index), values = element[0], list(element[1])
         plans = [v for tag, v in values if tag == "plan"]
-        pieces: list[StagedPart] = [v for tag, v in values if tag == "piece"]
+        pieces: list[StagedPart] = [
+            v.resolve(self.cfg.token) if isinstance(v, HeldPart) else v for tag, v in values if tag == "piece"
+        ]
         if len(plans) != 1:
             raise CrossfeedError(f"shard {index} of split {split!r}: expected one plan, got {len(plans)}")
         p: planning.ShardPlan = plans[0]
@@ -316,14 +335,7 @@ def _read_pieces(folder: str, pieces: list[StagedPart], token: str = "") -> tupl
         lo, hi = (int(x.starts.min()), int((x.starts + x.sizes).max())) if len(x) else (0, 0)
         path = os.path.join(folder, x.name)
         if x.in_memory:
-            data = STAGED.get(token, x.name)
-            if data is None or len(data) < hi:
-                raise CrossfeedError(
-                    f"{path}: a batch's records were staged in the memory of the process that encoded them, "
-                    f"which this shard writer does not share; run the job on the in-process runner, or stage "
-                    f"on disk (memory_budget=0)"
-                )
-            views.append(memoryview(data)[lo:hi])
+            views.append(memoryview(STAGED.data(token, x.name))[lo:hi])
             starts.append(x.starts - lo)
             continue
         try:

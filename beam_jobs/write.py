@@ -121,7 +121,7 @@ class WriteDataset(beam.PTransform):
             (parts, tables)
             | "JoinPlan" >> beam.Flatten()
             | "GroupByBatch" >> beam.GroupByKey()
-            | "Route" >> beam.FlatMap(route_batch)
+            | "Route" >> beam.FlatMap(route_batch, cfg.token)
         )
         staged = (
             (pieces, shard_plans)

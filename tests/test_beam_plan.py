@@ -77,6 +77,26 @@ def test_plan_route_cut_is_the_global_order_in_balanced_pieces(n_records, n_shar
     assert len(sizes) == n_shards and max(sizes) - min(sizes) <= 1
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 400), st.integers(1, 12), st.integers(0, 2**32), st.booleans())
+def test_a_hash_ordered_part_routes_as_ranges(n_records, n_shards, seed, clustered):
+    """What a held (in-memory) part sends each shard is a range of its records in hash order: the
+    same records `route` sends, boundary buckets to every shard that keeps them."""
+    from crossfeed.beam_jobs.records import StagedPart
+
+    rng = np.random.default_rng(seed)
+    top = rng.integers(0, 3 if clustered else NUM_BUCKETS, n_records).astype(np.uint64) << np.uint64(64 - BUCKET_BITS)
+    hashes = np.sort(top | rng.integers(0, 2**40, n_records).astype(np.uint64))
+    hist = np.bincount((hashes >> np.uint64(64 - BUCKET_BITS)).astype(np.int64), minlength=NUM_BUCKETS)
+    table = planning.route_table(planning.plan_split("train", hist, n_shards))
+    keys = [f"k{i}" for i in range(n_records)]
+    zeros = np.zeros(n_records, np.int64)
+    part = StagedPart("train", "b", hashes, keys, zeros, zeros)
+    by_route = {shard: sorted(piece.keys, key=keys.index) for shard, piece in planning.route(part, table)}
+    by_range = {shard: keys[lo:hi] for shard, lo, hi in planning.route_ranges(part, table)}
+    assert by_range == by_route and sum(map(len, by_range.values())) >= n_records
+
+
 def test_duplicate_key_is_named():
     h = np.array([5, 9, 5], dtype=np.uint64)
     with pytest.raises(DuplicateKeyError, match="'x'"):

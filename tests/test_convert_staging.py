@@ -25,8 +25,8 @@ def test_batches_staged_on_disk_or_partly_in_memory_give_the_same_bytes(tmp_path
     put = STAGED.put
     held = []
 
-    def spy(token, name, data, limit):
-        held.append(put(token, name, data, limit))
+    def spy(token, part, data, limit):
+        held.append(put(token, part, data, limit))
         return held[-1]
 
     monkeypatch.setattr(STAGED, "put", spy)
@@ -38,23 +38,30 @@ def test_batches_staged_on_disk_or_partly_in_memory_give_the_same_bytes(tmp_path
         assert held == []
 
 
-def test_a_shard_writer_that_does_not_share_the_encoders_memory_names_the_batch(tmp_path):
-    """A part staged in memory reaching a shard writer in another process (a runner that is not
+def test_a_step_that_does_not_share_the_encoders_memory_names_the_batch(tmp_path):
+    """A part held in memory is a handle of a few fields (its records' hashes, keys and bytes stay
+    in the encoding process); one reaching a step in another process (a runner that is not
     in-process, given a memory budget by mistake) is a clear error, never a wrong shard."""
+    import pickle
+
     from crossfeed.beam_jobs import steps
-    from crossfeed.beam_jobs.records import STAGED, SampleBatch
+    from crossfeed.beam_jobs.records import STAGED, HeldPart, SampleBatch
     from crossfeed.beam_jobs.splits import SplitSpec
     from crossfeed.errors import CrossfeedError
     from crossfeed.format.schema import Encoding, Feature, Schema
 
     schema = Schema([Feature("v", "float32", (16,), Encoding.TENSOR)])
     cfg = steps.WriteConfig(str(tmp_path), "t1", SplitSpec.single("train"), schema=schema, memory_budget=1 << 20)
-    batch = SampleBatch("b0", [f"k{i}" for i in range(8)], {"v": np.ones((8, 16), np.float32)})
+    batch = SampleBatch("b0", [f"k{i}" for i in range(200)], {"v": np.ones((200, 16), np.float32)})
     [(_, ([part], _))] = list(steps.EncodeDoFn(cfg).process(batch))
-    assert part.in_memory and STAGED.held("t1") > 8 * 64 and not os.path.exists(cfg.batches_dir)
+    assert isinstance(part, HeldPart) and (part.lo, part.hi) == (0, 200) and len(pickle.dumps(part)) < 200
+    assert STAGED.held("t1") > 200 * 64 and not os.path.exists(cfg.batches_dir)
+    whole = part.resolve("t1")
+    assert whole.keys == sorted(whole.keys, key=lambda k: whole.hashes[whole.keys.index(k)])
+    assert list(whole.hashes) == sorted(whole.hashes) and whole.in_memory
     STAGED.drop("t1")  # as if in another process
-    with pytest.raises(CrossfeedError, match=f"{part.name}: a batch's records were staged in the memory"):
-        steps._read_pieces(cfg.batches_dir, [part], cfg.token)
+    with pytest.raises(CrossfeedError, match=f"batch {part.name}: its records were staged in the memory"):
+        part.resolve("t1")
     with pytest.raises(Exception, match="memory_budget must be"):
         steps.WriteConfig(str(tmp_path), "t2", SplitSpec.single("train"), memory_budget=-1)
 
