@@ -328,7 +328,7 @@ def beam_floor(root: str, docs: int, carry: str = "") -> float:
                 yield "shard", ("train", i), ("plan", i)
             yield "commit", 0, "info"
 
-    def route(element):
+    def route(element, *_):
         for i in range(SHARDS):
             yield ("train", i), ("piece", element[0])
 
