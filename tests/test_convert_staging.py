@@ -73,18 +73,21 @@ def test_only_the_in_process_runner_stages_in_memory():
     assert not beam_runner.in_process(None, ["--runner=DaskRunner"]) and not beam_runner.in_process("FlinkRunner")
 
 
-def test_a_forked_child_hashes_its_shards_too(tmp_path):
-    """A large write's sha256 runs on a thread of its own; a process forked after the parent used
-    that thread gets its own (the parent's does not exist in the child): the child's shard is
-    hashed right, and it does not hang."""
+def test_a_shards_hashing_thread_ends_with_it_and_a_forked_child_hashes_too(tmp_path):
+    """A large write's sha256 runs on a thread of the shard file's own, which ends when the file
+    is closed (no thread is left behind); a process forked from one that hashed this way hashes
+    its own shards right, and does not hang."""
     import hashlib
     import multiprocessing
+    import threading
 
     from crossfeed.format.tfrecord import RecordWriter
 
     big = os.urandom(3 << 20)
     with RecordWriter(tmp_path / "parent.tfrecord") as w:
         w.write(big)
+        assert [t for t in threading.enumerate() if t.name.startswith("crossfeed-sha256")]
+    assert not [t for t in threading.enumerate() if t.name.startswith("crossfeed-sha256")]
     with open(tmp_path / "parent.tfrecord", "rb") as f:
         assert w.sha256 == hashlib.sha256(f.read()).hexdigest()
     ctx = multiprocessing.get_context("fork")

@@ -287,31 +287,28 @@ def stream_records(chunks: Iterable[bytes], path: str) -> Iterator[tuple[int, by
 
 
 _OVERLAP = 1 << 20  # a write of at least this many bytes is hashed on another thread as it is written
-_hashers: dict[int, ThreadPoolExecutor] = {}  # by process: a forked child makes its own
-
-
-def _hasher() -> ThreadPoolExecutor:
-    pid = os.getpid()
-    pool = _hashers.get(pid)
-    if pool is None:
-        pool = _hashers.setdefault(pid, ThreadPoolExecutor(1, thread_name_prefix="crossfeed-sha256"))
-    return pool
 
 
 class _HashingFile:
     """A write-only file that hashes (sha256 and CRC32C) and counts what passes through it. A
-    large write's sha256 runs on a thread of its own while the bytes go to the file (both release
-    the GIL), so the hash costs next to nothing beside the write; it has ended when `write` returns."""
+    large write's sha256 runs on a thread of the file's own while the bytes go to the file (both
+    release the GIL), so the hash costs next to nothing beside the write; it has ended when `write`
+    returns, and the thread ends at `close`."""
 
     def __init__(self, f: BinaryIO):
         self._f = f
         self.hash = hashlib.sha256()
         self.crc = 0
         self.size = 0
+        self._hasher: ThreadPoolExecutor | None = None
 
     def write(self, data) -> int:
-        hashing = _hasher().submit(self.hash.update, data) if len(data) >= _OVERLAP else None
-        if hashing is None:
+        hashing = None
+        if len(data) >= _OVERLAP:
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="crossfeed-sha256")
+            hashing = self._hasher.submit(self.hash.update, data)
+        else:
             self.hash.update(data)
         self.crc = _crc32c.crc32c(data, self.crc)
         self.size += len(data)
@@ -325,6 +322,9 @@ class _HashingFile:
         self._f.flush()
 
     def close(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
         self._f.close()
 
 
