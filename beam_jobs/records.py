@@ -194,7 +194,8 @@ class StagedMemory:
         if got is None:
             raise CrossfeedError(
                 f"batch {name}: its records were staged in the memory of the process that encoded them, which "
-                f"this step does not share; run the job on the in-process runner, or stage on disk (memory_budget=0)"
+                f"this step does not share; run the job on the in-process runner, or stage on disk "
+                f"(WriteDataset(stage_in_memory=0))"
             )
         return got
 
