@@ -103,3 +103,22 @@ def _child_sha(path: str, payload: bytes) -> str:
     with RecordWriter(path) as w:
         w.write(payload)
     return w.sha256
+
+
+@pytest.mark.slow
+def test_every_direct_running_mode_writes_the_same_bytes(tmp_path):
+    """In memory (the default), two worker threads sharing the staged batches, two worker
+    processes staging them on disk: one dataset, byte for byte."""
+    import hashlib
+
+    beam_job = lazy_import("crossfeed.beam_jobs.job")
+    np.save(tmp_path / "x.npy", np.arange(3000, dtype=np.int64))
+    modes = ([], ["--direct_running_mode=multi_threading", "--direct_num_workers=2"])
+    modes += (["--direct_running_mode=multi_processing", "--direct_num_workers=2"],)
+    digests = []
+    for i, args in enumerate(modes):
+        out = tmp_path / f"out{i}"
+        src = beam_job.make_source("numpy", tmp_path / "x.npy", batch_rows=200)
+        assert beam_job.convert(src, out, num_shards=3, beam_args=args).total_samples == 3000
+        digests.append({f: hashlib.sha256((out / f).read_bytes()).hexdigest() for f in sorted(os.listdir(out))})
+    assert digests[0] == digests[1] == digests[2] and len(digests[0]) == 7  # 3 shards, 3 indexes, the manifest
