@@ -117,13 +117,13 @@ class StagedPart:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def take(self, idx: np.ndarray) -> StagedPart:
-        ids = idx.tolist()
+    def take(self, idx: np.ndarray | slice) -> StagedPart:
+        keys = self.keys[idx] if isinstance(idx, slice) else [self.keys[i] for i in idx.tolist()]
         return StagedPart(
             self.split,
             self.name,
             self.hashes[idx],
-            [self.keys[i] for i in ids],
+            keys,
             self.starts[idx],
             self.sizes[idx],
             None if self.lengths is None else self.lengths[idx],
@@ -146,18 +146,7 @@ class HeldPart:
         return self.hi - self.lo
 
     def resolve(self, token: str) -> StagedPart:
-        whole = STAGED.part(token, self.name)
-        lo, hi = self.lo, self.hi
-        return StagedPart(
-            whole.split,
-            whole.name,
-            whole.hashes[lo:hi],
-            whole.keys[lo:hi],
-            whole.starts[lo:hi],
-            whole.sizes[lo:hi],
-            None if whole.lengths is None else whole.lengths[lo:hi],
-            True,
-        )
+        return STAGED.part(token, self.name).take(slice(self.lo, self.hi))
 
 
 class StagedMemory:

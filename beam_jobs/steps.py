@@ -155,12 +155,12 @@ def stage_part(part: Part, cfg: WriteConfig, name: str) -> StagedPart | HeldPart
         np.cumsum(sizes) - sizes,
         sizes,
         None if part.lengths is None else part.lengths[order],
-        bool(cfg.memory_budget),
     )
-    if cfg.memory_budget and STAGED.put(cfg.token, staged, data, cfg.memory_budget):
+    held = dataclasses.replace(staged, in_memory=True)
+    if cfg.memory_budget and STAGED.put(cfg.token, held, data, cfg.memory_budget):
         return HeldPart(part.split, name, 0, len(staged))
     _write_batch(cfg.batches_dir, name, data)
-    return dataclasses.replace(staged, in_memory=False)
+    return staged
 
 
 def _write_batch(folder: str, name: str, data: bytes) -> None:

@@ -744,6 +744,7 @@ class TokenizeDoFn(beam.DoFn):
             ends = np.cumsum(flat_lengths)
             bad[np.searchsorted(ends, np.flatnonzero(flat >= spec.id_limit), side="right")] = True
         empty = lengths == 0
+        n_empty = int(np.count_nonzero(empty))
         skips = Skips(self.on_error)
         for i in np.flatnonzero(bad).tolist():
             doc = [
@@ -762,8 +763,8 @@ class TokenizeDoFn(beam.DoFn):
         dtype = np.dtype(spec.dtype).newbyteorder("<")
         tokens = Ragged(flat.astype(dtype, copy=False), lengths[keep])
         dropped = dict(batch.dropped)
-        if int(empty.sum()):
-            dropped[EMPTY] = dropped.get(EMPTY, 0) + int(empty.sum())
+        if n_empty:
+            dropped[EMPTY] = dropped.get(EMPTY, 0) + n_empty
         kept = np.flatnonzero(keep).tolist()
         keys = [batch.keys[i] for i in kept]
         yield SampleBatch(

@@ -308,17 +308,15 @@ def beam_floor(root: str, docs: int, carry: str = "") -> float:
         def process(self, batch_id):
             yield batch_id
 
-    class Encode(beam.DoFn):
+    class Step(beam.DoFn):  # a write step stand-in: made from the job's config, as the real ones
         def __init__(self, cfg):
             self.cfg = cfg
 
+    class Encode(Step):
         def process(self, batch_id):
             yield batch_id, ([("train", batch_id)], ("summary", batch_id))
 
-    class Plan(beam.DoFn):
-        def __init__(self, cfg):
-            self.cfg = cfg
-
+    class Plan(Step):
         def process(self, element):
             got = list(element[1])
             assert len(got) == len(batch_ids) + 1, len(got)
@@ -332,19 +330,13 @@ def beam_floor(root: str, docs: int, carry: str = "") -> float:
         for i in range(SHARDS):
             yield ("train", i), ("piece", element[0])
 
-    class WriteShard(beam.DoFn):
-        def __init__(self, cfg):
-            self.cfg = cfg
-
+    class WriteShard(Step):
         def process(self, element):
             got = list(element[1])
             assert len(got) == len(batch_ids) + 1, len(got)
             yield 0, ("staged", element[0])
 
-    class Commit(beam.DoFn):
-        def __init__(self, cfg):
-            self.cfg = cfg
-
+    class Commit(Step):
         def process(self, element):
             got = list(element[1])
             assert len(got) == SHARDS + 1, len(got)
