@@ -5,6 +5,7 @@ offline in-process runner unless told otherwise (runner.py); what ``crossfeed co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -100,10 +101,19 @@ def convert(
     with write_target(out, storage_options=storage_options, overwrite=overwrite) as target:
         if append and target.remote:
             raise ConfigError(f"{target.url}: --append writes to a local directory; append there, then upload it")
-        result = _convert(
-            source, target.root, split, splits, seed, runner, beam_args, on_progress, overwrite, options, append
-        )
+        with _held(source, runner, beam_args) as held:
+            result = _convert(
+                held, target.root, split, splits, seed, runner, beam_args, on_progress, overwrite, options, append
+            )
     return dataclasses.replace(result, path=target.url if target.remote else result.path)
+
+
+def _held(source, runner, beam_args):
+    """``source`` with what it holds (a text source's tokenizer) kept in this process's memory
+    for the job, where every step runs in this process; else ``source`` as it is."""
+    if hasattr(source, "held") and in_process(runner, beam_args):
+        return source.held()
+    return contextlib.nullcontext(source)
 
 
 def _convert(

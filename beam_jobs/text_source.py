@@ -53,7 +53,9 @@ import hashlib
 import json
 import mmap
 import os
+import threading
 import zlib
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +109,7 @@ class TokenizerSpec:
     eos_id: int | None = None
     text: str = field(default="", repr=False)
     token_dtype: str | None = None  # forced (``--token-dtype``); None: from ``vocab_size``
+    held: bool = False  # its tokenizer is held in this process's memory (`Tokenizers.hold`); no ``text``
 
     def __post_init__(self):
         if self.vocab_size < 1:
@@ -152,7 +155,8 @@ class TokenizerSpec:
             raise ConfigError(
                 f"--tokenizer {path}: not UTF-8 JSON (byte {e.start}); save one with tokenizer.save(path)"
             ) from e
-        tok = _from_str(text, path)
+        sha256 = hashlib.sha256(data).hexdigest()
+        tok = TOKENIZERS.build(text, sha256, path)
         ids = list(tok.get_vocab(with_added_tokens=True).values()) + _post_processor_ids(text)
         vocab = max(max(ids, default=-1) + 1, tok.get_vocab_size(with_added_tokens=True))
         eos_id = None
@@ -165,7 +169,7 @@ class TokenizerSpec:
             eos_id = int(eos)
         return cls(
             os.path.basename(path),
-            hashlib.sha256(data).hexdigest(),
+            sha256,
             vocab,
             add_special_tokens,
             eos_id,
@@ -174,8 +178,11 @@ class TokenizerSpec:
         )
 
     def open(self):
-        """The tokenizer itself (what a worker's `TokenizeDoFn.setup` calls once)."""
-        return _from_str(self.text, self.name)
+        """The tokenizer itself (what a worker's `TokenizeDoFn.setup` calls once): built from
+        ``text``, or the one this process built already from the same JSON."""
+        if self.held:
+            return TOKENIZERS.held(self)
+        return TOKENIZERS.build(self.text, self.sha256, self.name)
 
     def __reduce__(self):
         """Pickled with its JSON zlib-compressed: the runner pickles each step's DoFn and
@@ -187,6 +194,7 @@ class TokenizerSpec:
             "add_special_tokens": self.add_special_tokens,
             "eos_id": self.eos_id,
             "token_dtype": self.token_dtype,
+            "held": self.held,
         }
         return _unpack_spec, (fields, zlib.compress(self.text.encode("utf-8"), 1))
 
@@ -239,6 +247,68 @@ def _from_str(text: str, where: str):
         raise ConfigError(
             f"--tokenizer {where}: not a tokenizers JSON file ({e}); save one with tokenizer.save(path)"
         ) from e
+
+
+class Tokenizers:
+    """The tokenizers built in this process, by the sha256 of their JSON: the last `KEEP` built,
+    and those a job holds. A job whose every step runs in this process (`job.convert` on the
+    in-process runner) holds its tokenizer (`hold`): its tokenize step gets the tokenizer built when
+    the job was planned, and the step the runner pickles carries the sha256, not the JSON (a
+    tokenizer's 1-10 MB, which Beam's pickler compresses with bz2 each time it pickles the step)."""
+
+    KEEP = 2
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._built: OrderedDict[str, tuple[str, Any]] = OrderedDict()  # sha256 -> (JSON, tokenizer)
+        self._holds: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        """How many tokenizers are kept."""
+        with self._lock:
+            return len(self._built)
+
+    def build(self, text: str, sha256: str, where: str):
+        """The tokenizer of JSON ``text`` (sha256 ``sha256``): the one built already, or a new one."""
+        with self._lock:
+            got = self._built.get(sha256)
+        if got is not None and got[0] == text:
+            return got[1]
+        tok = _from_str(text, where)
+        with self._lock:
+            self._built[sha256] = (text, tok)
+            self._built.move_to_end(sha256)
+            spare = [s for s in self._built if not self._holds[s]]
+            for s in spare[: max(0, len(spare) - self.KEEP)]:
+                del self._built[s]
+        return tok
+
+    def held(self, spec: TokenizerSpec):
+        with self._lock:
+            got = self._built.get(spec.sha256) if self._holds[spec.sha256] else None
+        if got is None:
+            raise ConfigError(
+                f"tokenizer {spec.name}: held in the memory of the process that planned the job, which this step "
+                f"does not share; run the job on the in-process runner, or ship the tokenizer (TokenizerSpec.load)"
+            )
+        return got[1]
+
+    @contextlib.contextmanager
+    def hold(self, spec: TokenizerSpec):
+        """``spec`` as a held `TokenizerSpec` (no JSON) while the block runs, its tokenizer kept here."""
+        with self._lock:
+            self._holds[spec.sha256] += 1
+        try:
+            self.build(spec.text, spec.sha256, spec.name)
+            yield dataclasses.replace(spec, text="", held=True)
+        finally:
+            with self._lock:
+                self._holds[spec.sha256] -= 1
+                if not self._holds[spec.sha256]:
+                    del self._holds[spec.sha256]
+
+
+TOKENIZERS = Tokenizers()  # this process's
 
 
 @dataclass(frozen=True)
@@ -368,6 +438,16 @@ class TextSource:
 
     def steps(self) -> list[tuple[str, beam.DoFn]]:
         return [("Tokenize", TokenizeDoFn(self.tokenizer, self.on_error))]
+
+    @contextlib.contextmanager
+    def held(self):
+        """This source with its tokenizer held in this process's memory while the block runs, for
+        a job whose every step runs in this process (`Tokenizers.hold`)."""
+        if self.tokenizer.held:
+            yield self
+            return
+        with TOKENIZERS.hold(self.tokenizer) as spec:
+            yield dataclasses.replace(self, tokenizer=spec)
 
     def read(self, unit):
         """Batches of ``{"text", "id"}`` (tokenized by the next step) with their skips and drops."""

@@ -12,6 +12,7 @@ from conftest import requires
 from typer.testing import CliRunner
 
 from crossfeed import Loader, open_dataset
+from crossfeed.errors import ConfigError
 from crossfeed.format.lengths import checked_lengths, lengths_path
 
 pytestmark = [pytest.mark.slow, requires("apache_beam", "tokenizers")]  # slow: real Beam pipelines
@@ -241,3 +242,69 @@ def test_the_tokenizer_travels_once_and_compressed(tmp_path):
     reader = src.reader()
     assert len(pickle.dumps(reader)) < 4_000 and reader.tokenizer.text == ""
     assert list(reader.read(reader.units()[0]))[0].keys == ["d.txt:1"]
+
+
+def test_an_in_process_job_builds_its_tokenizer_once_and_ships_only_its_hash(tmp_path, monkeypatch):
+    """On the in-process runner the tokenize step gets the tokenizer built when the job was planned
+    (the pickled step carries its sha256, not its JSON); on a runner whose steps run in other
+    processes the JSON travels and each worker builds its own — the same tokens either way."""
+    import pickle
+
+    from crossfeed.beam_jobs import text_source
+    from crossfeed.beam_jobs.job import convert, make_source
+
+    tok = tmp_path / "tok.json"
+    train_tokenizer(tok, added=2000)
+    docs = tmp_path / "d.txt"
+    docs.write_text("\n".join(corpus(50)) + "\n")
+    built, pickled = [], []
+    monkeypatch.setattr("crossfeed.beam_jobs.text_source.TOKENIZERS", text_source.Tokenizers())  # none built yet
+    from_str = text_source._from_str
+    monkeypatch.setattr(
+        "crossfeed.beam_jobs.text_source._from_str", lambda text, where: built.append(where) or from_str(text, where)
+    )
+    reduce = text_source.TokenizerSpec.__reduce__
+    monkeypatch.setattr(
+        text_source.TokenizerSpec, "__reduce__", lambda self: pickled.append(len(self.text)) or reduce(self)
+    )
+    src = make_source("text", docs, tokenizer=tok, per_line=True)
+    assert len(built) == 1
+    convert(src, tmp_path / "a", num_shards=2)
+    assert len(built) == 1 and pickled and set(pickled) == {0}  # built once; every pickled spec without its JSON
+    convert(
+        src,
+        tmp_path / "b",
+        num_shards=2,
+        beam_args=["--direct_running_mode=multi_processing", "--direct_num_workers=2"],
+    )
+    assert max(pickled) == len(src.tokenizer.text)  # the other runner: the JSON travels
+    a, b = read_back(tmp_path / "a"), read_back(tmp_path / "b")
+    assert len(a) == 50 and a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+    with text_source.TOKENIZERS.hold(src.tokenizer) as held:
+        assert held.held and held.text == "" and held.open() is text_source.TOKENIZERS.held(held)
+        blob = pickle.dumps(held)
+        assert len(blob) < 1_000
+    # once no job holds it, a held spec (a step unpickled after its job, or in another process) is refused
+    with pytest.raises(ConfigError, match="tok.json: held in the memory of the process that planned the job"):
+        pickle.loads(blob).open()
+
+
+def test_the_tokenizers_kept_are_bounded_and_a_held_one_stays(tmp_path):
+    from crossfeed.beam_jobs.text_source import Tokenizers, TokenizerSpec
+
+    specs = []
+    for i in range(4):
+        train_tokenizer(tmp_path / f"t{i}.json", added=i + 1)
+        specs.append(TokenizerSpec.load(tmp_path / f"t{i}.json"))
+    assert len({s.sha256 for s in specs}) == 4
+    kept = Tokenizers()
+    with kept.hold(specs[0]) as held:
+        for s in specs[1:]:
+            assert kept.build(s.text, s.sha256, s.name).get_vocab_size() > 0
+        assert kept.held(held).get_vocab_size() == specs[0].open().get_vocab_size()  # pinned while held
+        assert len(kept) == 1 + Tokenizers.KEEP  # the held one and the last KEEP built
+    first = kept.build(specs[3].text, specs[3].sha256, specs[3].name)
+    assert kept.build(specs[3].text, specs[3].sha256, specs[3].name) is first  # built once
+    changed = specs[3].text.replace('"[UNK]"', '"[unk]"', 1)  # the same sha256 claimed for another JSON
+    assert kept.build(changed, specs[3].sha256, "x") is not first
