@@ -36,7 +36,8 @@ its file and line/row (the ``on_error`` policy: raised as one line, or skipped, 
   one; a document whose ids do not fit is a bad record naming the id and ``--token-dtype``.
 
 Tokenizing is a Beam step of its own (`TokenizeDoFn`): the tokenizer's JSON travels with the
-job (its sha256 recorded in the metadata), is loaded once per worker in ``setup`` and encodes a
+job (its sha256 recorded in the metadata), is loaded once per worker in ``setup`` (on the
+in-process runner the tokenizer built when the job was planned: `Tokenizers`) and encodes a
 batch of documents at a time (``encode_batch_fast``: the Rust tokenizer's threads). By default
 the tokenizer's post-processor adds its special tokens, as ``tokenizer.encode(text)`` does;
 ``eos`` appends a token (e.g. ``"</s>"``) to every document.
