@@ -22,7 +22,7 @@ Printed: row tokens per second (the first batch excluded) and each way's ratio t
 the same run, with the machine's load; and the CPU time per batch (user + system, every thread,
 from the second batch on) of the trainer (this process: receiving, decoding, acknowledging; the
 id sums left out) and of the other processes of that way (the server, or the dispatcher and its
-server, or the floor's sender). The trainer only counts what it receives (and checks every
+server — also each apart, in brackets —, or the floor's sender). The trainer only counts what it receives (and checks every
 token's id sum against the Loader's epoch), so the ratio is the serving path's cost.
 
     .venv/bin/python benchmarks/bench_pack_serve.py --docs 50000 --repeat 3
@@ -78,17 +78,19 @@ def _count(batches, peers: list[int] = ()) -> tuple[float, int, int, float, floa
         c, cc = time.perf_counter(), time.thread_time()
         if t0 is None:
             t0, first, own0, peers0 = c, x.size, _own_cpu(), _cpu(list(peers))
+            peers_each = [_cpu([p]) for p in peers]
         n += 1
         tokens += x.size
         total += int(x.sum(dtype=np.int64))
         checking += time.perf_counter() - c
         checking_cpu += time.thread_time() - cc
     if t0 is None or n < 2:
-        return float("nan"), tokens, total, float("nan"), float("nan")
+        return float("nan"), tokens, total, float("nan"), float("nan"), []
     seconds = time.perf_counter() - t0 - checking
     own = (_own_cpu() - own0 - checking_cpu) / (n - 1)
     other = (_cpu(list(peers)) - peers0) / (n - 1) if peers else float("nan")
-    return (tokens - first) / seconds, tokens, total, own, other
+    each = [(_cpu([p]) - c0) / (n - 1) for p, c0 in zip(peers, peers_each)]
+    return (tokens - first) / seconds, tokens, total, own, other, each
 
 
 # the floor's sender: argv = endpoint file, batches, batch rows, row length; sends the frames of
@@ -252,13 +254,15 @@ def main() -> None:
                 if way not in best or got[0] > best[way][0]:
                     best[way] = got
         ref = best.get("loader")
-        for way, (rate, tokens, total, own, other) in best.items():
+        for way, (rate, tokens, total, own, other, each) in best.items():
             ratio = f"{rate / ref[0]:.2f}× the Loader" if ref else ""
             if way == "floor":
                 same = "(one batch's frames, sent again and again)"
             else:
                 same = "every token as the Loader's" if ref and (tokens, total) == ref[1:3] else f"{tokens:,} tokens"
             cpu = f"trainer {own * 1e6:4.0f} µs" + ("" if other != other else f", others {other * 1e6:4.0f} µs")
+            if len(each) > 1:  # the dispatcher's and its server's own
+                cpu += " (" + " + ".join(f"{e * 1e6:.0f}" for e in each) + ")"
             print(
                 f"  split={split:<9s} {way:<8s} {rate / 1e6:8.1f} M tokens/s  {ratio:<18s} CPU/batch: {cpu:<32s} {same}"
             )
