@@ -147,6 +147,8 @@ class LeasedClient(Iterator[Any]):
         while True:
             if not self._receiver.alive:
                 raise CrossfeedError("the client's I/O thread stopped")
+            if not self._granted:  # what came meanwhile is claimed with the DONE below (one journal write for both)
+                self._drain(self._receiver.next_event(timeout=0.0))
             with self._lock:
                 self._pump(force_done=not self._granted)  # about to wait: what was used is reported now
                 now = time.monotonic()
@@ -187,21 +189,21 @@ class LeasedClient(Iterator[Any]):
                         "or raise server_wait"
                     )
             if self._awaiting and not self._granted:  # a grant is due: wait on the dispatcher
-                event = self._receiver.next_event(timeout=0.0)
-                if event is None:
-                    with self._lock:
-                        self._sock.poll(2)
+                with self._lock:
+                    self._sock.poll(2)
             else:
-                event = self._receiver.next_event(timeout=0.02)
-            # every delivery already here is claimed in one CLAIM (sent by the next _pump), not one each
-            for _ in range(DRAIN):
-                if event is None:
-                    break
-                self._on_event(event)
-                event = self._receiver.next_event(timeout=0.0)
-            else:
-                if event is not None:
-                    self._on_event(event)
+                self._drain(self._receiver.next_event(timeout=0.02))
+
+    def _drain(self, event: Any) -> None:
+        """Handle `event` and those already received after it (DRAIN at most): every delivery
+        among them is claimed in one CLAIM (sent by the next `_pump`), not one each."""
+        for _ in range(DRAIN):
+            if event is None:
+                return
+            self._on_event(event)
+            event = self._receiver.next_event(timeout=0.0)
+        if event is not None:
+            self._on_event(event)
 
     def _on_event(self, event: Any) -> None:
         if isinstance(event, Delivery):

@@ -335,11 +335,12 @@ class LeaseDispatcher:
             if book.finished and finished_at is None:
                 finished_at = now
                 logger.info(
-                    "every epoch is done (%d batches granted in %d CLAIM messages, %d DONE messages); "
-                    "answering FINISHED for %.1fs",
+                    "every epoch is done (%d batches granted in %d CLAIM messages, %d DONE messages; %d journal "
+                    "writes); answering FINISHED for %.1fs",
                     self.stats["granted"],
                     self.stats["claim_messages"],
                     self.stats["done_messages"],
+                    self.journal.syncs,
                     self.options.linger,
                 )
                 for route in self._routes.values():
