@@ -18,10 +18,10 @@ and, with ``--ways ...,floor``, the transport alone:
   server bookkeeping, as many batches as the Loader's epoch has. What loopback TCP and pyzmq cost
   a batch of this size on this machine, the bound under the other ways.
 
-Printed: row tokens per second (the first batch excluded) and each way's ratio to the Loader in
-the same run, with the machine's load; and the CPU time per batch (user + system, every thread,
-from the second batch to the epoch's last: not the wait for the stream's end, nor the other
-processes shutting down meanwhile) of the trainer (this process: receiving, decoding,
+Printed: row tokens per second (from the second batch to the epoch's last: not the wait for the
+stream's end) and each way's ratio to the Loader in the same run, with the machine's load; and
+the CPU time per batch (user + system, every thread, over the same batches: not the other
+processes shutting down while the trainer waits for the end) of the trainer (this process: receiving, decoding,
 acknowledging; the id sums left out) and of the other processes of that way (the server, or the
 dispatcher and its server — also each apart, in brackets —, or the floor's sender). The trainer
 only counts what it receives (and checks every token's id sum against the Loader's epoch), so
