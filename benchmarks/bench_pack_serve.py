@@ -18,12 +18,14 @@ and, with ``--ways ...,floor``, the transport alone:
   server bookkeeping, as many batches as the Loader's epoch has. What loopback TCP and pyzmq cost
   a batch of this size on this machine, the bound under the other ways.
 
-Printed: row tokens per second (the first batch excluded) and each way's ratio to the Loader in
-the same run, with the machine's load; and the CPU time per batch (user + system, every thread,
-from the second batch on) of the trainer (this process: receiving, decoding, acknowledging; the
-id sums left out) and of the other processes of that way (the server, or the dispatcher and its
-server, or the floor's sender). The trainer only counts what it receives (and checks every
-token's id sum against the Loader's epoch), so the ratio is the serving path's cost.
+Printed: row tokens per second (from the second batch to the epoch's last: not the wait for the
+stream's end) and each way's ratio to the Loader in the same run, with the machine's load; and
+the CPU time per batch (user + system, every thread, over the same batches: not the other
+processes shutting down while the trainer waits for the end) of the trainer (this process: receiving, decoding,
+acknowledging; the id sums left out) and of the other processes of that way (the server, or the
+dispatcher and its server — also each apart, in brackets —, or the floor's sender). The trainer
+only counts what it receives (and checks every token's id sum against the Loader's epoch), so
+the ratio is the serving path's cost.
 
     .venv/bin/python benchmarks/bench_pack_serve.py --docs 50000 --repeat 3
 """
@@ -66,29 +68,38 @@ def _own_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _count(batches, peers: list[int] = ()) -> tuple[float, int, int, float, float]:
+def _count(batches, peers: list[int] = (), last: int | None = None) -> tuple[float, int, int, float, float, list]:
     """(tokens/s from the second batch, tokens, id sum, this process's and `peers`' CPU seconds
-    per batch from the second batch) of an iterable of packed batches; the id sum's own time is
+    per batch from the second batch, and each peer's) of an iterable of packed batches, up to its
+    `last`-th batch (the epoch's end: what the processes do after it, the wait for the end of the
+    stream and shutting down, left out; None: up to the iterable's end); the id sum's own time is
     left out of the rate and of this process's CPU."""
     tokens = total = n = 0
-    t0 = None
+    t0 = end = None
     checking = checking_cpu = 0.0
     for b in batches:
         x = np.asarray(b["tokens"])
         c, cc = time.perf_counter(), time.thread_time()
         if t0 is None:
-            t0, first, own0, peers0 = c, x.size, _own_cpu(), _cpu(list(peers))
+            t0, first, own0 = c, x.size, _own_cpu()
+            peers0 = [_cpu([p]) for p in peers]
         n += 1
         tokens += x.size
         total += int(x.sum(dtype=np.int64))
         checking += time.perf_counter() - c
         checking_cpu += time.thread_time() - cc
+        if n == last:
+            end = (time.perf_counter(), _own_cpu(), [_cpu([p]) for p in peers], checking, checking_cpu, n, tokens)
     if t0 is None or n < 2:
-        return float("nan"), tokens, total, float("nan"), float("nan")
-    seconds = time.perf_counter() - t0 - checking
-    own = (_own_cpu() - own0 - checking_cpu) / (n - 1)
-    other = (_cpu(list(peers)) - peers0) / (n - 1) if peers else float("nan")
-    return (tokens - first) / seconds, tokens, total, own, other
+        return float("nan"), tokens, total, float("nan"), float("nan"), []
+    if end is None:
+        end = (time.perf_counter(), _own_cpu(), [_cpu([p]) for p in peers], checking, checking_cpu, n, tokens)
+    at, own1, peers1, checked, checked_cpu, m, counted = end
+    seconds = at - t0 - checked
+    own = (own1 - own0 - checked_cpu) / (m - 1)
+    each = [(c1 - c0) / (m - 1) for c0, c1 in zip(peers0, peers1)]
+    other = sum(each) if peers else float("nan")
+    return (counted - first) / seconds, tokens, total, own, other, each
 
 
 # the floor's sender: argv = endpoint file, batches, batch rows, row length; sends the frames of
@@ -204,13 +215,13 @@ def run(xf: str, way: str, split: str, length: int, batch: int, tmp: str) -> tup
             argv = [CLI, "serve", xf, "tcp://127.0.0.1:0", "--dispatcher", dispatcher, *SERVE_ARGS]
             procs.append(subprocess.Popen(argv, stdout=open(slog, "w"), stderr=subprocess.STDOUT))
             with crossfeed.connect(dispatcher=dispatcher, **CLIENT) as client:
-                return _count(client, [p.pid for p in procs])
+                return _count(client, [p.pid for p in procs], BATCHES.get(split))
         slog, send = os.path.join(tmp, "s.log"), os.path.join(tmp, "s.endpoint")
         argv = [CLI, "serve", xf, "tcp://127.0.0.1:0", "--epochs", "1", *SERVE_ARGS, "--endpoint-file", send]
         procs.append(subprocess.Popen([*argv, *plan], stdout=open(slog, "w"), stderr=subprocess.STDOUT))
         address = _endpoint(send, procs[-1], slog)
         with crossfeed.connect(address, **CLIENT) as client:
-            return _count(client, [p.pid for p in procs])
+            return _count(client, [p.pid for p in procs], BATCHES.get(split))
     finally:
         for p in procs:
             p.terminate()
@@ -252,13 +263,15 @@ def main() -> None:
                 if way not in best or got[0] > best[way][0]:
                     best[way] = got
         ref = best.get("loader")
-        for way, (rate, tokens, total, own, other) in best.items():
+        for way, (rate, tokens, total, own, other, each) in best.items():
             ratio = f"{rate / ref[0]:.2f}× the Loader" if ref else ""
             if way == "floor":
                 same = "(one batch's frames, sent again and again)"
             else:
                 same = "every token as the Loader's" if ref and (tokens, total) == ref[1:3] else f"{tokens:,} tokens"
             cpu = f"trainer {own * 1e6:4.0f} µs" + ("" if other != other else f", others {other * 1e6:4.0f} µs")
+            if len(each) > 1:  # the dispatcher's and its server's own
+                cpu += " (" + " + ".join(f"{e * 1e6:.0f}" for e in each) + ")"
             print(
                 f"  split={split:<9s} {way:<8s} {rate / 1e6:8.1f} M tokens/s  {ratio:<18s} CPU/batch: {cpu:<32s} {same}"
             )

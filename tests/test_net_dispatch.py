@@ -159,6 +159,38 @@ def test_hostile_messages_are_dropped_and_the_epoch_completes(tmp_path, dataset)
 
 
 @pytest.mark.slow
+def test_a_trainer_claims_what_it_received_together_and_reports_done_in_groups(tmp_path, dataset):
+    """A trainer that pauses after its first batch finds several batches received on its return:
+    it claims them in one CLAIM and, using the grants without waiting, reports them DONE together;
+    the epoch still holds every sample exactly once."""
+    import re
+    import time
+
+    from crossfeed import connect
+
+    d, address = start_dispatcher(tmp_path, dataset, "tcp://127.0.0.1:0")
+    procs = [d]
+    try:
+        procs.append(start_server(tmp_path, dataset, address, "s0"))
+        ids: list[int] = []
+        with connect(dispatcher=address, credits=8, with_meta=True, heartbeat_interval=0.1, heartbeat_timeout=1.5) as c:
+            for meta, _batch in c:
+                ids += meta.sample_ids.tolist()
+                if c.batches == 1:
+                    time.sleep(1.0)  # the server's window of batches arrives meanwhile
+        assert d.wait(30) == 0, (tmp_path / "d.log").read_text()[-3000:]
+    finally:
+        stop(*procs)
+    assert collections.Counter(ids) == collections.Counter(range(N))
+    log = (tmp_path / "d.log").read_text()
+    got = re.search(r"(\d+) batches granted in (\d+) CLAIM messages, (\d+) DONE messages", log)
+    assert got, log[-3000:]
+    granted, claims, dones = map(int, got.groups())
+    assert granted == N // BATCH
+    assert claims < granted and dones < granted, got.group(0)
+
+
+@pytest.mark.slow
 def test_lockstep_ranks_get_equal_batch_counts_each_sample_once(tmp_path, dataset):
     """--world-size 2: a fast and a slow trainer each use the Loader's per-rank count (35 batches
     of 7 of the 240 samples a rank gets, the last one short), every sample exactly once."""

@@ -11,8 +11,11 @@ with it (proof that this client received it), and reaches the training loop only
 a batch of a revoked lease (its server was declared dead or stalled, left, or the dispatcher
 restarted) or one another trainer holds is refused and dropped here (acknowledged to its
 server, never yielded), and so is a second copy of a batch this client already used (and so is
-one whose lease id no dispatcher can have made: a server's message never ends the stream). A used
-batch is reported DONE (again until confirmed) when the next one is asked for. Grants are used
+one whose lease id no dispatcher can have made: a server's message never ends the stream). The
+deliveries already received are claimed together (one CLAIM for all of them). A used batch is
+reported DONE (again until confirmed) with the next message to the dispatcher (a CLAIM or a BEAT),
+or as soon as the training loop asks for a batch and none is granted yet: one DONE for the
+batches used meanwhile. Grants are used
 only while this client's own standing with the dispatcher is recent (a BEAT answered within
 half its silence timeout), and after the training loop was away longer than that only once a
 BEAT sent after it came back is answered (the dispatcher's claim deadline may have declared
@@ -55,6 +58,7 @@ CLAIM_RETRY = 1.0  # seconds before an unanswered claim is sent again
 WAIT_WINDOW = 1.0  # seconds of the training loop's time over which one BEAT's wait share is measured
 MAX_BACKOFF = 300.0  # seconds, at most, before an announced server that never answered is tried again
 MAX_UNANSWERED = 4096  # such servers remembered (the oldest forgotten first)
+DRAIN = 64  # deliveries already received, taken at once before their (one) CLAIM goes out
 
 
 class LeasedClient(Iterator[Any]):
@@ -93,6 +97,7 @@ class LeasedClient(Iterator[Any]):
         self._granted: collections.deque[Delivery] = collections.deque()
         self._seen: set[int] = set()  # seqs granted to (and so used by) this client
         self._done: set[int] = set()  # used, DONE not yet confirmed
+        self._unsent: set[int] = set()  # of those, the ones whose DONE was not sent yet
         self._held: Delivery | None = None
         self._confirmed_at = -1.0  # send time of the last BEAT the dispatcher answered
         self._returned_at = time.monotonic()  # when the training loop last got a batch
@@ -133,17 +138,19 @@ class LeasedClient(Iterator[Any]):
             if now - self._returned_at > self._timeout / 2:  # away long: ask before using a grant
                 self._back_at = (self._beat_ms + 1) / 1000
                 self._next_beat = 0.0  # a BEAT now (after the DONE below: the same socket, in order)
-        if self._held is not None:
+        if self._held is not None:  # its DONE goes with the next message to the dispatcher (see _pump)
             held, self._held = self._held, None
             self._receiver.ack(held.server, held.meta.seq, held.lease)
             with self._lock:
                 self._done.add(held.meta.seq)
-                self._pump(force_done=True)
+                self._unsent.add(held.meta.seq)
         while True:
             if not self._receiver.alive:
                 raise CrossfeedError("the client's I/O thread stopped")
+            if not self._granted:  # what came meanwhile is claimed with the DONE below (one journal write for both)
+                self._drain(self._receiver.next_event(timeout=0.0))
             with self._lock:
-                self._pump()
+                self._pump(force_done=not self._granted)  # about to wait: what was used is reported now
                 now = time.monotonic()
                 standing = now - self._confirmed_at < self._timeout / 2 and self._confirmed_at >= self._back_at
                 if self._granted and standing:
@@ -182,14 +189,21 @@ class LeasedClient(Iterator[Any]):
                         "or raise server_wait"
                     )
             if self._awaiting and not self._granted:  # a grant is due: wait on the dispatcher
-                event = self._receiver.next_event(timeout=0.0)
-                if event is None:
-                    with self._lock:
-                        self._sock.poll(2)
+                with self._lock:
+                    self._sock.poll(2)
             else:
-                event = self._receiver.next_event(timeout=0.02)
-            if event is not None:
-                self._on_event(event)
+                self._drain(self._receiver.next_event(timeout=0.02))
+
+    def _drain(self, event: Any) -> None:
+        """Handle `event` and those already received after it (DRAIN at most): every delivery
+        among them is claimed in one CLAIM (sent by the next `_pump`), not one each."""
+        for _ in range(DRAIN):
+            if event is None:
+                return
+            self._on_event(event)
+            event = self._receiver.next_event(timeout=0.0)
+        if event is not None:
+            self._on_event(event)
 
     def _on_event(self, event: Any) -> None:
         if isinstance(event, Delivery):
@@ -211,8 +225,7 @@ class LeasedClient(Iterator[Any]):
                     self.duplicates += 1
                     self._receiver.ack(event.server, seq, event.lease)
                     return
-                self._awaiting[seq, event.token] = (event, 0.0)
-                self._pump()
+                self._awaiting[seq, event.token] = (event, 0.0)  # claimed by the next _pump
         elif isinstance(event, Lost):
             with self._lock:
                 for address, index in list(self._servers.items()):
@@ -263,15 +276,20 @@ class LeasedClient(Iterator[Any]):
             return
         now = time.monotonic()
         beat = now >= self._next_beat
-        if (force_done or beat) and self._done:  # before the BEAT: its answer then vouches for them
-            done = sorted(self._done)
+        due = [key for key, (_ev, sent) in self._awaiting.items() if now - sent > CLAIM_RETRY]
+        # used batches are reported with the next message that goes anyway (a BEAT, a CLAIM), or
+        # when the loop is about to wait (`force_done`): one DONE for several batches, not one each;
+        # each BEAT repeats those not yet confirmed (before the BEAT: its answer then vouches for them)
+        report = self._done if beat else self._unsent if force_done or due else ()
+        if report:
+            done = sorted(report)
+            self._unsent.clear()
             for i in range(0, len(done), W.MAX_ITEMS):
                 self._send(W.Kind.DONE, payload=done[i : i + W.MAX_ITEMS])
         if beat:
             self._next_beat = now + self._hb.interval
             self._beat_ms = max(int(now * 1000), self._beat_ms + 1)
             self._send(W.Kind.BEAT, sent_ms=self._beat_ms, wait_permille=self._wait_slot(now))
-        due = [key for key, (_ev, sent) in self._awaiting.items() if now - sent > CLAIM_RETRY]
         for i in range(0, len(due), W.MAX_ITEMS):
             self._send(W.Kind.CLAIM, payload=due[i : i + W.MAX_ITEMS])
         for key in due:
@@ -303,6 +321,7 @@ class LeasedClient(Iterator[Any]):
                 self._awaiting.clear()
                 self._granted.clear()
                 self._done.clear()
+                self._unsent.clear()
             now = time.monotonic()
             for address in msg.payload.split() if msg.payload else ():
                 if address in self._servers or now < self._unanswered.get(address, (0, 0.0))[1]:
@@ -336,9 +355,11 @@ class LeasedClient(Iterator[Any]):
                     self._receiver.ack(ev.server, ev.meta.seq, ev.lease)
         elif msg.kind is W.Kind.DONE_OK:
             self._done.difference_update(int(s) for s in msg.payload)
+            self._unsent.intersection_update(self._done)
             self._finished = self._finished or bool(msg.finished)
             if self._finished:
                 self._done.clear()
+                self._unsent.clear()
         elif msg.kind is W.Kind.RESET:
             self._reset()
 
@@ -353,6 +374,7 @@ class LeasedClient(Iterator[Any]):
         for key, (ev, _sent) in list(self._awaiting.items()):  # claimed afresh under the new id
             self._awaiting[key] = (ev, 0.0)
         self._done.clear()  # confirmed or not, the dispatcher decided about them
+        self._unsent.clear()
         self._id = P.new_instance()
         self._confirmed_at = -1.0
         self._next_beat = 0.0
@@ -391,6 +413,8 @@ class LeasedClient(Iterator[Any]):
                 self._receiver.ack(self._held.server, self._held.meta.seq, self._held.lease)
                 self._done.add(self._held.meta.seq)
                 self._held = None
+            self._unsent |= self._done  # the last chance: every DONE not yet confirmed
+            if self._unsent:
                 self._pump(force_done=True)
             self._send(W.Kind.BYE)
             self._phase = None

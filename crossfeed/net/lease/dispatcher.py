@@ -219,6 +219,7 @@ class LeaseDispatcher:
         self.instance = P.new_instance()
         self.book, self.journal = recover(plan, batches, options, time.monotonic(), counts)
         self.stats = {"dropped_messages": 0, "leases": 0, "granted": 0, "refused": 0}
+        self.stats |= {"claim_messages": 0, "done_messages": 0}  # the trainers' (each claims or reports several)
         self._started = time.monotonic()
         self._status_gate = StatusGate()
         self._waits: dict[int, tuple[float, float]] = {}  # trainer id -> (its last wait share, when reported)
@@ -333,7 +334,15 @@ class LeaseDispatcher:
                     logger.info("progress %s; %d servers, %d trainers live", *report)
             if book.finished and finished_at is None:
                 finished_at = now
-                logger.info("every epoch is done; answering FINISHED for %.1fs", self.options.linger)
+                logger.info(
+                    "every epoch is done (%d batches granted in %d CLAIM messages, %d DONE messages; %d journal "
+                    "writes); answering FINISHED for %.1fs",
+                    self.stats["granted"],
+                    self.stats["claim_messages"],
+                    self.stats["done_messages"],
+                    self.journal.syncs,
+                    self.options.linger,
+                )
                 for route in self._routes.values():
                     self._send(route, W.pack(W.Kind.FINISHED, instance=self.instance))
                 timeout_ms = int(self.options.heartbeat.timeout * 1000)
@@ -427,6 +436,7 @@ class LeaseDispatcher:
                 payload=servers,
             )
         elif msg.kind is W.Kind.CLAIM:
+            self.stats["claim_messages"] += 1
             answers = [
                 (int(seq), int(token), int(book.claim(msg.sender, int(seq), int(token), now=now)))
                 for seq, token in msg.payload
@@ -436,6 +446,7 @@ class LeaseDispatcher:
             self.stats["refused"] += len(answers) - granted
             self._reply(route, W.Kind.GRANTS, payload=answers)
         elif msg.kind is W.Kind.DONE:
+            self.stats["done_messages"] += 1
             confirmed = [int(seq) for seq in msg.payload if book.done(msg.sender, int(seq), now=now)]
             self._reply(route, W.Kind.DONE_OK, finished=int(book.finished), payload=confirmed)
 

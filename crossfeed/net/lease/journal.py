@@ -185,6 +185,7 @@ class Journal:
         self.compact_after = compact_after
         self._lines = 0
         self._compacted = 0  # lines the last compaction left
+        self.syncs = 0  # appends written and fsync'ed (one per dispatcher loop pass that changed the book)
         self._file: BinaryIO | None = None  # opened at the first append
 
     def _error(self, line: int, offset: int, reason: str) -> JournalError:
@@ -293,6 +294,7 @@ class Journal:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._lines += len(records)
+        self.syncs += 1
 
     def due(self) -> bool:
         """Time to compact: `compact_after` lines, and twice as many as the last compaction left

@@ -1488,7 +1488,10 @@ class PackWalker:
             self._seen, self._blocks = s.walk(epoch, lo)  # from the nearest cursor before the batch
             self.epoch, self._next = epoch, b
             self._pending = np.zeros((0, PIECE), dtype=np.int64)
-        pending = self._pending[self._pending[:, 0] >= lo]
+        # pieces are in row order: the batch's start is a search and a view, not a mask and a copy
+        # of what is left of the walk's block (blocks grow to thousands of rows: a copy of them per
+        # batch cost more than the batch's build)
+        pending = self._pending[int(np.searchsorted(self._pending[:, 0], lo)) :]
         parts = [pending]
         while self._seen < hi:
             got = next(self._blocks, None)
@@ -1496,7 +1499,7 @@ class PackWalker:
                 break
             rows, pieces = got
             self._seen += rows
-            parts.append(pieces[pieces[:, 0] >= lo])
+            parts.append(pieces[int(np.searchsorted(pieces[:, 0], lo)) :])
         pending = np.concatenate(parts) if len(parts) > 1 else pending
         cut = int(np.searchsorted(pending[:, 0], hi))
         here, self._pending = pending[:cut], pending[cut:]
