@@ -124,6 +124,24 @@ def test_every_direct_running_mode_writes_the_same_bytes(tmp_path):
     assert digests[0] == digests[1] == digests[2] and len(digests[0]) == 7  # 3 shards, 3 indexes, the manifest
 
 
+def test_a_shards_hash_may_lag_its_writes_and_still_hashes_what_was_written(tmp_path):
+    """Large writes are hashed on the file's thread while the next ones are made; the hash is
+    of the bytes written, even when the caller changes its buffer at once, and final at close."""
+    import hashlib
+
+    from crossfeed.format.tfrecord import RecordWriter
+
+    buf = bytearray(os.urandom(1 << 20))
+    with RecordWriter(tmp_path / "s.tfrecord") as w:
+        for i in range(24):
+            w.write_framed(buf if i % 2 else bytes(buf), np.array([len(buf)]))
+            buf[: 1 << 10] = os.urandom(1 << 10)  # changed at once
+        w.write(b"a small record after them")
+    with open(tmp_path / "s.tfrecord", "rb") as f:
+        data = f.read()
+    assert w.sha256 == hashlib.sha256(data).hexdigest() and w.num_bytes == len(data)
+
+
 def _finish_spy(monkeypatch, fail: str | None = None):
     """Spies on `ShardSink.finish`: each call's thread, and the most running at once; the shard
     whose name holds ``fail`` fails to fsync (a full disk)."""

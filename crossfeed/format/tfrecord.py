@@ -8,6 +8,7 @@ whole (what ``tf.io.TFRecordOptions(compression_type="GZIP")`` writes).
 
 from __future__ import annotations
 
+import collections
 import gzip
 import hashlib
 import os
@@ -287,13 +288,14 @@ def stream_records(chunks: Iterable[bytes], path: str) -> Iterator[tuple[int, by
 
 
 _OVERLAP = 1 << 20  # a write of at least this many bytes is hashed on another thread as it is written
+_BEHIND = 8  # large writes whose sha256 may still be under way (their bytes held until it is done)
 
 
 class _HashingFile:
     """A write-only file that hashes (sha256 and CRC32C) and counts what passes through it. A
-    large write's sha256 runs on a thread of the file's own while the bytes go to the file (both
-    release the GIL), so the hash costs next to nothing beside the write; it has ended when `write`
-    returns, and the thread ends at `close`."""
+    large write's sha256 runs on a thread of the file's own (it releases the GIL) while the bytes
+    go to the file and the caller makes the next ones: up to `_BEHIND` writes behind, all done at
+    `close` (the hash is final then), where the thread ends."""
 
     def __init__(self, f: BinaryIO):
         self._f = f
@@ -301,31 +303,34 @@ class _HashingFile:
         self.crc = 0
         self.size = 0
         self._hasher: ThreadPoolExecutor | None = None
+        self._behind: collections.deque = collections.deque()  # hashes under way, oldest first
 
     def write(self, data) -> int:
-        hashing = None
-        if len(data) >= _OVERLAP:
-            if self._hasher is None:
-                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="crossfeed-sha256")
-            hashing = self._hasher.submit(self.hash.update, data)
+        if len(data) >= _OVERLAP and self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="crossfeed-sha256")
+        if self._hasher is not None:  # (then every write's hash goes there, in order)
+            held = data if type(data) is bytes else bytes(data)  # what the hash reads later: unchanged
+            self._behind.append(self._hasher.submit(self.hash.update, held))
+            while len(self._behind) > _BEHIND:
+                self._behind.popleft().result()
         else:
             self.hash.update(data)
         self.crc = _crc32c.crc32c(data, self.crc)
         self.size += len(data)
-        try:
-            return self._f.write(data)
-        finally:
-            if hashing is not None:
-                hashing.result()
+        return self._f.write(data)
 
     def flush(self) -> None:
         self._f.flush()
 
     def close(self) -> None:
-        if self._hasher is not None:
-            self._hasher.shutdown()
-            self._hasher = None
-        self._f.close()
+        try:
+            while self._behind:
+                self._behind.popleft().result()
+        finally:
+            if self._hasher is not None:
+                self._hasher.shutdown()
+                self._hasher = None
+            self._f.close()
 
 
 def frame_many(payloads: list) -> tuple[bytes, np.ndarray]:
