@@ -288,6 +288,7 @@ def stream_records(chunks: Iterable[bytes], path: str) -> Iterator[tuple[int, by
 
 
 _OVERLAP = 1 << 20  # a write of at least this many bytes is hashed on another thread as it is written
+_CRC_HOLDS_GIL = 32 << 20  # up to this many bytes, a CRC32C is taken without letting go of the GIL
 _BEHIND = 8  # large writes whose sha256 may still be under way (their bytes held until it is done)
 
 
@@ -315,7 +316,8 @@ class _HashingFile:
                 self._behind.popleft().result()
         else:
             self.hash.update(data)
-        self.crc = _crc32c.crc32c(data, self.crc)
+        # the CRC holds the GIL (~10 GB/s: a few ms at most): let go, the GIL can take as long to come back
+        self.crc = _crc32c.crc32c(data, self.crc, 0 if len(data) <= _CRC_HOLDS_GIL else 1)
         self.size += len(data)
         return self._f.write(data)
 
