@@ -289,14 +289,14 @@ def stream_records(chunks: Iterable[bytes], path: str) -> Iterator[tuple[int, by
 
 _OVERLAP = 1 << 20  # a write of at least this many bytes is hashed on another thread as it is written
 _CRC_HOLDS_GIL = 32 << 20  # up to this many bytes, a CRC32C is taken without letting go of the GIL
-_BEHIND = 8  # large writes whose sha256 may still be under way (their bytes held until it is done)
+_BEHIND = 32 << 20  # bytes of earlier writes whose sha256 may still be under way (held until it is done)
 
 
 class _HashingFile:
     """A write-only file that hashes (sha256 and CRC32C) and counts what passes through it. A
     large write's sha256 runs on a thread of the file's own (it releases the GIL) while the bytes
-    go to the file and the caller makes the next ones: up to `_BEHIND` writes behind, all done at
-    `close` (the hash is final then), where the thread ends."""
+    go to the file and the caller makes the next ones: up to `_BEHIND` bytes of earlier writes
+    behind, all done at `close` (the hash is final then), where the thread ends."""
 
     def __init__(self, f: BinaryIO):
         self._f = f
@@ -304,16 +304,18 @@ class _HashingFile:
         self.crc = 0
         self.size = 0
         self._hasher: ThreadPoolExecutor | None = None
-        self._behind: collections.deque = collections.deque()  # hashes under way, oldest first
+        self._behind: collections.deque = collections.deque()  # (hash under way, its bytes), oldest first
+        self._behind_bytes = 0
 
     def write(self, data) -> int:
         if len(data) >= _OVERLAP and self._hasher is None:
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="crossfeed-sha256")
         if self._hasher is not None:  # (then every write's hash goes there, in order)
             held = data if type(data) is bytes else bytes(data)  # what the hash reads later: unchanged
-            self._behind.append(self._hasher.submit(self.hash.update, held))
-            while len(self._behind) > _BEHIND:
-                self._behind.popleft().result()
+            while self._behind and self._behind_bytes > _BEHIND:  # (this one's may run as it is written)
+                self._settle_one()
+            self._behind.append((self._hasher.submit(self.hash.update, held), len(held)))
+            self._behind_bytes += len(held)
         else:
             self.hash.update(data)
         # the CRC holds the GIL (~10 GB/s: a few ms at most): let go, the GIL can take as long to come back
@@ -321,13 +323,18 @@ class _HashingFile:
         self.size += len(data)
         return self._f.write(data)
 
+    def _settle_one(self) -> None:
+        done, size = self._behind.popleft()
+        self._behind_bytes -= size
+        done.result()
+
     def flush(self) -> None:
         self._f.flush()
 
     def close(self) -> None:
         try:
             while self._behind:
-                self._behind.popleft().result()
+                self._settle_one()
         finally:
             if self._hasher is not None:
                 self._hasher.shutdown()
