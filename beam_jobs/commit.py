@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
+from crossfeed.beam_jobs.handoff import FINISHING
 from crossfeed.beam_jobs.records import STAGED
 from crossfeed.write.commit import commit_splits, dataset_lock, remove_entry, remove_stale
 from crossfeed.write.staging import TMP_PREFIX
@@ -23,8 +24,10 @@ def remove_temporaries(root: str, *, token: str | None = None, keep: str | None 
     """Delete the ``.tmp-*`` entries of ``root`` of job ``token``; without ``token``, those of
     every writer that is gone (`remove_stale`: a running `write_dataset` keeps its files), but
     ``keep``'s. Returns how many were removed. Job ``token``'s batches held in this process's
-    memory (`crossfeed.beam_jobs.records.STAGED`) are dropped too."""
+    memory (`crossfeed.beam_jobs.records.STAGED`) are dropped too, once its shards being finished
+    on threads (`crossfeed.beam_jobs.handoff.FINISHING`) are."""
     if token is not None:
+        FINISHING.drop(token)
         STAGED.drop(token)
     if not os.path.isdir(root):
         return 0

@@ -3,7 +3,7 @@
 ``Encode``      SampleBatch                      -> (batch_id, Encoded: StagedParts + Summary)
 ``Plan``        (0, [Summary…, begin marker])    -> ("route", batch_id, tables) / ("shard", (split, i), ShardPlan) / ("commit", CommitInfo)
 ``Route``       (batch_id, [StagedParts, tables]) -> ((split, i), ("piece", StagedPart))
-``WriteShard``  ((split, i), [ShardPlan, StagedPart…]) -> (0, ("staged", split, i, StagedShard))
+``WriteShard``  ((split, i), [ShardPlan, StagedPart…]) -> (0, ("staged", split, i, StagedShard | PendingShard))
 ``Commit``      (0, [CommitInfo, staged…])       -> WriteResult
 
 The records' bytes never go through the runner: ``Encode`` frames each batch's records (TFRecord)
@@ -13,7 +13,9 @@ record's hash, key, place in that file and lengths (`records.StagedPart`); ``Wri
 the byte range of each batch file its records lie in and copies the framed records it keeps into
 its shard, in order. ``Commit`` removes the folder. A job whose every step runs in one process
 (``WriteConfig.memory_budget``: the embedded runner, `job.convert`) keeps those batches in that
-process's memory instead (`records.STAGED`, up to the budget), never on disk.
+process's memory instead (`records.STAGED`, up to the budget), never on disk, and finishes each
+shard (hash, index, fsync) on a thread while it writes the next (`handoff.FINISHING`: what
+reaches ``Commit`` is a `handoff.PendingShard`, which it waits for).
 
 No DoFn uses side inputs, tagged outputs or ``finish_bundle`` output: every runner, DaskRunner
 included, executes them the same way, and each output is a pure function of the data.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -34,6 +37,7 @@ import numpy as np
 
 from crossfeed.beam_jobs import plan as planning
 from crossfeed.beam_jobs.commit import commit_splits, remove_temporaries
+from crossfeed.beam_jobs.handoff import FINISHING, PendingShard
 from crossfeed.beam_jobs.policy import EmptyInputError, ErrorPolicy
 from crossfeed.beam_jobs.records import (
     NUM_BUCKETS,
@@ -315,11 +319,26 @@ class WriteShardDoFn(beam.DoFn):
             for at in range(0, len(rows), _WRITE_BATCH):  # written a batch at a time, as they were framed
                 data = b"".join([views[w][a:b] for w, a, b in rows[at : at + _WRITE_BATCH]])
                 sink.write_framed(data, sizes[at : at + _WRITE_BATCH])
-            staged = sink.finish(None if lengths is None else lengths[mine])
+            kept = None if lengths is None else lengths[mine]
+            staged: StagedShard | PendingShard
+            if self.cfg.memory_budget:  # every step in this process: finished on a thread as the next is written
+                what = f"shard {index} of split {split!r} ({sink.tmp_path})"
+                staged = FINISHING.hand_off(self.cfg.token, split, index, what, functools.partial(_finish, sink, kept))
+            else:
+                staged = sink.finish(kept)
         except BaseException:
             sink.abort()
             raise
         yield 0, ("staged", split, index, staged)
+
+
+def _finish(sink: ShardSink, lengths: np.ndarray | None) -> StagedShard:
+    """`ShardSink.finish`, the shard's files removed when it fails (on a `FINISHING` thread)."""
+    try:
+        return sink.finish(lengths)
+    except BaseException:
+        sink.abort()
+        raise
 
 
 _WRITE_BATCH = 1024  # records written at once (`ShardSink.write_framed`)
@@ -388,8 +407,8 @@ class CommitDoFn(beam.DoFn):
         try:
             if len(infos) != 1:
                 raise CrossfeedError(f"{cfg.root}: expected one commit record, got {len(infos)}")
-            for split, index, shard in staged_items:
-                staged[split][index] = shard
+            for split, index, shard in staged_items:  # (a shard finished on a thread: once it is)
+                staged[split][index] = shard.resolve(cfg.token) if isinstance(shard, PendingShard) else shard
             missing = [(n, i) for n, lst in staged.items() for i, s in enumerate(lst) if s is None]
             if missing:
                 raise CrossfeedError(f"{cfg.root}: shards {missing} were never written; the runner lost work")
@@ -415,6 +434,7 @@ class CommitDoFn(beam.DoFn):
             raise
         remove_entry(cfg.batches_dir)
         STAGED.drop(cfg.token)
+        FINISHING.drop(cfg.token)
         remove_temporaries(cfg.root)  # this job's progress files and any stale job's leftovers
         yield WriteResult(
             cfg.root,

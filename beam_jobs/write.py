@@ -51,8 +51,9 @@ class WriteDataset(beam.PTransform):
     (number of values) are written beside each shard (``NAME.len``, `crossfeed.format.lengths`),
     pinned by the manifest. ``stage_in_memory``: bytes of encoded batches held in this process's
     memory rather than staged in files until the shard writers copy them — only for a runner that
-    runs every step in this process (the embedded in-process runner; `job.convert` sets it there);
-    they are dropped at the commit, or — when the pipeline fails — by
+    runs every step in this process (the embedded in-process runner; `job.convert` sets it there),
+    where each shard is also finished (hashed, indexed, fsynced) on a thread while the next is
+    written; they are dropped, and those threads joined, at the commit, or — when the pipeline fails — by
     ``crossfeed.beam_jobs.commit.remove_temporaries(path, token=self.cfg.token)``, as `job.convert` does.
     """
 

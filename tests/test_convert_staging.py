@@ -122,3 +122,102 @@ def test_every_direct_running_mode_writes_the_same_bytes(tmp_path):
         assert beam_job.convert(src, out, num_shards=3, beam_args=args).total_samples == 3000
         digests.append({f: hashlib.sha256((out / f).read_bytes()).hexdigest() for f in sorted(os.listdir(out))})
     assert digests[0] == digests[1] == digests[2] and len(digests[0]) == 7  # 3 shards, 3 indexes, the manifest
+
+
+def test_a_shards_hash_may_lag_its_writes_and_still_hashes_what_was_written(tmp_path):
+    """Large writes are hashed on the file's thread while the next ones are made; the hash is
+    of the bytes written, even when the caller changes its buffer at once, and final at close."""
+    import hashlib
+
+    from crossfeed.format.tfrecord import RecordWriter
+
+    buf = bytearray(os.urandom(1 << 20))
+    with RecordWriter(tmp_path / "s.tfrecord") as w:
+        for i in range(24):
+            w.write_framed(buf if i % 2 else bytes(buf), np.array([len(buf)]))
+            buf[: 1 << 10] = os.urandom(1 << 10)  # changed at once
+        w.write(b"a small record after them")
+    with open(tmp_path / "s.tfrecord", "rb") as f:
+        data = f.read()
+    assert w.sha256 == hashlib.sha256(data).hexdigest() and w.num_bytes == len(data)
+
+
+def _finish_spy(monkeypatch, fail: str | None = None):
+    """Spies on `ShardSink.finish`: each call's thread, and the most running at once; the shard
+    whose name holds ``fail`` fails to fsync (a full disk)."""
+    import threading
+
+    from crossfeed.write import staging
+
+    seen = {"threads": [], "running": 0, "most": 0}
+    lock = threading.Lock()
+    finish, fsync = staging.ShardSink.finish, os.fsync
+
+    def spy(self, lengths=None):
+        with lock:
+            seen["threads"].append(threading.current_thread().name)
+            seen["running"] += 1
+            seen["most"] = max(seen["most"], seen["running"])
+        try:
+            return finish(self, lengths)
+        finally:
+            with lock:
+                seen["running"] -= 1
+
+    def failing(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if fail is not None and fail in os.path.basename(path):
+            raise OSError(28, "No space left on device", path)
+        fsync(fd)
+
+    monkeypatch.setattr(staging.ShardSink, "finish", spy)
+    monkeypatch.setattr(os, "fsync", failing)
+    return seen
+
+
+def _crossfeed_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("crossfeed-")]
+
+
+def test_on_the_in_process_runner_shards_finish_on_a_thread_one_at_a_time(tmp_path, monkeypatch):
+    beam_job = lazy_import("crossfeed.beam_jobs.job")
+    seen = _finish_spy(monkeypatch)
+    np.save(tmp_path / "x.npy", np.arange(3000, dtype=np.int64))
+    src = beam_job.make_source("numpy", tmp_path / "x.npy", batch_rows=200)
+    assert beam_job.convert(src, tmp_path / "out", num_shards=4).total_samples == 3000
+    assert seen["threads"] == ["crossfeed-finish-shard"] * 4 and seen["most"] == 1
+    assert not _crossfeed_threads()  # every finishing (and hashing) thread ended with the job
+
+
+@pytest.mark.parametrize("shard", [0, 3])  # raised by the next shard's hand-off; by the commit, the last
+def test_a_shard_that_fails_to_finish_on_its_thread_is_named_and_nothing_is_committed(tmp_path, monkeypatch, shard):
+    beam_job = lazy_import("crossfeed.beam_jobs.job")
+    _finish_spy(monkeypatch, fail=f"-train-{shard:05d}.tfrecord")
+    np.save(tmp_path / "x.npy", np.arange(3000, dtype=np.int64))
+    src = beam_job.make_source("numpy", tmp_path / "x.npy", batch_rows=200)
+    out = tmp_path / "out"
+    with pytest.raises(Exception, match=rf"shard {shard} of split 'train' \(.*\): finishing it failed \(OSError"):
+        beam_job.convert(src, out, num_shards=4)
+    assert not (out / "crossfeed.json").exists()
+    assert not [n for n in os.listdir(out) if n.startswith(".tmp-")] if out.exists() else True
+    assert not _crossfeed_threads()
+
+
+def test_a_finishing_another_process_did_is_a_clear_error_and_drop_waits_for_its_thread():
+    import threading
+
+    from crossfeed.beam_jobs.handoff import ShardFinishing
+    from crossfeed.errors import CrossfeedError
+
+    finishing, go = ShardFinishing(), threading.Event()
+    pending = finishing.hand_off("t1", "train", 0, "shard 0", lambda: go.wait(30) and "staged")  # type: ignore[arg-type, return-value]
+    with pytest.raises(CrossfeedError, match="shard 1 of split 'train': it was finished by a process"):
+        finishing.result("t1", "train", 1)
+    go.set()
+    assert finishing.result("t1", pending.split, pending.index) == "staged"
+    finishing.drop("t1")
+    assert not _crossfeed_threads()
+    with pytest.raises(CrossfeedError, match="shard 0 of split 'train': it was finished by a process"):
+        finishing.result("t1", "train", 0)

@@ -8,6 +8,7 @@ whole (what ``tf.io.TFRecordOptions(compression_type="GZIP")`` writes).
 
 from __future__ import annotations
 
+import collections
 import gzip
 import hashlib
 import os
@@ -287,13 +288,15 @@ def stream_records(chunks: Iterable[bytes], path: str) -> Iterator[tuple[int, by
 
 
 _OVERLAP = 1 << 20  # a write of at least this many bytes is hashed on another thread as it is written
+_CRC_HOLDS_GIL = 32 << 20  # up to this many bytes, a CRC32C is taken without letting go of the GIL
+_BEHIND = 32 << 20  # bytes of earlier writes whose sha256 may still be under way (held until it is done)
 
 
 class _HashingFile:
     """A write-only file that hashes (sha256 and CRC32C) and counts what passes through it. A
-    large write's sha256 runs on a thread of the file's own while the bytes go to the file (both
-    release the GIL), so the hash costs next to nothing beside the write; it has ended when `write`
-    returns, and the thread ends at `close`."""
+    large write's sha256 runs on a thread of the file's own (it releases the GIL) while the bytes
+    go to the file and the caller makes the next ones: up to `_BEHIND` bytes of earlier writes
+    behind, all done at `close` (the hash is final then), where the thread ends."""
 
     def __init__(self, f: BinaryIO):
         self._f = f
@@ -301,31 +304,42 @@ class _HashingFile:
         self.crc = 0
         self.size = 0
         self._hasher: ThreadPoolExecutor | None = None
+        self._behind: collections.deque = collections.deque()  # (hash under way, its bytes), oldest first
+        self._behind_bytes = 0
 
     def write(self, data) -> int:
-        hashing = None
-        if len(data) >= _OVERLAP:
-            if self._hasher is None:
-                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="crossfeed-sha256")
-            hashing = self._hasher.submit(self.hash.update, data)
+        if len(data) >= _OVERLAP and self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="crossfeed-sha256")
+        if self._hasher is not None:  # (then every write's hash goes there, in order)
+            held = data if type(data) is bytes else bytes(data)  # what the hash reads later: unchanged
+            while self._behind and self._behind_bytes > _BEHIND:  # (this one's may run as it is written)
+                self._settle_one()
+            self._behind.append((self._hasher.submit(self.hash.update, held), len(held)))
+            self._behind_bytes += len(held)
         else:
             self.hash.update(data)
-        self.crc = _crc32c.crc32c(data, self.crc)
+        # the CRC holds the GIL (~10 GB/s: a few ms at most): let go, the GIL can take as long to come back
+        self.crc = _crc32c.crc32c(data, self.crc, 0 if len(data) <= _CRC_HOLDS_GIL else 1)
         self.size += len(data)
-        try:
-            return self._f.write(data)
-        finally:
-            if hashing is not None:
-                hashing.result()
+        return self._f.write(data)
+
+    def _settle_one(self) -> None:
+        done, size = self._behind.popleft()
+        self._behind_bytes -= size
+        done.result()
 
     def flush(self) -> None:
         self._f.flush()
 
     def close(self) -> None:
-        if self._hasher is not None:
-            self._hasher.shutdown()
-            self._hasher = None
-        self._f.close()
+        try:
+            while self._behind:
+                self._settle_one()
+        finally:
+            if self._hasher is not None:
+                self._hasher.shutdown()
+                self._hasher = None
+            self._f.close()
 
 
 def frame_many(payloads: list) -> tuple[bytes, np.ndarray]:
