@@ -180,18 +180,44 @@ def test_an_entry_removed_after_it_was_opened_stays_readable(served, tmp_path):
 # ---- issue 35, item 11: a bounded cache stays within one shard of its limit ------------------
 
 
-def _cache_bytes(cache_dir) -> int:
-    """Every byte under the cache directory (entries, downloads in progress, locks), its marker
-    aside, each file once: a download renamed from its temporary name while the directory is
-    listed can be listed under both names (the same inode)."""
-    sizes = {}
-    for d, _, files in os.walk(cache_dir):
-        for f in files:
+def _cache_files(cache_dir) -> dict[tuple[int, int], tuple[int, int]]:
+    """Every file under the cache directory (entries, downloads in progress, locks), its marker
+    aside: ``{(device, inode): (fd, size)}``, each opened (read-only) and held open, so that its
+    inode number cannot go to a file created after it while it is held: a file of one listing
+    found again in the next is the same file, under the same or a new name."""
+    files = {}
+    for d, _, names in os.walk(cache_dir):
+        for f in names:
             if f != MARKER:
-                with contextlib.suppress(OSError):
-                    st = os.lstat(os.path.join(d, f))
-                    sizes[st.st_dev, st.st_ino] = st.st_size
-    return sum(sizes.values())
+                with contextlib.suppress(OSError):  # gone (or renamed) since it was listed
+                    fd = os.open(os.path.join(d, f), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                    st = os.fstat(fd)
+                    if (st.st_dev, st.st_ino) in files:  # a download renamed while listed: listed twice
+                        os.close(fd)
+                    else:
+                        files[st.st_dev, st.st_ino] = (fd, st.st_size)
+    return files
+
+
+def _sample_cache_bytes(cache_dir, stop: threading.Event) -> int:
+    """The most bytes the cache directory held at once, sampled until ``stop``: the files found by
+    two listings in a row (the first one's held open until the second is done), each at the
+    smaller of its two sizes — all of them were in the directory together between the two
+    listings, so the sum is bytes it held at one moment. (The sum over one listing alone is not:
+    a listing takes time — milliseconds on a loaded machine — so it can count an entry, then,
+    in a folder listed later, a download that started after that entry was evicted.)"""
+    peak, before = 0, {}
+    try:
+        while not stop.is_set():
+            now = _cache_files(cache_dir)
+            peak = max(peak, sum(min(n, before[k][1]) for k, (_, n) in now.items() if k in before))
+            for fd, _ in before.values():
+                os.close(fd)
+            before = now
+    finally:
+        for fd, _ in before.values():
+            os.close(fd)
+    return peak
 
 
 @pytest.mark.parametrize(
@@ -217,8 +243,7 @@ def test_a_block_shuffle_keeps_the_cache_within_one_shard_of_its_limit(tmp_path,
     peak, stop = [0], threading.Event()
 
     def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], _cache_bytes(cache_dir))
+        peak[0] = _sample_cache_bytes(cache_dir, stop)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
