@@ -77,6 +77,10 @@ def _count(batches, peers: list[int] = (), last: int | None = None) -> tuple[flo
     tokens = total = n = 0
     t0 = end = None
     checking = checking_cpu = 0.0
+
+    def now() -> tuple:  # the clocks, and what was counted so far
+        return time.perf_counter(), _own_cpu(), [_cpu([p]) for p in peers], checking, checking_cpu, n, tokens
+
     for b in batches:
         x = np.asarray(b["tokens"])
         c, cc = time.perf_counter(), time.thread_time()
@@ -89,11 +93,11 @@ def _count(batches, peers: list[int] = (), last: int | None = None) -> tuple[flo
         checking += time.perf_counter() - c
         checking_cpu += time.thread_time() - cc
         if n == last:
-            end = (time.perf_counter(), _own_cpu(), [_cpu([p]) for p in peers], checking, checking_cpu, n, tokens)
+            end = now()
     if t0 is None or n < 2:
         return float("nan"), tokens, total, float("nan"), float("nan"), []
     if end is None:
-        end = (time.perf_counter(), _own_cpu(), [_cpu([p]) for p in peers], checking, checking_cpu, n, tokens)
+        end = now()
     at, own1, peers1, checked, checked_cpu, m, counted = end
     seconds = at - t0 - checked
     own = (own1 - own0 - checked_cpu) / (m - 1)

@@ -308,17 +308,20 @@ class _HashingFile:
         self._behind_bytes = 0
 
     def write(self, data) -> int:
-        if len(data) >= _OVERLAP and self._hasher is None:
-            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="crossfeed-sha256")
-        if self._hasher is not None:  # (then every write's hash goes there, in order)
+        while self._behind and self._behind[0][0].done():
+            self._settle_one()
+        if len(data) >= _OVERLAP or self._behind:  # on the thread, after the hashes still under way there
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="crossfeed-sha256")
             held = data if type(data) is bytes else bytes(data)  # what the hash reads later: unchanged
             while self._behind and self._behind_bytes > _BEHIND:  # (this one's may run as it is written)
                 self._settle_one()
             self._behind.append((self._hasher.submit(self.hash.update, held), len(held)))
             self._behind_bytes += len(held)
-        else:
+        else:  # nothing under way: a small write is hashed here, in order
             self.hash.update(data)
-        # the CRC holds the GIL (~10 GB/s: a few ms at most): let go, the GIL can take as long to come back
+        # up to _CRC_HOLDS_GIL bytes (a few ms at ~10 GB/s) the CRC keeps the GIL: letting go of it can
+        # cost as long again to get it back from the hashing and shard-finishing threads
         self.crc = _crc32c.crc32c(data, self.crc, 0 if len(data) <= _CRC_HOLDS_GIL else 1)
         self.size += len(data)
         return self._f.write(data)

@@ -218,8 +218,15 @@ class LeaseDispatcher:
         self.options, self.plan, self.batches = options, plan, batches
         self.instance = P.new_instance()
         self.book, self.journal = recover(plan, batches, options, time.monotonic(), counts)
-        self.stats = {"dropped_messages": 0, "leases": 0, "granted": 0, "refused": 0}
-        self.stats |= {"claim_messages": 0, "done_messages": 0}  # the trainers' (each claims or reports several)
+        # claim_messages, done_messages: the trainers' (each claims or reports several batches)
+        self.stats = {
+            "dropped_messages": 0,
+            "leases": 0,
+            "granted": 0,
+            "refused": 0,
+            "claim_messages": 0,
+            "done_messages": 0,
+        }
         self._started = time.monotonic()
         self._status_gate = StatusGate()
         self._waits: dict[int, tuple[float, float]] = {}  # trainer id -> (its last wait share, when reported)
